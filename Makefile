@@ -1,0 +1,28 @@
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml requirements/cpu.txt
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements/cpu.txt
+	$(PY) -m pip install --quiet --no-deps -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m pagedjax.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -n 2 -q tests
+
+bench: $(STAMP)
+	$(PY) benchmarks/kv_memory.py
+	$(PY) benchmarks/scheduler_overhead.py
+	$(PY) benchmarks/throughput.py
+	$(PY) benchmarks/donation.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

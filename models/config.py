@@ -1,0 +1,80 @@
+"""Model configuration: one frozen dataclass for the Llama family, plus a table of named configs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int  # D
+    intermediate_size: int
+    num_layers: int  # L
+    num_heads: int  # N
+    num_kv_heads: int  # K; N == K is MHA, K == 1 is MQA, otherwise GQA
+    head_dim: int | None = None  # H; hidden_size // num_heads when None
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    initializer_range: float = 0.02
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be divisible by "
+                             f"num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        for name in ("bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < self.vocab_size:
+                raise ValueError(f"{name} must be in [0, vocab_size={self.vocab_size}), "
+                                 f"got {value}")
+
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        """KV-cache bytes of one token across all layers: 2 * L * K * H * itemsize."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    @property
+    def num_params(self) -> int:
+        d, h = self.hidden_size, self.head_dim
+        attn = d * h * (2 * self.num_heads + 2 * self.num_kv_heads)
+        mlp = 3 * d * self.intermediate_size
+        embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * (attn + mlp + 2 * d) + embed + d
+
+
+CONFIGS: dict[str, LlamaConfig] = {
+    # Tiny seeded models built in code: tests and the CPU demo.
+    "debug-tiny": LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                              num_heads=4, num_kv_heads=2, max_position_embeddings=512,
+                              initializer_range=0.1, eos_token_id=None),
+    "demo-small": LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=352,
+                              num_layers=4, num_heads=8, num_kv_heads=2,
+                              max_position_embeddings=1024, initializer_range=0.05,
+                              tie_word_embeddings=True, eos_token_id=None),
+    # Real shapes, for capacity planning and shape-accurate benchmarks (random weights).
+    "llama-3.2-1b": LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                                num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
+                                rope_theta=500000.0, tie_word_embeddings=True,
+                                max_position_embeddings=131072),
+    "llama-3-8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                              num_layers=32, num_heads=32, num_kv_heads=8,
+                              rope_theta=500000.0, max_position_embeddings=8192),
+}
+
+
+def get_config(name: str) -> LlamaConfig:
+    if name not in CONFIGS:
+        raise ValueError(f"unknown model config {name!r}; known: {sorted(CONFIGS)}")
+    return CONFIGS[name]

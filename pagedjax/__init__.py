@@ -1,0 +1,10 @@
+"""pagedjax: an LLM inference engine in JAX built on PagedAttention."""
+
+from pagedjax.config import EngineConfig
+from pagedjax.engine import LLMEngine
+from pagedjax.llm import LLM, load_model
+from pagedjax.outputs import RequestMetrics, RequestOutput
+from scheduler import SamplingParams
+
+__all__ = ["EngineConfig", "LLMEngine", "LLM", "load_model", "RequestMetrics", "RequestOutput",
+           "SamplingParams"]

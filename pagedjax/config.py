@@ -1,0 +1,103 @@
+"""EngineConfig: every knob of the engine, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from scheduler import POLICIES, VICTIM_POLICIES, SchedulerConfig, ShapeBuckets, cdiv
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings. Give the KV pool as num_blocks or as kv_cache_memory_bytes (not both);
+    with neither, the pool holds max_num_seqs sequences of max_model_len tokens."""
+
+    block_size: int = 16
+    num_blocks: int | None = None  # physical blocks, including the null block 0
+    kv_cache_memory_bytes: int | None = None
+    max_model_len: int = 512
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    policy: str = "mixed"
+    enable_chunked_prefill: bool = True
+    victim_policy: str = "lifo"
+    watermark: float = 0.01
+    dtype: str = "float32"  # activations and KV cache
+    attention_backend: str = "auto"
+    min_token_bucket: int = 16
+    min_seq_bucket: int = 1
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                     "min_token_bucket", "min_seq_bucket"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.num_blocks is not None and self.kv_cache_memory_bytes is not None:
+            raise ValueError("give num_blocks or kv_cache_memory_bytes, not both")
+        if self.num_blocks is not None and (not isinstance(self.num_blocks, int)
+                                            or self.num_blocks < 2):
+            raise ValueError(f"num_blocks must be an integer >= 2 (block 0 is the null block), "
+                             f"got {self.num_blocks!r}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be >= 1, "
+                             f"got {self.kv_cache_memory_bytes!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.victim_policy not in VICTIM_POLICIES:
+            raise ValueError(f"victim_policy must be one of {tuple(VICTIM_POLICIES)}, "
+                             f"got {self.victim_policy!r}")
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            raise ValueError(f"max_num_seqs ({self.max_num_seqs}) must be <= "
+                             f"max_num_batched_tokens ({self.max_num_batched_tokens})")
+        self.scheduler_config()  # validates the scheduler's share
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine config field(s) {unknown}; known: {sorted(known)}")
+        return cls(**kwargs)
+
+    @property
+    def np_dtype(self):
+        import ml_dtypes  # shipped with jax
+        return np.dtype(ml_dtypes.bfloat16) if self.dtype == "bfloat16" else np.dtype(self.dtype)
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return cdiv(self.max_model_len, self.block_size)
+
+    def resolve_num_blocks(self, bytes_per_block: int) -> int:
+        """Physical blocks in the pool (including the null block)."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        if self.kv_cache_memory_bytes is not None:
+            num_blocks = self.kv_cache_memory_bytes // bytes_per_block
+            if num_blocks < 2:
+                raise ValueError(f"kv_cache_memory_bytes ({self.kv_cache_memory_bytes}) holds "
+                                 f"{num_blocks} blocks of {bytes_per_block} bytes; at least 2 "
+                                 f"are needed")
+            return num_blocks
+        return 1 + self.max_num_seqs * self.max_blocks_per_seq
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len, policy=self.policy,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            victim_policy=self.victim_policy, watermark=self.watermark)
+
+    def buckets(self) -> ShapeBuckets:
+        return ShapeBuckets.create(
+            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len, block_size=self.block_size,
+            min_token_bucket=self.min_token_bucket, min_seq_bucket=self.min_seq_bucket)

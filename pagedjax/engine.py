@@ -1,0 +1,132 @@
+"""LLMEngine: requests in, one step at a time: schedule, run, postprocess."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from models import LlamaForCausalLM
+from pagedjax.config import EngineConfig
+from pagedjax.metrics import EngineStats
+from pagedjax.outputs import RequestOutput
+from pagedjax.runner import ModelRunner, kv_dtype
+from pallas_kernels import kv_cache_bytes_per_block
+from scheduler import DECODE, Request, SamplingParams, Scheduler, build_plan
+
+
+class LLMEngine:
+    def __init__(self, model: LlamaForCausalLM, config: EngineConfig | None = None, *,
+                 clock: Callable[[], float] = time.perf_counter):
+        config = config or EngineConfig()
+        model_config = model.config
+        if config.max_model_len > model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
+                             f"max_position_embeddings ({model_config.max_position_embeddings})")
+        self.config = config
+        self.model_config = model_config
+        self.clock = clock
+        self.bytes_per_block = kv_cache_bytes_per_block(
+            model_config.num_layers, config.block_size, model_config.num_kv_heads,
+            model_config.head_dim, config.np_dtype)
+        self.num_blocks = config.resolve_num_blocks(self.bytes_per_block)
+        self.buckets = config.buckets()
+        self.scheduler = Scheduler(config.scheduler_config(), self.num_blocks, config.block_size)
+        self.runner = ModelRunner(model, num_blocks=self.num_blocks,
+                                  block_size=config.block_size, dtype=kv_dtype(config.dtype),
+                                  attention_backend=config.attention_backend)
+        self.stats = EngineStats(num_blocks=self.num_blocks - 1, block_size=config.block_size)
+        self._seed_rng = np.random.default_rng(config.seed)
+        self._next_id = 0
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def make_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
+                     request_id: str | None = None,
+                     arrival_time: float | None = None) -> Request:
+        """Validates a request without queueing it; raises ValueError naming the field."""
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, "
+                             f"got {type(sampling_params).__name__}")
+        ids = np.asarray(prompt_token_ids)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError("prompt_token_ids must be a non-empty list of token ids, got "
+                             f"shape {ids.shape}")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"prompt_token_ids must be integers, got dtype {ids.dtype}")
+        vocab = self.model_config.vocab_size
+        bad = ids[(ids < 0) | (ids >= vocab)]
+        if bad.size:
+            raise ValueError(f"prompt_token_ids must be in [0, vocab_size={vocab}), "
+                             f"got {bad[:5].tolist()}")
+        for token_id in sampling_params.stop_token_ids:
+            if not 0 <= token_id < vocab:
+                raise ValueError(f"stop_token_ids must be in [0, vocab_size={vocab}), "
+                                 f"got {token_id}")
+        seed = sampling_params.seed
+        if seed is None:
+            seed = int(self._seed_rng.integers(0, 2**32))
+        if request_id is None:
+            request_id = str(self._next_id)
+            self._next_id += 1
+        return Request(request_id, ids.tolist(), sampling_params, seed=seed,
+                       arrival_time=self.clock() if arrival_time is None else arrival_time,
+                       eos_token_id=self.model_config.eos_token_id)
+
+    def add_request(self, prompt_token_ids: Sequence[int],
+                    sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Queues a request and returns its id; on bad input raises ValueError, queues nothing."""
+        request = self.make_request(prompt_token_ids, sampling_params or SamplingParams(),
+                                    request_id, arrival_time)
+        self.scheduler.add_request(request)
+        return request.request_id
+
+    def abort(self, request_id: str) -> None:
+        """Finishes a request at once and frees its blocks; unknown ids are ignored."""
+        if self.scheduler.abort(request_id, self.clock()) is not None:
+            self.stats.num_aborted += 1
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one step; returns an output for every request that got a token this step."""
+        output = self.scheduler.schedule(self.clock())
+        if not output.scheduled:
+            if self.has_unfinished():
+                raise RuntimeError("scheduler made no progress with requests pending")
+            return []
+        plan = build_plan(output, self.scheduler.kv_manager, self.buckets)
+        start = time.perf_counter()
+        sampled_ids = self.runner.step(plan)
+        self.stats.step_time_s += time.perf_counter() - start
+        advanced = self.scheduler.update(output, sampled_ids, self.clock())
+        self._record(output, advanced)
+        return [RequestOutput.from_request(r) for r in advanced]
+
+    def _record(self, output, advanced) -> None:
+        stats = self.stats
+        stats.num_steps += 1
+        if output.kind == DECODE:
+            stats.num_decode_steps += 1
+        else:
+            stats.num_prefill_steps += 1
+        stats.num_scheduled_tokens += output.num_scheduled_tokens
+        stats.num_generated_tokens += len(advanced)
+        stats.num_finished += sum(r.status.finished for r in advanced)
+        stats.num_preemptions = self.scheduler.state.num_preemptions
+        # Right after the step every running request holds exactly its computed tokens.
+        used_tokens = sum(r.num_computed_tokens for r in self.scheduler.state.running)
+        stats.record_usage(self.scheduler.kv_manager.num_used_blocks, used_tokens)
+
+    def warmup(self) -> int:
+        """Compiles every step program the buckets allow; returns the number of shapes run."""
+        return self.runner.warmup(self.buckets)
+
+    @property
+    def num_compiled_programs(self) -> int:
+        return len(self.runner.step_shapes)

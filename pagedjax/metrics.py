@@ -1,0 +1,33 @@
+"""Engine-wide counters: KV usage, waste at peak, preemptions, steps and tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class EngineStats:
+    num_blocks: int = 0  # usable blocks in the pool
+    block_size: int = 0
+    num_steps: int = 0
+    num_prefill_steps: int = 0
+    num_decode_steps: int = 0
+    num_scheduled_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_finished: int = 0
+    num_aborted: int = 0
+    num_preemptions: int = 0
+    peak_used_blocks: int = 0
+    peak_used_tokens: int = 0  # tokens held in the KV cache at the block-usage peak
+    step_time_s: float = 0.0  # wall time inside runner.step, summed
+
+    def record_usage(self, used_blocks: int, used_tokens: int) -> None:
+        if used_blocks > self.peak_used_blocks:
+            self.peak_used_blocks = used_blocks
+            self.peak_used_tokens = used_tokens
+
+    @property
+    def peak_waste(self) -> float:
+        """(allocated slots - held tokens) / allocated slots, at the block-usage peak."""
+        allocated = self.peak_used_blocks * self.block_size
+        return (allocated - self.peak_used_tokens) / allocated if allocated else 0.0

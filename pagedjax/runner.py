@@ -1,0 +1,86 @@
+"""The model runner: one jit program per (step kind, bucket), the KV cache donated to each step."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models import LlamaForCausalLM
+from pagedjax.sampler import sample
+from pallas_kernels import AttentionMetadata, init_kv_cache, resolve_backend
+from scheduler import ARRAY_FIELDS, DECODE, NULL_BLOCK, PREFILL, STATIC_FIELDS, BatchPlan
+
+jax.tree_util.register_dataclass(BatchPlan, data_fields=list(ARRAY_FIELDS),
+                                 meta_fields=list(STATIC_FIELDS))
+
+_num_traces = 0
+
+
+def num_step_traces() -> int:
+    """How many times any step program has been traced (each trace is one compilation)."""
+    return _num_traces
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
+def _step(graphdef, backend: str, params, kv_caches: list[jax.Array], plan: BatchPlan):
+    global _num_traces
+    _num_traces += 1  # runs at trace time only
+    model = nnx.merge(graphdef, params)
+    metadata = AttentionMetadata(
+        slot_mapping=plan.slot_mapping, block_tables=plan.block_tables, kv_lens=plan.kv_lens,
+        cu_q_lens=plan.cu_q_lens, num_seqs=plan.num_seqs, decode_only=plan.kind == DECODE)
+    hidden, kv_caches = model.forward_paged(kv_caches, plan.token_ids, plan.positions, metadata,
+                                            backend)
+    logits = model.logits(hidden[plan.logits_indices])  # f32[B, V]
+    sampled_ids = sample(logits, plan.temperature, plan.top_k, plan.top_p, plan.seeds,
+                         plan.kv_lens)
+    return sampled_ids, kv_caches
+
+
+class ModelRunner:
+    """Owns the model's parameters and the KV cache on device and runs steps from BatchPlans."""
+
+    def __init__(self, model: LlamaForCausalLM, *, num_blocks: int, block_size: int,
+                 dtype, attention_backend: str = "auto"):
+        config = model.config
+        self.graphdef, self.params = nnx.split(model)
+        self.backend = resolve_backend(attention_backend)
+        self.kv_caches = init_kv_cache(config.num_layers, num_blocks, block_size,
+                                       config.num_kv_heads, config.head_dim, dtype)
+        self.step_shapes: set[tuple[str, int, int]] = set()
+
+    def step(self, plan: BatchPlan) -> np.ndarray:
+        """Runs one step; returns the sampled ids of the first num_seqs rows."""
+        sampled_ids, self.kv_caches = _step(self.graphdef, self.backend, self.params,
+                                            self.kv_caches, plan)
+        self.step_shapes.add((plan.kind, plan.padded_num_tokens, plan.padded_num_seqs))
+        return np.asarray(sampled_ids)[:int(plan.num_seqs)]
+
+    def warmup(self, buckets) -> int:
+        """Compiles every program a plan from these buckets can need; returns how many ran."""
+        shapes = [(PREFILL, t, b) for t, b in buckets.prefill_shapes()]
+        shapes += [(DECODE, b, b) for b in buckets.decode_shapes()]
+        for kind, num_tokens, num_seqs in shapes:
+            self.step(padding_plan(kind, num_tokens, num_seqs, buckets.max_blocks_per_seq))
+        return len(shapes)
+
+
+def padding_plan(kind: str, num_tokens: int, num_seqs: int, max_blocks_per_seq: int) -> BatchPlan:
+    """A plan of nothing but padding (num_seqs = 0): every write lands in the null block."""
+    zeros_t = np.zeros(num_tokens, np.int32)
+    return BatchPlan(
+        token_ids=zeros_t, positions=zeros_t, slot_mapping=zeros_t,
+        block_tables=np.full((num_seqs, max_blocks_per_seq), NULL_BLOCK, np.int32),
+        kv_lens=np.zeros(num_seqs, np.int32), cu_q_lens=np.zeros(num_seqs + 1, np.int32),
+        logits_indices=np.zeros(num_seqs, np.int32), num_seqs=np.asarray(0, np.int32),
+        temperature=np.zeros(num_seqs, np.float32), top_k=np.full(num_seqs, -1, np.int32),
+        top_p=np.ones(num_seqs, np.float32), seeds=np.zeros(num_seqs, np.uint32), kind=kind,
+        padded_num_tokens=num_tokens, padded_num_seqs=num_seqs)
+
+
+def kv_dtype(name: str):
+    return jnp.bfloat16 if name == "bfloat16" else jnp.float32

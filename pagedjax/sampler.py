@@ -1,0 +1,46 @@
+"""Sampling on device: only the sampled ids leave the step, never the [B, V] logits."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _filter_top_k_top_p(
+    logits: jax.Array,  # f32[B, V], already divided by temperature
+    top_k: jax.Array,  # i32[B] -1 disables
+    top_p: jax.Array,  # f32[B] 1 disables
+) -> jax.Array:  # f32[B, V] with filtered entries at -inf
+    vocab = logits.shape[-1]
+    sorted_desc = -jnp.sort(-logits, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    ranks = jnp.arange(vocab)[None, :]
+    sorted_desc = jnp.where(ranks < k[:, None], sorted_desc, -jnp.inf)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+    keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
+    num_keep = jnp.maximum(jnp.sum(keep & (ranks < k[:, None]), axis=-1), 1)
+    threshold = jnp.take_along_axis(sorted_desc, (num_keep - 1)[:, None], axis=-1)
+    return jnp.where(logits < threshold, -jnp.inf, logits)
+
+
+def sample(
+    logits: jax.Array,  # f32[B, V]
+    temperature: jax.Array,  # f32[B] 0 means greedy
+    top_k: jax.Array,  # i32[B]
+    top_p: jax.Array,  # f32[B]
+    seeds: jax.Array,  # u32[B]
+    positions: jax.Array,  # i32[B] position of the token being sampled
+) -> jax.Array:  # i32[B]
+    """Greedy rows take the argmax; the others sample with key fold_in(key(seed), position), so a
+    request's tokens depend only on its seed and its context, not on its batch neighbours."""
+    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sampled(_):
+        scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+        filtered = _filter_top_k_top_p(scaled, top_k, top_p)
+        keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
+        ids = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+        return jnp.where(temperature > 0, ids, greedy_ids)
+
+    return jax.lax.cond(jnp.all(temperature == 0), lambda _: greedy_ids, sampled, None)

@@ -1,0 +1,81 @@
+"""Backend dispatch: the one entry the model calls for paged attention and KV writes."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, NamedTuple
+
+import jax
+
+from pallas_kernels.layout import write_kv_reference
+from pallas_kernels.reference import (paged_decode_attention_reference,
+                                      ragged_paged_attention_reference)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """What attention needs from a step's plan. Only the first num_seqs rows are valid."""
+
+    slot_mapping: jax.Array  # i32[T]
+    block_tables: jax.Array  # i32[B, P]
+    kv_lens: jax.Array  # i32[B]
+    cu_q_lens: jax.Array  # i32[B + 1]
+    num_seqs: jax.Array  # i32[]
+    decode_only: bool  # every sequence has exactly one query token (T == B)
+
+
+jax.tree_util.register_dataclass(
+    AttentionMetadata,
+    data_fields=["slot_mapping", "block_tables", "kv_lens", "cu_q_lens", "num_seqs"],
+    meta_fields=["decode_only"])
+
+
+class Backend(NamedTuple):
+    ragged: Callable  # (q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs, **opts)
+    decode: Callable  # (q, kv_cache, kv_lens, block_tables, num_seqs, **opts)
+    write_kv: Callable  # (kv_cache, k, v, slot_mapping) -> kv_cache
+
+
+BACKENDS: dict[str, Backend] = {
+    "reference": Backend(ragged_paged_attention_reference, paged_decode_attention_reference,
+                         write_kv_reference),
+}
+
+
+def resolve_backend(name: str) -> str:
+    """Maps a configured backend name to a registered one; 'auto' picks by jax.default_backend()."""
+    if name == "auto":
+        platform = jax.default_backend()
+        return platform if platform in BACKENDS else "reference"
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend must be 'auto' or one of {sorted(BACKENDS)}, "
+                         f"got {name!r}")
+    return name
+
+
+def paged_attention(
+    q: jax.Array,  # [T, N, H]
+    k: jax.Array,  # [T, K, H] this step's keys, written before attending
+    v: jax.Array,  # [T, K, H]
+    kv_cache: jax.Array,  # [2, K, NB, S, H]
+    metadata: AttentionMetadata,
+    *, scale: float, backend: str = "reference", sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> tuple[jax.Array, jax.Array]:  # ([T, N, H], new kv_cache)
+    """Writes the step's K/V into their slots, then attends through the block tables."""
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
+    if metadata.decode_only and q.shape[0] != metadata.block_tables.shape[0]:
+        raise ValueError(f"a decode step needs one token per row: {q.shape[0]=} != "
+                         f"{metadata.block_tables.shape[0]=}")
+    impl = BACKENDS[resolve_backend(backend)]
+    kv_cache = impl.write_kv(kv_cache, k, v, metadata.slot_mapping)
+    opts = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if metadata.decode_only:
+        out = impl.decode(q, kv_cache, metadata.kv_lens, metadata.block_tables,
+                          metadata.num_seqs, **opts)
+    else:
+        out = impl.ragged(q, kv_cache, metadata.kv_lens, metadata.block_tables,
+                          metadata.cu_q_lens, metadata.num_seqs, **opts)
+    return out, kv_cache

@@ -1,0 +1,98 @@
+"""Paged attention in pure jnp: the reference every kernel is tested against, and the CPU path.
+
+Axis letters: T query tokens, B sequences, P blocks per sequence, S block size, N query heads,
+K KV heads, G = N // K query heads per KV head, H head dim, NB physical blocks.
+
+The loop runs over logical blocks up to the longest live context, reading each sequence's blocks
+through its block table, with an online softmax in f32. It never touches blocks past a sequence's
+kv_len, so NaN in unused pages cannot reach the output, and its cost follows the attended tokens,
+not the size of the pool or the table width.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _attend_blocks(
+    q: jax.Array,  # [T, N, H]
+    kv_cache: jax.Array,  # [2, K, NB, S, H]
+    seq_ids: jax.Array,  # i32[T] the sequence each query token belongs to
+    q_positions: jax.Array,  # i32[T] absolute position of each query token
+    token_kv_lens: jax.Array,  # i32[T] kv_len of the token's sequence; 0 masks the token out
+    block_tables: jax.Array,  # i32[B, P]
+    *, scale: float, sliding_window: int | None, soft_cap: float | None,
+) -> jax.Array:  # [T, N, H]
+    num_tokens, num_heads, head_dim = q.shape
+    _, num_kv_heads, _, block_size, _ = kv_cache.shape
+    group = num_heads // num_kv_heads
+    qg = (q.astype(jnp.float32) * scale).reshape(num_tokens, num_kv_heads, group, head_dim)
+    num_blocks = (jnp.max(token_kv_lens) + block_size - 1) // block_size
+    offsets = jnp.arange(block_size, dtype=jnp.int32)
+
+    def body(j, carry):
+        m, l, acc = carry
+        blocks = block_tables[seq_ids, j]  # i32[T]
+        k = kv_cache[0][:, blocks].astype(jnp.float32)  # [K, T, S, H]
+        v = kv_cache[1][:, blocks].astype(jnp.float32)
+        kv_pos = j * block_size + offsets  # i32[S]
+        mask = (kv_pos[None, :] <= q_positions[:, None]) & (
+            kv_pos[None, :] < token_kv_lens[:, None])  # [T, S]
+        if sliding_window is not None:
+            mask &= kv_pos[None, :] > q_positions[:, None] - sliding_window
+        s = jnp.einsum("TKGH,KTSH->TKGS", qg, jnp.where(mask[None, :, :, None], k, 0.0))
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+        p = jnp.exp(s - m_safe[..., None])  # exactly 0 where masked
+        alpha = jnp.exp(m - m_safe)
+        v = jnp.where(mask[None, :, :, None], v, 0.0)
+        acc = acc * alpha[..., None] + jnp.einsum("TKGS,KTSH->TKGH", p, v)
+        return m_new, l * alpha + jnp.sum(p, axis=-1), acc
+
+    init = (jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
+            jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
+            jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array,  # [T, N, H]
+    kv_cache: jax.Array,  # [2, K, NB, S, H], this step's K/V already written
+    kv_lens: jax.Array,  # i32[B] context length of each sequence after this step
+    block_tables: jax.Array,  # i32[B, P]
+    cu_q_lens: jax.Array,  # i32[B + 1] start of each sequence's query tokens
+    num_seqs: jax.Array,  # i32[] only the first num_seqs rows are valid
+    *, scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+) -> jax.Array:  # [T, N, H]; 0 for padding tokens
+    """Each sequence's query tokens are the last q_len of its kv_len tokens: causal within the
+    chunk, full attention to the cached prefix."""
+    num_tokens = q.shape[0]
+    num_rows = block_tables.shape[0]
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq_ids = jnp.searchsorted(cu_q_lens[1:], t, side="right").astype(jnp.int32)
+    valid = (seq_ids < num_seqs) & (t < cu_q_lens[num_seqs])
+    seq_ids = jnp.minimum(seq_ids, num_rows - 1)
+    q_positions = kv_lens[seq_ids] - (cu_q_lens[seq_ids + 1] - t)
+    token_kv_lens = jnp.where(valid, kv_lens[seq_ids], 0)
+    return _attend_blocks(q, kv_cache, seq_ids, q_positions, token_kv_lens, block_tables,
+                          scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+
+
+def paged_decode_attention_reference(
+    q: jax.Array,  # [B, N, H] one query token per sequence
+    kv_cache: jax.Array,  # [2, K, NB, S, H], this step's K/V already written
+    kv_lens: jax.Array,  # i32[B]
+    block_tables: jax.Array,  # i32[B, P]
+    num_seqs: jax.Array,  # i32[] only the first num_seqs rows are valid
+    *, scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+) -> jax.Array:  # [B, N, H]; 0 for padding rows
+    rows = jnp.arange(q.shape[0], dtype=jnp.int32)
+    token_kv_lens = jnp.where(rows < num_seqs, kv_lens, 0)
+    return _attend_blocks(q, kv_cache, rows, kv_lens - 1, token_kv_lens, block_tables,
+                          scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)

@@ -1,0 +1,23 @@
+"""Host-side scheduling: requests, KV block management, continuous batching, batch plans.
+
+Pure Python and NumPy: nothing here imports jax, so it can be tested, replayed and simulated alone.
+"""
+
+from scheduler.block_pool import NULL_BLOCK, BlockPool
+from scheduler.buckets import ShapeBuckets, pad_to_bucket, power_of_two_buckets
+from scheduler.kv_cache_manager import KVCacheManager, cdiv
+from scheduler.plan import ARRAY_FIELDS, DECODE, PREFILL, STATIC_FIELDS, BatchPlan, build_plan
+from scheduler.request import Request, RequestStatus, SamplingParams
+from scheduler.scheduler import (DECODE_FIRST, MIXED, POLICIES, PREFILL_FIRST, VICTIM_POLICIES,
+                                 ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput,
+                                 SchedulerState, abort_request, add_request, check_request,
+                                 schedule, update)
+
+__all__ = [
+    "NULL_BLOCK", "BlockPool", "ShapeBuckets", "pad_to_bucket", "power_of_two_buckets",
+    "KVCacheManager", "cdiv", "ARRAY_FIELDS", "DECODE", "PREFILL", "STATIC_FIELDS", "BatchPlan",
+    "build_plan", "Request", "RequestStatus", "SamplingParams", "DECODE_FIRST", "MIXED",
+    "POLICIES", "PREFILL_FIRST", "VICTIM_POLICIES", "ScheduledSeq", "Scheduler",
+    "SchedulerConfig", "SchedulerOutput", "SchedulerState", "abort_request", "add_request", "check_request",
+    "schedule", "update",
+]

@@ -1,0 +1,74 @@
+"""Shape buckets: the fixed set of padded sizes, so jit compiles a bounded number of programs."""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+
+def power_of_two_buckets(minimum: int, maximum: int) -> tuple[int, ...]:
+    """Powers of two from minimum up to maximum, with maximum itself always the last bucket."""
+    if minimum < 1 or maximum < 1:
+        raise ValueError(f"bucket bounds must be >= 1, got {minimum=} {maximum=}")
+    minimum = min(minimum, maximum)
+    sizes = []
+    size = 1
+    while size < minimum:
+        size *= 2
+    while size < maximum:
+        sizes.append(size)
+        size *= 2
+    sizes.append(maximum)
+    return tuple(sizes)
+
+
+def pad_to_bucket(n: int, buckets: tuple[int, ...]) -> int:
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"size {n} exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeBuckets:
+    """Padded sizes of a step.
+
+    token_buckets: padded token counts T of a prefill (ragged) step.
+    seq_buckets: padded sequence counts B; a decode step has T == B.
+    max_blocks_per_seq: the block table width P, fixed by max_model_len.
+    """
+
+    token_buckets: tuple[int, ...]
+    seq_buckets: tuple[int, ...]
+    max_blocks_per_seq: int
+
+    @classmethod
+    def create(cls, *, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+               block_size: int, min_token_bucket: int = 16, min_seq_bucket: int = 1):
+        return cls(
+            token_buckets=power_of_two_buckets(min_token_bucket, max_num_batched_tokens),
+            seq_buckets=power_of_two_buckets(min_seq_bucket, max_num_seqs),
+            max_blocks_per_seq=-(-max_model_len // block_size),
+        )
+
+    def padded_num_tokens(self, num_tokens: int) -> int:
+        return pad_to_bucket(num_tokens, self.token_buckets)
+
+    def padded_num_seqs(self, num_seqs: int) -> int:
+        return pad_to_bucket(num_seqs, self.seq_buckets)
+
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        """Every (T, B) a prefill step can have: B sequences need at least B tokens."""
+        shapes = []
+        for t in self.token_buckets:
+            for b in self.seq_buckets:
+                if b <= t or b == self.padded_num_seqs(min(t, self.seq_buckets[-1])):
+                    shapes.append((t, b))
+        return shapes
+
+    def decode_shapes(self) -> list[int]:
+        return list(self.seq_buckets)
+
+    @property
+    def num_programs(self) -> int:
+        return len(self.prefill_shapes()) + len(self.decode_shapes())

@@ -1,0 +1,110 @@
+"""The BatchPlan: what one step computes, as fixed-shape NumPy arrays."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from scheduler.block_pool import NULL_BLOCK
+from scheduler.buckets import ShapeBuckets
+
+if TYPE_CHECKING:
+    from scheduler.kv_cache_manager import KVCacheManager
+    from scheduler.scheduler import SchedulerOutput
+
+PREFILL = "prefill"  # ragged: each sequence brings 1..n query tokens (decodes may ride along)
+DECODE = "decode"  # every sequence brings exactly one query token
+
+ARRAY_FIELDS = ("token_ids", "positions", "slot_mapping", "block_tables", "kv_lens", "cu_q_lens",
+                "logits_indices", "num_seqs", "temperature", "top_k", "top_p", "seeds")
+STATIC_FIELDS = ("kind", "padded_num_tokens", "padded_num_seqs")
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+    """One step's inputs. Only the first num_seqs rows (and cu_q_lens[num_seqs] tokens) are real.
+
+    Padding rows have kv_len 0 and no query tokens; padding tokens write their K/V to the null
+    block; padding table entries point at the null block. Padding never changes a real result.
+    """
+
+    token_ids: np.ndarray  # i32[T]
+    positions: np.ndarray  # i32[T] absolute position of each token
+    slot_mapping: np.ndarray  # i32[T] block * S + offset where each token's K/V is written
+    block_tables: np.ndarray  # i32[B, P]
+    kv_lens: np.ndarray  # i32[B] context length after this step (0 for padding rows)
+    cu_q_lens: np.ndarray  # i32[B + 1] start of each sequence's query tokens in token_ids
+    logits_indices: np.ndarray  # i32[B] the token of each sequence that is sampled
+    num_seqs: np.ndarray  # i32[] number of real rows
+    temperature: np.ndarray  # f32[B] 0 means greedy
+    top_k: np.ndarray  # i32[B] -1 means disabled
+    top_p: np.ndarray  # f32[B]
+    seeds: np.ndarray  # u32[B] per-request seed; the sample at position p uses fold_in(seed, p)
+    kind: str  # PREFILL or DECODE
+    padded_num_tokens: int  # T
+    padded_num_seqs: int  # B
+
+
+def build_plan(output: "SchedulerOutput", kv_manager: "KVCacheManager",
+               buckets: ShapeBuckets) -> BatchPlan:
+    """Lays out the scheduled sequences back to back and pads every array to its bucket."""
+    scheduled = output.scheduled
+    num_seqs = len(scheduled)
+    if num_seqs == 0:
+        raise ValueError("cannot build a plan for an empty schedule")
+    num_tokens = output.num_scheduled_tokens
+    if output.kind == DECODE:
+        padded_seqs = buckets.padded_num_seqs(num_seqs)
+        padded_tokens = padded_seqs
+    else:
+        padded_tokens = buckets.padded_num_tokens(num_tokens)
+        padded_seqs = buckets.padded_num_seqs(num_seqs)
+    block_size = kv_manager.block_size
+
+    token_ids = np.zeros(padded_tokens, np.int32)
+    positions = np.zeros(padded_tokens, np.int32)
+    block_tables = np.full((padded_seqs, buckets.max_blocks_per_seq), NULL_BLOCK, np.int32)
+    kv_lens = np.zeros(padded_seqs, np.int32)
+    q_lens = np.zeros(padded_seqs, np.int32)
+    temperature = np.zeros(padded_seqs, np.float32)
+    top_k = np.full(padded_seqs, -1, np.int32)
+    top_p = np.ones(padded_seqs, np.float32)
+    seeds = np.zeros(padded_seqs, np.uint32)
+
+    offset = 0
+    for i, seq in enumerate(scheduled):
+        request, start, n = seq.request, seq.start, seq.num_new_tokens
+        if n == 1:
+            token_ids[offset] = request.token_id_at(start)
+            positions[offset] = start
+        else:
+            token_ids[offset:offset + n] = request.token_ids_slice(start, start + n)
+            positions[offset:offset + n] = np.arange(start, start + n, dtype=np.int32)
+        table = kv_manager.get_block_table(request.request_id)
+        block_tables[i, :len(table)] = table
+        kv_lens[i] = start + n
+        q_lens[i] = n
+        params = request.sampling_params
+        temperature[i] = params.temperature
+        top_k[i] = params.top_k
+        top_p[i] = params.top_p
+        seeds[i] = request.seed
+        offset += n
+
+    cu_q_lens = np.zeros(padded_seqs + 1, np.int32)
+    np.cumsum(q_lens, out=cu_q_lens[1:])
+    logits_indices = np.maximum(cu_q_lens[1:] - 1, 0).astype(np.int32)
+    # Slots of real tokens; padding tokens keep slot 0, which lies in the null block.
+    seq_of_token = np.repeat(np.arange(padded_seqs, dtype=np.int32), q_lens)
+    pos = positions[:num_tokens]
+    slot_mapping = np.zeros(padded_tokens, np.int32)
+    slot_mapping[:num_tokens] = (block_tables[seq_of_token, pos // block_size] * block_size
+                                 + pos % block_size)
+    return BatchPlan(
+        token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
+        block_tables=block_tables, kv_lens=kv_lens, cu_q_lens=cu_q_lens,
+        logits_indices=logits_indices, num_seqs=np.asarray(num_seqs, np.int32),
+        temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, kind=output.kind,
+        padded_num_tokens=padded_tokens, padded_num_seqs=padded_seqs)

@@ -1,0 +1,137 @@
+"""Requests and their sampling parameters: plain Python, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request is sampled and when it stops.
+
+    temperature == 0 means greedy. top_k == -1 disables top-k; top_p == 1 disables top-p.
+    seed makes a request's samples reproducible whatever else is in the batch; with no seed the
+    engine draws one from its own seeded generator.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        self.validate()
+
+    def validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+            raise ValueError(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not (0 <= self.seed < 2**32):
+            raise ValueError(f"seed must be in [0, 2**32), got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    """One sequence being served: its tokens, how far its KV is computed, and its timings.
+
+    Token regions of a request (``num_computed_tokens`` grows as steps run):
+
+        |<------------- prompt ------------->|<---- output ---->|
+        |<-- num_computed_tokens -->|<- scheduled this step ->|
+    """
+
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling_params",
+                 "seed", "eos_token_id", "num_computed_tokens", "status", "arrival_time",
+                 "first_scheduled_time", "first_token_time", "finish_time", "num_preemptions")
+
+    def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
+                 sampling_params: SamplingParams, *, seed: int, arrival_time: float,
+                 eos_token_id: int | None = None):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.sampling_params = sampling_params
+        self.seed = seed
+        self.eos_token_id = eos_token_id
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.arrival_time = arrival_time
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.num_preemptions = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_num_tokens(self) -> int:
+        """The most tokens this request can ever hold in the KV cache."""
+        return self.num_prompt_tokens + self.sampling_params.max_tokens
+
+    def token_id_at(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    def token_ids_slice(self, start: int, stop: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if stop <= n:
+            return self.prompt_token_ids[start:stop]
+        if start >= n:
+            return self.output_token_ids[start - n:stop - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - n]
+
+    def append_output_token(self, token_id: int) -> RequestStatus | None:
+        """Appends a sampled token; returns the finished status if the request is now done."""
+        self.output_token_ids.append(token_id)
+        params = self.sampling_params
+        if not params.ignore_eos and token_id == self.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if len(self.output_token_ids) >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.value}, "
+                f"prompt={self.num_prompt_tokens}, output={self.num_output_tokens}, "
+                f"computed={self.num_computed_tokens})")

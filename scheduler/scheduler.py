@@ -1,0 +1,311 @@
+"""Continuous batching under a token budget: which requests run in the next step, and how much.
+
+`schedule(state, now)` reads only its arguments, does no I/O and no device work, and returns the
+state it advanced together with a SchedulerOutput that lists everything that changed. The same
+function drives the engine, replays a recorded trace and runs inside a simulator.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Callable, Sequence
+
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.plan import DECODE, PREFILL
+from scheduler.request import Request, RequestStatus
+
+MIXED = "mixed"  # decodes first in the budget, prefill chunks fill the rest (vLLM V1)
+PREFILL_FIRST = "prefill_first"  # a step with prefill work runs no decodes (best TTFT)
+DECODE_FIRST = "decode_first"  # a step with decode work runs no prefills (best TPOT)
+POLICIES = (MIXED, PREFILL_FIRST, DECODE_FIRST)
+
+VictimPolicy = Callable[[Sequence[Request]], Request]
+
+
+def lifo_victim(candidates: Sequence[Request]) -> Request:
+    """The most recently admitted request (the tail of the running queue)."""
+    return candidates[-1]
+
+
+def fewest_computed_victim(candidates: Sequence[Request]) -> Request:
+    """The request that loses the least work; the latest admitted among equals."""
+    return min(reversed(candidates), key=lambda r: r.num_computed_tokens)
+
+
+VICTIM_POLICIES: dict[str, VictimPolicy] = {"lifo": lifo_victim,
+                                           "fewest_computed": fewest_computed_victim}
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    policy: str = MIXED
+    enable_chunked_prefill: bool = True
+    victim_policy: str = "lifo"
+    # New requests are admitted only while this fraction of blocks stays free, so that running
+    # requests can grow without an immediate preemption (ignored when nothing runs).
+    watermark: float = 0.01
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.victim_policy not in VICTIM_POLICIES:
+            raise ValueError(f"victim_policy must be one of {tuple(VICTIM_POLICIES)}, "
+                             f"got {self.victim_policy!r}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({self.max_model_len}), or a long prompt never fits")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledSeq:
+    request: Request
+    start: int  # position of the first token computed this step (= num_computed_tokens)
+    num_new_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    preempted: list[Request]
+    kind: str  # DECODE when every scheduled sequence brings one token, else PREFILL
+    num_scheduled_tokens: int
+    now: float
+
+
+@dataclasses.dataclass
+class SchedulerState:
+    config: SchedulerConfig
+    kv_manager: KVCacheManager
+    waiting: collections.deque = dataclasses.field(default_factory=collections.deque)
+    running: list = dataclasses.field(default_factory=list)
+    requests: dict = dataclasses.field(default_factory=dict)  # request_id -> unfinished Request
+    num_preemptions: int = 0
+
+
+def _is_decode(request: Request) -> bool:
+    return request.num_tokens - request.num_computed_tokens == 1
+
+
+class _StepBuilder:
+    """Accumulates one step: scheduled sequences, the remaining budget, preemptions."""
+
+    def __init__(self, state: SchedulerState):
+        self.state = state
+        self.budget = state.config.max_num_batched_tokens
+        self.scheduled: list[ScheduledSeq] = []
+        self.scheduled_ids: set[str] = set()
+        self.preempted: list[Request] = []
+
+    def add(self, request: Request, num_new_tokens: int) -> None:
+        self.scheduled.append(ScheduledSeq(request, request.num_computed_tokens, num_new_tokens))
+        self.scheduled_ids.add(request.request_id)
+        self.budget -= num_new_tokens
+
+    def preempt(self, victim: Request) -> None:
+        state = self.state
+        state.kv_manager.free(victim)
+        state.running.remove(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        state.num_preemptions += 1
+        state.waiting.appendleft(victim)
+        self.preempted.append(victim)
+
+    def schedule_running(self, want_decode: bool | None) -> None:
+        """Schedules running requests in order; want_decode None takes both phases."""
+        state = self.state
+        config = state.config
+        choose_victim = VICTIM_POLICIES[config.victim_policy]
+        i = 0
+        while i < len(state.running) and self.budget > 0:
+            request = state.running[i]
+            i += 1
+            if want_decode is not None and _is_decode(request) != want_decode:
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, self.budget)
+            while state.kv_manager.allocate_slots(request, num_new) is None:
+                candidates = [r for r in state.running if r.request_id not in self.scheduled_ids]
+                victim = choose_victim(candidates)
+                if state.running.index(victim) < i:
+                    i -= 1
+                self.preempt(victim)
+                if victim is request:
+                    break
+            else:
+                self.add(request, num_new)
+
+    def schedule_waiting(self, now: float) -> None:
+        state = self.state
+        config = state.config
+        kv = state.kv_manager
+        watermark_blocks = int(config.watermark * kv.pool.num_usable_blocks)
+        while state.waiting and self.budget > 0 and len(state.running) < config.max_num_seqs:
+            request = state.waiting[0]
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new > self.budget:
+                if not config.enable_chunked_prefill:
+                    break
+                num_new = self.budget
+            if state.running and (kv.num_new_blocks(request, num_new) + watermark_blocks
+                                  > kv.num_free_blocks):
+                break
+            if kv.allocate_slots(request, num_new) is None:
+                break
+            state.waiting.popleft()
+            state.running.append(request)
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+            self.add(request, num_new)
+
+    def output(self, now: float) -> SchedulerOutput:
+        num_tokens = sum(s.num_new_tokens for s in self.scheduled)
+        kind = DECODE if num_tokens == len(self.scheduled) else PREFILL
+        return SchedulerOutput(self.scheduled, self.preempted, kind, num_tokens, now)
+
+
+def schedule(state: SchedulerState, now: float) -> tuple[SchedulerState, SchedulerOutput]:
+    """Chooses the next step's work under the token budget and the configured policy."""
+    step = _StepBuilder(state)
+    policy = state.config.policy
+    if policy == MIXED:
+        step.schedule_running(want_decode=None)
+        if not step.preempted:
+            step.schedule_waiting(now)
+    elif policy == PREFILL_FIRST:
+        step.schedule_running(want_decode=False)
+        if not step.preempted:
+            step.schedule_waiting(now)
+        if not step.scheduled:
+            step.schedule_running(want_decode=True)
+    else:  # DECODE_FIRST
+        if any(_is_decode(r) for r in state.running):
+            step.schedule_running(want_decode=True)
+        else:
+            step.schedule_running(want_decode=False)
+            if not step.preempted:
+                step.schedule_waiting(now)
+    return state, step.output(now)
+
+
+def update(state: SchedulerState, output: SchedulerOutput, sampled_ids: Sequence[int],
+           now: float) -> list[Request]:
+    """Advances the scheduled requests by the step's result; returns the requests that received
+    a new token (finished ones among them, with a finished status and their blocks freed).
+
+    sampled_ids[i] is the token sampled for output.scheduled[i]; it is kept only when that
+    sequence has caught up with all its tokens (the last chunk of a prefill, or a decode).
+    """
+    advanced = []
+    any_finished = False
+    max_model_len = state.config.max_model_len
+    for seq, token_id in zip(output.scheduled, sampled_ids):
+        request = seq.request
+        request.num_computed_tokens = seq.start + seq.num_new_tokens
+        if request.num_computed_tokens < request.num_tokens:
+            continue  # a partial prefill chunk: its sample is not a new token
+        if request.first_token_time is None:
+            request.first_token_time = now
+        status = request.append_output_token(int(token_id))
+        if status is None and request.num_tokens >= max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            _finish(state, request, status, now)
+            any_finished = True
+        advanced.append(request)
+    if any_finished:
+        state.running = [r for r in state.running if not r.status.finished]
+    return advanced
+
+
+def _finish(state: SchedulerState, request: Request, status: RequestStatus, now: float) -> None:
+    request.status = status
+    request.finish_time = now
+    state.kv_manager.free(request)
+    state.requests.pop(request.request_id, None)
+
+
+def check_request(state: SchedulerState, request: Request) -> None:
+    """Raises ValueError, naming the field and the limit, if request can never be served."""
+    config = state.config
+    if request.request_id in state.requests:
+        raise ValueError(f"request_id {request.request_id!r} is already in use")
+    if request.num_prompt_tokens < 1:
+        raise ValueError("prompt must contain at least one token")
+    if request.max_num_tokens > config.max_model_len:
+        raise ValueError(
+            f"prompt length ({request.num_prompt_tokens}) + max_tokens "
+            f"({request.sampling_params.max_tokens}) = {request.max_num_tokens} exceeds "
+            f"max_model_len ({config.max_model_len})")
+    kv = state.kv_manager
+    if not kv.can_ever_fit(request.max_num_tokens):
+        raise ValueError(
+            f"prompt length + max_tokens = {request.max_num_tokens} tokens needs "
+            f"{kv.num_blocks_for(request.max_num_tokens)} KV blocks, more than the whole pool "
+            f"({kv.pool.num_usable_blocks} blocks of {kv.block_size} tokens)")
+
+
+def add_request(state: SchedulerState, request: Request) -> None:
+    """Queues a request, or raises ValueError and changes nothing if it can never be served."""
+    check_request(state, request)
+    state.requests[request.request_id] = request
+    state.waiting.append(request)
+
+
+def abort_request(state: SchedulerState, request_id: str, now: float) -> Request | None:
+    """Finishes a request at once and frees its blocks; unknown ids are a no-op."""
+    request = state.requests.get(request_id)
+    if request is None:
+        return None
+    if request.status == RequestStatus.RUNNING:
+        state.running.remove(request)
+    else:
+        state.waiting.remove(request)
+    _finish(state, request, RequestStatus.FINISHED_ABORTED, now)
+    return request
+
+
+class Scheduler:
+    """Convenience object holding a SchedulerState; every method is one of the free functions."""
+
+    def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int):
+        self.state = SchedulerState(config, KVCacheManager(num_blocks, block_size))
+
+    @property
+    def config(self) -> SchedulerConfig:
+        return self.state.config
+
+    @property
+    def kv_manager(self) -> KVCacheManager:
+        return self.state.kv_manager
+
+    def check_request(self, request: Request) -> None:
+        check_request(self.state, request)
+
+    def add_request(self, request: Request) -> None:
+        add_request(self.state, request)
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        self.state, output = schedule(self.state, now)
+        return output
+
+    def update(self, output: SchedulerOutput, sampled_ids: Sequence[int], now: float):
+        return update(self.state, output, sampled_ids, now)
+
+    def abort(self, request_id: str, now: float) -> Request | None:
+        return abort_request(self.state, request_id, now)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.state.requests)
