@@ -26,6 +26,7 @@ def _attend_blocks(
 ) -> jax.Array:  # [T, N, H]
     num_tokens, num_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size, _ = kv_cache.shape
+    block_tables = jnp.asarray(block_tables)
     group = num_heads // num_kv_heads
     qg = (q.astype(jnp.float32) * scale).reshape(num_tokens, num_kv_heads, group, head_dim)
     num_blocks = (jnp.max(token_kv_lens) + block_size - 1) // block_size
@@ -74,6 +75,7 @@ def ragged_paged_attention_reference(
     chunk, full attention to the cached prefix."""
     num_tokens = q.shape[0]
     num_rows = block_tables.shape[0]
+    kv_lens, cu_q_lens = jnp.asarray(kv_lens), jnp.asarray(cu_q_lens)
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     seq_ids = jnp.searchsorted(cu_q_lens[1:], t, side="right").astype(jnp.int32)
     valid = (seq_ids < num_seqs) & (t < cu_q_lens[num_seqs])
@@ -93,6 +95,7 @@ def paged_decode_attention_reference(
     *, scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
 ) -> jax.Array:  # [B, N, H]; 0 for padding rows
     rows = jnp.arange(q.shape[0], dtype=jnp.int32)
+    kv_lens = jnp.asarray(kv_lens)
     token_kv_lens = jnp.where(rows < num_seqs, kv_lens, 0)
     return _attend_blocks(q, kv_cache, rows, kv_lens - 1, token_kv_lens, block_tables,
                           scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)

@@ -1,0 +1,52 @@
+"""Shared test helpers: a host-only simulation loop and invariant checks."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+from scheduler import NULL_BLOCK, KVCacheManager, Request, SamplingParams, Scheduler, build_plan
+
+
+def make_request(request_id, prompt_len, max_tokens, *, seed=0, arrival_time=0.0, token=1):
+    return Request(str(request_id), [token] * prompt_len,
+                   SamplingParams(max_tokens=max_tokens, temperature=0.0), seed=seed,
+                   arrival_time=arrival_time)
+
+
+def check_kv_invariants(kv: KVCacheManager) -> None:
+    """free + referenced = total; nothing both free and referenced; ref counts = table holders."""
+    pool = kv.pool
+    free = pool.free_block_ids()
+    assert len(free) == len(set(free)), "a block is twice in the free queue"
+    assert NULL_BLOCK not in free, "the null block was freed"
+    holders = collections.Counter(b for table in kv.block_tables.values() for b in table)
+    assert NULL_BLOCK not in holders, "the null block is in a block table"
+    referenced = {b for b in range(pool.num_blocks) if pool.ref_counts[b] > 0}
+    assert not (set(free) & referenced), "a block is both free and referenced"
+    assert len(free) + len(referenced) == pool.num_usable_blocks, "free + referenced != total"
+    for block in range(1, pool.num_blocks):
+        assert pool.ref_counts[block] == holders.get(block, 0), f"ref count of block {block}"
+
+
+def simulate(scheduler: Scheduler, buckets, *, max_steps=100_000, on_step=None, token=1):
+    """Drives the scheduler to completion with a fake model that always samples `token`.
+
+    Builds every plan (so plan invariants can be checked in on_step) and checks the KV
+    invariants after every step. Returns the list of SchedulerOutputs.
+    """
+    outputs = []
+    now = 0.0
+    while scheduler.has_unfinished():
+        assert len(outputs) < max_steps, "simulation did not finish"
+        now += 1.0
+        output = scheduler.schedule(now)
+        assert output.scheduled, f"no progress at step {len(outputs)}"
+        plan = build_plan(output, scheduler.kv_manager, buckets)
+        if on_step is not None:
+            on_step(output, plan)
+        scheduler.update(output, np.full(len(output.scheduled), token), now)
+        check_kv_invariants(scheduler.kv_manager)
+        outputs.append(output)
+    return outputs
