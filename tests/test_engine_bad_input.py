@@ -1,0 +1,119 @@
+"""Bad input: a clear ValueError naming the field, nothing allocated or queued, others unaffected."""
+
+import dataclasses
+
+import pytest
+
+from pagedjax import LLM, EngineConfig, LLMEngine, SamplingParams
+
+CONFIG = EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
+                      min_seq_bucket=4, block_size=4, num_blocks=12)
+
+
+def snapshot(engine):
+    state = engine.scheduler.state
+    return (len(state.waiting), len(state.running), len(state.requests),
+            engine.scheduler.kv_manager.num_free_blocks)
+
+
+@pytest.mark.parametrize("prompt, params, field", [
+    ([], SamplingParams(), "prompt_token_ids"),
+    ([1] * 60, SamplingParams(max_tokens=5), "max_model_len"),
+    ([1, 2, 256], SamplingParams(), "vocab_size"),
+    ([1, -1], SamplingParams(), "vocab_size"),
+    ([[1, 2]], SamplingParams(), "prompt_token_ids"),
+    ([1.5, 2.0], SamplingParams(), "integers"),
+    ([1] * 40, SamplingParams(max_tokens=10), "whole pool"),  # 50 tokens > 11 blocks of 4
+    ([1, 2], SamplingParams(stop_token_ids=(300,)), "stop_token_ids"),
+    ([1, 2], "greedy", "sampling_params"),
+])
+def test_bad_request_changes_nothing(tiny_model, prompt, params, field):
+    engine = LLMEngine(tiny_model, CONFIG)
+    running = engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=6, temperature=0))
+    engine.step()
+    before = snapshot(engine)
+    with pytest.raises(ValueError, match=field):
+        engine.add_request(prompt, params)
+    assert snapshot(engine) == before
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+    reference = LLMEngine(tiny_model, CONFIG)
+    ref_id = reference.add_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=6, temperature=0))
+    ref_out = {}
+    while reference.has_unfinished():
+        ref_out.update({o.request_id: o for o in reference.step() if o.finished})
+    assert outputs[running].output_token_ids == ref_out[ref_id].output_token_ids
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=0), "top_k"),
+    (dict(top_k=-2), "top_k"),
+    (dict(seed=-1), "seed"),
+])
+def test_bad_sampling_params(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(block_size=0), "block_size"),
+    (dict(policy="round_robin"), "policy"),
+    (dict(dtype="float8"), "dtype"),
+    (dict(num_blocks=1), "num_blocks"),
+    (dict(num_blocks=10, kv_cache_memory_bytes=10**6), "num_blocks or kv_cache_memory_bytes"),
+    (dict(max_num_seqs=64, max_num_batched_tokens=32), "max_num_seqs"),
+    (dict(victim_policy="oldest"), "victim_policy"),
+    (dict(enable_chunked_prefill=False, max_num_batched_tokens=32, max_model_len=64),
+     "max_num_batched_tokens"),
+])
+def test_bad_engine_config(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**kwargs)
+
+
+def test_unknown_config_field_and_backend(tiny_model):
+    with pytest.raises(ValueError, match="unknown engine config field"):
+        LLM(tiny_model, blok_size=16)
+    with pytest.raises(ValueError, match="attention backend"):
+        LLMEngine(tiny_model, dataclasses.replace(CONFIG, attention_backend="cuda-magic"))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        LLMEngine(tiny_model, dataclasses.replace(CONFIG, max_model_len=4096,
+                                                  max_num_batched_tokens=4096))
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
+        LLMEngine(tiny_model, dataclasses.replace(CONFIG, num_blocks=None,
+                                                  kv_cache_memory_bytes=100))
+
+
+def test_generate_rejects_the_whole_call_before_queueing(tiny_model):
+    llm = LLM(tiny_model, **dataclasses.asdict(CONFIG))
+    with pytest.raises(ValueError, match="vocab_size"):
+        llm.generate([[1, 2, 3], [999]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.scheduler.kv_manager.num_used_blocks == 0
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out[0].output_token_ids) == 2
+
+
+def test_abort(tiny_model):
+    engine = LLMEngine(tiny_model, CONFIG)
+    a = engine.add_request([1] * 20, SamplingParams(max_tokens=8))
+    b = engine.add_request([2] * 10, SamplingParams(max_tokens=8))
+    engine.step()
+    used = engine.scheduler.kv_manager.num_used_blocks
+    assert used == 8  # 20 + 10 tokens in blocks of 4
+    engine.abort("no-such-request")
+    assert engine.scheduler.kv_manager.num_used_blocks == used
+    engine.abort(a)
+    assert engine.scheduler.kv_manager.num_used_blocks == 3
+    assert engine.stats.num_aborted == 1
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.scheduler.kv_manager.num_used_blocks == 0
+    engine.abort(b)  # finished already: a no-op
+    assert engine.stats.num_aborted == 1

@@ -1,0 +1,84 @@
+"""The NNX Llama: dense and paged paths on the same weights agree."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import LlamaConfig, get_config, init_model
+from models.llama import rope
+from pallas_kernels import AttentionMetadata, init_kv_cache
+
+CONFIG = get_config("debug-tiny")
+
+
+def paged_logits(model, kv_caches, token_ids, start, table, block_size):
+    """Runs one chunk [start, start + len) of a single sequence through the paged path."""
+    n = len(token_ids)
+    positions = np.arange(start, start + n, dtype=np.int32)
+    slots = table[positions // block_size] * block_size + positions % block_size
+    metadata = AttentionMetadata(
+        slot_mapping=jnp.asarray(slots, jnp.int32), block_tables=jnp.asarray(table[None]),
+        kv_lens=jnp.array([start + n], jnp.int32), cu_q_lens=jnp.array([0, n], jnp.int32),
+        num_seqs=jnp.int32(1), decode_only=False)
+    hidden, kv_caches = model.forward_paged(kv_caches, jnp.asarray(token_ids, jnp.int32),
+                                            jnp.asarray(positions), metadata)
+    return model.logits(hidden), kv_caches
+
+
+@pytest.mark.parametrize("chunks", [[23], [10, 13], [1, 1, 21]])
+def test_paged_forward_matches_dense_forward(chunks):
+    model = init_model(CONFIG, seed=1)
+    tokens = np.random.default_rng(0).integers(0, CONFIG.vocab_size, sum(chunks))
+    dense = np.asarray(model(jnp.asarray(tokens[None]))[0])
+    block_size = 4
+    kv_caches = init_kv_cache(CONFIG.num_layers, 16, block_size, CONFIG.num_kv_heads,
+                              CONFIG.head_dim, jnp.float32)
+    table = np.array([9, 3, 14, 1, 7, 2, 0, 0], np.int32)
+    start, pieces = 0, []
+    for n in chunks:
+        logits, kv_caches = paged_logits(model, kv_caches, tokens[start:start + n], start,
+                                         table, block_size)
+        pieces.append(np.asarray(logits))
+        start += n
+    # Same f32 math in a different order (blockwise online softmax vs one softmax).
+    np.testing.assert_allclose(np.concatenate(pieces), dense, rtol=1e-4, atol=1e-4)
+
+
+def test_rope_is_a_rotation_that_preserves_norms_and_relative_positions():
+    x = jax.random.normal(jax.random.key(0), (6, 2, 8))
+    pos = jnp.arange(6)
+    y = rope(x, pos, 10000.0)
+    np.testing.assert_allclose(jnp.linalg.norm(y, axis=-1), jnp.linalg.norm(x, axis=-1),
+                               rtol=1e-5)
+    q, k = x[:, 0], x[:, 1]
+    dot = lambda a, b, pa, pb: jnp.sum(rope(a[None, None], jnp.array([pa]), 1e4) *
+                                       rope(b[None, None], jnp.array([pb]), 1e4))
+    np.testing.assert_allclose(dot(q[0], k[0], 3, 1), dot(q[0], k[0], 10, 8), rtol=1e-4)
+
+
+def test_tied_embeddings_share_the_matrix():
+    config = get_config("demo-small")
+    model = init_model(config)
+    assert model.lm_head is None
+    hidden = jnp.ones((2, config.hidden_size))
+    expected = model.norm(hidden) @ model.embed_tokens.embedding[...].T
+    np.testing.assert_allclose(model.logits(hidden), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(num_heads=6, num_kv_heads=4), "num_kv_heads"),
+    (dict(vocab_size=0), "vocab_size"),
+    (dict(eos_token_id=999), "eos_token_id"),
+])
+def test_bad_model_config_names_the_field(kwargs, field):
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                num_kv_heads=2)
+    with pytest.raises(ValueError, match=field):
+        LlamaConfig(**{**base, **kwargs})
+
+
+def test_kv_bytes_per_token_formula():
+    config = get_config("llama-3-8b")
+    # 2 (K and V) * 32 layers * 8 KV heads * 128 head dim * 2 bytes = 128 KiB per token in bf16.
+    assert config.kv_bytes_per_token(2) == 131072
