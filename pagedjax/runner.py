@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,8 +23,8 @@ def num_step_traces() -> int:
     return _num_traces
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
-def _step(graphdef, backend: str, params, kv_caches: list[jax.Array], plan: BatchPlan):
+def step_fn(graphdef, backend: str, params, kv_caches: list[jax.Array], plan: BatchPlan):
+    """One engine step as a pure function: returns (sampled ids i32[B], new kv_caches)."""
     global _num_traces
     _num_traces += 1  # runs at trace time only
     model = nnx.merge(graphdef, params)
@@ -39,6 +37,10 @@ def _step(graphdef, backend: str, params, kv_caches: list[jax.Array], plan: Batc
     sampled_ids = sample(logits, plan.temperature, plan.top_k, plan.top_p, plan.seeds,
                          plan.kv_lens)
     return sampled_ids, kv_caches
+
+
+# graphdef and backend are static; the KV cache is donated so XLA updates it in place.
+_step = jax.jit(step_fn, static_argnums=(0, 1), donate_argnums=(3,))
 
 
 class ModelRunner:

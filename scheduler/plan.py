@@ -66,38 +66,48 @@ def build_plan(output: "SchedulerOutput", kv_manager: "KVCacheManager",
     token_ids = np.zeros(padded_tokens, np.int32)
     positions = np.zeros(padded_tokens, np.int32)
     block_tables = np.full((padded_seqs, buckets.max_blocks_per_seq), NULL_BLOCK, np.int32)
-    kv_lens = np.zeros(padded_seqs, np.int32)
-    q_lens = np.zeros(padded_seqs, np.int32)
-    temperature = np.zeros(padded_seqs, np.float32)
-    top_k = np.full(padded_seqs, -1, np.int32)
-    top_p = np.ones(padded_seqs, np.float32)
-    seeds = np.zeros(padded_seqs, np.uint32)
-
-    offset = 0
-    for i, seq in enumerate(scheduled):
-        request, start, n = seq.request, seq.start, seq.num_new_tokens
+    tokens: list[int] = []
+    starts, q_lens_list, temps, top_ks, top_ps, seed_list = [], [], [], [], [], []
+    for i, (request, start, n) in enumerate(scheduled):
         if n == 1:
-            token_ids[offset] = request.token_id_at(start)
-            positions[offset] = start
+            tokens.append(request.token_id_at(start))
         else:
-            token_ids[offset:offset + n] = request.token_ids_slice(start, start + n)
-            positions[offset:offset + n] = np.arange(start, start + n, dtype=np.int32)
+            tokens.extend(request.token_ids_slice(start, start + n))
         table = kv_manager.get_block_table(request.request_id)
         block_tables[i, :len(table)] = table
-        kv_lens[i] = start + n
-        q_lens[i] = n
+        starts.append(start)
+        q_lens_list.append(n)
         params = request.sampling_params
-        temperature[i] = params.temperature
-        top_k[i] = params.top_k
-        top_p[i] = params.top_p
-        seeds[i] = request.seed
-        offset += n
+        temps.append(params.temperature)
+        top_ks.append(params.top_k)
+        top_ps.append(params.top_p)
+        seed_list.append(request.seed)
+
+    def padded(values, fill, dtype):
+        out = np.full(padded_seqs, fill, dtype)
+        out[:num_seqs] = values
+        return out
+
+    q_lens = padded(q_lens_list, 0, np.int32)
+    kv_lens = padded(starts, 0, np.int32) + q_lens
+    temperature = padded(temps, 0.0, np.float32)
+    top_k = padded(top_ks, -1, np.int32)
+    top_p = padded(top_ps, 1.0, np.float32)
+    seeds = padded(seed_list, 0, np.uint32)
+    token_ids[:num_tokens] = tokens
+    seq_of_token = np.repeat(np.arange(padded_seqs, dtype=np.int32), q_lens)
+    if output.kind == DECODE:
+        positions[:num_tokens] = starts
+    else:
+        # position of token t = start of its sequence + its offset inside the sequence's chunk
+        first_token = np.cumsum(q_lens) - q_lens
+        positions[:num_tokens] = (kv_lens - q_lens)[seq_of_token] + (
+            np.arange(num_tokens, dtype=np.int32) - first_token[seq_of_token])
 
     cu_q_lens = np.zeros(padded_seqs + 1, np.int32)
     np.cumsum(q_lens, out=cu_q_lens[1:])
     logits_indices = np.maximum(cu_q_lens[1:] - 1, 0).astype(np.int32)
     # Slots of real tokens; padding tokens keep slot 0, which lies in the null block.
-    seq_of_token = np.repeat(np.arange(padded_seqs, dtype=np.int32), q_lens)
     pos = positions[:num_tokens]
     slot_mapping = np.zeros(padded_tokens, np.int32)
     slot_mapping[:num_tokens] = (block_tables[seq_of_token, pos // block_size] * block_size

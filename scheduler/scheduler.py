@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.plan import DECODE, PREFILL
@@ -67,8 +67,7 @@ class SchedulerConfig:
                 f"must be >= max_model_len ({self.max_model_len}), or a long prompt never fits")
 
 
-@dataclasses.dataclass(frozen=True)
-class ScheduledSeq:
+class ScheduledSeq(NamedTuple):
     request: Request
     start: int  # position of the first token computed this step (= num_computed_tokens)
     num_new_tokens: int

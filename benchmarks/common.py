@@ -1,0 +1,66 @@
+"""Shared by the benchmarks: the seeded workload, environment facts, and result writing."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import platform
+import sys
+import time
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parent
+RESULTS = ROOT / "results"
+sys.path.insert(0, str(ROOT.parent))
+
+
+def lognormal_workload(num_requests: int, *, seed: int, max_model_len: int,
+                       prompt_mu: float = 5.0, prompt_sigma: float = 1.0,
+                       output_mu: float = 4.5, output_sigma: float = 1.0):
+    """(prompt_len, output_len) pairs, log-normal with long tails, clipped to max_model_len."""
+    rng = np.random.default_rng(seed)
+    pairs = []
+    for _ in range(num_requests):
+        prompt = int(np.clip(rng.lognormal(prompt_mu, prompt_sigma), 4, max_model_len * 3 // 4))
+        output = int(np.clip(rng.lognormal(output_mu, output_sigma), 1, max_model_len - prompt))
+        pairs.append((prompt, output))
+    return pairs
+
+
+def environment() -> dict:
+    env = {"python": platform.python_version(), "machine": platform.machine(),
+           "cpu_count": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
+    try:
+        import jax
+        env.update(jax=jax.__version__, backend=jax.default_backend(),
+                   device=str(jax.devices()[0].device_kind))
+    except ImportError:
+        pass
+    return env
+
+
+def markdown_table(rows: list[dict]) -> str:
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for row in rows:
+        cells = [f"{v:.4g}" if isinstance(v, float) else str(v) for v in row.values()]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_results(name: str, title: str, rows: list[dict], params: dict, notes: str = "") -> None:
+    """Prints the table and writes benchmarks/results/<name>.json and .md."""
+    RESULTS.mkdir(exist_ok=True)
+    env = environment()
+    table = markdown_table(rows)
+    print(f"\n{title}\n\n{table}\n")
+    (RESULTS / f"{name}.json").write_text(json.dumps(
+        {"benchmark": name, "environment": env, "params": params, "rows": rows}, indent=2) + "\n")
+    md = [f"# {title}", "", table, "", f"Parameters: `{json.dumps(params)}`", "",
+          f"Environment: `{json.dumps(env)}`", ""]
+    if notes:
+        md += [notes.strip(), ""]
+    md.append(f"Reproduce: `.venv/bin/python benchmarks/{name}.py`")
+    (RESULTS / f"{name}.md").write_text("\n".join(md) + "\n")
