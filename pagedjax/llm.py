@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import jax.numpy as jnp
 from tqdm.auto import tqdm
 
 from models import LlamaForCausalLM, get_config, init_model
@@ -13,12 +14,15 @@ from pagedjax.outputs import RequestOutput
 from scheduler import SamplingParams
 
 
-def load_model(model: str | LlamaForCausalLM, seed: int = 0) -> LlamaForCausalLM:
-    """A model object as is, or a named config from models.CONFIGS with seeded random weights."""
+def load_model(model: str | LlamaForCausalLM, seed: int = 0,
+               dtype: str = "float32") -> LlamaForCausalLM:
+    """A model object as is, or a named config from models.CONFIGS with seeded random weights
+    (parameters in f32, activations in dtype)."""
     if isinstance(model, LlamaForCausalLM):
         return model
     if isinstance(model, str):
-        return init_model(get_config(model), seed=seed)
+        compute_dtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
+        return init_model(get_config(model), seed=seed, dtype=compute_dtype)
     raise ValueError(f"model must be a config name or a LlamaForCausalLM, got {type(model)}")
 
 
@@ -27,7 +31,7 @@ class LLM:
 
     def __init__(self, model: str | LlamaForCausalLM = "demo-small", **engine_kwargs):
         config = EngineConfig.from_kwargs(**engine_kwargs)
-        self.engine = LLMEngine(load_model(model, seed=config.seed), config)
+        self.engine = LLMEngine(load_model(model, seed=config.seed, dtype=config.dtype), config)
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -3,8 +3,8 @@
 Axis letters: T query tokens, B sequences, P blocks per sequence, S block size, N query heads,
 K KV heads, G = N // K query heads per KV head, H head dim, NB physical blocks.
 
-The loop runs over logical blocks up to the longest live context, reading each sequence's blocks
-through its block table, with an online softmax in f32. It never touches blocks past a sequence's
+The loop runs over logical blocks up to the longest live context, a few blocks per iteration
+(C = KV_TOKENS_PER_ITER // S), reading each sequence's blocks through its block table, with an online softmax in f32. It never touches blocks past a sequence's
 kv_len, so NaN in unused pages cannot reach the output, and its cost follows the attended tokens,
 not the size of the pool or the table width.
 """
@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+# Keys read per loop iteration: a few blocks at a time, so the loop count (and its per-iteration
+# overhead) stays small while the working set stays bounded whatever the context length.
+KV_TOKENS_PER_ITER = 128
 
 
 def _attend_blocks(
@@ -23,21 +27,29 @@ def _attend_blocks(
     token_kv_lens: jax.Array,  # i32[T] kv_len of the token's sequence; 0 masks the token out
     block_tables: jax.Array,  # i32[B, P]
     *, scale: float, sliding_window: int | None, soft_cap: float | None,
+    kv_tokens_per_iter: int = KV_TOKENS_PER_ITER,
 ) -> jax.Array:  # [T, N, H]
     num_tokens, num_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size, _ = kv_cache.shape
-    block_tables = jnp.asarray(block_tables)
     group = num_heads // num_kv_heads
     qg = (q.astype(jnp.float32) * scale).reshape(num_tokens, num_kv_heads, group, head_dim)
+    # C blocks per iteration; the table is padded with the null block to a multiple of C.
+    width = block_tables.shape[1]
+    per_iter = max(1, min(width, kv_tokens_per_iter // block_size))
+    padded_width = -(-width // per_iter) * per_iter
+    block_tables = jnp.pad(jnp.asarray(block_tables), ((0, 0), (0, padded_width - width)))
     num_blocks = (jnp.max(token_kv_lens) + block_size - 1) // block_size
-    offsets = jnp.arange(block_size, dtype=jnp.int32)
+    num_iters = (num_blocks + per_iter - 1) // per_iter
+    offsets = jnp.arange(per_iter * block_size, dtype=jnp.int32)
 
     def body(j, carry):
         m, l, acc = carry
-        blocks = block_tables[seq_ids, j]  # i32[T]
-        k = kv_cache[0][:, blocks].astype(jnp.float32)  # [K, T, S, H]
-        v = kv_cache[1][:, blocks].astype(jnp.float32)
-        kv_pos = j * block_size + offsets  # i32[S]
+        cols = j * per_iter + jnp.arange(per_iter, dtype=jnp.int32)
+        blocks = block_tables[seq_ids[:, None], cols[None, :]]  # i32[T, C]
+        k_shape = (num_kv_heads, num_tokens, per_iter * block_size, head_dim)
+        k = kv_cache[0][:, blocks].reshape(k_shape).astype(jnp.float32)  # [K, T, C*S, H]
+        v = kv_cache[1][:, blocks].reshape(k_shape).astype(jnp.float32)
+        kv_pos = j * per_iter * block_size + offsets  # i32[C*S]
         mask = (kv_pos[None, :] <= q_positions[:, None]) & (
             kv_pos[None, :] < token_kv_lens[:, None])  # [T, S]
         if sliding_window is not None:
@@ -57,7 +69,7 @@ def _attend_blocks(
     init = (jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
             jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
             jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    _, l, acc = jax.lax.fori_loop(0, num_iters, body, init)
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 

@@ -117,3 +117,26 @@ def test_abort(tiny_model):
     assert engine.scheduler.kv_manager.num_used_blocks == 0
     engine.abort(b)  # finished already: a no-op
     assert engine.stats.num_aborted == 1
+
+
+def test_duplicate_request_id_is_rejected(tiny_model):
+    engine = LLMEngine(tiny_model, CONFIG)
+    engine.add_request([1, 2], SamplingParams(max_tokens=2), request_id="x")
+    before = snapshot(engine)
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request([3, 4], SamplingParams(max_tokens=2), request_id="x")
+    assert snapshot(engine) == before
+
+
+def test_abort_of_a_waiting_request(tiny_model):
+    engine = LLMEngine(tiny_model, dataclasses.replace(CONFIG, max_num_seqs=1, min_seq_bucket=1))
+    first = engine.add_request([1] * 8, SamplingParams(max_tokens=4))
+    second = engine.add_request([2] * 8, SamplingParams(max_tokens=4))
+    engine.step()
+    assert len(engine.scheduler.state.waiting) == 1
+    engine.abort(second)
+    assert not engine.scheduler.state.waiting
+    finished = []
+    while engine.has_unfinished():
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert finished == [first]

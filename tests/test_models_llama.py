@@ -82,3 +82,24 @@ def test_kv_bytes_per_token_formula():
     config = get_config("llama-3-8b")
     # 2 (K and V) * 32 layers * 8 KV heads * 128 head dim * 2 bytes = 128 KiB per token in bf16.
     assert config.kv_bytes_per_token(2) == 131072
+
+
+def test_bf16_paged_error_is_the_error_of_bf16_itself():
+    """bf16 changes tokens, so compare errors: the paged bf16 path may stray from the f32
+    reference no further than the dense bf16 path does (within 2x), i.e. paging adds no error
+    beyond the dtype's own rounding."""
+    model16 = init_model(CONFIG, seed=1, dtype=jnp.bfloat16)
+    model32 = init_model(CONFIG, seed=1)
+    tokens = np.random.default_rng(0).integers(0, CONFIG.vocab_size, 30)
+    ref = np.asarray(model32(jnp.asarray(tokens[None]))[0])
+    dense16 = np.asarray(model16(jnp.asarray(tokens[None]))[0], np.float32)
+    kv_caches = init_kv_cache(CONFIG.num_layers, 16, 4, CONFIG.num_kv_heads, CONFIG.head_dim,
+                              jnp.bfloat16)
+    table = np.array([3, 9, 1, 12, 5, 7, 2, 8, 0, 0], np.int32)
+    first, kv_caches = paged_logits(model16, kv_caches, tokens[:17], 0, table, 4)
+    second, _ = paged_logits(model16, kv_caches, tokens[17:], 17, table, 4)
+    paged16 = np.concatenate([np.asarray(first), np.asarray(second)]).astype(np.float32)
+    dense_err = np.abs(dense16 - ref).max()
+    paged_err = np.abs(paged16 - ref).max()
+    assert 0 < dense_err < 0.1 * np.abs(ref).max()
+    assert paged_err <= 2 * dense_err, (paged_err, dense_err)
