@@ -36,7 +36,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="demo-small")
     parser.add_argument("--num-requests", type=int, default=48)
-    parser.add_argument("--num-blocks", type=int, default=96)
+    parser.add_argument("--num-blocks", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--max-num-seqs", type=int, default=16)
@@ -86,6 +86,8 @@ def print_table(engine, outputs, elapsed: float) -> None:
         ("KV blocks used at peak", f"{stats.peak_used_blocks} "
                                    f"({stats.peak_used_tokens} tokens held)"),
         ("KV waste at peak", f"{100 * stats.peak_waste:.1f}%"),
+        ("max concurrent sequences", f"{stats.max_running}; reserving max_model_len each "
+                                     f"would need {stats.max_running * engine.config.max_blocks_per_seq} blocks"),
         ("preemptions", f"{stats.num_preemptions}"),
         ("compiled programs", f"{engine.num_compiled_programs} "
                               f"(bound {engine.buckets.num_programs})"),

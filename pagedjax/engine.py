@@ -120,8 +120,9 @@ class LLMEngine:
         stats.num_finished += sum(r.status.finished for r in advanced)
         stats.num_preemptions = self.scheduler.state.num_preemptions
         # Right after the step every running request holds exactly its computed tokens.
-        used_tokens = sum(r.num_computed_tokens for r in self.scheduler.state.running)
-        stats.record_usage(self.scheduler.kv_manager.num_used_blocks, used_tokens)
+        running = self.scheduler.state.running
+        used_tokens = sum(r.num_computed_tokens for r in running)
+        stats.record_usage(self.scheduler.kv_manager.num_used_blocks, used_tokens, len(running))
 
     def warmup(self) -> int:
         """Compiles every step program the buckets allow; returns the number of shapes run."""

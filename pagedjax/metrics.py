@@ -19,9 +19,11 @@ class EngineStats:
     num_preemptions: int = 0
     peak_used_blocks: int = 0
     peak_used_tokens: int = 0  # tokens held in the KV cache at the block-usage peak
+    max_running: int = 0  # most sequences holding KV at once
     step_time_s: float = 0.0  # wall time inside runner.step, summed
 
-    def record_usage(self, used_blocks: int, used_tokens: int) -> None:
+    def record_usage(self, used_blocks: int, used_tokens: int, num_running: int) -> None:
+        self.max_running = max(self.max_running, num_running)
         if used_blocks > self.peak_used_blocks:
             self.peak_used_blocks = used_blocks
             self.peak_used_tokens = used_tokens
