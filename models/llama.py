@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import LlamaConfig
-from pallas_kernels import AttentionMetadata, paged_attention
+from pallas_kernels import AttentionBackend, AttentionMetadata, paged_attention
 
 
 class RMSNorm(nnx.Module):
@@ -79,7 +79,7 @@ class Attention(nnx.Module):
         return self.o_proj(out.reshape(batch, length, self.num_heads * self.head_dim))
 
     def forward_paged(self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
-                      metadata: AttentionMetadata, backend: str):
+                      metadata: AttentionMetadata, backend: AttentionBackend):
         q, k, v = self._qkv(x, positions)  # [T, N, H], [T, K, H], [T, K, H]
         out, kv_cache = paged_attention(q, k, v, kv_cache, metadata,
                                         scale=self.head_dim ** -0.5, backend=backend)
@@ -150,7 +150,7 @@ class LlamaForCausalLM(nnx.Module):
         token_ids: jax.Array,  # i32[T]
         positions: jax.Array,  # i32[T]
         metadata: AttentionMetadata,
-        backend: str = "reference",
+        backend: AttentionBackend = AttentionBackend(),
     ) -> tuple[jax.Array, list[jax.Array]]:  # ([T, D] pre-norm hidden, new caches)
         x = self.embed_tokens(token_ids)
         new_caches = []

@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 
+from pallas_kernels import BACKEND_NAMES
 from scheduler import POLICIES, VICTIM_POLICIES, SchedulerConfig, ShapeBuckets, cdiv
 
 DTYPES = ("float32", "bfloat16")
@@ -27,7 +28,8 @@ class EngineConfig:
     victim_policy: str = "lifo"
     watermark: float = 0.01
     dtype: str = "float32"  # activations and KV cache
-    attention_backend: str = "auto"
+    attention_backend: str = "auto"  # auto | reference | gpu
+    attention_interpret: bool = False  # run the Pallas kernels through the interpreter (CPU)
     min_token_bucket: int = 16
     min_seq_bucket: int = 1
     seed: int = 0
@@ -49,6 +51,9 @@ class EngineConfig:
                              f"got {self.kv_cache_memory_bytes!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.attention_backend not in BACKEND_NAMES:
+            raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, "
+                             f"got {self.attention_backend!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.victim_policy not in VICTIM_POLICIES:

@@ -57,7 +57,7 @@ def main(argv=None) -> None:
     elapsed = time.perf_counter() - start
 
     print(f"\nmodel {args.model}: {engine.model_config.num_params / 1e6:.2f} M parameters, "
-          f"random weights (seed {args.seed}); attention backend {engine.runner.backend}")
+          f"random weights (seed {args.seed}); attention backend {engine.runner.backend.name}")
     print(f"{'id':>3} {'prompt':>6} {'output':>6} {'finish':>6} {'TTFT s':>7}  first output ids")
     for out in outputs[:8]:
         ttft = out.metrics.ttft

@@ -12,7 +12,7 @@ from pagedjax.config import EngineConfig
 from pagedjax.metrics import EngineStats
 from pagedjax.outputs import RequestOutput
 from pagedjax.runner import ModelRunner, kv_dtype
-from pallas_kernels import kv_cache_bytes_per_block
+from pallas_kernels import kv_cache_bytes_per_block, resolve_backend
 from scheduler import DECODE, Request, SamplingParams, Scheduler, build_plan
 
 
@@ -27,15 +27,19 @@ class LLMEngine:
         self.config = config
         self.model_config = model_config
         self.clock = clock
+        self.backend = resolve_backend(config.attention_backend, config.attention_interpret)
+        if self.backend.name == "gpu" and config.block_size & (config.block_size - 1):
+            raise ValueError(f"block_size must be a power of two for the gpu attention backend, "
+                             f"got {config.block_size}")
         self.bytes_per_block = kv_cache_bytes_per_block(
             model_config.num_layers, config.block_size, model_config.num_kv_heads,
-            model_config.head_dim, config.np_dtype)
+            model_config.head_dim, config.np_dtype, self.backend.name)
         self.num_blocks = config.resolve_num_blocks(self.bytes_per_block)
         self.buckets = config.buckets()
         self.scheduler = Scheduler(config.scheduler_config(), self.num_blocks, config.block_size)
         self.runner = ModelRunner(model, num_blocks=self.num_blocks,
                                   block_size=config.block_size, dtype=kv_dtype(config.dtype),
-                                  attention_backend=config.attention_backend)
+                                  backend=self.backend)
         self.stats = EngineStats(num_blocks=self.num_blocks - 1, block_size=config.block_size)
         self._seed_rng = np.random.default_rng(config.seed)
         self._next_id = 0

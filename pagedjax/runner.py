@@ -9,7 +9,7 @@ from flax import nnx
 
 from models import LlamaForCausalLM
 from pagedjax.sampler import sample
-from pallas_kernels import AttentionMetadata, init_kv_cache, resolve_backend
+from pallas_kernels import AttentionBackend, AttentionMetadata, init_kv_cache
 from scheduler import ARRAY_FIELDS, DECODE, NULL_BLOCK, PREFILL, STATIC_FIELDS, BatchPlan
 
 jax.tree_util.register_dataclass(BatchPlan, data_fields=list(ARRAY_FIELDS),
@@ -23,7 +23,7 @@ def num_step_traces() -> int:
     return _num_traces
 
 
-def step_fn(graphdef, backend: str, params, kv_caches: list[jax.Array], plan: BatchPlan):
+def step_fn(graphdef, backend: AttentionBackend, params, kv_caches: list[jax.Array], plan: BatchPlan):
     """One engine step as a pure function: returns (sampled ids i32[B], new kv_caches)."""
     global _num_traces
     _num_traces += 1  # runs at trace time only
@@ -47,12 +47,12 @@ class ModelRunner:
     """Owns the model's parameters and the KV cache on device and runs steps from BatchPlans."""
 
     def __init__(self, model: LlamaForCausalLM, *, num_blocks: int, block_size: int,
-                 dtype, attention_backend: str = "auto"):
+                 dtype, backend: AttentionBackend = AttentionBackend()):
         config = model.config
         self.graphdef, self.params = nnx.split(model)
-        self.backend = resolve_backend(attention_backend)
+        self.backend = backend
         self.kv_caches = init_kv_cache(config.num_layers, num_blocks, block_size,
-                                       config.num_kv_heads, config.head_dim, dtype)
+                                       config.num_kv_heads, config.head_dim, dtype, backend.name)
         self.step_shapes: set[tuple[str, int, int]] = set()
 
     def step(self, plan: BatchPlan) -> np.ndarray:

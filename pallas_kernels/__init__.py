@@ -1,17 +1,22 @@
 """Paged attention: the pure-jnp reference, the KV-cache layout and backend dispatch.
 
-Pallas kernels for GPU and TPU register themselves in `attention.BACKENDS` beside the reference.
+Pallas kernels (GPU: Triton lowering) sit beside the reference in `attention.IMPLEMENTATIONS`.
 """
 
-from pallas_kernels.attention import (BACKENDS, AttentionMetadata, Backend, paged_attention,
+from pallas_kernels.attention import (BACKEND_NAMES, IMPLEMENTATIONS, AttentionBackend,
+                                      AttentionMetadata, Implementation, paged_attention,
                                       resolve_backend)
-from pallas_kernels.layout import (init_kv_cache, kv_cache_bytes_per_block, kv_cache_shape,
-                                   write_kv_reference)
+from pallas_kernels.gpu_decode import paged_decode_attention_gpu
+from pallas_kernels.gpu_prefill import ragged_paged_attention_gpu
+from pallas_kernels.layout import (cache_head_dim, init_kv_cache, kv_cache_bytes_per_block,
+                                   kv_cache_shape, write_kv_reference)
 from pallas_kernels.reference import (paged_decode_attention_reference,
                                       ragged_paged_attention_reference)
 
 __all__ = [
-    "BACKENDS", "AttentionMetadata", "Backend", "paged_attention", "resolve_backend",
-    "init_kv_cache", "kv_cache_bytes_per_block", "kv_cache_shape", "write_kv_reference",
+    "BACKEND_NAMES", "IMPLEMENTATIONS", "AttentionBackend", "AttentionMetadata",
+    "Implementation", "paged_attention", "resolve_backend", "paged_decode_attention_gpu",
+    "ragged_paged_attention_gpu", "cache_head_dim", "init_kv_cache", "kv_cache_bytes_per_block",
+    "kv_cache_shape", "write_kv_reference",
     "paged_decode_attention_reference", "ragged_paged_attention_reference",
 ]

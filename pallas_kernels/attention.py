@@ -7,6 +7,8 @@ from typing import Callable, NamedTuple
 
 import jax
 
+from pallas_kernels.gpu_decode import paged_decode_attention_gpu
+from pallas_kernels.gpu_prefill import ragged_paged_attention_gpu
 from pallas_kernels.layout import write_kv_reference
 from pallas_kernels.reference import (paged_decode_attention_reference,
                                       ragged_paged_attention_reference)
@@ -30,37 +32,51 @@ jax.tree_util.register_dataclass(
     meta_fields=["decode_only"])
 
 
-class Backend(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class AttentionBackend:
+    """Which implementation runs (static under jit). interpret runs a Pallas kernel through the
+    Pallas interpreter, so GPU and TPU kernels execute on a CPU in tests."""
+
+    name: str = "reference"
+    interpret: bool = False
+
+
+class Implementation(NamedTuple):
     ragged: Callable  # (q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs, **opts)
     decode: Callable  # (q, kv_cache, kv_lens, block_tables, num_seqs, **opts)
     write_kv: Callable  # (kv_cache, k, v, slot_mapping) -> kv_cache
+    pallas: bool  # takes interpret=
 
 
-BACKENDS: dict[str, Backend] = {
-    "reference": Backend(ragged_paged_attention_reference, paged_decode_attention_reference,
-                         write_kv_reference),
+IMPLEMENTATIONS: dict[str, Implementation] = {
+    "reference": Implementation(ragged_paged_attention_reference,
+                                paged_decode_attention_reference, write_kv_reference, False),
+    "gpu": Implementation(ragged_paged_attention_gpu, paged_decode_attention_gpu,
+                          write_kv_reference, True),
 }
+BACKEND_NAMES = ("auto", *IMPLEMENTATIONS)
 
 
-def resolve_backend(name: str) -> str:
-    """Maps a configured backend name to a registered one; 'auto' picks by jax.default_backend()."""
+def resolve_backend(name: str, interpret: bool = False) -> AttentionBackend:
+    """'auto' picks the kernel family of jax.default_backend() (the reference on CPU)."""
     if name == "auto":
         platform = jax.default_backend()
-        return platform if platform in BACKENDS else "reference"
-    if name not in BACKENDS:
-        raise ValueError(f"attention backend must be 'auto' or one of {sorted(BACKENDS)}, "
-                         f"got {name!r}")
-    return name
+        name = platform if platform in IMPLEMENTATIONS else "reference"
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(f"attention backend must be one of {BACKEND_NAMES}, got {name!r}")
+    if interpret and not IMPLEMENTATIONS[name].pallas:
+        raise ValueError(f"attention_interpret applies to Pallas backends, not {name!r}")
+    return AttentionBackend(name, interpret)
 
 
 def paged_attention(
     q: jax.Array,  # [T, N, H]
     k: jax.Array,  # [T, K, H] this step's keys, written before attending
     v: jax.Array,  # [T, K, H]
-    kv_cache: jax.Array,  # [2, K, NB, S, H]
+    kv_cache: jax.Array,  # [2, K, NB, S, Hc]
     metadata: AttentionMetadata,
-    *, scale: float, backend: str = "reference", sliding_window: int | None = None,
-    soft_cap: float | None = None,
+    *, scale: float, backend: AttentionBackend = AttentionBackend(),
+    sliding_window: int | None = None, soft_cap: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:  # ([T, N, H], new kv_cache)
     """Writes the step's K/V into their slots, then attends through the block tables."""
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
@@ -69,9 +85,11 @@ def paged_attention(
     if metadata.decode_only and q.shape[0] != metadata.block_tables.shape[0]:
         raise ValueError(f"a decode step needs one token per row: {q.shape[0]=} != "
                          f"{metadata.block_tables.shape[0]=}")
-    impl = BACKENDS[resolve_backend(backend)]
+    impl = IMPLEMENTATIONS[backend.name]
     kv_cache = impl.write_kv(kv_cache, k, v, metadata.slot_mapping)
     opts = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if impl.pallas:
+        opts["interpret"] = backend.interpret
     if metadata.decode_only:
         out = impl.decode(q, kv_cache, metadata.kv_lens, metadata.block_tables,
                           metadata.num_seqs, **opts)

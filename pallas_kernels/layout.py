@@ -1,8 +1,11 @@
 """The KV-cache layout. Only pallas_kernels indexes the cache; everyone else asks this module.
 
-One array per layer, K and V stacked in front: f32|bf16[2, K, NB, S, H]
-(2 = key/value, K KV heads, NB physical blocks, S block size, H head dim). A page of one KV head is
-contiguous, the layout JAX's shipped paged-attention ops read. Block 0 is the null block.
+One array per layer, K and V stacked in front: f32|bf16[2, K, NB, S, Hc]
+(2 = key/value, K KV heads, NB physical blocks, S block size, Hc the cache head dim). A page of one
+KV head is contiguous, the layout JAX's shipped paged-attention ops read. Block 0 is the null block.
+
+Hc is the model's head dim H, except for the GPU (Triton) kernels, whose tiles must be powers of
+two of at least 16: there H is zero-padded, e.g. 80 -> 128 (zeros change no dot product).
 """
 
 from __future__ import annotations
@@ -12,26 +15,36 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
-                   head_dim: int) -> tuple[int, ...]:
+PADDED_HEAD_DIM_BACKENDS = ("gpu",)
+
+
+def cache_head_dim(head_dim: int, backend: str = "reference") -> int:
+    if backend in PADDED_HEAD_DIM_BACKENDS:
+        return max(16, 1 << (head_dim - 1).bit_length())
+    return head_dim
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                   backend: str = "reference") -> tuple[int, ...]:
     """Shape of one layer's cache."""
-    return (2, num_kv_heads, num_blocks, block_size, head_dim)
+    return (2, num_kv_heads, num_blocks, block_size, cache_head_dim(head_dim, backend))
 
 
 def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                             dtype) -> int:
-    """Bytes of one physical block across all layers: 2 * L * S * K * H * itemsize."""
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * np.dtype(dtype).itemsize
+                             dtype, backend: str = "reference") -> int:
+    """Bytes of one physical block across all layers: 2 * L * S * K * Hc * itemsize."""
+    return (2 * num_layers * block_size * num_kv_heads * cache_head_dim(head_dim, backend)
+            * np.dtype(dtype).itemsize)
 
 
 def init_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                  head_dim: int, dtype) -> list[jax.Array]:
-    shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+                  head_dim: int, dtype, backend: str = "reference") -> list[jax.Array]:
+    shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim, backend)
     return [jnp.zeros(shape, dtype) for _ in range(num_layers)]
 
 
 def write_kv_reference(
-    kv_cache: jax.Array,  # [2, K, NB, S, H]
+    kv_cache: jax.Array,  # [2, K, NB, S, Hc]
     k: jax.Array,  # [T, K, H]
     v: jax.Array,  # [T, K, H]
     slot_mapping: jax.Array,  # i32[T] block * S + offset; padding tokens point into the null block
@@ -40,5 +53,7 @@ def write_kv_reference(
     _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
     flat = kv_cache.reshape(2, num_kv_heads, num_blocks * block_size, head_dim)
     new = jnp.stack([k, v]).astype(kv_cache.dtype).transpose(0, 2, 1, 3)  # [2, K, T, H]
+    if new.shape[-1] < head_dim:  # a padded cache layout (see cache_head_dim)
+        new = jnp.pad(new, ((0, 0), (0, 0), (0, 0), (0, head_dim - new.shape[-1])))
     flat = flat.at[:, :, slot_mapping].set(new, mode="promise_in_bounds")
     return flat.reshape(kv_cache.shape)

@@ -80,8 +80,11 @@ def test_bad_engine_config(kwargs, field):
 def test_unknown_config_field_and_backend(tiny_model):
     with pytest.raises(ValueError, match="unknown engine config field"):
         LLM(tiny_model, blok_size=16)
-    with pytest.raises(ValueError, match="attention backend"):
+    with pytest.raises(ValueError, match="attention_backend"):
         LLMEngine(tiny_model, dataclasses.replace(CONFIG, attention_backend="cuda-magic"))
+    with pytest.raises(ValueError, match="power of two"):
+        LLMEngine(tiny_model, dataclasses.replace(CONFIG, attention_backend="gpu", block_size=6,
+                                                  attention_interpret=True))
     with pytest.raises(ValueError, match="max_position_embeddings"):
         LLMEngine(tiny_model, dataclasses.replace(CONFIG, max_model_len=4096,
                                                   max_num_batched_tokens=4096))

@@ -198,7 +198,10 @@ def test_paged_attention_writes_then_attends():
 
 
 def test_backend_names_are_checked():
-    from pallas_kernels import resolve_backend
-    assert resolve_backend("auto") == "reference"  # on CPU
+    from pallas_kernels import AttentionBackend, resolve_backend
+    assert resolve_backend("auto") == AttentionBackend("reference")  # on CPU
+    assert resolve_backend("gpu", interpret=True) == AttentionBackend("gpu", True)
     with pytest.raises(ValueError, match="attention backend"):
         resolve_backend("cuda-magic")
+    with pytest.raises(ValueError, match="attention_interpret"):
+        resolve_backend("reference", interpret=True)

@@ -1,0 +1,170 @@
+"""Paged decode attention for GPU: Pallas with the Triton lowering, split-K (flash-decoding).
+
+Axis letters: B sequences, N query heads, K KV heads, G = N // K, Gp = G padded to the minimum dot
+size, H head dim (Hp: padded to a power of two in the GPU cache layout), S block size, P table
+width, C blocks per compute step, NB physical blocks.
+
+Grid (B, K, num_splits): one program per sequence, KV head and slice of the context. A program
+loads its query-head group once and walks only the blocks below the sequence's kv_len (never the
+padded table width), C blocks per step, with an online softmax; a second pass outside the kernel
+combines the splits. The KV cache is passed with memory_space=ANY and indexed through the block
+table inside the kernel, so no BlockSpec ever copies the pool.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: no inf - inf in the softmax
+MIN_DOT_SIZE = 16  # Triton's tl.dot needs every dimension >= 16
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _decode_kernel(
+    kv_lens_ref,  # i32[B]                    (ANY) 0 for padding rows
+    block_tables_ref,  # i32[B, Pp]           (ANY) padded with the null block
+    q_ref,  # [Gp, Hp]                        this program's query-head group
+    kv_ref,  # [2, K, NB, S, Hp]              (ANY) the whole layer cache
+    o_ref,  # f32[Gp, Hp]                     unnormalised output of this split
+    l_ref,  # f32[Gp]                         softmax denominator of this split
+    m_ref,  # f32[Gp]                         running max of this split
+    *, pages_per_split: int, pages_per_step: int, scale: float,
+    sliding_window: int | None, soft_cap: float | None,
+):
+    seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    block_size, head_dim = kv_ref.shape[3], kv_ref.shape[4]
+    block_k = pages_per_step * block_size
+    kv_len = kv_lens_ref[seq]
+    first_page = split * pages_per_split
+    if sliding_window is not None:  # the query at kv_len - 1 sees positions >= kv_len - window
+        first_page = jnp.maximum(first_page, jnp.maximum(kv_len - sliding_window, 0) // block_size)
+    end_page = jnp.minimum((split + 1) * pages_per_split, pl.cdiv(kv_len, block_size))
+    q = q_ref[...]
+    num_rows = q.shape[0]
+
+    def body(i, carry):
+        o, m, l = carry
+        page = first_page + i * pages_per_step
+        blocks = block_tables_ref[seq, pl.ds(page, pages_per_step)]  # i32[C]
+        k = kv_ref[0, head, blocks].reshape(block_k, head_dim)  # [C*S, Hp]
+        v = kv_ref[1, head, blocks].reshape(block_k, head_dim)
+        kv_pos = page * block_size + jnp.arange(block_k, dtype=jnp.int32)
+        valid = kv_pos < kv_len
+        if sliding_window is not None:
+            valid &= kv_pos >= kv_len - sliding_window
+        # Zero what lies past kv_len: pages there may hold anything, NaN included.
+        k = jnp.where(valid[:, None], k, jnp.zeros_like(k))
+        v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
+        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale  # [Gp, C*S]
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        s = jnp.where(valid[None, :], s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        correction = jnp.exp(m - m_new)
+        p = jnp.where(valid[None, :], jnp.exp(s - m_new[:, None]), 0.0)
+        l = l * correction + jnp.sum(p, axis=1)
+        o = o * correction[:, None] + jnp.dot(p.astype(v.dtype), v,
+                                              preferred_element_type=jnp.float32)
+        return o, m_new, l
+
+    num_steps = pl.cdiv(jnp.maximum(end_page - first_page, 0), pages_per_step)
+    init = (jnp.zeros((num_rows, head_dim), jnp.float32),
+            jnp.full((num_rows,), MASK_VALUE, jnp.float32),
+            jnp.zeros((num_rows,), jnp.float32))
+    o, m, l = jax.lax.fori_loop(0, num_steps, body, init)
+    o_ref[...] = o
+    l_ref[...] = l
+    m_ref[...] = m
+
+
+def combine_splits(o, l, m):
+    """Merges per-split partial softmaxes: o f32[X, ..., Hp], l and m f32[X, ...]."""
+    m_max = jnp.max(m, axis=0)
+    weight = jnp.exp(m - m_max[None])
+    denom = jnp.sum(l * weight, axis=0)
+    out = jnp.sum(o * weight[..., None], axis=0)
+    return jnp.where(denom[..., None] > 0, out / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
+
+
+def choose_num_splits(num_programs: int, max_pages: int, pages_per_step: int,
+                      target_programs: int = 512) -> int:
+    """Splits the context only when batch x KV heads alone leaves the GPU underfilled."""
+    splits = max(1, target_programs // max(num_programs, 1))
+    splits = min(splits, max(1, max_pages // pages_per_step))
+    return 1 << (splits.bit_length() - 1)  # a power of two, <= splits
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "scale", "sliding_window", "soft_cap", "pages_per_step", "num_splits", "num_warps",
+    "num_stages", "interpret"))
+def paged_decode_attention_gpu(
+    q: jax.Array,  # [B, N, H]
+    kv_cache: jax.Array,  # [2, K, NB, S, Hp], this step's K/V already written
+    kv_lens: jax.Array,  # i32[B]
+    block_tables: jax.Array,  # i32[B, P]
+    num_seqs: jax.Array,  # i32[] only the first num_seqs rows are valid
+    *, scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+    pages_per_step: int = 8, num_splits: int | None = None, num_warps: int = 4,
+    num_stages: int = 2, interpret: bool = False,
+) -> jax.Array:  # [B, N, H]; 0 for padding rows
+    batch, num_heads, head_dim = q.shape
+    _, num_kv_heads, _, block_size, padded_head_dim = kv_cache.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
+    if padded_head_dim < head_dim:
+        raise ValueError(f"cache head dim {padded_head_dim} < query head dim {head_dim}")
+    group = num_heads // num_kv_heads
+    padded_group = max(MIN_DOT_SIZE, next_power_of_2(group))
+    width = block_tables.shape[1]
+    pages_per_step = min(pages_per_step, next_power_of_2(width))
+    if num_splits is None:
+        num_splits = choose_num_splits(batch * num_kv_heads, width, pages_per_step)
+    pages_per_split = pl.cdiv(pl.cdiv(width, num_splits), pages_per_step) * pages_per_step
+    # Room for the last step of the last split (and a window-shifted start) to read past P.
+    padded_width = pages_per_split * num_splits + pages_per_step
+    tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_width - width)))
+    lens = jnp.where(jnp.arange(batch) < num_seqs, kv_lens, 0).astype(jnp.int32)
+    qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(kv_cache.dtype)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, padded_group - group),
+                      (0, padded_head_dim - head_dim)))
+
+    kernel = functools.partial(
+        _decode_kernel, pages_per_split=pages_per_split, pages_per_step=pages_per_step,
+        scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    o, l, m = pl.pallas_call(
+        kernel,
+        grid=(batch, num_kv_heads, num_splits),
+        in_specs=[
+            any_spec,  # kv_lens
+            any_spec,  # block_tables
+            pl.BlockSpec((None, None, padded_group, padded_head_dim),
+                         lambda b, h, s: (b, h, 0, 0)),  # q
+            any_spec,  # kv_cache
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, padded_group, padded_head_dim),
+                         lambda b, h, s: (s, b, h, 0, 0)),  # o
+            pl.BlockSpec((None, None, None, padded_group), lambda b, h, s: (s, b, h, 0)),  # l
+            pl.BlockSpec((None, None, None, padded_group), lambda b, h, s: (s, b, h, 0)),  # m
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((num_splits, batch, num_kv_heads, padded_group,
+                                  padded_head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((num_splits, batch, num_kv_heads, padded_group), jnp.float32),
+            jax.ShapeDtypeStruct((num_splits, batch, num_kv_heads, padded_group), jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="paged_decode_attention_gpu",
+    )(lens, tables, qg, kv_cache)
+    out = combine_splits(o, l, m)[:, :, :group, :head_dim]
+    return out.reshape(batch, num_heads, head_dim).astype(q.dtype)

@@ -1,0 +1,172 @@
+"""Ragged paged attention for GPU (chunked prefill and mixed batches): Pallas, Triton lowering.
+
+Axis letters as in gpu_decode; T tokens, BQ query tokens per tile, NT tiles.
+
+Each sequence's query tokens (cu_q_lens) are cut into tiles of BQ tokens, starting at the
+sequence's first token, so a tile never spans two sequences. Grid (NT, K) with
+NT = cdiv(T, BQ) + B, an upper bound on the tile count; spare programs exit at once. A program
+takes its BQ tokens x G query heads as the rows of one dot, walks the sequence's blocks up to its
+last token's position (causal within the chunk, full attention to the cached prefix), and writes
+its own output tile, which the wrapper gathers back into token order: no two programs write the
+same memory, and no masked stores are needed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.gpu_decode import MASK_VALUE, next_power_of_2
+
+
+def _ragged_kernel(
+    tile_seq_ref,  # i32[NT]              (ANY) sequence of each tile; -1 for spare tiles
+    tile_start_ref,  # i32[NT]            (ANY) first token of each tile
+    cu_q_lens_ref,  # i32[B + 1]          (ANY)
+    kv_lens_ref,  # i32[B]                (ANY)
+    block_tables_ref,  # i32[B, Pp]       (ANY)
+    q_ref,  # [T + BQ, K, Gp, Hp]         (ANY)
+    kv_ref,  # [2, K, NB, S, Hp]          (ANY)
+    o_ref,  # f32[BQ, Gp, Hp]             this program's output tile
+    *, tile_q: int, pages_per_step: int, scale: float, sliding_window: int | None,
+    soft_cap: float | None,
+):
+    tile, head = pl.program_id(0), pl.program_id(1)
+    block_size, head_dim = kv_ref.shape[3], kv_ref.shape[4]
+    group = q_ref.shape[2]
+    block_k = pages_per_step * block_size
+    num_rows = tile_q * group
+    seq = tile_seq_ref[tile]
+    live = seq >= 0
+    seq = jnp.maximum(seq, 0)
+    start = tile_start_ref[tile]
+    q_end = cu_q_lens_ref[seq + 1]
+    kv_len = kv_lens_ref[seq]
+    # Absolute position of each row's token; rows past the sequence's last token are dead.
+    offset = kv_len - (q_end - cu_q_lens_ref[seq])
+    token = start + jnp.arange(num_rows, dtype=jnp.int32) // group
+    row_live = (token < q_end) & live
+    q_pos = offset + token - cu_q_lens_ref[seq]
+    last_pos = offset + jnp.minimum(start + tile_q, q_end) - 1 - cu_q_lens_ref[seq]
+    first_page = 0
+    if sliding_window is not None:
+        first_page = jnp.maximum(offset + start - cu_q_lens_ref[seq] - sliding_window + 1,
+                                 0) // block_size
+    end_page = jnp.where(live, pl.cdiv(last_pos + 1, block_size), 0)
+    q = q_ref[pl.ds(start, tile_q), head].reshape(num_rows, head_dim)
+
+    def body(i, carry):
+        o, m, l = carry
+        page = first_page + i * pages_per_step
+        blocks = block_tables_ref[seq, pl.ds(page, pages_per_step)]
+        k = kv_ref[0, head, blocks].reshape(block_k, head_dim)
+        v = kv_ref[1, head, blocks].reshape(block_k, head_dim)
+        kv_pos = page * block_size + jnp.arange(block_k, dtype=jnp.int32)
+        col_live = kv_pos <= last_pos
+        k = jnp.where(col_live[:, None], k, jnp.zeros_like(k))
+        v = jnp.where(col_live[:, None], v, jnp.zeros_like(v))
+        visible = (kv_pos[None, :] <= q_pos[:, None]) & row_live[:, None]
+        if sliding_window is not None:
+            visible &= kv_pos[None, :] > q_pos[:, None] - sliding_window
+        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale  # [BQ*Gp, C*S]
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        s = jnp.where(visible, s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        correction = jnp.exp(m - m_new)
+        p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
+        l = l * correction + jnp.sum(p, axis=1)
+        o = o * correction[:, None] + jnp.dot(p.astype(v.dtype), v,
+                                              preferred_element_type=jnp.float32)
+        return o, m_new, l
+
+    num_steps = pl.cdiv(jnp.maximum(end_page - first_page, 0), pages_per_step)
+    init = (jnp.zeros((num_rows, head_dim), jnp.float32),
+            jnp.full((num_rows,), MASK_VALUE, jnp.float32),
+            jnp.zeros((num_rows,), jnp.float32))
+    o, _, l = jax.lax.fori_loop(0, num_steps, body, init)
+    o = jnp.where(l[:, None] > 0, o / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
+    o_ref[...] = o.reshape(tile_q, group, head_dim)
+
+
+def tile_layout(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int, tile_q: int):
+    """Cuts each sequence's tokens into tiles of tile_q, starting at its first token.
+
+    Returns (tile_seq i32[NT] with -1 for spare tiles, tile_start i32[NT], and for each token its
+    tile and row: token_tile i32[T], token_row i32[T]); NT = cdiv(T, tile_q) + B.
+    """
+    num_rows = cu_q_lens.shape[0] - 1
+    num_tiles = pl.cdiv(num_tokens, tile_q) + num_rows
+    q_lens = jnp.where(jnp.arange(num_rows) < num_seqs, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+    tiles_per_seq = (q_lens + tile_q - 1) // tile_q
+    cu_tiles = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(tiles_per_seq)])
+    t = jnp.arange(num_tiles, dtype=jnp.int32)
+    seq = jnp.searchsorted(cu_tiles[1:], t, side="right").astype(jnp.int32)
+    live = t < cu_tiles[-1]
+    seq_c = jnp.minimum(seq, num_rows - 1)
+    tile_start = cu_q_lens[seq_c] + (t - cu_tiles[seq_c]) * tile_q
+    tile_seq = jnp.where(live, seq_c, -1)
+    tile_start = jnp.where(live, tile_start, 0)
+    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
+    token_seq = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], tokens, side="right"), num_rows - 1)
+    local = tokens - cu_q_lens[token_seq]
+    token_tile = jnp.minimum(cu_tiles[token_seq] + local // tile_q, num_tiles - 1)
+    return tile_seq, tile_start.astype(jnp.int32), token_tile, local % tile_q
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "scale", "sliding_window", "soft_cap", "tile_q", "pages_per_step", "num_warps",
+    "num_stages", "interpret"))
+def ragged_paged_attention_gpu(
+    q: jax.Array,  # [T, N, H]
+    kv_cache: jax.Array,  # [2, K, NB, S, Hp], this step's K/V already written
+    kv_lens: jax.Array,  # i32[B]
+    block_tables: jax.Array,  # i32[B, P]
+    cu_q_lens: jax.Array,  # i32[B + 1]
+    num_seqs: jax.Array,  # i32[]
+    *, scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+    tile_q: int = 16, pages_per_step: int = 4, num_warps: int = 4, num_stages: int = 2,
+    interpret: bool = False,
+) -> jax.Array:  # [T, N, H]; 0 for padding tokens
+    num_tokens, num_heads, head_dim = q.shape
+    _, num_kv_heads, _, block_size, padded_head_dim = kv_cache.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
+    group = num_heads // num_kv_heads
+    padded_group = next_power_of_2(group)
+    width = block_tables.shape[1]
+    pages_per_step = min(pages_per_step, next_power_of_2(width))
+    padded_width = (pl.cdiv(width, pages_per_step) + 1) * pages_per_step
+    tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_width - width)))
+    cu_q_lens = cu_q_lens.astype(jnp.int32)
+    tile_seq, tile_start, token_tile, token_row = tile_layout(cu_q_lens, num_seqs, num_tokens,
+                                                              tile_q)
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(kv_cache.dtype)
+    qg = jnp.pad(qg, ((0, tile_q), (0, 0), (0, padded_group - group),
+                      (0, padded_head_dim - head_dim)))
+    num_tiles = tile_seq.shape[0]
+
+    kernel = functools.partial(
+        _ragged_kernel, tile_q=tile_q, pages_per_step=pages_per_step, scale=scale,
+        sliding_window=sliding_window, soft_cap=soft_cap)
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    tiles = pl.pallas_call(
+        kernel,
+        grid=(num_tiles, num_kv_heads),
+        in_specs=[any_spec] * 7,  # tile_seq, tile_start, cu_q_lens, kv_lens, tables, q, cache
+        out_specs=pl.BlockSpec((None, tile_q, None, padded_group, padded_head_dim),
+                               lambda t, h: (t, 0, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct(
+            (num_tiles, tile_q, num_kv_heads, padded_group, padded_head_dim), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention_gpu",
+    )(tile_seq, tile_start, cu_q_lens, kv_lens.astype(jnp.int32), tables, qg, kv_cache)
+    out = tiles[token_tile, token_row][:, :, :group, :head_dim]  # [T, K, G, H]
+    live = jnp.arange(num_tokens) < cu_q_lens[num_seqs]
+    out = jnp.where(live[:, None, None, None], out, 0.0)
+    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
