@@ -108,7 +108,7 @@ def check_engine(interpret: bool) -> dict:
         for backend in ("reference", "gpu"):
             engine = LLMEngine(model, EngineConfig(
                 max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, block_size=16,
-                attention_backend=backend, attention_interpret=interpret and backend == "gpu"))
+                attention_backend=backend, attention_interpret=interpret and backend != "reference"))
             ids = [engine.add_request(p, SamplingParams(max_tokens=16, temperature=0))
                    for p in prompts]
             done = {}

@@ -28,7 +28,7 @@ class EngineConfig:
     victim_policy: str = "lifo"
     watermark: float = 0.01
     dtype: str = "float32"  # activations and KV cache
-    attention_backend: str = "auto"  # auto | reference | gpu
+    attention_backend: str = "auto"  # auto | reference | gpu | tpu
     attention_interpret: bool = False  # run the Pallas kernels through the interpreter (CPU)
     min_token_bucket: int = 16
     min_seq_bucket: int = 1

@@ -1,6 +1,7 @@
 """Paged attention: the pure-jnp reference, the KV-cache layout and backend dispatch.
 
-Pallas kernels (GPU: Triton lowering) sit beside the reference in `attention.IMPLEMENTATIONS`.
+Pallas kernels (GPU: Triton lowering; TPU: Mosaic) sit beside the reference in
+`attention.IMPLEMENTATIONS`.
 """
 
 from pallas_kernels.attention import (BACKEND_NAMES, IMPLEMENTATIONS, AttentionBackend,
@@ -8,6 +9,8 @@ from pallas_kernels.attention import (BACKEND_NAMES, IMPLEMENTATIONS, AttentionB
                                       resolve_backend)
 from pallas_kernels.gpu_decode import paged_decode_attention_gpu
 from pallas_kernels.gpu_prefill import ragged_paged_attention_gpu
+from pallas_kernels.tpu_decode import paged_decode_attention_tpu
+from pallas_kernels.tpu_prefill import ragged_paged_attention_tpu
 from pallas_kernels.layout import (cache_head_dim, init_kv_cache, kv_cache_bytes_per_block,
                                    kv_cache_shape, write_kv_reference)
 from pallas_kernels.reference import (paged_decode_attention_reference,
@@ -16,7 +19,8 @@ from pallas_kernels.reference import (paged_decode_attention_reference,
 __all__ = [
     "BACKEND_NAMES", "IMPLEMENTATIONS", "AttentionBackend", "AttentionMetadata",
     "Implementation", "paged_attention", "resolve_backend", "paged_decode_attention_gpu",
-    "ragged_paged_attention_gpu", "cache_head_dim", "init_kv_cache", "kv_cache_bytes_per_block",
+    "ragged_paged_attention_gpu", "paged_decode_attention_tpu", "ragged_paged_attention_tpu",
+    "cache_head_dim", "init_kv_cache", "kv_cache_bytes_per_block",
     "kv_cache_shape", "write_kv_reference",
     "paged_decode_attention_reference", "ragged_paged_attention_reference",
 ]

@@ -12,6 +12,8 @@ from pallas_kernels.gpu_prefill import ragged_paged_attention_gpu
 from pallas_kernels.layout import write_kv_reference
 from pallas_kernels.reference import (paged_decode_attention_reference,
                                       ragged_paged_attention_reference)
+from pallas_kernels.tpu_decode import paged_decode_attention_tpu
+from pallas_kernels.tpu_prefill import ragged_paged_attention_tpu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +54,8 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     "reference": Implementation(ragged_paged_attention_reference,
                                 paged_decode_attention_reference, write_kv_reference, False),
     "gpu": Implementation(ragged_paged_attention_gpu, paged_decode_attention_gpu,
+                          write_kv_reference, True),
+    "tpu": Implementation(ragged_paged_attention_tpu, paged_decode_attention_tpu,
                           write_kv_reference, True),
 }
 BACKEND_NAMES = ("auto", *IMPLEMENTATIONS)

@@ -43,7 +43,10 @@ def run_engine(model, **kwargs):
     # The GPU Pallas kernels through the interpreter, chunked prefill and mixed steps included.
     dict(block_size=8, max_num_batched_tokens=16, attention_backend="gpu",
          attention_interpret=True),
-], ids=["bs1", "bs4", "bs16", "chunked", "prefill_first", "decode_first", "gpu_kernels"])
+    dict(block_size=8, max_num_batched_tokens=32, attention_backend="tpu",
+         attention_interpret=True),
+], ids=["bs1", "bs4", "bs16", "chunked", "prefill_first", "decode_first", "gpu_kernels",
+        "tpu_kernels"])
 def test_greedy_equals_dense_recompute(tiny_model, dense_outputs, engine_kwargs):
     outputs, engine = run_engine(tiny_model, **engine_kwargs)
     assert outputs == dense_outputs

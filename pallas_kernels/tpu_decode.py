@@ -1,0 +1,170 @@
+"""Paged decode attention for TPU: Pallas with the Mosaic lowering.
+
+Axis letters: B sequences, N query heads, K KV heads, G = N // K (Gp: padded to a multiple of 8
+sublanes), H head dim, S block size, C pages per compute block, NB physical blocks.
+
+Grid (B, K). Block tables and kv_lens are scalar-prefetched into SMEM. K/V stay in HBM
+(memory_space=ANY); each program copies the pages it needs into VMEM with asynchronous DMAs,
+C pages per compute block, double-buffered: block j + 1 is in flight while block j is computed.
+Only ceil(kv_len / (C * S)) compute blocks are fetched, never the padded table width.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+SUBLANES = 8
+
+
+def interpret_params(interpret: bool):
+    """The TPU interpreter (DMAs and semaphores simulated; out-of-bounds reads raise)."""
+    return pltpu.InterpretParams(out_of_bounds_reads="raise") if interpret else False
+
+
+def _page_copies(kv_hbm_ref, buffer_ref, sems_ref, tables_ref, *, seq, head, block, slot,
+                 pages_per_step, table_width, kv_index):
+    """The C page DMAs of one compute block (HBM -> one slot of the VMEM double buffer)."""
+    base = seq * table_width + block * pages_per_step
+    return [pltpu.make_async_copy(kv_hbm_ref.at[kv_index, head, tables_ref[base + c]],
+                                  buffer_ref.at[slot, c], sems_ref.at[slot])
+            for c in range(pages_per_step)]
+
+
+def _decode_kernel(
+    kv_lens_ref,  # i32[B]                 SMEM (scalar prefetch); 0 for padding rows
+    tables_ref,  # i32[B * Pp]             SMEM (scalar prefetch), flattened block tables
+    q_ref,  # [Gp, H]                      VMEM block of this (sequence, KV head)
+    kv_hbm_ref,  # [2, K, NB, S, H]        HBM (ANY)
+    o_ref,  # [Gp, H]                      VMEM output block
+    k_buf, v_buf,  # [2, C, S, H]          VMEM: double buffer of K and V pages
+    k_sems, v_sems,  # DMA[2]              one semaphore per buffer slot
+    *, pages_per_step: int, table_width: int, scale: float, sliding_window: int | None,
+    soft_cap: float | None,
+):
+    seq, head = pl.program_id(0), pl.program_id(1)
+    block_size, head_dim = kv_hbm_ref.shape[3], kv_hbm_ref.shape[4]
+    block_k = pages_per_step * block_size
+    kv_len = kv_lens_ref[seq]
+    first_block = 0
+    if sliding_window is not None:
+        first_block = jnp.maximum(kv_len - sliding_window, 0) // block_k
+    num_blocks = pl.cdiv(kv_len, block_k)
+    copies = functools.partial(_page_copies, kv_hbm_ref, seq=seq, head=head,
+                               pages_per_step=pages_per_step, table_width=table_width)
+
+    def start(block, slot):
+        for copy in (copies(k_buf, k_sems, tables_ref, block=block, slot=slot, kv_index=0)
+                     + copies(v_buf, v_sems, tables_ref, block=block, slot=slot, kv_index=1)):
+            copy.start()
+
+    def wait(block, slot):
+        for copy in (copies(k_buf, k_sems, tables_ref, block=block, slot=slot, kv_index=0)
+                     + copies(v_buf, v_sems, tables_ref, block=block, slot=slot, kv_index=1)):
+            copy.wait()
+
+    @pl.when(first_block < num_blocks)
+    def _():
+        start(first_block, 0)
+
+    q = q_ref[...].astype(jnp.float32) * scale
+    num_rows = q.shape[0]
+
+    def body(block, carry):
+        o, m, l = carry
+        slot = (block - first_block) % 2
+
+        @pl.when(block + 1 < num_blocks)
+        def _():
+            start(block + 1, 1 - slot)
+
+        wait(block, slot)
+        k = k_buf[slot].reshape(block_k, head_dim).astype(jnp.float32)
+        v = v_buf[slot].reshape(block_k, head_dim).astype(jnp.float32)
+        kv_pos = block * block_k + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+        valid = kv_pos < kv_len
+        if sliding_window is not None:
+            valid &= kv_pos >= kv_len - sliding_window
+        # Rows past kv_len come from pages that may hold anything, NaN included.
+        valid_col = jnp.transpose(valid)  # [C*S, 1]
+        k = jnp.where(valid_col, k, 0.0)
+        v = jnp.where(valid_col, v, 0.0)
+        s = jnp.einsum("GH,TH->GT", q, k, preferred_element_type=jnp.float32)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        s = jnp.where(valid, s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+        correction = jnp.exp(m - m_new)
+        p = jnp.where(valid, jnp.exp(s - m_new), 0.0)
+        l = l * correction + jnp.sum(p, axis=1, keepdims=True)
+        o = o * correction + jnp.einsum("GT,TH->GH", p, v, preferred_element_type=jnp.float32)
+        return o, m_new, l
+
+    init = (jnp.zeros((num_rows, head_dim), jnp.float32),
+            jnp.full((num_rows, 1), MASK_VALUE, jnp.float32),
+            jnp.zeros((num_rows, 1), jnp.float32))
+    o, _, l = jax.lax.fori_loop(first_block, num_blocks, body, init)
+    o_ref[...] = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "scale", "sliding_window", "soft_cap", "pages_per_step", "interpret"))
+def paged_decode_attention_tpu(
+    q: jax.Array,  # [B, N, H]
+    kv_cache: jax.Array,  # [2, K, NB, S, H], this step's K/V already written
+    kv_lens: jax.Array,  # i32[B]
+    block_tables: jax.Array,  # i32[B, P]
+    num_seqs: jax.Array,  # i32[] only the first num_seqs rows are valid
+    *, scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+    pages_per_step: int = 8, interpret: bool = False,
+) -> jax.Array:  # [B, N, H]; 0 for padding rows
+    batch, num_heads, head_dim = q.shape
+    _, num_kv_heads, _, block_size, cache_head_dim = kv_cache.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
+    if cache_head_dim != head_dim:
+        raise ValueError(f"cache head dim {cache_head_dim} != query head dim {head_dim}")
+    group = num_heads // num_kv_heads
+    padded_group = pl.cdiv(group, SUBLANES) * SUBLANES
+    width = block_tables.shape[1]
+    pages_per_step = min(pages_per_step, width)
+    padded_width = pl.cdiv(width, pages_per_step) * pages_per_step
+    tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_width - width)))
+    lens = jnp.where(jnp.arange(batch) < num_seqs, kv_lens, 0).astype(jnp.int32)
+    qg = q.reshape(batch, num_kv_heads, group, head_dim)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, padded_group - group), (0, 0)))
+
+    kernel = functools.partial(
+        _decode_kernel, pages_per_step=pages_per_step, table_width=padded_width, scale=scale,
+        sliding_window=sliding_window, soft_cap=soft_cap)
+    page_buffer = pltpu.VMEM((2, pages_per_step, block_size, head_dim), kv_cache.dtype)
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,  # kv_lens, flattened block tables
+            grid=(batch, num_kv_heads),
+            in_specs=[
+                pl.BlockSpec((None, None, padded_group, head_dim),
+                             lambda b, h, *_: (b, h, 0, 0)),  # q
+                pl.BlockSpec(memory_space=pl.ANY),  # kv_cache stays in HBM
+            ],
+            out_specs=pl.BlockSpec((None, None, padded_group, head_dim),
+                                   lambda b, h, *_: (b, h, 0, 0)),
+            scratch_shapes=[
+                page_buffer,  # K pages, double-buffered
+                page_buffer,  # V pages, double-buffered
+                pltpu.SemaphoreType.DMA((2,)),  # K DMAs, one per buffer slot
+                pltpu.SemaphoreType.DMA((2,)),  # V DMAs
+            ],
+        ),
+        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=interpret_params(interpret),
+        name="paged_decode_attention_tpu",
+    )(lens, tables.reshape(-1), qg, kv_cache)
+    return out[:, :, :group].reshape(batch, num_heads, head_dim)

@@ -1,0 +1,179 @@
+"""Ragged paged attention for TPU (chunked prefill and mixed batches): Pallas, Mosaic lowering.
+
+Axis letters as in tpu_decode; T tokens, BQ query tokens per tile, NT tiles.
+
+The tiling is the GPU kernel's (gpu_prefill.tile_layout): each sequence's query tokens are cut
+into tiles of BQ starting at its first token; grid (NT, K). The tile table, cu_q_lens, kv_lens and
+the block tables are scalar-prefetched. A program DMAs its BQ query rows from HBM, then walks the
+sequence's pages up to the tile's last position, C pages per compute block with double-buffered
+DMAs, and writes its own output tile.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.gpu_prefill import tile_layout
+from pallas_kernels.tpu_decode import MASK_VALUE, SUBLANES, _page_copies, interpret_params
+
+
+def _ragged_kernel(
+    tile_seq_ref,  # i32[NT]           SMEM; -1 for spare tiles
+    tile_start_ref,  # i32[NT]         SMEM; first token of each tile
+    cu_q_lens_ref,  # i32[B + 1]       SMEM
+    kv_lens_ref,  # i32[B]             SMEM
+    tables_ref,  # i32[B * Pp]         SMEM, flattened block tables
+    q_hbm_ref,  # [T + BQ, K, Gp, H]   HBM (ANY)
+    kv_hbm_ref,  # [2, K, NB, S, H]    HBM (ANY)
+    o_ref,  # f32[BQ, Gp, H]           VMEM output tile
+    q_buf,  # [BQ, Gp, H]              VMEM
+    k_buf, v_buf,  # [2, C, S, H]      VMEM double buffers
+    q_sem, k_sems, v_sems,  # DMA
+    *, tile_q: int, pages_per_step: int, table_width: int, scale: float,
+    sliding_window: int | None, soft_cap: float | None,
+):
+    tile, head = pl.program_id(0), pl.program_id(1)
+    block_size, head_dim = kv_hbm_ref.shape[3], kv_hbm_ref.shape[4]
+    group = q_buf.shape[1]
+    block_k = pages_per_step * block_size
+    num_rows = tile_q * group
+    seq = jnp.maximum(tile_seq_ref[tile], 0)
+    live = tile_seq_ref[tile] >= 0
+    start = tile_start_ref[tile]
+    q_first, q_end = cu_q_lens_ref[seq], cu_q_lens_ref[seq + 1]
+    offset = kv_lens_ref[seq] - (q_end - q_first)  # position of the sequence's first query
+    last_pos = offset + jnp.minimum(start + tile_q, q_end) - 1 - q_first
+    first_block = 0
+    if sliding_window is not None:
+        first_block = jnp.maximum(offset + start - q_first - sliding_window + 1, 0) // block_k
+    num_blocks = jnp.where(live, pl.cdiv(last_pos + 1, block_k), 0)
+    copies = functools.partial(_page_copies, kv_hbm_ref, seq=seq, head=head,
+                               pages_per_step=pages_per_step, table_width=table_width)
+
+    def kv_copies(block, slot):
+        return (copies(k_buf, k_sems, tables_ref, block=block, slot=slot, kv_index=0)
+                + copies(v_buf, v_sems, tables_ref, block=block, slot=slot, kv_index=1))
+
+    q_copy = pltpu.make_async_copy(q_hbm_ref.at[pl.ds(start, tile_q), head], q_buf, q_sem)
+    q_copy.start()
+
+    @pl.when(first_block < num_blocks)
+    def _():
+        for copy in kv_copies(first_block, 0):
+            copy.start()
+
+    q_copy.wait()
+    q = q_buf[...].reshape(num_rows, head_dim).astype(jnp.float32) * scale
+    row_token = start + jax.lax.broadcasted_iota(jnp.int32, (tile_q, group, 1), 0).reshape(
+        num_rows, 1)
+    row_live = (row_token < q_end) & live
+    q_pos = offset + row_token - q_first  # [rows, 1]
+
+    def body(block, carry):
+        o, m, l = carry
+        slot = (block - first_block) % 2
+
+        @pl.when(block + 1 < num_blocks)
+        def _():
+            for copy in kv_copies(block + 1, 1 - slot):
+                copy.start()
+
+        for copy in kv_copies(block, slot):
+            copy.wait()
+        k = k_buf[slot].reshape(block_k, head_dim).astype(jnp.float32)
+        v = v_buf[slot].reshape(block_k, head_dim).astype(jnp.float32)
+        kv_pos = block * block_k + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+        col_live = jnp.transpose(kv_pos <= last_pos)  # [C*S, 1]
+        k = jnp.where(col_live, k, 0.0)
+        v = jnp.where(col_live, v, 0.0)
+        visible = (kv_pos <= q_pos) & row_live  # [rows, C*S]
+        if sliding_window is not None:
+            visible &= kv_pos > q_pos - sliding_window
+        s = jnp.einsum("RH,TH->RT", q, k, preferred_element_type=jnp.float32)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        s = jnp.where(visible, s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+        correction = jnp.exp(m - m_new)
+        p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
+        l = l * correction + jnp.sum(p, axis=1, keepdims=True)
+        o = o * correction + jnp.einsum("RT,TH->RH", p, v, preferred_element_type=jnp.float32)
+        return o, m_new, l
+
+    init = (jnp.zeros((num_rows, head_dim), jnp.float32),
+            jnp.full((num_rows, 1), MASK_VALUE, jnp.float32),
+            jnp.zeros((num_rows, 1), jnp.float32))
+    o, _, l = jax.lax.fori_loop(first_block, num_blocks, body, init)
+    o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)
+    o_ref[...] = o.reshape(tile_q, group, head_dim)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "scale", "sliding_window", "soft_cap", "tile_q", "pages_per_step", "interpret"))
+def ragged_paged_attention_tpu(
+    q: jax.Array,  # [T, N, H]
+    kv_cache: jax.Array,  # [2, K, NB, S, H], this step's K/V already written
+    kv_lens: jax.Array,  # i32[B]
+    block_tables: jax.Array,  # i32[B, P]
+    cu_q_lens: jax.Array,  # i32[B + 1]
+    num_seqs: jax.Array,  # i32[]
+    *, scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+    tile_q: int = 16, pages_per_step: int = 4, interpret: bool = False,
+) -> jax.Array:  # [T, N, H]; 0 for padding tokens
+    num_tokens, num_heads, head_dim = q.shape
+    _, num_kv_heads, _, block_size, cache_head_dim = kv_cache.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
+    if cache_head_dim != head_dim:
+        raise ValueError(f"cache head dim {cache_head_dim} != query head dim {head_dim}")
+    group = num_heads // num_kv_heads
+    padded_group = pl.cdiv(group, SUBLANES) * SUBLANES if group > 1 else 1
+    width = block_tables.shape[1]
+    pages_per_step = min(pages_per_step, width)
+    padded_width = pl.cdiv(width, pages_per_step) * pages_per_step
+    tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_width - width)))
+    cu_q_lens = cu_q_lens.astype(jnp.int32)
+    tile_seq, tile_start, token_tile, token_row = tile_layout(cu_q_lens, num_seqs, num_tokens,
+                                                              tile_q)
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    qg = jnp.pad(qg, ((0, tile_q), (0, 0), (0, padded_group - group), (0, 0)))
+    num_tiles = tile_seq.shape[0]
+
+    kernel = functools.partial(
+        _ragged_kernel, tile_q=tile_q, pages_per_step=pages_per_step, table_width=padded_width,
+        scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    page_buffer = pltpu.VMEM((2, pages_per_step, block_size, head_dim), kv_cache.dtype)
+    tiles = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5,  # tile_seq, tile_start, cu_q_lens, kv_lens, block tables
+            grid=(num_tiles, num_kv_heads),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY),  # q: rows DMA'd per tile
+                      pl.BlockSpec(memory_space=pl.ANY)],  # kv_cache stays in HBM
+            out_specs=pl.BlockSpec((None, tile_q, None, padded_group, head_dim),
+                                   lambda t, h, *_: (t, 0, h, 0, 0)),
+            scratch_shapes=[
+                pltpu.VMEM((tile_q, padded_group, head_dim), q.dtype),  # this tile's queries
+                page_buffer,  # K pages, double-buffered
+                page_buffer,  # V pages, double-buffered
+                pltpu.SemaphoreType.DMA(()),  # query DMA
+                pltpu.SemaphoreType.DMA((2,)),  # K DMAs, one per buffer slot
+                pltpu.SemaphoreType.DMA((2,)),  # V DMAs
+            ],
+        ),
+        out_shape=jax.ShapeDtypeStruct(
+            (num_tiles, tile_q, num_kv_heads, padded_group, head_dim), jnp.float32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=interpret_params(interpret),
+        name="ragged_paged_attention_tpu",
+    )(tile_seq, tile_start, cu_q_lens, kv_lens.astype(jnp.int32), tables.reshape(-1), qg,
+      kv_cache)
+    out = tiles[token_tile, token_row][:, :, :group]  # [T, K, G, H]
+    live = jnp.arange(num_tokens) < cu_q_lens[num_seqs]
+    out = jnp.where(live[:, None, None, None], out, 0.0)
+    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)

@@ -1,0 +1,100 @@
+"""TPU Pallas kernels (Mosaic) under the TPU interpreter: DMAs and semaphores simulated,
+out-of-bounds reads raise. Against the reference and JAX's shipped TPU op."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as jax_tpu_op
+
+from test_kernels_gpu import as_dtype, decode_seqs, ragged_seqs, tolerance
+from test_kernels_reference import build_case, dense_oracle
+from pallas_kernels import (paged_decode_attention_reference, paged_decode_attention_tpu,
+                            ragged_paged_attention_reference, ragged_paged_attention_tpu)
+
+# The TPU interpreter is slower than the GPU one: a smaller covering set.
+CASES = [
+    # block_size, num_heads, num_kv_heads, head_dim, dtype
+    (8, 4, 4, 64, "float32"),     # MHA
+    (16, 8, 1, 80, "float32"),    # MQA, head dim not a power of two
+    (32, 16, 2, 128, "bfloat16"),  # GQA 8
+]
+
+
+@pytest.mark.parametrize("block_size, num_heads, num_kv_heads, head_dim, dtype", CASES)
+def test_decode_kernel_matches_reference(block_size, num_heads, num_kv_heads, head_dim, dtype):
+    rng = np.random.default_rng(block_size + head_dim)
+    case = build_case(rng, decode_seqs(block_size), block_size=block_size, num_heads=num_heads,
+                      num_kv_heads=num_kv_heads, head_dim=head_dim, padded_seqs=8,
+                      padded_tokens=8)
+    q, cache = as_dtype(case, dtype)
+    args = (q, cache, case["kv_lens"], case["tables"], case["num_seqs"])
+    got = np.asarray(paged_decode_attention_tpu(*args, scale=head_dim ** -0.5, interpret=True,
+                                                pages_per_step=2), np.float32)
+    want = np.asarray(paged_decode_attention_reference(*args, scale=head_dim ** -0.5),
+                      np.float32)
+    assert np.all(np.isfinite(got)), "a NaN page leaked"
+    np.testing.assert_allclose(got[:5], want[:5], **tolerance(dtype))
+    assert np.all(got[5:] == 0)
+
+
+@pytest.mark.parametrize("block_size, num_heads, num_kv_heads, head_dim, dtype", CASES)
+def test_ragged_kernel_matches_reference(block_size, num_heads, num_kv_heads, head_dim, dtype):
+    rng = np.random.default_rng(block_size * head_dim)
+    seqs = ragged_seqs(block_size)
+    num_tokens = sum(q for _, q in seqs)
+    case = build_case(rng, seqs, block_size=block_size, num_heads=num_heads,
+                      num_kv_heads=num_kv_heads, head_dim=head_dim, padded_seqs=8,
+                      padded_tokens=num_tokens + 7)
+    q, cache = as_dtype(case, dtype)
+    args = (q, cache, case["kv_lens"], case["tables"], case["cu_q_lens"], case["num_seqs"])
+    got = np.asarray(ragged_paged_attention_tpu(*args, scale=head_dim ** -0.5, interpret=True,
+                                                tile_q=16, pages_per_step=2), np.float32)
+    want = np.asarray(ragged_paged_attention_reference(*args, scale=head_dim ** -0.5),
+                      np.float32)
+    assert np.all(np.isfinite(got)), "a NaN page leaked"
+    np.testing.assert_allclose(got[:num_tokens], want[:num_tokens], **tolerance(dtype))
+    assert np.all(got[num_tokens:] == 0)
+
+
+def test_window_and_soft_cap():
+    rng = np.random.default_rng(5)
+    seqs = [(30, 30), (19, 4), (50, 1)]
+    case = build_case(rng, seqs, block_size=8, num_heads=4, num_kv_heads=2, head_dim=32)
+    opts = dict(scale=0.2, sliding_window=12, soft_cap=2.0)
+    expected = dense_oracle(case["q"], case["keys"], case["values"], case["q_lens"],
+                            [kv for kv, _ in seqs], **opts)
+    got = ragged_paged_attention_tpu(
+        jnp.asarray(case["q"]), jnp.asarray(case["cache"]), case["kv_lens"], case["tables"],
+        case["cu_q_lens"], case["num_seqs"], interpret=True, tile_q=16, pages_per_step=2, **opts)
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=2e-5, atol=2e-5)
+    last = case["cu_q_lens"][1:] - 1
+    got_decode = paged_decode_attention_tpu(
+        jnp.asarray(case["q"][last]), jnp.asarray(case["cache"]), case["kv_lens"],
+        case["tables"], case["num_seqs"], interpret=True, pages_per_step=2, **opts)
+    np.testing.assert_allclose(np.asarray(got_decode), expected[last], rtol=2e-5, atol=2e-5)
+
+
+def test_decode_kernel_matches_jax_shipped_tpu_op():
+    """Independent oracle: jax.experimental.pallas.ops.tpu.paged_attention.
+
+    That op rounds K/V to bf16 as it loads them, so both sides get K/V already rounded to bf16
+    (then the rounding is exact and f32 tolerances apply). It reads masked positions through its
+    dot without zeroing them, so unused pages hold zeros, not NaN.
+    """
+    rng = np.random.default_rng(4)
+    seqs = [(9, 1), (16, 1), (31, 1)]
+    case = build_case(rng, seqs, block_size=8, num_heads=8, num_kv_heads=2, head_dim=128,
+                      num_blocks=24)
+    cache = np.asarray(jnp.asarray(np.nan_to_num(case["cache"], nan=0.0))
+                       .astype(jnp.bfloat16).astype(jnp.float32))
+    tables = np.pad(case["tables"], ((0, 0), (0, 6 - case["tables"].shape[1])))
+    q = jnp.asarray(case["q"])
+    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(out_of_bounds_reads="raise")):
+        theirs = jax_tpu_op(q * 128 ** -0.5, jnp.asarray(cache[0]), jnp.asarray(cache[1]),
+                            jnp.asarray(case["kv_lens"]), jnp.asarray(tables),
+                            pages_per_compute_block=2)
+    ours = paged_decode_attention_tpu(q, jnp.asarray(cache), case["kv_lens"], tables,
+                                      case["num_seqs"], scale=128 ** -0.5, interpret=True,
+                                      pages_per_step=2)
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-5, atol=1e-5)
