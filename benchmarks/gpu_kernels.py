@@ -98,6 +98,23 @@ def check_kernels(interpret: bool) -> list[dict]:
     return rows
 
 
+def check_write(interpret: bool) -> dict:
+    from test_kernels_gpu import write_case
+    from pallas_kernels import write_kv_gpu, write_kv_reference
+    name = "write_kv_gpu == XLA scatter (H=80 in a 128 cache)"
+    try:
+        cache, k, v, slots = write_case(np.random.default_rng(0), 80, 128)
+        want = np.asarray(write_kv_reference(jnp.asarray(cache), jnp.asarray(k), jnp.asarray(v),
+                                             slots))
+        got = np.asarray(write_kv_gpu(jnp.asarray(cache), jnp.asarray(k), jnp.asarray(v),
+                                      jnp.asarray(slots), interpret=interpret))
+        err = float(np.abs(got[:, :, 1:] - want[:, :, 1:]).max())  # block 0: padding races
+        return {"check": name, "max_abs_err": err, "passed": err == 0.0}
+    except Exception as e:
+        traceback.print_exc()
+        return {"check": name, "max_abs_err": float("nan"), "passed": False, "error": str(e)[:300]}
+
+
 def check_engine(interpret: bool) -> dict:
     from pagedjax import EngineConfig, LLMEngine, SamplingParams, load_model
     try:
@@ -194,7 +211,8 @@ def main() -> None:
     print(jax.devices(), flush=True)
     checks = []
     if not args.skip_checks:
-        checks = check_kernels(interpret=args.smoke) + [check_engine(interpret=args.smoke)]
+        checks = check_kernels(interpret=args.smoke) + [check_write(interpret=args.smoke),
+                                                       check_engine(interpret=args.smoke)]
         for row in checks:
             print(row, flush=True)
     bandwidth = copy_bandwidth(2**24 if args.smoke else 2**32)

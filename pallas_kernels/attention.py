@@ -9,6 +9,7 @@ import jax
 
 from pallas_kernels.gpu_decode import paged_decode_attention_gpu
 from pallas_kernels.gpu_prefill import ragged_paged_attention_gpu
+from pallas_kernels.kv_write import write_kv_gpu, write_kv_tpu
 from pallas_kernels.layout import write_kv_reference
 from pallas_kernels.reference import (paged_decode_attention_reference,
                                       ragged_paged_attention_reference)
@@ -47,16 +48,16 @@ class Implementation(NamedTuple):
     ragged: Callable  # (q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs, **opts)
     decode: Callable  # (q, kv_cache, kv_lens, block_tables, num_seqs, **opts)
     write_kv: Callable  # (kv_cache, k, v, slot_mapping) -> kv_cache
-    pallas: bool  # takes interpret=
+    pallas: bool  # every callable takes interpret=
 
 
 IMPLEMENTATIONS: dict[str, Implementation] = {
     "reference": Implementation(ragged_paged_attention_reference,
                                 paged_decode_attention_reference, write_kv_reference, False),
-    "gpu": Implementation(ragged_paged_attention_gpu, paged_decode_attention_gpu,
-                          write_kv_reference, True),
-    "tpu": Implementation(ragged_paged_attention_tpu, paged_decode_attention_tpu,
-                          write_kv_reference, True),
+    "gpu": Implementation(ragged_paged_attention_gpu, paged_decode_attention_gpu, write_kv_gpu,
+                          True),
+    "tpu": Implementation(ragged_paged_attention_tpu, paged_decode_attention_tpu, write_kv_tpu,
+                          True),
 }
 BACKEND_NAMES = ("auto", *IMPLEMENTATIONS)
 
@@ -90,10 +91,9 @@ def paged_attention(
         raise ValueError(f"a decode step needs one token per row: {q.shape[0]=} != "
                          f"{metadata.block_tables.shape[0]=}")
     impl = IMPLEMENTATIONS[backend.name]
-    kv_cache = impl.write_kv(kv_cache, k, v, metadata.slot_mapping)
-    opts = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    if impl.pallas:
-        opts["interpret"] = backend.interpret
+    pallas_opts = dict(interpret=backend.interpret) if impl.pallas else {}
+    kv_cache = impl.write_kv(kv_cache, k, v, metadata.slot_mapping, **pallas_opts)
+    opts = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, **pallas_opts)
     if metadata.decode_only:
         out = impl.decode(q, kv_cache, metadata.kv_lens, metadata.block_tables,
                           metadata.num_seqs, **opts)

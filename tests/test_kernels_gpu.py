@@ -130,3 +130,32 @@ def test_decode_kernel_matches_jax_shipped_gpu_op():
     ours = paged_decode_attention_gpu(q, jnp.asarray(cache), case["kv_lens"], tables,
                                       case["num_seqs"], scale=32 ** -0.5, interpret=True)
     np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-5, atol=1e-5)
+
+
+def write_case(rng, head_dim, cache_head_dim, num_blocks=40, block_size=8, num_tokens=13):
+    """A cache, new K/V and shuffled slots; the last 3 tokens are padding (null-block slot 0)."""
+    cache = rng.standard_normal((2, 2, num_blocks, block_size, cache_head_dim)).astype(np.float32)
+    if cache_head_dim > head_dim:
+        cache[..., head_dim:] = 0.0  # the padded layout keeps zeros there
+    k = rng.standard_normal((num_tokens, 2, head_dim)).astype(np.float32)
+    v = rng.standard_normal((num_tokens, 2, head_dim)).astype(np.float32)
+    real = num_tokens - 3
+    slots = np.zeros(num_tokens, np.int32)
+    slots[:real] = rng.choice(np.arange(block_size, num_blocks * block_size), real, replace=False)
+    return cache, k, v, slots
+
+
+def assert_same_write(got, want, block_size):
+    keep = np.ones(got.shape, bool)
+    keep[:, :, 0] = False  # the null block: padding tokens race there, nobody reads it
+    np.testing.assert_array_equal(np.asarray(got)[keep], np.asarray(want)[keep])
+
+
+@pytest.mark.parametrize("head_dim, cache_head_dim", [(64, 64), (80, 128)])
+def test_write_kv_gpu_matches_scatter(head_dim, cache_head_dim):
+    from pallas_kernels import write_kv_gpu, write_kv_reference
+    cache, k, v, slots = write_case(np.random.default_rng(head_dim), head_dim, cache_head_dim)
+    want = write_kv_reference(jnp.asarray(cache), jnp.asarray(k), jnp.asarray(v), slots)
+    got = write_kv_gpu(jnp.asarray(cache), jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots),
+                       interpret=True)
+    assert_same_write(got, want, 8)

@@ -98,3 +98,13 @@ def test_decode_kernel_matches_jax_shipped_tpu_op():
                                       case["num_seqs"], scale=128 ** -0.5, interpret=True,
                                       pages_per_step=2)
     np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-5, atol=1e-5)
+
+
+def test_write_kv_tpu_matches_scatter():
+    from test_kernels_gpu import assert_same_write, write_case
+    from pallas_kernels import write_kv_reference, write_kv_tpu
+    cache, k, v, slots = write_case(np.random.default_rng(3), 80, 80)
+    want = write_kv_reference(jnp.asarray(cache), jnp.asarray(k), jnp.asarray(v), slots)
+    got = write_kv_tpu(jnp.asarray(cache), jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots),
+                       interpret=True)
+    assert_same_write(got, want, 8)

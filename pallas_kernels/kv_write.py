@@ -1,0 +1,99 @@
+"""Pallas KV-cache writes: the step's new K/V into their slots, in place on the donated cache.
+
+The cache is both an input and the aliased output (input_output_aliases), passed with
+memory_space=ANY, so only the written slots are touched; under a jit that donates the cache, no
+copy of the pool is made. write_kv_reference (an XLA scatter) is the reference for both.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.tpu_decode import interpret_params
+
+
+def _write_kernel_gpu(slots_ref, k_ref, v_ref, _cache_in_ref, cache_ref, *, block_size: int):
+    token = pl.program_id(0)
+    slot = slots_ref[token]
+    block, offset = slot // block_size, slot % block_size
+    for head in range(cache_ref.shape[1]):  # one row of Hc per KV head
+        cache_ref[0, head, block, offset, :] = k_ref[token, head, :]
+        cache_ref[1, head, block, offset, :] = v_ref[token, head, :]
+
+
+def _pad_to_cache(x: jax.Array, kv_cache: jax.Array) -> jax.Array:
+    x = x.astype(kv_cache.dtype)
+    return jnp.pad(x, ((0, 0), (0, 0), (0, kv_cache.shape[-1] - x.shape[-1])))
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(0,))
+def write_kv_gpu(
+    kv_cache: jax.Array,  # [2, K, NB, S, Hc]
+    k: jax.Array,  # [T, K, H]
+    v: jax.Array,  # [T, K, H]
+    slot_mapping: jax.Array,  # i32[T]; padding tokens point into the null block
+    *, interpret: bool = False,
+) -> jax.Array:
+    """One program per token (Triton lowering); the cache is updated in place."""
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    return pl.pallas_call(
+        functools.partial(_write_kernel_gpu, block_size=kv_cache.shape[3]),
+        grid=(k.shape[0],),
+        in_specs=[any_spec] * 4,  # slot_mapping, k, v, kv_cache
+        out_specs=any_spec,
+        out_shape=jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
+        input_output_aliases={3: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+        interpret=interpret,
+        name="write_kv_gpu",
+    )(slot_mapping.astype(jnp.int32), _pad_to_cache(k, kv_cache), _pad_to_cache(v, kv_cache),
+      kv_cache)
+
+
+def _write_kernel_tpu(slots_ref, k_ref, v_ref, _cache_in_ref, cache_ref, sems, *,
+                      block_size: int):
+    token = pl.program_id(0)
+    slot = slots_ref[token]
+    block, offset = slot // block_size, slot % block_size
+    copies = [pltpu.make_async_copy(src, cache_ref.at[i, :, block, offset], sems.at[i])
+              for i, src in enumerate((k_ref, v_ref))]
+    for copy in copies:
+        copy.start()
+    for copy in copies:
+        copy.wait()
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(0,))
+def write_kv_tpu(
+    kv_cache: jax.Array,  # [2, K, NB, S, H]
+    k: jax.Array,  # [T, K, H]
+    v: jax.Array,  # [T, K, H]
+    slot_mapping: jax.Array,  # i32[T]
+    *, interpret: bool = False,
+) -> jax.Array:
+    """One program per token (Mosaic): slots scalar-prefetched, a K and a V DMA from VMEM into
+    the token's slot of the HBM cache, which is updated in place."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    token_spec = pl.BlockSpec((None, num_kv_heads, head_dim), lambda t, *_: (t, 0, 0))
+    return pl.pallas_call(
+        functools.partial(_write_kernel_tpu, block_size=kv_cache.shape[3]),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,  # slot_mapping
+            grid=(num_tokens,),
+            in_specs=[token_spec, token_spec, pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=pl.BlockSpec(memory_space=pl.ANY),
+            scratch_shapes=[pltpu.SemaphoreType.DMA((2,))],  # the K and the V copy
+        ),
+        out_shape=jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
+        input_output_aliases={3: 0},  # operand 3 counts the scalar-prefetch slot_mapping
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        interpret=interpret_params(interpret),
+        name="write_kv_tpu",
+    )(slot_mapping.astype(jnp.int32), k.astype(kv_cache.dtype), v.astype(kv_cache.dtype),
+      kv_cache)
