@@ -59,10 +59,16 @@ class ContiguousKVManager:
     def can_ever_fit(self, num_tokens: int) -> bool:
         return num_tokens <= self.num_slots
 
-    def num_new_blocks(self, request: Request, num_new_tokens: int) -> int:
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        return []  # no prefix caching: this baseline reserves, it does not share
+
+    def publish_full_blocks(self, request: Request) -> None:
+        pass
+
+    def num_new_blocks(self, request: Request, num_new_tokens: int, cached_blocks=()) -> int:
         return 0 if request.request_id in self.ranges else self.reserve(request)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int):
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks=()):
         held = self.ranges.get(request.request_id)
         if held is not None:
             if request.num_computed_tokens + num_new_tokens > held[1]:
@@ -150,7 +156,8 @@ def main() -> None:
                                   max_model_len=args.max_model_len)
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs,
                              max_num_batched_tokens=args.max_num_batched_tokens,
-                             max_model_len=args.max_model_len, watermark=0.0)
+                             max_model_len=args.max_model_len, watermark=0.0,
+                             enable_prefix_caching=False)  # allocation alone is compared
     true_len = lambda r: r.max_num_tokens  # prompt + output: each request runs to max_tokens
     allocators = [(f"paged, block {s}", lambda s=s: KVCacheManager(args.budget_tokens // s, s))
                   for s in (8, 16, 32)]

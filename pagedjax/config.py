@@ -25,6 +25,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     policy: str = "mixed"
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     victim_policy: str = "lifo"
     watermark: float = 0.01
     dtype: str = "float32"  # activations and KV cache
@@ -99,6 +100,7 @@ class EngineConfig:
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len, policy=self.policy,
             enable_chunked_prefill=self.enable_chunked_prefill,
+            enable_prefix_caching=self.enable_prefix_caching,
             victim_policy=self.victim_policy, watermark=self.watermark)
 
     def buckets(self) -> ShapeBuckets:

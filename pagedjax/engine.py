@@ -16,6 +16,12 @@ from pallas_kernels import kv_cache_bytes_per_block, resolve_backend
 from scheduler import DECODE, Request, SamplingParams, Scheduler, build_plan
 
 
+def model_cache_key(model: LlamaForCausalLM, config: EngineConfig) -> bytes:
+    """Names what a cached block's KV depends on besides its tokens: the model's architecture and
+    weights (by object identity within this process) and the KV dtype."""
+    return repr((model.config, id(model), config.dtype)).encode()
+
+
 class LLMEngine:
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig | None = None, *,
                  clock: Callable[[], float] = time.perf_counter):
@@ -36,7 +42,8 @@ class LLMEngine:
             model_config.head_dim, config.np_dtype, self.backend.name)
         self.num_blocks = config.resolve_num_blocks(self.bytes_per_block)
         self.buckets = config.buckets()
-        self.scheduler = Scheduler(config.scheduler_config(), self.num_blocks, config.block_size)
+        self.scheduler = Scheduler(config.scheduler_config(), self.num_blocks, config.block_size,
+                                   cache_key=model_cache_key(model, config))
         self.runner = ModelRunner(model, num_blocks=self.num_blocks,
                                   block_size=config.block_size, dtype=kv_dtype(config.dtype),
                                   backend=self.backend)
@@ -47,8 +54,8 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------------
 
     def make_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
-                     request_id: str | None = None,
-                     arrival_time: float | None = None) -> Request:
+                     request_id: str | None = None, arrival_time: float | None = None,
+                     cache_salt: str | None = None) -> Request:
         """Validates a request without queueing it; raises ValueError naming the field."""
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, "
@@ -74,16 +81,22 @@ class LLMEngine:
         if request_id is None:
             request_id = str(self._next_id)
             self._next_id += 1
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         return Request(request_id, ids.tolist(), sampling_params, seed=seed,
                        arrival_time=self.clock() if arrival_time is None else arrival_time,
-                       eos_token_id=self.model_config.eos_token_id)
+                       eos_token_id=self.model_config.eos_token_id, cache_salt=cache_salt)
 
     def add_request(self, prompt_token_ids: Sequence[int],
                     sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
-        """Queues a request and returns its id; on bad input raises ValueError, queues nothing."""
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    cache_salt: str | None = None) -> str:
+        """Queues a request and returns its id; on bad input raises ValueError, queues nothing.
+
+        Requests share prefix-cached blocks only when their cache_salt is equal (None included).
+        """
         request = self.make_request(prompt_token_ids, sampling_params or SamplingParams(),
-                                    request_id, arrival_time)
+                                    request_id, arrival_time, cache_salt)
         self.scheduler.add_request(request)
         return request.request_id
 
@@ -122,7 +135,11 @@ class LLMEngine:
         stats.num_scheduled_tokens += output.num_scheduled_tokens
         stats.num_generated_tokens += len(advanced)
         stats.num_finished += sum(r.status.finished for r in advanced)
-        stats.num_preemptions = self.scheduler.state.num_preemptions
+        state = self.scheduler.state
+        stats.num_preemptions = state.num_preemptions
+        stats.num_prefix_query_tokens = state.num_prefix_query_tokens
+        stats.num_prefix_hit_tokens = state.num_prefix_hit_tokens
+        stats.num_evictions = state.kv_manager.pool.num_evictions
         # Right after the step every running request holds exactly its computed tokens.
         running = self.scheduler.state.running
         used_tokens = sum(r.num_computed_tokens for r in running)

@@ -21,6 +21,14 @@ class EngineStats:
     peak_used_tokens: int = 0  # tokens held in the KV cache at the block-usage peak
     max_running: int = 0  # most sequences holding KV at once
     step_time_s: float = 0.0  # wall time inside runner.step, summed
+    num_prefix_query_tokens: int = 0  # prompt tokens looked up at first admission
+    num_prefix_hit_tokens: int = 0  # of those, found in the prefix cache
+    num_evictions: int = 0  # cached blocks reused for other content
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        queried = self.num_prefix_query_tokens
+        return self.num_prefix_hit_tokens / queried if queried else 0.0
 
     def record_usage(self, used_blocks: int, used_tokens: int, num_running: int) -> None:
         self.max_running = max(self.max_running, num_running)

@@ -14,6 +14,7 @@ class RequestMetrics:
     first_token_time: float | None
     finish_time: float | None
     num_preemptions: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
 
     @property
     def ttft(self) -> float | None:
@@ -41,4 +42,4 @@ class RequestOutput:
             finish_reason=request.status.value if finished else None,
             metrics=RequestMetrics(request.arrival_time, request.first_scheduled_time,
                                    request.first_token_time, request.finish_time,
-                                   request.num_preemptions))
+                                   request.num_preemptions, request.num_cached_tokens))

@@ -1,4 +1,4 @@
-"""The pool of physical KV blocks: a free queue and reference counts."""
+"""The pool of physical KV blocks: an LRU free queue, reference counts and the prefix-cache map."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ NULL_BLOCK = 0  # never allocated, never freed: the target of every padding writ
 
 
 class BlockPool:
-    """Physical block ids 1..num_blocks-1 with O(1) allocate and free.
+    """Physical block ids 1..num_blocks-1 with O(1) allocate, free, touch and evict.
 
-    Freed blocks go to the back of the free queue and allocation takes from the front, so a
-    recently freed block is the last to be reused (what a prefix cache will want to keep).
+    Free blocks wait in an LRU queue: freed blocks join the back, allocation takes from the front,
+    so a recently freed block is the last to be reused. A full block may carry a content hash
+    (prefix caching); it stays findable through `cached` while it is free, until allocation
+    evicts it.
     """
 
     def __init__(self, num_blocks: int):
@@ -19,7 +21,10 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self._free = collections.deque(range(1, num_blocks))
+        self.block_hashes: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # content hash -> block holding that content
+        self._free = collections.OrderedDict.fromkeys(range(1, num_blocks))
+        self.num_evictions = 0
 
     @property
     def num_usable_blocks(self) -> int:
@@ -34,13 +39,32 @@ class BlockPool:
         return self.num_usable_blocks - len(self._free)
 
     def allocate(self, num_blocks: int) -> list[int] | None:
-        """Takes num_blocks blocks with ref count 1, or returns None (and takes nothing)."""
+        """Takes num_blocks blocks with ref count 1 (evicting cached content), or returns None
+        (and takes nothing)."""
         if num_blocks > len(self._free):
             return None
-        blocks = [self._free.popleft() for _ in range(num_blocks)]
-        for block in blocks:
+        blocks = []
+        for _ in range(num_blocks):
+            block, _ = self._free.popitem(last=False)
+            self._evict(block)
             self.ref_counts[block] = 1
+            blocks.append(block)
         return blocks
+
+    def _evict(self, block: int) -> None:
+        block_hash = self.block_hashes[block]
+        if block_hash is not None:
+            self.block_hashes[block] = None
+            if self.cached.get(block_hash) == block:
+                del self.cached[block_hash]
+            self.num_evictions += 1
+
+    def touch(self, blocks: list[int]) -> None:
+        """Takes a reference on blocks found in the cache, reviving those that were free."""
+        for block in blocks:
+            if self.ref_counts[block] == 0:
+                del self._free[block]
+            self.ref_counts[block] += 1
 
     def incref(self, blocks: list[int]) -> None:
         for block in blocks:
@@ -49,14 +73,24 @@ class BlockPool:
             self.ref_counts[block] += 1
 
     def free(self, blocks: list[int]) -> None:
-        """Drops one reference from each block; blocks reaching zero return to the free queue."""
+        """Drops one reference from each block; blocks reaching zero join the back of the queue
+        (keeping their cached content until evicted)."""
         for block in blocks:
             count = self.ref_counts[block]
             if count <= 0 or block == NULL_BLOCK:
                 raise RuntimeError(f"free of unreferenced block {block} (ref count {count})")
             self.ref_counts[block] = count - 1
             if count == 1:
-                self._free.append(block)
+                self._free[block] = None
+
+    def cache_block(self, block: int, block_hash: bytes) -> None:
+        """Records that block holds the content block_hash (first holder of a content wins)."""
+        if self.block_hashes[block] is None and block_hash not in self.cached:
+            self.block_hashes[block] = block_hash
+            self.cached[block_hash] = block
+
+    def is_free(self, block: int) -> bool:
+        return block in self._free
 
     def free_block_ids(self) -> list[int]:
         return list(self._free)

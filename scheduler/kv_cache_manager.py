@@ -1,7 +1,8 @@
-"""Per-request block tables over a BlockPool."""
+"""Per-request block tables over a BlockPool, with automatic prefix caching."""
 
 from __future__ import annotations
 
+from scheduler.block_hash import block_hashes
 from scheduler.block_pool import BlockPool
 from scheduler.request import Request
 
@@ -11,14 +12,27 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    """Maps each request's logical blocks to physical blocks, taking blocks on demand."""
+    """Maps each request's logical blocks to physical blocks, taking blocks on demand.
 
-    def __init__(self, num_blocks: int, block_size: int):
+    With prefix caching, every full block whose KV has been computed is published under the
+    chained hash of its tokens; a new request takes references on the longest run of published
+    blocks that matches its prompt and skips computing them. The hit stops one token short of
+    the prompt, so the last prompt token is always computed (its logits are needed):
+
+        prompt   |--- block 0 ---|--- block 1 ---|--- block 2 ---|-- partial --|
+        cached   |===== hit =====|===== hit =====|   computed (hit capped at num_tokens - 1)
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False,
+                 cache_key: bytes = b""):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.cache_key = cache_key
         self.block_tables: dict[str, list[int]] = {}
+        self._num_published: dict[str, int] = {}  # request_id -> blocks already published
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -26,29 +40,71 @@ class KVCacheManager:
     def can_ever_fit(self, num_tokens: int) -> bool:
         return self.num_blocks_for(num_tokens) <= self.pool.num_usable_blocks
 
-    def num_new_blocks(self, request: Request, num_new_tokens: int) -> int:
-        table = self.block_tables.get(request.request_id, ())
-        needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens)
-        return max(0, needed - len(table))
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """The published blocks matching request's leading full blocks (at most num_tokens - 1
+        tokens' worth); empty without prefix caching."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in block_hashes(request, self.block_size, max_blocks, self.cache_key):
+            block = self.pool.cached.get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
+    def num_new_blocks(self, request: Request, num_new_tokens: int,
+                       cached_blocks: list[int] = ()) -> int:
+        """Free blocks that allocate_slots would consume: new blocks plus cached ones that are
+        free now and would be revived."""
+        table = self.block_tables.get(request.request_id, cached_blocks)
+        num_computed = request.num_computed_tokens or len(cached_blocks) * self.block_size
+        needed = max(0, self.num_blocks_for(num_computed + num_new_tokens) - len(table))
+        return needed + sum(self.pool.ref_counts[b] == 0 for b in cached_blocks)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       cached_blocks: list[int] = ()) -> list[int] | None:
         """Makes room for num_new_tokens more tokens of request.
 
-        Returns the newly taken blocks (possibly none), or None when the pool has too few free
-        blocks; then nothing is taken and the caller may preempt and retry.
+        cached_blocks (from find_cached_prefix, for a request holding no blocks) become the head
+        of its table. Returns the newly taken blocks (possibly none), or None when the pool has
+        too few free blocks; then nothing is taken and the caller may preempt and retry.
         """
-        num_new = self.num_new_blocks(request, num_new_tokens)
-        if num_new == 0:
-            self.block_tables.setdefault(request.request_id, [])
+        if self.num_new_blocks(request, num_new_tokens, cached_blocks) > self.pool.num_free_blocks:
+            return None
+        table = self.block_tables.get(request.request_id)
+        if table is None:
+            table = self.block_tables[request.request_id] = []
+            if cached_blocks:
+                self.pool.touch(list(cached_blocks))  # before allocating: never evict a hit
+                table.extend(cached_blocks)
+                self._num_published[request.request_id] = len(cached_blocks)
+        num_computed = max(request.num_computed_tokens, len(cached_blocks) * self.block_size)
+        num_new = self.num_blocks_for(num_computed + num_new_tokens) - len(table)
+        if num_new <= 0:
             return []
         blocks = self.pool.allocate(num_new)
-        if blocks is None:
-            return None
-        self.block_tables.setdefault(request.request_id, []).extend(blocks)
+        table.extend(blocks)
         return blocks
+
+    def publish_full_blocks(self, request: Request) -> None:
+        """Publishes request's blocks that became full of computed KV (prefix caching)."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        start = self._num_published.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        table = self.block_tables[request.request_id]
+        hashes = block_hashes(request, self.block_size, num_full, self.cache_key)
+        for i in range(start, num_full):
+            self.pool.cache_block(table[i], hashes[i])
+        self._num_published[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
         """Returns all of request's blocks to the pool; a no-op if it holds none."""
+        self._num_published.pop(request.request_id, None)
         table = self.block_tables.pop(request.request_id, None)
         if table:
             # Tail first, so that the head of a sequence stays in the pool longest.

@@ -71,11 +71,12 @@ class Request:
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling_params",
                  "seed", "eos_token_id", "num_computed_tokens", "status", "arrival_time",
-                 "first_scheduled_time", "first_token_time", "finish_time", "num_preemptions")
+                 "first_scheduled_time", "first_token_time", "finish_time", "num_preemptions",
+                 "cache_salt", "block_hashes", "num_cached_tokens")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, *, seed: int, arrival_time: float,
-                 eos_token_id: int | None = None):
+                 eos_token_id: int | None = None, cache_salt: str | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -89,6 +90,9 @@ class Request:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.num_preemptions = 0
+        self.cache_salt = cache_salt  # requests share cached blocks only under the same salt
+        self.block_hashes: list[bytes] = []  # chained hashes of full blocks, filled lazily
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -44,6 +44,7 @@ class SchedulerConfig:
     max_model_len: int
     policy: str = MIXED
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     victim_policy: str = "lifo"
     # New requests are admitted only while this fraction of blocks stays free, so that running
     # requests can grow without an immediate preemption (ignored when nothing runs).
@@ -90,6 +91,10 @@ class SchedulerState:
     running: list = dataclasses.field(default_factory=list)
     requests: dict = dataclasses.field(default_factory=dict)  # request_id -> unfinished Request
     num_preemptions: int = 0
+    # Prefix-cache lookups at first admission only: a request readmitted after preemption finds
+    # its own blocks again, which would overstate the hit rate.
+    num_prefix_query_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
 
 
 def _is_decode(request: Request) -> bool:
@@ -152,16 +157,23 @@ class _StepBuilder:
         watermark_blocks = int(config.watermark * kv.pool.num_usable_blocks)
         while state.waiting and self.budget > 0 and len(state.running) < config.max_num_seqs:
             request = state.waiting[0]
-            num_new = request.num_tokens - request.num_computed_tokens
+            cached_blocks = kv.find_cached_prefix(request)
+            num_cached = len(cached_blocks) * kv.block_size
+            num_new = request.num_tokens - num_cached
             if num_new > self.budget:
                 if not config.enable_chunked_prefill:
                     break
                 num_new = self.budget
-            if state.running and (kv.num_new_blocks(request, num_new) + watermark_blocks
-                                  > kv.num_free_blocks):
+            if state.running and (kv.num_new_blocks(request, num_new, cached_blocks)
+                                  + watermark_blocks > kv.num_free_blocks):
                 break
-            if kv.allocate_slots(request, num_new) is None:
+            if kv.allocate_slots(request, num_new, cached_blocks) is None:
                 break
+            request.num_computed_tokens = num_cached
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_cached
+                state.num_prefix_query_tokens += request.num_tokens
+                state.num_prefix_hit_tokens += num_cached
             state.waiting.popleft()
             state.running.append(request)
             request.status = RequestStatus.RUNNING
@@ -213,6 +225,7 @@ def update(state: SchedulerState, output: SchedulerOutput, sampled_ids: Sequence
     for seq, token_id in zip(output.scheduled, sampled_ids):
         request = seq.request
         request.num_computed_tokens = seq.start + seq.num_new_tokens
+        state.kv_manager.publish_full_blocks(request)
         if request.num_computed_tokens < request.num_tokens:
             continue  # a partial prefill chunk: its sample is not a new token
         if request.first_token_time is None:
@@ -279,8 +292,11 @@ def abort_request(state: SchedulerState, request_id: str, now: float) -> Request
 class Scheduler:
     """Convenience object holding a SchedulerState; every method is one of the free functions."""
 
-    def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int):
-        self.state = SchedulerState(config, KVCacheManager(num_blocks, block_size))
+    def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
+                 cache_key: bytes = b""):
+        kv_manager = KVCacheManager(num_blocks, block_size, cache_key=cache_key,
+                                    enable_prefix_caching=config.enable_prefix_caching)
+        self.state = SchedulerState(config, kv_manager)
 
     @property
     def config(self) -> SchedulerConfig:

@@ -108,3 +108,90 @@ def test_double_free_is_caught():
 def test_pool_needs_a_usable_block():
     with pytest.raises(ValueError, match="num_blocks"):
         BlockPool(1)
+
+
+class PrefixCacheMachine(RuleBasedStateMachine):
+    """Requests drawn from a few shared prefixes write fake KV (their token ids) into their
+    blocks; a cache hit must always return blocks whose content is exactly the hit tokens."""
+
+    PREFIXES = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 9, 9], [8, 8, 8, 8]]
+    BLOCK = 2
+
+    def __init__(self):
+        super().__init__()
+        self.kv = KVCacheManager(num_blocks=13, block_size=self.BLOCK, enable_prefix_caching=True)
+        self.content = {}  # block -> {offset: token}
+        self.live = {}
+        self.next_id = 0
+
+    def write(self, request, start, stop):
+        table = self.kv.get_block_table(request.request_id)
+        for pos in range(start, stop):
+            block = table[pos // self.BLOCK]
+            self.content.setdefault(block, {})[pos % self.BLOCK] = request.token_id_at(pos)
+
+    def block_matches(self, block, tokens):
+        stored = self.content.get(block, {})
+        return [stored.get(i) for i in range(self.BLOCK)] == list(tokens)
+
+    @rule(prefix=st.sampled_from(range(3)), cut=st.integers(0, 7),
+          suffix=st.lists(st.integers(0, 3), max_size=4))
+    def admit(self, prefix, cut, suffix):
+        tokens = self.PREFIXES[prefix][:cut] + suffix or [0]
+        request = make_request(self.next_id, 1, 8)
+        request.prompt_token_ids = tokens
+        self.next_id += 1
+        hits = self.kv.find_cached_prefix(request)
+        assert len(hits) * self.BLOCK <= len(tokens) - 1, "a hit must leave the last token"
+        for i, block in enumerate(hits):
+            assert self.block_matches(block, tokens[i * self.BLOCK:(i + 1) * self.BLOCK]), \
+                "a cache hit returned a block holding other tokens"
+        free_before = self.kv.num_free_blocks
+        num_cached = len(hits) * self.BLOCK
+        if self.kv.allocate_slots(request, len(tokens) - num_cached, hits) is None:
+            assert self.kv.num_free_blocks == free_before
+            assert request.request_id not in self.kv.block_tables
+            return
+        assert self.kv.get_block_table(request.request_id)[:len(hits)] == hits
+        self.write(request, num_cached, len(tokens))
+        request.num_computed_tokens = len(tokens)
+        self.kv.publish_full_blocks(request)
+        self.live[request.request_id] = request
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), token=st.integers(0, 3))
+    def append(self, data, token):
+        request = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        request.output_token_ids.append(token)
+        if self.kv.allocate_slots(request, 1) is None:
+            request.output_token_ids.pop()
+            return
+        self.write(request, request.num_computed_tokens, request.num_computed_tokens + 1)
+        request.num_computed_tokens += 1
+        self.kv.publish_full_blocks(request)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data):
+        self.kv.free(self.live.pop(data.draw(st.sampled_from(sorted(self.live)))))
+
+    @invariant()
+    def invariants_hold(self):
+        check_kv_invariants(self.kv)
+        pool = self.kv.pool
+        for block_hash, block in pool.cached.items():
+            assert pool.block_hashes[block] == block_hash
+        for request in self.live.values():
+            table = self.kv.get_block_table(request.request_id)
+            for i in range(request.num_computed_tokens // self.BLOCK):
+                tokens = request.token_ids_slice(i * self.BLOCK, (i + 1) * self.BLOCK)
+                assert self.block_matches(table[i], tokens), "a live block was overwritten"
+
+    def teardown(self):
+        for request in list(self.live.values()):
+            self.kv.free(request)
+        assert self.kv.num_free_blocks == self.kv.pool.num_usable_blocks, "blocks leaked"
+
+
+TestPrefixCacheMachine = PrefixCacheMachine.TestCase
+TestPrefixCacheMachine.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
