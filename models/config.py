@@ -61,7 +61,7 @@ CONFIGS: dict[str, LlamaConfig] = {
                               initializer_range=0.1, eos_token_id=None),
     "demo-small": LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=352,
                               num_layers=4, num_heads=8, num_kv_heads=2,
-                              max_position_embeddings=1024, initializer_range=0.05,
+                              max_position_embeddings=4096, initializer_range=0.05,
                               tie_word_embeddings=True, eos_token_id=None),
     # Real shapes, for capacity planning and shape-accurate benchmarks (random weights).
     "llama-3.2-1b": LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,

@@ -17,13 +17,16 @@ from scheduler import SamplingParams
 
 
 def mixed_workload(num_requests: int, vocab_size: int, max_model_len: int, seed: int):
-    """Log-normal prompt and output lengths (long tails), a third of them sampled."""
+    """Log-normal prompt and output lengths (long tails), a third of them sampled, half of them
+    behind a shared 64-token system prompt (prefix caching)."""
     rng = np.random.default_rng(seed)
+    system = rng.integers(0, vocab_size, 64).tolist()
     prompts, params = [], []
     for i in range(num_requests):
-        prompt_len = int(np.clip(rng.lognormal(3.5, 1.0), 2, max_model_len // 2))
-        max_tokens = int(np.clip(rng.lognormal(3.0, 0.7), 4, max_model_len - prompt_len))
-        prompts.append(rng.integers(0, vocab_size, prompt_len).tolist())
+        prompt_len = int(np.clip(rng.lognormal(3.5, 1.0), 2, max_model_len // 2 - 64))
+        max_tokens = int(np.clip(rng.lognormal(3.0, 0.7), 4, max_model_len // 2))
+        head = system if i % 2 else []
+        prompts.append(head + rng.integers(0, vocab_size, prompt_len).tolist())
         if i % 3 == 2:
             params.append(SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95,
                                          top_k=50, seed=i))
@@ -88,6 +91,10 @@ def print_table(engine, outputs, elapsed: float) -> None:
         ("KV waste at peak", f"{100 * stats.peak_waste:.1f}%"),
         ("max concurrent sequences", f"{stats.max_running}; reserving max_model_len each "
                                      f"would need {stats.max_running * engine.config.max_blocks_per_seq} blocks"),
+        ("prefix cache hits", f"{stats.num_prefix_hit_tokens} of "
+                              f"{stats.num_prefix_query_tokens} prompt tokens "
+                              f"({100 * stats.prefix_hit_rate:.1f}%), "
+                              f"{stats.num_evictions} evictions"),
         ("preemptions", f"{stats.num_preemptions}"),
         ("compiled programs", f"{engine.num_compiled_programs} "
                               f"(bound {engine.buckets.num_programs})"),

@@ -140,10 +140,23 @@ class LLMEngine:
         stats.num_prefix_query_tokens = state.num_prefix_query_tokens
         stats.num_prefix_hit_tokens = state.num_prefix_hit_tokens
         stats.num_evictions = state.kv_manager.pool.num_evictions
-        # Right after the step every running request holds exactly its computed tokens.
-        running = self.scheduler.state.running
-        used_tokens = sum(r.num_computed_tokens for r in running)
-        stats.record_usage(self.scheduler.kv_manager.num_used_blocks, used_tokens, len(running))
+        stats.max_running = max(stats.max_running, len(state.running))
+        used_blocks = state.kv_manager.num_used_blocks
+        if used_blocks > stats.peak_used_blocks:  # rare once warm: the scan below is O(blocks)
+            stats.peak_used_blocks = used_blocks
+            stats.peak_used_tokens = self._tokens_stored()
+
+    def _tokens_stored(self) -> int:
+        """Token slots filled in the pool right after a step, a shared block counted once: every
+        running request has exactly its computed tokens in its blocks."""
+        kv = self.scheduler.kv_manager
+        block_size = kv.block_size
+        full_blocks, partial = set(), 0
+        for request in self.scheduler.state.running:
+            num_full, rest = divmod(request.num_computed_tokens, block_size)
+            full_blocks.update(kv.get_block_table(request.request_id)[:num_full])
+            partial += rest
+        return len(full_blocks) * block_size + partial
 
     def warmup(self) -> int:
         """Compiles every step program the buckets allow; returns the number of shapes run."""

@@ -18,7 +18,7 @@ class EngineStats:
     num_aborted: int = 0
     num_preemptions: int = 0
     peak_used_blocks: int = 0
-    peak_used_tokens: int = 0  # tokens held in the KV cache at the block-usage peak
+    peak_used_tokens: int = 0  # token slots filled at the block-usage peak (shared once)
     max_running: int = 0  # most sequences holding KV at once
     step_time_s: float = 0.0  # wall time inside runner.step, summed
     num_prefix_query_tokens: int = 0  # prompt tokens looked up at first admission
@@ -29,12 +29,6 @@ class EngineStats:
     def prefix_hit_rate(self) -> float:
         queried = self.num_prefix_query_tokens
         return self.num_prefix_hit_tokens / queried if queried else 0.0
-
-    def record_usage(self, used_blocks: int, used_tokens: int, num_running: int) -> None:
-        self.max_running = max(self.max_running, num_running)
-        if used_blocks > self.peak_used_blocks:
-            self.peak_used_blocks = used_blocks
-            self.peak_used_tokens = used_tokens
 
     @property
     def peak_waste(self) -> float:

@@ -71,15 +71,23 @@ class KVCacheManager:
         of its table. Returns the newly taken blocks (possibly none), or None when the pool has
         too few free blocks; then nothing is taken and the caller may preempt and retry.
         """
+        table = self.block_tables.get(request.request_id)
+        if table is not None:  # the hot path: a running request grows
+            num_new = (self.num_blocks_for(request.num_computed_tokens + num_new_tokens)
+                       - len(table))
+            if num_new <= 0:
+                return []
+            blocks = self.pool.allocate(num_new)
+            if blocks is not None:
+                table.extend(blocks)
+            return blocks
         if self.num_new_blocks(request, num_new_tokens, cached_blocks) > self.pool.num_free_blocks:
             return None
-        table = self.block_tables.get(request.request_id)
-        if table is None:
-            table = self.block_tables[request.request_id] = []
-            if cached_blocks:
-                self.pool.touch(list(cached_blocks))  # before allocating: never evict a hit
-                table.extend(cached_blocks)
-                self._num_published[request.request_id] = len(cached_blocks)
+        table = self.block_tables[request.request_id] = []
+        if cached_blocks:
+            self.pool.touch(list(cached_blocks))  # before allocating: never evict a hit
+            table.extend(cached_blocks)
+            self._num_published[request.request_id] = len(cached_blocks)
         num_computed = max(request.num_computed_tokens, len(cached_blocks) * self.block_size)
         num_new = self.num_blocks_for(num_computed + num_new_tokens) - len(table)
         if num_new <= 0:
