@@ -36,7 +36,9 @@ def decode_plan(num_seqs: int, context: int, block_size: int, table_width: int) 
         logits_indices=np.arange(num_seqs, dtype=np.int32),
         num_seqs=np.asarray(num_seqs, np.int32), temperature=np.zeros(num_seqs, np.float32),
         top_k=np.full(num_seqs, -1, np.int32), top_p=np.ones(num_seqs, np.float32),
-        seeds=np.zeros(num_seqs, np.uint32), kind=DECODE, padded_num_tokens=num_seqs,
+        seeds=np.zeros(num_seqs, np.uint32), copy_src=np.zeros(num_seqs, np.int32),
+        copy_dst=np.zeros(num_seqs, np.int32), num_copies=np.asarray(0, np.int32),
+        kind=DECODE, padded_num_tokens=num_seqs,
         padded_num_seqs=num_seqs)
 
 
@@ -45,7 +47,7 @@ def run_step(runner: ModelRunner, plan: BatchPlan, donate: bool) -> float:
     if donate:
         runner.step(plan)
     else:
-        ids, runner.kv_caches = _undonated_step(runner.graphdef, runner.backend, runner.params,
+        (ids, _), runner.kv_caches = _undonated_step(runner.graphdef, runner.backend, runner.params,
                                                 runner.kv_caches, plan)
         np.asarray(ids)
     return time.perf_counter() - start

@@ -62,7 +62,7 @@ def run_static(engine: LLMEngine, prompts, params) -> tuple[list, float, int, in
         while state.running:
             step = schedule_static(state.running, config.max_num_batched_tokens)
             plan = build_plan(step, kv, engine.buckets)
-            update(state, step, engine.runner.step(plan), time.perf_counter())
+            update(state, step, engine.runner.step(plan)[0], time.perf_counter())
             num_steps += 1
     elapsed = time.perf_counter() - start
     return [r.output_token_ids for r in requests], elapsed, num_batches, num_steps

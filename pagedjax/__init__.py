@@ -3,8 +3,8 @@
 from pagedjax.config import EngineConfig
 from pagedjax.engine import LLMEngine
 from pagedjax.llm import LLM, load_model
-from pagedjax.outputs import RequestMetrics, RequestOutput
+from pagedjax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from scheduler import SamplingParams
 
-__all__ = ["EngineConfig", "LLMEngine", "LLM", "load_model", "RequestMetrics", "RequestOutput",
-           "SamplingParams"]
+__all__ = ["EngineConfig", "LLMEngine", "LLM", "load_model", "CompletionOutput",
+           "RequestMetrics", "RequestOutput", "SamplingParams"]

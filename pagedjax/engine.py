@@ -50,6 +50,7 @@ class LLMEngine:
         self.stats = EngineStats(num_blocks=self.num_blocks - 1, block_size=config.block_size)
         self._seed_rng = np.random.default_rng(config.seed)
         self._next_id = 0
+        self._groups: dict[str, list[Request]] = {}  # request_id -> its samples, until finished
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -81,11 +82,24 @@ class LLMEngine:
         if request_id is None:
             request_id = str(self._next_id)
             self._next_id += 1
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
+        if request_id in self._groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
-        return Request(request_id, ids.tolist(), sampling_params, seed=seed,
-                       arrival_time=self.clock() if arrival_time is None else arrival_time,
-                       eos_token_id=self.model_config.eos_token_id, cache_salt=cache_salt)
+        arrival_time = self.clock() if arrival_time is None else arrival_time
+        num_samples = sampling_params.num_samples
+        samples = []
+        for i in range(num_samples):
+            sample = Request(request_id if num_samples == 1 else f"{request_id}#{i}",
+                             ids.tolist(), sampling_params, seed=(seed + i) % 2**32,
+                             arrival_time=arrival_time, cache_salt=cache_salt,
+                             eos_token_id=self.model_config.eos_token_id)
+            sample.parent_id, sample.sample_index = request_id, i
+            samples.append(sample)
+        samples[0].followers = samples[1:]
+        return samples[0]
 
     def add_request(self, prompt_token_ids: Sequence[int],
                     sampling_params: SamplingParams | None = None,
@@ -97,13 +111,24 @@ class LLMEngine:
         """
         request = self.make_request(prompt_token_ids, sampling_params or SamplingParams(),
                                     request_id, arrival_time, cache_salt)
+        self.queue(request)
+        return request.parent_id
+
+    def queue(self, request: Request) -> None:
+        """Queues a request from make_request (with its parallel samples)."""
         self.scheduler.add_request(request)
-        return request.request_id
+        self._groups[request.parent_id] = [request, *request.followers]
 
     def abort(self, request_id: str) -> None:
-        """Finishes a request at once and frees its blocks; unknown ids are ignored."""
-        if self.scheduler.abort(request_id, self.clock()) is not None:
-            self.stats.num_aborted += 1
+        """Finishes a request (all its samples) at once and frees its blocks; unknown or
+        finished ids are ignored."""
+        samples = self._groups.pop(request_id, None)
+        if samples is None:
+            return
+        now = self.clock()
+        for sample in samples:
+            self.scheduler.abort(sample.request_id, now)
+        self.stats.num_aborted += 1
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -119,11 +144,18 @@ class LLMEngine:
             return []
         plan = build_plan(output, self.scheduler.kv_manager, self.buckets)
         start = time.perf_counter()
-        sampled_ids = self.runner.step(plan)
+        sampled_ids, logprobs = self.runner.step(plan)
         self.stats.step_time_s += time.perf_counter() - start
-        advanced = self.scheduler.update(output, sampled_ids, self.clock())
+        advanced = self.scheduler.update(output, sampled_ids, self.clock(), logprobs)
         self._record(output, advanced)
-        return [RequestOutput.from_request(r) for r in advanced]
+        outputs = []
+        for parent_id in dict.fromkeys(r.parent_id for r in advanced):
+            samples = self._groups[parent_id]
+            out = RequestOutput.from_samples(samples, samples[0].sampling_params.n)
+            if out.finished:
+                del self._groups[parent_id]
+            outputs.append(out)
+        return outputs
 
     def _record(self, output, advanced) -> None:
         stats = self.stats
@@ -134,7 +166,7 @@ class LLMEngine:
             stats.num_prefill_steps += 1
         stats.num_scheduled_tokens += output.num_scheduled_tokens
         stats.num_generated_tokens += len(advanced)
-        stats.num_finished += sum(r.status.finished for r in advanced)
+        stats.num_finished += sum(r.status.finished and r.sample_index == 0 for r in advanced)
         state = self.scheduler.state
         stats.num_preemptions = state.num_preemptions
         stats.num_prefix_query_tokens = state.num_prefix_query_tokens

@@ -54,10 +54,13 @@ class LLM:
                              f"{len(prompts)} prompts")
         engine = self.engine
         requests = [engine.make_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        ids = [r.parent_id for r in requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError("request ids must be unique")
         for request in requests:
             engine.scheduler.check_request(request)
         for request in requests:
-            engine.scheduler.add_request(request)
+            engine.queue(request)
         outputs: dict[str, RequestOutput] = {}
         with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as bar:
             while engine.has_unfinished():
@@ -65,4 +68,4 @@ class LLM:
                     if out.finished:
                         outputs[out.request_id] = out
                         bar.update(1)
-        return [outputs[r.request_id] for r in requests]
+        return [outputs[r.parent_id] for r in requests]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 from scheduler import Request
 
@@ -25,21 +26,47 @@ class RequestMetrics:
 
 
 @dataclasses.dataclass(frozen=True)
+class CompletionOutput:
+    index: int  # which sample (0 .. n-1)
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    cumulative_logprob: float  # sum of the model's logprobs of token_ids
+
+
+@dataclasses.dataclass(frozen=True)
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    outputs: list[CompletionOutput]  # n of them; best_of keeps the n most likely once finished
     finished: bool
-    finish_reason: str | None  # "stop", "length" or "abort" once finished
     metrics: RequestMetrics
 
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
     @classmethod
-    def from_request(cls, request: Request) -> "RequestOutput":
-        finished = request.status.finished
-        return cls(
-            request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
-            output_token_ids=list(request.output_token_ids), finished=finished,
-            finish_reason=request.status.value if finished else None,
-            metrics=RequestMetrics(request.arrival_time, request.first_scheduled_time,
-                                   request.first_token_time, request.finish_time,
-                                   request.num_preemptions, request.num_cached_tokens))
+    def from_samples(cls, samples: Sequence[Request], n: int) -> "RequestOutput":
+        """One request's output from its samples (one, or best_of >= n parallel ones)."""
+        leader = samples[0]
+        finished = all(s.status.finished for s in samples)
+        chosen = list(samples)
+        if finished and len(samples) > n:
+            chosen = sorted(samples, key=lambda s: -s.cumulative_logprob)[:n]
+        outputs = [CompletionOutput(index=i, token_ids=list(s.output_token_ids),
+                                    finish_reason=s.status.value if s.status.finished else None,
+                                    cumulative_logprob=s.cumulative_logprob)
+                   for i, s in enumerate(chosen)]
+        first_tokens = [s.first_token_time for s in samples if s.first_token_time is not None]
+        finishes = [s.finish_time for s in samples if s.finish_time is not None]
+        metrics = RequestMetrics(
+            leader.arrival_time, leader.first_scheduled_time,
+            min(first_tokens) if first_tokens else None,
+            max(finishes) if finished else None,
+            sum(s.num_preemptions for s in samples), leader.num_cached_tokens)
+        return cls(request_id=leader.parent_id, prompt_token_ids=list(leader.prompt_token_ids),
+                   outputs=outputs, finished=finished, metrics=metrics)

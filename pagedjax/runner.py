@@ -9,7 +9,7 @@ from flax import nnx
 
 from models import LlamaForCausalLM
 from pagedjax.sampler import sample
-from pallas_kernels import AttentionBackend, AttentionMetadata, init_kv_cache
+from pallas_kernels import AttentionBackend, AttentionMetadata, copy_blocks, init_kv_cache
 from scheduler import ARRAY_FIELDS, DECODE, NULL_BLOCK, PREFILL, STATIC_FIELDS, BatchPlan
 
 jax.tree_util.register_dataclass(BatchPlan, data_fields=list(ARRAY_FIELDS),
@@ -24,19 +24,20 @@ def num_step_traces() -> int:
 
 
 def step_fn(graphdef, backend: AttentionBackend, params, kv_caches: list[jax.Array], plan: BatchPlan):
-    """One engine step as a pure function: returns (sampled ids i32[B], new kv_caches)."""
+    """One engine step as a pure function: returns ((ids i32[B], logprobs f32[B]), kv_caches)."""
     global _num_traces
     _num_traces += 1  # runs at trace time only
     model = nnx.merge(graphdef, params)
+    kv_caches = [copy_blocks(c, plan.copy_src, plan.copy_dst, plan.num_copies)
+                 for c in kv_caches]
     metadata = AttentionMetadata(
         slot_mapping=plan.slot_mapping, block_tables=plan.block_tables, kv_lens=plan.kv_lens,
         cu_q_lens=plan.cu_q_lens, num_seqs=plan.num_seqs, decode_only=plan.kind == DECODE)
     hidden, kv_caches = model.forward_paged(kv_caches, plan.token_ids, plan.positions, metadata,
                                             backend)
     logits = model.logits(hidden[plan.logits_indices])  # f32[B, V]
-    sampled_ids = sample(logits, plan.temperature, plan.top_k, plan.top_p, plan.seeds,
-                         plan.kv_lens)
-    return sampled_ids, kv_caches
+    sampled = sample(logits, plan.temperature, plan.top_k, plan.top_p, plan.seeds, plan.kv_lens)
+    return sampled, kv_caches
 
 
 # graphdef and backend are static; the KV cache is donated so XLA updates it in place.
@@ -55,12 +56,13 @@ class ModelRunner:
                                        config.num_kv_heads, config.head_dim, dtype, backend.name)
         self.step_shapes: set[tuple[str, int, int]] = set()
 
-    def step(self, plan: BatchPlan) -> np.ndarray:
-        """Runs one step; returns the sampled ids of the first num_seqs rows."""
-        sampled_ids, self.kv_caches = _step(self.graphdef, self.backend, self.params,
-                                            self.kv_caches, plan)
+    def step(self, plan: BatchPlan) -> tuple[np.ndarray, np.ndarray]:
+        """Runs one step; returns the sampled ids and their logprobs for the first num_seqs rows."""
+        (ids, logprobs), self.kv_caches = _step(self.graphdef, self.backend, self.params,
+                                                self.kv_caches, plan)
         self.step_shapes.add((plan.kind, plan.padded_num_tokens, plan.padded_num_seqs))
-        return np.asarray(sampled_ids)[:int(plan.num_seqs)]
+        num_seqs = int(plan.num_seqs)
+        return np.asarray(ids)[:num_seqs], np.asarray(logprobs)[:num_seqs]
 
     def warmup(self, buckets) -> int:
         """Compiles every program a plan from these buckets can need; returns how many ran."""
@@ -80,7 +82,9 @@ def padding_plan(kind: str, num_tokens: int, num_seqs: int, max_blocks_per_seq: 
         kv_lens=np.zeros(num_seqs, np.int32), cu_q_lens=np.zeros(num_seqs + 1, np.int32),
         logits_indices=np.zeros(num_seqs, np.int32), num_seqs=np.asarray(0, np.int32),
         temperature=np.zeros(num_seqs, np.float32), top_k=np.full(num_seqs, -1, np.int32),
-        top_p=np.ones(num_seqs, np.float32), seeds=np.zeros(num_seqs, np.uint32), kind=kind,
+        top_p=np.ones(num_seqs, np.float32), seeds=np.zeros(num_seqs, np.uint32),
+        copy_src=np.zeros(num_seqs, np.int32), copy_dst=np.zeros(num_seqs, np.int32),
+        num_copies=np.asarray(0, np.int32), kind=kind,
         padded_num_tokens=num_tokens, padded_num_seqs=num_seqs)
 
 

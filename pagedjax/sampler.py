@@ -31,9 +31,15 @@ def sample(
     top_p: jax.Array,  # f32[B]
     seeds: jax.Array,  # u32[B]
     positions: jax.Array,  # i32[B] position of the token being sampled
-) -> jax.Array:  # i32[B]
+) -> tuple[jax.Array, jax.Array]:  # (i32[B] ids, f32[B] logprob of each id under the model)
     """Greedy rows take the argmax; the others sample with key fold_in(key(seed), position), so a
     request's tokens depend only on its seed and its context, not on its batch neighbours."""
+    ids = _sample_ids(logits, temperature, top_k, top_p, seeds, positions)
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), ids[:, None], axis=-1)
+    return ids, logprobs[:, 0]
+
+
+def _sample_ids(logits, temperature, top_k, top_p, seeds, positions) -> jax.Array:
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def sampled(_):

@@ -57,3 +57,18 @@ def write_kv_reference(
         new = jnp.pad(new, ((0, 0), (0, 0), (0, 0), (0, head_dim - new.shape[-1])))
     flat = flat.at[:, :, slot_mapping].set(new, mode="promise_in_bounds")
     return flat.reshape(kv_cache.shape)
+
+
+def copy_blocks(
+    kv_cache: jax.Array,  # [2, K, NB, S, Hc]
+    src: jax.Array,  # i32[C] blocks to copy from
+    dst: jax.Array,  # i32[C] blocks to copy to; padding pairs are (0, 0)
+    num_copies: jax.Array,  # i32[] only the first num_copies pairs are real
+) -> jax.Array:
+    """Copy-on-write: block src[i] -> dst[i] for every layer's cache, skipped entirely (no pool
+    traffic) when the step has no copies."""
+
+    def copy(cache):
+        return cache.at[:, :, dst].set(cache[:, :, src], mode="promise_in_bounds")
+
+    return jax.lax.cond(num_copies > 0, copy, lambda cache: cache, kv_cache)

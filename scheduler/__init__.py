@@ -8,10 +8,10 @@ from scheduler.buckets import ShapeBuckets, pad_to_bucket, power_of_two_buckets
 from scheduler.kv_cache_manager import KVCacheManager, cdiv
 from scheduler.plan import ARRAY_FIELDS, DECODE, PREFILL, STATIC_FIELDS, BatchPlan, build_plan
 from scheduler.request import Request, RequestStatus, SamplingParams
+from scheduler.lifecycle import Scheduler, abort_request, add_request, check_request, update
 from scheduler.scheduler import (DECODE_FIRST, MIXED, POLICIES, PREFILL_FIRST, VICTIM_POLICIES,
-                                 ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput,
-                                 SchedulerState, abort_request, add_request, check_request,
-                                 schedule, update)
+                                 ScheduledSeq, SchedulerConfig, SchedulerOutput, SchedulerState,
+                                 schedule)
 
 __all__ = [
     "NULL_BLOCK", "BlockPool", "ShapeBuckets", "pad_to_bucket", "power_of_two_buckets",

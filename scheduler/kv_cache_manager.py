@@ -33,6 +33,8 @@ class KVCacheManager:
         self.cache_key = cache_key
         self.block_tables: dict[str, list[int]] = {}
         self._num_published: dict[str, int] = {}  # request_id -> blocks already published
+        # Copy-on-write block copies (src, dst) for the next step, to run before its KV writes.
+        self.pending_copies: list[tuple[int, int]] = []
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -73,13 +75,19 @@ class KVCacheManager:
         """
         table = self.block_tables.get(request.request_id)
         if table is not None:  # the hot path: a running request grows
-            num_new = (self.num_blocks_for(request.num_computed_tokens + num_new_tokens)
-                       - len(table))
-            if num_new <= 0:
+            num_computed = request.num_computed_tokens
+            num_new = max(0, self.num_blocks_for(num_computed + num_new_tokens) - len(table))
+            # The partly filled block about to be written is shared (a fork): copy on write.
+            shared = (num_computed % self.block_size != 0 and num_new_tokens > 0
+                      and self.pool.ref_counts[table[num_computed // self.block_size]] > 1)
+            if num_new + shared > self.pool.num_free_blocks:
+                return None
+            if shared:
+                self._copy_on_write(table, num_computed // self.block_size)
+            if num_new == 0:
                 return []
             blocks = self.pool.allocate(num_new)
-            if blocks is not None:
-                table.extend(blocks)
+            table.extend(blocks)
             return blocks
         if self.num_new_blocks(request, num_new_tokens, cached_blocks) > self.pool.num_free_blocks:
             return None
@@ -95,6 +103,28 @@ class KVCacheManager:
         blocks = self.pool.allocate(num_new)
         table.extend(blocks)
         return blocks
+
+    def _copy_on_write(self, table: list[int], index: int) -> None:
+        (copy,) = self.pool.allocate(1)
+        shared = table[index]
+        self.pending_copies.append((shared, copy))
+        table[index] = copy
+        self.pool.free([shared])
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """child shares every block of parent (one more reference each); the first of them to
+        write into a shared, partly filled block copies it first."""
+        if child.request_id in self.block_tables:
+            raise RuntimeError(f"fork into {child.request_id!r}, which already holds blocks")
+        table = self.block_tables[parent.request_id]
+        self.pool.incref(table)
+        self.block_tables[child.request_id] = list(table)
+        if parent.request_id in self._num_published:
+            self._num_published[child.request_id] = self._num_published[parent.request_id]
 
     def publish_full_blocks(self, request: Request) -> None:
         """Publishes request's blocks that became full of computed KV (prefix caching)."""

@@ -18,7 +18,8 @@ PREFILL = "prefill"  # ragged: each sequence brings 1..n query tokens (decodes m
 DECODE = "decode"  # every sequence brings exactly one query token
 
 ARRAY_FIELDS = ("token_ids", "positions", "slot_mapping", "block_tables", "kv_lens", "cu_q_lens",
-                "logits_indices", "num_seqs", "temperature", "top_k", "top_p", "seeds")
+                "logits_indices", "num_seqs", "temperature", "top_k", "top_p", "seeds",
+                "copy_src", "copy_dst", "num_copies")
 STATIC_FIELDS = ("kind", "padded_num_tokens", "padded_num_seqs")
 
 
@@ -42,6 +43,9 @@ class BatchPlan:
     top_k: np.ndarray  # i32[B] -1 means disabled
     top_p: np.ndarray  # f32[B]
     seeds: np.ndarray  # u32[B] per-request seed; the sample at position p uses fold_in(seed, p)
+    copy_src: np.ndarray  # i32[B] copy-on-write: block copy_src[i] -> copy_dst[i] before writes
+    copy_dst: np.ndarray  # i32[B] (padding pairs copy the null block onto itself)
+    num_copies: np.ndarray  # i32[]
     kind: str  # PREFILL or DECODE
     padded_num_tokens: int  # T
     padded_num_seqs: int  # B
@@ -49,8 +53,12 @@ class BatchPlan:
 
 def build_plan(output: "SchedulerOutput", kv_manager: "KVCacheManager",
                buckets: ShapeBuckets) -> BatchPlan:
-    """Lays out the scheduled sequences back to back and pads every array to its bucket."""
-    scheduled = output.scheduled
+    """Lays out the scheduled sequences back to back and pads every array to its bucket.
+
+    Fork followers come last, as rows with no query tokens whose logits index is their
+    leader's last token: they sample their first token from the leader's prompt logits.
+    """
+    scheduled = list(output.scheduled) + [(f, leader.num_tokens, 0) for leader, f in output.forks]
     num_seqs = len(scheduled)
     if num_seqs == 0:
         raise ValueError("cannot build a plan for an empty schedule")
@@ -73,8 +81,9 @@ def build_plan(output: "SchedulerOutput", kv_manager: "KVCacheManager",
             tokens.append(request.token_id_at(start))
         else:
             tokens.extend(request.token_ids_slice(start, start + n))
-        table = kv_manager.get_block_table(request.request_id)
-        block_tables[i, :len(table)] = table
+        if n:
+            table = kv_manager.get_block_table(request.request_id)
+            block_tables[i, :len(table)] = table
         starts.append(start)
         q_lens_list.append(n)
         params = request.sampling_params
@@ -107,6 +116,13 @@ def build_plan(output: "SchedulerOutput", kv_manager: "KVCacheManager",
     cu_q_lens = np.zeros(padded_seqs + 1, np.int32)
     np.cumsum(q_lens, out=cu_q_lens[1:])
     logits_indices = np.maximum(cu_q_lens[1:] - 1, 0).astype(np.int32)
+    leader_row = {id(s.request): i for i, s in enumerate(output.scheduled)}
+    for k, (leader, _) in enumerate(output.forks):
+        logits_indices[len(output.scheduled) + k] = logits_indices[leader_row[id(leader)]]
+    copy_src = np.zeros(padded_seqs, np.int32)
+    copy_dst = np.zeros(padded_seqs, np.int32)
+    if output.copies:
+        copy_src[:len(output.copies)], copy_dst[:len(output.copies)] = zip(*output.copies)
     # Slots of real tokens; padding tokens keep slot 0, which lies in the null block.
     pos = positions[:num_tokens]
     slot_mapping = np.zeros(padded_tokens, np.int32)
@@ -116,5 +132,6 @@ def build_plan(output: "SchedulerOutput", kv_manager: "KVCacheManager",
         token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
         block_tables=block_tables, kv_lens=kv_lens, cu_q_lens=cu_q_lens,
         logits_indices=logits_indices, num_seqs=np.asarray(num_seqs, np.int32),
-        temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, kind=output.kind,
+        temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, copy_src=copy_src,
+        copy_dst=copy_dst, num_copies=np.asarray(len(output.copies), np.int32), kind=output.kind,
         padded_num_tokens=padded_tokens, padded_num_seqs=padded_seqs)

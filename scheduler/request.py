@@ -14,10 +14,14 @@ class SamplingParams:
 
     temperature == 0 means greedy. top_k == -1 disables top-k; top_p == 1 disables top-p.
     seed makes a request's samples reproducible whatever else is in the batch; with no seed the
-    engine draws one from its own seeded generator.
+    engine draws one from its own seeded generator. n samples share the prompt's KV blocks;
+    best_of >= n samples are drawn and the n with the highest cumulative logprob returned.
+    Sample i uses seed + i, so it equals the same request run alone with that seed.
     """
 
     max_tokens: int = 16
+    n: int = 1
+    best_of: int | None = None
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
@@ -30,6 +34,11 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.best_of is not None and (not isinstance(self.best_of, int)
+                                         or self.best_of < self.n):
+            raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -44,6 +53,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences generated: best_of if given, else n."""
+        return self.best_of or self.n
 
 
 class RequestStatus(enum.Enum):
@@ -72,7 +86,8 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling_params",
                  "seed", "eos_token_id", "num_computed_tokens", "status", "arrival_time",
                  "first_scheduled_time", "first_token_time", "finish_time", "num_preemptions",
-                 "cache_salt", "block_hashes", "num_cached_tokens")
+                 "cache_salt", "block_hashes", "num_cached_tokens", "parent_id",
+                 "sample_index", "followers", "cumulative_logprob")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, *, seed: int, arrival_time: float,
@@ -93,6 +108,12 @@ class Request:
         self.cache_salt = cache_salt  # requests share cached blocks only under the same salt
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks, filled lazily
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
+        self.parent_id = request_id  # the user's request id; differs for parallel samples
+        self.sample_index = 0
+        # Parallel samples waiting for this request's prompt: each samples its first token from
+        # the same logits in the step that completes the prompt, then forks its blocks.
+        self.followers: list[Request] = []
+        self.cumulative_logprob = 0.0
 
     @property
     def num_prompt_tokens(self) -> int:

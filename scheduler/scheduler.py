@@ -81,6 +81,10 @@ class SchedulerOutput:
     kind: str  # DECODE when every scheduled sequence brings one token, else PREFILL
     num_scheduled_tokens: int
     now: float
+    # (leader, follower): parallel samples that take their first token from the leader's
+    # prompt logits in this step, then fork the leader's blocks.
+    forks: list[tuple[Request, Request]] = ()
+    copies: list[tuple[int, int]] = ()  # copy-on-write (src, dst) blocks, before the KV writes
 
 
 @dataclasses.dataclass
@@ -95,6 +99,11 @@ class SchedulerState:
     # its own blocks again, which would overstate the hit rate.
     num_prefix_query_tokens: int = 0
     num_prefix_hit_tokens: int = 0
+    num_followers: int = 0  # parallel samples not forked yet (they count against max_num_seqs)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.running) + self.num_followers
 
 
 def _is_decode(request: Request) -> bool:
@@ -120,6 +129,7 @@ class _StepBuilder:
         state = self.state
         state.kv_manager.free(victim)
         state.running.remove(victim)
+        state.num_followers -= len(victim.followers)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
@@ -155,8 +165,10 @@ class _StepBuilder:
         config = state.config
         kv = state.kv_manager
         watermark_blocks = int(config.watermark * kv.pool.num_usable_blocks)
-        while state.waiting and self.budget > 0 and len(state.running) < config.max_num_seqs:
+        while state.waiting and self.budget > 0:
             request = state.waiting[0]
+            if state.num_seqs + 1 + len(request.followers) > config.max_num_seqs:
+                break
             cached_blocks = kv.find_cached_prefix(request)
             num_cached = len(cached_blocks) * kv.block_size
             num_new = request.num_tokens - num_cached
@@ -176,6 +188,7 @@ class _StepBuilder:
                 state.num_prefix_hit_tokens += num_cached
             state.waiting.popleft()
             state.running.append(request)
+            state.num_followers += len(request.followers)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
@@ -183,8 +196,13 @@ class _StepBuilder:
 
     def output(self, now: float) -> SchedulerOutput:
         num_tokens = sum(s.num_new_tokens for s in self.scheduled)
-        kind = DECODE if num_tokens == len(self.scheduled) else PREFILL
-        return SchedulerOutput(self.scheduled, self.preempted, kind, num_tokens, now)
+        forks = [(s.request, follower) for s in self.scheduled if s.request.followers
+                 and s.start + s.num_new_tokens == s.request.num_tokens
+                 for follower in s.request.followers]
+        kind = DECODE if num_tokens == len(self.scheduled) and not forks else PREFILL
+        copies = self.state.kv_manager.take_pending_copies()
+        return SchedulerOutput(self.scheduled, self.preempted, kind, num_tokens, now, forks,
+                               copies)
 
 
 def schedule(state: SchedulerState, now: float) -> tuple[SchedulerState, SchedulerOutput]:
@@ -209,118 +227,3 @@ def schedule(state: SchedulerState, now: float) -> tuple[SchedulerState, Schedul
             if not step.preempted:
                 step.schedule_waiting(now)
     return state, step.output(now)
-
-
-def update(state: SchedulerState, output: SchedulerOutput, sampled_ids: Sequence[int],
-           now: float) -> list[Request]:
-    """Advances the scheduled requests by the step's result; returns the requests that received
-    a new token (finished ones among them, with a finished status and their blocks freed).
-
-    sampled_ids[i] is the token sampled for output.scheduled[i]; it is kept only when that
-    sequence has caught up with all its tokens (the last chunk of a prefill, or a decode).
-    """
-    advanced = []
-    any_finished = False
-    max_model_len = state.config.max_model_len
-    for seq, token_id in zip(output.scheduled, sampled_ids):
-        request = seq.request
-        request.num_computed_tokens = seq.start + seq.num_new_tokens
-        state.kv_manager.publish_full_blocks(request)
-        if request.num_computed_tokens < request.num_tokens:
-            continue  # a partial prefill chunk: its sample is not a new token
-        if request.first_token_time is None:
-            request.first_token_time = now
-        status = request.append_output_token(int(token_id))
-        if status is None and request.num_tokens >= max_model_len:
-            status = RequestStatus.FINISHED_LENGTH
-        if status is not None:
-            _finish(state, request, status, now)
-            any_finished = True
-        advanced.append(request)
-    if any_finished:
-        state.running = [r for r in state.running if not r.status.finished]
-    return advanced
-
-
-def _finish(state: SchedulerState, request: Request, status: RequestStatus, now: float) -> None:
-    request.status = status
-    request.finish_time = now
-    state.kv_manager.free(request)
-    state.requests.pop(request.request_id, None)
-
-
-def check_request(state: SchedulerState, request: Request) -> None:
-    """Raises ValueError, naming the field and the limit, if request can never be served."""
-    config = state.config
-    if request.request_id in state.requests:
-        raise ValueError(f"request_id {request.request_id!r} is already in use")
-    if request.num_prompt_tokens < 1:
-        raise ValueError("prompt must contain at least one token")
-    if request.max_num_tokens > config.max_model_len:
-        raise ValueError(
-            f"prompt length ({request.num_prompt_tokens}) + max_tokens "
-            f"({request.sampling_params.max_tokens}) = {request.max_num_tokens} exceeds "
-            f"max_model_len ({config.max_model_len})")
-    kv = state.kv_manager
-    if not kv.can_ever_fit(request.max_num_tokens):
-        raise ValueError(
-            f"prompt length + max_tokens = {request.max_num_tokens} tokens needs "
-            f"{kv.num_blocks_for(request.max_num_tokens)} KV blocks, more than the whole pool "
-            f"({kv.pool.num_usable_blocks} blocks of {kv.block_size} tokens)")
-
-
-def add_request(state: SchedulerState, request: Request) -> None:
-    """Queues a request, or raises ValueError and changes nothing if it can never be served."""
-    check_request(state, request)
-    state.requests[request.request_id] = request
-    state.waiting.append(request)
-
-
-def abort_request(state: SchedulerState, request_id: str, now: float) -> Request | None:
-    """Finishes a request at once and frees its blocks; unknown ids are a no-op."""
-    request = state.requests.get(request_id)
-    if request is None:
-        return None
-    if request.status == RequestStatus.RUNNING:
-        state.running.remove(request)
-    else:
-        state.waiting.remove(request)
-    _finish(state, request, RequestStatus.FINISHED_ABORTED, now)
-    return request
-
-
-class Scheduler:
-    """Convenience object holding a SchedulerState; every method is one of the free functions."""
-
-    def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
-                 cache_key: bytes = b""):
-        kv_manager = KVCacheManager(num_blocks, block_size, cache_key=cache_key,
-                                    enable_prefix_caching=config.enable_prefix_caching)
-        self.state = SchedulerState(config, kv_manager)
-
-    @property
-    def config(self) -> SchedulerConfig:
-        return self.state.config
-
-    @property
-    def kv_manager(self) -> KVCacheManager:
-        return self.state.kv_manager
-
-    def check_request(self, request: Request) -> None:
-        check_request(self.state, request)
-
-    def add_request(self, request: Request) -> None:
-        add_request(self.state, request)
-
-    def schedule(self, now: float) -> SchedulerOutput:
-        self.state, output = schedule(self.state, now)
-        return output
-
-    def update(self, output: SchedulerOutput, sampled_ids: Sequence[int], now: float):
-        return update(self.state, output, sampled_ids, now)
-
-    def abort(self, request_id: str, now: float) -> Request | None:
-        return abort_request(self.state, request_id, now)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.state.requests)

@@ -57,8 +57,10 @@ def test_sampled_frequencies_follow_the_distribution():
     probs = np.array([0.6, 0.3, 0.1, 0.0])
     logits = jnp.log(jnp.asarray(np.tile(probs, (4000, 1)), jnp.float32))
     n = logits.shape[0]
-    ids = np.asarray(sample(logits, jnp.ones(n), jnp.full(n, -1), jnp.ones(n),
-                            jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32)))
+    ids, logprobs = sample(logits, jnp.ones(n), jnp.full(n, -1), jnp.ones(n),
+                           jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32))
+    ids = np.asarray(ids)
+    np.testing.assert_allclose(np.asarray(logprobs), np.log(probs[ids]), rtol=1e-5)
     freq = np.bincount(ids, minlength=4) / n
     # 4000 draws: the standard error of a frequency is at most 0.008; allow 4 sigma.
     np.testing.assert_allclose(freq, probs, atol=0.032)

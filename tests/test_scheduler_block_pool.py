@@ -158,6 +158,11 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.kv.publish_full_blocks(request)
         self.live[request.request_id] = request
 
+    def apply_copies(self):
+        """The device copies the step's copy-on-write blocks before its KV writes."""
+        for src, dst in self.kv.take_pending_copies():
+            self.content[dst] = dict(self.content.get(src, {}))
+
     @precondition(lambda self: self.live)
     @rule(data=st.data(), token=st.integers(0, 3))
     def append(self, data, token):
@@ -165,7 +170,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         request.output_token_ids.append(token)
         if self.kv.allocate_slots(request, 1) is None:
             request.output_token_ids.pop()
+            assert not self.kv.pending_copies, "a failed allocation left a copy behind"
             return
+        self.apply_copies()
         self.write(request, request.num_computed_tokens, request.num_computed_tokens + 1)
         request.num_computed_tokens += 1
         self.kv.publish_full_blocks(request)
@@ -174,6 +181,21 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def free(self, data):
         self.kv.free(self.live.pop(data.draw(st.sampled_from(sorted(self.live)))))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def fork(self, data):
+        """A parallel sample: shares every block, partly filled last one included."""
+        parent = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        child = make_request(self.next_id, 1, 8)
+        self.next_id += 1
+        child.prompt_token_ids = list(parent.prompt_token_ids)
+        child.output_token_ids = list(parent.output_token_ids)
+        child.num_computed_tokens = parent.num_computed_tokens
+        self.kv.fork(parent, child)
+        assert self.kv.get_block_table(child.request_id) == self.kv.get_block_table(
+            parent.request_id)
+        self.live[child.request_id] = child
 
     @invariant()
     def invariants_hold(self):
