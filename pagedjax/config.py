@@ -27,6 +27,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     victim_policy: str = "lifo"
+    preemption_mode: str = "recompute"  # or "swap": preempted KV goes to a host pool
+    swap_space_bytes: int = 0  # host pool for swap; 0 with swap falls back to recompute
     watermark: float = 0.01
     dtype: str = "float32"  # activations and KV cache
     attention_backend: str = "auto"  # auto | reference | gpu | tpu
@@ -50,6 +52,9 @@ class EngineConfig:
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes must be >= 1, "
                              f"got {self.kv_cache_memory_bytes!r}")
+        if not isinstance(self.swap_space_bytes, int) or self.swap_space_bytes < 0:
+            raise ValueError(f"swap_space_bytes must be an integer >= 0, "
+                             f"got {self.swap_space_bytes!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.attention_backend not in BACKEND_NAMES:
@@ -101,7 +106,8 @@ class EngineConfig:
             max_model_len=self.max_model_len, policy=self.policy,
             enable_chunked_prefill=self.enable_chunked_prefill,
             enable_prefix_caching=self.enable_prefix_caching,
-            victim_policy=self.victim_policy, watermark=self.watermark)
+            victim_policy=self.victim_policy, watermark=self.watermark,
+            preemption_mode=self.preemption_mode)
 
     def buckets(self) -> ShapeBuckets:
         return ShapeBuckets.create(

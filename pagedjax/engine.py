@@ -42,12 +42,17 @@ class LLMEngine:
             model_config.head_dim, config.np_dtype, self.backend.name)
         self.num_blocks = config.resolve_num_blocks(self.bytes_per_block)
         self.buckets = config.buckets()
+        num_host_blocks = config.swap_space_bytes // self.bytes_per_block
         self.scheduler = Scheduler(config.scheduler_config(), self.num_blocks, config.block_size,
-                                   cache_key=model_cache_key(model, config))
+                                   cache_key=model_cache_key(model, config),
+                                   num_host_blocks=num_host_blocks)
         self.runner = ModelRunner(model, num_blocks=self.num_blocks,
                                   block_size=config.block_size, dtype=kv_dtype(config.dtype),
                                   backend=self.backend)
         self.stats = EngineStats(num_blocks=self.num_blocks - 1, block_size=config.block_size)
+        # The swap space: one host array per layer, like the device cache, num_host_blocks wide.
+        self.host_pool = [np.zeros(c.shape[:2] + (num_host_blocks,) + c.shape[3:],
+                                   config.np_dtype) for c in self.runner.kv_caches]
         self._seed_rng = np.random.default_rng(config.seed)
         self._next_id = 0
         self._groups: dict[str, list[Request]] = {}  # request_id -> its samples, until finished
@@ -144,6 +149,7 @@ class LLMEngine:
             return []
         plan = build_plan(output, self.scheduler.kv_manager, self.buckets)
         start = time.perf_counter()
+        self.runner.swap(output.swap_out, output.swap_in, self.host_pool)
         sampled_ids, logprobs = self.runner.step(plan)
         self.stats.step_time_s += time.perf_counter() - start
         advanced = self.scheduler.update(output, sampled_ids, self.clock(), logprobs)
@@ -172,6 +178,8 @@ class LLMEngine:
         stats.num_prefix_query_tokens = state.num_prefix_query_tokens
         stats.num_prefix_hit_tokens = state.num_prefix_hit_tokens
         stats.num_evictions = state.kv_manager.pool.num_evictions
+        stats.num_swap_outs = state.num_swap_outs
+        stats.num_recomputed_tokens = state.num_recomputed_tokens
         stats.max_running = max(stats.max_running, len(state.running))
         used_blocks = state.kv_manager.num_used_blocks
         if used_blocks > stats.peak_used_blocks:  # rare once warm: the scan below is O(blocks)

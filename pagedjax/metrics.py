@@ -24,6 +24,8 @@ class EngineStats:
     num_prefix_query_tokens: int = 0  # prompt tokens looked up at first admission
     num_prefix_hit_tokens: int = 0  # of those, found in the prefix cache
     num_evictions: int = 0  # cached blocks reused for other content
+    num_swap_outs: int = 0  # preemptions that moved KV to the host pool
+    num_recomputed_tokens: int = 0  # computed tokens thrown away by recompute preemption
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -9,7 +9,8 @@ from flax import nnx
 
 from models import LlamaForCausalLM
 from pagedjax.sampler import sample
-from pallas_kernels import AttentionBackend, AttentionMetadata, copy_blocks, init_kv_cache
+from pallas_kernels import (AttentionBackend, AttentionMetadata, copy_blocks, gather_blocks,
+                            init_kv_cache, scatter_blocks)
 from scheduler import ARRAY_FIELDS, DECODE, NULL_BLOCK, PREFILL, STATIC_FIELDS, BatchPlan
 
 jax.tree_util.register_dataclass(BatchPlan, data_fields=list(ARRAY_FIELDS),
@@ -56,6 +57,26 @@ class ModelRunner:
                                        config.num_kv_heads, config.head_dim, dtype, backend.name)
         self.step_shapes: set[tuple[str, int, int]] = set()
 
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
+             host_pool: list[np.ndarray]) -> None:
+        """Runs a step's swaps before the step: device -> host first (those device blocks may be
+        reused by this step), then host -> device. Block counts are padded to powers of two
+        (null-block entries), so each direction compiles a bounded number of programs."""
+        if swap_out:
+            device, host = map(list, zip(*swap_out))
+            padded = _pad_ids(device)
+            for layer, cache in enumerate(self.kv_caches):
+                host_pool[layer][:, :, host] = np.asarray(gather_blocks(cache, padded))[
+                    :, :, :len(host)]
+        if swap_in:
+            host, device = map(list, zip(*swap_in))
+            padded = _pad_ids(device)
+            for layer, cache in enumerate(self.kv_caches):
+                data = np.zeros(cache.shape[:2] + (len(padded),) + cache.shape[3:],
+                                host_pool[layer].dtype)
+                data[:, :, :len(host)] = host_pool[layer][:, :, host]
+                self.kv_caches[layer] = scatter_blocks(cache, padded, data)
+
     def step(self, plan: BatchPlan) -> tuple[np.ndarray, np.ndarray]:
         """Runs one step; returns the sampled ids and their logprobs for the first num_seqs rows."""
         (ids, logprobs), self.kv_caches = _step(self.graphdef, self.backend, self.params,
@@ -86,6 +107,12 @@ def padding_plan(kind: str, num_tokens: int, num_seqs: int, max_blocks_per_seq: 
         copy_src=np.zeros(num_seqs, np.int32), copy_dst=np.zeros(num_seqs, np.int32),
         num_copies=np.asarray(0, np.int32), kind=kind,
         padded_num_tokens=num_tokens, padded_num_seqs=num_seqs)
+
+
+def _pad_ids(ids: list[int]) -> np.ndarray:
+    padded = np.full(1 << (len(ids) - 1).bit_length(), NULL_BLOCK, np.int32)
+    padded[:len(ids)] = ids
+    return padded
 
 
 def kv_dtype(name: str):

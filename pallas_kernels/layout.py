@@ -10,6 +10,8 @@ two of at least 16: there H is zero-padded, e.g. 80 -> 128 (zeros change no dot 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,3 +74,22 @@ def copy_blocks(
         return cache.at[:, :, dst].set(cache[:, :, src], mode="promise_in_bounds")
 
     return jax.lax.cond(num_copies > 0, copy, lambda cache: cache, kv_cache)
+
+
+@jax.jit
+def gather_blocks(
+    kv_cache: jax.Array,  # [2, K, NB, S, Hc]
+    blocks: jax.Array,  # i32[C]
+) -> jax.Array:  # [2, K, C, S, Hc]
+    """Reads blocks out of a layer's cache (swap-out)."""
+    return kv_cache[:, :, blocks]
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def scatter_blocks(
+    kv_cache: jax.Array,  # [2, K, NB, S, Hc]
+    blocks: jax.Array,  # i32[C]; padding entries point at the null block
+    data: jax.Array,  # [2, K, C, S, Hc]
+) -> jax.Array:
+    """Writes whole blocks into a layer's cache in place (swap-in)."""
+    return kv_cache.at[:, :, blocks].set(data.astype(kv_cache.dtype), mode="promise_in_bounds")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 from scheduler.block_hash import block_hashes
 from scheduler.block_pool import BlockPool
 from scheduler.request import Request
@@ -24,7 +26,7 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False,
-                 cache_key: bytes = b""):
+                 cache_key: bytes = b"", num_host_blocks: int = 0):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -35,6 +37,13 @@ class KVCacheManager:
         self._num_published: dict[str, int] = {}  # request_id -> blocks already published
         # Copy-on-write block copies (src, dst) for the next step, to run before its KV writes.
         self.pending_copies: list[tuple[int, int]] = []
+        # Swap space: host blocks holding the KV of swapped-out requests.
+        self.num_host_blocks = num_host_blocks
+        self._host_free = collections.deque(range(num_host_blocks))
+        self.host_tables: dict[str, list[int]] = {}
+        self.pending_swap_out: list[tuple[int, int]] = []  # (device, host), run first in a step
+        self.pending_swap_in: list[tuple[int, int]] = []  # (host, device), run after swap-outs
+        self._host_to_release: list[int] = []  # read by this step's swap-ins, free after it
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -140,8 +149,49 @@ class KVCacheManager:
             self.pool.cache_block(table[i], hashes[i])
         self._num_published[request.request_id] = num_full
 
-    def free(self, request: Request) -> None:
+    def swap_out(self, request: Request) -> bool:
+        """Moves request's KV to host blocks (the copy runs at the start of the next step) and
+        frees its device blocks; False, changing nothing, if the host pool has no room."""
+        table = self.block_tables.get(request.request_id, [])
+        if len(table) > len(self._host_free):
+            return False
+        host = [self._host_free.popleft() for _ in table]
+        self.pending_swap_out.extend(zip(table, host))
+        self.host_tables[request.request_id] = host
+        self.free(request, keep_host=True)
+        return True
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[int] | None:
+        """Device blocks for a swapped-out request and its next num_new_tokens; the host -> device
+        copy runs at the start of the next step. None, changing nothing, if there is no room."""
+        host = self.host_tables[request.request_id]
+        needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens)
+        blocks = self.pool.allocate(needed) if needed <= self.pool.num_free_blocks else None
+        if blocks is None:
+            return None
+        self.pending_swap_in.extend(zip(host, blocks))
+        self._host_to_release.extend(self.host_tables.pop(request.request_id))
+        self.block_tables[request.request_id] = blocks
+        return blocks
+
+    def take_pending_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        swaps = (self.pending_swap_out, self.pending_swap_in)
+        self.pending_swap_out, self.pending_swap_in = [], []
+        return swaps
+
+    def release_host_blocks(self) -> None:
+        """After a step ran its swap-ins, their host blocks may be reused."""
+        self._host_free.extend(self._host_to_release)
+        self._host_to_release = []
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return len(self._host_free)
+
+    def free(self, request: Request, keep_host: bool = False) -> None:
         """Returns all of request's blocks to the pool; a no-op if it holds none."""
+        if not keep_host:
+            self._host_free.extend(self.host_tables.pop(request.request_id, ()))
         self._num_published.pop(request.request_id, None)
         table = self.block_tables.pop(request.request_id, None)
         if table:

@@ -123,9 +123,10 @@ class Scheduler:
     """Convenience object holding a SchedulerState; every method is one of the free functions."""
 
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
-                 cache_key: bytes = b""):
+                 cache_key: bytes = b"", num_host_blocks: int = 0):
         kv_manager = KVCacheManager(num_blocks, block_size, cache_key=cache_key,
-                                    enable_prefix_caching=config.enable_prefix_caching)
+                                    enable_prefix_caching=config.enable_prefix_caching,
+                                    num_host_blocks=num_host_blocks)
         self.state = SchedulerState(config, kv_manager)
 
     @property

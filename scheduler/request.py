@@ -63,7 +63,8 @@ class SamplingParams:
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"
+    PREEMPTED = "preempted"  # blocks freed; recomputes its tokens when readmitted
+    SWAPPED = "swapped"  # blocks copied to the host pool; copied back when readmitted
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"

@@ -19,6 +19,7 @@ MIXED = "mixed"  # decodes first in the budget, prefill chunks fill the rest (vL
 PREFILL_FIRST = "prefill_first"  # a step with prefill work runs no decodes (best TTFT)
 DECODE_FIRST = "decode_first"  # a step with decode work runs no prefills (best TPOT)
 POLICIES = (MIXED, PREFILL_FIRST, DECODE_FIRST)
+PREEMPTION_MODES = ("recompute", "swap")
 
 VictimPolicy = Callable[[Sequence[Request]], Request]
 
@@ -46,6 +47,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     victim_policy: str = "lifo"
+    preemption_mode: str = "recompute"  # swap falls back to recompute when the host pool is full
     # New requests are admitted only while this fraction of blocks stays free, so that running
     # requests can grow without an immediate preemption (ignored when nothing runs).
     watermark: float = 0.01
@@ -60,6 +62,9 @@ class SchedulerConfig:
         if self.victim_policy not in VICTIM_POLICIES:
             raise ValueError(f"victim_policy must be one of {tuple(VICTIM_POLICIES)}, "
                              f"got {self.victim_policy!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
+                             f"got {self.preemption_mode!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
@@ -85,6 +90,9 @@ class SchedulerOutput:
     # prompt logits in this step, then fork the leader's blocks.
     forks: list[tuple[Request, Request]] = ()
     copies: list[tuple[int, int]] = ()  # copy-on-write (src, dst) blocks, before the KV writes
+    # Swaps run at the start of the step, outs before ins: (device, host) and (host, device).
+    swap_out: list[tuple[int, int]] = ()
+    swap_in: list[tuple[int, int]] = ()
 
 
 @dataclasses.dataclass
@@ -100,6 +108,8 @@ class SchedulerState:
     num_prefix_query_tokens: int = 0
     num_prefix_hit_tokens: int = 0
     num_followers: int = 0  # parallel samples not forked yet (they count against max_num_seqs)
+    num_swap_outs: int = 0
+    num_recomputed_tokens: int = 0  # computed tokens thrown away by recompute preemption
 
     @property
     def num_seqs(self) -> int:
@@ -127,11 +137,16 @@ class _StepBuilder:
 
     def preempt(self, victim: Request) -> None:
         state = self.state
-        state.kv_manager.free(victim)
+        if state.config.preemption_mode == "swap" and state.kv_manager.swap_out(victim):
+            victim.status = RequestStatus.SWAPPED  # keeps num_computed_tokens
+            state.num_swap_outs += 1
+        else:
+            state.kv_manager.free(victim)
+            state.num_recomputed_tokens += victim.num_computed_tokens
+            victim.status = RequestStatus.PREEMPTED
+            victim.num_computed_tokens = 0
         state.running.remove(victim)
         state.num_followers -= len(victim.followers)
-        victim.status = RequestStatus.PREEMPTED
-        victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         state.num_preemptions += 1
         state.waiting.appendleft(victim)
@@ -169,17 +184,24 @@ class _StepBuilder:
             request = state.waiting[0]
             if state.num_seqs + 1 + len(request.followers) > config.max_num_seqs:
                 break
-            cached_blocks = kv.find_cached_prefix(request)
-            num_cached = len(cached_blocks) * kv.block_size
+            swapped = request.status == RequestStatus.SWAPPED
+            cached_blocks = [] if swapped else kv.find_cached_prefix(request)
+            num_cached = (request.num_computed_tokens if swapped
+                          else len(cached_blocks) * kv.block_size)
             num_new = request.num_tokens - num_cached
             if num_new > self.budget:
                 if not config.enable_chunked_prefill:
                     break
                 num_new = self.budget
-            if state.running and (kv.num_new_blocks(request, num_new, cached_blocks)
-                                  + watermark_blocks > kv.num_free_blocks):
+            needed = (kv.num_blocks_for(num_cached + num_new) if swapped
+                      else kv.num_new_blocks(request, num_new, cached_blocks))
+            # A margin stays free while others run, so a readmitted request does not thrash.
+            if state.running and needed + watermark_blocks > kv.num_free_blocks:
                 break
-            if kv.allocate_slots(request, num_new, cached_blocks) is None:
+            if swapped:
+                if kv.swap_in(request, num_new) is None:
+                    break
+            elif kv.allocate_slots(request, num_new, cached_blocks) is None:
                 break
             request.num_computed_tokens = num_cached
             if request.num_preemptions == 0:
@@ -201,12 +223,14 @@ class _StepBuilder:
                  for follower in s.request.followers]
         kind = DECODE if num_tokens == len(self.scheduled) and not forks else PREFILL
         copies = self.state.kv_manager.take_pending_copies()
+        swap_out, swap_in = self.state.kv_manager.take_pending_swaps()
         return SchedulerOutput(self.scheduled, self.preempted, kind, num_tokens, now, forks,
-                               copies)
+                               copies, swap_out, swap_in)
 
 
 def schedule(state: SchedulerState, now: float) -> tuple[SchedulerState, SchedulerOutput]:
     """Chooses the next step's work under the token budget and the configured policy."""
+    state.kv_manager.release_host_blocks()  # the previous step has run its swap-ins
     step = _StepBuilder(state)
     policy = state.config.policy
     if policy == MIXED:
