@@ -195,8 +195,13 @@ class _StepBuilder:
                 num_new = self.budget
             needed = (kv.num_blocks_for(num_cached + num_new) if swapped
                       else kv.num_new_blocks(request, num_new, cached_blocks))
-            # A margin stays free while others run, so a readmitted request does not thrash.
-            if state.running and needed + watermark_blocks > kv.num_free_blocks:
+            margin = watermark_blocks
+            if request.num_preemptions:
+                # Anti-thrash: a preempted request comes back only when all it has to
+                # recompute fits, with a block of headroom for each running sequence.
+                needed = max(needed, kv.num_blocks_for(request.num_tokens) - len(cached_blocks))
+                margin = max(margin, len(state.running))
+            if state.running and needed + margin > kv.num_free_blocks:
                 break
             if swapped:
                 if kv.swap_in(request, num_new) is None:

@@ -233,3 +233,25 @@ def test_buckets_bound_the_program_count():
     assert buckets.max_blocks_per_seq == 16
     assert (100, 64) in buckets.prefill_shapes() and (16, 32) not in buckets.prefill_shapes()
     assert buckets.num_programs == len(buckets.prefill_shapes()) + 7
+
+
+def test_preempted_request_waits_until_its_whole_recompute_fits():
+    """Anti-thrash: readmission needs blocks for every token to recompute, plus one block of
+    headroom per running sequence, not just room for the next chunk."""
+    scheduler, _ = make_scheduler(num_blocks=11, block_size=4, max_num_batched_tokens=8,
+                                  max_model_len=40, enable_prefix_caching=False)
+    runner = make_request("r", 23, 10)  # 6 blocks once prefilled; its decodes fit in block 6
+    scheduler.add_request(runner)
+    for now in (1.0, 2.0, 3.0):
+        scheduler.update(scheduler.schedule(now), [1], now)
+    assert runner.num_output_tokens == 1 and scheduler.kv_manager.num_free_blocks == 4
+    victim = make_request("v", 16, 4)
+    victim.num_preemptions = 1  # as if preempted before: 16 tokens = 4 blocks to recompute
+    scheduler.add_request(victim)
+    # Its next chunk (7 tokens, 2 blocks) would fit, but 4 blocks + 1 of headroom do not.
+    output = scheduler.schedule(4.0)
+    assert [s.request.request_id for s in output.scheduled] == ["r"]
+    scheduler.update(output, [1], 4.0)
+    victim.num_preemptions = 0  # a first admission needs only its chunk (2 of 3 free blocks)
+    output = scheduler.schedule(5.0)
+    assert [s.request.request_id for s in output.scheduled] == ["r", "v"]
