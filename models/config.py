@@ -21,6 +21,7 @@ class LlamaConfig:
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    sliding_window: int | None = None  # Mistral-style: a token sees the last sliding_window
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -35,6 +36,10 @@ class LlamaConfig:
                              f"num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
+                                                or self.sliding_window < 1):
+            raise ValueError(f"sliding_window must be None or an integer >= 1, "
+                             f"got {self.sliding_window!r}")
         for name in ("bos_token_id", "eos_token_id"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < self.vocab_size:

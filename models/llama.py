@@ -53,6 +53,7 @@ class Attention(nnx.Module):
         d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
         self.rope_theta = config.rope_theta
+        self.sliding_window = config.sliding_window
         self.q_proj = _linear(d, n * h, config, rngs, dtype, param_dtype)
         self.k_proj = _linear(d, k * h, config, rngs, dtype, param_dtype)
         self.v_proj = _linear(d, k * h, config, rngs, dtype, param_dtype)
@@ -72,8 +73,11 @@ class Attention(nnx.Module):
         q = q.reshape(batch, length, self.num_kv_heads, group, self.head_dim)
         scores = jnp.einsum("BLKGH,BMKH->BKGLM", q.astype(jnp.float32), k.astype(jnp.float32))
         scores *= self.head_dim ** -0.5
-        causal = jnp.tril(jnp.ones((length, length), bool))
-        scores = jnp.where(causal, scores, -jnp.inf)
+        pos = jnp.arange(length)
+        visible = pos[None, :] <= pos[:, None]
+        if self.sliding_window is not None:
+            visible &= pos[None, :] > pos[:, None] - self.sliding_window
+        scores = jnp.where(visible, scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1)
         out = jnp.einsum("BKGLM,BMKH->BLKGH", probs, v.astype(jnp.float32)).astype(x.dtype)
         return self.o_proj(out.reshape(batch, length, self.num_heads * self.head_dim))
@@ -82,7 +86,8 @@ class Attention(nnx.Module):
                       metadata: AttentionMetadata, backend: AttentionBackend):
         q, k, v = self._qkv(x, positions)  # [T, N, H], [T, K, H], [T, K, H]
         out, kv_cache = paged_attention(q, k, v, kv_cache, metadata,
-                                        scale=self.head_dim ** -0.5, backend=backend)
+                                        scale=self.head_dim ** -0.5, backend=backend,
+                                        sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(x.shape[0], -1)), kv_cache
 
 

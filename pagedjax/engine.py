@@ -13,7 +13,7 @@ from pagedjax.metrics import EngineStats
 from pagedjax.outputs import RequestOutput
 from pagedjax.runner import ModelRunner, kv_dtype
 from pallas_kernels import kv_cache_bytes_per_block, resolve_backend
-from scheduler import DECODE, Request, SamplingParams, Scheduler, build_plan
+from scheduler import DECODE, NULL_BLOCK, Request, SamplingParams, Scheduler, build_plan
 
 
 def model_cache_key(model: LlamaForCausalLM, config: EngineConfig) -> bytes:
@@ -45,7 +45,8 @@ class LLMEngine:
         num_host_blocks = config.swap_space_bytes // self.bytes_per_block
         self.scheduler = Scheduler(config.scheduler_config(), self.num_blocks, config.block_size,
                                    cache_key=model_cache_key(model, config),
-                                   num_host_blocks=num_host_blocks)
+                                   num_host_blocks=num_host_blocks,
+                                   sliding_window=model_config.sliding_window)
         self.runner = ModelRunner(model, num_blocks=self.num_blocks,
                                   block_size=config.block_size, dtype=kv_dtype(config.dtype),
                                   backend=self.backend)
@@ -196,6 +197,7 @@ class LLMEngine:
             num_full, rest = divmod(request.num_computed_tokens, block_size)
             full_blocks.update(kv.get_block_table(request.request_id)[:num_full])
             partial += rest
+        full_blocks.discard(NULL_BLOCK)  # slots of blocks freed outside a sliding window
         return len(full_blocks) * block_size + partial
 
     def warmup(self) -> int:

@@ -57,7 +57,9 @@ def _decode_kernel(
         k = kv_ref[0, head, blocks].reshape(block_k, head_dim)  # [C*S, Hp]
         v = kv_ref[1, head, blocks].reshape(block_k, head_dim)
         kv_pos = page * block_size + jnp.arange(block_k, dtype=jnp.int32)
-        valid = kv_pos < kv_len
+        # end_page bounds the split too: a window-shifted start is not step-aligned, so the
+        # last step may reach into the next split's pages.
+        valid = kv_pos < jnp.minimum(kv_len, end_page * block_size)
         if sliding_window is not None:
             valid &= kv_pos >= kv_len - sliding_window
         # Zero what lies past kv_len: pages there may hold anything, NaN included.

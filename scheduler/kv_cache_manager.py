@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 
 from scheduler.block_hash import block_hashes
-from scheduler.block_pool import BlockPool
+from scheduler.block_pool import NULL_BLOCK, BlockPool
 from scheduler.request import Request
 
 
@@ -26,12 +26,14 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False,
-                 cache_key: bytes = b"", num_host_blocks: int = 0):
+                 cache_key: bytes = b"", num_host_blocks: int = 0,
+                 sliding_window: int | None = None):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self.cache_key = cache_key
         self.block_tables: dict[str, list[int]] = {}
         self._num_published: dict[str, int] = {}  # request_id -> blocks already published
@@ -124,13 +126,29 @@ class KVCacheManager:
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
+    def free_out_of_window(self, request: Request) -> None:
+        """Sliding window: frees the blocks no future query of request can see (all positions
+        below num_computed_tokens - window + 1), leaving the null block in their table slots."""
+        if self.sliding_window is None:
+            return
+        first_visible = request.num_computed_tokens - self.sliding_window + 1
+        table = self.block_tables.get(request.request_id)
+        if not table or first_visible <= self.block_size:
+            return
+        dead = [i for i in range(min(first_visible // self.block_size, len(table)))
+                if table[i] != NULL_BLOCK]
+        if dead:
+            self.pool.free([table[i] for i in reversed(dead)])
+            for i in dead:
+                table[i] = NULL_BLOCK
+
     def fork(self, parent: Request, child: Request) -> None:
         """child shares every block of parent (one more reference each); the first of them to
         write into a shared, partly filled block copies it first."""
         if child.request_id in self.block_tables:
             raise RuntimeError(f"fork into {child.request_id!r}, which already holds blocks")
         table = self.block_tables[parent.request_id]
-        self.pool.incref(table)
+        self.pool.incref([b for b in table if b != NULL_BLOCK])
         self.block_tables[child.request_id] = list(table)
         if parent.request_id in self._num_published:
             self._num_published[child.request_id] = self._num_published[parent.request_id]
@@ -146,7 +164,8 @@ class KVCacheManager:
         table = self.block_tables[request.request_id]
         hashes = block_hashes(request, self.block_size, num_full, self.cache_key)
         for i in range(start, num_full):
-            self.pool.cache_block(table[i], hashes[i])
+            if table[i] != NULL_BLOCK:
+                self.pool.cache_block(table[i], hashes[i])
         self._num_published[request.request_id] = num_full
 
     def swap_out(self, request: Request) -> bool:
@@ -155,7 +174,7 @@ class KVCacheManager:
         table = self.block_tables.get(request.request_id, [])
         if len(table) > len(self._host_free):
             return False
-        host = [self._host_free.popleft() for _ in table]
+        host = [self._host_free.popleft() for _ in table]  # null slots copy the null block
         self.pending_swap_out.extend(zip(table, host))
         self.host_tables[request.request_id] = host
         self.free(request, keep_host=True)
@@ -196,7 +215,7 @@ class KVCacheManager:
         table = self.block_tables.pop(request.request_id, None)
         if table:
             # Tail first, so that the head of a sequence stays in the pool longest.
-            self.pool.free(table[::-1])
+            self.pool.free([b for b in reversed(table) if b != NULL_BLOCK])
 
     def get_block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])

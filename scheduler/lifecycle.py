@@ -23,6 +23,7 @@ def update(state: SchedulerState, output: SchedulerOutput, sampled_ids: Sequence
     for seq in output.scheduled:
         seq.request.num_computed_tokens = seq.start + seq.num_new_tokens
         kv.publish_full_blocks(seq.request)
+        kv.free_out_of_window(seq.request)
     rows = [(seq.request, i) for i, seq in enumerate(output.scheduled)
             if seq.request.num_computed_tokens == seq.request.num_tokens]
     for k, (leader, follower) in enumerate(output.forks):
@@ -123,10 +124,12 @@ class Scheduler:
     """Convenience object holding a SchedulerState; every method is one of the free functions."""
 
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
-                 cache_key: bytes = b"", num_host_blocks: int = 0):
+                 cache_key: bytes = b"", num_host_blocks: int = 0,
+                 sliding_window: int | None = None):
         kv_manager = KVCacheManager(num_blocks, block_size, cache_key=cache_key,
                                     enable_prefix_caching=config.enable_prefix_caching,
-                                    num_host_blocks=num_host_blocks)
+                                    num_host_blocks=num_host_blocks,
+                                    sliding_window=sliding_window)
         self.state = SchedulerState(config, kv_manager)
 
     @property

@@ -76,7 +76,10 @@ def test_ragged_kernel_matches_reference(block_size, num_heads, num_kv_heads, he
     assert np.all(got[num_tokens:] == 0)
 
 
-@pytest.mark.parametrize("sliding_window, soft_cap", [(7, None), (None, 3.0), (12, 2.0)])
+# A window of 20 over 8-token blocks starts the 50-token sequence at page 3: not aligned to the
+# 2-page steps, so a split's last step reaches into the next split's pages.
+@pytest.mark.parametrize("sliding_window, soft_cap", [(7, None), (None, 3.0), (12, 2.0),
+                                                      (20, None)])
 def test_window_and_soft_cap(sliding_window, soft_cap):
     rng = np.random.default_rng(5)
     seqs = [(30, 30), (19, 4), (50, 1)]
