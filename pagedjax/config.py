@@ -10,6 +10,7 @@ from pallas_kernels import BACKEND_NAMES
 from scheduler import POLICIES, VICTIM_POLICIES, SchedulerConfig, ShapeBuckets, cdiv
 
 DTYPES = ("float32", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "int8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +31,8 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # or "swap": preempted KV goes to a host pool
     swap_space_bytes: int = 0  # host pool for swap; 0 with swap falls back to recompute
     watermark: float = 0.01
-    dtype: str = "float32"  # activations and KV cache
+    dtype: str = "float32"  # activations (and the KV cache unless kv_cache_dtype says otherwise)
+    kv_cache_dtype: str = "auto"  # auto (= dtype) or int8 (per-token, per-head f32 scales)
     attention_backend: str = "auto"  # auto | reference | gpu | tpu
     attention_interpret: bool = False  # run the Pallas kernels through the interpreter (CPU)
     min_token_bucket: int = 16
@@ -57,6 +59,9 @@ class EngineConfig:
                              f"got {self.swap_space_bytes!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.attention_backend not in BACKEND_NAMES:
             raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, "
                              f"got {self.attention_backend!r}")
@@ -82,6 +87,11 @@ class EngineConfig:
     def np_dtype(self):
         import ml_dtypes  # shipped with jax
         return np.dtype(ml_dtypes.bfloat16) if self.dtype == "bfloat16" else np.dtype(self.dtype)
+
+    @property
+    def kv_np_dtype(self):
+        """The KV cache's element type."""
+        return np.dtype(np.int8) if self.kv_cache_dtype == "int8" else self.np_dtype
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
+import jax
 import numpy as np
 
 from models import LlamaForCausalLM
 from pagedjax.config import EngineConfig
 from pagedjax.metrics import EngineStats
 from pagedjax.outputs import RequestOutput
-from pagedjax.runner import ModelRunner, kv_dtype
+from pagedjax.runner import ModelRunner
 from pallas_kernels import kv_cache_bytes_per_block, resolve_backend
 from scheduler import DECODE, NULL_BLOCK, Request, SamplingParams, Scheduler, build_plan
 
@@ -34,12 +35,15 @@ class LLMEngine:
         self.model_config = model_config
         self.clock = clock
         self.backend = resolve_backend(config.attention_backend, config.attention_interpret)
+        if config.kv_cache_dtype == "int8" and self.backend.name != "reference":
+            raise ValueError(f"kv_cache_dtype='int8' runs on the reference attention backend "
+                             f"only so far, not {self.backend.name!r}")
         if self.backend.name == "gpu" and config.block_size & (config.block_size - 1):
             raise ValueError(f"block_size must be a power of two for the gpu attention backend, "
                              f"got {config.block_size}")
         self.bytes_per_block = kv_cache_bytes_per_block(
             model_config.num_layers, config.block_size, model_config.num_kv_heads,
-            model_config.head_dim, config.np_dtype, self.backend.name)
+            model_config.head_dim, config.kv_np_dtype, self.backend.name)
         self.num_blocks = config.resolve_num_blocks(self.bytes_per_block)
         self.buckets = config.buckets()
         num_host_blocks = config.swap_space_bytes // self.bytes_per_block
@@ -48,12 +52,13 @@ class LLMEngine:
                                    num_host_blocks=num_host_blocks,
                                    sliding_window=model_config.sliding_window)
         self.runner = ModelRunner(model, num_blocks=self.num_blocks,
-                                  block_size=config.block_size, dtype=kv_dtype(config.dtype),
+                                  block_size=config.block_size, dtype=config.kv_np_dtype,
                                   backend=self.backend)
         self.stats = EngineStats(num_blocks=self.num_blocks - 1, block_size=config.block_size)
         # The swap space: one host array per layer, like the device cache, num_host_blocks wide.
-        self.host_pool = [np.zeros(c.shape[:2] + (num_host_blocks,) + c.shape[3:],
-                                   config.np_dtype) for c in self.runner.kv_caches]
+        self.host_pool = [jax.tree.map(
+            lambda a: np.zeros(a.shape[:2] + (num_host_blocks,) + a.shape[3:], a.dtype), cache)
+            for cache in self.runner.kv_caches]
         self._seed_rng = np.random.default_rng(config.seed)
         self._next_id = 0
         self._groups: dict[str, list[Request]] = {}  # request_id -> its samples, until finished

@@ -66,15 +66,21 @@ class ModelRunner:
             device, host = map(list, zip(*swap_out))
             padded = _pad_ids(device)
             for layer, cache in enumerate(self.kv_caches):
-                host_pool[layer][:, :, host] = np.asarray(gather_blocks(cache, padded))[
-                    :, :, :len(host)]
+                blocks = gather_blocks(cache, padded)
+                for pool, data in zip(jax.tree.leaves(host_pool[layer]),
+                                      jax.tree.leaves(blocks)):
+                    pool[:, :, host] = np.asarray(data)[:, :, :len(host)]
         if swap_in:
             host, device = map(list, zip(*swap_in))
             padded = _pad_ids(device)
+
+            def staged(pool):
+                data = np.zeros(pool.shape[:2] + (len(padded),) + pool.shape[3:], pool.dtype)
+                data[:, :, :len(host)] = pool[:, :, host]
+                return data
+
             for layer, cache in enumerate(self.kv_caches):
-                data = np.zeros(cache.shape[:2] + (len(padded),) + cache.shape[3:],
-                                host_pool[layer].dtype)
-                data[:, :, :len(host)] = host_pool[layer][:, :, host]
+                data = jax.tree.map(staged, host_pool[layer])
                 self.kv_caches[layer] = scatter_blocks(cache, padded, data)
 
     def step(self, plan: BatchPlan) -> tuple[np.ndarray, np.ndarray]:

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.quant import QuantizedKV, quantize
+
 
 PADDED_HEAD_DIM_BACKENDS = ("gpu",)
 
@@ -34,14 +36,21 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
 
 def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                              dtype, backend: str = "reference") -> int:
-    """Bytes of one physical block across all layers: 2 * L * S * K * Hc * itemsize."""
-    return (2 * num_layers * block_size * num_kv_heads * cache_head_dim(head_dim, backend)
-            * np.dtype(dtype).itemsize)
+    """Bytes of one physical block across all layers: 2 * L * S * K * Hc * itemsize, plus an f32
+    scale per token and KV head for int8."""
+    per_token_head = cache_head_dim(head_dim, backend) * np.dtype(dtype).itemsize
+    if np.dtype(dtype) == np.int8:
+        per_token_head += 4
+    return 2 * num_layers * block_size * num_kv_heads * per_token_head
 
 
 def init_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                  head_dim: int, dtype, backend: str = "reference") -> list[jax.Array]:
+                  head_dim: int, dtype, backend: str = "reference") -> list:
+    """One cache per layer: an array, or a QuantizedKV for int8."""
     shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim, backend)
+    if np.dtype(dtype) == np.int8:
+        return [QuantizedKV(jnp.zeros(shape, jnp.int8), jnp.ones(shape[:-1], jnp.float32))
+                for _ in range(num_layers)]
     return [jnp.zeros(shape, dtype) for _ in range(num_layers)]
 
 
@@ -52,6 +61,8 @@ def write_kv_reference(
     slot_mapping: jax.Array,  # i32[T] block * S + offset; padding tokens point into the null block
 ) -> jax.Array:
     """Scatters the step's new keys and values into their slots; returns the new cache."""
+    if isinstance(kv_cache, QuantizedKV):
+        return _write_quantized(kv_cache, k, v, slot_mapping)
     _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
     flat = kv_cache.reshape(2, num_kv_heads, num_blocks * block_size, head_dim)
     new = jnp.stack([k, v]).astype(kv_cache.dtype).transpose(0, 2, 1, 3)  # [2, K, T, H]
@@ -59,6 +70,20 @@ def write_kv_reference(
         new = jnp.pad(new, ((0, 0), (0, 0), (0, 0), (0, head_dim - new.shape[-1])))
     flat = flat.at[:, :, slot_mapping].set(new, mode="promise_in_bounds")
     return flat.reshape(kv_cache.shape)
+
+
+def _write_quantized(kv_cache: QuantizedKV, k, v, slot_mapping) -> QuantizedKV:
+    _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.data.shape
+    data, scales = quantize(jnp.stack([k, v]))  # i8[2, T, K, H], f32[2, T, K]
+    if data.shape[-1] < head_dim:
+        data = jnp.pad(data, ((0, 0), (0, 0), (0, 0), (0, head_dim - data.shape[-1])))
+    flat = kv_cache.data.reshape(2, num_kv_heads, num_blocks * block_size, head_dim)
+    flat = flat.at[:, :, slot_mapping].set(data.transpose(0, 2, 1, 3), mode="promise_in_bounds")
+    flat_scales = kv_cache.scales.reshape(2, num_kv_heads, num_blocks * block_size)
+    flat_scales = flat_scales.at[:, :, slot_mapping].set(scales.transpose(0, 2, 1),
+                                                         mode="promise_in_bounds")
+    return QuantizedKV(flat.reshape(kv_cache.data.shape),
+                       flat_scales.reshape(kv_cache.scales.shape))
 
 
 def copy_blocks(
@@ -71,7 +96,8 @@ def copy_blocks(
     traffic) when the step has no copies."""
 
     def copy(cache):
-        return cache.at[:, :, dst].set(cache[:, :, src], mode="promise_in_bounds")
+        return jax.tree.map(
+            lambda a: a.at[:, :, dst].set(a[:, :, src], mode="promise_in_bounds"), cache)
 
     return jax.lax.cond(num_copies > 0, copy, lambda cache: cache, kv_cache)
 
@@ -81,8 +107,8 @@ def gather_blocks(
     kv_cache: jax.Array,  # [2, K, NB, S, Hc]
     blocks: jax.Array,  # i32[C]
 ) -> jax.Array:  # [2, K, C, S, Hc]
-    """Reads blocks out of a layer's cache (swap-out)."""
-    return kv_cache[:, :, blocks]
+    """Reads blocks out of a layer's cache (swap-out); a pytree like the cache."""
+    return jax.tree.map(lambda a: a[:, :, blocks], kv_cache)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -91,5 +117,8 @@ def scatter_blocks(
     blocks: jax.Array,  # i32[C]; padding entries point at the null block
     data: jax.Array,  # [2, K, C, S, Hc]
 ) -> jax.Array:
-    """Writes whole blocks into a layer's cache in place (swap-in)."""
-    return kv_cache.at[:, :, blocks].set(data.astype(kv_cache.dtype), mode="promise_in_bounds")
+    """Writes whole blocks into a layer's cache in place (swap-in); data is a pytree like the
+    cache."""
+    return jax.tree.map(
+        lambda a, d: a.at[:, :, blocks].set(d.astype(a.dtype), mode="promise_in_bounds"),
+        kv_cache, data)

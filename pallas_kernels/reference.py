@@ -14,6 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.quant import QuantizedKV
+
 # Keys read per loop iteration: a few blocks at a time, so the loop count (and its per-iteration
 # overhead) stays small while the working set stays bounded whatever the context length.
 KV_TOKENS_PER_ITER = 128
@@ -47,8 +49,8 @@ def _attend_blocks(
         cols = j * per_iter + jnp.arange(per_iter, dtype=jnp.int32)
         blocks = block_tables[seq_ids[:, None], cols[None, :]]  # i32[T, C]
         k_shape = (num_kv_heads, num_tokens, per_iter * block_size, head_dim)
-        k = kv_cache[0][:, blocks].reshape(k_shape).astype(jnp.float32)  # [K, T, C*S, H]
-        v = kv_cache[1][:, blocks].reshape(k_shape).astype(jnp.float32)
+        k = _load(kv_cache, 0, blocks).reshape(k_shape)  # f32[K, T, C*S, H]
+        v = _load(kv_cache, 1, blocks).reshape(k_shape)
         kv_pos = j * per_iter * block_size + offsets  # i32[C*S]
         mask = (kv_pos[None, :] <= q_positions[:, None]) & (
             kv_pos[None, :] < token_kv_lens[:, None])  # [T, S]
@@ -72,6 +74,14 @@ def _attend_blocks(
     _, l, acc = jax.lax.fori_loop(0, num_iters, body, init)
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+
+
+def _load(kv_cache, kv_index: int, blocks: jax.Array) -> jax.Array:
+    """f32 K or V of blocks (any shape of ids), dequantized from int8 when the cache is."""
+    if isinstance(kv_cache, QuantizedKV):
+        data = kv_cache.data[kv_index][:, blocks].astype(jnp.float32)
+        return data * kv_cache.scales[kv_index][:, blocks][..., None]
+    return kv_cache[kv_index][:, blocks].astype(jnp.float32)
 
 
 def ragged_paged_attention_reference(
