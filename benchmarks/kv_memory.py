@@ -62,7 +62,20 @@ class ContiguousKVManager:
     def find_cached_prefix(self, request: Request) -> list[int]:
         return []  # no prefix caching: this baseline reserves, it does not share
 
+    # The rest of the KVCacheManager interface the scheduler calls: nothing to do here.
     def publish_full_blocks(self, request: Request) -> None:
+        pass
+
+    def free_out_of_window(self, request: Request) -> None:
+        pass
+
+    def take_pending_copies(self) -> list:
+        return []
+
+    def take_pending_swaps(self) -> tuple[list, list]:
+        return [], []
+
+    def release_host_blocks(self) -> None:
         pass
 
     def num_new_blocks(self, request: Request, num_new_tokens: int, cached_blocks=()) -> int:

@@ -116,9 +116,10 @@ def build_plan(output: "SchedulerOutput", kv_manager: "KVCacheManager",
     cu_q_lens = np.zeros(padded_seqs + 1, np.int32)
     np.cumsum(q_lens, out=cu_q_lens[1:])
     logits_indices = np.maximum(cu_q_lens[1:] - 1, 0).astype(np.int32)
-    leader_row = {id(s.request): i for i, s in enumerate(output.scheduled)}
-    for k, (leader, _) in enumerate(output.forks):
-        logits_indices[len(output.scheduled) + k] = logits_indices[leader_row[id(leader)]]
+    if output.forks:
+        leader_row = {id(s.request): i for i, s in enumerate(output.scheduled)}
+        for k, (leader, _) in enumerate(output.forks):
+            logits_indices[len(output.scheduled) + k] = logits_indices[leader_row[id(leader)]]
     copy_src = np.zeros(padded_seqs, np.int32)
     copy_dst = np.zeros(padded_seqs, np.int32)
     if output.copies:
