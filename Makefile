@@ -23,6 +23,10 @@ bench: $(STAMP)
 	$(PY) benchmarks/scheduler_overhead.py
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/donation.py
+	$(PY) benchmarks/prefix_caching.py
+	$(PY) benchmarks/parallel_sampling.py
+	$(PY) benchmarks/preemption.py
+	$(PY) benchmarks/kv_int8.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
