@@ -19,7 +19,7 @@ from pagedjax.runner import ModelRunner, kv_dtype, step_fn
 from pallas_kernels import kv_cache_bytes_per_block
 from scheduler import DECODE, BatchPlan
 
-_undonated_step = jax.jit(step_fn, static_argnums=(0, 1))
+_undonated_step = jax.jit(step_fn, static_argnums=(0, 1, 2))
 
 
 def decode_plan(num_seqs: int, context: int, block_size: int, table_width: int) -> BatchPlan:
@@ -47,8 +47,8 @@ def run_step(runner: ModelRunner, plan: BatchPlan, donate: bool) -> float:
     if donate:
         runner.step(plan)
     else:
-        (ids, _), runner.kv_caches = _undonated_step(runner.graphdef, runner.backend, runner.params,
-                                                runner.kv_caches, plan)
+        (ids, *_), runner.kv_caches = _undonated_step(
+            runner.graphdef, runner.backend, 0, runner.params, runner.kv_caches, plan)
         np.asarray(ids)
     return time.perf_counter() - start
 

@@ -35,6 +35,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto (= dtype) or int8 (per-token, per-head f32 scales)
     attention_backend: str = "auto"  # auto | reference | gpu | tpu
     attention_interpret: bool = False  # run the Pallas kernels through the interpreter (CPU)
+    max_logprobs: int = 20  # most top logprobs a request may ask for (computed on device)
     min_token_bucket: int = 16
     min_seq_bucket: int = 1
     seed: int = 0
@@ -45,6 +46,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         if self.num_blocks is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError("give num_blocks or kv_cache_memory_bytes, not both")
         if self.num_blocks is not None and (not isinstance(self.num_blocks, int)

@@ -53,7 +53,8 @@ class LLMEngine:
                                    sliding_window=model_config.sliding_window)
         self.runner = ModelRunner(model, num_blocks=self.num_blocks,
                                   block_size=config.block_size, dtype=config.kv_np_dtype,
-                                  backend=self.backend)
+                                  backend=self.backend,
+                                  num_top_logprobs=config.max_logprobs)
         self.stats = EngineStats(num_blocks=self.num_blocks - 1, block_size=config.block_size)
         # The swap space: one host array per layer, like the device cache, num_host_blocks wide.
         self.host_pool = [jax.tree.map(
@@ -83,6 +84,9 @@ class LLMEngine:
         if bad.size:
             raise ValueError(f"prompt_token_ids must be in [0, vocab_size={vocab}), "
                              f"got {bad[:5].tolist()}")
+        if (sampling_params.logprobs or 0) > self.config.max_logprobs:
+            raise ValueError(f"logprobs ({sampling_params.logprobs}) exceeds max_logprobs "
+                             f"({self.config.max_logprobs})")
         for token_id in sampling_params.stop_token_ids:
             if not 0 <= token_id < vocab:
                 raise ValueError(f"stop_token_ids must be in [0, vocab_size={vocab}), "
@@ -156,9 +160,10 @@ class LLMEngine:
         plan = build_plan(output, self.scheduler.kv_manager, self.buckets)
         start = time.perf_counter()
         self.runner.swap(output.swap_out, output.swap_in, self.host_pool)
-        sampled_ids, logprobs = self.runner.step(plan)
+        sampled_ids, logprobs, top_ids, top_logprobs = self.runner.step(plan)
         self.stats.step_time_s += time.perf_counter() - start
-        advanced = self.scheduler.update(output, sampled_ids, self.clock(), logprobs)
+        advanced = self.scheduler.update(output, sampled_ids, self.clock(), logprobs, top_ids,
+                                         top_logprobs)
         self._record(output, advanced)
         outputs = []
         for parent_id in dict.fromkeys(r.parent_id for r in advanced):

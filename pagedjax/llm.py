@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from tqdm.auto import tqdm
 
 from models import LlamaForCausalLM, get_config, init_model
+from pagedjax.beam_search import BeamSearchParams, BeamSequence, beam_search
 from pagedjax.config import EngineConfig
 from pagedjax.engine import LLMEngine
 from pagedjax.outputs import RequestOutput
@@ -69,3 +70,12 @@ class LLM:
                         outputs[out.request_id] = out
                         bar.update(1)
         return [outputs[r.parent_id] for r in requests]
+
+    def beam_search(self, prompts: Sequence[Sequence[int]],
+                    params: BeamSearchParams) -> list[list[BeamSequence]]:
+        """The params.beam_width best continuations of each prompt, best first."""
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a non-empty list of token-id lists")
+        if self.engine.has_unfinished():
+            raise ValueError("beam_search needs an idle engine")
+        return beam_search(self.engine, prompts, params)

@@ -31,6 +31,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length" or "abort" once finished
     cumulative_logprob: float  # sum of the model's logprobs of token_ids
+    # Per token, when asked for: {token id: logprob} of the most likely tokens and the chosen one.
+    logprobs: list[dict[int, float]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +61,9 @@ class RequestOutput:
             chosen = sorted(samples, key=lambda s: -s.cumulative_logprob)[:n]
         outputs = [CompletionOutput(index=i, token_ids=list(s.output_token_ids),
                                     finish_reason=s.status.value if s.status.finished else None,
-                                    cumulative_logprob=s.cumulative_logprob)
+                                    cumulative_logprob=s.cumulative_logprob,
+                                    logprobs=(list(s.logprobs) if s.sampling_params.logprobs
+                                              is not None else None))
                    for i, s in enumerate(chosen)]
         first_tokens = [s.first_token_time for s in samples if s.first_token_time is not None]
         finishes = [s.finish_time for s in samples if s.finish_time is not None]

@@ -24,8 +24,10 @@ def num_step_traces() -> int:
     return _num_traces
 
 
-def step_fn(graphdef, backend: AttentionBackend, params, kv_caches: list[jax.Array], plan: BatchPlan):
-    """One engine step as a pure function: returns ((ids i32[B], logprobs f32[B]), kv_caches)."""
+def step_fn(graphdef, backend: AttentionBackend, num_top_logprobs: int, params,
+            kv_caches: list[jax.Array], plan: BatchPlan):
+    """One engine step as a pure function: returns (sampled, kv_caches) where sampled is
+    (ids i32[B], logprobs f32[B], top ids i32[B, K], top logprobs f32[B, K])."""
     global _num_traces
     _num_traces += 1  # runs at trace time only
     model = nnx.merge(graphdef, params)
@@ -37,22 +39,25 @@ def step_fn(graphdef, backend: AttentionBackend, params, kv_caches: list[jax.Arr
     hidden, kv_caches = model.forward_paged(kv_caches, plan.token_ids, plan.positions, metadata,
                                             backend)
     logits = model.logits(hidden[plan.logits_indices])  # f32[B, V]
-    sampled = sample(logits, plan.temperature, plan.top_k, plan.top_p, plan.seeds, plan.kv_lens)
+    sampled = sample(logits, plan.temperature, plan.top_k, plan.top_p, plan.seeds, plan.kv_lens,
+                     num_top_logprobs)
     return sampled, kv_caches
 
 
 # graphdef and backend are static; the KV cache is donated so XLA updates it in place.
-_step = jax.jit(step_fn, static_argnums=(0, 1), donate_argnums=(3,))
+_step = jax.jit(step_fn, static_argnums=(0, 1, 2), donate_argnums=(4,))
 
 
 class ModelRunner:
     """Owns the model's parameters and the KV cache on device and runs steps from BatchPlans."""
 
     def __init__(self, model: LlamaForCausalLM, *, num_blocks: int, block_size: int,
-                 dtype, backend: AttentionBackend = AttentionBackend()):
+                 dtype, backend: AttentionBackend = AttentionBackend(),
+                 num_top_logprobs: int = 0):
         config = model.config
         self.graphdef, self.params = nnx.split(model)
         self.backend = backend
+        self.num_top_logprobs = num_top_logprobs
         self.kv_caches = init_kv_cache(config.num_layers, num_blocks, block_size,
                                        config.num_kv_heads, config.head_dim, dtype, backend.name)
         self.step_shapes: set[tuple[str, int, int]] = set()
@@ -83,13 +88,14 @@ class ModelRunner:
                 data = jax.tree.map(staged, host_pool[layer])
                 self.kv_caches[layer] = scatter_blocks(cache, padded, data)
 
-    def step(self, plan: BatchPlan) -> tuple[np.ndarray, np.ndarray]:
-        """Runs one step; returns the sampled ids and their logprobs for the first num_seqs rows."""
-        (ids, logprobs), self.kv_caches = _step(self.graphdef, self.backend, self.params,
-                                                self.kv_caches, plan)
+    def step(self, plan: BatchPlan) -> tuple[np.ndarray, ...]:
+        """Runs one step; returns, for the first num_seqs rows, the sampled ids, their logprobs,
+        and the num_top_logprobs most likely tokens with their logprobs."""
+        sampled, self.kv_caches = _step(self.graphdef, self.backend, self.num_top_logprobs,
+                                        self.params, self.kv_caches, plan)
         self.step_shapes.add((plan.kind, plan.padded_num_tokens, plan.padded_num_seqs))
         num_seqs = int(plan.num_seqs)
-        return np.asarray(ids)[:num_seqs], np.asarray(logprobs)[:num_seqs]
+        return tuple(np.asarray(x)[:num_seqs] for x in sampled)
 
     def warmup(self, buckets) -> int:
         """Compiles every program a plan from these buckets can need; returns how many ran."""

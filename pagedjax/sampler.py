@@ -31,12 +31,19 @@ def sample(
     top_p: jax.Array,  # f32[B]
     seeds: jax.Array,  # u32[B]
     positions: jax.Array,  # i32[B] position of the token being sampled
-) -> tuple[jax.Array, jax.Array]:  # (i32[B] ids, f32[B] logprob of each id under the model)
+    num_top_logprobs: int = 0,  # static: K most likely tokens returned per row
+) -> tuple[jax.Array, ...]:
     """Greedy rows take the argmax; the others sample with key fold_in(key(seed), position), so a
-    request's tokens depend only on its seed and its context, not on its batch neighbours."""
+    request's tokens depend only on its seed and its context, not on its batch neighbours.
+
+    Returns ids i32[B], their logprobs f32[B] under the model (raw logits, before temperature
+    and filtering), and the K most likely tokens of each row: i32[B, K], f32[B, K].
+    """
     ids = _sample_ids(logits, temperature, top_k, top_p, seeds, positions)
-    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), ids[:, None], axis=-1)
-    return ids, logprobs[:, 0]
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(log_probs, ids[:, None], axis=-1)[:, 0]
+    top_logprobs, top_ids = jax.lax.top_k(log_probs, num_top_logprobs)
+    return ids, chosen, top_ids.astype(jnp.int32), top_logprobs
 
 
 def _sample_ids(logits, temperature, top_k, top_p, seeds, positions) -> jax.Array:

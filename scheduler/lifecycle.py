@@ -10,13 +10,16 @@ from scheduler.scheduler import SchedulerConfig, SchedulerOutput, SchedulerState
 
 
 def update(state: SchedulerState, output: SchedulerOutput, sampled_ids: Sequence[int],
-           now: float, sampled_logprobs: Sequence[float] | None = None) -> list[Request]:
+           now: float, sampled_logprobs: Sequence[float] | None = None,
+           top_ids: Sequence[Sequence[int]] | None = None,
+           top_logprobs: Sequence[Sequence[float]] | None = None) -> list[Request]:
     """Advances the scheduled requests by the step's result; returns the requests that received
     a new token (finished ones among them, with a finished status and their blocks freed).
 
     Row i of sampled_ids belongs to output.scheduled[i], then one row per fork follower. A
     scheduled row's token is kept only when its sequence has caught up with all its tokens (the
-    last chunk of a prefill, or a decode).
+    last chunk of a prefill, or a decode). top_ids / top_logprobs (rows x K, most likely first)
+    feed the requests that asked for logprobs.
     """
     kv = state.kv_manager
     num_scheduled = len(output.scheduled)
@@ -41,9 +44,16 @@ def update(state: SchedulerState, output: SchedulerOutput, sampled_ids: Sequence
     for request, row in rows:
         if request.first_token_time is None:
             request.first_token_time = now
+        token_id = int(sampled_ids[row])
         if sampled_logprobs is not None:
             request.cumulative_logprob += float(sampled_logprobs[row])
-        status = request.append_output_token(int(sampled_ids[row]))
+            num_top = request.sampling_params.logprobs
+            if num_top is not None:
+                top = {int(t): float(lp) for t, lp in zip(top_ids[row][:num_top],
+                                                         top_logprobs[row][:num_top])}
+                top[token_id] = float(sampled_logprobs[row])
+                request.logprobs.append(top)
+        status = request.append_output_token(token_id)
         if status is None and request.num_tokens >= state.config.max_model_len:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
@@ -151,8 +161,10 @@ class Scheduler:
         return output
 
     def update(self, output: SchedulerOutput, sampled_ids: Sequence[int], now: float,
-               sampled_logprobs: Sequence[float] | None = None) -> list[Request]:
-        return update(self.state, output, sampled_ids, now, sampled_logprobs)
+               sampled_logprobs: Sequence[float] | None = None, top_ids=None,
+               top_logprobs=None) -> list[Request]:
+        return update(self.state, output, sampled_ids, now, sampled_logprobs, top_ids,
+                      top_logprobs)
 
     def abort(self, request_id: str, now: float) -> Request | None:
         return abort_request(self.state, request_id, now)

@@ -28,6 +28,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # return this many most likely tokens (and the chosen one)
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -47,6 +48,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int)
+                                          or self.logprobs < 0):
+            raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
         if self.seed is not None and not (0 <= self.seed < 2**32):
             raise ValueError(f"seed must be in [0, 2**32), got {self.seed!r}")
 
@@ -88,7 +92,7 @@ class Request:
                  "seed", "eos_token_id", "num_computed_tokens", "status", "arrival_time",
                  "first_scheduled_time", "first_token_time", "finish_time", "num_preemptions",
                  "cache_salt", "block_hashes", "num_cached_tokens", "parent_id",
-                 "sample_index", "followers", "cumulative_logprob")
+                 "sample_index", "followers", "cumulative_logprob", "logprobs")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, *, seed: int, arrival_time: float,
@@ -115,6 +119,7 @@ class Request:
         # the same logits in the step that completes the prompt, then forks its blocks.
         self.followers: list[Request] = []
         self.cumulative_logprob = 0.0
+        self.logprobs: list[dict[int, float]] = []  # per output token, when asked for
 
     @property
     def num_prompt_tokens(self) -> int:

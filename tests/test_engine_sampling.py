@@ -57,8 +57,8 @@ def test_sampled_frequencies_follow_the_distribution():
     probs = np.array([0.6, 0.3, 0.1, 0.0])
     logits = jnp.log(jnp.asarray(np.tile(probs, (4000, 1)), jnp.float32))
     n = logits.shape[0]
-    ids, logprobs = sample(logits, jnp.ones(n), jnp.full(n, -1), jnp.ones(n),
-                           jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32))
+    ids, logprobs, _, _ = sample(logits, jnp.ones(n), jnp.full(n, -1), jnp.ones(n),
+                                 jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32))
     ids = np.asarray(ids)
     np.testing.assert_allclose(np.asarray(logprobs), np.log(probs[ids]), rtol=1e-5)
     freq = np.bincount(ids, minlength=4) / n

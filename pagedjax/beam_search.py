@@ -1,0 +1,85 @@
+"""Beam search over the engine: each step submits one-token requests for every live beam and
+keeps the beam_width best continuations.
+
+Beams of a prompt share all their full blocks through the prefix cache, so a step computes only
+each beam's newest tokens (at most a block's worth), as vLLM's own beam search does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from scheduler import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class BeamSearchParams:
+    beam_width: int
+    max_tokens: int
+    length_penalty: float = 1.0  # score = cumulative logprob / length ** length_penalty
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BeamSequence:
+    token_ids: list[int]  # generated tokens
+    cumulative_logprob: float
+    finished: bool = False  # ended with EOS
+
+    def score(self, length_penalty: float) -> float:
+        return self.cumulative_logprob / max(len(self.token_ids), 1) ** length_penalty
+
+
+def beam_search(engine, prompts: Sequence[Sequence[int]],
+                params: BeamSearchParams) -> list[list[BeamSequence]]:
+    """The beam_width best sequences of each prompt, best first."""
+    width = params.beam_width
+    if 2 * width > engine.config.max_logprobs:
+        raise ValueError(f"beam_width ({width}) needs 2 * beam_width <= max_logprobs "
+                         f"({engine.config.max_logprobs})")
+    eos = None if params.ignore_eos else engine.model_config.eos_token_id
+    step_params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * width,
+                                 ignore_eos=True)
+    for prompt in prompts:  # all validated (at their longest) before anything runs
+        longest = engine.make_request(list(prompt) + [0] * (params.max_tokens - 1), step_params)
+        engine.scheduler.check_request(longest)
+    live = [[BeamSequence([], 0.0)] for _ in prompts]
+    completed: list[list[BeamSequence]] = [[] for _ in prompts]
+    for _ in range(params.max_tokens):
+        ids = {(p, b): engine.add_request(list(prompts[p]) + beam.token_ids, step_params)
+               for p, beams in enumerate(live) for b, beam in enumerate(beams)}
+        if not ids:
+            break
+        top = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    top[out.request_id] = out.outputs[0].logprobs[0]
+        for p, beams in enumerate(live):
+            candidates = sorted(
+                ((beam.cumulative_logprob + lp, beam, token)
+                 for b, beam in enumerate(beams) for token, lp in top[ids[p, b]].items()),
+                key=lambda c: -c[0])
+            live[p] = []
+            for rank, (cumulative, beam, token) in enumerate(candidates):
+                if len(live[p]) == width:
+                    break
+                sequence = BeamSequence(beam.token_ids + [token], cumulative, token == eos)
+                if sequence.finished:
+                    if rank < width:  # an ending counts only among the best beam_width
+                        completed[p].append(sequence)
+                else:
+                    live[p].append(sequence)
+    results = []
+    for p in range(len(prompts)):
+        pool = completed[p] + live[p]
+        pool.sort(key=lambda s: -s.score(params.length_penalty))
+        results.append(pool[:width])
+    return results

@@ -1,0 +1,76 @@
+"""Top logprobs from the device, and beam search over the engine, against dense references."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pagedjax import LLM, BeamSearchParams, SamplingParams
+
+CONFIG = dict(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32, min_seq_bucket=8,
+              block_size=4)
+
+
+def dense_log_probs(model, tokens):
+    return np.asarray(jax.nn.log_softmax(model(jnp.asarray([tokens]))[0, -1]))
+
+
+def test_top_logprobs_match_the_dense_model(tiny_model):
+    llm = LLM(tiny_model, **CONFIG)
+    prompt = list(range(5, 22))
+    out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, logprobs=5),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 4
+    context = list(prompt)
+    for token, top in zip(out.token_ids, out.logprobs):
+        expected = dense_log_probs(tiny_model, context)
+        best5 = np.argsort(-expected)[:5]
+        assert set(top) == set(best5.tolist()) | {token}
+        for t, lp in top.items():
+            assert lp == pytest.approx(float(expected[t]), abs=1e-4)  # f32, two orderings
+        context.append(token)
+    np.testing.assert_allclose(out.cumulative_logprob, sum(t[k] for t, k in
+                                                           zip(out.logprobs, out.token_ids)),
+                               rtol=1e-5)
+
+
+def dense_beam_search(model, prompt, width, steps):
+    """Reference: the same beam search on dense full-recompute logprobs."""
+    beams = [([], 0.0)]
+    for _ in range(steps):
+        candidates = []
+        for tokens, cumulative in beams:
+            lp = dense_log_probs(model, prompt + tokens)
+            for t in np.argsort(-lp)[:2 * width]:
+                candidates.append((tokens + [int(t)], cumulative + float(lp[t])))
+        candidates.sort(key=lambda c: -c[1])
+        beams = candidates[:width]
+    return beams
+
+
+def test_beam_search_equals_dense_reference(tiny_model):
+    llm = LLM(tiny_model, **CONFIG)
+    prompts = [list(range(30, 43)), [7, 8]]
+    results = llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=5,
+                                                        length_penalty=0.0))
+    for prompt, beams in zip(prompts, results):
+        expected = dense_beam_search(tiny_model, prompt, 3, 5)
+        assert [b.token_ids for b in beams] == [tokens for tokens, _ in expected]
+        np.testing.assert_allclose([b.cumulative_logprob for b in beams],
+                                   [c for _, c in expected], atol=1e-4)
+    # Beams share their prompt blocks through the prefix cache.
+    assert llm.engine.stats.num_prefix_hit_tokens > 0
+    assert llm.engine.scheduler.kv_manager.num_used_blocks == 0
+
+
+def test_beam_search_validates(tiny_model):
+    llm = LLM(tiny_model, **CONFIG)
+    with pytest.raises(ValueError, match="max_logprobs"):
+        llm.beam_search([[1, 2]], BeamSearchParams(beam_width=11, max_tokens=2))
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.beam_search([[1] * 60], BeamSearchParams(beam_width=2, max_tokens=10))
+    with pytest.raises(ValueError, match="beam_width"):
+        BeamSearchParams(beam_width=0, max_tokens=3)
+    with pytest.raises(ValueError, match="logprobs"):
+        llm.generate([[1, 2]], SamplingParams(logprobs=50), use_tqdm=False)
+    assert not llm.engine.has_unfinished()
