@@ -1,8 +1,8 @@
-"""int8 KV cache: blocks in a fixed budget, and greedy-token agreement with the f32 cache.
+"""int8 / fp8 KV cache: blocks in a fixed budget, and greedy-token agreement with f32.
 
 Capacity is the KV formula at real model shapes (llama-3-8b: 32 layers, 8 KV heads, head dim
 128). Agreement runs the same seeded workload through demo-small with an f32 cache, a bf16 cache
-and an int8 cache: the share of generated positions whose greedy token matches the f32 run, up to
+an int8 and an fp8 (e4m3) cache: the share of generated positions whose greedy token matches the f32 run, up to
 each sequence's first disagreement and over all positions (a flip changes what follows it).
 """
 
@@ -57,7 +57,9 @@ def main() -> None:
     rows = []
     for name, dtype, config in [("f32", np.float32, {}),
                                 ("bf16", ml_dtypes.bfloat16, dict(dtype="bfloat16")),
-                                ("int8", np.int8, dict(kv_cache_dtype="int8"))]:
+                                ("int8", np.int8, dict(kv_cache_dtype="int8")),
+                                ("fp8 e4m3", ml_dtypes.float8_e4m3fn,
+                                 dict(kv_cache_dtype="fp8"))]:
         per_block = kv_cache_bytes_per_block(big.num_layers, 16, big.num_kv_heads,
                                              big.head_dim, dtype)
         tokens, engine = generate(model, prompts, params, **config)

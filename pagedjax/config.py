@@ -10,7 +10,7 @@ from pallas_kernels import BACKEND_NAMES
 from scheduler import POLICIES, VICTIM_POLICIES, SchedulerConfig, ShapeBuckets, cdiv
 
 DTYPES = ("float32", "bfloat16")
-KV_CACHE_DTYPES = ("auto", "int8")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +32,8 @@ class EngineConfig:
     swap_space_bytes: int = 0  # host pool for swap; 0 with swap falls back to recompute
     watermark: float = 0.01
     dtype: str = "float32"  # activations (and the KV cache unless kv_cache_dtype says otherwise)
-    kv_cache_dtype: str = "auto"  # auto (= dtype) or int8 (per-token, per-head f32 scales)
+    kv_cache_dtype: str = "auto"  # auto (= dtype), int8 or fp8 (e4m3), with per-token,
+    # per-head f32 scales
     attention_backend: str = "auto"  # auto | reference | gpu | tpu
     attention_interpret: bool = False  # run the Pallas kernels through the interpreter (CPU)
     max_logprobs: int = 20  # most top logprobs a request may ask for (computed on device)
@@ -94,7 +95,9 @@ class EngineConfig:
     @property
     def kv_np_dtype(self):
         """The KV cache's element type."""
-        return np.dtype(np.int8) if self.kv_cache_dtype == "int8" else self.np_dtype
+        import ml_dtypes
+        return {"int8": np.dtype(np.int8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn)}.get(
+            self.kv_cache_dtype, self.np_dtype)
 
     @property
     def max_blocks_per_seq(self) -> int:

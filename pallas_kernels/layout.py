@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.quant import QuantizedKV, quantize
+from pallas_kernels.quant import QuantizedKV, is_quantized, quantize
 
 
 PADDED_HEAD_DIM_BACKENDS = ("gpu",)
@@ -37,19 +37,19 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
 def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                              dtype, backend: str = "reference") -> int:
     """Bytes of one physical block across all layers: 2 * L * S * K * Hc * itemsize, plus an f32
-    scale per token and KV head for int8."""
+    scale per token and KV head for quantized (int8, fp8) caches."""
     per_token_head = cache_head_dim(head_dim, backend) * np.dtype(dtype).itemsize
-    if np.dtype(dtype) == np.int8:
+    if is_quantized(dtype):
         per_token_head += 4
     return 2 * num_layers * block_size * num_kv_heads * per_token_head
 
 
 def init_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                   head_dim: int, dtype, backend: str = "reference") -> list:
-    """One cache per layer: an array, or a QuantizedKV for int8."""
+    """One cache per layer: an array, or a QuantizedKV for int8 / fp8."""
     shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim, backend)
-    if np.dtype(dtype) == np.int8:
-        return [QuantizedKV(jnp.zeros(shape, jnp.int8), jnp.ones(shape[:-1], jnp.float32))
+    if is_quantized(dtype):
+        return [QuantizedKV(jnp.zeros(shape, dtype), jnp.ones(shape[:-1], jnp.float32))
                 for _ in range(num_layers)]
     return [jnp.zeros(shape, dtype) for _ in range(num_layers)]
 
@@ -74,7 +74,7 @@ def write_kv_reference(
 
 def _write_quantized(kv_cache: QuantizedKV, k, v, slot_mapping) -> QuantizedKV:
     _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.data.shape
-    data, scales = quantize(jnp.stack([k, v]))  # i8[2, T, K, H], f32[2, T, K]
+    data, scales = quantize(jnp.stack([k, v]), kv_cache.data.dtype)  # [2, T, K, H], f32[2, T, K]
     if data.shape[-1] < head_dim:
         data = jnp.pad(data, ((0, 0), (0, 0), (0, 0), (0, head_dim - data.shape[-1])))
     flat = kv_cache.data.reshape(2, num_kv_heads, num_blocks * block_size, head_dim)
