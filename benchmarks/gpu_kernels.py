@@ -166,23 +166,25 @@ def bench_decode(args, bandwidth: float) -> list[dict]:
                 batch, context, block_size=16, dtype=jnp.bfloat16, seed=batch + context,
                 **heads)
             cache = jnp.stack([k_pages, v_pages])
-            num_seqs = jnp.int32(batch)
             kv_bytes = 2 * batch * context * heads["num_kv_heads"] * heads["head_dim"] * 2
+            # Every operand is an argument (a closed-over array would be baked into the program).
             impls = {
-                "pagedjax gpu kernel": jax.jit(lambda q, c, t, l: paged_decode_attention_gpu(
-                    q, c, l, t, num_seqs, scale=scale, interpret=args.smoke)),
-                "jax pallas.ops.gpu.paged_attention": jax.jit(
-                    lambda q, c, t, l: jax_gpu_op.paged_attention(
-                        q * scale, k_pages, v_pages, t, l, interpret=args.smoke,
-                        k_splits=min(16, context // 16))),
-                "reference (XLA)": jax.jit(lambda q, c, t, l: paged_decode_attention_reference(
-                    q, c, l, t, num_seqs, scale=scale)),
+                "pagedjax gpu kernel": (jax.jit(lambda q, c, t, l: paged_decode_attention_gpu(
+                    q, c, l, t, jnp.int32(batch), scale=scale, interpret=args.smoke)),
+                    (q, cache)),
+                "jax pallas.ops.gpu.paged_attention": (jax.jit(
+                    lambda q, kv, t, l: jax_gpu_op.paged_attention(
+                        q, kv[0], kv[1], t, l, interpret=args.smoke,
+                        k_splits=min(16, context // 16))), (q * scale, (k_pages, v_pages))),
+                "reference (XLA)": (jax.jit(
+                    lambda q, c, t, l: paged_decode_attention_reference(
+                        q, c, l, t, jnp.int32(batch), scale=scale)), (q, cache)),
             }
             base = None
-            for name, fn in impls.items():
+            for name, (fn, operands) in impls.items():
                 row = {"batch": batch, "context": context, "impl": name}
                 try:
-                    seconds = timed(fn, q, cache, tables, lens,
+                    seconds = timed(fn, *operands, tables, lens,
                                     min_time=0.02 if args.smoke else 0.2)
                     row.update(us=seconds * 1e6, kv_gb_per_s=kv_bytes / seconds / 1e9,
                                pct_of_copy_bw=100 * kv_bytes / seconds / bandwidth)
@@ -196,7 +198,7 @@ def bench_decode(args, bandwidth: float) -> list[dict]:
             for row in rows[-len(impls):]:
                 row["speedup_vs_jax_op"] = (base / (row["us"] * 1e-6)) if base else float("nan")
             print(rows[-3:], flush=True)
-            del q, k_pages, v_pages, cache
+            del impls, q, k_pages, v_pages, cache
     return rows
 
 

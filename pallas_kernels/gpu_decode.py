@@ -28,6 +28,27 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def online_softmax_step(q, k, v, visible, carry, *, scale: float, soft_cap: float | None):
+    """One flash-attention update of (o, m, l) with a block of keys, shared by the GPU kernels.
+
+    q [R, Hp], k and v [C*S, Hp] (already zeroed where they may hold garbage), visible: a mask
+    broadcastable to [R, C*S]. Masked scores take a finite MASK_VALUE and a zero weight, so no
+    inf - inf and no NaN can arise.
+    """
+    o, m, l = carry
+    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale  # [R, C*S]
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    s = jnp.where(visible, s, MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    correction = jnp.exp(m - m_new)
+    p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
+    l = l * correction + jnp.sum(p, axis=1)
+    o = o * correction[:, None] + jnp.dot(p.astype(v.dtype), v,
+                                          preferred_element_type=jnp.float32)
+    return o, m_new, l
+
+
 def _decode_kernel(
     kv_lens_ref,  # i32[B]                    (ANY) 0 for padding rows
     block_tables_ref,  # i32[B, Pp]           (ANY) padded with the null block
@@ -51,7 +72,6 @@ def _decode_kernel(
     num_rows = q.shape[0]
 
     def body(i, carry):
-        o, m, l = carry
         page = first_page + i * pages_per_step
         blocks = block_tables_ref[seq, pl.ds(page, pages_per_step)]  # i32[C]
         k = kv_ref[0, head, blocks].reshape(block_k, head_dim)  # [C*S, Hp]
@@ -65,17 +85,8 @@ def _decode_kernel(
         # Zero what lies past kv_len: pages there may hold anything, NaN included.
         k = jnp.where(valid[:, None], k, jnp.zeros_like(k))
         v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
-        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale  # [Gp, C*S]
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        s = jnp.where(valid[None, :], s, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        correction = jnp.exp(m - m_new)
-        p = jnp.where(valid[None, :], jnp.exp(s - m_new[:, None]), 0.0)
-        l = l * correction + jnp.sum(p, axis=1)
-        o = o * correction[:, None] + jnp.dot(p.astype(v.dtype), v,
-                                              preferred_element_type=jnp.float32)
-        return o, m_new, l
+        return online_softmax_step(q, k, v, valid[None, :], carry, scale=scale,
+                                   soft_cap=soft_cap)
 
     num_steps = pl.cdiv(jnp.maximum(end_page - first_page, 0), pages_per_step)
     init = (jnp.zeros((num_rows, head_dim), jnp.float32),

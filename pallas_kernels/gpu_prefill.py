@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gpu_decode import MASK_VALUE, next_power_of_2
+from pallas_kernels.gpu_decode import MASK_VALUE, next_power_of_2, online_softmax_step
 
 
 def _ragged_kernel(
@@ -60,7 +60,6 @@ def _ragged_kernel(
     q = q_ref[pl.ds(start, tile_q), head].reshape(num_rows, head_dim)
 
     def body(i, carry):
-        o, m, l = carry
         page = first_page + i * pages_per_step
         blocks = block_tables_ref[seq, pl.ds(page, pages_per_step)]
         k = kv_ref[0, head, blocks].reshape(block_k, head_dim)
@@ -72,17 +71,7 @@ def _ragged_kernel(
         visible = (kv_pos[None, :] <= q_pos[:, None]) & row_live[:, None]
         if sliding_window is not None:
             visible &= kv_pos[None, :] > q_pos[:, None] - sliding_window
-        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale  # [BQ*Gp, C*S]
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        s = jnp.where(visible, s, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        correction = jnp.exp(m - m_new)
-        p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
-        l = l * correction + jnp.sum(p, axis=1)
-        o = o * correction[:, None] + jnp.dot(p.astype(v.dtype), v,
-                                              preferred_element_type=jnp.float32)
-        return o, m_new, l
+        return online_softmax_step(q, k, v, visible, carry, scale=scale, soft_cap=soft_cap)
 
     num_steps = pl.cdiv(jnp.maximum(end_page - first_page, 0), pages_per_step)
     init = (jnp.zeros((num_rows, head_dim), jnp.float32),

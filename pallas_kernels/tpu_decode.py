@@ -36,6 +36,23 @@ def _page_copies(kv_hbm_ref, buffer_ref, sems_ref, tables_ref, *, seq, head, blo
             for c in range(pages_per_step)]
 
 
+def online_softmax_step(q, k, v, visible, carry, *, soft_cap: float | None):
+    """One flash-attention update of (o, m [R, 1], l [R, 1]) with a block of keys, shared by the
+    TPU kernels: q [R, H] pre-scaled, k and v [C*S, H] zeroed where they may hold garbage,
+    visible broadcastable to [R, C*S]."""
+    o, m, l = carry
+    s = jnp.einsum("RH,TH->RT", q, k, preferred_element_type=jnp.float32)
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    s = jnp.where(visible, s, MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+    correction = jnp.exp(m - m_new)
+    p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
+    l = l * correction + jnp.sum(p, axis=1, keepdims=True)
+    o = o * correction + jnp.einsum("RT,TH->RH", p, v, preferred_element_type=jnp.float32)
+    return o, m_new, l
+
+
 def _decode_kernel(
     kv_lens_ref,  # i32[B]                 SMEM (scalar prefetch); 0 for padding rows
     tables_ref,  # i32[B * Pp]             SMEM (scalar prefetch), flattened block tables
@@ -76,7 +93,6 @@ def _decode_kernel(
     num_rows = q.shape[0]
 
     def body(block, carry):
-        o, m, l = carry
         slot = (block - first_block) % 2
 
         @pl.when(block + 1 < num_blocks)
@@ -94,16 +110,7 @@ def _decode_kernel(
         valid_col = jnp.transpose(valid)  # [C*S, 1]
         k = jnp.where(valid_col, k, 0.0)
         v = jnp.where(valid_col, v, 0.0)
-        s = jnp.einsum("GH,TH->GT", q, k, preferred_element_type=jnp.float32)
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        s = jnp.where(valid, s, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-        correction = jnp.exp(m - m_new)
-        p = jnp.where(valid, jnp.exp(s - m_new), 0.0)
-        l = l * correction + jnp.sum(p, axis=1, keepdims=True)
-        o = o * correction + jnp.einsum("GT,TH->GH", p, v, preferred_element_type=jnp.float32)
-        return o, m_new, l
+        return online_softmax_step(q, k, v, valid, carry, soft_cap=soft_cap)
 
     init = (jnp.zeros((num_rows, head_dim), jnp.float32),
             jnp.full((num_rows, 1), MASK_VALUE, jnp.float32),

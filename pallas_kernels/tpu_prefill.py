@@ -19,7 +19,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.gpu_prefill import tile_layout
-from pallas_kernels.tpu_decode import MASK_VALUE, SUBLANES, _page_copies, interpret_params
+from pallas_kernels.tpu_decode import (MASK_VALUE, SUBLANES, _page_copies, interpret_params,
+                                       online_softmax_step)
 
 
 def _ragged_kernel(
@@ -75,7 +76,6 @@ def _ragged_kernel(
     q_pos = offset + row_token - q_first  # [rows, 1]
 
     def body(block, carry):
-        o, m, l = carry
         slot = (block - first_block) % 2
 
         @pl.when(block + 1 < num_blocks)
@@ -94,16 +94,7 @@ def _ragged_kernel(
         visible = (kv_pos <= q_pos) & row_live  # [rows, C*S]
         if sliding_window is not None:
             visible &= kv_pos > q_pos - sliding_window
-        s = jnp.einsum("RH,TH->RT", q, k, preferred_element_type=jnp.float32)
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        s = jnp.where(visible, s, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-        correction = jnp.exp(m - m_new)
-        p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
-        l = l * correction + jnp.sum(p, axis=1, keepdims=True)
-        o = o * correction + jnp.einsum("RT,TH->RH", p, v, preferred_element_type=jnp.float32)
-        return o, m_new, l
+        return online_softmax_step(q, k, v, visible, carry, soft_cap=soft_cap)
 
     init = (jnp.zeros((num_rows, head_dim), jnp.float32),
             jnp.full((num_rows, 1), MASK_VALUE, jnp.float32),

@@ -1,9 +1,7 @@
 """Sampling on device: seeded reproducibility and the top-k / top-p filters."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
 from pagedjax.sampler import _filter_top_k_top_p, sample

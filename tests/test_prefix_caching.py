@@ -5,7 +5,7 @@ import pytest
 
 from helpers import check_kv_invariants, make_request
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
-from scheduler import Request, Scheduler, SchedulerConfig
+from scheduler import Scheduler, SchedulerConfig
 
 BLOCK = 4
 
