@@ -20,6 +20,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.quant import QuantizedKV
+
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: no inf - inf in the softmax
 MIN_DOT_SIZE = 16  # Triton's tl.dot needs every dimension >= 16
 
@@ -49,17 +51,34 @@ def online_softmax_step(q, k, v, visible, carry, *, scale: float, soft_cap: floa
     return o, m_new, l
 
 
+def load_pages(kv_ref, scales_ref, kv_index, head, blocks, dtype):
+    """K or V of C pages as [C*S, Hp] in dtype, dequantized when the cache is int8 / fp8."""
+    _, _, _, block_size, head_dim = kv_ref.shape
+    rows = blocks.shape[0] * block_size
+    x = kv_ref[kv_index, head, blocks].reshape(rows, head_dim)
+    if scales_ref is None:
+        return x
+    scales = scales_ref[kv_index, head, blocks].reshape(rows)
+    return (x.astype(jnp.float32) * scales[:, None]).astype(dtype)
+
+
+def split_cache(kv_cache, q_dtype):
+    """(data, scales or None, compute dtype): a quantized cache is computed in the query dtype."""
+    if isinstance(kv_cache, QuantizedKV):
+        return kv_cache.data, kv_cache.scales, q_dtype
+    return kv_cache, None, kv_cache.dtype
+
+
 def _decode_kernel(
     kv_lens_ref,  # i32[B]                    (ANY) 0 for padding rows
     block_tables_ref,  # i32[B, Pp]           (ANY) padded with the null block
     q_ref,  # [Gp, Hp]                        this program's query-head group
     kv_ref,  # [2, K, NB, S, Hp]              (ANY) the whole layer cache
-    o_ref,  # f32[Gp, Hp]                     unnormalised output of this split
-    l_ref,  # f32[Gp]                         softmax denominator of this split
-    m_ref,  # f32[Gp]                         running max of this split
-    *, pages_per_split: int, pages_per_step: int, scale: float,
-    sliding_window: int | None, soft_cap: float | None,
+    *refs,  # [scales f32[2, K, NB, S] (ANY) if quantized,] o f32[Gp, Hp], l f32[Gp], m f32[Gp]
+    pages_per_split: int, pages_per_step: int, scale: float, sliding_window: int | None,
+    soft_cap: float | None, quantized: bool,
 ):
+    scales_ref, (o_ref, l_ref, m_ref) = (refs[0], refs[1:]) if quantized else (None, refs)
     seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_size, head_dim = kv_ref.shape[3], kv_ref.shape[4]
     block_k = pages_per_step * block_size
@@ -74,8 +93,8 @@ def _decode_kernel(
     def body(i, carry):
         page = first_page + i * pages_per_step
         blocks = block_tables_ref[seq, pl.ds(page, pages_per_step)]  # i32[C]
-        k = kv_ref[0, head, blocks].reshape(block_k, head_dim)  # [C*S, Hp]
-        v = kv_ref[1, head, blocks].reshape(block_k, head_dim)
+        k = load_pages(kv_ref, scales_ref, 0, head, blocks, q.dtype)  # [C*S, Hp]
+        v = load_pages(kv_ref, scales_ref, 1, head, blocks, q.dtype)
         kv_pos = page * block_size + jnp.arange(block_k, dtype=jnp.int32)
         # end_page bounds the split too: a window-shifted start is not step-aligned, so the
         # last step may reach into the next split's pages.
@@ -129,7 +148,8 @@ def paged_decode_attention_gpu(
     num_stages: int = 2, interpret: bool = False,
 ) -> jax.Array:  # [B, N, H]; 0 for padding rows
     batch, num_heads, head_dim = q.shape
-    _, num_kv_heads, _, block_size, padded_head_dim = kv_cache.shape
+    data, scales, dtype = split_cache(kv_cache, q.dtype)
+    _, num_kv_heads, _, block_size, padded_head_dim = data.shape
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
     if padded_head_dim < head_dim:
@@ -145,14 +165,16 @@ def paged_decode_attention_gpu(
     padded_width = pages_per_split * num_splits + pages_per_step
     tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_width - width)))
     lens = jnp.where(jnp.arange(batch) < num_seqs, kv_lens, 0).astype(jnp.int32)
-    qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(kv_cache.dtype)
+    qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(dtype)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, padded_group - group),
                       (0, padded_head_dim - head_dim)))
 
     kernel = functools.partial(
         _decode_kernel, pages_per_split=pages_per_split, pages_per_step=pages_per_step,
-        scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        quantized=scales is not None)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    quant_operands = [] if scales is None else [scales]
     o, l, m = pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, num_splits),
@@ -162,7 +184,7 @@ def paged_decode_attention_gpu(
             pl.BlockSpec((None, None, padded_group, padded_head_dim),
                          lambda b, h, s: (b, h, 0, 0)),  # q
             any_spec,  # kv_cache
-        ],
+        ] + [any_spec] * len(quant_operands),  # scales of a quantized cache
         out_specs=[
             pl.BlockSpec((None, None, None, padded_group, padded_head_dim),
                          lambda b, h, s: (s, b, h, 0, 0)),  # o
@@ -178,6 +200,6 @@ def paged_decode_attention_gpu(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="paged_decode_attention_gpu",
-    )(lens, tables, qg, kv_cache)
+    )(lens, tables, qg, data, *quant_operands)
     out = combine_splits(o, l, m)[:, :, :group, :head_dim]
     return out.reshape(batch, num_heads, head_dim).astype(q.dtype)

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gpu_decode import MASK_VALUE, next_power_of_2, online_softmax_step
+from pallas_kernels.gpu_decode import (MASK_VALUE, load_pages, next_power_of_2,
+                                       online_softmax_step, split_cache)
 
 
 def _ragged_kernel(
@@ -31,10 +32,11 @@ def _ragged_kernel(
     block_tables_ref,  # i32[B, Pp]       (ANY)
     q_ref,  # [T + BQ, K, Gp, Hp]         (ANY)
     kv_ref,  # [2, K, NB, S, Hp]          (ANY)
-    o_ref,  # f32[BQ, Gp, Hp]             this program's output tile
-    *, tile_q: int, pages_per_step: int, scale: float, sliding_window: int | None,
-    soft_cap: float | None,
+    *refs,  # [scales f32[2, K, NB, S] (ANY) if quantized,] o f32[BQ, Gp, Hp] (this tile)
+    tile_q: int, pages_per_step: int, scale: float, sliding_window: int | None,
+    soft_cap: float | None, quantized: bool,
 ):
+    scales_ref, o_ref = refs if quantized else (None, refs[0])
     tile, head = pl.program_id(0), pl.program_id(1)
     block_size, head_dim = kv_ref.shape[3], kv_ref.shape[4]
     group = q_ref.shape[2]
@@ -62,8 +64,8 @@ def _ragged_kernel(
     def body(i, carry):
         page = first_page + i * pages_per_step
         blocks = block_tables_ref[seq, pl.ds(page, pages_per_step)]
-        k = kv_ref[0, head, blocks].reshape(block_k, head_dim)
-        v = kv_ref[1, head, blocks].reshape(block_k, head_dim)
+        k = load_pages(kv_ref, scales_ref, 0, head, blocks, q.dtype)
+        v = load_pages(kv_ref, scales_ref, 1, head, blocks, q.dtype)
         kv_pos = page * block_size + jnp.arange(block_k, dtype=jnp.int32)
         col_live = kv_pos <= last_pos
         k = jnp.where(col_live[:, None], k, jnp.zeros_like(k))
@@ -122,7 +124,8 @@ def ragged_paged_attention_gpu(
     interpret: bool = False,
 ) -> jax.Array:  # [T, N, H]; 0 for padding tokens
     num_tokens, num_heads, head_dim = q.shape
-    _, num_kv_heads, _, block_size, padded_head_dim = kv_cache.shape
+    data, scales, dtype = split_cache(kv_cache, q.dtype)
+    _, num_kv_heads, _, block_size, padded_head_dim = data.shape
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
     group = num_heads // num_kv_heads
@@ -134,19 +137,21 @@ def ragged_paged_attention_gpu(
     cu_q_lens = cu_q_lens.astype(jnp.int32)
     tile_seq, tile_start, token_tile, token_row = tile_layout(cu_q_lens, num_seqs, num_tokens,
                                                               tile_q)
-    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(kv_cache.dtype)
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(dtype)
     qg = jnp.pad(qg, ((0, tile_q), (0, 0), (0, padded_group - group),
                       (0, padded_head_dim - head_dim)))
     num_tiles = tile_seq.shape[0]
 
     kernel = functools.partial(
         _ragged_kernel, tile_q=tile_q, pages_per_step=pages_per_step, scale=scale,
-        sliding_window=sliding_window, soft_cap=soft_cap)
+        sliding_window=sliding_window, soft_cap=soft_cap, quantized=scales is not None)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    quant_operands = [] if scales is None else [scales]
     tiles = pl.pallas_call(
         kernel,
         grid=(num_tiles, num_kv_heads),
-        in_specs=[any_spec] * 7,  # tile_seq, tile_start, cu_q_lens, kv_lens, tables, q, cache
+        # tile_seq, tile_start, cu_q_lens, kv_lens, tables, q, cache[, scales]
+        in_specs=[any_spec] * (7 + len(quant_operands)),
         out_specs=pl.BlockSpec((None, tile_q, None, padded_group, padded_head_dim),
                                lambda t, h: (t, 0, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct(
@@ -154,7 +159,8 @@ def ragged_paged_attention_gpu(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention_gpu",
-    )(tile_seq, tile_start, cu_q_lens, kv_lens.astype(jnp.int32), tables, qg, kv_cache)
+    )(tile_seq, tile_start, cu_q_lens, kv_lens.astype(jnp.int32), tables, qg, data,
+      *quant_operands)
     out = tiles[token_tile, token_row][:, :, :group, :head_dim]  # [T, K, G, H]
     live = jnp.arange(num_tokens) < cu_q_lens[num_seqs]
     out = jnp.where(live[:, None, None, None], out, 0.0)

@@ -15,6 +15,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.layout import write_kv_reference
+from pallas_kernels.quant import QuantizedKV
 from pallas_kernels.tpu_decode import interpret_params
 
 
@@ -40,7 +42,10 @@ def write_kv_gpu(
     slot_mapping: jax.Array,  # i32[T]; padding tokens point into the null block
     *, interpret: bool = False,
 ) -> jax.Array:
-    """One program per token (Triton lowering); the cache is updated in place."""
+    """One program per token (Triton lowering); the cache is updated in place. A quantized
+    cache is written by the XLA scatter (it quantizes as it writes)."""
+    if isinstance(kv_cache, QuantizedKV):
+        return write_kv_reference(kv_cache, k, v, slot_mapping)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
         functools.partial(_write_kernel_gpu, block_size=kv_cache.shape[3]),
