@@ -35,9 +35,6 @@ class LLMEngine:
         self.model_config = model_config
         self.clock = clock
         self.backend = resolve_backend(config.attention_backend, config.attention_interpret)
-        if config.kv_cache_dtype != "auto" and self.backend.name == "tpu":
-            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} runs on the reference "
-                             f"and gpu attention backends only so far, not 'tpu'")
         if self.backend.name == "gpu" and config.block_size & (config.block_size - 1):
             raise ValueError(f"block_size must be a power of two for the gpu attention backend, "
                              f"got {config.block_size}")

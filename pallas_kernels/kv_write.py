@@ -83,7 +83,10 @@ def write_kv_tpu(
     *, interpret: bool = False,
 ) -> jax.Array:
     """One program per token (Mosaic): slots scalar-prefetched, a K and a V DMA from VMEM into
-    the token's slot of the HBM cache, which is updated in place."""
+    the token's slot of the HBM cache, which is updated in place. A quantized cache is written
+    by the XLA scatter (it quantizes as it writes)."""
+    if isinstance(kv_cache, QuantizedKV):
+        return write_kv_reference(kv_cache, k, v, slot_mapping)
     num_tokens, num_kv_heads, head_dim = k.shape
     token_spec = pl.BlockSpec((None, num_kv_heads, head_dim), lambda t, *_: (t, 0, 0))
     return pl.pallas_call(

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.quant import QuantizedKV
+
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 SUBLANES = 8
 
@@ -27,13 +29,61 @@ def interpret_params(interpret: bool):
     return pltpu.InterpretParams(out_of_bounds_reads="raise") if interpret else False
 
 
-def _page_copies(kv_hbm_ref, buffer_ref, sems_ref, tables_ref, *, seq, head, block, slot,
-                 pages_per_step, table_width, kv_index):
-    """The C page DMAs of one compute block (HBM -> one slot of the VMEM double buffer)."""
-    base = seq * table_width + block * pages_per_step
-    return [pltpu.make_async_copy(kv_hbm_ref.at[kv_index, head, tables_ref[base + c]],
-                                  buffer_ref.at[slot, c], sems_ref.at[slot])
-            for c in range(pages_per_step)]
+class PagePipeline:
+    """Double-buffered page DMAs of one (sequence, KV head): K and V, and for a quantized cache
+    their scales, C pages per compute block into one slot of the VMEM buffers."""
+
+    def __init__(self, kv_hbm_ref, scales_hbm_ref, buffers, sems, tables_ref, *, seq, head,
+                 pages_per_step: int, table_width: int):
+        self.sources = [kv_hbm_ref] + ([] if scales_hbm_ref is None else [scales_hbm_ref])
+        self.buffers = buffers  # [(k_buf, v_buf)] (+ [(k_scales_buf, v_scales_buf)])
+        self.sems = sems  # (k_sems, v_sems): DMA[2], one per slot
+        self.tables_ref, self.seq, self.head = tables_ref, seq, head
+        self.pages_per_step, self.table_width = pages_per_step, table_width
+
+    def _copies(self, block, slot):
+        base = self.seq * self.table_width + block * self.pages_per_step
+        pages = [self.tables_ref[base + c] for c in range(self.pages_per_step)]
+        return [pltpu.make_async_copy(src.at[kv_index, self.head, page],
+                                      bufs[kv_index].at[slot, c], self.sems[kv_index].at[slot])
+                for src, bufs in zip(self.sources, self.buffers) for kv_index in (0, 1)
+                for c, page in enumerate(pages)]
+
+    def start(self, block, slot):
+        for copy in self._copies(block, slot):
+            copy.start()
+
+    def wait(self, block, slot):
+        for copy in self._copies(block, slot):
+            copy.wait()
+
+    def load(self, slot):
+        """f32 K and V of the slot's C pages, [C*S, H], dequantized if the cache is."""
+        (k_buf, v_buf) = self.buffers[0]
+        _, pages, block_size, head_dim = k_buf.shape
+        rows = pages * block_size
+        k = k_buf[slot].reshape(rows, head_dim).astype(jnp.float32)
+        v = v_buf[slot].reshape(rows, head_dim).astype(jnp.float32)
+        if len(self.buffers) > 1:
+            k_scales, v_scales = self.buffers[1]
+            k = k * k_scales[slot].reshape(rows, 1)
+            v = v * v_scales[slot].reshape(rows, 1)
+        return k, v
+
+
+def split_quantized(kv_cache):
+    """(data, scales or None) of a layer's cache."""
+    if isinstance(kv_cache, QuantizedKV):
+        return kv_cache.data, kv_cache.scales
+    return kv_cache, None
+
+
+def page_scratch(pages_per_step: int, block_size: int, head_dim: int, data, scales) -> list:
+    """VMEM double buffers for PagePipeline: K and V pages (and their scales)."""
+    shapes = [pltpu.VMEM((2, pages_per_step, block_size, head_dim), data.dtype)] * 2
+    if scales is not None:
+        shapes += [pltpu.VMEM((2, pages_per_step, block_size), jnp.float32)] * 2
+    return shapes
 
 
 def online_softmax_step(q, k, v, visible, carry, *, soft_cap: float | None):
@@ -58,12 +108,14 @@ def _decode_kernel(
     tables_ref,  # i32[B * Pp]             SMEM (scalar prefetch), flattened block tables
     q_ref,  # [Gp, H]                      VMEM block of this (sequence, KV head)
     kv_hbm_ref,  # [2, K, NB, S, H]        HBM (ANY)
-    o_ref,  # [Gp, H]                      VMEM output block
-    k_buf, v_buf,  # [2, C, S, H]          VMEM: double buffer of K and V pages
-    k_sems, v_sems,  # DMA[2]              one semaphore per buffer slot
-    *, pages_per_step: int, table_width: int, scale: float, sliding_window: int | None,
-    soft_cap: float | None,
+    *refs,  # [scales f32[2, K, NB, S] HBM,] o [Gp, H] VMEM output block, then scratch:
+    #         k_buf, v_buf [2, C, S, H] (+ k/v scale buffers [2, C, S]) VMEM double buffers,
+    #         k_sems, v_sems DMA[2], one semaphore per buffer slot
+    pages_per_step: int, table_width: int, scale: float, sliding_window: int | None,
+    soft_cap: float | None, quantized: bool,
 ):
+    scales_hbm_ref, refs = (refs[0], refs[1:]) if quantized else (None, refs)
+    o_ref, *buffers, k_sems, v_sems = refs
     seq, head = pl.program_id(0), pl.program_id(1)
     block_size, head_dim = kv_hbm_ref.shape[3], kv_hbm_ref.shape[4]
     block_k = pages_per_step * block_size
@@ -72,22 +124,14 @@ def _decode_kernel(
     if sliding_window is not None:
         first_block = jnp.maximum(kv_len - sliding_window, 0) // block_k
     num_blocks = pl.cdiv(kv_len, block_k)
-    copies = functools.partial(_page_copies, kv_hbm_ref, seq=seq, head=head,
-                               pages_per_step=pages_per_step, table_width=table_width)
-
-    def start(block, slot):
-        for copy in (copies(k_buf, k_sems, tables_ref, block=block, slot=slot, kv_index=0)
-                     + copies(v_buf, v_sems, tables_ref, block=block, slot=slot, kv_index=1)):
-            copy.start()
-
-    def wait(block, slot):
-        for copy in (copies(k_buf, k_sems, tables_ref, block=block, slot=slot, kv_index=0)
-                     + copies(v_buf, v_sems, tables_ref, block=block, slot=slot, kv_index=1)):
-            copy.wait()
+    pipeline = PagePipeline(kv_hbm_ref, scales_hbm_ref,
+                            [tuple(buffers[i:i + 2]) for i in range(0, len(buffers), 2)],
+                            (k_sems, v_sems), tables_ref, seq=seq, head=head,
+                            pages_per_step=pages_per_step, table_width=table_width)
 
     @pl.when(first_block < num_blocks)
     def _():
-        start(first_block, 0)
+        pipeline.start(first_block, 0)
 
     q = q_ref[...].astype(jnp.float32) * scale
     num_rows = q.shape[0]
@@ -97,11 +141,10 @@ def _decode_kernel(
 
         @pl.when(block + 1 < num_blocks)
         def _():
-            start(block + 1, 1 - slot)
+            pipeline.start(block + 1, 1 - slot)
 
-        wait(block, slot)
-        k = k_buf[slot].reshape(block_k, head_dim).astype(jnp.float32)
-        v = v_buf[slot].reshape(block_k, head_dim).astype(jnp.float32)
+        pipeline.wait(block, slot)
+        k, v = pipeline.load(slot)
         kv_pos = block * block_k + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
         valid = kv_pos < kv_len
         if sliding_window is not None:
@@ -123,7 +166,7 @@ def _decode_kernel(
     "scale", "sliding_window", "soft_cap", "pages_per_step", "interpret"))
 def paged_decode_attention_tpu(
     q: jax.Array,  # [B, N, H]
-    kv_cache: jax.Array,  # [2, K, NB, S, H], this step's K/V already written
+    kv_cache: jax.Array,  # [2, K, NB, S, H] (or a QuantizedKV), this step's K/V written
     kv_lens: jax.Array,  # i32[B]
     block_tables: jax.Array,  # i32[B, P]
     num_seqs: jax.Array,  # i32[] only the first num_seqs rows are valid
@@ -131,7 +174,8 @@ def paged_decode_attention_tpu(
     pages_per_step: int = 8, interpret: bool = False,
 ) -> jax.Array:  # [B, N, H]; 0 for padding rows
     batch, num_heads, head_dim = q.shape
-    _, num_kv_heads, _, block_size, cache_head_dim = kv_cache.shape
+    data, scales = split_quantized(kv_cache)
+    _, num_kv_heads, _, block_size, cache_head_dim = data.shape
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
     if cache_head_dim != head_dim:
@@ -148,8 +192,8 @@ def paged_decode_attention_tpu(
 
     kernel = functools.partial(
         _decode_kernel, pages_per_step=pages_per_step, table_width=padded_width, scale=scale,
-        sliding_window=sliding_window, soft_cap=soft_cap)
-    page_buffer = pltpu.VMEM((2, pages_per_step, block_size, head_dim), kv_cache.dtype)
+        sliding_window=sliding_window, soft_cap=soft_cap, quantized=scales is not None)
+    quant_operands = [] if scales is None else [scales]
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -159,13 +203,11 @@ def paged_decode_attention_tpu(
                 pl.BlockSpec((None, None, padded_group, head_dim),
                              lambda b, h, *_: (b, h, 0, 0)),  # q
                 pl.BlockSpec(memory_space=pl.ANY),  # kv_cache stays in HBM
-            ],
+            ] + [pl.BlockSpec(memory_space=pl.ANY)] * len(quant_operands),  # scales, in HBM
             out_specs=pl.BlockSpec((None, None, padded_group, head_dim),
                                    lambda b, h, *_: (b, h, 0, 0)),
-            scratch_shapes=[
-                page_buffer,  # K pages, double-buffered
-                page_buffer,  # V pages, double-buffered
-                pltpu.SemaphoreType.DMA((2,)),  # K DMAs, one per buffer slot
+            scratch_shapes=page_scratch(pages_per_step, block_size, head_dim, data, scales) + [
+                pltpu.SemaphoreType.DMA((2,)),  # K DMAs (pages and scales), one per slot
                 pltpu.SemaphoreType.DMA((2,)),  # V DMAs
             ],
         ),
@@ -173,5 +215,5 @@ def paged_decode_attention_tpu(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret_params(interpret),
         name="paged_decode_attention_tpu",
-    )(lens, tables.reshape(-1), qg, kv_cache)
+    )(lens, tables.reshape(-1), qg, data, *quant_operands)
     return out[:, :, :group].reshape(batch, num_heads, head_dim)

@@ -19,8 +19,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.gpu_prefill import tile_layout
-from pallas_kernels.tpu_decode import (MASK_VALUE, SUBLANES, _page_copies, interpret_params,
-                                       online_softmax_step)
+from pallas_kernels.tpu_decode import (MASK_VALUE, SUBLANES, PagePipeline, interpret_params,
+                                       online_softmax_step, page_scratch, split_quantized)
 
 
 def _ragged_kernel(
@@ -31,13 +31,14 @@ def _ragged_kernel(
     tables_ref,  # i32[B * Pp]         SMEM, flattened block tables
     q_hbm_ref,  # [T + BQ, K, Gp, H]   HBM (ANY)
     kv_hbm_ref,  # [2, K, NB, S, H]    HBM (ANY)
-    o_ref,  # f32[BQ, Gp, H]           VMEM output tile
-    q_buf,  # [BQ, Gp, H]              VMEM
-    k_buf, v_buf,  # [2, C, S, H]      VMEM double buffers
-    q_sem, k_sems, v_sems,  # DMA
-    *, tile_q: int, pages_per_step: int, table_width: int, scale: float,
-    sliding_window: int | None, soft_cap: float | None,
+    *refs,  # [scales f32[2, K, NB, S] HBM,] o f32[BQ, Gp, H] VMEM output tile, then scratch:
+    #         q_buf [BQ, Gp, H], k_buf, v_buf [2, C, S, H] (+ scale buffers [2, C, S]) VMEM,
+    #         q_sem, k_sems, v_sems DMA
+    tile_q: int, pages_per_step: int, table_width: int, scale: float,
+    sliding_window: int | None, soft_cap: float | None, quantized: bool,
 ):
+    scales_hbm_ref, refs = (refs[0], refs[1:]) if quantized else (None, refs)
+    o_ref, q_buf, *buffers, q_sem, k_sems, v_sems = refs
     tile, head = pl.program_id(0), pl.program_id(1)
     block_size, head_dim = kv_hbm_ref.shape[3], kv_hbm_ref.shape[4]
     group = q_buf.shape[1]
@@ -53,20 +54,17 @@ def _ragged_kernel(
     if sliding_window is not None:
         first_block = jnp.maximum(offset + start - q_first - sliding_window + 1, 0) // block_k
     num_blocks = jnp.where(live, pl.cdiv(last_pos + 1, block_k), 0)
-    copies = functools.partial(_page_copies, kv_hbm_ref, seq=seq, head=head,
-                               pages_per_step=pages_per_step, table_width=table_width)
-
-    def kv_copies(block, slot):
-        return (copies(k_buf, k_sems, tables_ref, block=block, slot=slot, kv_index=0)
-                + copies(v_buf, v_sems, tables_ref, block=block, slot=slot, kv_index=1))
+    pipeline = PagePipeline(kv_hbm_ref, scales_hbm_ref,
+                            [tuple(buffers[i:i + 2]) for i in range(0, len(buffers), 2)],
+                            (k_sems, v_sems), tables_ref, seq=seq, head=head,
+                            pages_per_step=pages_per_step, table_width=table_width)
 
     q_copy = pltpu.make_async_copy(q_hbm_ref.at[pl.ds(start, tile_q), head], q_buf, q_sem)
     q_copy.start()
 
     @pl.when(first_block < num_blocks)
     def _():
-        for copy in kv_copies(first_block, 0):
-            copy.start()
+        pipeline.start(first_block, 0)
 
     q_copy.wait()
     q = q_buf[...].reshape(num_rows, head_dim).astype(jnp.float32) * scale
@@ -80,13 +78,10 @@ def _ragged_kernel(
 
         @pl.when(block + 1 < num_blocks)
         def _():
-            for copy in kv_copies(block + 1, 1 - slot):
-                copy.start()
+            pipeline.start(block + 1, 1 - slot)
 
-        for copy in kv_copies(block, slot):
-            copy.wait()
-        k = k_buf[slot].reshape(block_k, head_dim).astype(jnp.float32)
-        v = v_buf[slot].reshape(block_k, head_dim).astype(jnp.float32)
+        pipeline.wait(block, slot)
+        k, v = pipeline.load(slot)
         kv_pos = block * block_k + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
         col_live = jnp.transpose(kv_pos <= last_pos)  # [C*S, 1]
         k = jnp.where(col_live, k, 0.0)
@@ -117,7 +112,8 @@ def ragged_paged_attention_tpu(
     tile_q: int = 16, pages_per_step: int = 4, interpret: bool = False,
 ) -> jax.Array:  # [T, N, H]; 0 for padding tokens
     num_tokens, num_heads, head_dim = q.shape
-    _, num_kv_heads, _, block_size, cache_head_dim = kv_cache.shape
+    data, scales = split_quantized(kv_cache)
+    _, num_kv_heads, _, block_size, cache_head_dim = data.shape
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
     if cache_head_dim != head_dim:
@@ -137,21 +133,22 @@ def ragged_paged_attention_tpu(
 
     kernel = functools.partial(
         _ragged_kernel, tile_q=tile_q, pages_per_step=pages_per_step, table_width=padded_width,
-        scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    page_buffer = pltpu.VMEM((2, pages_per_step, block_size, head_dim), kv_cache.dtype)
+        scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        quantized=scales is not None)
+    quant_operands = [] if scales is None else [scales]
     tiles = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,  # tile_seq, tile_start, cu_q_lens, kv_lens, block tables
             grid=(num_tiles, num_kv_heads),
             in_specs=[pl.BlockSpec(memory_space=pl.ANY),  # q: rows DMA'd per tile
-                      pl.BlockSpec(memory_space=pl.ANY)],  # kv_cache stays in HBM
+                      pl.BlockSpec(memory_space=pl.ANY)]  # kv_cache stays in HBM
+            + [pl.BlockSpec(memory_space=pl.ANY)] * len(quant_operands),  # scales, in HBM
             out_specs=pl.BlockSpec((None, tile_q, None, padded_group, head_dim),
                                    lambda t, h, *_: (t, 0, h, 0, 0)),
             scratch_shapes=[
                 pltpu.VMEM((tile_q, padded_group, head_dim), q.dtype),  # this tile's queries
-                page_buffer,  # K pages, double-buffered
-                page_buffer,  # V pages, double-buffered
+                *page_scratch(pages_per_step, block_size, head_dim, data, scales),
                 pltpu.SemaphoreType.DMA(()),  # query DMA
                 pltpu.SemaphoreType.DMA((2,)),  # K DMAs, one per buffer slot
                 pltpu.SemaphoreType.DMA((2,)),  # V DMAs
@@ -163,7 +160,7 @@ def ragged_paged_attention_tpu(
         interpret=interpret_params(interpret),
         name="ragged_paged_attention_tpu",
     )(tile_seq, tile_start, cu_q_lens, kv_lens.astype(jnp.int32), tables.reshape(-1), qg,
-      kv_cache)
+      data, *quant_operands)
     out = tiles[token_tile, token_row][:, :, :group]  # [T, K, G, H]
     live = jnp.arange(num_tokens) < cu_q_lens[num_seqs]
     out = jnp.where(live[:, None, None, None], out, 0.0)

@@ -81,10 +81,12 @@ def test_int8_engine_tokens_agree_with_f32_and_blocks_shrink(tiny_model):
     assert int8_engine.bytes_per_block * 64 == f32_engine.bytes_per_block * 20
 
 
-@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn])
-def test_gpu_kernels_read_quantized_caches(dtype):
-    from pallas_kernels import (paged_decode_attention_gpu, paged_decode_attention_reference,
-                                ragged_paged_attention_gpu)
+@pytest.mark.parametrize("backend, dtype", [("gpu", jnp.int8), ("gpu", jnp.float8_e4m3fn),
+                                            ("tpu", jnp.int8)])
+def test_pallas_kernels_read_quantized_caches(backend, dtype):
+    from pallas_kernels import IMPLEMENTATIONS, paged_decode_attention_reference
+    ragged_kernel = IMPLEMENTATIONS[backend].ragged
+    decode_kernel = IMPLEMENTATIONS[backend].decode
     rng = np.random.default_rng(2)
     case = build_case(rng, SEQS, block_size=8, num_heads=8, num_kv_heads=2, head_dim=32,
                       padded_seqs=8, padded_tokens=80)
@@ -92,29 +94,24 @@ def test_gpu_kernels_read_quantized_caches(dtype):
     q = jnp.asarray(case["q"])
     args = (case["kv_lens"], case["tables"], case["cu_q_lens"], case["num_seqs"])
     want = np.asarray(ragged_paged_attention_reference(q, cache, *args, scale=0.2))
-    got = np.asarray(ragged_paged_attention_gpu(q, cache, *args, scale=0.2, interpret=True,
-                                                pages_per_step=2))
+    got = np.asarray(ragged_kernel(q, cache, *args, scale=0.2, interpret=True,
+                                   pages_per_step=2))
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)  # same dequantized math
     last = case["cu_q_lens"][1:len(SEQS) + 1] - 1
     decode_args = (q[last], cache, case["kv_lens"][:len(SEQS)], case["tables"][:len(SEQS)],
                    np.int32(len(SEQS)))
     np.testing.assert_allclose(
-        np.asarray(paged_decode_attention_gpu(*decode_args, scale=0.2, interpret=True)),
+        np.asarray(decode_kernel(*decode_args, scale=0.2, interpret=True)),
         np.asarray(paged_decode_attention_reference(*decode_args, scale=0.2)),
         rtol=2e-5, atol=2e-5)
 
 
-def test_int8_engine_on_gpu_kernels_equals_reference_backend(tiny_model):
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_int8_engine_on_pallas_kernels_equals_reference_backend(tiny_model, backend):
     reference, _ = generate(tiny_model, kv_cache_dtype="int8")
-    gpu, _ = generate(tiny_model, kv_cache_dtype="int8", attention_backend="gpu",
-                      attention_interpret=True)
-    assert gpu == reference
-
-
-def test_quantized_kv_is_refused_on_tpu(tiny_model):
-    with pytest.raises(ValueError, match="kv_cache_dtype"):
-        LLMEngine(tiny_model, EngineConfig(kv_cache_dtype="int8", attention_backend="tpu",
-                                           attention_interpret=True))
+    pallas, _ = generate(tiny_model, kv_cache_dtype="int8", attention_backend=backend,
+                         attention_interpret=True)
+    assert pallas == reference
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="fp4")
 
