@@ -15,7 +15,7 @@ import numpy as np
 from common import write_results
 
 from pagedjax import load_model
-from pagedjax.runner import ModelRunner, kv_dtype, step_fn
+from pagedjax.runner import ModelRunner, step_fn
 from pallas_kernels import kv_cache_bytes_per_block
 from scheduler import DECODE, BatchPlan
 
@@ -86,7 +86,7 @@ def main() -> None:
                                                config.num_kv_heads, config.head_dim, np.float32)
     scales = (1, 8)
     runners = [ModelRunner(model, num_blocks=1 + active_blocks * scale,
-                           block_size=args.block_size, dtype=kv_dtype("float32"))
+                           block_size=args.block_size, dtype=np.float32)
                for scale in scales]
     medians = interleaved_medians(runners, plan, args.iters)
     rows = []

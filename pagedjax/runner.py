@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -125,7 +124,3 @@ def _pad_ids(ids: list[int]) -> np.ndarray:
     padded = np.full(1 << (len(ids) - 1).bit_length(), NULL_BLOCK, np.int32)
     padded[:len(ids)] = ids
     return padded
-
-
-def kv_dtype(name: str):
-    return jnp.bfloat16 if name == "bfloat16" else jnp.float32
