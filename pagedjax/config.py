@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 
 from pallas_kernels import BACKEND_NAMES
-from scheduler import POLICIES, VICTIM_POLICIES, SchedulerConfig, ShapeBuckets, cdiv
+from scheduler import SchedulerConfig, ShapeBuckets, cdiv
 
 DTYPES = ("float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
@@ -69,15 +69,10 @@ class EngineConfig:
         if self.attention_backend not in BACKEND_NAMES:
             raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, "
                              f"got {self.attention_backend!r}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.victim_policy not in VICTIM_POLICIES:
-            raise ValueError(f"victim_policy must be one of {tuple(VICTIM_POLICIES)}, "
-                             f"got {self.victim_policy!r}")
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(f"max_num_seqs ({self.max_num_seqs}) must be <= "
                              f"max_num_batched_tokens ({self.max_num_batched_tokens})")
-        self.scheduler_config()  # validates the scheduler's share
+        self.scheduler_config()  # SchedulerConfig validates the scheduler's fields (policy, ...)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

@@ -36,7 +36,8 @@ class PagePipeline:
     def __init__(self, kv_hbm_ref, scales_hbm_ref, buffers, sems, tables_ref, *, seq, head,
                  pages_per_step: int, table_width: int):
         self.sources = [kv_hbm_ref] + ([] if scales_hbm_ref is None else [scales_hbm_ref])
-        self.buffers = buffers  # [(k_buf, v_buf)] (+ [(k_scales_buf, v_scales_buf)])
+        # [k_buf, v_buf(, k_scales_buf, v_scales_buf)] as made by page_scratch, paired up
+        self.buffers = [tuple(buffers[i:i + 2]) for i in range(0, len(buffers), 2)]
         self.sems = sems  # (k_sems, v_sems): DMA[2], one per slot
         self.tables_ref, self.seq, self.head = tables_ref, seq, head
         self.pages_per_step, self.table_width = pages_per_step, table_width
@@ -56,6 +57,18 @@ class PagePipeline:
     def wait(self, block, slot):
         for copy in self._copies(block, slot):
             copy.wait()
+
+    def fetch(self, block, first_block, num_blocks):
+        """K and V of compute block `block` (f32 [C*S, H]), with block + 1 already in flight
+        into the other slot while they are used."""
+        slot = (block - first_block) % 2
+
+        @pl.when(block + 1 < num_blocks)
+        def _():
+            self.start(block + 1, 1 - slot)
+
+        self.wait(block, slot)
+        return self.load(slot)
 
     def load(self, slot):
         """f32 K and V of the slot's C pages, [C*S, H], dequantized if the cache is."""
@@ -124,9 +137,8 @@ def _decode_kernel(
     if sliding_window is not None:
         first_block = jnp.maximum(kv_len - sliding_window, 0) // block_k
     num_blocks = pl.cdiv(kv_len, block_k)
-    pipeline = PagePipeline(kv_hbm_ref, scales_hbm_ref,
-                            [tuple(buffers[i:i + 2]) for i in range(0, len(buffers), 2)],
-                            (k_sems, v_sems), tables_ref, seq=seq, head=head,
+    pipeline = PagePipeline(kv_hbm_ref, scales_hbm_ref, buffers, (k_sems, v_sems), tables_ref,
+                            seq=seq, head=head,
                             pages_per_step=pages_per_step, table_width=table_width)
 
     @pl.when(first_block < num_blocks)
@@ -137,14 +149,7 @@ def _decode_kernel(
     num_rows = q.shape[0]
 
     def body(block, carry):
-        slot = (block - first_block) % 2
-
-        @pl.when(block + 1 < num_blocks)
-        def _():
-            pipeline.start(block + 1, 1 - slot)
-
-        pipeline.wait(block, slot)
-        k, v = pipeline.load(slot)
+        k, v = pipeline.fetch(block, first_block, num_blocks)
         kv_pos = block * block_k + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
         valid = kv_pos < kv_len
         if sliding_window is not None:

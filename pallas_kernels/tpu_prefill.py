@@ -54,9 +54,8 @@ def _ragged_kernel(
     if sliding_window is not None:
         first_block = jnp.maximum(offset + start - q_first - sliding_window + 1, 0) // block_k
     num_blocks = jnp.where(live, pl.cdiv(last_pos + 1, block_k), 0)
-    pipeline = PagePipeline(kv_hbm_ref, scales_hbm_ref,
-                            [tuple(buffers[i:i + 2]) for i in range(0, len(buffers), 2)],
-                            (k_sems, v_sems), tables_ref, seq=seq, head=head,
+    pipeline = PagePipeline(kv_hbm_ref, scales_hbm_ref, buffers, (k_sems, v_sems), tables_ref,
+                            seq=seq, head=head,
                             pages_per_step=pages_per_step, table_width=table_width)
 
     q_copy = pltpu.make_async_copy(q_hbm_ref.at[pl.ds(start, tile_q), head], q_buf, q_sem)
@@ -74,14 +73,7 @@ def _ragged_kernel(
     q_pos = offset + row_token - q_first  # [rows, 1]
 
     def body(block, carry):
-        slot = (block - first_block) % 2
-
-        @pl.when(block + 1 < num_blocks)
-        def _():
-            pipeline.start(block + 1, 1 - slot)
-
-        pipeline.wait(block, slot)
-        k, v = pipeline.load(slot)
+        k, v = pipeline.fetch(block, first_block, num_blocks)
         kv_pos = block * block_k + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
         col_live = jnp.transpose(kv_pos <= last_pos)  # [C*S, 1]
         k = jnp.where(col_live, k, 0.0)
