@@ -3,6 +3,34 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Any
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. `linear` divides positions by factor; `llama3` (Llama 3.1) keeps
+    high frequencies, divides low ones by factor and interpolates smoothly between the two bands,
+    which are set by low/high_freq_factor relative to original_max_position_embeddings."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type must be one of {ROPE_TYPES}, got {self.rope_type!r}")
+        if not (isinstance(self.factor, (int, float)) and math.isfinite(self.factor)
+                and self.factor > 0):
+            raise ValueError(f"rope factor must be a finite number > 0, got {self.factor!r}")
+        if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(f"llama3 rope needs high_freq_factor ({self.high_freq_factor}) > "
+                             f"low_freq_factor ({self.low_freq_factor})")
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +50,12 @@ class LlamaConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     sliding_window: int | None = None  # Mistral-style: a token sees the last sliding_window
+    rope_scaling: RopeScaling | None = None
+    attention_bias: bool = False  # biases on q/k/v (Qwen2; Llama's attention_bias sets o too)
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+    model_type: str = "llama"  # the family member the weights came from (informational)
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -40,11 +74,28 @@ class LlamaConfig:
                                                 or self.sliding_window < 1):
             raise ValueError(f"sliding_window must be None or an integer >= 1, "
                              f"got {self.sliding_window!r}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(f"rope_scaling must be None or a RopeScaling, "
+                             f"got {type(self.rope_scaling).__name__}")
         for name in ("bos_token_id", "eos_token_id"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < self.vocab_size:
                 raise ValueError(f"{name} must be in [0, vocab_size={self.vocab_size}), "
                                  f"got {value}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "LlamaConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown LlamaConfig field(s) {unknown}")
+        data = dict(data)
+        if isinstance(data.get("rope_scaling"), dict):
+            data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+        return cls(**data)
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
         """KV-cache bytes of one token across all layers: 2 * L * K * H * itemsize."""
@@ -54,7 +105,9 @@ class LlamaConfig:
     def num_params(self) -> int:
         d, h = self.hidden_size, self.head_dim
         attn = d * h * (2 * self.num_heads + 2 * self.num_kv_heads)
-        mlp = 3 * d * self.intermediate_size
+        attn += (self.num_heads + 2 * self.num_kv_heads) * h * self.attention_bias
+        attn += d * self.o_proj_bias + 2 * h * self.qk_norm
+        mlp = 3 * d * self.intermediate_size + (2 * self.intermediate_size + d) * self.mlp_bias
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * (attn + mlp + 2 * d) + embed + d
 
