@@ -48,7 +48,7 @@ class LlamaConfig:
     max_position_embeddings: int = 2048
     initializer_range: float = 0.02
     bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None  # one id or several (any of them stops)
     sliding_window: int | None = None  # Mistral-style: a token sees the last sliding_window
     rope_scaling: RopeScaling | None = None
     attention_bias: bool = False  # biases on q/k/v (Qwen2; Llama's attention_bias sets o too)
@@ -77,11 +77,23 @@ class LlamaConfig:
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise ValueError(f"rope_scaling must be None or a RopeScaling, "
                              f"got {type(self.rope_scaling).__name__}")
-        for name in ("bos_token_id", "eos_token_id"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value < self.vocab_size:
+        if isinstance(self.eos_token_id, (list, tuple)):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        ids = [("bos_token_id", self.bos_token_id)] + [("eos_token_id", i)
+                                                       for i in self.eos_token_ids]
+        for name, value in ids:
+            if value is not None and (not isinstance(value, int)
+                                      or not 0 <= value < self.vocab_size):
                 raise ValueError(f"{name} must be in [0, vocab_size={self.vocab_size}), "
-                                 f"got {value}")
+                                 f"got {value!r}")
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, tuple):
+            return self.eos_token_id
+        return (self.eos_token_id,)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from models.config import LlamaConfig
+from models.config import LlamaConfig, RopeScaling
 from pallas_kernels import AttentionBackend, AttentionMetadata, paged_attention
 
 
@@ -30,10 +31,32 @@ class RMSNorm(nnx.Module):
         return (normed * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope_inv_freq(head_dim: int, theta: float,
+                  scaling: RopeScaling | None = None) -> np.ndarray:
+    """f32[H/2] rotary frequencies, with linear or Llama-3.1 scaling (computed in float64 on the
+    host: a constant of the traced step)."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if scaling is None or scaling.rope_type == "default":
+        return inv_freq.astype(np.float32)
+    if scaling.rope_type == "linear":
+        return (inv_freq / scaling.factor).astype(np.float32)
+    # llama3: wavelengths above original_len / low_freq_factor are divided by factor, those below
+    # original_len / high_freq_factor kept, and the band between interpolated linearly in 1/freq.
+    original = scaling.original_max_position_embeddings
+    wavelen = 2 * np.pi / inv_freq
+    smooth = (original / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    interpolated = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    scaled = np.where(wavelen > original / scaling.low_freq_factor, inv_freq / scaling.factor,
+                      np.where(wavelen < original / scaling.high_freq_factor, inv_freq,
+                               interpolated))
+    return scaled.astype(np.float32)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float,
+         scaling: RopeScaling | None = None) -> jax.Array:
     """Rotary embedding, rotate-half convention (as Hugging Face Llama). x: [..., L, heads, H]."""
-    head_dim = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    inv_freq = jnp.asarray(rope_inv_freq(x.shape[-1], theta, scaling))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., L, H/2]
     cos = jnp.cos(angles)[..., None, :]
     sin = jnp.sin(angles)[..., None, :]
@@ -42,9 +65,10 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def _linear(din: int, dout: int, config: LlamaConfig, rngs: nnx.Rngs, dtype, param_dtype):
+def _linear(din: int, dout: int, config: LlamaConfig, rngs: nnx.Rngs, dtype, param_dtype,
+            use_bias: bool = False):
     init = nnx.initializers.normal(config.initializer_range)
-    return nnx.Linear(din, dout, use_bias=False, kernel_init=init, dtype=dtype,
+    return nnx.Linear(din, dout, use_bias=use_bias, kernel_init=init, dtype=dtype,
                       param_dtype=param_dtype, rngs=rngs)
 
 
@@ -53,18 +77,28 @@ class Attention(nnx.Module):
         d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
         self.rope_theta = config.rope_theta
+        self.rope_scaling = config.rope_scaling
         self.sliding_window = config.sliding_window
-        self.q_proj = _linear(d, n * h, config, rngs, dtype, param_dtype)
-        self.k_proj = _linear(d, k * h, config, rngs, dtype, param_dtype)
-        self.v_proj = _linear(d, k * h, config, rngs, dtype, param_dtype)
-        self.o_proj = _linear(n * h, d, config, rngs, dtype, param_dtype)
+        bias = config.attention_bias
+        self.q_proj = _linear(d, n * h, config, rngs, dtype, param_dtype, bias)
+        self.k_proj = _linear(d, k * h, config, rngs, dtype, param_dtype, bias)
+        self.v_proj = _linear(d, k * h, config, rngs, dtype, param_dtype, bias)
+        self.o_proj = _linear(n * h, d, config, rngs, dtype, param_dtype, config.o_proj_bias)
+        if config.qk_norm:  # Qwen3
+            self.q_norm = RMSNorm(h, config.rms_norm_eps, param_dtype=param_dtype)
+            self.k_norm = RMSNorm(h, config.rms_norm_eps, param_dtype=param_dtype)
+        else:
+            self.q_norm = self.k_norm = None
 
     def _qkv(self, x: jax.Array, positions: jax.Array):
         lead = x.shape[:-1]
         q = self.q_proj(x).reshape(*lead, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
-        return rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta), v
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return (rope(q, positions, self.rope_theta, self.rope_scaling),
+                rope(k, positions, self.rope_theta, self.rope_scaling), v)
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [B, L, D] -> [B, L, D]
         batch, length, _ = x.shape
@@ -94,9 +128,10 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
         d, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = _linear(d, f, config, rngs, dtype, param_dtype)
-        self.up_proj = _linear(d, f, config, rngs, dtype, param_dtype)
-        self.down_proj = _linear(f, d, config, rngs, dtype, param_dtype)
+        bias = config.mlp_bias
+        self.gate_proj = _linear(d, f, config, rngs, dtype, param_dtype, bias)
+        self.up_proj = _linear(d, f, config, rngs, dtype, param_dtype, bias)
+        self.down_proj = _linear(f, d, config, rngs, dtype, param_dtype, bias)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

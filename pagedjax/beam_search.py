@@ -44,7 +44,7 @@ def beam_search(engine, prompts: Sequence[Sequence[int]],
     if 2 * width > engine.config.max_logprobs:
         raise ValueError(f"beam_width ({width}) needs 2 * beam_width <= max_logprobs "
                          f"({engine.config.max_logprobs})")
-    eos = None if params.ignore_eos else engine.model_config.eos_token_id
+    eos = () if params.ignore_eos else engine.model_config.eos_token_ids
     step_params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * width,
                                  ignore_eos=True)
     for prompt in prompts:  # all validated (at their longest) before anything runs
@@ -71,7 +71,7 @@ def beam_search(engine, prompts: Sequence[Sequence[int]],
             for rank, (cumulative, beam, token) in enumerate(candidates):
                 if len(live[p]) == width:
                     break
-                sequence = BeamSequence(beam.token_ids + [token], cumulative, token == eos)
+                sequence = BeamSequence(beam.token_ids + [token], cumulative, token in eos)
                 if sequence.finished:
                     if rank < width:  # an ending counts only among the best beam_width
                         completed[p].append(sequence)

@@ -1,4 +1,4 @@
-"""`pagedjax` command line: `pagedjax demo`, `pagedjax capacity`."""
+"""`pagedjax` command line: `pagedjax demo`, `pagedjax capacity`, `pagedjax inspect MODEL_DIR`."""
 
 from __future__ import annotations
 
@@ -39,9 +39,48 @@ def capacity(argv) -> None:
     print(f"  sequences of {args.context} tokens  {(num_blocks - 1) // blocks_per_seq:,}")
 
 
+def inspect(argv) -> None:
+    """What the engine makes of a Hugging Face model directory: architecture, attention type,
+    KV-cache bytes per token and per block, and whether it can be served."""
+    from models.hf import inspect_model_dir
+
+    parser = argparse.ArgumentParser(prog="pagedjax inspect", description=inspect.__doc__)
+    parser.add_argument("model_dir")
+    parser.add_argument("--kv-dtype", default="bfloat16",
+                        choices=["float32", "bfloat16", "int8", "fp8"])
+    parser.add_argument("--block-size", type=int, default=16)
+    args = parser.parse_args(argv)
+    if args.block_size < 1:
+        parser.error("--block-size must be >= 1")
+    try:
+        report = inspect_model_dir(args.model_dir, args.kv_dtype, args.block_size)
+    except ValueError as e:
+        parser.exit(1, f"pagedjax inspect: {e}\n")
+    print(f"{args.model_dir}")
+    print(f"  architecture         {report['architecture']} "
+          f"(model_type {report['model_type']}, weights {report['checkpoint_dtype']})")
+    if "attention" in report:
+        window = report.get("sliding_window")
+        print(f"  attention            {report['attention']}"
+              + (f", sliding window {window}" if window else ""))
+    if not report["supported"]:
+        print(f"  supported            no: {report['reason']}")
+        raise SystemExit(1)
+    print(f"  layers / heads / kv  {report['num_layers']} / {report['num_heads']} / "
+          f"{report['num_kv_heads']}, head_dim {report['head_dim']}")
+    print(f"  rope                 {report['rope']} (theta {report['rope_theta']:g}), "
+          f"max positions {report['max_position_embeddings']:,}")
+    print(f"  parameters           {report['num_params']:,}")
+    print(f"  KV bytes per token   {report['kv_bytes_per_token']:,} ({report['kv_dtype']})")
+    print(f"  KV bytes per block   {report['kv_bytes_per_block']:,} "
+          f"(block size {report['block_size']})")
+    print(f"  eos token ids        {report['eos_token_ids']}")
+    print("  supported            yes")
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"demo": None, "capacity": capacity}
+    commands = {"demo": None, "capacity": capacity, "inspect": inspect}
     if not argv or argv[0] not in commands:
         print(f"usage: pagedjax {{{','.join(commands)}}} [options]", file=sys.stderr)
         raise SystemExit(2)
@@ -49,7 +88,7 @@ def main(argv=None) -> None:
         from pagedjax.demo import main as demo_main
         demo_main(argv[1:])
     else:
-        capacity(argv[1:])
+        commands[argv[0]](argv[1:])
 
 
 if __name__ == "__main__":

@@ -107,7 +107,7 @@ class LLMEngine:
             sample = Request(request_id if num_samples == 1 else f"{request_id}#{i}",
                              ids.tolist(), sampling_params, seed=(seed + i) % 2**32,
                              arrival_time=arrival_time, cache_salt=cache_salt,
-                             eos_token_id=self.model_config.eos_token_id)
+                             eos_token_ids=self.model_config.eos_token_ids)
             sample.parent_id, sample.sample_index = request_id, i
             samples.append(sample)
         samples[0].followers = samples[1:]

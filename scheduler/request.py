@@ -89,20 +89,20 @@ class Request:
     """
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling_params",
-                 "seed", "eos_token_id", "num_computed_tokens", "status", "arrival_time",
+                 "seed", "eos_token_ids", "num_computed_tokens", "status", "arrival_time",
                  "first_scheduled_time", "first_token_time", "finish_time", "num_preemptions",
                  "cache_salt", "block_hashes", "num_cached_tokens", "parent_id",
                  "sample_index", "followers", "cumulative_logprob", "logprobs")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, *, seed: int, arrival_time: float,
-                 eos_token_id: int | None = None, cache_salt: str | None = None):
+                 eos_token_ids: Sequence[int] = (), cache_salt: str | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.sampling_params = sampling_params
         self.seed = seed
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = frozenset(eos_token_ids)  # the model's end-of-sequence ids
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.arrival_time = arrival_time
@@ -154,7 +154,7 @@ class Request:
         """Appends a sampled token; returns the finished status if the request is now done."""
         self.output_token_ids.append(token_id)
         params = self.sampling_params
-        if not params.ignore_eos and token_id == self.eos_token_id:
+        if not params.ignore_eos and token_id in self.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if token_id in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED

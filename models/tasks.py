@@ -1,0 +1,112 @@
+"""Synthetic tasks for the shipped tiny model: each answer needs the prompt's context.
+
+Byte vocabulary: token id = byte value for 0..255, BOS_ID = 256, EOS_ID = 257, VOCAB_SIZE = 264
+(258..263 unused). A prompt is [BOS] + its bytes; an answer is its bytes + [EOS].
+
+- recall: "k7x=493;p2m=118;q:p2m=" -> "118"; 2..32 pairs (about 22..262 bytes), queried key
+  anywhere in the context.
+- copy:   "copy:abc=" -> "abc" or "rev:abcde=" -> "edcba"; 1..32 letters.
+- add:    "1234+987=" -> "2221"; each operand 1..5 digits.
+
+Generators are deterministic in (task, seed) and draw from numpy's PCG64, which is the same on
+every platform.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import string
+from typing import Sequence
+
+import numpy as np
+
+BOS_ID = 256
+EOS_ID = 257
+VOCAB_SIZE = 264
+TASKS = ("recall", "copy", "add")
+
+MIN_PAIRS, MAX_PAIRS = 2, 32
+MIN_COPY_LEN, MAX_COPY_LEN = 1, 32
+MAX_ADD_DIGITS = 5
+KEY_FIRST, KEY_MID, KEY_LAST = string.ascii_lowercase, string.digits, string.ascii_lowercase
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    task: str
+    prompt: str
+    answer: str
+
+
+def _recall(rng: np.random.Generator) -> Example:
+    num_pairs = int(rng.integers(MIN_PAIRS, MAX_PAIRS + 1))
+    num_keys = len(KEY_FIRST) * len(KEY_MID) * len(KEY_LAST)
+    key_ids = rng.choice(num_keys, size=num_pairs, replace=False)
+    keys = [KEY_FIRST[k // 260] + KEY_MID[k // 26 % 10] + KEY_LAST[k % 26] for k in key_ids]
+    values = [f"{v:03d}" for v in rng.integers(0, 1000, num_pairs)]
+    query = int(rng.integers(num_pairs))
+    context = ";".join(f"{k}={v}" for k, v in zip(keys, values))
+    return Example("recall", f"{context};q:{keys[query]}=", values[query])
+
+
+def _copy(rng: np.random.Generator) -> Example:
+    length = int(rng.integers(MIN_COPY_LEN, MAX_COPY_LEN + 1))
+    text = "".join(rng.choice(list(string.ascii_lowercase), size=length))
+    if rng.integers(2):
+        return Example("copy", f"rev:{text}=", text[::-1])
+    return Example("copy", f"copy:{text}=", text)
+
+
+def _operand(rng: np.random.Generator) -> int:
+    num_digits = int(rng.integers(1, MAX_ADD_DIGITS + 1))
+    return int(rng.integers(10 ** (num_digits - 1) if num_digits > 1 else 0, 10 ** num_digits))
+
+
+def _add(rng: np.random.Generator) -> Example:
+    a, b = _operand(rng), _operand(rng)
+    return Example("add", f"{a}+{b}=", str(a + b))
+
+
+_GENERATORS = {"recall": _recall, "copy": _copy, "add": _add}
+
+
+def sample_example(task: str, rng: np.random.Generator) -> Example:
+    """One example of task drawn from rng (the training stream's building block)."""
+    if task not in _GENERATORS:
+        raise ValueError(f"unknown task {task!r}; known: {TASKS}")
+    return _GENERATORS[task](rng)
+
+
+def make_examples(task: str, n: int, seed: int) -> list[Example]:
+    """n examples of task, the same list for the same (task, seed)."""
+    if task not in _GENERATORS:
+        raise ValueError(f"unknown task {task!r}; known: {TASKS}")
+    rng = np.random.default_rng([TASKS.index(task), seed])
+    return [_GENERATORS[task](rng) for _ in range(n)]
+
+
+def encode_example(ex: Example) -> tuple[list[int], list[int]]:
+    """(prompt_ids, answer_ids): [BOS] + prompt bytes, answer bytes + [EOS]."""
+    return [BOS_ID, *ex.prompt.encode("ascii")], [*ex.answer.encode("ascii"), EOS_ID]
+
+
+def decode_answer(token_ids: Sequence[int]) -> str:
+    """The text of generated token_ids up to the first EOS (all of them when there is none);
+    special ids are dropped."""
+    data = bytearray()
+    for t in token_ids:
+        if t == EOS_ID:
+            break
+        if 0 <= t < 256:
+            data.append(t)
+    return data.decode("ascii", errors="replace")
+
+
+def score(task_examples: Sequence[Example], predicted_texts: Sequence[str]) -> dict[str, float]:
+    """Exact-match accuracy per task present in task_examples."""
+    if len(task_examples) != len(predicted_texts):
+        raise ValueError(f"{len(task_examples)=} examples but {len(predicted_texts)=} predictions")
+    hits: dict[str, list[bool]] = {}
+    for ex, text in zip(task_examples, predicted_texts):
+        hits.setdefault(ex.task, []).append(text == ex.answer)
+    return {task: sum(h) / len(h) for task, h in hits.items()}
