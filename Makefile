@@ -2,6 +2,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: demo test bench clean
 
@@ -12,10 +13,14 @@ $(STAMP): pyproject.toml requirements/cpu.txt
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
+$(TEST_STAMP): $(STAMP) requirements/test.txt
+	$(PY) -m pip install --quiet -r requirements/test.txt
+	touch $(TEST_STAMP)
+
 demo: $(STAMP)
 	$(PY) -m pagedjax.demo
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(PY) -m pytest -n 2 -q tests
 
 bench: $(STAMP)

@@ -14,7 +14,47 @@ from pagedjax.metrics import EngineStats
 from pagedjax.outputs import RequestOutput
 from pagedjax.runner import ModelRunner
 from pallas_kernels import kv_cache_bytes_per_block, resolve_backend
-from scheduler import DECODE, NULL_BLOCK, Request, SamplingParams, Scheduler, build_plan
+from pagedjax.tokenizer import IncrementalDetokenizer, StopStringMatcher
+from scheduler import (DECODE, NULL_BLOCK, Request, RequestStatus, SamplingParams, Scheduler,
+                       build_plan)
+
+
+class _TextState:
+    """One sample's detokenized output: incremental, cut at the first stop string."""
+
+    __slots__ = ("detokenizer", "matcher", "text", "num_tokens")
+
+    def __init__(self, tokenizer, request: Request):
+        params = request.sampling_params
+        self.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids,
+                                                  params.skip_special_tokens)
+        self.matcher = (StopStringMatcher(params.stop, params.include_stop_str_in_output)
+                        if params.stop else None)
+        self.text = ""
+        self.num_tokens = 0
+
+    def advance(self, request: Request) -> bool:
+        """Detokenizes request's new tokens; True when a stop string ended the text."""
+        new = request.output_token_ids[self.num_tokens:]
+        self.num_tokens += len(new)
+        delta = self.detokenizer.push(new)
+        if request.status.finished:
+            delta += self.detokenizer.finish()
+        self.text += delta
+        if self.matcher is None:
+            return False
+        cut = self.matcher.check(self.text, len(delta))
+        if cut is None:
+            return False
+        self.text = self.text[:cut]
+        return True
+
+    def visible_text(self, finished: bool) -> str:
+        """The text a client may see now: a tail that could still become a stop string is
+        withheld until the request moves past it or finishes."""
+        if finished or self.matcher is None:
+            return self.text
+        return self.text[:len(self.text) - self.matcher.holdback(self.text)]
 
 
 def model_cache_key(model: LlamaForCausalLM, config: EngineConfig) -> bytes:
@@ -25,14 +65,20 @@ def model_cache_key(model: LlamaForCausalLM, config: EngineConfig) -> bytes:
 
 class LLMEngine:
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig | None = None, *,
-                 clock: Callable[[], float] = time.perf_counter):
+                 tokenizer=None, clock: Callable[[], float] = time.perf_counter):
+        """tokenizer (optional: a pagedjax.tokenizer.Tokenizer or ByteTokenizer) adds text to
+        the outputs and enables stop strings."""
         config = config or EngineConfig()
         model_config = model.config
         if config.max_model_len > model_config.max_position_embeddings:
             raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
                              f"max_position_embeddings ({model_config.max_position_embeddings})")
+        if tokenizer is not None and tokenizer.vocab_size > model_config.vocab_size:
+            raise ValueError(f"tokenizer vocab_size ({tokenizer.vocab_size}) exceeds the "
+                             f"model's vocab_size ({model_config.vocab_size})")
         self.config = config
         self.model_config = model_config
+        self.tokenizer = tokenizer
         self.clock = clock
         self.backend = resolve_backend(config.attention_backend, config.attention_interpret)
         if self.backend.name == "gpu" and config.block_size & (config.block_size - 1):
@@ -60,6 +106,8 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(config.seed)
         self._next_id = 0
         self._groups: dict[str, list[Request]] = {}  # request_id -> its samples, until finished
+        self._texts: dict[str, _TextState] = {}  # sample request_id -> its text, with a tokenizer
+        self._prompts: dict[str, str] = {}  # request_id -> prompt text, when given as text
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -84,6 +132,9 @@ class LLMEngine:
         if (sampling_params.logprobs or 0) > self.config.max_logprobs:
             raise ValueError(f"logprobs ({sampling_params.logprobs}) exceeds max_logprobs "
                              f"({self.config.max_logprobs})")
+        if sampling_params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this engine has none (pass "
+                             "stop_token_ids, or give the engine a tokenizer)")
         for token_id in sampling_params.stop_token_ids:
             if not 0 <= token_id < vocab:
                 raise ValueError(f"stop_token_ids must be in [0, vocab_size={vocab}), "
@@ -129,7 +180,16 @@ class LLMEngine:
     def queue(self, request: Request) -> None:
         """Queues a request from make_request (with its parallel samples)."""
         self.scheduler.add_request(request)
-        self._groups[request.parent_id] = [request, *request.followers]
+        samples = [request, *request.followers]
+        self._groups[request.parent_id] = samples
+        if self.tokenizer is not None:
+            for sample in samples:
+                self._texts[sample.request_id] = _TextState(self.tokenizer, sample)
+
+    def set_prompt_text(self, request_id: str, prompt: str) -> None:
+        """Records the text a queued request's prompt came from (returned in its outputs)."""
+        if request_id in self._groups:
+            self._prompts[request_id] = prompt
 
     def abort(self, request_id: str) -> None:
         """Finishes a request (all its samples) at once and frees its blocks; unknown or
@@ -140,6 +200,8 @@ class LLMEngine:
         now = self.clock()
         for sample in samples:
             self.scheduler.abort(sample.request_id, now)
+            self._texts.pop(sample.request_id, None)
+        self._prompts.pop(request_id, None)
         self.stats.num_aborted += 1
 
     def has_unfinished(self) -> bool:
@@ -159,15 +221,28 @@ class LLMEngine:
         self.runner.swap(output.swap_out, output.swap_in, self.host_pool)
         sampled_ids, logprobs, top_ids, top_logprobs = self.runner.step(plan)
         self.stats.step_time_s += time.perf_counter() - start
-        advanced = self.scheduler.update(output, sampled_ids, self.clock(), logprobs, top_ids,
+        now = self.clock()
+        advanced = self.scheduler.update(output, sampled_ids, now, logprobs, top_ids,
                                          top_logprobs)
+        if self.tokenizer is not None:
+            for sample in advanced:
+                if self._texts[sample.request_id].advance(sample) and not sample.status.finished:
+                    self.scheduler.abort(sample.request_id, now, RequestStatus.FINISHED_STOPPED)
         self._record(output, advanced)
         outputs = []
         for parent_id in dict.fromkeys(r.parent_id for r in advanced):
             samples = self._groups[parent_id]
-            out = RequestOutput.from_samples(samples, samples[0].sampling_params.n)
+            texts = None
+            if self.tokenizer is not None:
+                texts = {s.request_id: self._texts[s.request_id].visible_text(s.status.finished)
+                         for s in samples}
+            out = RequestOutput.from_samples(samples, samples[0].sampling_params.n, texts,
+                                             self._prompts.get(parent_id))
             if out.finished:
                 del self._groups[parent_id]
+                self._prompts.pop(parent_id, None)
+                for sample in samples:
+                    self._texts.pop(sample.request_id, None)
             outputs.append(out)
         return outputs
 

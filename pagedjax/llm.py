@@ -2,48 +2,122 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+import os
+from typing import Any, Sequence
 
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
-from models import LlamaForCausalLM, get_config, init_model
+from models import CONFIGS, LlamaForCausalLM, get_config, init_model
 from pagedjax.beam_search import BeamSearchParams, BeamSequence, beam_search
 from pagedjax.config import EngineConfig
 from pagedjax.engine import LLMEngine
 from pagedjax.outputs import RequestOutput
+from pagedjax.tokenizer import ByteTokenizer, Tokenizer
 from scheduler import SamplingParams
+
+DEFAULT_MODEL = "demo-small"
 
 
 def load_model(model: str | LlamaForCausalLM, seed: int = 0,
                dtype: str = "float32") -> LlamaForCausalLM:
-    """A model object as is, or a named config from models.CONFIGS with seeded random weights
-    (parameters in f32, activations in dtype)."""
+    """A model from what `model` names (see resolve_model), without its tokenizer."""
+    return resolve_model(model, seed, dtype)[0]
+
+
+def resolve_model(model: str | os.PathLike | LlamaForCausalLM, seed: int = 0,
+                  dtype: str = "float32"):
+    """(model, tokenizer or None) for what `model` names, by what it is:
+
+    - a LlamaForCausalLM: used as is;
+    - a directory with `pagedjax_config.json`: an orbax checkpoint from models.checkpoint (the
+      training-to-serving path); its tokenizer is the directory's tokenizer.json, or the byte
+      vocabulary when the checkpoint's metadata says `"tokenizer": "byte"`;
+    - a directory with `config.json`: a Hugging Face model (safetensors), with tokenizer.json;
+    - a name from models.CONFIGS: that config with seeded random weights (parameters in f32,
+      activations in dtype), no tokenizer.
+    """
     if isinstance(model, LlamaForCausalLM):
-        return model
-    if isinstance(model, str):
-        compute_dtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
-        return init_model(get_config(model), seed=seed, dtype=compute_dtype)
-    raise ValueError(f"model must be a config name or a LlamaForCausalLM, got {type(model)}")
+        return model, None
+    if not isinstance(model, (str, os.PathLike)):
+        raise ValueError(f"model must be a model directory, a config name or a "
+                         f"LlamaForCausalLM, got {type(model).__name__}")
+    path = os.fspath(model)
+    compute_dtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
+    if os.path.isdir(path):
+        from models.checkpoint import is_checkpoint, load_checkpoint, read_checkpoint_config
+        has_tokenizer = os.path.isfile(os.path.join(path, "tokenizer.json"))
+        tokenizer = Tokenizer.from_dir(path) if has_tokenizer else None
+        if is_checkpoint(path):
+            loaded = load_checkpoint(path, dtype=compute_dtype)
+            metadata = read_checkpoint_config(path)[1].get("metadata", {})
+            if tokenizer is None and metadata.get("tokenizer") == "byte":
+                tokenizer = ByteTokenizer()
+            return loaded, tokenizer
+        if os.path.isfile(os.path.join(path, "config.json")):
+            from models.hf import load_hf_model
+            return load_hf_model(path, dtype=dtype), tokenizer
+        raise ValueError(f"model directory {path} has neither pagedjax_config.json (an orbax "
+                         f"checkpoint from models.checkpoint) nor config.json (a Hugging Face "
+                         f"model)")
+    if path in CONFIGS:
+        return init_model(get_config(path), seed=seed, dtype=compute_dtype), None
+    raise ValueError(f"model {path!r} is neither a directory nor a known config "
+                     f"({sorted(CONFIGS)})")
+
+
+def _load_tokenizer(tokenizer):
+    if tokenizer is None or hasattr(tokenizer, "decode"):
+        return tokenizer
+    if isinstance(tokenizer, (str, os.PathLike)):
+        if os.fspath(tokenizer) == "byte":
+            return ByteTokenizer()
+        return Tokenizer.from_dir(tokenizer)
+    raise ValueError(f"tokenizer must be a directory, 'byte' or a tokenizer object, "
+                     f"got {type(tokenizer).__name__}")
 
 
 class LLM:
-    """Offline generation: `LLM("demo-small").generate([[1, 2, 3]], SamplingParams())`."""
+    """Offline generation.
 
-    def __init__(self, model: str | LlamaForCausalLM = "demo-small", **engine_kwargs):
+        llm = LLM("path/to/hf-or-orbax-dir")
+        llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))
+        llm.chat([{"role": "user", "content": "Hi"}])
+    """
+
+    def __init__(self, model: str | os.PathLike | LlamaForCausalLM = DEFAULT_MODEL,
+                 tokenizer: Any = None, **engine_kwargs):
         config = EngineConfig.from_kwargs(**engine_kwargs)
-        self.engine = LLMEngine(load_model(model, seed=config.seed, dtype=config.dtype), config)
+        loaded, own_tokenizer = resolve_model(model, seed=config.seed, dtype=config.dtype)
+        self.tokenizer = _load_tokenizer(tokenizer) or own_tokenizer
+        self.engine = LLMEngine(loaded, config, tokenizer=self.tokenizer)
 
-    def generate(self, prompts: Sequence[Sequence[int]],
+    def _token_ids(self, prompt) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompts are strings but the model has no tokenizer; pass "
+                                 "token ids or LLM(..., tokenizer=...)")
+            return self.tokenizer.encode(prompt), prompt
+        if isinstance(prompt, dict):
+            if set(prompt) != {"prompt_token_ids"}:
+                raise ValueError(f"a prompt dict must hold only prompt_token_ids, got "
+                                 f"{sorted(prompt)}")
+            return list(prompt["prompt_token_ids"]), None
+        return list(prompt), None
+
+    def generate(self, prompts: str | Sequence[Any],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generates for every prompt (lists of token ids); outputs come back in prompt order.
+        """Generates for every prompt: a string (needs a tokenizer), a list of token ids, or
+        {"prompt_token_ids": [...]}; outputs come back in prompt order.
 
         Every request is validated before any is queued, so a bad one rejects the whole call and
         leaves the engine as it was.
         """
+        if isinstance(prompts, str):
+            prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError("prompts must be a non-empty list of token-id lists")
+            raise ValueError("prompts must be a non-empty list of strings or token-id lists")
         if isinstance(prompts[0], int):
             prompts = [prompts]
         if sampling_params is None:
@@ -54,14 +128,18 @@ class LLM:
             raise ValueError(f"sampling_params has {len(sampling_params)} entries for "
                              f"{len(prompts)} prompts")
         engine = self.engine
-        requests = [engine.make_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        encoded = [self._token_ids(p) for p in prompts]
+        requests = [engine.make_request(ids, sp)
+                    for (ids, _), sp in zip(encoded, sampling_params)]
         ids = [r.parent_id for r in requests]
         if len(set(ids)) != len(ids):
             raise ValueError("request ids must be unique")
         for request in requests:
             engine.scheduler.check_request(request)
-        for request in requests:
+        for request, (_, text) in zip(requests, encoded):
             engine.queue(request)
+            if text is not None:
+                engine.set_prompt_text(request.parent_id, text)
         outputs: dict[str, RequestOutput] = {}
         with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as bar:
             while engine.has_unfinished():
@@ -71,6 +149,22 @@ class LLM:
                         bar.update(1)
         return [outputs[r.parent_id] for r in requests]
 
+    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             add_generation_prompt: bool = True, use_tqdm: bool = True,
+             **template_kwargs) -> list[RequestOutput]:
+        """Generates replies to one conversation (a list of {"role", "content"} messages) or a
+        list of them, rendered with the tokenizer's chat template."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer with a chat template; this model has none")
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of messages or conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
+            **template_kwargs)} for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def beam_search(self, prompts: Sequence[Sequence[int]],
                     params: BeamSearchParams) -> list[list[BeamSequence]]:
         """The params.beam_width best continuations of each prompt, best first."""
@@ -78,4 +172,4 @@ class LLM:
             raise ValueError("prompts must be a non-empty list of token-id lists")
         if self.engine.has_unfinished():
             raise ValueError("beam_search needs an idle engine")
-        return beam_search(self.engine, prompts, params)
+        return beam_search(self.engine, [self._token_ids(p)[0] for p in prompts], params)

@@ -33,6 +33,9 @@ class CompletionOutput:
     cumulative_logprob: float  # sum of the model's logprobs of token_ids
     # Per token, when asked for: {token id: logprob} of the most likely tokens and the chosen one.
     logprobs: list[dict[int, float]] | None = None
+    # Detokenized output when the engine has a tokenizer (cut at a stop string; while a request
+    # runs, a tail that could still grow into a stop string is held back).
+    text: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +45,11 @@ class RequestOutput:
     outputs: list[CompletionOutput]  # n of them; best_of keeps the n most likely once finished
     finished: bool
     metrics: RequestMetrics
+    prompt: str | None = None
+
+    @property
+    def text(self) -> str | None:
+        return self.outputs[0].text
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -52,8 +60,12 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
     @classmethod
-    def from_samples(cls, samples: Sequence[Request], n: int) -> "RequestOutput":
-        """One request's output from its samples (one, or best_of >= n parallel ones)."""
+    def from_samples(cls, samples: Sequence[Request], n: int,
+                     texts: dict[str, str] | None = None,
+                     prompt: str | None = None) -> "RequestOutput":
+        """One request's output from its samples (one, or best_of >= n parallel ones); texts
+        maps a sample's request_id to its detokenized output."""
+        texts = texts or {}
         leader = samples[0]
         finished = all(s.status.finished for s in samples)
         chosen = list(samples)
@@ -63,7 +75,8 @@ class RequestOutput:
                                     finish_reason=s.status.value if s.status.finished else None,
                                     cumulative_logprob=s.cumulative_logprob,
                                     logprobs=(list(s.logprobs) if s.sampling_params.logprobs
-                                              is not None else None))
+                                              is not None else None),
+                                    text=texts.get(s.request_id))
                    for i, s in enumerate(chosen)]
         first_tokens = [s.first_token_time for s in samples if s.first_token_time is not None]
         finishes = [s.finish_time for s in samples if s.finish_time is not None]
@@ -73,4 +86,4 @@ class RequestOutput:
             max(finishes) if finished else None,
             sum(s.num_preemptions for s in samples), leader.num_cached_tokens)
         return cls(request_id=leader.parent_id, prompt_token_ids=list(leader.prompt_token_ids),
-                   outputs=outputs, finished=finished, metrics=metrics)
+                   outputs=outputs, finished=finished, metrics=metrics, prompt=prompt)

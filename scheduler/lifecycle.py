@@ -105,9 +105,13 @@ def add_request(state: SchedulerState, request: Request) -> None:
     state.waiting.append(request)
 
 
-def abort_request(state: SchedulerState, request_id: str, now: float) -> Request | None:
-    """Finishes a request at once and frees its blocks; unknown ids are a no-op. Aborting a
-    leader before its fork aborts its followers too."""
+def abort_request(state: SchedulerState, request_id: str, now: float,
+                  status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Request | None:
+    """Finishes a request at once with status (aborted, or stopped by a stop string the engine
+    found in its text) and frees its blocks; unknown ids are a no-op. Aborting a leader before
+    its fork aborts its followers too."""
+    if not status.finished:
+        raise ValueError(f"status must be a finished status, got {status}")
     request = state.requests.get(request_id)
     if request is None:
         return None
@@ -126,7 +130,7 @@ def abort_request(state: SchedulerState, request_id: str, now: float) -> Request
     if running:
         state.num_followers -= len(request.followers)
     request.followers = []
-    _finish(state, request, RequestStatus.FINISHED_ABORTED, now)
+    _finish(state, request, status, now)
     return request
 
 
@@ -166,8 +170,9 @@ class Scheduler:
         return update(self.state, output, sampled_ids, now, sampled_logprobs, top_ids,
                       top_logprobs)
 
-    def abort(self, request_id: str, now: float) -> Request | None:
-        return abort_request(self.state, request_id, now)
+    def abort(self, request_id: str, now: float,
+              status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Request | None:
+        return abort_request(self.state, request_id, now, status)
 
     def has_unfinished(self) -> bool:
         return bool(self.state.requests)

@@ -29,9 +29,16 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # return this many most likely tokens (and the chosen one)
+    # Text-level stops (need the engine's tokenizer): the output ends at the first occurrence,
+    # which is cut from the text unless include_stop_str_in_output.
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # in the detokenized text
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        object.__setattr__(self, "stop", stop)
         self.validate()
 
     def validate(self) -> None:
@@ -53,6 +60,9 @@ class SamplingParams:
             raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
         if self.seed is not None and not (0 <= self.seed < 2**32):
             raise ValueError(f"seed must be in [0, 2**32), got {self.seed!r}")
+        for text in self.stop:
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"stop must hold non-empty strings, got {text!r}")
 
     @property
     def greedy(self) -> bool:

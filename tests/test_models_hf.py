@@ -104,8 +104,8 @@ def test_paged_engine_greedy_equals_transformers_generate(arch, tmp_path):
     expected = []
     for p in token_prompts:
         with torch.no_grad():
-            out = hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=max_tokens,
-                              pad_token_id=0)
+            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p)),
+                              do_sample=False, max_new_tokens=max_tokens, pad_token_id=0)
         expected.append(out[0, len(p):].tolist())
     got, engine = engine_greedy(load_hf_model(str(tmp_path)), token_prompts, max_tokens)
     assert got == expected

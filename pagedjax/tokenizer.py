@@ -1,0 +1,366 @@
+"""Tokenizers, chat templates, streaming detokenization and stop strings.
+
+`Tokenizer` wraps a Hugging Face `tokenizers.Tokenizer` loaded from a model directory;
+`ByteTokenizer` is the byte-level vocabulary of the embedded model. Both render chat templates
+the way transformers does and share one duck-typed interface (vocab_size, eos_token_ids,
+bos_token_id, chat_template, encode, decode, convert_ids_to_tokens, apply_chat_template).
+`tokenizers` and `jinja2` are imported only when first needed.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    import tokenizers
+
+NUM_PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token (as vLLM)
+NO_TEMPLATE_VARS = {"tools": None, "documents": None}  # transformers always passes these
+
+
+@functools.lru_cache(maxsize=16)
+def _compile_chat_template(template: str):
+    """Compile with transformers' environment: sandboxed, trim/lstrip blocks, loop controls, a
+    tojson that keeps non-ASCII, raise_exception, strftime_now, and guarded dict/namespace."""
+    import jinja2
+    import jinja2.ext
+    import jinja2.sandbox
+
+    def raise_exception(message):
+        raise ValueError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    class TemplateDict:  # `dict` without attribute access to the type itself
+        def __call__(self, *args, **kwargs):
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args, **kwargs):
+            return dict.fromkeys(*args, **kwargs)
+
+    class TemplateNamespace(jinja2.utils.Namespace):  # refuses underscore-prefixed names
+        def __init__(*args, **kwargs):
+            self, attrs = args[0], dict(*args[1:], **kwargs)
+            for name in attrs:
+                TemplateNamespace._check_name(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            TemplateNamespace._check_name(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check_name(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is refused")
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, dict=TemplateDict(),
+                       namespace=TemplateNamespace,
+                       strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"chat_template does not compile: {e}") from e
+
+
+def render_chat_template(template: str | None, messages: Sequence[dict],
+                         add_generation_prompt: bool, **variables) -> str:
+    """Validate `messages` and render `template` with them; `variables` (bos_token, eos_token,
+    tools, ...) are passed to the template as they are."""
+    if template is None:
+        raise ValueError("this tokenizer has no chat template (no chat_template in "
+                         "tokenizer_config.json and no chat_template.jinja)")
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(f"messages must be a non-empty list of dicts, got {messages!r}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}] must be a dict, got {type(message).__name__}")
+        for field in ("role", "content"):
+            if not isinstance(message.get(field), str):
+                got = type(message[field]).__name__ if field in message else "nothing"
+                raise ValueError(f"messages[{i}][{field!r}] must be a str, got {got}")
+    import jinja2
+    compiled = _compile_chat_template(template)
+    try:
+        return compiled.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                               **{**NO_TEMPLATE_VARS, **variables})
+    except jinja2.TemplateError as e:
+        raise ValueError(f"chat template failed: {e}") from e
+
+
+def _read_json(path: str) -> dict | None:
+    """The JSON object in `path`, or None when the file does not exist."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_content(config: dict, field: str) -> str | None:
+    """A special token from tokenizer_config.json: a string or an AddedToken dict."""
+    value = config.get(field)
+    if isinstance(value, dict):
+        value = value.get("content")
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"tokenizer_config.json {field} must be a string or a dict with a "
+                         f"string 'content', got {config.get(field)!r}")
+    return value
+
+
+def _chat_template_from_config(value: Any) -> str | None:
+    """tokenizer_config.json chat_template: a string, or a list of {"name", "template"} of
+    which "default" is used."""
+    if value is None or isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ValueError(f"tokenizer_config.json chat_template must be a string or a list, "
+                         f"got {type(value).__name__}")
+    templates = {}
+    for i, entry in enumerate(value):
+        if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                and isinstance(entry.get("template"), str)):
+            raise ValueError(f"tokenizer_config.json chat_template[{i}] must be a dict with "
+                             f"string 'name' and 'template', got {entry!r}")
+        templates[entry["name"]] = entry["template"]
+    if "default" not in templates:
+        raise ValueError(f"tokenizer_config.json chat_template has no template named 'default' "
+                         f"(names: {sorted(templates)})")
+    return templates["default"]
+
+
+def _int_ids(value: Any, field: str) -> list[int]:
+    """generation_config.json token ids: absent, an int or a list of ints."""
+    values = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ValueError(f"generation_config.json {field} must be an int >= 0 or a list of them, "
+                         f"got {value!r}")
+    return values
+
+
+class Tokenizer:
+    """A Hugging Face `tokenizers.Tokenizer` with the model's special tokens and chat template."""
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer, *, chat_template: str | None = None,
+                 bos_token: str | None = None, eos_token: str | None = None,
+                 bos_token_id: int | None = None, eos_token_ids: Sequence[int] = ()):
+        self._tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids))  # de-duplicated, order kept
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> Tokenizer:
+        """Load tokenizer.json (required), and tokenizer_config.json, chat_template.jinja (which
+        wins over the config's template) and generation_config.json when present."""
+        import tokenizers
+        path = os.fspath(path)
+        file = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(file):
+            raise ValueError(f"{file} not found: a model directory needs a tokenizer.json")
+        try:
+            tokenizer = tokenizers.Tokenizer.from_file(file)
+        except Exception as e:  # the Rust side raises plain Exception
+            raise ValueError(f"{file} could not be loaded: {e}") from e
+        config = _read_json(os.path.join(path, "tokenizer_config.json")) or {}
+        generation = _read_json(os.path.join(path, "generation_config.json")) or {}
+        chat_template = _chat_template_from_config(config.get("chat_template"))
+        jinja_file = os.path.join(path, "chat_template.jinja")
+        if os.path.isfile(jinja_file):
+            with open(jinja_file, encoding="utf-8") as f:
+                chat_template = f.read()
+        bos_token = _token_content(config, "bos_token")
+        eos_token = _token_content(config, "eos_token")
+        bos_id = None if bos_token is None else tokenizer.token_to_id(bos_token)
+        eos_id = None if eos_token is None else tokenizer.token_to_id(eos_token)
+        add_bos, add_eos = config.get("add_bos_token"), config.get("add_eos_token")
+        if tokenizer.post_processor is None and (add_bos or add_eos):  # else tokenizer.json rules,
+            # as in transformers 5 (which ignores the flags when there is a tokenizer.json)
+            bos = [(bos_token, bos_id)] if add_bos and bos_id is not None else []
+            eos = [(eos_token, eos_id)] if add_eos and eos_id is not None else []
+            tokenizer.post_processor = tokenizers.processors.TemplateProcessing(
+                single=" ".join([f"{t}:0" for t, _ in bos] + ["$A:0"] + [f"{t}:0" for t, _ in eos]),
+                special_tokens=bos + eos)
+        generation_bos = _int_ids(generation.get("bos_token_id"), "bos_token_id")
+        return cls(tokenizer, chat_template=chat_template, bos_token=bos_token, eos_token=eos_token,
+                   bos_token_id=bos_id if bos_id is not None else next(iter(generation_bos), None),
+                   eos_token_ids=_int_ids(generation.get("eos_token_id"), "eos_token_id")
+                   + ([] if eos_id is None else [eos_id]))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
+        """Token strings; None for an id outside the vocabulary."""
+        return [self._tokenizer.id_to_token(i) for i in ids]
+
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                            tokenize: bool = False, **extra) -> str | list[int]:
+        """The rendered conversation, or its token ids when tokenize (encoded without special
+        tokens: the template writes the BOS text itself)."""
+        specials = {k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token))
+                    if v is not None}
+        text = render_chat_template(self.chat_template, messages, add_generation_prompt,
+                                    **{**specials, **extra})
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+class ByteTokenizer:
+    """The embedded model's vocabulary: ids 0..255 are bytes, 256 is <bos>, 257 is <eos>, and
+    258..263 are reserved specials (<reserved_258>..). Special-token text in `encode` input
+    becomes the special id, as added tokens do in Hugging Face tokenizers."""
+
+    vocab_size = 264
+    bos_token, eos_token = "<bos>", "<eos>"
+    bos_token_id = 256
+    eos_token_ids = (257,)
+    chat_template = ("{{ bos_token }}{% for message in messages %}"
+                     "{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+                     "{% if add_generation_prompt %}assistant: {% endif %}")
+    SPECIALS = {256: "<bos>", 257: "<eos>", **{i: f"<reserved_{i}>" for i in range(258, 264)}}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = [self.bos_token_id] if add_special_tokens else []
+        for i, piece in enumerate(_SPECIALS_RE.split(text)):  # odd pieces are special tokens
+            ids.extend([_SPECIAL_IDS[piece]] if i % 2 else piece.encode("utf-8"))
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        parts, pending = [], bytearray()
+        for i in ids:
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(f"token id {i} is outside the vocabulary "
+                                 f"(vocab_size {self.vocab_size})")
+            if i < 256:
+                pending.append(i)
+            elif not skip_special_tokens:  # skipped specials do not split the bytes around them
+                parts += [pending.decode("utf-8", errors="replace"), self.SPECIALS[i]]
+                pending = bytearray()
+        return "".join(parts) + pending.decode("utf-8", errors="replace")
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
+        """Printable ASCII as itself, other bytes as <0xNN> (SentencePiece style), specials by name;
+        None outside the vocabulary."""
+        return [chr(i) if 32 <= i < 127 else f"<0x{i:02X}>" if 0 <= i < 256
+                else self.SPECIALS.get(i) for i in ids]
+
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                            tokenize: bool = False, **extra) -> str | list[int]:
+        specials = {"bos_token": self.bos_token, "eos_token": self.eos_token}
+        text = render_chat_template(self.chat_template, messages, add_generation_prompt,
+                                    **{**specials, **extra})
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+_SPECIAL_IDS = {s: i for i, s in ByteTokenizer.SPECIALS.items()}
+_SPECIALS_RE = re.compile("(" + "|".join(map(re.escape, _SPECIAL_IDS)) + ")")
+
+
+class IncrementalDetokenizer:
+    """Streams the text of output tokens (vLLM's algorithm).
+
+    Each step decodes a window of the sequence's ids and emits what the newest tokens add:
+
+        ids:     ... | prefix_offset ......... | read_offset ....... | new tokens
+        emitted:     |<- prefix_text (done) ->|<-------- delta -------------->|
+
+    decoding the window with its left context gives neighbour-dependent tokens (SentencePiece
+    "▁", byte-level pieces) the right spaces. Text ending in U+FFFD is an incomplete UTF-8
+    character: it is held (offsets stay) until more tokens complete it, or until finish().
+    Only the window is kept, so a step costs O(window), not O(sequence).
+
+    The deltas joined (with finish()) equal tokenizer.decode(output ids) when the prompt is empty,
+    for decoders that are local in this sense; a ByteFallback run of invalid bytes is not (it turns
+    into one U+FFFD per byte only once the run is known to be invalid).
+    """
+
+    def __init__(self, tokenizer, prompt_token_ids: Sequence[int] = (),
+                 skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._ids = list(prompt_token_ids[-NUM_PROMPT_CONTEXT_TOKENS:])
+        self._read_offset = len(self._ids)  # in the window, which starts at the prefix offset
+        self._prefix_text = self._decode(self._ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _step(self, flush: bool) -> str:
+        text = self._decode(self._ids)
+        if len(text) <= len(self._prefix_text) or (text.endswith("\ufffd") and not flush):
+            return ""
+        delta = text[len(self._prefix_text):]
+        self._ids = self._ids[self._read_offset:]
+        self._read_offset = len(self._ids)
+        self._prefix_text = self._decode(self._ids)
+        return delta
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """The text that `token_ids` (the newest output tokens) add to the output."""
+        deltas = []
+        for token_id in token_ids:
+            self._ids.append(token_id)
+            deltas.append(self._step(flush=False))
+        return "".join(deltas)
+
+    def finish(self) -> str:
+        """Whatever is still held back (an incomplete character, as U+FFFD)."""
+        return self._step(flush=True)
+
+
+class StopStringMatcher:
+    """Finds stop strings in a growing output text.
+
+    check() searches only where a match could newly end, so calling it after every delta costs
+    O(delta + longest stop string); holdback() says how much of the text's tail a stream must
+    withhold because it could still become a stop string.
+    """
+
+    def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False):
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {stop!r}")
+        self.stop = tuple(stop)
+        self.include_stop_str_in_output = include_stop_str_in_output
+
+    def check(self, text: str, new_len: int) -> int | None:
+        """The length to truncate `text` to when a stop string ends in its last `new_len` chars,
+        else None. Of several matches the one that ends first wins (the longest on a tie), so the
+        result does not depend on how the text was split into deltas."""
+        if not 0 <= new_len <= len(text):
+            raise ValueError(f"new_len must be in [0, len(text)={len(text)}], got {new_len}")
+        old_len = len(text) - new_len
+        matches = [(start + len(s), start) for s in self.stop  # a match must end past old_len
+                   if (start := text.find(s, max(old_len - len(s) + 1, 0))) >= 0]
+        if not matches:
+            return None
+        end, start = min(matches)
+        return end if self.include_stop_str_in_output else start
+
+    def holdback(self, text: str) -> int:
+        """How many trailing chars of `text` are a proper prefix of some stop string."""
+        return max((k for s in self.stop for k in range(min(len(s) - 1, len(text)), 0, -1)
+                    if text.endswith(s[:k])), default=0)

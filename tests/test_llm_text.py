@@ -1,0 +1,198 @@
+"""Text in, text out: LLM(model=dir) on a Hugging Face directory with a tokenizer (both built in
+the test), stop strings, generation_config stop ids, chat, and the orbax training-to-serving
+path. Token-level references come from transformers on the same weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from models import get_config, init_model  # noqa: E402
+from models.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from models.hf import load_hf_model  # noqa: E402
+from pagedjax import LLM, SamplingParams  # noqa: E402
+from pagedjax.tokenizer import Tokenizer  # noqa: E402
+from tokenizer_builders import LLAMA3_SPECIALS, LLAMA3_TEMPLATE, train_byte_level  # noqa: E402
+
+PROMPTS = ["the quick brown fox", "café 東京 😀 and", "a"]
+ENGINE = dict(max_model_len=96, max_num_seqs=4, max_num_batched_tokens=32, min_seq_bucket=4)
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A random Llama with a trained byte-level BPE tokenizer and a Llama-3 chat template."""
+    path = tmp_path_factory.mktemp("hf") / "model"
+    tok = train_byte_level()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        initializer_range=0.2, max_position_embeddings=128, bos_token_id=0,
+        eos_token_id=tok.token_to_id("<|eot_id|>"))
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(path)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": LLAMA3_TEMPLATE, "bos_token": LLAMA3_SPECIALS[0],
+        "eos_token": "<|eot_id|>"}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(str(model_dir), **ENGINE)
+
+
+def hf_greedy(model_dir, ids, max_tokens):
+    model = transformers.LlamaForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)),
+                             do_sample=False, max_new_tokens=max_tokens, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def test_directory_picks_hf_loader_and_tokenizer(llm, model_dir):
+    assert isinstance(llm.tokenizer, Tokenizer)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        ids = llm.tokenizer.encode(prompt)
+        assert out.prompt == prompt and out.prompt_token_ids == ids
+        assert out.output_token_ids == hf_greedy(model_dir, ids, GREEDY.max_tokens)
+        assert out.text == llm.tokenizer.decode(out.output_token_ids)
+    # token ids and {"prompt_token_ids": ...} give the same tokens, with no prompt text
+    same = llm.generate([{"prompt_token_ids": outs[0].prompt_token_ids}], GREEDY,
+                        use_tqdm=False)[0]
+    assert same.output_token_ids == outs[0].output_token_ids and same.prompt is None
+
+
+def long_text_output(llm):
+    """A prompt whose greedy text is long enough to hold a stop string in its middle."""
+    for prompt in PROMPTS:
+        out = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+        if len(out.text) >= 12:
+            return prompt, out
+    pytest.skip("no greedy output of 12+ characters")
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_cuts_text_and_stops_early(llm, include):
+    prompt, full = long_text_output(llm)
+    stop = full.text[6:9]
+    start = full.text.index(stop)
+    params = SamplingParams(max_tokens=16, temperature=0.0, stop=[stop],
+                            include_stop_str_in_output=include)
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[:start + (len(stop) if include else 0)]
+    assert len(out.output_token_ids) < len(full.output_token_ids)
+    assert out.output_token_ids == full.output_token_ids[:len(out.output_token_ids)]
+
+
+def test_streamed_text_never_shows_a_stop_string(llm):
+    prompt, full = long_text_output(llm)
+    stop = full.text[6:9]
+    engine = llm.engine
+    request_id = engine.add_request(llm.tokenizer.encode(prompt),
+                                    SamplingParams(max_tokens=16, temperature=0.0, stop=[stop]))
+    seen = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.request_id == request_id
+            seen.append(out.text)
+    final = seen[-1]
+    assert stop not in final and final == full.text[:full.text.index(stop)]
+    for earlier, later in zip(seen, seen[1:]):  # a stream only ever appends
+        assert later.startswith(earlier)
+
+
+def test_generation_config_eos_ids_stop(model_dir, tmp_path):
+    """generation_config.json may name several eos ids; any of them ends a request."""
+    prompt = PROMPTS[0]
+    tok = Tokenizer.from_dir(model_dir)
+    ids = tok.encode(prompt)
+    greedy = hf_greedy(model_dir, ids, 8)
+    stop_id = greedy[3]
+    assert stop_id not in greedy[:3]
+    copy = tmp_path / "model"
+    shutil.copytree(model_dir, copy)
+    (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, stop_id]}))
+    out = LLM(str(copy), **ENGINE).generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert out.output_token_ids == greedy[:4] and out.finish_reason == "stop"
+
+
+def test_chat_renders_the_template_like_transformers(llm, model_dir):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi 😀"}]
+    hf_tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+    text = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    expected_ids = hf_tok.encode(text, add_special_tokens=False)
+    out = llm.chat(messages, GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids == expected_ids
+    assert out.output_token_ids == hf_greedy(model_dir, expected_ids, GREEDY.max_tokens)
+    batch = llm.chat([messages, messages[1:]], GREEDY, use_tqdm=False)
+    assert batch[0].output_token_ids == out.output_token_ids and len(batch) == 2
+
+
+def test_text_input_errors_leave_the_engine_serving(llm):
+    with pytest.raises(ValueError, match="stop must hold non-empty strings"):
+        SamplingParams(stop=[""])
+    no_tokenizer = LLM(init_model(get_config("debug-tiny")), **ENGINE)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        no_tokenizer.generate("hello", GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        no_tokenizer.generate([[1, 2]], SamplingParams(stop=["x"]), use_tqdm=False)
+    with pytest.raises(ValueError, match="chat needs a tokenizer"):
+        no_tokenizer.chat([{"role": "user", "content": "x"}])
+    with pytest.raises(ValueError, match=r"messages\[0\]"):
+        llm.chat([{"role": "user"}])
+    assert not llm.engine.has_unfinished()
+    assert llm.generate(PROMPTS[2], GREEDY, use_tqdm=False)[0].finished
+
+
+def test_unknown_model_names_and_directories(tmp_path):
+    with pytest.raises(ValueError, match="neither pagedjax_config.json .* nor config.json"):
+        LLM(str(tmp_path))
+    with pytest.raises(ValueError, match="neither a directory nor a known config"):
+        LLM("no-such-model")
+
+
+def test_orbax_round_trip_serves_identical_outputs(llm, model_dir, tmp_path):
+    """Training-to-serving: a model saved with models.checkpoint (plus the tokenizer file) is
+    served from the directory with the same tokens and text as the original."""
+    checkpoint = tmp_path / "ckpt"
+    save_checkpoint(load_hf_model(str(model_dir)), str(checkpoint), {"source": "test"})
+    shutil.copy(model_dir / "tokenizer.json", checkpoint)
+    shutil.copy(model_dir / "tokenizer_config.json", checkpoint)
+    restored = LLM(str(checkpoint), **ENGINE)
+    assert isinstance(restored.tokenizer, Tokenizer)
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=7)  # sampled: same key schedule
+    want = llm.generate(PROMPTS, params, use_tqdm=False)
+    got = restored.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
+    assert [o.text for o in got] == [o.text for o in want]
+
+
+def test_checkpoint_errors(tmp_path):
+    model = init_model(get_config("debug-tiny"))
+    save_checkpoint(model, str(tmp_path / "a"))
+    with pytest.raises(ValueError, match="already holds a checkpoint"):
+        save_checkpoint(model, str(tmp_path / "a"))
+    ids = np.arange(10)[None]
+    np.testing.assert_array_equal(np.asarray(load_checkpoint(str(tmp_path / "a"))(ids)),
+                                  np.asarray(model(ids)))
+    config = json.loads((tmp_path / "a" / "pagedjax_config.json").read_text())
+    config["model_config"]["hidden_size"] = 32  # the saved arrays no longer fit the config
+    (tmp_path / "a" / "pagedjax_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="cannot restore parameters"):
+        load_checkpoint(str(tmp_path / "a"))
+    shutil.rmtree(tmp_path / "a" / "params")
+    with pytest.raises(ValueError, match="params/ is missing"):
+        load_checkpoint(str(tmp_path / "a"))
+    with pytest.raises(ValueError, match="not a pagedjax checkpoint"):
+        load_checkpoint(str(tmp_path))
