@@ -284,21 +284,21 @@ def load_hf_model(model_dir: str, dtype: str = "float32") -> LlamaForCausalLM:
 
     np_dtype = np.dtype(jdtype)
     device = jax.devices()[0]
-    arrays = []
-    handles: dict[str, Any] = {}
+    arrays: list[Any] = [None] * len(wanted)
+    by_file: dict[str, list[int]] = {}
+    for index, ((name, _), _) in enumerate(wanted):
+        by_file.setdefault(files[name], []).append(index)
     try:
-        for (name, transpose), _ in wanted:
-            path = files[name]
-            if path not in handles:
-                handles[path] = safe_open(path, framework="numpy")
-            host = handles[path].get_tensor(name)
-            host = np.ascontiguousarray((host.T if transpose else host).astype(np_dtype))
-            arrays.append(jax.device_put(host, device))
-            del host
+        for path, indices in by_file.items():  # one file open at a time: its mapped pages are
+            with safe_open(path, framework="numpy") as f:  # released before the next one
+                for index in indices:
+                    (name, transpose), _ = wanted[index]
+                    host = f.get_tensor(name)
+                    host = np.ascontiguousarray((host.T if transpose else host).astype(np_dtype))
+                    arrays[index] = jax.device_put(host, device)
+                    del host
     except SafetensorError as e:
         raise ValueError(f"{model_dir}: cannot read weights: {e}") from None
-    finally:
-        handles.clear()
     loaded = jax.tree_util.tree_unflatten(treedef, arrays)
     state = nnx.state(abstract, nnx.Param)
     nnx.replace_by_pure_dict(state, loaded)

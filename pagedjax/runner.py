@@ -54,11 +54,17 @@ class ModelRunner:
                  dtype, backend: AttentionBackend = AttentionBackend(),
                  num_top_logprobs: int = 0):
         config = model.config
-        self.graphdef, self.params = nnx.split(model)
+        self.graphdef, params = nnx.split(model)
         self.backend = backend
         self.num_top_logprobs = num_top_logprobs
-        self.kv_caches = init_kv_cache(config.num_layers, num_blocks, block_size,
-                                       config.num_kv_heads, config.head_dim, dtype, backend.name)
+        kv_caches = init_kv_cache(config.num_layers, num_blocks, block_size,
+                                  config.num_kv_heads, config.head_dim, dtype, backend.name)
+        # Parameters and caches committed to one device, whatever their source (random init is
+        # uncommitted, a checkpoint loader's device_put is committed): the step's outputs are
+        # committed, so mixed inputs would compile every program a second time.
+        device = jax.devices()[0]
+        self.params = jax.device_put(params, device)
+        self.kv_caches = jax.device_put(kv_caches, device)
         self.step_shapes: set[tuple[str, int, int]] = set()
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],

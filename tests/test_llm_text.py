@@ -196,3 +196,15 @@ def test_checkpoint_errors(tmp_path):
         load_checkpoint(str(tmp_path / "a"))
     with pytest.raises(ValueError, match="not a pagedjax checkpoint"):
         load_checkpoint(str(tmp_path))
+
+
+def test_a_loaded_checkpoint_compiles_each_program_once(model_dir):
+    """Loaded weights are committed to a device (random init is not): the runner commits
+    everything, so the second pass over the same shapes traces nothing."""
+    from pagedjax.runner import _step
+    llm = LLM(str(model_dir), **ENGINE, enable_prefix_caching=False)
+    rng = np.random.default_rng(0)
+    llm.generate(rng.integers(3, 200, (3, 8)).tolist(), GREEDY, use_tqdm=False)
+    before = _step._cache_size()  # compiled executables, one per distinct input signature
+    llm.generate(rng.integers(3, 200, (3, 8)).tolist(), GREEDY, use_tqdm=False)
+    assert _step._cache_size() == before
