@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import time
 from typing import Callable, Sequence
 
@@ -63,6 +65,32 @@ def model_cache_key(model: LlamaForCausalLM, config: EngineConfig) -> bytes:
     return repr((model.config, id(model), config.dtype)).encode()
 
 
+@dataclasses.dataclass(frozen=True)
+class KVSnapshot:
+    """Who holds which physical KV block right now (block 0, the null block, is never held).
+
+    owners[b]: the running requests whose block tables point at block b (several = shared, by a
+    common prefix or parallel samples); tokens[b]: token slots of b holding computed KV;
+    cached_free: free blocks that still hold a prefix-cached block (reusable until evicted)."""
+
+    num_blocks: int
+    block_size: int
+    owners: dict[int, list[str]]
+    tokens: dict[int, int]
+    cached_free: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class UsageSample:
+    """One step's KV usage (EngineStats keeps the peak; this is the time series)."""
+
+    step: int
+    time: float
+    used_blocks: int
+    num_running: int
+    num_waiting: int
+
+
 class LLMEngine:
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig | None = None, *,
                  tokenizer=None, clock: Callable[[], float] = time.perf_counter):
@@ -108,6 +136,7 @@ class LLMEngine:
         self._groups: dict[str, list[Request]] = {}  # request_id -> its samples, until finished
         self._texts: dict[str, _TextState] = {}  # sample request_id -> its text, with a tokenizer
         self._prompts: dict[str, str] = {}  # request_id -> prompt text, when given as text
+        self.usage_history: collections.deque[UsageSample] = collections.deque(maxlen=100_000)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -265,9 +294,28 @@ class LLMEngine:
         stats.num_recomputed_tokens = state.num_recomputed_tokens
         stats.max_running = max(stats.max_running, len(state.running))
         used_blocks = state.kv_manager.num_used_blocks
+        self.usage_history.append(UsageSample(stats.num_steps, self.clock(), used_blocks,
+                                              len(state.running), len(state.waiting)))
         if used_blocks > stats.peak_used_blocks:  # rare once warm: the scan below is O(blocks)
             stats.peak_used_blocks = used_blocks
             stats.peak_used_tokens = self._tokens_stored()
+
+    def kv_snapshot(self) -> KVSnapshot:
+        """The block map of the live requests (for inspection and pictures; O(blocks))."""
+        kv = self.scheduler.kv_manager
+        owners: dict[int, list[str]] = collections.defaultdict(list)
+        tokens: dict[int, int] = {}
+        for request in self.scheduler.state.running:
+            table = kv.get_block_table(request.request_id)
+            for index, block in enumerate(table):
+                if block == NULL_BLOCK:
+                    continue
+                owners[block].append(request.request_id)
+                filled = min(kv.block_size, request.num_computed_tokens - index * kv.block_size)
+                tokens[block] = max(tokens.get(block, 0), max(filled, 0))
+        pool = kv.pool
+        cached_free = [b for b in pool.free_block_ids() if pool.block_hashes[b] is not None]
+        return KVSnapshot(pool.num_blocks, kv.block_size, dict(owners), tokens, cached_free)
 
     def _tokens_stored(self) -> int:
         """Token slots filled in the pool right after a step, a shared block counted once: every
