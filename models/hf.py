@@ -312,9 +312,13 @@ def inspect_model_dir(model_dir: str, kv_dtype: str = "bfloat16",
                       block_size: int = 16) -> dict[str, Any]:
     """What `pagedjax inspect` prints: architecture, attention type, KV bytes, support."""
     raw = read_json(os.path.join(model_dir, "config.json"))
-    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "fp8": 1}.get(kv_dtype)
-    if itemsize is None:
-        raise ValueError(f"kv_dtype must be float32, bfloat16, int8 or fp8, got {kv_dtype!r}")
+    import ml_dtypes
+
+    from pallas_kernels import kv_cache_bytes_per_block
+    dtypes = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "int8": np.int8,
+              "fp8": ml_dtypes.float8_e4m3fn}
+    if kv_dtype not in dtypes:
+        raise ValueError(f"kv_dtype must be one of {sorted(dtypes)}, got {kv_dtype!r}")
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
     report: dict[str, Any] = {"architecture": architecture_of(raw),
@@ -330,7 +334,10 @@ def inspect_model_dir(model_dir: str, kv_dtype: str = "bfloat16",
     except UnsupportedModelError as e:
         report.update(supported=False, reason=str(e))
         return report
-    per_token = config.kv_bytes_per_token(itemsize)
+    # the reference layout; int8 / fp8 add an f32 scale per token and KV head
+    per_block = kv_cache_bytes_per_block(config.num_layers, block_size, config.num_kv_heads,
+                                         config.head_dim, dtypes[kv_dtype])
+    per_token = per_block // block_size
     report.update(
         supported=True, num_layers=config.num_layers, num_heads=config.num_heads,
         num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
@@ -339,5 +346,5 @@ def inspect_model_dir(model_dir: str, kv_dtype: str = "bfloat16",
         rope_theta=config.rope_theta, max_position_embeddings=config.max_position_embeddings,
         num_params=config.num_params, kv_dtype=kv_dtype,
         kv_bytes_per_token=per_token, block_size=block_size,
-        kv_bytes_per_block=per_token * block_size, eos_token_ids=list(config.eos_token_ids))
+        kv_bytes_per_block=per_block, eos_token_ids=list(config.eos_token_ids))
     return report

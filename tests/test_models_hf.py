@@ -260,4 +260,4 @@ def test_inspect_reports_attention_and_kv_bytes(tmp_path, capsys):
     main(["inspect", str(tmp_path), "--kv-dtype", "int8"])
     printed = capsys.readouterr().out
     assert "MistralForCausalLM" in printed and "supported" in printed
-    assert f"{2 * 2 * 2 * 16:,}" in printed  # int8 bytes per token
+    assert f"{2 * 2 * 2 * (16 + 4):,}" in printed  # int8 bytes per token, with f32 scales
