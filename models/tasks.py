@@ -3,10 +3,12 @@
 Byte vocabulary: token id = byte value for 0..255, BOS_ID = 256, EOS_ID = 257, VOCAB_SIZE = 264
 (258..263 unused). A prompt is [BOS] + its bytes; an answer is its bytes + [EOS].
 
-- recall: "k7x=493;p2m=118;q:p2m=" -> "118"; 2..32 pairs (about 22..262 bytes), queried key
-  anywhere in the context.
-- copy:   "copy:abc=" -> "abc" or "rev:abcde=" -> "edcba"; 1..32 letters.
-- add:    "1234+987=" -> "2221"; each operand 1..5 digits.
+- recall: "k=493;P=118;x=027;q:P=" -> "118"; 3..10 pairs with distinct one-letter keys and
+  three-digit values (prompts of 22..64 bytes), the queried key anywhere in the context.
+- copy:   "copy:abc=" -> "abc" or "rev:abcde=" -> "edcba"; 1..16 letters.
+
+(Multi-digit addition and longer recall contexts were tried and did not train within the
+few-minute CPU budget; see the model card.)
 
 Generators are deterministic in (task, seed) and draw from numpy's PCG64, which is the same on
 every platform.
@@ -23,12 +25,11 @@ import numpy as np
 BOS_ID = 256
 EOS_ID = 257
 VOCAB_SIZE = 264
-TASKS = ("recall", "copy", "add")
+TASKS = ("recall", "copy")
 
-MIN_PAIRS, MAX_PAIRS = 2, 32
-MIN_COPY_LEN, MAX_COPY_LEN = 1, 32
-MAX_ADD_DIGITS = 5
-KEY_FIRST, KEY_MID, KEY_LAST = string.ascii_lowercase, string.digits, string.ascii_lowercase
+MIN_PAIRS, MAX_PAIRS = 3, 10
+MIN_COPY_LEN, MAX_COPY_LEN = 1, 16
+KEYS = string.ascii_letters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,9 +41,7 @@ class Example:
 
 def _recall(rng: np.random.Generator) -> Example:
     num_pairs = int(rng.integers(MIN_PAIRS, MAX_PAIRS + 1))
-    num_keys = len(KEY_FIRST) * len(KEY_MID) * len(KEY_LAST)
-    key_ids = rng.choice(num_keys, size=num_pairs, replace=False)
-    keys = [KEY_FIRST[k // 260] + KEY_MID[k // 26 % 10] + KEY_LAST[k % 26] for k in key_ids]
+    keys = [KEYS[k] for k in rng.choice(len(KEYS), size=num_pairs, replace=False)]
     values = [f"{v:03d}" for v in rng.integers(0, 1000, num_pairs)]
     query = int(rng.integers(num_pairs))
     context = ";".join(f"{k}={v}" for k, v in zip(keys, values))
@@ -57,17 +56,7 @@ def _copy(rng: np.random.Generator) -> Example:
     return Example("copy", f"copy:{text}=", text)
 
 
-def _operand(rng: np.random.Generator) -> int:
-    num_digits = int(rng.integers(1, MAX_ADD_DIGITS + 1))
-    return int(rng.integers(10 ** (num_digits - 1) if num_digits > 1 else 0, 10 ** num_digits))
-
-
-def _add(rng: np.random.Generator) -> Example:
-    a, b = _operand(rng), _operand(rng)
-    return Example("add", f"{a}+{b}=", str(a + b))
-
-
-_GENERATORS = {"recall": _recall, "copy": _copy, "add": _add}
+_GENERATORS = {"recall": _recall, "copy": _copy}
 
 
 def sample_example(task: str, rng: np.random.Generator) -> Example:

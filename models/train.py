@@ -2,16 +2,21 @@
 
     python -m models.train --out models/checkpoints/pagedjax-tiny
 
-Batches are packed: rows of seq_len + 1 tokens filled with whole examples back to back (each
-starting with BOS, so a sequence at serving time looks like the start of a row). The loss is
-cross-entropy on answer tokens and EOS only. Everything is deterministic in the seed: the
-initial weights come from nnx.Rngs(seed) and the data stream from numpy's PCG64 seeded with
-(seed, step).
+A batch holds one group of rows per task, right-padded: causal attention means padding never
+changes a real position. A copy row holds one example. A recall row holds one context and
+several queries about it, each answer ended by EOS ("...;q:H=162<eos>q:k=868<eos>..."): the
+first query is exactly the evaluation format, and the rest multiply the training signal of a
+row (one query per row left recall at chance within the CPU budget). Recall rows follow a
+curriculum: half-length rows (fewer pairs) for the first half of training. The loss is
+cross-entropy on answer tokens and EOS only, averaged per task and then over tasks. Everything is
+deterministic in the seed: the initial weights come from nnx.Rngs(seed) and the data from
+numpy's PCG64 seeded with (seed, step).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import shlex
 import sys
@@ -28,47 +33,97 @@ from models.checkpoint import save_checkpoint
 from models.config import LlamaConfig
 from models.generate import dense_greedy_generate
 from models.llama import LlamaForCausalLM, init_model
-from models.tasks import (BOS_ID, EOS_ID, TASKS, VOCAB_SIZE, Example, decode_answer,
+from models.tasks import (BOS_ID, EOS_ID, MIN_PAIRS, TASKS, VOCAB_SIZE, Example, decode_answer,
                           encode_example, make_examples, sample_example, score)
 
 TINY_CONFIG = LlamaConfig(
     vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=512, num_layers=4, num_heads=4,
     num_kv_heads=2, tie_word_embeddings=True, max_position_embeddings=512,
     bos_token_id=BOS_ID, eos_token_id=EOS_ID, model_type="pagedjax-tiny")
-TASK_WEIGHTS = {"recall": 0.4, "copy": 0.3, "add": 0.3}
+# Rows per batch, as multiples of batch_size, and row lengths (the longest copy example is 24
+# tokens); recall rows are seq_len long, shorter early in training.
+ROWS_PER_BATCH_SIZE = {"recall": 3, "copy": 4}
+ROW_LENS = {"copy": 48}
+MIN_QUERIES = 2  # recall queries per row, at least (more when the row has room)
 EVAL_SEED = 1_000_003  # training draws from seed sequences (seed, step), never this one
 
+Batch = dict[str, tuple[jax.Array, jax.Array]]  # task -> (i32[R, S + 1], f32[R, S])
 
-def pack_batch(rng: np.random.Generator, batch_size: int, seq_len: int,
-               task_weights: dict[str, float]) -> tuple[np.ndarray, np.ndarray]:
-    """(token_ids i32[B, S + 1], loss_mask f32[B, S]): rows of whole examples, zero-padded.
 
-    loss_mask[b, j] is 1 where token_ids[b, j + 1] is an answer token or EOS (the targets).
+def pad_batch(rng: np.random.Generator, task: str, num_rows: int,
+              row_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """(token_ids i32[R, S + 1], loss_mask f32[R, S]): one example of task per row, zero-padded.
+
+    loss_mask[r, j] is 1 where token_ids[r, j + 1] is an answer token or EOS (the targets).
+    Examples longer than a row are redrawn, so short rows also mean easier recall.
     """
-    tasks = list(task_weights)
-    probs = np.array([task_weights[t] for t in tasks], np.float64)
-    probs /= probs.sum()
-    token_ids = np.zeros((batch_size, seq_len + 1), np.int32)
-    loss_mask = np.zeros((batch_size, seq_len), np.float32)
-    pending = None
-    for row in range(batch_size):
-        offset = 0
-        while True:
-            if pending is None:
-                task = tasks[rng.choice(len(tasks), p=probs)]
-                pending = encode_example(sample_example(task, rng))
-            prompt_ids, answer_ids = pending
-            length = len(prompt_ids) + len(answer_ids)
-            if length > seq_len + 1:
-                raise ValueError(f"an example of {length} tokens does not fit {seq_len=} + 1")
-            if offset + length > seq_len + 1:
-                break  # carried over to the next row
-            token_ids[row, offset:offset + length] = prompt_ids + answer_ids
-            start = offset + len(prompt_ids) - 1
-            loss_mask[row, start:start + len(answer_ids)] = 1.0
-            offset += length
-            pending = None
+    token_ids = np.zeros((num_rows, row_len + 1), np.int32)
+    loss_mask = np.zeros((num_rows, row_len), np.float32)
+    row = 0
+    while row < num_rows:
+        prompt_ids, answer_ids = encode_example(sample_example(task, rng))
+        length = len(prompt_ids) + len(answer_ids)
+        if length > row_len + 1:
+            continue
+        token_ids[row, :length] = prompt_ids + answer_ids
+        loss_mask[row, len(prompt_ids) - 1:length - 1] = 1.0
+        row += 1
     return token_ids, loss_mask
+
+
+def recall_rows(rng: np.random.Generator, num_rows: int,
+                row_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Recall rows: a context, its evaluation-format query and answer, then further queries
+    "q:K=" about random keys of the same context, each answer + EOS a target, until the row is
+    full. Examples too long for MIN_QUERIES queries in the row are redrawn."""
+    shortest = 6 * MIN_PAIRS + 5 + 8 * MIN_QUERIES  # BOS, pairs "K=VVV;", "q:K=", answers
+    if row_len + 1 < shortest:
+        raise ValueError(f"row_len must be >= {shortest - 1} for a recall row, got {row_len}")
+    token_ids = np.zeros((num_rows, row_len + 1), np.int32)
+    loss_mask = np.zeros((num_rows, row_len), np.float32)
+    row = 0
+    while row < num_rows:
+        example = sample_example("recall", rng)
+        prompt_ids, answer_ids = encode_example(example)
+        query_len = len(answer_ids) + 4  # "q:K=" + answer + EOS
+        if len(prompt_ids) + len(answer_ids) + (MIN_QUERIES - 1) * query_len > row_len + 1:
+            continue
+        ids = prompt_ids + answer_ids
+        spans = [(len(prompt_ids), len(ids))]
+        pairs = [pair.split("=") for pair in example.prompt.rsplit(";q:", 1)[0].split(";")]
+        while len(ids) + query_len <= row_len + 1:
+            key, value = pairs[int(rng.integers(len(pairs)))]
+            ids += list(f"q:{key}=".encode("ascii"))
+            start = len(ids)
+            ids += list(value.encode("ascii")) + [EOS_ID]
+            spans.append((start, len(ids)))
+        token_ids[row, :len(ids)] = ids
+        for start, stop in spans:  # target token_ids[j + 1] sits at loss_mask[j]
+            loss_mask[row, start - 1:stop - 1] = 1.0
+        row += 1
+    return token_ids, loss_mask
+
+
+def recall_row_len(step: int, steps: int, seq_len: int) -> int:
+    """The curriculum: half-length recall rows (fewer pairs fit) for the first half of
+    training, full length after."""
+    return seq_len // 2 if step < steps // 2 else seq_len
+
+
+def make_batch(rng: np.random.Generator, step: int, steps: int, batch_size: int,
+               seq_len: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """A batch for step: task -> (token_ids, loss_mask). Recall keeps its token count as its
+    rows shorten, so the curriculum sees more (shorter) recall examples."""
+    batch = {}
+    for task in TASKS:
+        num_rows = ROWS_PER_BATCH_SIZE[task] * batch_size
+        row_len = ROW_LENS.get(task, seq_len)
+        if task == "recall":
+            row_len = recall_row_len(step, steps, seq_len)
+            batch[task] = recall_rows(rng, num_rows * seq_len // row_len, row_len)
+        else:
+            batch[task] = pad_batch(rng, task, num_rows, row_len)
+    return batch
 
 
 def make_optimizer(model: LlamaForCausalLM, steps: int, lr: float, warmup_steps: int,
@@ -82,40 +137,52 @@ def make_optimizer(model: LlamaForCausalLM, steps: int, lr: float, warmup_steps:
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
-def loss_fn(model: LlamaForCausalLM, token_ids: jax.Array, loss_mask: jax.Array) -> jax.Array:
-    logits = model(token_ids[:, :-1])  # f32[B, S, V]
+def masked_nll(model: LlamaForCausalLM, token_ids: jax.Array,
+               loss_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(summed cross-entropy, number) of the masked targets of token_ids i32[R, S + 1]."""
+    logits = model(token_ids[:, :-1])  # f32[R, S, V]
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, token_ids[:, 1:])
-    return jnp.sum(nll * loss_mask) / jnp.maximum(jnp.sum(loss_mask), 1.0)
+    return jnp.sum(nll * loss_mask), jnp.sum(loss_mask)
+
+
+def loss_fn(model: LlamaForCausalLM, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The mean over all answer tokens of the batch, and each task's own mean."""
+    sums = {task: masked_nll(model, *arrays) for task, arrays in batch.items()}
+    total = sum(nll for nll, _ in sums.values()) / sum(count for _, count in sums.values())
+    return total, {task: nll / jnp.maximum(count, 1.0) for task, (nll, count) in sums.items()}
 
 
 @nnx.jit
-def train_step(model: LlamaForCausalLM, optimizer: nnx.Optimizer, token_ids: jax.Array,
-               loss_mask: jax.Array) -> jax.Array:
-    loss, grads = nnx.value_and_grad(loss_fn)(model, token_ids, loss_mask)
+def train_step(model: LlamaForCausalLM, optimizer: nnx.Optimizer,
+               batch: Batch) -> dict[str, jax.Array]:
+    """One optimizer step; returns the loss of each task before it."""
+    (_, losses), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
     optimizer.update(model, grads)
-    return loss
+    return losses
 
 
-def train(config: LlamaConfig, steps: int, seed: int, *, batch_size: int = 16,
-          seq_len: int = 320, lr: float = 2e-3, warmup_steps: int = 100,
-          weight_decay: float = 0.05, task_weights: dict[str, float] | None = None,
-          log_every: int = 0) -> tuple[LlamaForCausalLM, dict]:
-    """A model trained for steps optimizer steps, and {losses, train_time_s}."""
+def train(config: LlamaConfig, steps: int, seed: int, *, batch_size: int = 4,
+          seq_len: int = 96, lr: float = 1e-3, warmup_steps: int = 50,
+          weight_decay: float = 0.05, log_every: int = 0) -> tuple[LlamaForCausalLM, dict]:
+    """A model trained for steps optimizer steps, and {losses (mean over tasks, per step),
+    task_losses (task -> per step), train_time_s}."""
     model = init_model(config, seed=seed)
     optimizer = make_optimizer(model, steps, lr, warmup_steps, weight_decay)
-    task_weights = task_weights or TASK_WEIGHTS
-    losses = []
+    task_losses: dict[str, list[float]] = {task: [] for task in TASKS}
     start = time.perf_counter()
     for step in range(steps):
-        rng = np.random.default_rng([seed, step])
-        token_ids, loss_mask = pack_batch(rng, batch_size, seq_len, task_weights)
-        loss = float(train_step(model, optimizer, jnp.asarray(token_ids), jnp.asarray(loss_mask)))
-        losses.append(loss)
+        batch = make_batch(np.random.default_rng([seed, step]), step, steps, batch_size, seq_len)
+        losses = train_step(model, optimizer, jax.tree.map(jnp.asarray, batch))
+        for task, loss in losses.items():
+            task_losses[task].append(float(loss))
         if log_every and (step % log_every == 0 or step == steps - 1):
-            recent = float(np.mean(losses[-log_every:]))
-            print(f"step {step:5d}  loss {recent:.4f}  {time.perf_counter() - start:7.1f}s",
+            recent = "  ".join(f"{task} {np.mean(values[-log_every:]):.3f}"
+                               for task, values in task_losses.items())
+            print(f"step {step:5d}  loss {recent}  {time.perf_counter() - start:6.1f}s",
                   flush=True)
-    return model, {"losses": losses, "train_time_s": time.perf_counter() - start}
+    mean_losses = np.mean([task_losses[task] for task in TASKS], axis=0).tolist()
+    return model, {"losses": mean_losses, "task_losses": task_losses,
+                   "train_time_s": time.perf_counter() - start}
 
 
 def greedy_answers(model: LlamaForCausalLM, examples: Sequence[Example],
@@ -148,19 +215,19 @@ def evaluate(model: LlamaForCausalLM, num_per_task: int, seed: int = EVAL_SEED,
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Train the pagedjax-tiny model.")
     parser.add_argument("--out", required=True, help="checkpoint directory (must not exist)")
-    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=320)
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--warmup-steps", type=int, default=100)
+    parser.add_argument("--batch-size", type=int, default=4,
+                        help="rows per batch / 4: 3x recall rows, 4x copy rows")
+    parser.add_argument("--seq-len", type=int, default=96, help="recall row length")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--warmup-steps", type=int, default=50)
     parser.add_argument("--eval-per-task", type=int, default=200)
     parser.add_argument("--log-every", type=int, default=50)
     args = parser.parse_args(argv)
 
     config = TINY_CONFIG
-    print(f"{config.num_params:,} parameters; {args.steps} steps of {args.batch_size} x "
-          f"{args.seq_len} tokens", flush=True)
+    print(f"{config.num_params:,} parameters; {args.steps} steps", flush=True)
     model, metrics = train(config, args.steps, args.seed, batch_size=args.batch_size,
                            seq_len=args.seq_len, lr=args.lr, warmup_steps=args.warmup_steps,
                            log_every=args.log_every)
@@ -169,13 +236,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     command = "python -m models.train " + " ".join(shlex.quote(a) for a in
                                                    (argv if argv is not None else sys.argv[1:]))
     metadata = {
+        "tokenizer": "byte",  # pagedjax.tokenizer.ByteTokenizer: LLM(dir) picks it from this
         "accuracy": accuracy, "eval_per_task": args.eval_per_task, "eval_seed": EVAL_SEED,
         "steps": args.steps, "seed": args.seed, "batch_size": args.batch_size,
         "seq_len": args.seq_len, "lr": args.lr, "warmup_steps": args.warmup_steps,
-        "final_loss": float(np.mean(metrics["losses"][-50:])),
+        "final_task_losses": {task: round(float(np.mean(values[-50:])), 4)
+                              for task, values in metrics["task_losses"].items()},
         "train_time_s": round(metrics["train_time_s"], 1), "command": command,
-        "machine": f"{platform.machine()} {jax.devices()[0].platform}, "
-                   f"{jax.device_count()} device(s), jax {jax.__version__}",
+        "machine": f"{platform.machine()} {jax.devices()[0].platform}, {os.cpu_count()} cores, "
+                   f"jax {jax.__version__}",
     }
     save_checkpoint(model, args.out, metadata)
     print(f"saved {args.out}")

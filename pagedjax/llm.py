@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
-from models import CONFIGS, LlamaForCausalLM, get_config, init_model
+from models import CONFIGS, DEFAULT_CHECKPOINT, LlamaForCausalLM, get_config, init_model
 from pagedjax.beam_search import BeamSearchParams, BeamSequence, beam_search
 from pagedjax.config import EngineConfig
 from pagedjax.engine import LLMEngine
@@ -16,7 +16,7 @@ from pagedjax.outputs import RequestOutput
 from pagedjax.tokenizer import ByteTokenizer, Tokenizer
 from scheduler import SamplingParams
 
-DEFAULT_MODEL = "demo-small"
+DEFAULT_MODEL = DEFAULT_CHECKPOINT  # the embedded trained model
 
 
 def load_model(model: str | LlamaForCausalLM, seed: int = 0,
