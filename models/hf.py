@@ -294,7 +294,8 @@ def load_hf_model(model_dir: str, dtype: str = "float32") -> LlamaForCausalLM:
                 for index in indices:
                     (name, transpose), _ = wanted[index]
                     host = f.get_tensor(name)
-                    host = np.ascontiguousarray((host.T if transpose else host).astype(np_dtype))
+                    # one host copy at most (cast and/or transpose), none when neither is needed
+                    host = np.ascontiguousarray(host.T if transpose else host, dtype=np_dtype)
                     arrays[index] = jax.device_put(host, device)
                     del host
     except SafetensorError as e:
