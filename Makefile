@@ -23,7 +23,7 @@ demo: $(STAMP)
 test: $(TEST_STAMP)
 	$(PY) -m pytest -n 2 -q tests
 
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	$(PY) benchmarks/kv_memory.py
 	$(PY) benchmarks/scheduler_overhead.py
 	$(PY) benchmarks/throughput.py
@@ -32,6 +32,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/parallel_sampling.py
 	$(PY) benchmarks/preemption.py
 	$(PY) benchmarks/kv_int8.py
+	$(PY) benchmarks/hf_load.py
+	$(PY) benchmarks/vs_transformers.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
