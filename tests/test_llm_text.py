@@ -200,7 +200,7 @@ def test_checkpoint_errors(tmp_path):
 
 def test_a_loaded_checkpoint_compiles_each_program_once(model_dir):
     """Loaded weights are committed to a device (random init is not): the runner commits
-    everything, so the second pass over the same shapes traces nothing."""
+    everything, so the second pass over the same shapes compiles nothing."""
     from pagedjax.runner import _step
     llm = LLM(str(model_dir), **ENGINE, enable_prefix_caching=False)
     rng = np.random.default_rng(0)
