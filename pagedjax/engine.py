@@ -95,15 +95,13 @@ class LLMEngine:
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig | None = None, *,
                  tokenizer=None, clock: Callable[[], float] = time.perf_counter):
         """tokenizer (optional: a pagedjax.tokenizer.Tokenizer or ByteTokenizer) adds text to
-        the outputs and enables stop strings."""
+        the outputs and enables stop strings. (Its vocabulary may exceed the model's, as some
+        checkpoints' added tokens do: prompt ids are checked against the model's vocab_size.)"""
         config = config or EngineConfig()
         model_config = model.config
         if config.max_model_len > model_config.max_position_embeddings:
             raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
                              f"max_position_embeddings ({model_config.max_position_embeddings})")
-        if tokenizer is not None and tokenizer.vocab_size > model_config.vocab_size:
-            raise ValueError(f"tokenizer vocab_size ({tokenizer.vocab_size}) exceeds the "
-                             f"model's vocab_size ({model_config.vocab_size})")
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
