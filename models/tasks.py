@@ -48,6 +48,20 @@ def _recall(rng: np.random.Generator) -> Example:
     return Example("recall", f"{context};q:{keys[query]}=", values[query])
 
 
+def recall_pairs(prompt: str) -> list[tuple[str, str]]:
+    """The (key, value) pairs of a recall prompt's context, in order."""
+    context = prompt.rsplit(";q:", 1)[0]
+    return [tuple(pair.split("=")) for pair in context.split(";")]
+
+
+def recall_queries(example: Example, num_queries: int | None = None) -> list[Example]:
+    """Recall examples asking about the first num_queries keys (all when None) of example's
+    context: prompts that share the context as a prefix (prefix caching)."""
+    context = example.prompt.rsplit(";q:", 1)[0]
+    return [Example("recall", f"{context};q:{key}=", value)
+            for key, value in recall_pairs(example.prompt)[:num_queries]]
+
+
 def _copy(rng: np.random.Generator) -> Example:
     length = int(rng.integers(MIN_COPY_LEN, MAX_COPY_LEN + 1))
     text = "".join(rng.choice(list(string.ascii_lowercase), size=length))

@@ -34,7 +34,7 @@ from models.config import LlamaConfig
 from models.generate import dense_greedy_generate
 from models.llama import LlamaForCausalLM, init_model
 from models.tasks import (BOS_ID, EOS_ID, MIN_PAIRS, TASKS, VOCAB_SIZE, Example, decode_answer,
-                          encode_example, make_examples, sample_example, score)
+                          encode_example, make_examples, recall_pairs, sample_example, score)
 
 TINY_CONFIG = LlamaConfig(
     vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=512, num_layers=4, num_heads=4,
@@ -90,7 +90,7 @@ def recall_rows(rng: np.random.Generator, num_rows: int,
             continue
         ids = prompt_ids + answer_ids
         spans = [(len(prompt_ids), len(ids))]
-        pairs = [pair.split("=") for pair in example.prompt.rsplit(";q:", 1)[0].split(";")]
+        pairs = recall_pairs(example.prompt)
         while len(ids) + query_len <= row_len + 1:
             key, value = pairs[int(rng.integers(len(pairs)))]
             ids += list(f"q:{key}=".encode("ascii"))

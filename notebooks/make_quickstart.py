@@ -73,14 +73,12 @@ label says how many); the bar height is how full a block is; block 0 is the null
 padding points at."""),
     ("code", """\
 import matplotlib.pyplot as plt
-from models.tasks import Example
+from models.tasks import recall_queries
 from pagedjax.plotting import plot_block_map, plot_kv_usage
 
 engine = llm.engine
 longest = max(make_examples("recall", 64, seed=3), key=lambda e: len(e.prompt))  # 10 pairs
-context = longest.prompt.rsplit(";q:", 1)[0]
-pairs = [p.split("=") for p in context.split(";")]
-queries = [Example("recall", f"{context};q:{key}=", value) for key, value in pairs[:8]]
+queries = recall_queries(longest, 8)  # eight questions about one context
 tok = llm.tokenizer
 greedy = SamplingParams(max_tokens=24, temperature=0)
 for example in queries + make_examples("copy", 3, seed=5):

@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from models.tasks import Example, make_examples
+from models.tasks import Example, make_examples, recall_queries
 from pagedjax.llm import DEFAULT_MODEL, LLM
 from scheduler import SamplingParams
 
@@ -29,11 +29,10 @@ from scheduler import SamplingParams
 def shared_context_queries(seed: int, num_queries: int) -> list[Example]:
     """num_queries recall questions about one long context (the longest the task draws)."""
     longest = max(make_examples("recall", 64, seed), key=lambda e: len(e.prompt))
-    context = longest.prompt.rsplit(";q:", 1)[0]
-    pairs = [p.split("=") for p in context.split(";")]
+    every = recall_queries(longest)  # one question per key
     rng = np.random.default_rng(seed)
-    picks = rng.choice(len(pairs), size=min(num_queries, len(pairs)), replace=False)
-    return [Example("recall", f"{context};q:{pairs[i][0]}=", pairs[i][1]) for i in picks]
+    picks = rng.choice(len(every), size=min(num_queries, len(every)), replace=False)
+    return [every[i] for i in picks]
 
 
 def workload(seed: int) -> list[tuple[list[Example], list[SamplingParams]]]:

@@ -11,7 +11,8 @@ import pytest
 from models import DEFAULT_CHECKPOINT
 from models.checkpoint import load_checkpoint
 from models.generate import dense_greedy_generate
-from models.tasks import Example, decode_answer, encode_example, make_examples, score
+from models.tasks import (Example, decode_answer, encode_example, make_examples, recall_queries,
+                          score)
 from pagedjax import LLM, SamplingParams
 
 MAX_TOKENS = 20
@@ -25,9 +26,7 @@ def model():
 def examples() -> list[Example]:
     recall = make_examples("recall", 40, seed=321)
     longest = max(recall, key=lambda e: len(e.prompt))
-    context = longest.prompt.rsplit(";q:", 1)[0]
-    pairs = [p.split("=") for p in context.split(";")]
-    shared = [Example("recall", f"{context};q:{k}=", v) for k, v in pairs[:6]]  # one context
+    shared = recall_queries(longest, 6)  # six questions about one context
     return (shared + sorted(recall, key=lambda e: -len(e.prompt))[1:11]
             + make_examples("copy", 12, seed=321))
 
