@@ -23,7 +23,7 @@ from pallas_kernels.tpu_decode import interpret_params
 def _write_kernel_gpu(slots_ref, k_ref, v_ref, _cache_in_ref, cache_ref, *, block_size: int):
     token = pl.program_id(0)
     slot = slots_ref[token]
-    block, offset = slot // block_size, slot % block_size
+    block, offset = jax.lax.div(slot, block_size), jax.lax.rem(slot, block_size)  # slot >= 0
     for head in range(cache_ref.shape[1]):  # one row of Hc per KV head
         cache_ref[0, head, block, offset, :] = k_ref[token, head, :]
         cache_ref[1, head, block, offset, :] = v_ref[token, head, :]
@@ -61,13 +61,13 @@ def write_kv_gpu(
       kv_cache)
 
 
-def _write_kernel_tpu(slots_ref, k_ref, v_ref, _cache_in_ref, cache_ref, sems, *,
+def _write_kernel_tpu(slots_ref, k_hbm_ref, v_hbm_ref, _cache_in_ref, cache_ref, sems, *,
                       block_size: int):
     token = pl.program_id(0)
     slot = slots_ref[token]
-    block, offset = slot // block_size, slot % block_size
-    copies = [pltpu.make_async_copy(src, cache_ref.at[i, :, block, offset], sems.at[i])
-              for i, src in enumerate((k_ref, v_ref))]
+    block, offset = jax.lax.div(slot, block_size), jax.lax.rem(slot, block_size)  # slot >= 0
+    copies = [pltpu.make_async_copy(src.at[token], cache_ref.at[i, :, block, offset], sems.at[i])
+              for i, src in enumerate((k_hbm_ref, v_hbm_ref))]
     for copy in copies:
         copy.start()
     for copy in copies:
@@ -82,20 +82,19 @@ def write_kv_tpu(
     slot_mapping: jax.Array,  # i32[T]
     *, interpret: bool = False,
 ) -> jax.Array:
-    """One program per token (Mosaic): slots scalar-prefetched, a K and a V DMA from VMEM into
-    the token's slot of the HBM cache, which is updated in place. A quantized cache is written
-    by the XLA scatter (it quantizes as it writes)."""
+    """One program per token (Mosaic): slots scalar-prefetched, a K and a V DMA from HBM straight
+    into the token's slot of the HBM cache, which is updated in place (nothing is staged in VMEM).
+    A quantized cache is written by the XLA scatter (it quantizes as it writes)."""
     if isinstance(kv_cache, QuantizedKV):
         return write_kv_reference(kv_cache, k, v, slot_mapping)
-    num_tokens, num_kv_heads, head_dim = k.shape
-    token_spec = pl.BlockSpec((None, num_kv_heads, head_dim), lambda t, *_: (t, 0, 0))
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
         functools.partial(_write_kernel_tpu, block_size=kv_cache.shape[3]),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,  # slot_mapping
-            grid=(num_tokens,),
-            in_specs=[token_spec, token_spec, pl.BlockSpec(memory_space=pl.ANY)],
-            out_specs=pl.BlockSpec(memory_space=pl.ANY),
+            grid=(k.shape[0],),
+            in_specs=[any_spec] * 3,  # k, v, kv_cache: all in HBM
+            out_specs=any_spec,
             scratch_shapes=[pltpu.SemaphoreType.DMA((2,))],  # the K and the V copy
         ),
         out_shape=jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),

@@ -135,7 +135,9 @@ def _decode_kernel(
     kv_len = kv_lens_ref[seq]
     first_block = 0
     if sliding_window is not None:
-        first_block = jnp.maximum(kv_len - sliding_window, 0) // block_k
+        # lax.div (truncating) on a non-negative operand: jnp's floor division lowers through
+        # sign(), which Mosaic only lowers for a known TPU generation.
+        first_block = jax.lax.div(jnp.maximum(kv_len - sliding_window, 0), block_k)
     num_blocks = pl.cdiv(kv_len, block_k)
     pipeline = PagePipeline(kv_hbm_ref, scales_hbm_ref, buffers, (k_sems, v_sems), tables_ref,
                             seq=seq, head=head,

@@ -52,7 +52,8 @@ def _ragged_kernel(
     last_pos = offset + jnp.minimum(start + tile_q, q_end) - 1 - q_first
     first_block = 0
     if sliding_window is not None:
-        first_block = jnp.maximum(offset + start - q_first - sliding_window + 1, 0) // block_k
+        first_block = jax.lax.div(  # non-negative: see tpu_decode on floor division
+            jnp.maximum(offset + start - q_first - sliding_window + 1, 0), block_k)
     num_blocks = jnp.where(live, pl.cdiv(last_pos + 1, block_k), 0)
     pipeline = PagePipeline(kv_hbm_ref, scales_hbm_ref, buffers, (k_sems, v_sems), tables_ref,
                             seq=seq, head=head,

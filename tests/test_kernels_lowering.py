@@ -1,0 +1,120 @@
+"""Every Pallas kernel lowers for the platform it is written for, from this CPU-only machine.
+
+Interpret mode runs a kernel's semantics but not its lowering: a kernel can pass every interpret
+test and still be rejected by the Triton or Mosaic lowering (an unsupported op, a DMA whose
+source and target shapes differ, a primitive that needs to know the chip). Cross-platform
+lowering (`.lower(lowering_platforms=...)`) runs the Pallas -> Triton IR and Pallas -> Mosaic
+MLIR lowerings, verifier included, without a device, so those faults show up here and not in a
+GPU session's few minutes. What it cannot see: Triton's own compilation to PTX, Mosaic's layout
+passes in libtpu, and anything numeric. The shapes are the benchmark's (bf16, GQA 32/8, head dim
+128, block 16) plus a head dim that is not a power of two and a quantized cache.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models import LlamaConfig, LlamaForCausalLM
+from pagedjax.runner import _step, padding_plan
+from pallas_kernels import (AttentionBackend, init_kv_cache, kv_cache_shape,
+                            paged_decode_attention_gpu, paged_decode_attention_tpu,
+                            ragged_paged_attention_gpu, ragged_paged_attention_tpu,
+                            write_kv_gpu, write_kv_tpu)
+from pallas_kernels.quant import QuantizedKV
+from scheduler import DECODE, PREFILL
+
+PLATFORM = {"gpu": "cuda", "tpu": "tpu"}
+KERNELS = {
+    "gpu": (paged_decode_attention_gpu, ragged_paged_attention_gpu, write_kv_gpu),
+    "tpu": (paged_decode_attention_tpu, ragged_paged_attention_tpu, write_kv_tpu),
+}
+# The custom call each lowering emits: a serialized Triton module, or a Mosaic one.
+KERNEL_CALL = {"gpu": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
+
+SEQS, TOKENS, NUM_BLOCKS, BLOCK_SIZE, TABLE_WIDTH = 4, 24, 64, 16, 8
+NUM_HEADS, NUM_KV_HEADS = 32, 8
+i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+
+
+def lowered_text(fn, backend, *args, **kwargs) -> str:
+    traced = jax.jit(functools.partial(fn, **kwargs)).trace(*args)
+    return traced.lower(lowering_platforms=(PLATFORM[backend],)).as_text()
+
+
+def cache_struct(backend, head_dim, dtype, block_size=BLOCK_SIZE):
+    shape = kv_cache_shape(NUM_BLOCKS, block_size, NUM_KV_HEADS, head_dim, backend)
+    if dtype in ("int8", "float8_e4m3fn"):
+        return QuantizedKV(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)),
+                           jax.ShapeDtypeStruct(shape[:-1], jnp.float32))
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def kernel_args(kind, backend, head_dim, dtype, *, block_size=BLOCK_SIZE, width=TABLE_WIDTH,
+                num_heads=NUM_HEADS):
+    """Abstract operands of a kernel: "decode", "ragged" or "write" (the KV write)."""
+    q_dtype = jnp.bfloat16 if dtype in ("int8", "float8_e4m3fn") else dtype
+    cache = cache_struct(backend, head_dim, dtype, block_size)
+    if kind == "decode":
+        return (jax.ShapeDtypeStruct((SEQS, num_heads, head_dim), q_dtype), cache, i32((SEQS,)),
+                i32((SEQS, width)), i32(()))
+    if kind == "ragged":
+        return (jax.ShapeDtypeStruct((TOKENS, num_heads, head_dim), q_dtype), cache,
+                i32((SEQS,)), i32((SEQS, width)), i32((SEQS + 1,)), i32(()))
+    new = jax.ShapeDtypeStruct((TOKENS, NUM_KV_HEADS, head_dim), q_dtype)
+    return (cache, new, new, i32((TOKENS,)))
+
+
+ATTENTION_OPTIONS = [
+    dict(),
+    dict(sliding_window=40, soft_cap=30.0),
+]
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.parametrize("kind", ["decode", "ragged"])
+@pytest.mark.parametrize("head_dim, dtype", [(128, jnp.bfloat16), (80, jnp.float32),
+                                             (128, "int8")])
+@pytest.mark.parametrize("options", ATTENTION_OPTIONS, ids=["plain", "window-softcap"])
+def test_attention_kernel_lowers(backend, kind, head_dim, dtype, options):
+    decode, ragged, _ = KERNELS[backend]
+    fn = decode if kind == "decode" else ragged
+    text = lowered_text(fn, backend, *kernel_args(kind, backend, head_dim, dtype),
+                        scale=head_dim ** -0.5, **options)
+    assert KERNEL_CALL[backend] in text
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.parametrize("head_dim, dtype", [(128, jnp.bfloat16), (80, jnp.float32)])
+def test_kv_write_kernel_lowers_in_place(backend, head_dim, dtype):
+    write = KERNELS[backend][2]
+    text = lowered_text(write, backend, *kernel_args("write", backend, head_dim, dtype))
+    assert KERNEL_CALL[backend] in text
+    # The cache is the kernel's aliased output: written in place, not copied.
+    assert "output_operand_aliases" in text or "tf.aliasing_output" in text
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.parametrize("kind", [PREFILL, DECODE])
+def test_model_step_lowers_with_backend(backend, kind):
+    """The engine's whole jitted step (model, KV writes, attention, sampler) with the backend's
+    kernels, at a bucket shape, lowers for that platform, calling the KV write and the attention
+    kernel of the step's kind in every layer."""
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=16)
+    graphdef, params = nnx.split(LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    caches = jax.eval_shape(lambda: init_kv_cache(config.num_layers, 32, 8, config.num_kv_heads,
+                                                  config.head_dim, jnp.float32, backend))
+    num_tokens = 16 if kind == PREFILL else 4
+    plan = padding_plan(kind, num_tokens, 4, max_blocks_per_seq=4)
+    plan = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), plan)
+    traced = _step.trace(graphdef, AttentionBackend(backend), 0, params, caches, plan)
+    text = traced.lower(lowering_platforms=(PLATFORM[backend],)).as_text()
+    attention = "paged_decode_attention" if kind == DECODE else "ragged_paged_attention"
+    for kernel in (f"write_kv_{backend}", f"{attention}_{backend}"):  # once per layer
+        assert text.count(f"call @{kernel}(") == config.num_layers, kernel
+    assert KERNEL_CALL[backend] in text
