@@ -25,9 +25,58 @@ from pallas_kernels.quant import QuantizedKV
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: no inf - inf in the softmax
 MIN_DOT_SIZE = 16  # Triton's tl.dot needs every dimension >= 16
 
+# Opt-in shared memory per thread block, by compute capability (CUDA C programming guide).
+SHARED_MEMORY_LIMIT = {
+    (7, 0): 96 * 1024, (7, 5): 64 * 1024, (8, 0): 163 * 1024, (8, 6): 99 * 1024,
+    (8, 7): 163 * 1024, (8, 9): 99 * 1024, (9, 0): 227 * 1024, (10, 0): 227 * 1024,
+    (12, 0): 99 * 1024,
+}
+DEFAULT_TARGET = (9, 0)  # H100 / H200: what a kernel is sized for when no GPU is visible
+
 
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+def target_compute_capability() -> tuple[int, int]:
+    """The visible GPU's compute capability; DEFAULT_TARGET on a machine without one."""
+    if jax.default_backend() == "gpu":
+        major, minor = str(jax.devices()[0].compute_capability).split(".")[:2]
+        return int(major), int(minor)
+    return DEFAULT_TARGET
+
+
+def shared_memory_limit(capability: tuple[int, int] | None = None) -> int:
+    capability = capability or target_compute_capability()
+    known = [c for c in SHARED_MEMORY_LIMIT if c <= capability]
+    return SHARED_MEMORY_LIMIT[max(known)] if known else min(SHARED_MEMORY_LIMIT.values())
+
+
+def shared_memory_bytes(*, rows: int, keys: int, head_dim: int, cache_itemsize: int,
+                        compute_itemsize: int, num_stages: int, quantized: bool) -> int:
+    """Shared memory of one attention program as Triton lays it out (checked against sm_90
+    compiles in tests/test_kernels_triton_compile.py): num_stages pipelined buffers of the K and
+    V tiles (and their f32 scales), the query tile, and for a quantized cache the dequantized
+    tile a dot reads."""
+    per_stage = 2 * keys * (head_dim * cache_itemsize + (4 if quantized else 0))
+    total = num_stages * per_stage + rows * head_dim * compute_itemsize
+    if quantized:
+        total += keys * head_dim * compute_itemsize
+    return total
+
+
+def fit_pages_per_step(preferred: int, *, rows: int, block_size: int, head_dim: int,
+                       cache_itemsize: int, compute_itemsize: int, num_stages: int,
+                       quantized: bool, limit: int | None = None) -> int:
+    """The largest power of two <= preferred whose pages fit the GPU's shared memory."""
+    limit = shared_memory_limit() if limit is None else limit
+    pages = preferred
+    while pages > 1 and shared_memory_bytes(
+            rows=rows, keys=pages * block_size, head_dim=head_dim, cache_itemsize=cache_itemsize,
+            compute_itemsize=compute_itemsize, num_stages=num_stages,
+            quantized=quantized) > limit:
+        pages //= 2
+    return pages
 
 
 def online_softmax_step(q, k, v, visible, carry, *, scale: float, soft_cap: float | None):
@@ -144,9 +193,12 @@ def paged_decode_attention_gpu(
     block_tables: jax.Array,  # i32[B, P]
     num_seqs: jax.Array,  # i32[] only the first num_seqs rows are valid
     *, scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-    pages_per_step: int = 8, num_splits: int | None = None, num_warps: int = 4,
+    pages_per_step: int | None = None, num_splits: int | None = None, num_warps: int = 4,
     num_stages: int = 2, interpret: bool = False,
 ) -> jax.Array:  # [B, N, H]; 0 for padding rows
+    """pages_per_step None: up to 8 pages (128 keys at block 16) per loop step, as many as fit
+    the shared memory of the visible GPU (of an H100/H200 where none is); an explicit value is
+    taken as given."""
     batch, num_heads, head_dim = q.shape
     data, scales, dtype = split_cache(kv_cache, q.dtype)
     _, num_kv_heads, _, block_size, padded_head_dim = data.shape
@@ -157,6 +209,11 @@ def paged_decode_attention_gpu(
     group = num_heads // num_kv_heads
     padded_group = max(MIN_DOT_SIZE, next_power_of_2(group))
     width = block_tables.shape[1]
+    if pages_per_step is None:
+        pages_per_step = fit_pages_per_step(
+            8, rows=padded_group, block_size=block_size, head_dim=padded_head_dim,
+            cache_itemsize=data.dtype.itemsize, compute_itemsize=jnp.dtype(dtype).itemsize,
+            num_stages=num_stages, quantized=scales is not None)
     pages_per_step = min(pages_per_step, next_power_of_2(width))
     if num_splits is None:
         num_splits = choose_num_splits(batch * num_kv_heads, width, pages_per_step)

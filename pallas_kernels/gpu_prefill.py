@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gpu_decode import (MASK_VALUE, load_pages, next_power_of_2,
-                                       online_softmax_step, split_cache)
+from pallas_kernels.gpu_decode import (MASK_VALUE, fit_pages_per_step, load_pages,
+                                       next_power_of_2, online_softmax_step, split_cache)
 
 
 def _ragged_kernel(
@@ -120,9 +120,13 @@ def ragged_paged_attention_gpu(
     cu_q_lens: jax.Array,  # i32[B + 1]
     num_seqs: jax.Array,  # i32[]
     *, scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-    tile_q: int = 16, pages_per_step: int = 4, num_warps: int = 4, num_stages: int = 2,
-    interpret: bool = False,
+    tile_q: int = 16, pages_per_step: int | None = None, num_warps: int = 8,
+    num_stages: int = 2, interpret: bool = False,
 ) -> jax.Array:  # [T, N, H]; 0 for padding tokens
+    """pages_per_step None: up to 4 pages per loop step, as many as fit the GPU's shared memory
+    (see paged_decode_attention_gpu); an explicit value is taken as given. 8 warps: with 4, a
+    tile of 16 tokens x a GQA group of 4 needs 223 registers a thread on sm_90 and spills on
+    sm_80 (benchmarks/results/gpu_compile.md)."""
     num_tokens, num_heads, head_dim = q.shape
     data, scales, dtype = split_cache(kv_cache, q.dtype)
     _, num_kv_heads, _, block_size, padded_head_dim = data.shape
@@ -131,6 +135,11 @@ def ragged_paged_attention_gpu(
     group = num_heads // num_kv_heads
     padded_group = next_power_of_2(group)
     width = block_tables.shape[1]
+    if pages_per_step is None:
+        pages_per_step = fit_pages_per_step(
+            4, rows=tile_q * padded_group, block_size=block_size, head_dim=padded_head_dim,
+            cache_itemsize=data.dtype.itemsize, compute_itemsize=jnp.dtype(dtype).itemsize,
+            num_stages=num_stages, quantized=scales is not None)
     pages_per_step = min(pages_per_step, next_power_of_2(width))
     padded_width = (pl.cdiv(width, pages_per_step) + 1) * pages_per_step
     tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_width - width)))

@@ -1,0 +1,130 @@
+"""Ahead-of-time build of the GPU kernels for a chosen SM, on a machine without a GPU.
+
+Interpret mode checks what a Pallas kernel computes, not whether Triton can build it: a kernel
+whose tiles need more shared memory than the chip has passes every interpret test and fails at
+launch. This module takes the Triton modules out of a CUDA lowering (`lowering_platforms=
+("cuda",)`, which jax 0.10 runs on a CPU-only jaxlib and which leaves the Triton IR in each
+`__gpu$xla.gpu.triton` custom call), compiles them to a cubin with the `triton` package for the
+target compute capability, and reads back shared memory, registers and spills (cuobjdump, bundled
+with triton). The `triton` package is a test dependency only; the engine never imports this.
+
+The triton package's compiler is not the fork XLA builds with, so its figures are an estimate of
+what the GPU's compile will do; they have matched the layout of shared memory exactly on the
+kernels measured (see benchmarks/results/gpu_compile.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+import subprocess
+import tempfile
+
+from jaxlib.mlir import ir
+
+from pallas_kernels.gpu_decode import shared_memory_limit
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonModule:
+    name: str
+    num_warps: int
+    num_stages: int
+    grid: tuple[int, int, int]
+    ttir: str  # the Triton IR, as text
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledKernel:
+    name: str
+    capability: tuple[int, int]
+    num_warps: int
+    num_stages: int
+    grid: tuple[int, int, int]
+    shared_bytes: int  # dynamic shared memory the launch asks for
+    shared_limit: int  # what one block of this capability may use
+    registers: int  # per thread
+    spill_bytes: int  # stack + local memory per thread: 0 unless registers spilled
+
+    @property
+    def fits(self) -> bool:
+        return self.shared_bytes <= self.shared_limit
+
+
+def triton_modules(lowered) -> list[TritonModule]:
+    """The Triton modules of a `jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))`."""
+    from jaxlib.triton import dialect as triton_dialect
+
+    found = []
+
+    def visit(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for child in block.operations:
+                    if (child.operation.name == "stablehlo.custom_call"
+                            and ir.StringAttr(child.attributes["call_target_name"]).value
+                            == TRITON_CALL):
+                        found.append(ir.DictAttr(child.attributes["mhlo.backend_config"]))
+                    visit(child.operation)
+
+    visit(lowered.compiler_ir("stablehlo").operation)
+    if not found and "triton_kernel_call" in lowered.as_text():
+        raise RuntimeError("this jaxlib compiles Triton kernels at lowering time (jax >= 0.11 "
+                           "with CUDA): there is no Triton IR to build ahead of time here")
+    context = ir.Context()
+    triton_dialect.register_dialect(context)
+    modules = []
+    for config in found:
+        with context:
+            ttir = ir.Module.parse(ir.StringAttr(config["ir"]).value_bytes)
+            text = ttir.operation.get_asm(enable_debug_info=False)
+
+        def integer(key):
+            return ir.IntegerAttr(config[key]).value
+        modules.append(TritonModule(
+            name=ir.StringAttr(config["name"]).value, num_warps=integer("num_warps"),
+            num_stages=integer("num_stages"),
+            grid=(integer("grid_x"), integer("grid_y"), integer("grid_z")), ttir=text))
+    return modules
+
+
+def compile_module(module: TritonModule, capability: tuple[int, int] = (9, 0)) -> CompiledKernel:
+    """Builds one module to a cubin for `capability` with the triton package."""
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+    except ImportError as e:  # pragma: no cover - a test dependency
+        raise RuntimeError("ahead-of-time builds need the triton package "
+                           "(requirements/test.txt)") from e
+    arch = capability[0] * 10 + capability[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        source = pathlib.Path(tmp, f"{module.name}.ttir")
+        source.write_text(module.ttir)
+        kernel = triton.compile(str(source), target=GPUTarget("cuda", arch, 32), options=dict(
+            num_warps=module.num_warps, num_stages=module.num_stages, enable_fp_fusion=True))
+        cubin = pathlib.Path(tmp, f"{module.name}.cubin")
+        cubin.write_bytes(kernel.asm["cubin"])
+        usage = _resource_usage(cubin)
+    return CompiledKernel(
+        name=module.name, capability=capability, num_warps=module.num_warps,
+        num_stages=module.num_stages, grid=module.grid,
+        shared_bytes=int(kernel.metadata.shared) + usage["SHARED"],
+        shared_limit=shared_memory_limit(capability), registers=usage["REG"],
+        spill_bytes=usage["STACK"] + usage["LOCAL"])
+
+
+def _resource_usage(cubin: pathlib.Path) -> dict[str, int]:
+    import triton
+    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    out = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True,
+                         check=True).stdout
+    line = next(l for l in out.splitlines() if "REG:" in l)
+    return {key: int(value) for key, value in re.findall(r"([A-Z]+):(\d+)", line)}
+
+
+def compile_lowered(lowered, capability: tuple[int, int] = (9, 0)) -> list[CompiledKernel]:
+    """Every Triton kernel of a CUDA lowering, built for `capability`."""
+    return [compile_module(m, capability) for m in triton_modules(lowered)]

@@ -1,0 +1,99 @@
+"""The GPU kernels build for real chips, checked here without one (pallas_kernels/gpu_aot.py).
+
+Each kernel is lowered for CUDA as the wrapper sizes it for the target chip, its Triton IR is
+compiled to a cubin by the triton package, and the cubin's resources are checked: the shared
+memory a block asks for fits the chip (a kernel that does not fit passes every interpret test
+and fails at launch), and on sm_90 the serving dtypes build without register spills.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+pytest.importorskip("triton", reason="a test dependency: requirements/test.txt")
+
+from pallas_kernels import gpu_aot, gpu_decode  # noqa: E402
+from test_kernels_lowering import KERNELS, kernel_args  # noqa: E402
+
+H200, A100, L4 = (9, 0), (8, 0), (8, 9)
+
+# kind, head dim, cache dtype, block size, table width (pages), options
+CASES = {
+    "decode-bf16": ("decode", 128, jnp.bfloat16, 16, 8, {}),
+    "decode-bf16-32k": ("decode", 128, jnp.bfloat16, 16, 2048, {}),
+    "decode-bf16-window-softcap": ("decode", 128, jnp.bfloat16, 16, 64,
+                                   dict(sliding_window=512, soft_cap=30.0)),
+    "decode-f32-h80-block32": ("decode", 80, jnp.float32, 32, 8, {}),
+    "decode-int8": ("decode", 128, "int8", 16, 64, {}),
+    "decode-fp8": ("decode", 128, "float8_e4m3fn", 16, 64, {}),
+    "ragged-bf16": ("ragged", 128, jnp.bfloat16, 16, 64, {}),
+    "ragged-f32-h80-block32": ("ragged", 80, jnp.float32, 32, 8, {}),
+    "ragged-int8": ("ragged", 128, "int8", 16, 64, {}),
+    "write-bf16": ("write", 128, jnp.bfloat16, 16, 8, {}),
+    "write-f32-h80": ("write", 80, jnp.float32, 16, 8, {}),
+}
+SERVING_DTYPES = ("bfloat16", "int8", "float8_e4m3fn")
+
+
+@pytest.fixture
+def target(monkeypatch):
+    """Sizes kernels for a chosen chip: what the wrappers would pick on that GPU."""
+    def use(capability):
+        monkeypatch.setattr(gpu_decode, "target_compute_capability", lambda: capability)
+        jax.clear_caches()  # a cached trace would keep the previous chip's sizing
+    yield use
+    jax.clear_caches()
+
+
+def build(case, capability):
+    kind, head_dim, dtype, block_size, width, options = CASES[case]
+    decode, ragged, write = KERNELS["gpu"]
+    fn = {"decode": decode, "ragged": ragged, "write": write}[kind]
+    kwargs = {} if kind == "write" else dict(scale=head_dim ** -0.5, **options)
+    args = kernel_args(kind, "gpu", head_dim, dtype, block_size=block_size, width=width)
+    lowered = jax.jit(functools.partial(fn, **kwargs)).trace(*args).lower(
+        lowering_platforms=("cuda",))
+    [kernel] = gpu_aot.compile_lowered(lowered, capability)
+    return kernel, jnp.dtype(dtype).name
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_builds_for_h200(case, target):
+    target(H200)
+    kernel, dtype = build(case, H200)
+    assert kernel.fits, (f"{kernel.name} asks for {kernel.shared_bytes} B of shared memory, "
+                         f"sm_90 allows {kernel.shared_limit}")
+    if dtype in SERVING_DTYPES:
+        assert kernel.spill_bytes == 0, (f"{kernel.name} spills {kernel.spill_bytes} B a "
+                                         f"thread at {kernel.registers} registers")
+
+
+@pytest.mark.parametrize("capability", [A100, L4], ids=["sm_80", "sm_89"])
+@pytest.mark.parametrize("case", ["decode-bf16", "decode-f32-h80-block32", "ragged-bf16"])
+def test_kernel_fits_smaller_chips(case, capability, target):
+    """Sized for an A100 (163 KB a block) or an L4 (99 KB, Colab's), a kernel fits it too."""
+    target(capability)
+    kernel, _ = build(case, capability)
+    assert kernel.fits, (f"{kernel.name} asks for {kernel.shared_bytes} B of shared memory, "
+                         f"sm_{capability[0]}{capability[1]} allows {kernel.shared_limit}")
+
+
+def test_oversized_tiles_are_caught():
+    """The check can fail: 8 pages of 32 f32 keys, double-buffered, do not fit an H200."""
+    args = kernel_args("decode", "gpu", 128, jnp.float32, block_size=32, width=8)
+    lowered = jax.jit(functools.partial(KERNELS["gpu"][0], scale=0.1, pages_per_step=8)).trace(
+        *args).lower(lowering_platforms=("cuda",))
+    [kernel] = gpu_aot.compile_lowered(lowered, H200)
+    assert not kernel.fits and kernel.shared_bytes > 2 * 2 * 256 * 128 * 4
+
+
+def test_shared_memory_estimate_matches_the_build(target):
+    """The wrappers size tiles with gpu_decode.shared_memory_bytes: it must not undercount."""
+    target(H200)
+    kernel, _ = build("decode-bf16", H200)
+    # Gp = 16 query rows, 8 pages x 16 keys, H = 128, bf16, 2 stages.
+    estimate = gpu_decode.shared_memory_bytes(rows=16, keys=128, head_dim=128, cache_itemsize=2,
+                                              compute_itemsize=2, num_stages=2, quantized=False)
+    assert estimate <= kernel.shared_bytes <= estimate + 1024  # + the 1 KB Triton reserves
