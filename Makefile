@@ -34,6 +34,7 @@ bench: $(TEST_STAMP)
 	$(PY) benchmarks/kv_int8.py
 	$(PY) benchmarks/hf_load.py
 	$(PY) benchmarks/vs_transformers.py
+	$(PY) benchmarks/gpu_compile.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -202,6 +202,42 @@ def bench_decode(args, bandwidth: float) -> list[dict]:
     return rows
 
 
+# (pages_per_step, num_warps, num_stages) tried for the decode kernel; the first is the default
+# at block 16 / bf16 / head dim 128 (benchmarks/results/gpu_compile.md has what each costs).
+TUNING = [(8, 8, 2), (8, 4, 2), (4, 8, 2), (4, 4, 3), (8, 8, 3), (2, 4, 4)]
+
+
+def bench_tuning(args, bandwidth: float) -> list[dict]:
+    """The decode kernel's launch parameters at a large batch and a long context."""
+    rows = []
+    heads = dict(num_heads=32, num_kv_heads=8, head_dim=128)
+    scale = heads["head_dim"] ** -0.5
+    shapes = [(2, 128)] if args.smoke else [(128, 4096), (8, 32768)]
+    for batch, context in shapes:
+        q, k_pages, v_pages, tables, lens = decode_inputs(
+            batch, context, block_size=16, dtype=jnp.bfloat16, seed=7, **heads)
+        cache = jnp.stack([k_pages, v_pages])
+        del k_pages, v_pages
+        kv_bytes = 2 * batch * context * heads["num_kv_heads"] * heads["head_dim"] * 2
+        for pages, warps, stages in TUNING:
+            row = {"batch": batch, "context": context, "pages_per_step": pages,
+                   "num_warps": warps, "num_stages": stages}
+            fn = jax.jit(lambda q, c, t, l, pages=pages, warps=warps, stages=stages:
+                         paged_decode_attention_gpu(
+                             q, c, l, t, jnp.int32(batch), scale=scale, pages_per_step=pages,
+                             num_warps=warps, num_stages=stages, interpret=args.smoke))
+            try:
+                seconds = timed(fn, q, cache, tables, lens, min_time=0.02 if args.smoke else 0.2)
+                row.update(us=seconds * 1e6, pct_of_copy_bw=100 * kv_bytes / seconds / bandwidth)
+            except Exception as e:  # a configuration that does not build is a row too
+                row.update(us=float("nan"), pct_of_copy_bw=float("nan"),
+                           error=f"{type(e).__name__}: {e}"[:120])
+            rows.append(row)
+            print(row, flush=True)
+        del q, cache
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true",
@@ -219,6 +255,7 @@ def main() -> None:
             print(row, flush=True)
     bandwidth = copy_bandwidth(2**24 if args.smoke else 2**32)
     rows = bench_decode(args, bandwidth)
+    tuning = bench_tuning(args, bandwidth)
     name = "gpu_kernels_smoke" if args.smoke else "gpu_kernels"
     params = {"smoke": args.smoke, "copy_bandwidth_gb_per_s": bandwidth / 1e9,
               "block_size": 16, "dtype": "bfloat16", "num_heads": 32, "num_kv_heads": 8,
@@ -229,6 +266,10 @@ def main() -> None:
             f"- {'PASS' if c['passed'] else 'FAIL'} {c['check']} (max abs err "
             f"{c['max_abs_err']:.3g}){' ' + c.get('error', '') if 'error' in c else ''}"
             for c in checks)))
+    write_results(f"{name}_tuning", "Decode kernel launch parameters on GPU", tuning,
+                  {"copy_bandwidth_gb_per_s": bandwidth / 1e9, "dtype": "bfloat16",
+                   "block_size": 16, **{k: params[k] for k in ("num_heads", "num_kv_heads",
+                                                                "head_dim")}})
 
 
 if __name__ == "__main__":

@@ -54,10 +54,11 @@ def shared_memory_limit(capability: tuple[int, int] | None = None) -> int:
 
 def shared_memory_bytes(*, rows: int, keys: int, head_dim: int, cache_itemsize: int,
                         compute_itemsize: int, num_stages: int, quantized: bool) -> int:
-    """Shared memory of one attention program as Triton lays it out (checked against sm_90
-    compiles in tests/test_kernels_triton_compile.py): num_stages pipelined buffers of the K and
-    V tiles (and their f32 scales), the query tile, and for a quantized cache the dequantized
-    tile a dot reads."""
+    """An upper bound on the shared memory of one attention program: num_stages pipelined
+    buffers of the K and V tiles (and their f32 scales), the query tile, and for a quantized
+    cache the dequantized tile a dot reads. Triton shares buffers whose lifetimes do not
+    overlap, so a build asks for less (tests/test_kernels_triton_compile.py checks the bound
+    against sm_90 builds)."""
     per_stage = 2 * keys * (head_dim * cache_itemsize + (4 if quantized else 0))
     total = num_stages * per_stage + rows * head_dim * compute_itemsize
     if quantized:
@@ -111,11 +112,19 @@ def load_pages(kv_ref, scales_ref, kv_index, head, blocks, dtype):
     return (x.astype(jnp.float32) * scales[:, None]).astype(dtype)
 
 
-def split_cache(kv_cache, q_dtype):
-    """(data, scales or None, compute dtype): a quantized cache is computed in the query dtype."""
-    if isinstance(kv_cache, QuantizedKV):
-        return kv_cache.data, kv_cache.scales, q_dtype
-    return kv_cache, None, kv_cache.dtype
+def split_cache(kv_cache, q_dtype, interpret: bool = False):
+    """(data, scales or None, compute dtype): a quantized cache is computed in the query dtype.
+    An fp8 cache needs sm_89 or newer: Triton has no e4m3 conversions below (checked when
+    compiling, not in the interpreter)."""
+    if not isinstance(kv_cache, QuantizedKV):
+        return kv_cache, None, kv_cache.dtype
+    if (not interpret and jnp.dtype(kv_cache.data.dtype).name.startswith("float8")
+            and target_compute_capability() < (8, 9)):
+        major, minor = target_compute_capability()
+        raise ValueError(f"a {kv_cache.data.dtype} KV cache needs a GPU of compute capability "
+                         f">= 8.9 for the Triton kernels, this one is {major}.{minor}: use "
+                         "kv_cache_dtype='int8' or the reference backend")
+    return kv_cache.data, kv_cache.scales, q_dtype
 
 
 def _decode_kernel(
@@ -150,8 +159,10 @@ def _decode_kernel(
         valid = kv_pos < jnp.minimum(kv_len, end_page * block_size)
         if sliding_window is not None:
             valid &= kv_pos >= kv_len - sliding_window
-        # Zero what lies past kv_len: pages there may hold anything, NaN included.
-        k = jnp.where(valid[:, None], k, jnp.zeros_like(k))
+        # Slots past kv_len may hold anything, NaN included. Their scores are masked by a
+        # select, so K needs nothing; V is zeroed, or 0 * NaN would reach the output. A select
+        # on K too costs 28 KB of shared memory, and a masked load of V stops Triton from
+        # pipelining it (benchmarks/results/gpu_compile.md).
         v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
         return online_softmax_step(q, k, v, valid[None, :], carry, scale=scale,
                                    soft_cap=soft_cap)
@@ -193,14 +204,16 @@ def paged_decode_attention_gpu(
     block_tables: jax.Array,  # i32[B, P]
     num_seqs: jax.Array,  # i32[] only the first num_seqs rows are valid
     *, scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-    pages_per_step: int | None = None, num_splits: int | None = None, num_warps: int = 4,
+    pages_per_step: int | None = None, num_splits: int | None = None, num_warps: int = 8,
     num_stages: int = 2, interpret: bool = False,
 ) -> jax.Array:  # [B, N, H]; 0 for padding rows
     """pages_per_step None: up to 8 pages (128 keys at block 16) per loop step, as many as fit
     the shared memory of the visible GPU (of an H100/H200 where none is); an explicit value is
-    taken as given."""
+    taken as given. 8 warps: at the benchmark's shape 4 warps need 237 registers a thread (255
+    with an int8 cache), 8 need 119, and an SM then holds 16 warps, as many as it holds of
+    JAX's shipped kernel (benchmarks/results/gpu_compile.md)."""
     batch, num_heads, head_dim = q.shape
-    data, scales, dtype = split_cache(kv_cache, q.dtype)
+    data, scales, dtype = split_cache(kv_cache, q.dtype, interpret)
     _, num_kv_heads, _, block_size, padded_head_dim = data.shape
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")

@@ -68,8 +68,7 @@ def _ragged_kernel(
         v = load_pages(kv_ref, scales_ref, 1, head, blocks, q.dtype)
         kv_pos = page * block_size + jnp.arange(block_k, dtype=jnp.int32)
         col_live = kv_pos <= last_pos
-        k = jnp.where(col_live[:, None], k, jnp.zeros_like(k))
-        v = jnp.where(col_live[:, None], v, jnp.zeros_like(v))
+        v = jnp.where(col_live[:, None], v, jnp.zeros_like(v))  # K: see gpu_decode
         visible = (kv_pos[None, :] <= q_pos[:, None]) & row_live[:, None]
         if sliding_window is not None:
             visible &= kv_pos[None, :] > q_pos[:, None] - sliding_window
@@ -128,7 +127,7 @@ def ragged_paged_attention_gpu(
     tile of 16 tokens x a GQA group of 4 needs 223 registers a thread on sm_90 and spills on
     sm_80 (benchmarks/results/gpu_compile.md)."""
     num_tokens, num_heads, head_dim = q.shape
-    data, scales, dtype = split_cache(kv_cache, q.dtype)
+    data, scales, dtype = split_cache(kv_cache, q.dtype, interpret)
     _, num_kv_heads, _, block_size, padded_head_dim = data.shape
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")

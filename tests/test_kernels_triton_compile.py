@@ -86,14 +86,36 @@ def test_oversized_tiles_are_caught():
     lowered = jax.jit(functools.partial(KERNELS["gpu"][0], scale=0.1, pages_per_step=8)).trace(
         *args).lower(lowering_platforms=("cuda",))
     [kernel] = gpu_aot.compile_lowered(lowered, H200)
-    assert not kernel.fits and kernel.shared_bytes > 2 * 2 * 256 * 128 * 4
+    assert not kernel.fits and kernel.shared_bytes > kernel.shared_limit
 
 
-def test_shared_memory_estimate_matches_the_build(target):
-    """The wrappers size tiles with gpu_decode.shared_memory_bytes: it must not undercount."""
-    target(H200)
-    kernel, _ = build("decode-bf16", H200)
-    # Gp = 16 query rows, 8 pages x 16 keys, H = 128, bf16, 2 stages.
-    estimate = gpu_decode.shared_memory_bytes(rows=16, keys=128, head_dim=128, cache_itemsize=2,
-                                              compute_itemsize=2, num_stages=2, quantized=False)
-    assert estimate <= kernel.shared_bytes <= estimate + 1024  # + the 1 KB Triton reserves
+@pytest.mark.parametrize("case, pages_per_step, rows", [
+    ("decode-bf16", 8, 16),  # Gp = 16 (a GQA group of 4, padded to the minimum dot size)
+    ("decode-int8", 8, 16),
+    ("decode-f32-h80-block32", 2, 16),
+    ("ragged-bf16", 4, 64),  # 16 tokens x a group of 4
+    ("ragged-int8", 4, 64),
+])
+def test_shared_memory_estimate_bounds_the_build(case, pages_per_step, rows):
+    """The wrappers size tiles with gpu_decode.shared_memory_bytes: it must never undercount
+    (a tile sized by it would then fail to launch)."""
+    kind, head_dim, dtype, block_size, width, _ = CASES[case]
+    fn = KERNELS["gpu"][0 if kind == "decode" else 1]
+    args = kernel_args(kind, "gpu", head_dim, dtype, block_size=block_size, width=width)
+    lowered = jax.jit(functools.partial(fn, scale=0.1, pages_per_step=pages_per_step)).trace(
+        *args).lower(lowering_platforms=("cuda",))
+    [kernel] = gpu_aot.compile_lowered(lowered, H200)
+    cache_itemsize = jnp.dtype(dtype).itemsize
+    estimate = gpu_decode.shared_memory_bytes(
+        rows=rows, keys=pages_per_step * block_size, head_dim=128,
+        cache_itemsize=cache_itemsize, compute_itemsize=2 if dtype == "int8" else cache_itemsize,
+        num_stages=2, quantized=dtype == "int8")
+    assert kernel.shared_bytes <= estimate + 1024  # + the 1 KB sm_90 reserves per block
+
+
+def test_fp8_cache_is_refused_below_sm89(target):
+    """Triton has no e4m3 conversions on an A100: the wrapper says so instead of failing deep in
+    Triton's LLVM lowering."""
+    target(A100)
+    with pytest.raises(ValueError, match=r"compute capability >= 8.9.*this one is 8.0"):
+        build("decode-fp8", A100)

@@ -1,0 +1,125 @@
+"""What the GPU kernels cost a chip, built ahead of time on a CPU (no GPU needed).
+
+Each kernel is lowered for CUDA at the decode benchmark's shape (bf16, 32 query / 8 KV heads,
+head dim 128, block 16, 4k context) as its wrapper sizes it for the chip, compiled to a cubin
+with the triton package (pallas_kernels/gpu_aot.py), and its resources are read from the cubin:
+shared memory per block, registers and spills per thread. Beside it, JAX's shipped
+`pallas.ops.gpu.paged_attention` at its defaults, built the same way.
+
+`resident warps/SM` is derived, not measured: the warps one SM can hold given the registers,
+shared memory and thread limits of the chip (CUDA occupancy rules, register allocation in units
+of 256 per warp). A memory-bound decode kernel hides DRAM latency with the loads those warps
+keep in flight, so it bounds what the kernel can reach; timings need the GPU
+(benchmarks/gpu_kernels.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+
+from common import write_results  # noqa: E402
+from jax.experimental.pallas.ops.gpu import paged_attention as jax_gpu_op  # noqa: E402
+
+from pallas_kernels import gpu_aot, gpu_decode  # noqa: E402
+from test_kernels_lowering import KERNELS, kernel_args  # noqa: E402
+
+# Per SM: registers, shared memory, threads (CUDA C programming guide, compute capabilities).
+SM_LIMITS = {(9, 0): (65536, 228 * 1024, 2048), (8, 0): (65536, 164 * 1024, 2048),
+             (8, 9): (65536, 100 * 1024, 1536)}
+CHIPS = {(9, 0): "sm_90 (H100/H200)", (8, 0): "sm_80 (A100)", (8, 9): "sm_89 (L4)"}
+WIDTH = 4096 // 16  # pages of a 4k context
+FINDINGS = """
+What these builds changed in the kernels (2026-11-29, before any GPU run):
+
+- An f32 cache at block 32 asked for 264 KB of shared memory (8 pages a step), more than any
+  chip has: the wrappers now size pages_per_step to the chip (gpu_decode.fit_pages_per_step).
+- A select zeroing K past the sequence's length cost 28 KB (the dot then reads K through a
+  second buffer); scores are masked anyway, so only V is zeroed. A masked load of V instead of
+  the select stopped Triton from pipelining V with cp.async, so the select stays.
+- The decode kernel on 4 warps needed 237 registers a thread (255 with an int8 cache); on 8
+  it needs 119 and is the default. The ragged kernel likewise moved to 8 warps (sm_80 spilled).
+- fp8 (e4m3) caches do not build below sm_89: the wrappers refuse them there by name.
+"""
+
+
+def resident_warps(kernel: gpu_aot.CompiledKernel) -> int:
+    registers, shared, threads = SM_LIMITS[kernel.capability]
+    per_warp = -(-kernel.registers // 8) * 8 * 32
+    by_registers = registers // per_warp // kernel.num_warps
+    by_shared = shared // max(kernel.shared_bytes, 1)
+    by_threads = threads // (32 * kernel.num_warps)
+    return min(by_registers, by_shared, by_threads) * kernel.num_warps
+
+
+def ours(kind, dtype, **options):
+    fn = dict(zip(("decode", "ragged", "write"), KERNELS["gpu"]))[kind]
+    kwargs = options if kind == "write" else dict(scale=128 ** -0.5, **options)
+    args = kernel_args(kind, "gpu", 128, dtype, width=WIDTH)
+    return jax.jit(functools.partial(fn, **kwargs)).trace(*args)
+
+
+def jax_shipped():
+    q = jax.ShapeDtypeStruct((4, 32, 128), jnp.bfloat16)
+    pages = jax.ShapeDtypeStruct((8, 64, 16, 128), jnp.bfloat16)
+    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+    return jax.jit(functools.partial(jax_gpu_op.paged_attention, k_splits=16)).trace(
+        q, pages, pages, i32((4, WIDTH)), i32((4,)))
+
+
+KERNELS_TO_BUILD = {
+    "pagedjax decode (bf16)": lambda: ours("decode", jnp.bfloat16),
+    "pagedjax decode (bf16, 4 warps)": lambda: ours("decode", jnp.bfloat16, num_warps=4),
+    "pagedjax decode (int8 cache)": lambda: ours("decode", "int8"),
+    "pagedjax decode (fp8 cache)": lambda: ours("decode", "float8_e4m3fn"),
+    "pagedjax ragged prefill (bf16)": lambda: ours("ragged", jnp.bfloat16),
+    "pagedjax ragged prefill (bf16, 4 warps)": lambda: ours("ragged", jnp.bfloat16,
+                                                            num_warps=4),
+    "pagedjax KV write (bf16)": lambda: ours("write", jnp.bfloat16),
+    "jax pallas.ops.gpu.paged_attention (bf16)": jax_shipped,
+}
+
+
+def main() -> None:
+    rows = []
+    for capability, chip in CHIPS.items():
+        gpu_decode.target_compute_capability = lambda capability=capability: capability
+        jax.clear_caches()
+        for name, trace in KERNELS_TO_BUILD.items():
+            try:
+                kernels = gpu_aot.compile_lowered(trace().lower(lowering_platforms=("cuda",)),
+                                                  capability)
+            except Exception as e:  # a refusal (fp8 below sm_89) is a row too
+                rows.append({"chip": chip, "kernel": name, "warps": "", "stages": "",
+                             "grid": "", "shared_kib": float("nan"),
+                             "limit_kib": gpu_decode.shared_memory_limit(capability) / 1024,
+                             "registers": "", "spill_bytes": "",
+                             "resident_warps_per_sm": f"not built: {str(e).splitlines()[0]}"})
+                print(rows[-1], flush=True)
+                continue
+            for kernel in kernels:
+                rows.append({
+                    "chip": chip, "kernel": name, "warps": kernel.num_warps,
+                    "stages": kernel.num_stages, "grid": "x".join(map(str, kernel.grid)),
+                    "shared_kib": kernel.shared_bytes / 1024,
+                    "limit_kib": kernel.shared_limit / 1024, "registers": kernel.registers,
+                    "spill_bytes": kernel.spill_bytes,
+                    "resident_warps_per_sm": resident_warps(kernel)})
+                print(rows[-1], flush=True)
+    import triton
+    params = {"shape": "q bf16[4, 32, 128], cache block 16, 8 KV heads, head dim 128, "
+                       f"table width {WIDTH} pages (4k context)",
+              "triton": triton.__version__}
+    write_results("gpu_compile", "GPU kernels built ahead of time (no GPU): resources per chip",
+                  rows, params, notes=__doc__.split("\n\n", 1)[1] + FINDINGS)
+
+
+if __name__ == "__main__":
+    main()
