@@ -15,7 +15,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.layout import write_kv_reference
+from pallas_kernels.layout import NULL_BLOCK, write_kv_reference
 from pallas_kernels.quant import QuantizedKV
 from pallas_kernels.tpu_decode import interpret_params
 
@@ -61,17 +61,59 @@ def write_kv_gpu(
       kv_cache)
 
 
-def _write_kernel_tpu(slots_ref, k_hbm_ref, v_hbm_ref, _cache_in_ref, cache_ref, sems, *,
-                      block_size: int):
-    token = pl.program_id(0)
-    slot = slots_ref[token]
-    block, offset = jax.lax.div(slot, block_size), jax.lax.rem(slot, block_size)  # slot >= 0
-    copies = [pltpu.make_async_copy(src.at[token], cache_ref.at[i, :, block, offset], sems.at[i])
-              for i, src in enumerate((k_hbm_ref, v_hbm_ref))]
-    for copy in copies:
-        copy.start()
-    for copy in copies:
-        copy.wait()
+def page_runs(slot_mapping: jax.Array, block_size: int):
+    """Cuts the step's tokens into runs: consecutive tokens at consecutive slots of one page.
+    Tokens in the null block (padding) belong to no run: nobody reads what is written there.
+
+    Returns (num_runs i32[], and per run, padded to T: first token, length, page, offset of the
+    first token in its page), every one i32[T]."""
+    num_tokens = slot_mapping.shape[0]
+    page = jax.lax.div(slot_mapping, block_size)
+    offset = jax.lax.rem(slot_mapping, block_size)
+    live = page != NULL_BLOCK
+    prev_page = jnp.concatenate([jnp.full((1,), -1, jnp.int32), page[:-1]])
+    prev_offset = jnp.concatenate([jnp.full((1,), -2, jnp.int32), offset[:-1]])
+    starts = live & ((page != prev_page) | (offset != prev_offset + 1))
+    run_of_token = jnp.where(live, jnp.cumsum(starts) - 1, num_tokens)
+    lengths = jnp.zeros(num_tokens, jnp.int32).at[run_of_token].add(1, mode="drop")
+    first = jnp.nonzero(starts, size=num_tokens, fill_value=0)[0].astype(jnp.int32)
+    return (jnp.sum(starts).astype(jnp.int32), first, lengths, page[first], offset[first])
+
+
+def _write_kernel_tpu(num_runs_ref, first_ref, length_ref, page_ref, offset_ref,  # SMEM
+                      k_hbm_ref, v_hbm_ref,  # f32[K, T + S, H] HBM: the new rows, head-major
+                      _cache_in_ref, cache_ref,  # [2, K, NB, S, H] HBM, aliased
+                      page_buf, new_buf, sems):  # VMEM [2, K, S, H], f32[2, K, S, H]; DMA[4]
+    run = pl.program_id(0)
+
+    @pl.when(run < num_runs_ref[0])
+    def _():
+        first, page, offset = first_ref[run], page_ref[run], offset_ref[run]
+        _, num_kv_heads, block_size, head_dim = page_buf.shape
+        # Whole pages only: a DMA into a bf16 page at a row offset is not aligned to the
+        # (packed) tiling, so the run's page is read, updated in VMEM and written back.
+        reads = [pltpu.make_async_copy(cache_ref.at[i, :, page], page_buf.at[i], sems.at[i])
+                 for i in (0, 1)]
+        reads += [pltpu.make_async_copy(src.at[:, pl.ds(first, block_size)], new_buf.at[i],
+                                        sems.at[2 + i])
+                  for i, src in enumerate((k_hbm_ref, v_hbm_ref))]
+        for copy in reads:
+            copy.start()
+        for copy in reads:
+            copy.wait()
+        # Row r of the page takes new row r - offset, for offset <= r < offset + length.
+        row = jax.lax.broadcasted_iota(jnp.int32, (num_kv_heads, block_size, head_dim), 1)
+        inside = (row >= offset) & (row < offset + length_ref[run])
+        for i in (0, 1):
+            moved = pltpu.roll(new_buf[i], offset, 1)
+            page_buf[i] = jnp.where(inside, moved, page_buf[i].astype(jnp.float32)).astype(
+                page_buf.dtype)
+        writes = [pltpu.make_async_copy(page_buf.at[i], cache_ref.at[i, :, page], sems.at[i])
+                  for i in (0, 1)]
+        for copy in writes:
+            copy.start()
+        for copy in writes:
+            copy.wait()
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(0,))
@@ -79,28 +121,40 @@ def write_kv_tpu(
     kv_cache: jax.Array,  # [2, K, NB, S, H]
     k: jax.Array,  # [T, K, H]
     v: jax.Array,  # [T, K, H]
-    slot_mapping: jax.Array,  # i32[T]
+    slot_mapping: jax.Array,  # i32[T]; padding tokens point into the null block
     *, interpret: bool = False,
 ) -> jax.Array:
-    """One program per token (Mosaic): slots scalar-prefetched, a K and a V DMA from HBM straight
-    into the token's slot of the HBM cache, which is updated in place (nothing is staged in VMEM).
-    A quantized cache is written by the XLA scatter (it quantizes as it writes)."""
+    """One program per run of tokens in one page (Mosaic, run boundaries scalar-prefetched):
+    the page's K and V are read into VMEM, the run's rows put in place and the pages written
+    back, in place on the aliased HBM cache. Runs of the same page are taken in order (the grid
+    is sequential). A quantized cache is written by the XLA scatter (it quantizes as it
+    writes)."""
     if isinstance(kv_cache, QuantizedKV):
         return write_kv_reference(kv_cache, k, v, slot_mapping)
+    _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
+    runs = page_runs(slot_mapping.astype(jnp.int32), block_size)
+
+    def head_major(x):  # f32[K, T + S, H]: any S-row window from a run's first token exists
+        x = jnp.pad(x.astype(jnp.float32), ((0, block_size), (0, 0), (0, 0)))
+        return x.transpose(1, 0, 2)
+
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
-        functools.partial(_write_kernel_tpu, block_size=kv_cache.shape[3]),
+        _write_kernel_tpu,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,  # slot_mapping
-            grid=(k.shape[0],),
-            in_specs=[any_spec] * 3,  # k, v, kv_cache: all in HBM
+            num_scalar_prefetch=5,  # num_runs, first, length, page, offset
+            grid=(k.shape[0],),  # at most one run per token
+            in_specs=[any_spec] * 3,  # new K, new V, kv_cache: all in HBM
             out_specs=any_spec,
-            scratch_shapes=[pltpu.SemaphoreType.DMA((2,))],  # the K and the V copy
+            scratch_shapes=[
+                pltpu.VMEM((2, num_kv_heads, block_size, head_dim), kv_cache.dtype),
+                pltpu.VMEM((2, num_kv_heads, block_size, head_dim), jnp.float32),
+                pltpu.SemaphoreType.DMA((4,)),
+            ],
         ),
         out_shape=jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
-        input_output_aliases={3: 0},  # operand 3 counts the scalar-prefetch slot_mapping
+        input_output_aliases={7: 0},  # operand 7 counts the five scalar-prefetch operands
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=interpret_params(interpret),
         name="write_kv_tpu",
-    )(slot_mapping.astype(jnp.int32), k.astype(kv_cache.dtype), v.astype(kv_cache.dtype),
-      kv_cache)
+    )(runs[0].reshape(1), *runs[1:], head_major(k), head_major(v), kv_cache)

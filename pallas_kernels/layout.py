@@ -20,6 +20,7 @@ from pallas_kernels.quant import QuantizedKV, is_quantized, quantize
 
 
 PADDED_HEAD_DIM_BACKENDS = ("gpu",)
+NULL_BLOCK = 0  # the scheduler's null block (scheduler.block_pool): padding writes land there
 
 
 def cache_head_dim(head_dim: int, backend: str = "reference") -> int:

@@ -59,8 +59,9 @@ class PagePipeline:
             copy.wait()
 
     def fetch(self, block, first_block, num_blocks):
-        """K and V of compute block `block` (f32 [C*S, H]), with block + 1 already in flight
-        into the other slot while they are used."""
+        """Compute block `block` as a list of key chunks, with block + 1 already in flight into
+        the other slot while they are used. Each chunk is (offset of its first key in the
+        block, K f32 [n, H], V f32 [n, H], K scales, V scales f32 [1, n] or None)."""
         slot = (block - first_block) % 2
 
         @pl.when(block + 1 < num_blocks)
@@ -68,20 +69,22 @@ class PagePipeline:
             self.start(block + 1, 1 - slot)
 
         self.wait(block, slot)
-        return self.load(slot)
+        return self.chunks(slot)
 
-    def load(self, slot):
-        """f32 K and V of the slot's C pages, [C*S, H], dequantized if the cache is."""
+    def chunks(self, slot):
+        """One chunk of C*S keys; for a quantized cache one per page, whose scales are read as
+        a [1, S] row: Mosaic cannot recast the [C, S] scale buffer into a [C*S, 1] column, so
+        they scale the scores and the probabilities instead of K and V."""
         (k_buf, v_buf) = self.buffers[0]
         _, pages, block_size, head_dim = k_buf.shape
-        rows = pages * block_size
-        k = k_buf[slot].reshape(rows, head_dim).astype(jnp.float32)
-        v = v_buf[slot].reshape(rows, head_dim).astype(jnp.float32)
-        if len(self.buffers) > 1:
-            k_scales, v_scales = self.buffers[1]
-            k = k * k_scales[slot].reshape(rows, 1)
-            v = v * v_scales[slot].reshape(rows, 1)
-        return k, v
+        if len(self.buffers) == 1:
+            rows = pages * block_size
+            return [(0, k_buf[slot].reshape(rows, head_dim).astype(jnp.float32),
+                     v_buf[slot].reshape(rows, head_dim).astype(jnp.float32), None, None)]
+        k_scales, v_scales = self.buffers[1]
+        return [(c * block_size, k_buf[slot, c].astype(jnp.float32),
+                 v_buf[slot, c].astype(jnp.float32), k_scales[slot, pl.ds(c, 1)],
+                 v_scales[slot, pl.ds(c, 1)]) for c in range(pages)]
 
 
 def split_quantized(kv_cache):
@@ -99,12 +102,16 @@ def page_scratch(pages_per_step: int, block_size: int, head_dim: int, data, scal
     return shapes
 
 
-def online_softmax_step(q, k, v, visible, carry, *, soft_cap: float | None):
-    """One flash-attention update of (o, m [R, 1], l [R, 1]) with a block of keys, shared by the
-    TPU kernels: q [R, H] pre-scaled, k and v [C*S, H] zeroed where they may hold garbage,
-    visible broadcastable to [R, C*S]."""
+def online_softmax_step(q, k, v, visible, carry, *, soft_cap: float | None, k_scales=None,
+                        v_scales=None):
+    """One flash-attention update of (o, m [R, 1], l [R, 1]) with a chunk of keys, shared by the
+    TPU kernels: q [R, H] pre-scaled, k and v [T, H] zeroed where they may hold garbage,
+    visible broadcastable to [R, T]; for a quantized cache the per-key scales [1, T] (zeroed
+    where not visible) multiply the scores and the probabilities: q.(s k) = s (q.k)."""
     o, m, l = carry
     s = jnp.einsum("RH,TH->RT", q, k, preferred_element_type=jnp.float32)
+    if k_scales is not None:
+        s = s * k_scales
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     s = jnp.where(visible, s, MASK_VALUE)
@@ -112,8 +119,28 @@ def online_softmax_step(q, k, v, visible, carry, *, soft_cap: float | None):
     correction = jnp.exp(m - m_new)
     p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
     l = l * correction + jnp.sum(p, axis=1, keepdims=True)
+    if v_scales is not None:
+        p = p * v_scales
     o = o * correction + jnp.einsum("RT,TH->RH", p, v, preferred_element_type=jnp.float32)
     return o, m_new, l
+
+
+def attend_chunk(q, chunk, first_key, carry, *, key_live, visible, soft_cap):
+    """Masks one chunk from PagePipeline.fetch and folds it into the softmax carry.
+    key_live(pos) says which key positions exist (anything past them may be NaN), and
+    visible(pos [1, n]) which the rows see; pos are absolute positions."""
+    offset, k, v, k_scales, v_scales = chunk
+    n = k.shape[0]
+    # Positions as a row and as a column: no transpose, which Mosaic may not lay out.
+    row = first_key + offset + jax.lax.broadcasted_iota(jnp.int32, (1, n), 1)
+    col = first_key + offset + jax.lax.broadcasted_iota(jnp.int32, (n, 1), 0)
+    k = jnp.where(key_live(col), k, 0.0)
+    v = jnp.where(key_live(col), v, 0.0)
+    if k_scales is not None:
+        k_scales = jnp.where(key_live(row), k_scales, 0.0)
+        v_scales = jnp.where(key_live(row), v_scales, 0.0)
+    return online_softmax_step(q, k, v, visible(row), carry, soft_cap=soft_cap,
+                               k_scales=k_scales, v_scales=v_scales)
 
 
 def _decode_kernel(
@@ -150,17 +177,17 @@ def _decode_kernel(
     q = q_ref[...].astype(jnp.float32) * scale
     num_rows = q.shape[0]
 
-    def body(block, carry):
-        k, v = pipeline.fetch(block, first_block, num_blocks)
-        kv_pos = block * block_k + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-        valid = kv_pos < kv_len
+    def key_live(pos):  # keys past kv_len come from pages that may hold anything, NaN too
+        live = pos < kv_len
         if sliding_window is not None:
-            valid &= kv_pos >= kv_len - sliding_window
-        # Rows past kv_len come from pages that may hold anything, NaN included.
-        valid_col = jnp.transpose(valid)  # [C*S, 1]
-        k = jnp.where(valid_col, k, 0.0)
-        v = jnp.where(valid_col, v, 0.0)
-        return online_softmax_step(q, k, v, valid, carry, soft_cap=soft_cap)
+            live &= pos >= kv_len - sliding_window
+        return live
+
+    def body(block, carry):
+        for chunk in pipeline.fetch(block, first_block, num_blocks):
+            carry = attend_chunk(q, chunk, block * block_k, carry, key_live=key_live,
+                                 visible=key_live, soft_cap=soft_cap)
+        return carry
 
     init = (jnp.zeros((num_rows, head_dim), jnp.float32),
             jnp.full((num_rows, 1), MASK_VALUE, jnp.float32),

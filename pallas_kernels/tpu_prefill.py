@@ -19,8 +19,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.gpu_prefill import tile_layout
-from pallas_kernels.tpu_decode import (MASK_VALUE, SUBLANES, PagePipeline, interpret_params,
-                                       online_softmax_step, page_scratch, split_quantized)
+from pallas_kernels.tpu_decode import (MASK_VALUE, SUBLANES, PagePipeline, attend_chunk,
+                                       interpret_params, page_scratch, split_quantized)
 
 
 def _ragged_kernel(
@@ -73,16 +73,18 @@ def _ragged_kernel(
     row_live = (row_token < q_end) & live
     q_pos = offset + row_token - q_first  # [rows, 1]
 
-    def body(block, carry):
-        k, v = pipeline.fetch(block, first_block, num_blocks)
-        kv_pos = block * block_k + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-        col_live = jnp.transpose(kv_pos <= last_pos)  # [C*S, 1]
-        k = jnp.where(col_live, k, 0.0)
-        v = jnp.where(col_live, v, 0.0)
-        visible = (kv_pos <= q_pos) & row_live  # [rows, C*S]
+    def visible(pos):  # [rows, n]: causal, within the window, live rows only
+        seen = (pos <= q_pos) & row_live
         if sliding_window is not None:
-            visible &= kv_pos > q_pos - sliding_window
-        return online_softmax_step(q, k, v, visible, carry, soft_cap=soft_cap)
+            seen &= pos > q_pos - sliding_window
+        return seen
+
+    def body(block, carry):
+        for chunk in pipeline.fetch(block, first_block, num_blocks):
+            carry = attend_chunk(q, chunk, block * block_k, carry,
+                                 key_live=lambda pos: pos <= last_pos, visible=visible,
+                                 soft_cap=soft_cap)
+        return carry
 
     init = (jnp.zeros((num_rows, head_dim), jnp.float32),
             jnp.full((num_rows, 1), MASK_VALUE, jnp.float32),

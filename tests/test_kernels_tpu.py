@@ -100,11 +100,35 @@ def test_decode_kernel_matches_jax_shipped_tpu_op():
     np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-5, atol=1e-5)
 
 
-def test_write_kv_tpu_matches_scatter():
+def engine_slots(block_size=8):
+    """Slots as a step writes them: a prefill chunk that starts mid-page and crosses two pages,
+    decode tokens at page ends and starts, the same page in two runs (a token written, then
+    its neighbour after another sequence's), and padding into the null block."""
+    pages = [5, 9, 2, 7, 11]
+    slots = ([5 * block_size + o for o in range(3, 8)] + [9 * block_size + o for o in range(4)]
+             + [2 * block_size + 7, 7 * block_size, 11 * block_size + 1, 2 * block_size + 6])
+    assert all(s // block_size in pages for s in slots)
+    return np.asarray(slots + [0, 0, 0], np.int32)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("pattern", ["shuffled", "engine"])
+def test_write_kv_tpu_matches_scatter(dtype, pattern):
+    """Every slot pattern, in a 32-bit and a packed 16-bit cache (whose pages the kernel
+    rewrites whole): exactly the scatter's result outside the null block."""
     from test_kernels_gpu import assert_same_write, write_case
     from pallas_kernels import write_kv_reference, write_kv_tpu
-    cache, k, v, slots = write_case(np.random.default_rng(3), 80, 80)
-    want = write_kv_reference(jnp.asarray(cache), jnp.asarray(k), jnp.asarray(v), slots)
-    got = write_kv_tpu(jnp.asarray(cache), jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots),
-                       interpret=True)
+    cache, k, v, slots = write_case(np.random.default_rng(3), 80, 80, num_tokens=16)
+    if pattern == "engine":
+        slots = engine_slots()
+    cache, k, v = (jnp.asarray(x).astype(dtype) for x in (cache, k, v))
+    want = write_kv_reference(cache, k, v, slots)
+    got = write_kv_tpu(cache, k, v, jnp.asarray(slots), interpret=True)
     assert_same_write(got, want, 8)
+
+
+def test_null_block_agrees_with_the_scheduler():
+    """The TPU write skips the null block's slots: it must be the scheduler's null block."""
+    from pallas_kernels.layout import NULL_BLOCK
+    from scheduler import NULL_BLOCK as SCHEDULER_NULL_BLOCK
+    assert NULL_BLOCK == SCHEDULER_NULL_BLOCK

@@ -1,0 +1,72 @@
+"""Ahead-of-time compiles of the TPU kernels for a TPU topology, on a machine without a TPU.
+
+libtpu compiles for a described topology (`jax.experimental.topologies.get_topology_desc`)
+without a chip: Mosaic's whole pipeline runs, layout inference and the vector/memref checks
+included, which the CPU-side lowering (tests/test_kernels_lowering.py) never reaches. A kernel
+that passes every interpret-mode test can still fail here: an unsupported shape cast, a DMA
+offset not aligned to the memory tiling. libtpu is a test dependency installed outside the
+virtual environment's site-packages (`make test` puts it in .venv/libtpu), so that importing
+jax elsewhere never tries to start a TPU; this module is run as its own process:
+
+    python -m pallas_kernels.tpu_aot --libtpu .venv/libtpu --topology v5e:2x2 CASES.json
+
+CASES.json lists {"name", "module", "function", "args"} entries, where "args" names a function
+of that module returning (fn, abstract args); each case prints one JSON line with its outcome.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+
+# libtpu reads these at start-up; without them it queries a GCE metadata server and waits.
+QUIET_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5litepod-4",
+             "TPU_WORKER_HOSTNAMES": "localhost", "TPU_WORKER_ID": "0",
+             "TF_CPP_MIN_LOG_LEVEL": "3"}
+
+
+def compile_for_topology(build, topology: str) -> str:
+    """Compiles `fn(*abstract_args)` for the first chip of `topology`; returns its device kind."""
+    import jax
+    from jax.experimental import topologies
+
+    device = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    fn, args = build()
+    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                        args)
+    jax.jit(fn).trace(*args).lower().compile()
+    return device.device_kind
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("cases", help="JSON file: [{name, module, function}]")
+    parser.add_argument("--libtpu", required=True, help="folder holding the libtpu package")
+    parser.add_argument("--topology", default="v5e:2x2")
+    args = parser.parse_args()
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    sys.path.insert(0, os.path.abspath(args.libtpu))
+    with open(args.cases) as f:
+        cases = json.load(f)
+    for case in cases:
+        start = time.perf_counter()
+        result = {"name": case["name"], "topology": args.topology}
+        try:
+            module = importlib.import_module(case["module"])
+            build = getattr(module, case["function"])
+            result.update(ok=True, device_kind=compile_for_topology(
+                lambda: build(case["name"]), args.topology))
+        except Exception as e:  # every case reports, the run goes on
+            result.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
+        result["seconds"] = round(time.perf_counter() - start, 2)
+        print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
