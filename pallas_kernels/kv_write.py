@@ -61,6 +61,9 @@ def write_kv_gpu(
       kv_cache)
 
 
+ROW_TILE = 8  # rows of an f32 tile in TPU memory
+
+
 def page_runs(slot_mapping: jax.Array, block_size: int):
     """Cuts the step's tokens into runs: consecutive tokens at consecutive slots of one page.
     Tokens in the null block (padding) belong to no run: nobody reads what is written there.
@@ -83,7 +86,7 @@ def page_runs(slot_mapping: jax.Array, block_size: int):
 def _write_kernel_tpu(num_runs_ref, first_ref, length_ref, page_ref, offset_ref,  # SMEM
                       k_hbm_ref, v_hbm_ref,  # f32[K, T + S, H] HBM: the new rows, head-major
                       _cache_in_ref, cache_ref,  # [2, K, NB, S, H] HBM, aliased
-                      page_buf, new_buf, sems):  # VMEM [2, K, S, H], f32[2, K, S, H]; DMA[4]
+                      page_buf, new_buf, sems):  # VMEM [2, K, S, H], f32[2, K, S + 8, H], DMA[4]
     run = pl.program_id(0)
 
     @pl.when(run < num_runs_ref[0])
@@ -94,18 +97,22 @@ def _write_kernel_tpu(num_runs_ref, first_ref, length_ref, page_ref, offset_ref,
         # (packed) tiling, so the run's page is read, updated in VMEM and written back.
         reads = [pltpu.make_async_copy(cache_ref.at[i, :, page], page_buf.at[i], sems.at[i])
                  for i in (0, 1)]
-        reads += [pltpu.make_async_copy(src.at[:, pl.ds(first, block_size)], new_buf.at[i],
-                                        sems.at[2 + i])
+        # The new rows from a window starting at a multiple of 8 (a DMA source must start on
+        # a tile row once a row spans more than one lane tile, as at head dim 256).
+        lead = jax.lax.rem(first, ROW_TILE)
+        window = pl.ds(pl.multiple_of(first - lead, ROW_TILE), block_size + ROW_TILE)
+        reads += [pltpu.make_async_copy(src.at[:, window], new_buf.at[i], sems.at[2 + i])
                   for i, src in enumerate((k_hbm_ref, v_hbm_ref))]
         for copy in reads:
             copy.start()
         for copy in reads:
             copy.wait()
-        # Row r of the page takes new row r - offset, for offset <= r < offset + length.
+        # Page row r takes window row r - offset + lead, for offset <= r < offset + length.
         row = jax.lax.broadcasted_iota(jnp.int32, (num_kv_heads, block_size, head_dim), 1)
         inside = (row >= offset) & (row < offset + length_ref[run])
+        shift = jax.lax.rem(offset - lead + block_size + ROW_TILE, block_size + ROW_TILE)
         for i in (0, 1):
-            moved = pltpu.roll(new_buf[i], offset, 1)
+            moved = pltpu.roll(new_buf[i], shift, 1)[:, :block_size]
             page_buf[i] = jnp.where(inside, moved, page_buf[i].astype(jnp.float32)).astype(
                 page_buf.dtype)
         writes = [pltpu.make_async_copy(page_buf.at[i], cache_ref.at[i, :, page], sems.at[i])
@@ -134,21 +141,27 @@ def write_kv_tpu(
     _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
     runs = page_runs(slot_mapping.astype(jnp.int32), block_size)
 
-    def head_major(x):  # f32[K, T + S, H]: any S-row window from a run's first token exists
-        x = jnp.pad(x.astype(jnp.float32), ((0, block_size), (0, 0), (0, 0)))
+    if block_size % ROW_TILE:
+        raise ValueError(f"the TPU KV write needs a block size that is a multiple of {ROW_TILE}, "
+                         f"got block_size={block_size}")
+
+    def head_major(x):  # f32[K, T + S + 8, H]: every run's window of S + 8 rows exists
+        x = jnp.pad(x.astype(jnp.float32), ((0, block_size + ROW_TILE), (0, 0), (0, 0)))
         return x.transpose(1, 0, 2)
 
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    # HBM, not ANY: a small input under ANY may be placed in VMEM, where a window at an
+    # unaligned row is no DMA source (MQA at head dim 256 did that).
+    hbm_spec = pl.BlockSpec(memory_space=pltpu.HBM)
     return pl.pallas_call(
         _write_kernel_tpu,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,  # num_runs, first, length, page, offset
             grid=(k.shape[0],),  # at most one run per token
-            in_specs=[any_spec] * 3,  # new K, new V, kv_cache: all in HBM
-            out_specs=any_spec,
+            in_specs=[hbm_spec] * 3,  # new K, new V, kv_cache
+            out_specs=hbm_spec,
             scratch_shapes=[
                 pltpu.VMEM((2, num_kv_heads, block_size, head_dim), kv_cache.dtype),
-                pltpu.VMEM((2, num_kv_heads, block_size, head_dim), jnp.float32),
+                pltpu.VMEM((2, num_kv_heads, block_size + ROW_TILE, head_dim), jnp.float32),
                 pltpu.SemaphoreType.DMA((4,)),
             ],
         ),

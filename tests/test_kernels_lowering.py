@@ -45,8 +45,8 @@ def lowered_text(fn, backend, *args, **kwargs) -> str:
     return traced.lower(lowering_platforms=(PLATFORM[backend],)).as_text()
 
 
-def cache_struct(backend, head_dim, dtype, block_size=BLOCK_SIZE):
-    shape = kv_cache_shape(NUM_BLOCKS, block_size, NUM_KV_HEADS, head_dim, backend)
+def cache_struct(backend, head_dim, dtype, block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS):
+    shape = kv_cache_shape(NUM_BLOCKS, block_size, num_kv_heads, head_dim, backend)
     if dtype in ("int8", "float8_e4m3fn"):
         return QuantizedKV(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)),
                            jax.ShapeDtypeStruct(shape[:-1], jnp.float32))
@@ -54,17 +54,17 @@ def cache_struct(backend, head_dim, dtype, block_size=BLOCK_SIZE):
 
 
 def kernel_args(kind, backend, head_dim, dtype, *, block_size=BLOCK_SIZE, width=TABLE_WIDTH,
-                num_heads=NUM_HEADS):
+                num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS):
     """Abstract operands of a kernel: "decode", "ragged" or "write" (the KV write)."""
     q_dtype = jnp.bfloat16 if dtype in ("int8", "float8_e4m3fn") else dtype
-    cache = cache_struct(backend, head_dim, dtype, block_size)
+    cache = cache_struct(backend, head_dim, dtype, block_size, num_kv_heads)
     if kind == "decode":
         return (jax.ShapeDtypeStruct((SEQS, num_heads, head_dim), q_dtype), cache, i32((SEQS,)),
                 i32((SEQS, width)), i32(()))
     if kind == "ragged":
         return (jax.ShapeDtypeStruct((TOKENS, num_heads, head_dim), q_dtype), cache,
                 i32((SEQS,)), i32((SEQS, width)), i32((SEQS + 1,)), i32(()))
-    new = jax.ShapeDtypeStruct((TOKENS, NUM_KV_HEADS, head_dim), q_dtype)
+    new = jax.ShapeDtypeStruct((TOKENS, num_kv_heads, head_dim), q_dtype)
     return (cache, new, new, i32((TOKENS,)))
 
 

@@ -22,20 +22,26 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 LIBTPU = pathlib.Path(os.environ.get("PAGEDJAX_LIBTPU", ROOT / ".venv" / "libtpu"))
 TOPOLOGIES = ["v5e:2x2", "v6e:2x2"]
 
-# kind, head dim, cache dtype, options (block 16, 32 query / 8 KV heads as the benchmark)
+# kind, head dim, cache dtype, options; then optionally block size and (query, KV) heads. The
+# default is the benchmark's shape: block 16, 32 query / 8 KV heads.
 CASES = {
     "decode-bf16": ("decode", 128, jnp.bfloat16, {}),
     "decode-f32-h80": ("decode", 80, jnp.float32, {}),
     "decode-bf16-window-softcap": ("decode", 128, jnp.bfloat16,
                                    dict(sliding_window=40, soft_cap=30.0)),
     "decode-int8": ("decode", 128, "int8", {}),
+    "decode-fp8-block32-mha-h64": ("decode", 64, "float8_e4m3fn", {}, 32, (8, 8)),
+    "decode-bf16-block8-mqa-h256": ("decode", 256, jnp.bfloat16, {}, 8, (8, 1)),
     "ragged-bf16": ("ragged", 128, jnp.bfloat16, {}),
     "ragged-f32-h80": ("ragged", 80, jnp.float32, {}),
     "ragged-bf16-window-softcap": ("ragged", 128, jnp.bfloat16,
                                    dict(sliding_window=40, soft_cap=30.0)),
     "ragged-int8": ("ragged", 128, "int8", {}),
+    "ragged-bf16-block32-mqa-h256": ("ragged", 256, jnp.bfloat16, {}, 32, (8, 1)),
     "write-bf16": ("write", 128, jnp.bfloat16, {}),
     "write-f32": ("write", 128, jnp.float32, {}),
+    # A row of two lane tiles: the new rows' DMA window must start on a tile row.
+    "write-bf16-block8-mqa-h256": ("write", 256, jnp.bfloat16, {}, 8, (8, 1)),
 }
 # Known not to compile yet, with the reason Mosaic gives; strict, so a fix turns them red.
 KNOWN_FAILURES = {}
@@ -43,12 +49,14 @@ KNOWN_FAILURES = {}
 
 def build(name):
     """(fn, abstract args) of one case: what the child process compiles."""
-    kind, head_dim, dtype, options = CASES[name]
+    kind, head_dim, dtype, options, *shape = CASES[name]
+    block_size, (num_heads, num_kv_heads) = shape or (16, (32, 8))
     decode, ragged, write = KERNELS["tpu"]
     fn = {"decode": decode, "ragged": ragged, "write": write}[kind]
     if kind != "write":
         fn = functools.partial(fn, scale=head_dim ** -0.5, **options)
-    return fn, kernel_args(kind, "tpu", head_dim, dtype)
+    return fn, kernel_args(kind, "tpu", head_dim, dtype, block_size=block_size,
+                           num_heads=num_heads, num_kv_heads=num_kv_heads)
 
 
 @pytest.fixture(scope="module")
