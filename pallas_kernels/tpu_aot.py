@@ -26,7 +26,9 @@ import time
 # libtpu reads these at start-up; without them it queries a GCE metadata server and waits.
 QUIET_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5litepod-4",
              "TPU_WORKER_HOSTNAMES": "localhost", "TPU_WORKER_ID": "0",
-             "TF_CPP_MIN_LOG_LEVEL": "3"}
+             "TF_CPP_MIN_LOG_LEVEL": "3",
+             # Compiles only, no chip to share: two test workers may run at once.
+             "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 
 
 def compile_for_topology(build, topology: str) -> str:

@@ -47,8 +47,36 @@ CASES = {
 KNOWN_FAILURES = {}
 
 
+STEPS = ["step-prefill", "step-decode"]  # the engine's whole jitted step, tpu backend
+
+
+def build_step(kind):
+    """The runner's step program (model, KV writes, attention, sampler) at a bucket shape."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from models import LlamaConfig, LlamaForCausalLM
+    from pagedjax.runner import padding_plan, step_fn
+    from pallas_kernels import AttentionBackend, init_kv_cache
+
+    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=128)
+    graphdef, params = nnx.split(LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    caches = jax.eval_shape(lambda: init_kv_cache(config.num_layers, 64, 16, config.num_kv_heads,
+                                                  config.head_dim, jnp.bfloat16, "tpu"))
+    num_tokens = 64 if kind == "prefill" else 8
+    plan = padding_plan(kind, num_tokens, 8, max_blocks_per_seq=8)
+    plan = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), plan)
+    return (functools.partial(step_fn, graphdef, AttentionBackend("tpu"), 0),
+            (params, caches, plan))
+
+
 def build(name):
     """(fn, abstract args) of one case: what the child process compiles."""
+    if name in STEPS:
+        return build_step(name.removeprefix("step-"))
     kind, head_dim, dtype, options, *shape = CASES[name]
     block_size, (num_heads, num_kv_heads) = shape or (16, (32, 8))
     decode, ragged, write = KERNELS["tpu"]
@@ -66,7 +94,7 @@ def compiled(tmp_path_factory):
                     "(requirements/tpu-aot.txt), or set PAGEDJAX_LIBTPU")
     cases = tmp_path_factory.mktemp("tpu_aot") / "cases.json"
     cases.write_text(json.dumps([{"name": name, "module": "test_kernels_tpu_compile",
-                                  "function": "build"} for name in CASES]))
+                                  "function": "build"} for name in [*CASES, *STEPS]]))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
     results = {}
     for topology in TOPOLOGIES:
@@ -81,7 +109,7 @@ def compiled(tmp_path_factory):
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [*CASES, *STEPS])
 def test_kernel_compiles_for_tpu(case, topology, compiled, request):
     if case in KNOWN_FAILURES:
         request.applymarker(pytest.mark.xfail(reason=KNOWN_FAILURES[case], strict=True))
