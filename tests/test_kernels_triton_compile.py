@@ -119,3 +119,31 @@ def test_fp8_cache_is_refused_below_sm89(target):
     target(A100)
     with pytest.raises(ValueError, match=r"compute capability >= 8.9.*this one is 8.0"):
         build("decode-fp8", A100)
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_engine_step_kernels_build_for_h200(kind, target):
+    """Every Triton kernel of the engine's jitted step (gpu backend, a Llama-shaped attention:
+    32 query / 8 KV heads of 128, block 16, bf16) builds and fits an H200."""
+    import numpy as np
+    from flax import nnx
+
+    from models import LlamaConfig, LlamaForCausalLM
+    from pagedjax.runner import padding_plan, step_fn
+    from pallas_kernels import AttentionBackend, init_kv_cache
+
+    target(H200)
+    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_layers=1,
+                         num_heads=32, num_kv_heads=8, head_dim=128)
+    graphdef, params = nnx.split(LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), params)
+    caches = jax.eval_shape(lambda: init_kv_cache(1, 64, 16, 8, 128, jnp.bfloat16, "gpu"))
+    plan = padding_plan(kind, 64 if kind == "prefill" else 8, 8, max_blocks_per_seq=32)
+    plan = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), plan)
+    step = functools.partial(step_fn, graphdef, AttentionBackend("gpu"), 0)
+    lowered = jax.jit(step).trace(params, caches, plan).lower(lowering_platforms=("cuda",))
+    kernels = gpu_aot.compile_lowered(lowered, H200)
+    attention = {"prefill": "ragged_paged_attention_gpu", "decode": "paged_decode_attention_gpu"}
+    assert sorted(k.name for k in kernels) == sorted([attention[kind], "write_kv_gpu"])
+    for kernel in kernels:
+        assert kernel.fits and kernel.spill_bytes == 0, kernel
