@@ -40,7 +40,14 @@ FINDINGS = """
 What these builds changed in the kernels (2026-11-29, before any GPU run):
 
 - An f32 cache at block 32 asked for 264 KB of shared memory (8 pages a step), more than any
-  chip has: the wrappers now size pages_per_step to the chip (gpu_decode.fit_pages_per_step).
+  chip has: the wrappers now size pages per step, then pipeline stages, to the chip
+  (gpu_decode.fit_pipeline).
+- The ragged kernel at head dim 256 with a GQA group of 8 (16 tokens = 128 rows a program)
+  spilled registers on every chip: it now takes fewer tokens a program when rows x head dim
+  exceeds 64 x 128 (gpu_prefill.choose_tile_q). A sweep over block sizes 8/16/32, head dims
+  64/80/128/256, MHA/GQA/MQA and f32/bf16/int8/fp8 on sm_90/sm_80/sm_89 then leaves one build
+  with a spill (8 bytes: int8, block 32, head dim 256, on an L4) and none over its chip's
+  shared memory.
 - A select zeroing K past the sequence's length cost 28 KB (the dot then reads K through a
   second buffer); scores are masked anyway, so only V is zeroed. A masked load of V instead of
   the select stopped Triton from pipelining V with cp.async, so the select stays.

@@ -55,29 +55,39 @@ def shared_memory_limit(capability: tuple[int, int] | None = None) -> int:
 def shared_memory_bytes(*, rows: int, keys: int, head_dim: int, cache_itemsize: int,
                         compute_itemsize: int, num_stages: int, quantized: bool) -> int:
     """An upper bound on the shared memory of one attention program: num_stages pipelined
-    buffers of the K and V tiles (and their f32 scales), the query tile, and for a quantized
-    cache the dequantized tile a dot reads. Triton shares buffers whose lifetimes do not
-    overlap, so a build asks for less (tests/test_kernels_triton_compile.py checks the bound
-    against sm_90 builds)."""
+    buffers of the K and V tiles (and their f32 scales), the query tile, the probabilities
+    the second dot reads, and for a quantized cache the dequantized tile a dot reads. Triton
+    shares buffers whose lifetimes do not overlap, so a build asks for less
+    (tests/test_kernels_triton_compile.py checks the bound against sm_90 builds)."""
     per_stage = 2 * keys * (head_dim * cache_itemsize + (4 if quantized else 0))
-    total = num_stages * per_stage + rows * head_dim * compute_itemsize
+    total = num_stages * per_stage + rows * (head_dim + keys) * compute_itemsize
     if quantized:
         total += keys * head_dim * compute_itemsize
     return total
 
 
-def fit_pages_per_step(preferred: int, *, rows: int, block_size: int, head_dim: int,
-                       cache_itemsize: int, compute_itemsize: int, num_stages: int,
-                       quantized: bool, limit: int | None = None) -> int:
-    """The largest power of two <= preferred whose pages fit the GPU's shared memory."""
+def fit_pipeline(pages_per_step: int | None, num_stages: int | None, *, preferred_pages: int,
+                 rows: int, block_size: int, head_dim: int, cache_itemsize: int,
+                 compute_itemsize: int, quantized: bool,
+                 limit: int | None = None) -> tuple[int, int]:
+    """(pages per loop step, pipeline stages) for a kernel. What is given is taken as given;
+    for what is None, the largest power of two <= preferred_pages and 2 stages, down to 1 page
+    and then 1 stage, while the tiles overflow the GPU's shared memory (see
+    shared_memory_bytes)."""
     limit = shared_memory_limit() if limit is None else limit
-    pages = preferred
-    while pages > 1 and shared_memory_bytes(
+
+    def fits(pages, stages):
+        return shared_memory_bytes(
             rows=rows, keys=pages * block_size, head_dim=head_dim, cache_itemsize=cache_itemsize,
-            compute_itemsize=compute_itemsize, num_stages=num_stages,
-            quantized=quantized) > limit:
-        pages //= 2
-    return pages
+            compute_itemsize=compute_itemsize, num_stages=stages, quantized=quantized) <= limit
+
+    for stages in [num_stages] if num_stages is not None else [2, 1]:
+        pages = preferred_pages if pages_per_step is None else pages_per_step
+        while pages_per_step is None and pages > 1 and not fits(pages, stages):
+            pages //= 2
+        if fits(pages, stages):
+            break
+    return pages, stages
 
 
 def online_softmax_step(q, k, v, visible, carry, *, scale: float, soft_cap: float | None):
@@ -205,11 +215,11 @@ def paged_decode_attention_gpu(
     num_seqs: jax.Array,  # i32[] only the first num_seqs rows are valid
     *, scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
     pages_per_step: int | None = None, num_splits: int | None = None, num_warps: int = 8,
-    num_stages: int = 2, interpret: bool = False,
+    num_stages: int | None = None, interpret: bool = False,
 ) -> jax.Array:  # [B, N, H]; 0 for padding rows
-    """pages_per_step None: up to 8 pages (128 keys at block 16) per loop step, as many as fit
-    the shared memory of the visible GPU (of an H100/H200 where none is); an explicit value is
-    taken as given. 8 warps: at the benchmark's shape 4 warps need 237 registers a thread (255
+    """pages_per_step / num_stages None: up to 8 pages (128 keys at block 16) per loop step and
+    2 pipeline stages, as many as fit the shared memory of the visible GPU (of an H100/H200
+    where none is; see fit_pipeline); an explicit value is taken as given. 8 warps: at the benchmark's shape 4 warps need 237 registers a thread (255
     with an int8 cache), 8 need 119, and an SM then holds 16 warps, as many as it holds of
     JAX's shipped kernel (benchmarks/results/gpu_compile.md)."""
     batch, num_heads, head_dim = q.shape
@@ -222,11 +232,10 @@ def paged_decode_attention_gpu(
     group = num_heads // num_kv_heads
     padded_group = max(MIN_DOT_SIZE, next_power_of_2(group))
     width = block_tables.shape[1]
-    if pages_per_step is None:
-        pages_per_step = fit_pages_per_step(
-            8, rows=padded_group, block_size=block_size, head_dim=padded_head_dim,
-            cache_itemsize=data.dtype.itemsize, compute_itemsize=jnp.dtype(dtype).itemsize,
-            num_stages=num_stages, quantized=scales is not None)
+    pages_per_step, num_stages = fit_pipeline(
+        pages_per_step, num_stages, preferred_pages=8, rows=padded_group,
+        block_size=block_size, head_dim=padded_head_dim, cache_itemsize=data.dtype.itemsize,
+        compute_itemsize=jnp.dtype(dtype).itemsize, quantized=scales is not None)
     pages_per_step = min(pages_per_step, next_power_of_2(width))
     if num_splits is None:
         num_splits = choose_num_splits(batch * num_kv_heads, width, pages_per_step)

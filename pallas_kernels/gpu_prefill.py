@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gpu_decode import (MASK_VALUE, fit_pages_per_step, load_pages,
+from pallas_kernels.gpu_decode import (MASK_VALUE, MIN_DOT_SIZE, fit_pipeline, load_pages,
                                        next_power_of_2, online_softmax_step, split_cache)
 
 
@@ -108,6 +108,22 @@ def tile_layout(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int, tile
     return tile_seq, tile_start.astype(jnp.int32), token_tile, local % tile_q
 
 
+# Rows x head dim of one program's query tile: 16 tokens x a GQA group of 4 x 128, the shape
+# whose f32 accumulator 8 warps hold without spilling (benchmarks/results/gpu_compile.md).
+MAX_TILE_ELEMENTS = 64 * 128
+
+
+def choose_tile_q(padded_group: int, padded_head_dim: int, preferred: int = 16) -> int:
+    """Query tokens a program takes: halved while the tile is larger than MAX_TILE_ELEMENTS,
+    as long as the rows still fill a dot (at head dim 256 with a group of 8, 16 tokens spill
+    registers on every chip)."""
+    tile_q = preferred
+    while (tile_q * padded_group * padded_head_dim > MAX_TILE_ELEMENTS
+           and (tile_q // 2) * padded_group >= MIN_DOT_SIZE):
+        tile_q //= 2
+    return tile_q
+
+
 @functools.partial(jax.jit, static_argnames=(
     "scale", "sliding_window", "soft_cap", "tile_q", "pages_per_step", "num_warps",
     "num_stages", "interpret"))
@@ -119,11 +135,13 @@ def ragged_paged_attention_gpu(
     cu_q_lens: jax.Array,  # i32[B + 1]
     num_seqs: jax.Array,  # i32[]
     *, scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-    tile_q: int = 16, pages_per_step: int | None = None, num_warps: int = 8,
-    num_stages: int = 2, interpret: bool = False,
+    tile_q: int | None = None, pages_per_step: int | None = None, num_warps: int = 8,
+    num_stages: int | None = None, interpret: bool = False,
 ) -> jax.Array:  # [T, N, H]; 0 for padding tokens
-    """pages_per_step None: up to 4 pages per loop step, as many as fit the GPU's shared memory
-    (see paged_decode_attention_gpu); an explicit value is taken as given. 8 warps: with 4, a
+    """tile_q None: up to 16 query tokens a program, fewer when the GQA group and head dim
+    make the rows x head dim tile larger than MAX_TILE_ELEMENTS (see choose_tile_q).
+    pages_per_step / num_stages None: up to 4 pages per loop step and 2 stages, as many as fit
+    the GPU's shared memory (see gpu_decode.fit_pipeline); an explicit value is taken as given. 8 warps: with 4, a
     tile of 16 tokens x a GQA group of 4 needs 223 registers a thread on sm_90 and spills on
     sm_80 (benchmarks/results/gpu_compile.md)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -134,11 +152,12 @@ def ragged_paged_attention_gpu(
     group = num_heads // num_kv_heads
     padded_group = next_power_of_2(group)
     width = block_tables.shape[1]
-    if pages_per_step is None:
-        pages_per_step = fit_pages_per_step(
-            4, rows=tile_q * padded_group, block_size=block_size, head_dim=padded_head_dim,
-            cache_itemsize=data.dtype.itemsize, compute_itemsize=jnp.dtype(dtype).itemsize,
-            num_stages=num_stages, quantized=scales is not None)
+    if tile_q is None:
+        tile_q = choose_tile_q(padded_group, padded_head_dim)
+    pages_per_step, num_stages = fit_pipeline(
+        pages_per_step, num_stages, preferred_pages=4, rows=tile_q * padded_group,
+        block_size=block_size, head_dim=padded_head_dim, cache_itemsize=data.dtype.itemsize,
+        compute_itemsize=jnp.dtype(dtype).itemsize, quantized=scales is not None)
     pages_per_step = min(pages_per_step, next_power_of_2(width))
     padded_width = (pl.cdiv(width, pages_per_step) + 1) * pages_per_step
     tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_width - width)))

@@ -31,6 +31,10 @@ CASES = {
     "ragged-bf16": ("ragged", 128, jnp.bfloat16, 16, 64, {}),
     "ragged-f32-h80-block32": ("ragged", 80, jnp.float32, 32, 8, {}),
     "ragged-int8": ("ragged", 128, "int8", 16, 64, {}),
+    # 8 query heads on one KV head of 256: 16 tokens a program would spill (choose_tile_q).
+    "ragged-bf16-h256-mqa": ("ragged", 256, jnp.bfloat16, 16, 64, {}, (8, 1)),
+    # One page of 32 f32 keys of 256 overflows an L4 at 2 stages: fit_pipeline drops to 1.
+    "decode-f32-h256-block32": ("decode", 256, jnp.float32, 32, 8, {}, (8, 1)),
     "write-bf16": ("write", 128, jnp.bfloat16, 16, 8, {}),
     "write-f32-h80": ("write", 80, jnp.float32, 16, 8, {}),
 }
@@ -48,11 +52,13 @@ def target(monkeypatch):
 
 
 def build(case, capability):
-    kind, head_dim, dtype, block_size, width, options = CASES[case]
+    kind, head_dim, dtype, block_size, width, options, *heads = CASES[case]
+    num_heads, num_kv_heads = heads[0] if heads else (32, 8)
     decode, ragged, write = KERNELS["gpu"]
     fn = {"decode": decode, "ragged": ragged, "write": write}[kind]
     kwargs = {} if kind == "write" else dict(scale=head_dim ** -0.5, **options)
-    args = kernel_args(kind, "gpu", head_dim, dtype, block_size=block_size, width=width)
+    args = kernel_args(kind, "gpu", head_dim, dtype, block_size=block_size, width=width,
+                       num_heads=num_heads, num_kv_heads=num_kv_heads)
     lowered = jax.jit(functools.partial(fn, **kwargs)).trace(*args).lower(
         lowering_platforms=("cuda",))
     [kernel] = gpu_aot.compile_lowered(lowered, capability)
@@ -71,7 +77,8 @@ def test_kernel_builds_for_h200(case, target):
 
 
 @pytest.mark.parametrize("capability", [A100, L4], ids=["sm_80", "sm_89"])
-@pytest.mark.parametrize("case", ["decode-bf16", "decode-f32-h80-block32", "ragged-bf16"])
+@pytest.mark.parametrize("case", ["decode-bf16", "decode-f32-h80-block32", "ragged-bf16",
+                                  "decode-f32-h256-block32"])
 def test_kernel_fits_smaller_chips(case, capability, target):
     """Sized for an A100 (163 KB a block) or an L4 (99 KB, Colab's), a kernel fits it too."""
     target(capability)
@@ -83,7 +90,8 @@ def test_kernel_fits_smaller_chips(case, capability, target):
 def test_oversized_tiles_are_caught():
     """The check can fail: 8 pages of 32 f32 keys, double-buffered, do not fit an H200."""
     args = kernel_args("decode", "gpu", 128, jnp.float32, block_size=32, width=8)
-    lowered = jax.jit(functools.partial(KERNELS["gpu"][0], scale=0.1, pages_per_step=8)).trace(
+    lowered = jax.jit(functools.partial(KERNELS["gpu"][0], scale=0.1, pages_per_step=8,
+                                        num_stages=2)).trace(
         *args).lower(lowering_platforms=("cuda",))
     [kernel] = gpu_aot.compile_lowered(lowered, H200)
     assert not kernel.fits and kernel.shared_bytes > kernel.shared_limit
