@@ -62,14 +62,15 @@ def write_kv_gpu(
 
 
 ROW_TILE = 8  # rows of an f32 tile in TPU memory
+MAX_WRITE_TOKENS = 65536  # 3 x 4 bytes a token of run table in SMEM (1 MB on v5e)
 
 
 def page_runs(slot_mapping: jax.Array, block_size: int):
     """Cuts the step's tokens into runs: consecutive tokens at consecutive slots of one page.
     Tokens in the null block (padding) belong to no run: nobody reads what is written there.
 
-    Returns (num_runs i32[], and per run, padded to T: first token, length, page, offset of the
-    first token in its page), every one i32[T]."""
+    Returns (num_runs i32[], and per run, padded to T: first token, length, slot of the first
+    token), every one i32[T]."""
     num_tokens = slot_mapping.shape[0]
     page = jax.lax.div(slot_mapping, block_size)
     offset = jax.lax.rem(slot_mapping, block_size)
@@ -80,10 +81,10 @@ def page_runs(slot_mapping: jax.Array, block_size: int):
     run_of_token = jnp.where(live, jnp.cumsum(starts) - 1, num_tokens)
     lengths = jnp.zeros(num_tokens, jnp.int32).at[run_of_token].add(1, mode="drop")
     first = jnp.nonzero(starts, size=num_tokens, fill_value=0)[0].astype(jnp.int32)
-    return (jnp.sum(starts).astype(jnp.int32), first, lengths, page[first], offset[first])
+    return jnp.sum(starts).astype(jnp.int32), first, lengths, slot_mapping[first]
 
 
-def _write_kernel_tpu(num_runs_ref, first_ref, length_ref, page_ref, offset_ref,  # SMEM
+def _write_kernel_tpu(num_runs_ref, first_ref, length_ref, slot_ref,  # SMEM
                       k_hbm_ref, v_hbm_ref,  # f32[K, T + S, H] HBM: the new rows, head-major
                       _cache_in_ref, cache_ref,  # [2, K, NB, S, H] HBM, aliased
                       page_buf, new_buf, sems):  # VMEM [2, K, S, H], f32[2, K, S + 8, H], DMA[4]
@@ -91,8 +92,9 @@ def _write_kernel_tpu(num_runs_ref, first_ref, length_ref, page_ref, offset_ref,
 
     @pl.when(run < num_runs_ref[0])
     def _():
-        first, page, offset = first_ref[run], page_ref[run], offset_ref[run]
         _, num_kv_heads, block_size, head_dim = page_buf.shape
+        first, slot = first_ref[run], slot_ref[run]
+        page, offset = jax.lax.div(slot, block_size), jax.lax.rem(slot, block_size)
         # Whole pages only: a DMA into a bf16 page at a row offset is not aligned to the
         # (packed) tiling, so the run's page is read, updated in VMEM and written back.
         reads = [pltpu.make_async_copy(cache_ref.at[i, :, page], page_buf.at[i], sems.at[i])
@@ -141,6 +143,10 @@ def write_kv_tpu(
     _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
     runs = page_runs(slot_mapping.astype(jnp.int32), block_size)
 
+    if k.shape[0] > MAX_WRITE_TOKENS:
+        raise ValueError(f"the TPU KV write takes at most {MAX_WRITE_TOKENS} tokens a step (its "
+                         f"run table lives in SMEM), got {k.shape[0]}: lower "
+                         "max_num_batched_tokens")
     if block_size % ROW_TILE:
         raise ValueError(f"the TPU KV write needs a block size that is a multiple of {ROW_TILE}, "
                          f"got block_size={block_size}")
@@ -155,7 +161,7 @@ def write_kv_tpu(
     return pl.pallas_call(
         _write_kernel_tpu,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5,  # num_runs, first, length, page, offset
+            num_scalar_prefetch=4,  # num_runs, first, length, first slot
             grid=(k.shape[0],),  # at most one run per token
             in_specs=[hbm_spec] * 3,  # new K, new V, kv_cache
             out_specs=hbm_spec,
@@ -166,7 +172,7 @@ def write_kv_tpu(
             ],
         ),
         out_shape=jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
-        input_output_aliases={7: 0},  # operand 7 counts the five scalar-prefetch operands
+        input_output_aliases={6: 0},  # operand 6 counts the four scalar-prefetch operands
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=interpret_params(interpret),
         name="write_kv_tpu",

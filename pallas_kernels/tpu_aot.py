@@ -41,7 +41,9 @@ def compile_for_topology(build, topology: str) -> str:
     fn, args = build()
     args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
                         args)
-    jax.jit(fn).trace(*args).lower().compile()
+    # Pallas asks the default device which TPU generation it lowers for.
+    with jax.default_device(device):
+        jax.jit(fn).trace(*args).lower().compile()
     return device.device_kind
 
 

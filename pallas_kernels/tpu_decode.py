@@ -12,6 +12,7 @@ Only ceil(kv_len / (C * S)) compute blocks are fetched, never the padded table w
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -29,22 +30,48 @@ def interpret_params(interpret: bool):
     return pltpu.InterpretParams(out_of_bounds_reads="raise") if interpret else False
 
 
+TABLE_ALIGN = 128  # block-table rows padded to whole lane tiles, so each row DMA is aligned
+
+
+def table_width(width: int, pages_per_step: int) -> int:
+    """Padded width of a block-table row: whole compute blocks and whole lane tiles."""
+    return pl.cdiv(width, math.lcm(pages_per_step, TABLE_ALIGN)) * math.lcm(pages_per_step,
+                                                                           TABLE_ALIGN)
+
+
+def flat_tables(block_tables: jax.Array, padded_width: int) -> jax.Array:
+    """i32[B * Pp]: the block tables, rows padded with the null block, kept in HBM."""
+    width = block_tables.shape[1]
+    return jnp.pad(block_tables.astype(jnp.int32),
+                   ((0, 0), (0, padded_width - width))).reshape(-1)
+
+
+def fetch_table_row(tables_hbm_ref, seq, row_ref, sem):
+    """Copies one sequence's block-table row from HBM into SMEM. The whole table, scalar-
+    prefetched, outgrows SMEM (1 MB on v5e) at 128 sequences x 32k tokens of context."""
+    width = row_ref.shape[0]
+    copy = pltpu.make_async_copy(
+        tables_hbm_ref.at[pl.ds(pl.multiple_of(seq * width, TABLE_ALIGN), width)], row_ref, sem)
+    copy.start()
+    copy.wait()
+
+
 class PagePipeline:
     """Double-buffered page DMAs of one (sequence, KV head): K and V, and for a quantized cache
     their scales, C pages per compute block into one slot of the VMEM buffers."""
 
-    def __init__(self, kv_hbm_ref, scales_hbm_ref, buffers, sems, tables_ref, *, seq, head,
-                 pages_per_step: int, table_width: int):
+    def __init__(self, kv_hbm_ref, scales_hbm_ref, buffers, sems, table_row_ref, *, head,
+                 pages_per_step: int):
         self.sources = [kv_hbm_ref] + ([] if scales_hbm_ref is None else [scales_hbm_ref])
         # [k_buf, v_buf(, k_scales_buf, v_scales_buf)] as made by page_scratch, paired up
         self.buffers = [tuple(buffers[i:i + 2]) for i in range(0, len(buffers), 2)]
         self.sems = sems  # (k_sems, v_sems): DMA[2], one per slot
-        self.tables_ref, self.seq, self.head = tables_ref, seq, head
-        self.pages_per_step, self.table_width = pages_per_step, table_width
+        self.table_row_ref, self.head = table_row_ref, head  # SMEM i32[Pp]: this sequence's
+        self.pages_per_step = pages_per_step
 
     def _copies(self, block, slot):
-        base = self.seq * self.table_width + block * self.pages_per_step
-        pages = [self.tables_ref[base + c] for c in range(self.pages_per_step)]
+        base = block * self.pages_per_step
+        pages = [self.table_row_ref[base + c] for c in range(self.pages_per_step)]
         return [pltpu.make_async_copy(src.at[kv_index, self.head, page],
                                       bufs[kv_index].at[slot, c], self.sems[kv_index].at[slot])
                 for src, bufs in zip(self.sources, self.buffers) for kv_index in (0, 1)
@@ -145,17 +172,18 @@ def attend_chunk(q, chunk, first_key, carry, *, key_live, visible, soft_cap):
 
 def _decode_kernel(
     kv_lens_ref,  # i32[B]                 SMEM (scalar prefetch); 0 for padding rows
-    tables_ref,  # i32[B * Pp]             SMEM (scalar prefetch), flattened block tables
     q_ref,  # [Gp, H]                      VMEM block of this (sequence, KV head)
+    tables_hbm_ref,  # i32[B * Pp]         HBM, flattened block tables
     kv_hbm_ref,  # [2, K, NB, S, H]        HBM (ANY)
     *refs,  # [scales f32[2, K, NB, S] HBM,] o [Gp, H] VMEM output block, then scratch:
+    #         table_row i32[Pp] SMEM and its DMA semaphore,
     #         k_buf, v_buf [2, C, S, H] (+ k/v scale buffers [2, C, S]) VMEM double buffers,
     #         k_sems, v_sems DMA[2], one semaphore per buffer slot
-    pages_per_step: int, table_width: int, scale: float, sliding_window: int | None,
+    pages_per_step: int, scale: float, sliding_window: int | None,
     soft_cap: float | None, quantized: bool,
 ):
     scales_hbm_ref, refs = (refs[0], refs[1:]) if quantized else (None, refs)
-    o_ref, *buffers, k_sems, v_sems = refs
+    o_ref, table_row, table_sem, *buffers, k_sems, v_sems = refs
     seq, head = pl.program_id(0), pl.program_id(1)
     block_size, head_dim = kv_hbm_ref.shape[3], kv_hbm_ref.shape[4]
     block_k = pages_per_step * block_size
@@ -166,9 +194,9 @@ def _decode_kernel(
         # sign(), which Mosaic only lowers for a known TPU generation.
         first_block = jax.lax.div(jnp.maximum(kv_len - sliding_window, 0), block_k)
     num_blocks = pl.cdiv(kv_len, block_k)
-    pipeline = PagePipeline(kv_hbm_ref, scales_hbm_ref, buffers, (k_sems, v_sems), tables_ref,
-                            seq=seq, head=head,
-                            pages_per_step=pages_per_step, table_width=table_width)
+    fetch_table_row(tables_hbm_ref, seq, table_row, table_sem)
+    pipeline = PagePipeline(kv_hbm_ref, scales_hbm_ref, buffers, (k_sems, v_sems), table_row,
+                            head=head, pages_per_step=pages_per_step)
 
     @pl.when(first_block < num_blocks)
     def _():
@@ -218,29 +246,32 @@ def paged_decode_attention_tpu(
     padded_group = pl.cdiv(group, SUBLANES) * SUBLANES
     width = block_tables.shape[1]
     pages_per_step = min(pages_per_step, width)
-    padded_width = pl.cdiv(width, pages_per_step) * pages_per_step
-    tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_width - width)))
+    padded_width = table_width(width, pages_per_step)
     lens = jnp.where(jnp.arange(batch) < num_seqs, kv_lens, 0).astype(jnp.int32)
     qg = q.reshape(batch, num_kv_heads, group, head_dim)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, padded_group - group), (0, 0)))
 
     kernel = functools.partial(
-        _decode_kernel, pages_per_step=pages_per_step, table_width=padded_width, scale=scale,
+        _decode_kernel, pages_per_step=pages_per_step, scale=scale,
         sliding_window=sliding_window, soft_cap=soft_cap, quantized=scales is not None)
     quant_operands = [] if scales is None else [scales]
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,  # kv_lens, flattened block tables
+            num_scalar_prefetch=1,  # kv_lens
             grid=(batch, num_kv_heads),
             in_specs=[
                 pl.BlockSpec((None, None, padded_group, head_dim),
                              lambda b, h, *_: (b, h, 0, 0)),  # q
+                pl.BlockSpec(memory_space=pltpu.HBM),  # block tables: a row DMA'd per program
                 pl.BlockSpec(memory_space=pl.ANY),  # kv_cache stays in HBM
             ] + [pl.BlockSpec(memory_space=pl.ANY)] * len(quant_operands),  # scales, in HBM
             out_specs=pl.BlockSpec((None, None, padded_group, head_dim),
                                    lambda b, h, *_: (b, h, 0, 0)),
-            scratch_shapes=page_scratch(pages_per_step, block_size, head_dim, data, scales) + [
+            scratch_shapes=[
+                pltpu.SMEM((padded_width,), jnp.int32),  # this sequence's block-table row
+                pltpu.SemaphoreType.DMA(()),
+                *page_scratch(pages_per_step, block_size, head_dim, data, scales),
                 pltpu.SemaphoreType.DMA((2,)),  # K DMAs (pages and scales), one per slot
                 pltpu.SemaphoreType.DMA((2,)),  # V DMAs
             ],
@@ -249,5 +280,5 @@ def paged_decode_attention_tpu(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret_params(interpret),
         name="paged_decode_attention_tpu",
-    )(lens, tables.reshape(-1), qg, data, *quant_operands)
+    )(lens, qg, flat_tables(block_tables, padded_width), data, *quant_operands)
     return out[:, :, :group].reshape(batch, num_heads, head_dim)

@@ -20,7 +20,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.gpu_prefill import tile_layout
 from pallas_kernels.tpu_decode import (MASK_VALUE, SUBLANES, PagePipeline, attend_chunk,
-                                       interpret_params, page_scratch, split_quantized)
+                                       fetch_table_row, flat_tables, interpret_params,
+                                       page_scratch, split_quantized, table_width)
 
 
 def _ragged_kernel(
@@ -28,17 +29,17 @@ def _ragged_kernel(
     tile_start_ref,  # i32[NT]         SMEM; first token of each tile
     cu_q_lens_ref,  # i32[B + 1]       SMEM
     kv_lens_ref,  # i32[B]             SMEM
-    tables_ref,  # i32[B * Pp]         SMEM, flattened block tables
+    tables_hbm_ref,  # i32[B * Pp]     HBM, flattened block tables
     q_hbm_ref,  # [T + BQ, K, Gp, H]   HBM (ANY)
     kv_hbm_ref,  # [2, K, NB, S, H]    HBM (ANY)
     *refs,  # [scales f32[2, K, NB, S] HBM,] o f32[BQ, Gp, H] VMEM output tile, then scratch:
-    #         q_buf [BQ, Gp, H], k_buf, v_buf [2, C, S, H] (+ scale buffers [2, C, S]) VMEM,
-    #         q_sem, k_sems, v_sems DMA
-    tile_q: int, pages_per_step: int, table_width: int, scale: float,
+    #         table_row i32[Pp] SMEM, q_buf [BQ, Gp, H], k_buf, v_buf [2, C, S, H] (+ scale
+    #         buffers [2, C, S]) VMEM, table_sem, q_sem, k_sems, v_sems DMA
+    tile_q: int, pages_per_step: int, scale: float,
     sliding_window: int | None, soft_cap: float | None, quantized: bool,
 ):
     scales_hbm_ref, refs = (refs[0], refs[1:]) if quantized else (None, refs)
-    o_ref, q_buf, *buffers, q_sem, k_sems, v_sems = refs
+    o_ref, table_row, q_buf, *buffers, table_sem, q_sem, k_sems, v_sems = refs
     tile, head = pl.program_id(0), pl.program_id(1)
     block_size, head_dim = kv_hbm_ref.shape[3], kv_hbm_ref.shape[4]
     group = q_buf.shape[1]
@@ -55,9 +56,9 @@ def _ragged_kernel(
         first_block = jax.lax.div(  # non-negative: see tpu_decode on floor division
             jnp.maximum(offset + start - q_first - sliding_window + 1, 0), block_k)
     num_blocks = jnp.where(live, pl.cdiv(last_pos + 1, block_k), 0)
-    pipeline = PagePipeline(kv_hbm_ref, scales_hbm_ref, buffers, (k_sems, v_sems), tables_ref,
-                            seq=seq, head=head,
-                            pages_per_step=pages_per_step, table_width=table_width)
+    fetch_table_row(tables_hbm_ref, seq, table_row, table_sem)
+    pipeline = PagePipeline(kv_hbm_ref, scales_hbm_ref, buffers, (k_sems, v_sems), table_row,
+                            head=head, pages_per_step=pages_per_step)
 
     q_copy = pltpu.make_async_copy(q_hbm_ref.at[pl.ds(start, tile_q), head], q_buf, q_sem)
     q_copy.start()
@@ -117,8 +118,7 @@ def ragged_paged_attention_tpu(
     padded_group = pl.cdiv(group, SUBLANES) * SUBLANES if group > 1 else 1
     width = block_tables.shape[1]
     pages_per_step = min(pages_per_step, width)
-    padded_width = pl.cdiv(width, pages_per_step) * pages_per_step
-    tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_width - width)))
+    padded_width = table_width(width, pages_per_step)
     cu_q_lens = cu_q_lens.astype(jnp.int32)
     tile_seq, tile_start, token_tile, token_row = tile_layout(cu_q_lens, num_seqs, num_tokens,
                                                               tile_q)
@@ -127,23 +127,25 @@ def ragged_paged_attention_tpu(
     num_tiles = tile_seq.shape[0]
 
     kernel = functools.partial(
-        _ragged_kernel, tile_q=tile_q, pages_per_step=pages_per_step, table_width=padded_width,
-        scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        _ragged_kernel, tile_q=tile_q, pages_per_step=pages_per_step, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
         quantized=scales is not None)
     quant_operands = [] if scales is None else [scales]
     tiles = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5,  # tile_seq, tile_start, cu_q_lens, kv_lens, block tables
+            num_scalar_prefetch=4,  # tile_seq, tile_start, cu_q_lens, kv_lens
             grid=(num_tiles, num_kv_heads),
-            in_specs=[pl.BlockSpec(memory_space=pl.ANY),  # q: rows DMA'd per tile
+            in_specs=[pl.BlockSpec(memory_space=pltpu.HBM),  # block tables: a row per tile
+                      pl.BlockSpec(memory_space=pl.ANY),  # q: rows DMA'd per tile
                       pl.BlockSpec(memory_space=pl.ANY)]  # kv_cache stays in HBM
             + [pl.BlockSpec(memory_space=pl.ANY)] * len(quant_operands),  # scales, in HBM
             out_specs=pl.BlockSpec((None, tile_q, None, padded_group, head_dim),
                                    lambda t, h, *_: (t, 0, h, 0, 0)),
             scratch_shapes=[
+                pltpu.SMEM((padded_width,), jnp.int32),  # the tile's block-table row
                 pltpu.VMEM((tile_q, padded_group, head_dim), q.dtype),  # this tile's queries
                 *page_scratch(pages_per_step, block_size, head_dim, data, scales),
+                pltpu.SemaphoreType.DMA(()),  # table-row DMA
                 pltpu.SemaphoreType.DMA(()),  # query DMA
                 pltpu.SemaphoreType.DMA((2,)),  # K DMAs, one per buffer slot
                 pltpu.SemaphoreType.DMA((2,)),  # V DMAs
@@ -154,8 +156,8 @@ def ragged_paged_attention_tpu(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret_params(interpret),
         name="ragged_paged_attention_tpu",
-    )(tile_seq, tile_start, cu_q_lens, kv_lens.astype(jnp.int32), tables.reshape(-1), qg,
-      data, *quant_operands)
+    )(tile_seq, tile_start, cu_q_lens, kv_lens.astype(jnp.int32),
+      flat_tables(block_tables, padded_width), qg, data, *quant_operands)
     out = tiles[token_tile, token_row][:, :, :group]  # [T, K, G, H]
     live = jnp.arange(num_tokens) < cu_q_lens[num_seqs]
     out = jnp.where(live[:, None, None, None], out, 0.0)

@@ -13,6 +13,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -42,6 +43,13 @@ CASES = {
     "write-f32": ("write", 128, jnp.float32, {}),
     # A row of two lane tiles: the new rows' DMA window must start on a tile row.
     "write-bf16-block8-mqa-h256": ("write", 256, jnp.bfloat16, {}, 8, (8, 1)),
+}
+# Production sizes, where SMEM (1 MB on v5e) is the limit: block tables of 128 sequences x 32k
+# tokens (a scalar-prefetched table was 1 MB alone) and the largest step the KV write takes.
+LARGE = {
+    "decode-bf16-128seqs-32k": ("decode", dict(seqs=128, width=2048)),
+    "ragged-bf16-256seqs-8k-tokens": ("ragged", dict(seqs=256, width=2048, tokens=8192)),
+    "write-bf16-64k-tokens": ("write", dict(tokens=65536)),
 }
 # Known not to compile yet, with the reason Mosaic gives; strict, so a fix turns them red.
 KNOWN_FAILURES = {}
@@ -77,6 +85,12 @@ def build(name):
     """(fn, abstract args) of one case: what the child process compiles."""
     if name in STEPS:
         return build_step(name.removeprefix("step-"))
+    if name in LARGE:
+        kind, sizes = LARGE[name]
+        fn = KERNELS["tpu"][("decode", "ragged", "write").index(kind)]
+        if kind != "write":
+            fn = functools.partial(fn, scale=0.1)
+        return fn, kernel_args(kind, "tpu", 128, jnp.bfloat16, **sizes)
     kind, head_dim, dtype, options, *shape = CASES[name]
     block_size, (num_heads, num_kv_heads) = shape or (16, (32, 8))
     decode, ragged, write = KERNELS["tpu"]
@@ -94,7 +108,7 @@ def compiled(tmp_path_factory):
                     "(requirements/tpu-aot.txt), or set PAGEDJAX_LIBTPU")
     cases = tmp_path_factory.mktemp("tpu_aot") / "cases.json"
     cases.write_text(json.dumps([{"name": name, "module": "test_kernels_tpu_compile",
-                                  "function": "build"} for name in [*CASES, *STEPS]]))
+                                  "function": "build"} for name in [*CASES, *LARGE, *STEPS]]))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
     results = {}
     for topology in TOPOLOGIES:
@@ -109,9 +123,16 @@ def compiled(tmp_path_factory):
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)
-@pytest.mark.parametrize("case", [*CASES, *STEPS])
+@pytest.mark.parametrize("case", [*CASES, *LARGE, *STEPS])
 def test_kernel_compiles_for_tpu(case, topology, compiled, request):
     if case in KNOWN_FAILURES:
         request.applymarker(pytest.mark.xfail(reason=KNOWN_FAILURES[case], strict=True))
     result = compiled[(topology, case)]
     assert result["ok"], result.get("error")
+
+
+def test_kv_write_refuses_more_tokens_than_smem_holds():
+    from pallas_kernels.kv_write import MAX_WRITE_TOKENS
+    args = kernel_args("write", "tpu", 128, jnp.bfloat16, tokens=MAX_WRITE_TOKENS + 1)
+    with pytest.raises(ValueError, match=f"at most {MAX_WRITE_TOKENS} tokens a step"):
+        jax.eval_shape(KERNELS["tpu"][2], *args)
