@@ -82,7 +82,7 @@ def test_int8_engine_tokens_agree_with_f32_and_blocks_shrink(tiny_model):
 
 
 @pytest.mark.parametrize("backend, dtype", [("gpu", jnp.int8), ("gpu", jnp.float8_e4m3fn),
-                                            ("tpu", jnp.int8)])
+                                            ("tpu", jnp.int8), ("tpu", jnp.float8_e4m3fn)])
 def test_pallas_kernels_read_quantized_caches(backend, dtype):
     from pallas_kernels import IMPLEMENTATIONS, paged_decode_attention_reference
     ragged_kernel = IMPLEMENTATIONS[backend].ragged
