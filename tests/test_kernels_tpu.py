@@ -127,6 +127,22 @@ def test_write_kv_tpu_matches_scatter(dtype, pattern):
     assert_same_write(got, want, 8)
 
 
+def test_write_kv_tpu_repeated_slots_keep_the_last_token():
+    """Tokens sharing a slot: the last one's K/V stays, as a sequential scatter leaves it."""
+    from pallas_kernels import write_kv_tpu
+    rng = np.random.default_rng(4)
+    cache = rng.standard_normal((2, 2, 12, 8, 128)).astype(np.float32)
+    k, v = (rng.standard_normal((9, 2, 128)).astype(np.float32) for _ in range(2))
+    slots = np.asarray([17, 40, 17, 41, 0, 95, 40, 18, 17], np.int32)
+    want = cache.copy()
+    for token, slot in enumerate(slots):
+        want[0, :, slot // 8, slot % 8] = k[token]
+        want[1, :, slot // 8, slot % 8] = v[token]
+    got = np.asarray(write_kv_tpu(jnp.asarray(cache), jnp.asarray(k), jnp.asarray(v),
+                                  jnp.asarray(slots), interpret=True))
+    np.testing.assert_array_equal(got[:, :, 1:], want[:, :, 1:])
+
+
 def test_null_block_agrees_with_the_scheduler():
     """The TPU write skips the null block's slots: it must be the scheduler's null block."""
     from pallas_kernels.layout import NULL_BLOCK
