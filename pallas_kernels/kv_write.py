@@ -1,8 +1,10 @@
 """Pallas KV-cache writes: the step's new K/V into their slots, in place on the donated cache.
 
-The cache is both an input and the aliased output (input_output_aliases), passed with
-memory_space=ANY, so only the written slots are touched; under a jit that donates the cache, no
-copy of the pool is made. write_kv_reference (an XLA scatter) is the reference for both.
+The cache is both an input and the aliased output (input_output_aliases), left in HBM
+(memory_space ANY on the GPU, HBM on the TPU), so only what is written is touched: the slots on
+the GPU, the pages holding them on the TPU (a bf16 row is no aligned DMA there, so pages are
+rewritten whole). Under a jit that donates the cache, no copy of the pool is made.
+write_kv_reference (an XLA scatter) is the reference for both.
 """
 
 from __future__ import annotations

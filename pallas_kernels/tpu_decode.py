@@ -3,8 +3,9 @@
 Axis letters: B sequences, N query heads, K KV heads, G = N // K (Gp: padded to a multiple of 8
 sublanes), H head dim, S block size, C pages per compute block, NB physical blocks.
 
-Grid (B, K). Block tables and kv_lens are scalar-prefetched into SMEM. K/V stay in HBM
-(memory_space=ANY); each program copies the pages it needs into VMEM with asynchronous DMAs,
+Grid (B, K). kv_lens are scalar-prefetched into SMEM; each program copies its sequence's
+block-table row from HBM into SMEM (the whole table would outgrow SMEM at production sizes). K/V
+stay in HBM (memory_space=ANY); each program copies the pages it needs into VMEM with DMAs,
 C pages per compute block, double-buffered: block j + 1 is in flight while block j is computed.
 Only ceil(kv_len / (C * S)) compute blocks are fetched, never the padded table width.
 """
@@ -35,8 +36,8 @@ TABLE_ALIGN = 128  # block-table rows padded to whole lane tiles, so each row DM
 
 def table_width(width: int, pages_per_step: int) -> int:
     """Padded width of a block-table row: whole compute blocks and whole lane tiles."""
-    return pl.cdiv(width, math.lcm(pages_per_step, TABLE_ALIGN)) * math.lcm(pages_per_step,
-                                                                           TABLE_ALIGN)
+    unit = math.lcm(pages_per_step, TABLE_ALIGN)
+    return pl.cdiv(width, unit) * unit
 
 
 def flat_tables(block_tables: jax.Array, padded_width: int) -> jax.Array:
@@ -66,8 +67,8 @@ class PagePipeline:
         # [k_buf, v_buf(, k_scales_buf, v_scales_buf)] as made by page_scratch, paired up
         self.buffers = [tuple(buffers[i:i + 2]) for i in range(0, len(buffers), 2)]
         self.sems = sems  # (k_sems, v_sems): DMA[2], one per slot
-        self.table_row_ref, self.head = table_row_ref, head  # SMEM i32[Pp]: this sequence's
-        self.pages_per_step = pages_per_step
+        self.table_row_ref = table_row_ref  # SMEM i32[Pp]: this sequence's block-table row
+        self.head, self.pages_per_step = head, pages_per_step
 
     def _copies(self, block, slot):
         base = block * self.pages_per_step

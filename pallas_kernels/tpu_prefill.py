@@ -3,8 +3,9 @@
 Axis letters as in tpu_decode; T tokens, BQ query tokens per tile, NT tiles.
 
 The tiling is the GPU kernel's (gpu_prefill.tile_layout): each sequence's query tokens are cut
-into tiles of BQ starting at its first token; grid (NT, K). The tile table, cu_q_lens, kv_lens and
-the block tables are scalar-prefetched. A program DMAs its BQ query rows from HBM, then walks the
+into tiles of BQ starting at its first token; grid (NT, K). The tile table, cu_q_lens and kv_lens
+are scalar-prefetched; a program copies its sequence's block-table row from HBM into SMEM
+(tpu_decode.fetch_table_row) and DMAs its BQ query rows from HBM, then walks the
 sequence's pages up to the tile's last position, C pages per compute block with double-buffered
 DMAs, and writes its own output tile.
 """
