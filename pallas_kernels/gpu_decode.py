@@ -66,6 +66,18 @@ def shared_memory_bytes(*, rows: int, keys: int, head_dim: int, cache_itemsize: 
     return total
 
 
+def check_triton_shapes(*, block_size: int, head_dim: int, **tunables: int | None) -> None:
+    """Triton's tensors have power-of-two dims: a cache in another layout lowers for the
+    interpreter and fails on the GPU, so it is refused here on either, by name."""
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"the GPU kernels need the cache's head dim padded to a power of two "
+                         f"(kv_cache_shape(..., backend='gpu')), got a cache head dim of "
+                         f"{head_dim}")
+    for name, value in dict(block_size=block_size, **tunables).items():
+        if value is not None and (value < 1 or value & (value - 1)):
+            raise ValueError(f"{name} must be a power of two for the GPU kernels, got {value}")
+
+
 def fit_pipeline(pages_per_step: int | None, num_stages: int | None, *, preferred_pages: int,
                  rows: int, block_size: int, head_dim: int, cache_itemsize: int,
                  compute_itemsize: int, quantized: bool,
@@ -90,6 +102,22 @@ def fit_pipeline(pages_per_step: int | None, num_stages: int | None, *, preferre
     return pages, stages
 
 
+def dot_precision(dtype) -> jax.lax.Precision | None:
+    """The precision of the kernels' dots, as XLA picks it for the model's other matmuls.
+
+    Triton takes f32 operands as TF32 (a 10-bit mantissa, ~1e-3 relative) unless asked for
+    IEEE f32, and so does XLA on a GPU under JAX's default matmul precision. With
+    `jax.default_matmul_precision("highest")` (or "float32") an f32 cache gets IEEE f32 products,
+    as XLA's f32 matmuls then do; they cost registers (about 255 a thread, spilling) where TF32
+    does not. 16-bit and quantized caches multiply 16-bit operands either way."""
+    if jnp.dtype(dtype) != jnp.float32:
+        return None
+    setting = jax.config.jax_default_matmul_precision
+    if setting in ("highest", "float32", "F32_F32_F32", jax.lax.Precision.HIGHEST):
+        return jax.lax.Precision.HIGHEST
+    return None
+
+
 def online_softmax_step(q, k, v, visible, carry, *, scale: float, soft_cap: float | None):
     """One flash-attention update of (o, m, l) with a block of keys, shared by the GPU kernels.
 
@@ -98,7 +126,8 @@ def online_softmax_step(q, k, v, visible, carry, *, scale: float, soft_cap: floa
     inf - inf and no NaN can arise.
     """
     o, m, l = carry
-    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale  # [R, C*S]
+    precision = dot_precision(q.dtype)
+    s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32) * scale
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     s = jnp.where(visible, s, MASK_VALUE)
@@ -106,7 +135,7 @@ def online_softmax_step(q, k, v, visible, carry, *, scale: float, soft_cap: floa
     correction = jnp.exp(m - m_new)
     p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
     l = l * correction + jnp.sum(p, axis=1)
-    o = o * correction[:, None] + jnp.dot(p.astype(v.dtype), v,
+    o = o * correction[:, None] + jnp.dot(p.astype(v.dtype), v, precision=precision,
                                           preferred_element_type=jnp.float32)
     return o, m_new, l
 
@@ -229,6 +258,8 @@ def paged_decode_attention_gpu(
         raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
     if padded_head_dim < head_dim:
         raise ValueError(f"cache head dim {padded_head_dim} < query head dim {head_dim}")
+    check_triton_shapes(block_size=block_size, head_dim=padded_head_dim,
+                        pages_per_step=pages_per_step)
     group = num_heads // num_kv_heads
     padded_group = max(MIN_DOT_SIZE, next_power_of_2(group))
     width = block_tables.shape[1]

@@ -20,8 +20,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gpu_decode import (MASK_VALUE, MIN_DOT_SIZE, fit_pipeline, load_pages,
-                                       next_power_of_2, online_softmax_step, split_cache)
+from pallas_kernels.gpu_decode import (MASK_VALUE, MIN_DOT_SIZE, check_triton_shapes,
+                                       fit_pipeline, load_pages, next_power_of_2,
+                                       online_softmax_step, split_cache)
 
 
 def _ragged_kernel(
@@ -149,6 +150,10 @@ def ragged_paged_attention_gpu(
     _, num_kv_heads, _, block_size, padded_head_dim = data.shape
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
+    if padded_head_dim < head_dim:
+        raise ValueError(f"cache head dim {padded_head_dim} < query head dim {head_dim}")
+    check_triton_shapes(block_size=block_size, head_dim=padded_head_dim, tile_q=tile_q,
+                        pages_per_step=pages_per_step)
     group = num_heads // num_kv_heads
     padded_group = next_power_of_2(group)
     width = block_tables.shape[1]

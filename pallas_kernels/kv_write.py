@@ -17,6 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.gpu_decode import check_triton_shapes
 from pallas_kernels.layout import NULL_BLOCK, write_kv_reference
 from pallas_kernels.quant import QuantizedKV
 from pallas_kernels.tpu_decode import interpret_params
@@ -48,6 +49,7 @@ def write_kv_gpu(
     cache is written by the XLA scatter (it quantizes as it writes)."""
     if isinstance(kv_cache, QuantizedKV):
         return write_kv_reference(kv_cache, k, v, slot_mapping)
+    check_triton_shapes(block_size=kv_cache.shape[3], head_dim=kv_cache.shape[-1])
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
         functools.partial(_write_kernel_gpu, block_size=kv_cache.shape[3]),

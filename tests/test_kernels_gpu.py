@@ -40,18 +40,25 @@ def as_dtype(case, dtype):
     return (jnp.asarray(case["q"]).astype(dtype), jnp.asarray(case["cache"]).astype(dtype))
 
 
+def reference_layout(args, head_dim):
+    """Kernel operands with the cache's head-dim padding (GPU layout) cut off, for the
+    reference, which reads the unpadded layout."""
+    q, cache, *rest = args
+    return (q, cache[..., :head_dim], *rest)
+
+
 @pytest.mark.parametrize("block_size, num_heads, num_kv_heads, head_dim, dtype", CASES)
 def test_decode_kernel_matches_reference(block_size, num_heads, num_kv_heads, head_dim, dtype):
     rng = np.random.default_rng(block_size + head_dim)
     case = build_case(rng, decode_seqs(block_size), block_size=block_size, num_heads=num_heads,
-                      num_kv_heads=num_kv_heads, head_dim=head_dim, padded_seqs=8,
+                      num_kv_heads=num_kv_heads, head_dim=head_dim, padded_seqs=8, backend="gpu",
                       padded_tokens=8)
     q, cache = as_dtype(case, dtype)
     args = (q, cache, case["kv_lens"], case["tables"], case["num_seqs"])
     got = np.asarray(paged_decode_attention_gpu(*args, scale=head_dim ** -0.5, interpret=True,
                                                 num_splits=2, pages_per_step=2), np.float32)
-    want = np.asarray(paged_decode_attention_reference(*args, scale=head_dim ** -0.5),
-                      np.float32)
+    want = np.asarray(paged_decode_attention_reference(*reference_layout(args, head_dim),
+                                                       scale=head_dim ** -0.5), np.float32)
     assert np.all(np.isfinite(got)), "a NaN page leaked"
     np.testing.assert_allclose(got[:5], want[:5], **tolerance(dtype))
     assert np.all(got[5:] == 0)
@@ -63,14 +70,14 @@ def test_ragged_kernel_matches_reference(block_size, num_heads, num_kv_heads, he
     seqs = ragged_seqs(block_size)
     num_tokens = sum(q for _, q in seqs)
     case = build_case(rng, seqs, block_size=block_size, num_heads=num_heads,
-                      num_kv_heads=num_kv_heads, head_dim=head_dim, padded_seqs=8,
+                      num_kv_heads=num_kv_heads, head_dim=head_dim, padded_seqs=8, backend="gpu",
                       padded_tokens=num_tokens + 7)
     q, cache = as_dtype(case, dtype)
     args = (q, cache, case["kv_lens"], case["tables"], case["cu_q_lens"], case["num_seqs"])
     got = np.asarray(ragged_paged_attention_gpu(*args, scale=head_dim ** -0.5, interpret=True,
                                                 tile_q=16, pages_per_step=2), np.float32)
-    want = np.asarray(ragged_paged_attention_reference(*args, scale=head_dim ** -0.5),
-                      np.float32)
+    want = np.asarray(ragged_paged_attention_reference(*reference_layout(args, head_dim),
+                                                       scale=head_dim ** -0.5), np.float32)
     assert np.all(np.isfinite(got)), "a NaN page leaked"
     np.testing.assert_allclose(got[:num_tokens], want[:num_tokens], **tolerance(dtype))
     assert np.all(got[num_tokens:] == 0)
@@ -162,3 +169,32 @@ def test_write_kv_gpu_matches_scatter(head_dim, cache_head_dim):
     got = write_kv_gpu(jnp.asarray(cache), jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots),
                        interpret=True)
     assert_same_write(got, want, 8)
+
+
+def test_layouts_triton_cannot_build_are_refused_by_name():
+    """Triton's tensors have power-of-two dims: a cache whose head dim is not padded (the
+    reference layout at head dim 80) or a tile of 3 pages would pass the interpreter and fail
+    to lower on a GPU, so the wrappers refuse them on either."""
+    from pallas_kernels import write_kv_gpu
+    rng = np.random.default_rng(3)
+    case = build_case(rng, [(20, 1)], block_size=8, num_heads=4, num_kv_heads=2, head_dim=80)
+    assert case["cache"].shape[-1] == 80  # the reference layout
+    q, cache = jnp.asarray(case["q"]), jnp.asarray(case["cache"])
+    decode_args = (q, cache, case["kv_lens"], case["tables"], case["num_seqs"])
+    with pytest.raises(ValueError, match="head dim padded to a power of two.*got a cache head "
+                                         "dim of 80"):
+        paged_decode_attention_gpu(*decode_args, scale=0.1, interpret=True)
+    with pytest.raises(ValueError, match="head dim padded to a power of two"):
+        ragged_paged_attention_gpu(q, cache, case["kv_lens"], case["tables"], case["cu_q_lens"],
+                                   case["num_seqs"], scale=0.1, interpret=True)
+    with pytest.raises(ValueError, match="head dim padded to a power of two"):
+        write_kv_gpu(cache, q[:, :2], q[:, :2], jnp.zeros(1, jnp.int32), interpret=True)
+    padded = build_case(rng, [(20, 1)], block_size=8, num_heads=4, num_kv_heads=2, head_dim=80,
+                        backend="gpu")
+    args = (q, jnp.asarray(padded["cache"]), padded["kv_lens"], padded["tables"],
+            padded["num_seqs"])
+    with pytest.raises(ValueError, match="pages_per_step must be a power of two.*got 3"):
+        paged_decode_attention_gpu(*args, scale=0.1, pages_per_step=3, interpret=True)
+    with pytest.raises(ValueError, match="tile_q must be a power of two.*got 12"):
+        ragged_paged_attention_gpu(*args[:4], padded["cu_q_lens"], padded["num_seqs"],
+                                   scale=0.1, tile_q=12, interpret=True)

@@ -118,3 +118,26 @@ def test_model_step_lowers_with_backend(backend, kind):
     for kernel in (f"write_kv_{backend}", f"{attention}_{backend}"):  # once per layer
         assert text.count(f"call @{kernel}(") == config.num_layers, kernel
     assert KERNEL_CALL[backend] in text
+
+
+@pytest.mark.parametrize("kind", ["decode", "ragged"])
+def test_gpu_dot_precision_follows_jax_matmul_precision(kind):
+    """Triton takes f32 dot operands as TF32 (~1e-3 relative) unless asked for IEEE f32, and so
+    does XLA on a GPU under JAX's default precision. Under
+    `jax.default_matmul_precision("highest")` the f32 kernels multiply in IEEE f32, as XLA's f32
+    matmuls then do; bf16 operands are bf16 either way."""
+    from pallas_kernels.gpu_aot import triton_modules
+    fn = KERNELS["gpu"][0 if kind == "decode" else 1]
+
+    def dots(dtype, precision):
+        with jax.default_matmul_precision(precision):
+            lowered = jax.jit(functools.partial(fn, scale=0.1)).trace(
+                *kernel_args(kind, "gpu", 128, dtype)).lower(lowering_platforms=("cuda",))
+        [module] = triton_modules(lowered)
+        found = [line for line in module.ttir.splitlines() if "tt.dot" in line]
+        assert len(found) == 2, found  # q.k and p.v
+        return found
+
+    assert all("inputPrecision = tf32" in d and "xf32>" in d for d in dots(jnp.float32, None))
+    assert all("inputPrecision" not in d for d in dots(jnp.float32, "highest"))  # IEEE
+    assert all("xbf16>" in d.split("->")[0] for d in dots(jnp.bfloat16, "highest"))

@@ -33,18 +33,20 @@ def dense_oracle(q, keys, values, q_lens, kv_lens, *, scale, sliding_window=None
 
 
 def build_case(rng, seqs, *, block_size, num_heads, num_kv_heads, head_dim, num_blocks=97,
-               padded_seqs=None, padded_tokens=None, dtype=np.float32):
+               padded_seqs=None, padded_tokens=None, dtype=np.float32, backend="reference"):
     """A paged cache holding each sequence's K/V in shuffled blocks; every other page is NaN.
 
     seqs: (kv_len, q_len) pairs. Returns the kernel inputs and the contiguous K/V for the oracle.
+    The cache has `backend`'s layout: for "gpu" a head dim padded to a power of two, the padding
+    columns of written rows zero (as the engine's KV write leaves them).
     """
     num_seqs = len(seqs)
     padded_seqs = padded_seqs or num_seqs
     num_tokens = sum(q for _, q in seqs)
     padded_tokens = padded_tokens or num_tokens
     max_blocks = max(-(-kv // block_size) for kv, _ in seqs) + 1
-    cache = np.full(kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim), np.nan,
-                    np.float32)
+    cache = np.full(kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim, backend),
+                    np.nan, np.float32)
     free = list(rng.permutation(np.arange(1, num_blocks)))
     tables = np.zeros((padded_seqs, max_blocks), np.int32)
     keys, values = [], []
@@ -58,8 +60,9 @@ def build_case(rng, seqs, *, block_size, num_heads, num_kv_heads, head_dim, num_
             tables[b, j] = block
             rows = slice(j * block_size, min((j + 1) * block_size, kv_len))
             n = rows.stop - rows.start
-            cache[0, :, block, :n] = k[rows].astype(np.float32).transpose(1, 0, 2)
-            cache[1, :, block, :n] = v[rows].astype(np.float32).transpose(1, 0, 2)
+            cache[:, :, block, :n, head_dim:] = 0.0
+            cache[0, :, block, :n, :head_dim] = k[rows].astype(np.float32).transpose(1, 0, 2)
+            cache[1, :, block, :n, :head_dim] = v[rows].astype(np.float32).transpose(1, 0, 2)
     q = rng.standard_normal((padded_tokens, num_heads, head_dim)).astype(np.float32)
     kv_lens = np.zeros(padded_seqs, np.int32)
     kv_lens[:num_seqs] = [kv for kv, _ in seqs]

@@ -87,6 +87,19 @@ def test_kernel_fits_smaller_chips(case, capability, target):
                          f"sm_{capability[0]}{capability[1]} allows {kernel.shared_limit}")
 
 
+@pytest.mark.parametrize("capability", [H200, L4], ids=["sm_90", "sm_89"])
+@pytest.mark.parametrize("case", ["decode-f32-h80-block32", "ragged-f32-h80-block32"])
+def test_ieee_f32_fits(case, capability, target):
+    """Under jax.default_matmul_precision("highest") f32 dots are IEEE (FMA, not TF32 MMA):
+    they take more shared memory and registers, and still fit. (They spill; f32 is no serving
+    dtype.)"""
+    target(capability)
+    with jax.default_matmul_precision("highest"):
+        kernel, _ = build(case, capability)
+    assert kernel.fits, (f"{kernel.name} asks for {kernel.shared_bytes} B of shared memory, "
+                         f"sm_{capability[0]}{capability[1]} allows {kernel.shared_limit}")
+
+
 def test_oversized_tiles_are_caught():
     """The check can fail: 8 pages of 32 f32 keys, double-buffered, do not fit an H200."""
     args = kernel_args("decode", "gpu", 128, jnp.float32, block_size=32, width=8)
