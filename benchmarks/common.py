@@ -42,25 +42,29 @@ def environment() -> dict:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    keys = list(rows[0])
+    if not rows:
+        return "(no rows: not run)"
+    keys = list(dict.fromkeys(key for row in rows for key in row))  # every row's, in order
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     for row in rows:
-        cells = [f"{v:.4g}" if isinstance(v, float) else str(v) for v in row.values()]
+        cells = [f"{v:.4g}" if isinstance(v, float) else str(v)
+                 for v in (row.get(key, "") for key in keys)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def write_results(name: str, title: str, rows: list[dict], params: dict, notes: str = "") -> None:
-    """Prints the table and writes benchmarks/results/<name>.json and .md."""
-    RESULTS.mkdir(exist_ok=True)
+def write_results(name: str, title: str, rows: list[dict], params: dict, notes: str = "", *,
+                  results_dir: pathlib.Path = RESULTS, reproduce: str | None = None) -> None:
+    """Prints the table and writes <results_dir>/<name>.json and .md (benchmarks/results/)."""
+    results_dir.mkdir(parents=True, exist_ok=True)
     env = environment()
     table = markdown_table(rows)
     print(f"\n{title}\n\n{table}\n")
-    (RESULTS / f"{name}.json").write_text(json.dumps(
+    (results_dir / f"{name}.json").write_text(json.dumps(
         {"benchmark": name, "environment": env, "params": params, "rows": rows}, indent=2) + "\n")
     md = [f"# {title}", "", table, "", f"Parameters: `{json.dumps(params)}`", "",
           f"Environment: `{json.dumps(env)}`", ""]
     if notes:
         md += [notes.strip(), ""]
-    md.append(f"Reproduce: `.venv/bin/python benchmarks/{name}.py`")
-    (RESULTS / f"{name}.md").write_text("\n".join(md) + "\n")
+    md.append(f"Reproduce: `{reproduce or f'.venv/bin/python benchmarks/{name}.py'}`")
+    (results_dir / f"{name}.md").write_text("\n".join(md) + "\n")

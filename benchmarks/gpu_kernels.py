@@ -1,20 +1,39 @@
 """GPU device script: compiled kernel correctness, then decode-attention speed and bandwidth.
 
 Run on a GPU machine with `bash benchmarks/run_gpu.sh` (jax 0.11.x + CUDA, nothing installed).
-`--smoke` runs tiny shapes through the Pallas interpreter, to check the script itself on a CPU.
+`--smoke` runs tiny shapes through the Pallas interpreter, to check the script itself on a CPU
+(tests/test_gpu_script.py runs a slice of it).
 
-1. Correctness, compiled (not interpret): the kernel test cases (tests/test_kernels_gpu.py) against
-   the reference, and the engine's greedy tokens with the gpu backend against the reference.
-2. Decode attention at batch 1/32/128 x context 512/4k/32k, block 16, bf16, 32 query / 8 KV heads,
-   head dim 128: microseconds per call; achieved bandwidth (K/V bytes read / time) against the
-   device's copy bandwidth measured in the same run; side by side with JAX's shipped
-   `pallas.ops.gpu.paged_attention` and the reference XLA path.
+Sections, in order, each written to the results as soon as it ends (a device lease is short: a
+run cut off by its time limit keeps what it finished; `--budget-s` makes the script stop itself
+first, recording what it skipped):
+
+1. checks: the kernel test cases (tests/test_kernels_gpu.py), compiled (not interpret), against
+   the reference, under jax.default_matmul_precision("highest") so that both sides multiply f32
+   in IEEE f32 (a GPU's default is TF32 for both), plus one f32 case at the default precision
+   against the bf16 tolerance; and the KV write against the XLA scatter.
+2. decode: decode attention at batch 128/32/1 x context 32k/4k/512 (block 16, bf16, 32 query /
+   8 KV heads, head dim 128): microseconds per call, achieved bandwidth (K/V bytes read / time)
+   against the device's copy bandwidth measured in the same run, side by side with JAX's shipped
+   `pallas.ops.gpu.paged_attention` and the reference XLA path, and each one's relative error
+   against the reference at that shape.
+3. tuning: the decode kernel's launch parameters (pages per step, warps, stages, splits) at
+   128 x 4k and 8 x 32k.
+4. engine: the engine's greedy tokens with the gpu backend against the reference backend.
+
+Timing (METHOD: warm up, then many calls, median): `us` is the time per call of back-to-back
+calls with one synchronisation at the end (device time once a call outlasts its dispatch),
+`us_sync` the median of synchronised single calls (dispatch and sync included). Inputs smaller
+than ROTATE_BYTES are rotated through disjoint copies of the pages, so repeated calls read
+device memory rather than the 50 MB L2.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
+import shutil
 import sys
 import time
 import traceback
@@ -26,79 +45,122 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-from common import write_results  # noqa: E402
-from jax.experimental.pallas.ops.gpu import paged_attention as jax_gpu_op  # noqa: E402
+from common import RESULTS, write_results  # noqa: E402
 
 from pallas_kernels import (paged_decode_attention_gpu, paged_decode_attention_reference,  # noqa
                             ragged_paged_attention_gpu, ragged_paged_attention_reference)
 
+SECTIONS = ("checks", "decode", "tuning", "engine")
+HEADS = dict(num_heads=32, num_kv_heads=8, head_dim=128)
+BLOCK_SIZE = 16
+ROTATE_BYTES = 256 << 20  # > 4x an H100/H200's 50 MB L2
+REPRODUCE = "bash benchmarks/run_gpu.sh (on a GPU; --smoke on a CPU)"
 
-def timed(fn, *args, min_time: float = 0.2, max_iters: int = 200) -> float:
-    """Median seconds per call of a jitted fn after warmup."""
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
+
+class Budget:
+    """The script's own deadline: sections skip work they cannot finish before it."""
+
+    def __init__(self, seconds: float):
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+
+def relative_error(got, want) -> float:
+    """||got - want|| / ||want|| in f32 (METHOD: bf16 operands land between 1e-3 and 1e-2)."""
+    got, want = jnp.asarray(got, jnp.float32), jnp.asarray(want, jnp.float32)
+    return float(jnp.linalg.norm(got - want) / jnp.maximum(jnp.linalg.norm(want), 1e-30))
+
+
+def measure(fn, arg_sets: list[tuple], *, min_time: float):
+    """(first output, us per call back to back, median us of synchronised calls), after a
+    compile and a warm-up call; calls cycle through arg_sets."""
+    out = jax.block_until_ready(fn(*arg_sets[0]))
+    jax.block_until_ready(fn(*arg_sets[-1]))
     start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*arg_sets[0]))
     once = time.perf_counter() - start
-    iters = int(np.clip(min_time / max(once, 1e-6), 3, max_iters))
     times = []
-    for _ in range(iters):
+    for i in range(int(np.clip(min_time / max(once, 1e-6), 3, 200))):
         start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
+        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
         times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    sync = float(np.median(times))
+    calls = int(np.clip(min_time / max(sync, 1e-6), 10, 2000))
+    start = time.perf_counter()
+    last = None
+    for i in range(calls):
+        last = fn(*arg_sets[i % len(arg_sets)])
+    jax.block_until_ready(last)
+    return out, (time.perf_counter() - start) / calls * 1e6, sync * 1e6
 
 
 def copy_bandwidth(num_bytes: int) -> float:
     """Device copy bandwidth, bytes moved (read + write) per second."""
     x = jnp.ones((num_bytes // 2,), jnp.bfloat16)
-    copy = jax.jit(lambda a: a + jnp.bfloat16(1))
-    seconds = timed(copy, x)
+    _, us, _ = measure(jax.jit(lambda a: a + jnp.bfloat16(1)), [(x,)], min_time=0.2)
     del x
-    return 2 * num_bytes / seconds
+    return 2 * num_bytes / (us * 1e-6)
 
 
-def check_kernels(interpret: bool) -> list[dict]:
-    from test_kernels_gpu import CASES, as_dtype, decode_seqs, ragged_seqs, tolerance
+def check_kernels(args, budget: Budget) -> list[dict]:
+    from test_kernels_gpu import CASES, as_dtype, decode_seqs, ragged_seqs, reference_layout
+    from test_kernels_gpu import tolerance
     from test_kernels_reference import build_case
+    cases = [(case, "highest") for case in CASES] + [((16, 8, 2, 128, "float32"), None)]
     rows = []
-    for block_size, num_heads, num_kv_heads, head_dim, dtype in CASES:
+    for (block_size, num_heads, num_kv_heads, head_dim, dtype), precision in cases:
         for kind in ("decode", "ragged"):
-            name = f"{kind} S={block_size} N={num_heads} K={num_kv_heads} H={head_dim} {dtype}"
+            name = (f"{kind} S={block_size} N={num_heads} K={num_kv_heads} H={head_dim} {dtype}"
+                    f"{'' if precision else ' default precision (TF32)'}")
+            if budget.left() < 20:
+                rows.append({"check": name, "passed": False, "error": "skipped: time budget"})
+                continue
             try:
                 rng = np.random.default_rng(block_size + head_dim)
                 seqs = decode_seqs(block_size) if kind == "decode" else ragged_seqs(block_size)
                 n = sum(q for _, q in seqs)
                 case = build_case(rng, seqs, block_size=block_size, num_heads=num_heads,
                                   num_kv_heads=num_kv_heads, head_dim=head_dim, padded_seqs=8,
-                                  padded_tokens=8 if kind == "decode" else n + 7)
+                                  padded_tokens=8 if kind == "decode" else n + 7, backend="gpu")
                 q, cache = as_dtype(case, dtype)
                 scale = head_dim ** -0.5
-                if kind == "decode":
-                    args = (q, cache, case["kv_lens"], case["tables"], case["num_seqs"])
-                    got = paged_decode_attention_gpu(*args, scale=scale, interpret=interpret)
-                    want = paged_decode_attention_reference(*args, scale=scale)
-                    n = len(seqs)
-                else:
-                    args = (q, cache, case["kv_lens"], case["tables"], case["cu_q_lens"],
-                            case["num_seqs"])
-                    got = ragged_paged_attention_gpu(*args, scale=scale, interpret=interpret)
-                    want = ragged_paged_attention_reference(*args, scale=scale)
+                with jax.default_matmul_precision(precision):
+                    if kind == "decode":
+                        operands = (q, cache, case["kv_lens"], case["tables"], case["num_seqs"])
+                        kernel, reference = paged_decode_attention_gpu, \
+                            paged_decode_attention_reference
+                        n = len(seqs)
+                    else:
+                        operands = (q, cache, case["kv_lens"], case["tables"], case["cu_q_lens"],
+                                    case["num_seqs"])
+                        kernel, reference = ragged_paged_attention_gpu, \
+                            ragged_paged_attention_reference
+                    got = kernel(*operands, scale=scale, interpret=args.smoke)
+                    with jax.default_matmul_precision("highest"):
+                        want = reference(*reference_layout(operands, head_dim), scale=scale)
                 got = np.asarray(got, np.float32)
                 want = np.asarray(want, np.float32)
-                tol = tolerance(dtype)
+                # TF32 keeps 10 mantissa bits, bf16 8: the bf16 tolerance bounds TF32 products.
+                tol = tolerance("bfloat16" if precision is None else dtype)
                 ok = bool(np.all(np.isfinite(got)) and np.allclose(got[:n], want[:n], **tol)
                           and np.all(got[n:] == 0))
-                rows.append({"check": name, "max_abs_err": float(np.abs(got - want).max()),
-                             "passed": ok})
+                rows.append({"check": name, "passed": ok,
+                             "max_abs_err": float(np.abs(got[:n] - want[:n]).max()),
+                             "rel_err": relative_error(got[:n], want[:n])})
             except Exception as e:  # keep going: every case is reported
-                rows.append({"check": name, "max_abs_err": float("nan"),
-                             "passed": False, "error": f"{type(e).__name__}: {e}"[:300]})
                 traceback.print_exc()
+                rows.append({"check": name, "passed": False,
+                             "error": f"{type(e).__name__}: {e}"[:300]})
+            print(rows[-1], flush=True)
+    rows.append(check_write(args) if budget.left() >= 20 else {
+        "check": "write_kv_gpu == XLA scatter", "passed": False, "error": "skipped: time budget"})
+    print(rows[-1], flush=True)
     return rows
 
 
-def check_write(interpret: bool) -> dict:
+def check_write(args) -> dict:
     from test_kernels_gpu import write_case
     from pallas_kernels import write_kv_gpu, write_kv_reference
     name = "write_kv_gpu == XLA scatter (H=80 in a 128 cache)"
@@ -107,169 +169,244 @@ def check_write(interpret: bool) -> dict:
         want = np.asarray(write_kv_reference(jnp.asarray(cache), jnp.asarray(k), jnp.asarray(v),
                                              slots))
         got = np.asarray(write_kv_gpu(jnp.asarray(cache), jnp.asarray(k), jnp.asarray(v),
-                                      jnp.asarray(slots), interpret=interpret))
+                                      jnp.asarray(slots), interpret=args.smoke))
         err = float(np.abs(got[:, :, 1:] - want[:, :, 1:]).max())  # block 0: padding races
-        return {"check": name, "max_abs_err": err, "passed": err == 0.0}
+        return {"check": name, "passed": err == 0.0, "max_abs_err": err}
     except Exception as e:
         traceback.print_exc()
-        return {"check": name, "max_abs_err": float("nan"), "passed": False, "error": str(e)[:300]}
+        return {"check": name, "passed": False, "error": f"{type(e).__name__}: {e}"[:300]}
 
 
-def check_engine(interpret: bool) -> dict:
+def check_engine(args) -> dict:
     from pagedjax import EngineConfig, LLMEngine, SamplingParams, load_model
+    name = "engine greedy tokens, gpu backend == reference (f32, highest precision)"
     try:
         model = load_model("demo-small")
         rng = np.random.default_rng(0)
         prompts = [rng.integers(0, 512, n).tolist() for n in (3, 40, 1, 130, 17, 64)]
         outs = []
-        for backend in ("reference", "gpu"):
-            engine = LLMEngine(model, EngineConfig(
-                max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, block_size=16,
-                attention_backend=backend, attention_interpret=interpret and backend != "reference"))
-            ids = [engine.add_request(p, SamplingParams(max_tokens=16, temperature=0))
-                   for p in prompts]
-            done = {}
-            while engine.has_unfinished():
-                done.update({o.request_id: o.output_token_ids for o in engine.step()
-                             if o.finished})
-            outs.append([done[i] for i in ids])
-        return {"check": "engine greedy tokens, gpu backend == reference", "max_abs_err": 0.0,
-                "passed": outs[0] == outs[1]}
+        with jax.default_matmul_precision("highest"):
+            for backend in ("reference", "gpu"):
+                engine = LLMEngine(model, EngineConfig(
+                    max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, block_size=16,
+                    attention_backend=backend,
+                    attention_interpret=args.smoke and backend != "reference"))
+                ids = [engine.add_request(p, SamplingParams(max_tokens=16, temperature=0))
+                       for p in prompts]
+                done = {}
+                while engine.has_unfinished():
+                    done.update({o.request_id: o.output_token_ids for o in engine.step()
+                                 if o.finished})
+                outs.append([done[i] for i in ids])
+        same = sum(a == b for a, b in zip(*outs))
+        return {"check": name, "passed": outs[0] == outs[1],
+                "error": "" if same == len(prompts) else f"{same}/{len(prompts)} requests equal"}
     except Exception as e:
         traceback.print_exc()
-        return {"check": "engine greedy tokens, gpu backend == reference",
-                "max_abs_err": float("nan"), "passed": False, "error": str(e)[:300]}
+        return {"check": name, "passed": False, "error": f"{type(e).__name__}: {e}"[:300]}
 
 
-def decode_inputs(batch, context, *, block_size, num_heads, num_kv_heads, head_dim, dtype, seed):
+def decode_inputs(batch, context, *, seed, rotations=1, dtype=jnp.bfloat16):
+    """q, K pages, V pages ([K, NB, S, H] each) and `rotations` block tables over disjoint pages
+    (rotation r reads only its own pages), lengths."""
     rng = np.random.default_rng(seed)
-    pages = context // block_size
-    num_blocks = batch * pages + 1
-    tables = (1 + rng.permutation(batch * pages)).reshape(batch, pages).astype(np.int32)
-    key = jax.random.key(seed)
-    kq, kk, kv = jax.random.split(key, 3)
-    shape = (num_kv_heads, num_blocks, block_size, head_dim)
+    pages = context // BLOCK_SIZE
+    num_blocks = rotations * batch * pages + 1
+    tables = (1 + rng.permutation(rotations * batch * pages)).reshape(rotations, batch, pages)
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    shape = (HEADS["num_kv_heads"], num_blocks, BLOCK_SIZE, HEADS["head_dim"])
     k_pages = jax.random.normal(kk, shape, dtype)
     v_pages = jax.random.normal(kv, shape, dtype)
-    q = jax.random.normal(kq, (batch, num_heads, head_dim), dtype)
+    q = jax.random.normal(kq, (batch, HEADS["num_heads"], HEADS["head_dim"]), dtype)
     lens = jnp.full((batch,), context, jnp.int32)
-    return q, k_pages, v_pages, jnp.asarray(tables), lens
+    return q, k_pages, v_pages, [jnp.asarray(t, jnp.int32) for t in tables.astype(np.int32)], lens
 
 
-def bench_decode(args, bandwidth: float) -> list[dict]:
+def kv_bytes(batch, context) -> int:
+    """K and V bytes a decode step must read: 2 x B x context x K x H x 2 (bf16)."""
+    return 2 * batch * context * HEADS["num_kv_heads"] * HEADS["head_dim"] * 2
+
+
+def rotations_for(batch, context) -> int:
+    return int(np.clip(-(-ROTATE_BYTES // kv_bytes(batch, context)), 1, 64))
+
+
+def bench_decode(args, bandwidth: float, budget: Budget) -> list[dict]:
+    from jax.experimental.pallas.ops.gpu import paged_attention as jax_gpu_op
     rows = []
-    heads = dict(num_heads=32, num_kv_heads=8, head_dim=128)
-    scale = heads["head_dim"] ** -0.5
+    scale = HEADS["head_dim"] ** -0.5
     for batch in args.batches:
         for context in args.contexts:
-            q, k_pages, v_pages, tables, lens = decode_inputs(
-                batch, context, block_size=16, dtype=jnp.bfloat16, seed=batch + context,
-                **heads)
+            if budget.left() < 30:
+                rows.append({"batch": batch, "context": context, "impl": "all",
+                             "error": "skipped: time budget"})
+                continue
+            rotations = 1 if args.smoke else rotations_for(batch, context)
+            q, k_pages, v_pages, tables, lens = decode_inputs(batch, context, rotations=rotations,
+                                                              seed=batch + context)
             cache = jnp.stack([k_pages, v_pages])
-            kv_bytes = 2 * batch * context * heads["num_kv_heads"] * heads["head_dim"] * 2
+            num_bytes = kv_bytes(batch, context)
             # Every operand is an argument (a closed-over array would be baked into the program).
             impls = {
+                "reference (XLA)": (jax.jit(
+                    lambda q, c, t, l: paged_decode_attention_reference(
+                        q, c, l, t, jnp.int32(batch), scale=scale)), (q, cache)),
                 "pagedjax gpu kernel": (jax.jit(lambda q, c, t, l: paged_decode_attention_gpu(
                     q, c, l, t, jnp.int32(batch), scale=scale, interpret=args.smoke)),
                     (q, cache)),
                 "jax pallas.ops.gpu.paged_attention": (jax.jit(
                     lambda q, kv, t, l: jax_gpu_op.paged_attention(
                         q, kv[0], kv[1], t, l, interpret=args.smoke,
-                        k_splits=min(16, context // 16))), (q * scale, (k_pages, v_pages))),
-                "reference (XLA)": (jax.jit(
-                    lambda q, c, t, l: paged_decode_attention_reference(
-                        q, c, l, t, jnp.int32(batch), scale=scale)), (q, cache)),
+                        k_splits=min(16, context // BLOCK_SIZE))), (q * scale, (k_pages, v_pages))),
             }
-            base = None
+            want, shape_rows = None, []
             for name, (fn, operands) in impls.items():
                 row = {"batch": batch, "context": context, "impl": name}
                 try:
-                    seconds = timed(fn, *operands, tables, lens,
-                                    min_time=0.02 if args.smoke else 0.2)
-                    row.update(us=seconds * 1e6, kv_gb_per_s=kv_bytes / seconds / 1e9,
-                               pct_of_copy_bw=100 * kv_bytes / seconds / bandwidth)
-                    if name.startswith("jax"):
-                        base = seconds
+                    out, us, us_sync = measure(fn, [(*operands, t, lens) for t in tables],
+                                               min_time=0.02 if args.smoke else 0.2)
+                    want = out if want is None else want
+                    row.update(us=us, us_sync=us_sync, kv_gb_per_s=num_bytes / us / 1e3,
+                               pct_of_copy_bw=100 * num_bytes / (us * 1e-6) / bandwidth,
+                               rel_err_vs_reference=relative_error(out, want))
                 except Exception as e:
                     traceback.print_exc()
-                    row.update(us=float("nan"), kv_gb_per_s=float("nan"),
-                               pct_of_copy_bw=float("nan"), error=f"{type(e).__name__}"[:100])
-                rows.append(row)
-            for row in rows[-len(impls):]:
-                row["speedup_vs_jax_op"] = (base / (row["us"] * 1e-6)) if base else float("nan")
-            print(rows[-3:], flush=True)
-            del impls, q, k_pages, v_pages, cache
+                    row.update(error=f"{type(e).__name__}: {e}"[:160])
+                shape_rows.append(row)
+                print(row, flush=True)
+            base = next((r["us"] for r in shape_rows if r["impl"].startswith("jax") and "us" in r),
+                        None)
+            for row in shape_rows:
+                if base and "us" in row:
+                    row["speedup_vs_jax_op"] = base / row["us"]
+            rows += shape_rows
+            del impls, q, k_pages, v_pages, cache, tables, want
     return rows
 
 
-# (pages_per_step, num_warps, num_stages) tried for the decode kernel; the first is the default
-# at block 16 / bf16 / head dim 128 (benchmarks/results/gpu_compile.md has what each costs).
+# (pages_per_step, num_warps, num_stages); the first is the default at block 16 / bf16 / head
+# dim 128 (benchmarks/results/gpu_compile.md has what each costs in registers and shared memory).
 TUNING = [(8, 8, 2), (8, 4, 2), (4, 8, 2), (4, 4, 3), (8, 8, 3), (2, 4, 4)]
 
 
-def bench_tuning(args, bandwidth: float) -> list[dict]:
-    """The decode kernel's launch parameters at a large batch and a long context."""
+def bench_tuning(args, bandwidth: float, budget: Budget) -> list[dict]:
+    """The decode kernel's launch parameters at a large batch and at a long context, then the
+    number of context splits around the default (gpu_decode.choose_num_splits)."""
+    from pallas_kernels.gpu_decode import choose_num_splits
     rows = []
-    heads = dict(num_heads=32, num_kv_heads=8, head_dim=128)
-    scale = heads["head_dim"] ** -0.5
+    scale = HEADS["head_dim"] ** -0.5
     shapes = [(2, 128)] if args.smoke else [(128, 4096), (8, 32768)]
     for batch, context in shapes:
-        q, k_pages, v_pages, tables, lens = decode_inputs(
-            batch, context, block_size=16, dtype=jnp.bfloat16, seed=7, **heads)
+        q, k_pages, v_pages, tables, lens = decode_inputs(batch, context, seed=7)
         cache = jnp.stack([k_pages, v_pages])
         del k_pages, v_pages
-        kv_bytes = 2 * batch * context * heads["num_kv_heads"] * heads["head_dim"] * 2
-        for pages, warps, stages in TUNING:
+        auto = choose_num_splits(batch * HEADS["num_kv_heads"], context // BLOCK_SIZE, 8)
+        configs = [(p, w, s, None) for p, w, s in TUNING] + [
+            (8, 8, 2, splits) for splits in (auto // 2, auto * 2) if splits >= 1]
+        for pages, warps, stages, splits in configs:
             row = {"batch": batch, "context": context, "pages_per_step": pages,
-                   "num_warps": warps, "num_stages": stages}
-            fn = jax.jit(lambda q, c, t, l, pages=pages, warps=warps, stages=stages:
-                         paged_decode_attention_gpu(
+                   "num_warps": warps, "num_stages": stages,
+                   "num_splits": splits or f"auto ({auto})"}
+            if budget.left() < 10:
+                rows.append({**row, "error": "skipped: time budget"})
+                continue
+            fn = jax.jit(lambda q, c, t, l, pages=pages, warps=warps, stages=stages,
+                         splits=splits: paged_decode_attention_gpu(
                              q, c, l, t, jnp.int32(batch), scale=scale, pages_per_step=pages,
-                             num_warps=warps, num_stages=stages, interpret=args.smoke))
+                             num_warps=warps, num_stages=stages, num_splits=splits,
+                             interpret=args.smoke))
             try:
-                seconds = timed(fn, q, cache, tables, lens, min_time=0.02 if args.smoke else 0.2)
-                row.update(us=seconds * 1e6, pct_of_copy_bw=100 * kv_bytes / seconds / bandwidth)
+                _, us, _ = measure(fn, [(q, cache, tables[0], lens)],
+                                   min_time=0.02 if args.smoke else 0.2)
+                row.update(us=us, pct_of_copy_bw=100 * kv_bytes(batch, context) / (us * 1e-6)
+                           / bandwidth)
             except Exception as e:  # a configuration that does not build is a row too
-                row.update(us=float("nan"), pct_of_copy_bw=float("nan"),
-                           error=f"{type(e).__name__}: {e}"[:120])
+                row.update(error=f"{type(e).__name__}: {e}"[:120])
             rows.append(row)
             print(row, flush=True)
         del q, cache
     return rows
 
 
-def main() -> None:
+class Results:
+    """gpu_kernels{,_tuning}.{json,md}, rewritten after every section and copied to $OUT (the
+    device tool's folder) when that is set."""
+
+    def __init__(self, args):
+        self.args = args
+        self.name = "gpu_kernels_smoke" if args.smoke else "gpu_kernels"
+        self.checks: list[dict] = []
+        self.decode: list[dict] = []
+        self.tuning: list[dict] = []
+        self.params = {"smoke": args.smoke, "sections": list(args.sections),
+                       "block_size": BLOCK_SIZE, "dtype": "bfloat16", **HEADS}
+
+    def write(self) -> None:
+        out = self.args.out_dir
+        passed = sum(bool(c.get("passed")) for c in self.checks)
+        params = {**self.params, "checks_passed": passed, "checks_total": len(self.checks)}
+        notes = ("Checks (compiled kernels vs the reference):\n\n" + "\n".join(
+            f"- {'PASS' if c.get('passed') else 'FAIL'} {c['check']}"
+            + (f" (max abs err {c['max_abs_err']:.3g}, rel err {c.get('rel_err', 0):.3g})"
+               if "max_abs_err" in c else "")
+            + (f" {c['error']}" if c.get("error") else "")
+            for c in self.checks)) if self.checks else ""
+        write_results(self.name, "Paged decode attention on GPU", self.decode, params,
+                      notes=notes, results_dir=out, reproduce=REPRODUCE)
+        write_results(f"{self.name}_tuning", "Decode kernel launch parameters on GPU",
+                      self.tuning, params, results_dir=out, reproduce=REPRODUCE)
+        device_out = os.environ.get("OUT")
+        if device_out and pathlib.Path(device_out).resolve() != out.resolve():
+            for suffix in ("", "_tuning"):
+                for ext in ("json", "md"):
+                    shutil.copy(out / f"{self.name}{suffix}.{ext}", device_out)
+
+
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes through the Pallas interpreter (CPU check)")
-    parser.add_argument("--skip-checks", action="store_true")
-    args = parser.parse_args()
-    args.batches = [1, 2] if args.smoke else [1, 32, 128]
-    args.contexts = [64, 128] if args.smoke else [512, 4096, 32768]
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated subset of {','.join(SECTIONS)}")
+    parser.add_argument("--budget-s", type=float, default=260.0,
+                        help="the script's own deadline; sections skip what would overrun it")
+    parser.add_argument("--out-dir", type=pathlib.Path, default=RESULTS)
+    parser.add_argument("--batches", default=None, help="decode batches (default 128,32,1)")
+    parser.add_argument("--contexts", default=None, help="decode contexts (default 32768,4096,512)")
+    args = parser.parse_args(argv)
+    args.sections = [s for s in args.sections.split(",") if s]
+    unknown = sorted(set(args.sections) - set(SECTIONS))
+    if unknown:
+        parser.error(f"--sections: unknown {unknown}; known: {list(SECTIONS)}")
+    default_batches, default_contexts = ("2,1", "128,64") if args.smoke else \
+        ("128,32,1", "32768,4096,512")
+    args.batches = [int(b) for b in (args.batches or default_batches).split(",")]
+    args.contexts = [int(c) for c in (args.contexts or default_contexts).split(",")]
+    budget = Budget(args.budget_s)
     print(jax.devices(), flush=True)
-    checks = []
-    if not args.skip_checks:
-        checks = check_kernels(interpret=args.smoke) + [check_write(interpret=args.smoke),
-                                                       check_engine(interpret=args.smoke)]
-        for row in checks:
-            print(row, flush=True)
-    bandwidth = copy_bandwidth(2**24 if args.smoke else 2**32)
-    rows = bench_decode(args, bandwidth)
-    tuning = bench_tuning(args, bandwidth)
-    name = "gpu_kernels_smoke" if args.smoke else "gpu_kernels"
-    params = {"smoke": args.smoke, "copy_bandwidth_gb_per_s": bandwidth / 1e9,
-              "block_size": 16, "dtype": "bfloat16", "num_heads": 32, "num_kv_heads": 8,
-              "head_dim": 128, "checks_passed": sum(c["passed"] for c in checks),
-              "checks_total": len(checks)}
-    write_results(name, "Paged decode attention on GPU", rows, params, notes=(
-        "Checks (compiled kernels vs reference):\n\n" + "\n".join(
-            f"- {'PASS' if c['passed'] else 'FAIL'} {c['check']} (max abs err "
-            f"{c['max_abs_err']:.3g}){' ' + c.get('error', '') if 'error' in c else ''}"
-            for c in checks)))
-    write_results(f"{name}_tuning", "Decode kernel launch parameters on GPU", tuning,
-                  {"copy_bandwidth_gb_per_s": bandwidth / 1e9, "dtype": "bfloat16",
-                   "block_size": 16, **{k: params[k] for k in ("num_heads", "num_kv_heads",
-                                                                "head_dim")}})
+    results = Results(args)
+    if "checks" in args.sections:
+        results.checks = check_kernels(args, budget)
+        results.write()
+    if {"decode", "tuning"} & set(args.sections):
+        bandwidth = copy_bandwidth(2**24 if args.smoke else 2**32)
+        results.params["copy_bandwidth_gb_per_s"] = bandwidth / 1e9
+        print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
+        if "decode" in args.sections:
+            results.decode = bench_decode(args, bandwidth, budget)
+            results.write()
+        if "tuning" in args.sections:
+            results.tuning = bench_tuning(args, bandwidth, budget)
+            results.write()
+    if "engine" in args.sections:
+        if budget.left() > 60:
+            results.checks.append(check_engine(args))
+        else:
+            results.checks.append({"check": "engine greedy tokens", "passed": False,
+                                   "error": "skipped: time budget"})
+        print(results.checks[-1], flush=True)
+    results.write()
+    print(f"done, {budget.left():.0f} s of the budget left", flush=True)
 
 
 if __name__ == "__main__":

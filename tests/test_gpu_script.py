@@ -1,0 +1,61 @@
+"""The GPU device script (benchmarks/gpu_kernels.py) runs, here through the Pallas interpreter.
+
+A device lease is minutes long and starts bare: a script that breaks there costs the lease. These
+run slices of it on the CPU (`--smoke`): the decode comparison with its three implementations and
+their errors against the reference, and a run whose time budget is spent, which must still write
+every results file, say what it skipped, and copy the files to $OUT as the device tool wants.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_kernels.py"
+
+
+def run_script(*args, env=None):
+    result = subprocess.run([sys.executable, str(SCRIPT), "--smoke", *args], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, **(env or {})})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return result
+
+
+def test_decode_slice_compares_three_implementations(tmp_path):
+    run_script("--sections", "decode", "--batches", "1", "--contexts", "64",
+               "--out-dir", str(tmp_path))
+    data = json.loads((tmp_path / "gpu_kernels_smoke.json").read_text())
+    rows = {row["impl"]: row for row in data["rows"]}
+    assert set(rows) == {"reference (XLA)", "pagedjax gpu kernel",
+                         "jax pallas.ops.gpu.paged_attention"}
+    for row in rows.values():
+        assert "error" not in row, row
+        assert row["us"] > 0 and row["pct_of_copy_bw"] > 0
+        # bf16 K/V and outputs: each side rounds its result to bf16 (2**-8 relative).
+        assert row["rel_err_vs_reference"] < 1e-2, row
+    assert rows["reference (XLA)"]["rel_err_vs_reference"] == 0.0
+    assert rows["jax pallas.ops.gpu.paged_attention"]["speedup_vs_jax_op"] == 1.0
+    assert data["params"]["copy_bandwidth_gb_per_s"] > 0
+    md = (tmp_path / "gpu_kernels_smoke.md").read_text()
+    assert "pagedjax gpu kernel" in md and "bash benchmarks/run_gpu.sh" in md
+
+
+def test_spent_budget_still_writes_every_file(tmp_path):
+    device_out = tmp_path / "OUT"
+    device_out.mkdir()
+    run_script("--sections", "checks,decode,tuning,engine", "--budget-s", "0",
+               "--out-dir", str(tmp_path / "results"), env={"OUT": str(device_out)})
+    for name in ("gpu_kernels_smoke", "gpu_kernels_smoke_tuning"):
+        for ext in ("json", "md"):
+            assert (device_out / f"{name}.{ext}").read_text() == \
+                (tmp_path / "results" / f"{name}.{ext}").read_text()
+    data = json.loads((tmp_path / "results" / "gpu_kernels_smoke.json").read_text())
+    assert data["rows"] and all(row["error"] == "skipped: time budget" for row in data["rows"])
+    tuning = json.loads((tmp_path / "results" / "gpu_kernels_smoke_tuning.json").read_text())
+    assert tuning["rows"] and all("skipped" in row["error"] for row in tuning["rows"])
+    assert data["params"]["checks_passed"] == 0 and data["params"]["checks_total"] > 10
+    md = (tmp_path / "results" / "gpu_kernels_smoke.md").read_text()
+    assert "FAIL engine greedy tokens skipped: time budget" in md
