@@ -345,7 +345,8 @@ class Results:
         out = self.args.out_dir
         passed = sum(bool(c.get("passed")) for c in self.checks)
         params = {**self.params, "checks_passed": passed, "checks_total": len(self.checks)}
-        notes = ("Checks (kernels vs the reference: compiled on a GPU, interpreted with --smoke):\n\n" + "\n".join(
+        notes = ("Checks (kernels vs the reference: compiled on a GPU, interpreted with "
+                 "--smoke):\n\n" + "\n".join(
             f"- {'PASS' if c.get('passed') else 'FAIL'} {c['check']}"
             + (f" (max abs err {c['max_abs_err']:.3g}, rel err {c.get('rel_err', 0):.3g})"
                if "max_abs_err" in c else "")

@@ -248,9 +248,11 @@ def paged_decode_attention_gpu(
 ) -> jax.Array:  # [B, N, H]; 0 for padding rows
     """pages_per_step / num_stages None: up to 8 pages (128 keys at block 16) per loop step and
     2 pipeline stages, as many as fit the shared memory of the visible GPU (of an H100/H200
-    where none is; see fit_pipeline); an explicit value is taken as given. 8 warps: at the benchmark's shape 4 warps need 237 registers a thread (255
-    with an int8 cache), 8 need 119, and an SM then holds 16 warps, as many as it holds of
-    JAX's shipped kernel (benchmarks/results/gpu_compile.md)."""
+    where none is; see fit_pipeline); an explicit value is taken as given. 8 warps: at the
+    benchmark's shape 4 warps need 237 registers a thread (255 with an int8 cache), 8 need 119,
+    and an SM then holds 16 warps, as many as it holds of JAX's shipped kernel
+    (benchmarks/results/gpu_compile.md). f32 dots follow jax.default_matmul_precision
+    (dot_precision). The cache has the GPU layout: head dim and block size powers of two."""
     batch, num_heads, head_dim = q.shape
     data, scales, dtype = split_cache(kv_cache, q.dtype, interpret)
     _, num_kv_heads, _, block_size, padded_head_dim = data.shape

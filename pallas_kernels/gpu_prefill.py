@@ -142,9 +142,9 @@ def ragged_paged_attention_gpu(
     """tile_q None: up to 16 query tokens a program, fewer when the GQA group and head dim
     make the rows x head dim tile larger than MAX_TILE_ELEMENTS (see choose_tile_q).
     pages_per_step / num_stages None: up to 4 pages per loop step and 2 stages, as many as fit
-    the GPU's shared memory (see gpu_decode.fit_pipeline); an explicit value is taken as given. 8 warps: with 4, a
-    tile of 16 tokens x a GQA group of 4 needs 223 registers a thread on sm_90 and spills on
-    sm_80 (benchmarks/results/gpu_compile.md)."""
+    the GPU's shared memory (see gpu_decode.fit_pipeline); an explicit value is taken as given.
+    8 warps: with 4, a tile of 16 tokens x a GQA group of 4 needs 223 registers a thread on
+    sm_90 and spills on sm_80 (benchmarks/results/gpu_compile.md)."""
     num_tokens, num_heads, head_dim = q.shape
     data, scales, dtype = split_cache(kv_cache, q.dtype, interpret)
     _, num_kv_heads, _, block_size, padded_head_dim = data.shape
