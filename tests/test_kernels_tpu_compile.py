@@ -19,7 +19,7 @@ import pytest
 
 from test_kernels_lowering import KERNELS, kernel_args
 
-# One worker compiles everything once (the fixture is per module, and per worker under xdist).
+# One worker compiles everything once (the fixture is per session, and per worker under xdist).
 pytestmark = pytest.mark.xdist_group("tpu_compile")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LIBTPU = pathlib.Path(os.environ.get("PAGEDJAX_LIBTPU", ROOT / ".venv" / "libtpu"))
@@ -101,7 +101,9 @@ def build(name):
                            num_heads=num_heads, num_kv_heads=num_kv_heads)
 
 
-@pytest.fixture(scope="module")
+# Session scope: under xdist a worker may run another module's test between two of these, and
+# pytest then tears a module fixture down and compiles everything again (it did: 2 x 130 s).
+@pytest.fixture(scope="session")
 def compiled(tmp_path_factory):
     if not (LIBTPU / "libtpu").is_dir():
         pytest.fail(f"libtpu is not installed in {LIBTPU}: `make test` installs it "
