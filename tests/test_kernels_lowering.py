@@ -45,8 +45,9 @@ def lowered_text(fn, backend, *args, **kwargs) -> str:
     return traced.lower(lowering_platforms=(PLATFORM[backend],)).as_text()
 
 
-def cache_struct(backend, head_dim, dtype, block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS):
-    shape = kv_cache_shape(NUM_BLOCKS, block_size, num_kv_heads, head_dim, backend)
+def cache_struct(backend, head_dim, dtype, block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS,
+                 num_blocks=NUM_BLOCKS):
+    shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim, backend)
     if dtype in ("int8", "float8_e4m3fn"):
         return QuantizedKV(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)),
                            jax.ShapeDtypeStruct(shape[:-1], jnp.float32))
@@ -54,10 +55,11 @@ def cache_struct(backend, head_dim, dtype, block_size=BLOCK_SIZE, num_kv_heads=N
 
 
 def kernel_args(kind, backend, head_dim, dtype, *, block_size=BLOCK_SIZE, width=TABLE_WIDTH,
-                num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, seqs=SEQS, tokens=TOKENS):
+                num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, seqs=SEQS, tokens=TOKENS,
+                num_blocks=NUM_BLOCKS):
     """Abstract operands of a kernel: "decode", "ragged" or "write" (the KV write)."""
     q_dtype = jnp.bfloat16 if dtype in ("int8", "float8_e4m3fn") else dtype
-    cache = cache_struct(backend, head_dim, dtype, block_size, num_kv_heads)
+    cache = cache_struct(backend, head_dim, dtype, block_size, num_kv_heads, num_blocks)
     if kind == "decode":
         return (jax.ShapeDtypeStruct((seqs, num_heads, head_dim), q_dtype), cache, i32((seqs,)),
                 i32((seqs, width)), i32(()))

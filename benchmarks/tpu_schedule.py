@@ -1,0 +1,205 @@
+"""What the TPU kernels cost a TensorCore, read from libtpu's compiled schedule (no TPU needed).
+
+Each kernel is compiled ahead of time for a TPU topology (pallas_kernels/tpu_aot.py) with
+libtpu's LLO dumps on (`--xla_jf_dump_to`), and its final VLIW schedule is read back: a bundle
+is one instruction word, issued at most one a cycle. The kernel's innermost loop (one compute
+block of keys: C pages x S tokens of one sequence and KV head) is what decode attention spends
+its time in, so its length in bundles, against the K/V bytes one iteration brings in, says
+whether the loop can keep up with HBM:
+
+    issue ceiling = bytes per iteration / loop bundles x clock
+
+is the most bandwidth the kernel can draw if every bundle took one cycle and nothing stalled
+(a static bound: DMA latency and stalls only lower it). Where it is under the chip's HBM
+bandwidth the kernel is bound by issuing instructions, not by memory. The clock is derived
+from the chip's published peak, not measured: v5e 197 TFLOP/s bf16 = 4 MXUs x 128 x 128 x
+2 x 1.5 GHz, HBM 819 GB/s. `fixed bundles` are the rest of the kernel (one program: table-row
+fetch, query load, first DMAs, normalisation, output), paid once per (sequence, KV head).
+
+Beside ours, JAX's shipped `pallas.ops.tpu.paged_attention` at the same shape and compute block,
+compiled in the same run. Timings need a TPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import glob
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+
+from common import write_results  # noqa: E402
+
+LIBTPU = pathlib.Path(os.environ.get("PAGEDJAX_LIBTPU", ROOT / ".venv" / "libtpu"))
+TOPOLOGIES = {"v5e:2x2": dict(clock_ghz=1.5, hbm_gbs=819), "v6e:2x2": {}}
+BLOCK_SIZE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS = 16, 128, 32, 8
+WIDTH = 4096 // BLOCK_SIZE  # pages of a 4k context
+# A production-sized pool (1 GB a layer in bf16): a small one may be placed in VMEM by XLA
+# (memory_space=ANY), and the kernel's page DMAs then never touch HBM.
+NUM_BLOCKS = 16384
+PAGES_PER_STEP = 8  # decode compute block: 8 pages x 16 tokens = 128 keys
+
+
+def ours(kind, dtype):
+    import jax.numpy as jnp
+
+    from test_kernels_lowering import KERNELS, kernel_args
+    decode, ragged, _ = KERNELS["tpu"]
+    fn = decode if kind == "decode" else ragged
+    pages = PAGES_PER_STEP if kind == "decode" else 4
+    dtype = jnp.bfloat16 if dtype == "bfloat16" else dtype
+    return (functools.partial(fn, scale=HEAD_DIM ** -0.5, pages_per_step=pages),
+            kernel_args(kind, "tpu", HEAD_DIM, dtype, width=WIDTH, seqs=8, tokens=256,
+                        num_blocks=NUM_BLOCKS))
+
+
+def jax_shipped(kind, dtype):
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+    del kind, dtype
+    q = jax.ShapeDtypeStruct((8, NUM_HEADS, HEAD_DIM), jnp.bfloat16)
+    pages = jax.ShapeDtypeStruct((NUM_KV_HEADS, NUM_BLOCKS, BLOCK_SIZE, HEAD_DIM), jnp.bfloat16)
+    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+    return (functools.partial(paged_attention, pages_per_compute_block=PAGES_PER_STEP),
+            (q, pages, pages, i32((8,)), i32((8, WIDTH))))
+
+
+# name: (builder, kind, cache dtype, keys per loop iteration, bytes per key and KV head)
+CASES = {
+    "pagedjax decode (bf16)": (ours, "decode", "bfloat16", PAGES_PER_STEP * BLOCK_SIZE,
+                               2 * HEAD_DIM * 2),
+    "pagedjax decode (int8 cache)": (ours, "decode", "int8", PAGES_PER_STEP * BLOCK_SIZE,
+                                     2 * (HEAD_DIM + 4)),
+    "pagedjax ragged (bf16, 16 tokens a tile)": (ours, "ragged", "bfloat16", 4 * BLOCK_SIZE,
+                                                 2 * HEAD_DIM * 2),
+    "jax pallas.ops.tpu.paged_attention (bf16)": (jax_shipped, "decode", "bfloat16",
+                                                  PAGES_PER_STEP * BLOCK_SIZE,
+                                                  2 * HEAD_DIM * 2),
+}
+
+
+def build(name):
+    """(fn, abstract args) of one case: what tpu_aot's child process compiles."""
+    builder, kind, dtype, *_ = CASES[name]
+    return builder(kind, dtype)
+
+
+def parse_schedule(text: str) -> dict:
+    """Total bundles and the innermost loop's length, from a final_bundles dump.
+
+    Bundles are lines `  0x1a2 [LB:] >> { ... }`; a loop body starts at an `LB:` bundle, which
+    opens a region, and runs to the bundle that closes that region (after the back branch)."""
+    bundles = []  # (address, line)
+    for line in text.splitlines():
+        match = re.match(r"\s*0x([0-9a-f]+)\s", line)
+        if match:
+            bundles.append((int(match.group(1), 16), line))
+    loops = []
+    for i, (address, line) in enumerate(bundles):
+        if " LB:" not in line:
+            continue
+        region = re.search(r"Start region (\d+)", line)
+        end = next((a for a, later in bundles[i:]
+                    if re.search(rf"End region {region.group(1)}\b", later)), None)
+        if end is not None:
+            loops.append((address, end))
+    # The loop that computes attention: the innermost one holding the matmuls.
+    def has_matmul(loop):
+        return any("vmatmul" in line for a, line in bundles if loop[0] <= a <= loop[1])
+
+    start, end = min(filter(has_matmul, loops), key=lambda loop: loop[1] - loop[0])
+    body = [line for a, line in bundles if start <= a <= end]
+    return {"total": len(bundles), "loop": end - start + 1,
+            "fixed": len(bundles) - (end - start + 1),
+            "dmas_in_loop": sum(len(re.findall(r"= dma\.hbm_to_vmem", line)) for line in body),
+            "matmuls_in_loop": sum(len(re.findall(r"= vmatmul", line)) for line in body)}
+
+
+def kernel_schedule(dump: pathlib.Path) -> dict:
+    """The schedule of the Pallas kernel (the tpu_custom_call) among a compile's dumps."""
+    for analysis in dump.glob("*schedule-analysis_final_bundles.txt"):
+        # The kernel's own program, not the top-level one (TLP) that calls it.
+        if "-TLP-" not in analysis.name and "tpu_custom_call" in analysis.read_text():
+            prefix = re.sub(r"-\d+-schedule-analysis_final_bundles\.txt$", "", analysis.name)
+            bundles, = dump.glob(f"{glob.escape(prefix)}-*-final_bundles.txt")
+            return parse_schedule(bundles.read_text())
+    raise RuntimeError(f"no Pallas kernel schedule among the dumps in {dump}")
+
+
+def compile_case(name: str, topology: str, workdir: pathlib.Path) -> dict:
+    dump = workdir / re.sub(r"\W+", "_", f"{topology}_{name}")
+    cases = dump.with_suffix(".json")
+    cases.write_text(json.dumps([{"name": name, "module": "tpu_schedule",
+                                  "function": "build"}]))
+    env = dict(os.environ, LIBTPU_INIT_ARGS=f"--xla_jf_dump_to={dump}",
+               PYTHONPATH=os.pathsep.join(str(ROOT / p) for p in ("benchmarks", "tests", "")))
+    run = subprocess.run([sys.executable, "-m", "pallas_kernels.tpu_aot", str(cases),
+                          "--libtpu", str(LIBTPU), "--topology", topology],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    if run.returncode or not lines or not lines[0]["ok"]:
+        raise RuntimeError((lines[0].get("error") if lines else run.stderr[-2000:]))
+    return {"device": lines[0]["device_kind"], **kernel_schedule(dump)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="*", default=list(CASES))
+    parser.add_argument("--topologies", nargs="*", default=list(TOPOLOGIES))
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for topology in args.topologies:
+            chip = TOPOLOGIES[topology]
+            for name in args.cases:
+                _, kind, dtype, keys, bytes_per_key = CASES[name]
+                try:
+                    sched = compile_case(name, topology, pathlib.Path(tmp))
+                except Exception as e:  # a failed build is a row too
+                    rows.append({"topology": topology, "kernel": name,
+                                 "error": str(e).splitlines()[0][:200]})
+                    print(rows[-1], flush=True)
+                    continue
+                loop_bytes = keys * bytes_per_key
+                row = {"topology": topology, "device": sched["device"], "kernel": name,
+                       "keys_per_iteration": keys, "loop_bundles": sched["loop"],
+                       "dmas_in_loop": sched["dmas_in_loop"],
+                       "matmuls_in_loop": sched["matmuls_in_loop"], "fixed_bundles": sched["fixed"],
+                       "kv_bytes_per_bundle": loop_bytes / sched["loop"]}
+                if chip:
+                    ceiling = loop_bytes / sched["loop"] * chip["clock_ghz"]
+                    row.update(issue_ceiling_gbs=ceiling,
+                               ceiling_vs_hbm=ceiling / chip["hbm_gbs"])
+                rows.append(row)
+                print(row, flush=True)
+    if args.no_write:
+        return
+    params = {"shape": f"q bf16[8, {NUM_HEADS}, {HEAD_DIM}], {NUM_KV_HEADS} KV heads, block "
+                       f"{BLOCK_SIZE}, table width {WIDTH} pages (4k context), decode compute "
+                       f"block {PAGES_PER_STEP} pages, ragged 4 pages x 16 tokens",
+              "libtpu": libtpu_version()}
+    write_results("tpu_schedule", "TPU kernels compiled ahead of time (no TPU): static schedule",
+                  rows, params, notes=__doc__.split("\n\n", 1)[1] + FINDINGS)
+
+
+def libtpu_version() -> str:
+    for meta in LIBTPU.glob("libtpu*.dist-info"):
+        return meta.name.removesuffix(".dist-info")
+    return "unknown"
+
+
+FINDINGS = ""
+
+if __name__ == "__main__":
+    main()
