@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.gpu_decode import dot_precision
 from pallas_kernels.quant import QuantizedKV
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -58,61 +59,71 @@ def fetch_table_row(tables_hbm_ref, seq, row_ref, sem):
 
 
 class PagePipeline:
-    """Double-buffered page DMAs of one (sequence, KV head): K and V, and for a quantized cache
-    their scales, C pages per compute block into one slot of the VMEM buffers."""
+    """Double-buffered page DMAs of one (sequence, KV head), C pages per compute block into one
+    slot of the VMEM buffers: one DMA a page carries its K and V rows together (the cache's
+    leading K/V axis, strided), and for a quantized cache one more its scales. Issuing a DMA is
+    scalar work (addresses, descriptors), which bounds the decode loop (tpu_schedule.md)."""
 
-    def __init__(self, kv_hbm_ref, scales_hbm_ref, buffers, sems, table_row_ref, *, head,
+    def __init__(self, kv_hbm_ref, scales_hbm_ref, buffers, sem, table_row_ref, *, head,
                  pages_per_step: int):
         self.sources = [kv_hbm_ref] + ([] if scales_hbm_ref is None else [scales_hbm_ref])
-        # [k_buf, v_buf(, k_scales_buf, v_scales_buf)] as made by page_scratch, paired up
-        self.buffers = [tuple(buffers[i:i + 2]) for i in range(0, len(buffers), 2)]
-        self.sems = sems  # (k_sems, v_sems): DMA[2], one per slot
+        self.buffers = buffers  # [kv_buf (, kv_scales_buf)] as made by page_scratch
+        self.sem = sem  # DMA[2], one per slot
         self.table_row_ref = table_row_ref  # SMEM i32[Pp]: this sequence's block-table row
         self.head, self.pages_per_step = head, pages_per_step
 
-    def _copies(self, block, slot):
-        base = block * self.pages_per_step
-        pages = [self.table_row_ref[base + c] for c in range(self.pages_per_step)]
-        return [pltpu.make_async_copy(src.at[kv_index, self.head, page],
-                                      bufs[kv_index].at[slot, c], self.sems[kv_index].at[slot])
-                for src, bufs in zip(self.sources, self.buffers) for kv_index in (0, 1)
-                for c, page in enumerate(pages)]
-
     def start(self, block, slot):
-        for copy in self._copies(block, slot):
-            copy.start()
+        base = block * self.pages_per_step
+        for c in range(self.pages_per_step):
+            page = self.table_row_ref[base + c]
+            for src, buf in zip(self.sources, self.buffers):
+                pltpu.make_async_copy(src.at[:, self.head, page], buf.at[slot, :, c],
+                                      self.sem.at[slot]).start()
 
-    def wait(self, block, slot):
-        for copy in self._copies(block, slot):
-            copy.wait()
+    def wait(self, slot):
+        """Waits for the whole slot: a DMA semaphore counts bytes, so one wait sized as a
+        slot's buffer covers its C page copies."""
+        for buf in self.buffers:
+            whole = buf.at[slot]
+            pltpu.make_async_copy(whole, whole, self.sem.at[slot]).wait()
 
-    def fetch(self, block, first_block, num_blocks):
+    def fetch(self, block, first_block, num_blocks, dtype):
         """Compute block `block` as a list of key chunks, with block + 1 already in flight into
         the other slot while they are used. Each chunk is (offset of its first key in the
-        block, K f32 [n, H], V f32 [n, H], K scales, V scales f32 [1, n] or None)."""
+        block, K [n, H], V [n, H] in dtype, K scales, V scales f32 [1, n] or None)."""
         slot = (block - first_block) % 2
 
         @pl.when(block + 1 < num_blocks)
         def _():
             self.start(block + 1, 1 - slot)
 
-        self.wait(block, slot)
-        return self.chunks(slot)
+        self.wait(slot)
+        return self.chunks(slot, dtype)
 
-    def chunks(self, slot):
-        """One chunk of C*S keys; for a quantized cache one per page, whose scales are read as
-        a [1, S] row: Mosaic cannot recast the [C, S] scale buffer into a [C*S, 1] column, so
-        they scale the scores and the probabilities instead of K and V."""
-        (k_buf, v_buf) = self.buffers[0]
-        _, pages, block_size, head_dim = k_buf.shape
+    def chunks(self, slot, dtype):
+        """One chunk of C*S keys in `dtype` (the dots' operand type); for a quantized cache
+        one per page, whose scales are read as a [1, S] row: Mosaic cannot recast the [C, S]
+        scale buffer into a [C*S, 1] column, so they scale the scores and the probabilities
+        instead of K and V."""
+        kv_buf = self.buffers[0]
+        _, _, pages, block_size, head_dim = kv_buf.shape
         if len(self.buffers) == 1:
             rows = pages * block_size
-            return [(0, k_buf[slot].reshape(rows, head_dim).astype(jnp.float32),
-                     v_buf[slot].reshape(rows, head_dim).astype(jnp.float32), None, None)]
-        k_scales, v_scales = self.buffers[1]
-        return [(c * block_size, k_buf[slot, c].astype(jnp.float32),
-                 v_buf[slot, c].astype(jnp.float32), k_scales[slot, pl.ds(c, 1)],
-                 v_scales[slot, pl.ds(c, 1)]) for c in range(pages)]
+            return [(0, kv_buf[slot, 0].reshape(rows, head_dim).astype(dtype),
+                     kv_buf[slot, 1].reshape(rows, head_dim).astype(dtype), None, None)]
+        scales = self.buffers[1]
+        return [(c * block_size, kv_buf[slot, 0, c].astype(dtype),
+                 kv_buf[slot, 1, c].astype(dtype), scales[slot, 0, pl.ds(c, 1)],
+                 scales[slot, 1, pl.ds(c, 1)]) for c in range(pages)]
+
+
+def compute_dtype(cache_dtype, q_dtype):
+    """The dots' operand type: the cache's own (bf16 K/V go to the MXU as they are, with f32
+    accumulation, as the GPU kernels do); a quantized cache is widened to the query's type
+    (int8 and e4m3 values are exact in bf16)."""
+    if jnp.issubdtype(cache_dtype, jnp.floating) and jnp.dtype(cache_dtype).itemsize >= 2:
+        return jnp.dtype(cache_dtype)
+    return jnp.dtype(q_dtype)
 
 
 def split_quantized(kv_cache):
@@ -123,21 +134,25 @@ def split_quantized(kv_cache):
 
 
 def page_scratch(pages_per_step: int, block_size: int, head_dim: int, data, scales) -> list:
-    """VMEM double buffers for PagePipeline: K and V pages (and their scales)."""
-    shapes = [pltpu.VMEM((2, pages_per_step, block_size, head_dim), data.dtype)] * 2
+    """VMEM double buffers for PagePipeline: [slot, K/V, C, S, H] pages (and [slot, K/V, C, S]
+    scales)."""
+    shapes = [pltpu.VMEM((2, 2, pages_per_step, block_size, head_dim), data.dtype)]
     if scales is not None:
-        shapes += [pltpu.VMEM((2, pages_per_step, block_size), jnp.float32)] * 2
+        shapes.append(pltpu.VMEM((2, 2, pages_per_step, block_size), jnp.float32))
     return shapes
 
 
-def online_softmax_step(q, k, v, visible, carry, *, soft_cap: float | None, k_scales=None,
-                        v_scales=None):
+def online_softmax_step(q, k, v, visible, carry, *, scale: float, soft_cap: float | None,
+                        k_scales=None, v_scales=None):
     """One flash-attention update of (o, m [R, 1], l [R, 1]) with a chunk of keys, shared by the
-    TPU kernels: q [R, H] pre-scaled, k and v [T, H] zeroed where they may hold garbage,
-    visible broadcastable to [R, T]; for a quantized cache the per-key scales [1, T] (zeroed
+    TPU kernels: q [R, H], k and v [T, H] in the dots' operand type (compute_dtype), V zeroed
+    where it may hold garbage (garbage in K only reaches scores that `visible` [R, T] masks),
+    scores and accumulators in f32. For a quantized cache the per-key scales [1, T] (zeroed
     where not visible) multiply the scores and the probabilities: q.(s k) = s (q.k)."""
     o, m, l = carry
-    s = jnp.einsum("RH,TH->RT", q, k, preferred_element_type=jnp.float32)
+    precision = dot_precision(k.dtype)
+    s = jnp.einsum("RH,TH->RT", q, k, precision=precision,
+                   preferred_element_type=jnp.float32) * scale
     if k_scales is not None:
         s = s * k_scales
     if soft_cap is not None:
@@ -149,26 +164,45 @@ def online_softmax_step(q, k, v, visible, carry, *, soft_cap: float | None, k_sc
     l = l * correction + jnp.sum(p, axis=1, keepdims=True)
     if v_scales is not None:
         p = p * v_scales
-    o = o * correction + jnp.einsum("RT,TH->RH", p, v, preferred_element_type=jnp.float32)
+    o = o * correction + jnp.einsum("RT,TH->RH", p.astype(v.dtype), v, precision=precision,
+                                    preferred_element_type=jnp.float32)
     return o, m_new, l
 
 
-def attend_chunk(q, chunk, first_key, carry, *, key_live, visible, soft_cap):
+def attend_chunk(q, chunk, first_key, carry, *, key_live, visible, scale, soft_cap,
+                 zero_v: bool = True):
     """Masks one chunk from PagePipeline.fetch and folds it into the softmax carry.
     key_live(pos) says which key positions exist (anything past them may be NaN), and
-    visible(pos [1, n]) which the rows see; pos are absolute positions."""
+    visible(pos [1, n]) which the rows see (never a key that is not live); pos are absolute.
+    zero_v=False skips zeroing V where keys are not live, for blocks that hold none
+    (attend_blocks): a select on every 16-bit V tile is most of a loop's vector work."""
     offset, k, v, k_scales, v_scales = chunk
     n = k.shape[0]
     # Positions as a row and as a column: no transpose, which Mosaic may not lay out.
     row = first_key + offset + jax.lax.broadcasted_iota(jnp.int32, (1, n), 1)
     col = first_key + offset + jax.lax.broadcasted_iota(jnp.int32, (n, 1), 0)
-    k = jnp.where(key_live(col), k, 0.0)
-    v = jnp.where(key_live(col), v, 0.0)
+    if zero_v:
+        v = jnp.where(key_live(col), v, jnp.zeros_like(v))  # 0 x NaN would reach the output
     if k_scales is not None:
         k_scales = jnp.where(key_live(row), k_scales, 0.0)
         v_scales = jnp.where(key_live(row), v_scales, 0.0)
-    return online_softmax_step(q, k, v, visible(row), carry, soft_cap=soft_cap,
+    return online_softmax_step(q, k, v, visible(row), carry, scale=scale, soft_cap=soft_cap,
                                k_scales=k_scales, v_scales=v_scales)
+
+
+def attend_blocks(body, first_block, num_blocks, init, *, edge_first: bool):
+    """fori_loop of body(block, carry, zero_v) over [first_block, num_blocks), with V zeroed
+    only in the last block, the one that may reach past the sequence's keys into garbage (and
+    with edge_first, a sliding window, in the first one too, whose pages before the window may
+    have gone back to the pool)."""
+    head_end = jnp.minimum(first_block + 1, num_blocks) if edge_first else first_block
+    tail_start = jnp.maximum(num_blocks - 1, head_end)
+    carry = init
+    if edge_first:
+        carry = jax.lax.fori_loop(first_block, head_end,
+                                  functools.partial(body, zero_v=True), carry)
+    carry = jax.lax.fori_loop(head_end, tail_start, functools.partial(body, zero_v=False), carry)
+    return jax.lax.fori_loop(tail_start, num_blocks, functools.partial(body, zero_v=True), carry)
 
 
 def _decode_kernel(
@@ -178,13 +212,13 @@ def _decode_kernel(
     kv_hbm_ref,  # [2, K, NB, S, H]        HBM (ANY)
     *refs,  # [scales f32[2, K, NB, S] HBM,] o [Gp, H] VMEM output block, then scratch:
     #         table_row i32[Pp] SMEM and its DMA semaphore,
-    #         k_buf, v_buf [2, C, S, H] (+ k/v scale buffers [2, C, S]) VMEM double buffers,
-    #         k_sems, v_sems DMA[2], one semaphore per buffer slot
+    #         kv_buf [2, 2, C, S, H] (+ scale buffer [2, 2, C, S]) VMEM double buffers,
+    #         page_sems DMA[2], one semaphore per buffer slot
     pages_per_step: int, scale: float, sliding_window: int | None,
     soft_cap: float | None, quantized: bool,
 ):
     scales_hbm_ref, refs = (refs[0], refs[1:]) if quantized else (None, refs)
-    o_ref, table_row, table_sem, *buffers, k_sems, v_sems = refs
+    o_ref, table_row, table_sem, *buffers, page_sems = refs
     seq, head = pl.program_id(0), pl.program_id(1)
     block_size, head_dim = kv_hbm_ref.shape[3], kv_hbm_ref.shape[4]
     block_k = pages_per_step * block_size
@@ -196,14 +230,15 @@ def _decode_kernel(
         first_block = jax.lax.div(jnp.maximum(kv_len - sliding_window, 0), block_k)
     num_blocks = pl.cdiv(kv_len, block_k)
     fetch_table_row(tables_hbm_ref, seq, table_row, table_sem)
-    pipeline = PagePipeline(kv_hbm_ref, scales_hbm_ref, buffers, (k_sems, v_sems), table_row,
+    pipeline = PagePipeline(kv_hbm_ref, scales_hbm_ref, buffers, page_sems, table_row,
                             head=head, pages_per_step=pages_per_step)
 
     @pl.when(first_block < num_blocks)
     def _():
         pipeline.start(first_block, 0)
 
-    q = q_ref[...].astype(jnp.float32) * scale
+    dtype = compute_dtype(kv_hbm_ref.dtype, q_ref.dtype)
+    q = q_ref[...].astype(dtype)
     num_rows = q.shape[0]
 
     def key_live(pos):  # keys past kv_len come from pages that may hold anything, NaN too
@@ -212,16 +247,18 @@ def _decode_kernel(
             live &= pos >= kv_len - sliding_window
         return live
 
-    def body(block, carry):
-        for chunk in pipeline.fetch(block, first_block, num_blocks):
+    def body(block, carry, zero_v):
+        for chunk in pipeline.fetch(block, first_block, num_blocks, dtype):
             carry = attend_chunk(q, chunk, block * block_k, carry, key_live=key_live,
-                                 visible=key_live, soft_cap=soft_cap)
+                                 visible=key_live, scale=scale, soft_cap=soft_cap,
+                                 zero_v=zero_v)
         return carry
 
     init = (jnp.zeros((num_rows, head_dim), jnp.float32),
             jnp.full((num_rows, 1), MASK_VALUE, jnp.float32),
             jnp.zeros((num_rows, 1), jnp.float32))
-    o, _, l = jax.lax.fori_loop(first_block, num_blocks, body, init)
+    o, _, l = attend_blocks(body, first_block, num_blocks, init,
+                            edge_first=sliding_window is not None)
     o_ref[...] = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
 
 
@@ -273,12 +310,11 @@ def paged_decode_attention_tpu(
                 pltpu.SMEM((padded_width,), jnp.int32),  # this sequence's block-table row
                 pltpu.SemaphoreType.DMA(()),
                 *page_scratch(pages_per_step, block_size, head_dim, data, scales),
-                pltpu.SemaphoreType.DMA((2,)),  # K DMAs (pages and scales), one per slot
-                pltpu.SemaphoreType.DMA((2,)),  # V DMAs
+                pltpu.SemaphoreType.DMA((2,)),  # page DMAs (K/V and scales), one per slot
             ],
         ),
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"), disable_bounds_checks=True),
         interpret=interpret_params(interpret),
         name="paged_decode_attention_tpu",
     )(lens, qg, flat_tables(block_tables, padded_width), data, *quant_operands)

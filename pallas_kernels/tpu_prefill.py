@@ -20,8 +20,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.gpu_prefill import tile_layout
-from pallas_kernels.tpu_decode import (MASK_VALUE, SUBLANES, PagePipeline, attend_chunk,
-                                       fetch_table_row, flat_tables, interpret_params,
+from pallas_kernels.tpu_decode import (MASK_VALUE, SUBLANES, PagePipeline, attend_blocks,
+                                       attend_chunk, compute_dtype, fetch_table_row, flat_tables, interpret_params,
                                        page_scratch, split_quantized, table_width)
 
 
@@ -34,13 +34,13 @@ def _ragged_kernel(
     q_hbm_ref,  # [T + BQ, K, Gp, H]   HBM (ANY)
     kv_hbm_ref,  # [2, K, NB, S, H]    HBM (ANY)
     *refs,  # [scales f32[2, K, NB, S] HBM,] o f32[BQ, Gp, H] VMEM output tile, then scratch:
-    #         table_row i32[Pp] SMEM, q_buf [BQ, Gp, H], k_buf, v_buf [2, C, S, H] (+ scale
-    #         buffers [2, C, S]) VMEM, table_sem, q_sem, k_sems, v_sems DMA
+    #         table_row i32[Pp] SMEM, q_buf [BQ, Gp, H], kv_buf [2, 2, C, S, H] (+ scale
+    #         buffer [2, 2, C, S]) VMEM, table_sem, q_sem, page_sems DMA
     tile_q: int, pages_per_step: int, scale: float,
     sliding_window: int | None, soft_cap: float | None, quantized: bool,
 ):
     scales_hbm_ref, refs = (refs[0], refs[1:]) if quantized else (None, refs)
-    o_ref, table_row, q_buf, *buffers, table_sem, q_sem, k_sems, v_sems = refs
+    o_ref, table_row, q_buf, *buffers, table_sem, q_sem, page_sems = refs
     tile, head = pl.program_id(0), pl.program_id(1)
     block_size, head_dim = kv_hbm_ref.shape[3], kv_hbm_ref.shape[4]
     group = q_buf.shape[1]
@@ -58,7 +58,7 @@ def _ragged_kernel(
             jnp.maximum(offset + start - q_first - sliding_window + 1, 0), block_k)
     num_blocks = jnp.where(live, pl.cdiv(last_pos + 1, block_k), 0)
     fetch_table_row(tables_hbm_ref, seq, table_row, table_sem)
-    pipeline = PagePipeline(kv_hbm_ref, scales_hbm_ref, buffers, (k_sems, v_sems), table_row,
+    pipeline = PagePipeline(kv_hbm_ref, scales_hbm_ref, buffers, page_sems, table_row,
                             head=head, pages_per_step=pages_per_step)
 
     q_copy = pltpu.make_async_copy(q_hbm_ref.at[pl.ds(start, tile_q), head], q_buf, q_sem)
@@ -69,7 +69,8 @@ def _ragged_kernel(
         pipeline.start(first_block, 0)
 
     q_copy.wait()
-    q = q_buf[...].reshape(num_rows, head_dim).astype(jnp.float32) * scale
+    dtype = compute_dtype(kv_hbm_ref.dtype, q_buf.dtype)
+    q = q_buf[...].reshape(num_rows, head_dim).astype(dtype)
     row_token = start + jax.lax.broadcasted_iota(jnp.int32, (tile_q, group, 1), 0).reshape(
         num_rows, 1)
     row_live = (row_token < q_end) & live
@@ -81,17 +82,18 @@ def _ragged_kernel(
             seen &= pos > q_pos - sliding_window
         return seen
 
-    def body(block, carry):
-        for chunk in pipeline.fetch(block, first_block, num_blocks):
+    def body(block, carry, zero_v):
+        for chunk in pipeline.fetch(block, first_block, num_blocks, dtype):
             carry = attend_chunk(q, chunk, block * block_k, carry,
                                  key_live=lambda pos: pos <= last_pos, visible=visible,
-                                 soft_cap=soft_cap)
+                                 scale=scale, soft_cap=soft_cap, zero_v=zero_v)
         return carry
 
     init = (jnp.zeros((num_rows, head_dim), jnp.float32),
             jnp.full((num_rows, 1), MASK_VALUE, jnp.float32),
             jnp.zeros((num_rows, 1), jnp.float32))
-    o, _, l = jax.lax.fori_loop(first_block, num_blocks, body, init)
+    o, _, l = attend_blocks(body, first_block, num_blocks, init,
+                            edge_first=sliding_window is not None)
     o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)
     o_ref[...] = o.reshape(tile_q, group, head_dim)
 
@@ -148,13 +150,12 @@ def ragged_paged_attention_tpu(
                 *page_scratch(pages_per_step, block_size, head_dim, data, scales),
                 pltpu.SemaphoreType.DMA(()),  # table-row DMA
                 pltpu.SemaphoreType.DMA(()),  # query DMA
-                pltpu.SemaphoreType.DMA((2,)),  # K DMAs, one per buffer slot
-                pltpu.SemaphoreType.DMA((2,)),  # V DMAs
+                pltpu.SemaphoreType.DMA((2,)),  # page DMAs, one per buffer slot
             ],
         ),
         out_shape=jax.ShapeDtypeStruct(
             (num_tiles, tile_q, num_kv_heads, padded_group, head_dim), jnp.float32),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"), disable_bounds_checks=True),
         interpret=interpret_params(interpret),
         name="ragged_paged_attention_tpu",
     )(tile_seq, tile_start, cu_q_lens, kv_lens.astype(jnp.int32),
