@@ -52,10 +52,12 @@ def _ragged_kernel(
     q_first, q_end = cu_q_lens_ref[seq], cu_q_lens_ref[seq + 1]
     offset = kv_lens_ref[seq] - (q_end - q_first)  # position of the sequence's first query
     last_pos = offset + jnp.minimum(start + tile_q, q_end) - 1 - q_first
-    first_block = 0
+    first_block = first_key = 0
     if sliding_window is not None:
+        # The first key the tile's first query sees: pages before it may be back in the pool.
+        first_key = offset + start - q_first - sliding_window + 1
         first_block = jax.lax.div(  # non-negative: see tpu_decode on floor division
-            jnp.maximum(offset + start - q_first - sliding_window + 1, 0), block_k)
+            jnp.maximum(first_key, 0), block_k)
     num_blocks = jnp.where(live, pl.cdiv(last_pos + 1, block_k), 0)
     fetch_table_row(tables_hbm_ref, seq, table_row, table_sem)
     pipeline = PagePipeline(kv_hbm_ref, scales_hbm_ref, buffers, page_sems, table_row,
@@ -76,6 +78,9 @@ def _ragged_kernel(
     row_live = (row_token < q_end) & live
     q_pos = offset + row_token - q_first  # [rows, 1]
 
+    def key_live(pos):  # keys any row of the tile may see; past them pages may hold anything
+        return (pos <= last_pos) & (pos >= first_key)
+
     def visible(pos):  # [rows, n]: causal, within the window, live rows only
         seen = (pos <= q_pos) & row_live
         if sliding_window is not None:
@@ -85,7 +90,7 @@ def _ragged_kernel(
     def body(block, carry, zero_v):
         for chunk in pipeline.fetch(block, first_block, num_blocks, dtype):
             carry = attend_chunk(q, chunk, block * block_k, carry,
-                                 key_live=lambda pos: pos <= last_pos, visible=visible,
+                                 key_live=key_live, visible=visible,
                                  scale=scale, soft_cap=soft_cap, zero_v=zero_v)
         return carry
 

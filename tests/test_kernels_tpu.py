@@ -9,8 +9,10 @@ from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as j
 
 from test_kernels_gpu import as_dtype, decode_seqs, ragged_seqs, tolerance
 from test_kernels_reference import build_case, dense_oracle
-from pallas_kernels import (paged_decode_attention_reference, paged_decode_attention_tpu,
-                            ragged_paged_attention_reference, ragged_paged_attention_tpu)
+from pallas_kernels import (IMPLEMENTATIONS, paged_decode_attention_reference,
+                            paged_decode_attention_tpu, ragged_paged_attention_reference,
+                            ragged_paged_attention_tpu)
+from pallas_kernels.layout import NULL_BLOCK
 
 # The TPU interpreter is slower than the GPU one: a smaller covering set.
 CASES = [
@@ -148,3 +150,33 @@ def test_null_block_agrees_with_the_scheduler():
     from pallas_kernels.layout import NULL_BLOCK
     from scheduler import NULL_BLOCK as SCHEDULER_NULL_BLOCK
     assert NULL_BLOCK == SCHEDULER_NULL_BLOCK
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu", "reference"])
+def test_pages_freed_out_of_the_window_are_never_read(backend):
+    """With a sliding window the scheduler frees the pages no query can see any more and leaves
+    the null block in their table slots (KVCacheManager.free_out_of_window); here that block
+    holds NaN. The kernels skip whole compute blocks before the window and must zero V in the
+    one the window starts in (tpu_decode.attend_blocks)."""
+    impl = IMPLEMENTATIONS[backend]
+    window, block_size = 12, 8
+    rng = np.random.default_rng(6)
+    seqs = [(45, 5), (40, 1), (33, 1)]
+    case = build_case(rng, seqs, block_size=block_size, num_heads=4, num_kv_heads=2,
+                      head_dim=32, backend=backend)
+    for b, (kv_len, q_len) in enumerate(seqs):
+        first_visible = kv_len - q_len - window + 1  # the first query's window
+        case["tables"][b, :first_visible // block_size] = NULL_BLOCK
+    assert np.all(np.isnan(case["cache"][:, :, NULL_BLOCK]))
+    opts = dict(scale=0.2, sliding_window=window)
+    kwargs = {} if backend == "reference" else dict(interpret=True, pages_per_step=2)
+    expected = dense_oracle(case["q"], case["keys"], case["values"], case["q_lens"],
+                            [kv for kv, _ in seqs], **opts)
+    q, cache = jnp.asarray(case["q"]), jnp.asarray(case["cache"])
+    got = impl.ragged(q, cache, case["kv_lens"], case["tables"], case["cu_q_lens"],
+                      case["num_seqs"], **opts, **kwargs)
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=2e-5, atol=2e-5)
+    last = case["cu_q_lens"][1:] - 1
+    got = impl.decode(q[last], cache, case["kv_lens"], case["tables"], case["num_seqs"],
+                      **opts, **kwargs)
+    np.testing.assert_allclose(np.asarray(got), expected[last], rtol=2e-5, atol=2e-5)
