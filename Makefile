@@ -36,6 +36,7 @@ bench: $(TEST_STAMP)
 	$(PY) benchmarks/hf_load.py
 	$(PY) benchmarks/vs_transformers.py
 	$(PY) benchmarks/gpu_compile.py
+	$(PY) benchmarks/tpu_schedule.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -199,7 +199,30 @@ def libtpu_version() -> str:
     return "unknown"
 
 
-FINDINGS = ""
+FINDINGS = """
+What this schedule changed in the kernels (2026-12-01, v5e, innermost loop in bundles per
+iteration: decode bf16 / decode int8 / ragged bf16; JAX's shipped op 631 throughout):
+
+- Start: 375 / 737 / 476. Each page DMA was preceded by two bounds checks (source in HBM,
+  destination in VMEM), each a serial chain of scalar compares ending in `shalt.err`: two
+  thirds of the decode loop. Compiled kernels now turn them off (tpu_decode.compiler_params;
+  interpret mode still raises on any out-of-bounds read): 150 / 316 / 350.
+- K and V were widened to f32 and multiplied in f32 (32 unpacks and 32 MXU pushes a block in
+  decode). The dots now take the cache's 16-bit type with f32 accumulation, as the GPU kernels
+  do (f32 caches follow jax.default_matmul_precision), and V is zeroed past the sequence only
+  in the last block (and, with a sliding window, the first), since a select on bf16 tiles cost
+  more than the f32 cast it replaced: 134 / 353 / 338.
+- One DMA a page now carries K and V together (the cache's leading K/V axis, strided), and a
+  slot is waited on once: 126 / 310 / 319. The decode loop's issue ceiling is then 95% of
+  v5e's HBM bandwidth, from 32%.
+- The block-table row is fetched once a sequence (KV-head grid axis sequential), not once a
+  (sequence, KV head): one HBM round trip, not in these bundle counts, per sequence instead of
+  eight at 8 KV heads.
+
+Not changed: the int8 loop works page by page (its scales are read as [1, S] rows, which Mosaic
+can lay out; a [1, C*S] row cannot be made from the [C, S] buffer), so it is issue-bound near
+20% of HBM; the ragged loop multiplies 128 query rows a tile and is meant to be compute-heavy.
+"""
 
 if __name__ == "__main__":
     main()

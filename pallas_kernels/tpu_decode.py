@@ -3,11 +3,13 @@
 Axis letters: B sequences, N query heads, K KV heads, G = N // K (Gp: padded to a multiple of 8
 sublanes), H head dim, S block size, C pages per compute block, NB physical blocks.
 
-Grid (B, K). kv_lens are scalar-prefetched into SMEM; each program copies its sequence's
+Grid (B, K). kv_lens are scalar-prefetched into SMEM; the first program of a sequence copies its
 block-table row from HBM into SMEM (the whole table would outgrow SMEM at production sizes). K/V
-stay in HBM (memory_space=ANY); each program copies the pages it needs into VMEM with DMAs,
-C pages per compute block, double-buffered: block j + 1 is in flight while block j is computed.
-Only ceil(kv_len / (C * S)) compute blocks are fetched, never the padded table width.
+stay in HBM (memory_space=ANY); each program copies the pages it needs into VMEM with DMAs, one a
+page for its K and V rows, C pages per compute block, double-buffered: block j + 1 is in flight
+while block j is computed. Only ceil(kv_len / (C * S)) compute blocks are fetched, never the
+padded table width. The dots take bf16 K/V as they are (f32 accumulation). What the loop costs a
+TensorCore is read from libtpu's compiled schedule by benchmarks/tpu_schedule.py.
 """
 
 from __future__ import annotations
@@ -48,14 +50,32 @@ def flat_tables(block_tables: jax.Array, padded_width: int) -> jax.Array:
                    ((0, 0), (0, padded_width - width))).reshape(-1)
 
 
-def fetch_table_row(tables_hbm_ref, seq, row_ref, sem):
-    """Copies one sequence's block-table row from HBM into SMEM. The whole table, scalar-
-    prefetched, outgrows SMEM (1 MB on v5e) at 128 sequences x 32k tokens of context."""
+def fetch_table_row(tables_hbm_ref, seq, row_ref, sem, head):
+    """Copies one sequence's block-table row from HBM into SMEM, once a sequence: the KV-head
+    axis is the grid's inner, sequential one (compiler_params), so the row fetched by head 0
+    is still in SMEM for the others. The whole table, scalar-prefetched, outgrows SMEM (1 MB
+    on v5e) at 128 sequences x 32k tokens of context."""
     width = row_ref.shape[0]
-    copy = pltpu.make_async_copy(
-        tables_hbm_ref.at[pl.ds(pl.multiple_of(seq * width, TABLE_ALIGN), width)], row_ref, sem)
-    copy.start()
-    copy.wait()
+
+    @pl.when(head == 0)
+    def _():
+        copy = pltpu.make_async_copy(
+            tables_hbm_ref.at[pl.ds(pl.multiple_of(seq * width, TABLE_ALIGN), width)], row_ref,
+            sem)
+        copy.start()
+        copy.wait()
+
+
+def compiler_params():
+    """Grid (sequences or tiles, KV heads): the first axis may be split across TensorCores,
+    the KV-head axis runs in order on one (fetch_table_row relies on it).
+
+    Bounds checks are off in compiled kernels: Mosaic checks every DMA's source and
+    destination with a chain of scalar compares that took 2/3 of the decode loop
+    (tpu_schedule.md). Page ids come from the scheduler's block tables (tested against the
+    pool); interpret mode still raises on any out-of-bounds read (interpret_params)."""
+    return pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+                                disable_bounds_checks=True)
 
 
 class PagePipeline:
@@ -229,7 +249,7 @@ def _decode_kernel(
         # sign(), which Mosaic only lowers for a known TPU generation.
         first_block = jax.lax.div(jnp.maximum(kv_len - sliding_window, 0), block_k)
     num_blocks = pl.cdiv(kv_len, block_k)
-    fetch_table_row(tables_hbm_ref, seq, table_row, table_sem)
+    fetch_table_row(tables_hbm_ref, seq, table_row, table_sem, head)
     pipeline = PagePipeline(kv_hbm_ref, scales_hbm_ref, buffers, page_sems, table_row,
                             head=head, pages_per_step=pages_per_step)
 
@@ -314,7 +334,7 @@ def paged_decode_attention_tpu(
             ],
         ),
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"), disable_bounds_checks=True),
+        compiler_params=compiler_params(),
         interpret=interpret_params(interpret),
         name="paged_decode_attention_tpu",
     )(lens, qg, flat_tables(block_tables, padded_width), data, *quant_operands)

@@ -21,7 +21,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.gpu_prefill import tile_layout
 from pallas_kernels.tpu_decode import (MASK_VALUE, SUBLANES, PagePipeline, attend_blocks,
-                                       attend_chunk, compute_dtype, fetch_table_row, flat_tables, interpret_params,
+                                       attend_chunk, compiler_params, compute_dtype,
+                                       fetch_table_row, flat_tables, interpret_params,
                                        page_scratch, split_quantized, table_width)
 
 
@@ -59,7 +60,7 @@ def _ragged_kernel(
         first_block = jax.lax.div(  # non-negative: see tpu_decode on floor division
             jnp.maximum(first_key, 0), block_k)
     num_blocks = jnp.where(live, pl.cdiv(last_pos + 1, block_k), 0)
-    fetch_table_row(tables_hbm_ref, seq, table_row, table_sem)
+    fetch_table_row(tables_hbm_ref, seq, table_row, table_sem, head)
     pipeline = PagePipeline(kv_hbm_ref, scales_hbm_ref, buffers, page_sems, table_row,
                             head=head, pages_per_step=pages_per_step)
 
@@ -160,7 +161,7 @@ def ragged_paged_attention_tpu(
         ),
         out_shape=jax.ShapeDtypeStruct(
             (num_tiles, tile_q, num_kv_heads, padded_group, head_dim), jnp.float32),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"), disable_bounds_checks=True),
+        compiler_params=compiler_params(),
         interpret=interpret_params(interpret),
         name="ragged_paged_attention_tpu",
     )(tile_seq, tile_start, cu_q_lens, kv_lens.astype(jnp.int32),
