@@ -22,7 +22,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.gpu_prefill import tile_layout
 from pallas_kernels.tpu_decode import (MASK_VALUE, SUBLANES, PagePipeline, attend_blocks,
                                        attend_chunk, compiler_params, compute_dtype,
-                                       fetch_table_row, flat_tables, interpret_params,
+                                       default_pages_per_step, fetch_table_row, flat_tables, interpret_params,
                                        page_scratch, split_quantized, table_width)
 
 
@@ -114,7 +114,7 @@ def ragged_paged_attention_tpu(
     cu_q_lens: jax.Array,  # i32[B + 1]
     num_seqs: jax.Array,  # i32[]
     *, scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-    tile_q: int = 16, pages_per_step: int = 4, interpret: bool = False,
+    tile_q: int = 16, pages_per_step: int | None = None, interpret: bool = False,
 ) -> jax.Array:  # [T, N, H]; 0 for padding tokens
     num_tokens, num_heads, head_dim = q.shape
     data, scales = split_quantized(kv_cache)
@@ -126,7 +126,7 @@ def ragged_paged_attention_tpu(
     group = num_heads // num_kv_heads
     padded_group = pl.cdiv(group, SUBLANES) * SUBLANES if group > 1 else 1
     width = block_tables.shape[1]
-    pages_per_step = min(pages_per_step, width)
+    pages_per_step = min(pages_per_step or default_pages_per_step(block_size), width)
     padded_width = table_width(width, pages_per_step)
     cu_q_lens = cu_q_lens.astype(jnp.int32)
     tile_seq, tile_start, token_tile, token_row = tile_layout(cu_q_lens, num_seqs, num_tokens,
