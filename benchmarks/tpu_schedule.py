@@ -224,6 +224,9 @@ iteration: decode bf16 / decode int8 / ragged bf16; JAX's shipped op 631 through
   (sequence, KV head): one HBM round trip, not in these bundle counts, per sequence instead of
   eight at 8 KV heads.
 
+- Each program starts the next KV head's first compute block once its own loop is done
+  (PagePipeline.prefetch_next_head; same sequence, same pages), so only a sequence's first
+  program waits for a cold DMA: 46 more fixed bundles, not counted against the loop.
 - Compute blocks are 128 keys in both kernels (tpu_decode.default_pages_per_step; the
   ragged kernel took 4 pages of 16): per query row x key its loop takes 21.6 bundles per
   thousand instead of 38.9 (16 tokens a tile; 256 keys: 16.0, 32 tokens and 128 keys: 17.0).

@@ -103,6 +103,27 @@ class PagePipeline:
         self.table_row_ref = table_row_ref  # SMEM i32[Pp]: this sequence's block-table row
         self.head, self.pages_per_step = head, pages_per_step
 
+    def for_head(self, head) -> "PagePipeline":
+        other = object.__new__(PagePipeline)
+        other.__dict__.update(self.__dict__, head=head)
+        return other
+
+    def start_first_block(self, first_block, num_blocks):
+        """Starts this program's first compute block, into slot 0, unless the previous program
+        (the sequence's previous KV head) already did: see prefetch_next_head."""
+        @pl.when((self.head == 0) & (first_block < num_blocks))
+        def _():
+            self.start(first_block, 0)
+
+    def prefetch_next_head(self, first_block, num_blocks, num_heads):
+        """Starts the next KV head's first compute block (same sequence, same pages, so same
+        first_block and num_blocks) once this program's loop is done, so its latency overlaps
+        this program's epilogue instead of stalling the next one's first wait. The KV-head
+        axis is sequential (compiler_params), so the next program is that head's."""
+        @pl.when((self.head + 1 < num_heads) & (first_block < num_blocks))
+        def _():
+            self.for_head(self.head + 1).start(first_block, 0)
+
     def start(self, block, slot):
         base = block * self.pages_per_step
         for c in range(self.pages_per_step):
@@ -263,11 +284,7 @@ def _decode_kernel(
     fetch_table_row(tables_hbm_ref, seq, table_row, table_sem, head)
     pipeline = PagePipeline(kv_hbm_ref, scales_hbm_ref, buffers, page_sems, table_row,
                             head=head, pages_per_step=pages_per_step)
-
-    @pl.when(first_block < num_blocks)
-    def _():
-        pipeline.start(first_block, 0)
-
+    pipeline.start_first_block(first_block, num_blocks)
     dtype = compute_dtype(kv_hbm_ref.dtype, q_ref.dtype)
     q = q_ref[...].astype(dtype)
     num_rows = q.shape[0]
@@ -290,6 +307,7 @@ def _decode_kernel(
             jnp.zeros((num_rows, 1), jnp.float32))
     o, _, l = attend_blocks(body, first_block, num_blocks, init,
                             edge_first=sliding_window is not None)
+    pipeline.prefetch_next_head(first_block, num_blocks, pl.num_programs(1))
     o_ref[...] = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
 
 

@@ -66,10 +66,7 @@ def _ragged_kernel(
 
     q_copy = pltpu.make_async_copy(q_hbm_ref.at[pl.ds(start, tile_q), head], q_buf, q_sem)
     q_copy.start()
-
-    @pl.when(first_block < num_blocks)
-    def _():
-        pipeline.start(first_block, 0)
+    pipeline.start_first_block(first_block, num_blocks)
 
     q_copy.wait()
     dtype = compute_dtype(kv_hbm_ref.dtype, q_buf.dtype)
@@ -100,6 +97,7 @@ def _ragged_kernel(
             jnp.zeros((num_rows, 1), jnp.float32))
     o, _, l = attend_blocks(body, first_block, num_blocks, init,
                             edge_first=sliding_window is not None)
+    pipeline.prefetch_next_head(first_block, num_blocks, pl.num_programs(1))
     o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)
     o_ref[...] = o.reshape(tile_q, group, head_dim)
 
