@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(PY) -m pagedjax.demo
 
 test: $(TEST_STAMP)
-	$(PY) -m pytest -n 2 --dist loadgroup -q tests
+	$(PY) -m pytest -n 2 -q tests
 
 bench: $(TEST_STAMP)
 	$(PY) benchmarks/kv_memory.py

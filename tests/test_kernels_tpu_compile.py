@@ -6,6 +6,7 @@ apply. The compiles run in one child process per topology (libtpu lives outside 
 environment's site-packages, see the Makefile), and each case is one test.
 """
 
+import fcntl
 import functools
 import json
 import os
@@ -19,8 +20,6 @@ import pytest
 
 from test_kernels_lowering import KERNELS, kernel_args
 
-# One worker compiles everything once (the fixture is per session, and per worker under xdist).
-pytestmark = pytest.mark.xdist_group("tpu_compile")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LIBTPU = pathlib.Path(os.environ.get("PAGEDJAX_LIBTPU", ROOT / ".venv" / "libtpu"))
 TOPOLOGIES = ["v5e:2x2", "v6e:2x2"]
@@ -101,41 +100,63 @@ def build(name):
                            num_heads=num_heads, num_kv_heads=num_kv_heads)
 
 
-# Session scope: under xdist a worker may run another module's test between two of these, and
-# pytest then tears a module fixture down and compiles everything again (it did: 2 x 130 s).
+def shared_dir(tmp_path_factory) -> pathlib.Path:
+    """A folder every xdist worker of this session sees (the workers' base temp dirs share a
+    parent), or this session's own without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def compiled(tmp_path_factory):
+    """compiled(topology) -> {case: outcome}. Each topology is compiled once a test session,
+    by whichever worker asks first, under a file lock the other waits on, so two workers build
+    the two topologies at once and nothing twice. (xdist's loadgroup cannot keep these tests on
+    one worker: with pytest 9 its group suffix no longer reaches the node id, and a per-worker
+    fixture compiled everything twice, 2 x 130 s.)"""
     if not (LIBTPU / "libtpu").is_dir():
         pytest.fail(f"libtpu is not installed in {LIBTPU}: `make test` installs it "
                     "(requirements/tpu-aot.txt), or set PAGEDJAX_LIBTPU")
-    cases = tmp_path_factory.mktemp("tpu_aot") / "cases.json"
+    shared = shared_dir(tmp_path_factory)
+
+    def get(topology: str) -> dict:
+        stem = shared / f"tpu_aot_{topology.replace(':', '_')}"
+        with open(stem.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            results = stem.with_suffix(".json")
+            if not results.exists():
+                results.write_text(json.dumps(compile_topology(topology, stem)))
+        return json.loads(results.read_text())
+
+    return functools.cache(get)
+
+
+def compile_topology(topology: str, stem: pathlib.Path) -> dict:
+    names = [*CASES, *STEPS] + ([*LARGE] if topology == TOPOLOGIES[0] else [])
+    cases = stem.with_suffix(".cases.json")
+    cases.write_text(json.dumps([{"name": name, "module": "test_kernels_tpu_compile",
+                                  "function": "build"} for name in names]))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
-    results = {}
-    for topology in TOPOLOGIES:
-        names = [*CASES, *STEPS] + ([*LARGE] if topology == TOPOLOGIES[0] else [])
-        cases.write_text(json.dumps([{"name": name, "module": "test_kernels_tpu_compile",
-                                      "function": "build"} for name in names]))
-        run = subprocess.run(
-            [sys.executable, "-m", "pallas_kernels.tpu_aot", str(cases), "--libtpu",
-             str(LIBTPU), "--topology", topology],
-            capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-        lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-        assert run.returncode == 0 and lines, run.stderr[-3000:]
-        results.update({(topology, line["name"]): line for line in lines})
-    return results
+    run = subprocess.run(
+        [sys.executable, "-m", "pallas_kernels.tpu_aot", str(cases), "--libtpu", str(LIBTPU),
+         "--topology", topology],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert run.returncode == 0 and lines, run.stderr[-3000:]
+    return {line["name"]: line for line in lines}
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 @pytest.mark.parametrize("case", [*CASES, *STEPS])
 def test_kernel_compiles_for_tpu(case, topology, compiled):
-    result = compiled[(topology, case)]
+    result = compiled(topology)[case]
     assert result["ok"], result.get("error")
 
 
 @pytest.mark.parametrize("case", LARGE)
 def test_kernel_compiles_for_tpu_at_production_sizes(case, compiled):
     """On v5e, whose SMEM (1 MB) the block tables and the write's page table must fit."""
-    result = compiled[(TOPOLOGIES[0], case)]
+    result = compiled(TOPOLOGIES[0])[case]
     assert result["ok"], result.get("error")
 
 

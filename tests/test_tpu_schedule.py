@@ -15,8 +15,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import tpu_schedule  # noqa: E402
 
-pytestmark = pytest.mark.xdist_group("tpu_compile")  # libtpu compiles, one worker
-
 
 def test_decode_loop_schedule(tmp_path):
     if not (tpu_schedule.LIBTPU / "libtpu").is_dir():
