@@ -47,7 +47,8 @@ def run_engine(model, max_tokens=MAX_TOKENS, **kwargs):
     # The GPU Pallas kernels through the interpreter, chunked prefill and mixed steps included.
     dict(block_size=8, max_num_batched_tokens=16, attention_backend="gpu",
          attention_interpret=True),
-    dict(block_size=8, max_num_batched_tokens=32, attention_backend="tpu",
+    # Blocks of 16, TPU-sized: few simulated DMAs a 128-key compute block.
+    dict(block_size=16, max_num_batched_tokens=32, attention_backend="tpu",
          attention_interpret=True),
 ], ids=["bs1", "bs4", "bs16", "chunked", "prefill_first", "decode_first", "gpu_kernels",
         "tpu_kernels"])

@@ -109,11 +109,12 @@ def test_pallas_kernels_read_quantized_caches(backend, dtype):
 @pytest.mark.parametrize("backend", ["gpu", "tpu"])
 def test_int8_engine_on_pallas_kernels_equals_reference_backend(tiny_model, backend):
     # The TPU interpreter simulates each DMA (~3 s a step here): 6 tokens still take the run
-    # through chunked prefill, mixed and decode steps.
-    max_tokens = 6 if backend == "tpu" else 12
-    reference, _ = generate(tiny_model, max_tokens, kv_cache_dtype="int8")
-    pallas, _ = generate(tiny_model, max_tokens, kv_cache_dtype="int8", attention_backend=backend,
-                         attention_interpret=True)
+    # through chunked prefill, mixed and decode steps; blocks of 16 (TPU-sized) keep the
+    # simulated DMAs of a 128-key compute block few.
+    kwargs = dict(max_tokens=6, block_size=16) if backend == "tpu" else dict(max_tokens=12)
+    reference, _ = generate(tiny_model, kv_cache_dtype="int8", **kwargs)
+    pallas, _ = generate(tiny_model, kv_cache_dtype="int8", attention_backend=backend,
+                         attention_interpret=True, **kwargs)
     assert pallas == reference
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="fp4")
