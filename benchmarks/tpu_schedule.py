@@ -233,6 +233,10 @@ iteration: decode bf16 / decode int8 / ragged bf16; JAX's shipped op 631 through
   Decode at 256 keys issues for 136% of HBM but fetches up to 255 keys of a sequence's last
   block for nothing, so 128 stays.
 
+Tried and reverted: fetching only the pages that hold keys (a branch per page, and a wait
+per page in a sequence's last block) to save the DMA traffic of a last block's empty pages:
+the decode loop went from 125 to 176 bundles.
+
 Not changed: the int8 loop works page by page (its scales are read as [1, S] rows, which Mosaic
 can lay out; a [1, C*S] row cannot be made from the [C, S] buffer), so it is issue-bound near
 20% of HBM; the ragged loop multiplies 128 query rows a tile and is meant to be compute-heavy.
