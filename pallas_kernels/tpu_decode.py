@@ -42,7 +42,7 @@ KEYS_PER_STEP = 128
 
 def default_pages_per_step(block_size: int) -> int:
     """Pages per compute block: 128 keys. Read from the compiled schedule on v5e
-    (tpu_schedule.md): the decode loop then issues for 95% of HBM bandwidth at block 16 (256
+    (tpu_schedule.md): the decode loop then issues for 96% of HBM bandwidth at block 16 (256
     keys: 136%, but up to 255 keys of a sequence's last block are fetched for nothing), and
     the ragged loop takes 1.8x fewer bundles per query-row x key than at 64 keys."""
     return max(1, KEYS_PER_STEP // block_size)
