@@ -25,11 +25,9 @@ from __future__ import annotations
 import argparse
 import functools
 import glob
-import json
 import os
 import pathlib
 import re
-import subprocess
 import sys
 import tempfile
 
@@ -37,6 +35,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 from common import write_results  # noqa: E402
+
+from pallas_kernels import tpu_aot  # noqa: E402
 
 LIBTPU = pathlib.Path(os.environ.get("PAGEDJAX_LIBTPU", ROOT / ".venv" / "libtpu"))
 TOPOLOGIES = {"v5e:2x2": dict(clock_ghz=1.5, hbm_gbs=819), "v6e:2x2": {}}
@@ -141,17 +141,13 @@ def kernel_schedule(dump: pathlib.Path) -> dict:
 
 def compile_case(name: str, topology: str, workdir: pathlib.Path) -> dict:
     dump = workdir / re.sub(r"\W+", "_", f"{topology}_{name}")
-    cases = dump.with_suffix(".json")
-    cases.write_text(json.dumps([{"name": name, "module": "tpu_schedule",
-                                  "function": "build"}]))
-    env = dict(os.environ, LIBTPU_INIT_ARGS=f"--xla_jf_dump_to={dump}",
-               PYTHONPATH=os.pathsep.join(str(ROOT / p) for p in ("benchmarks", "tests", "")))
-    run = subprocess.run([sys.executable, "-m", "pallas_kernels.tpu_aot", str(cases),
-                          "--libtpu", str(LIBTPU), "--topology", topology],
-                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    if run.returncode or not lines or not lines[0]["ok"]:
-        raise RuntimeError((lines[0].get("error") if lines else run.stderr[-2000:]))
+    lines, stderr = tpu_aot.run_in_child(
+        [{"name": name, "module": "tpu_schedule", "function": "build"}],
+        dump.with_suffix(".json"), libtpu=LIBTPU, topology=topology,
+        pythonpath=[ROOT / "benchmarks", ROOT / "tests", ROOT], cwd=ROOT,
+        env={"LIBTPU_INIT_ARGS": f"--xla_jf_dump_to={dump}"})
+    if not lines or not lines[0]["ok"]:
+        raise RuntimeError(lines[0].get("error") if lines else stderr[-2000:])
     return {"device": lines[0]["device_kind"], **kernel_schedule(dump)}
 
 

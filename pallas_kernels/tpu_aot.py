@@ -47,6 +47,27 @@ def compile_for_topology(build, topology: str) -> str:
     return device.device_kind
 
 
+def run_in_child(cases: list[dict], cases_file, *, libtpu, topology: str, pythonpath: list,
+                 cwd, env: dict | None = None, timeout: float = 600) -> tuple[list[dict], str]:
+    """Runs this module on `cases` in a child process (what a test or benchmark calls, so that
+    its own process never loads libtpu); returns the cases' JSON outcomes and the child's
+    stderr, and raises if the child failed. `env` adds variables (e.g. LIBTPU_INIT_ARGS) to the child's environment."""
+    import pathlib
+    import subprocess
+
+    pathlib.Path(cases_file).write_text(json.dumps(cases))
+    child_env = dict(os.environ, **(env or {}),
+                     PYTHONPATH=os.pathsep.join(str(p) for p in pythonpath))
+    run = subprocess.run(
+        [sys.executable, "-m", "pallas_kernels.tpu_aot", str(cases_file), "--libtpu",
+         str(libtpu), "--topology", topology],
+        capture_output=True, text=True, env=child_env, cwd=cwd, timeout=timeout)
+    if run.returncode:
+        raise RuntimeError(f"tpu_aot child exited with {run.returncode}:\n{run.stderr[-3000:]}")
+    return ([json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")],
+            run.stderr)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("cases", help="JSON file: [{name, module, function}]")

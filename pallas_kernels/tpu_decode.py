@@ -14,6 +14,7 @@ TensorCore is read from libtpu's compiled schedule by benchmarks/tpu_schedule.py
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 
@@ -104,8 +105,8 @@ class PagePipeline:
         self.head, self.pages_per_step = head, pages_per_step
 
     def for_head(self, head) -> "PagePipeline":
-        other = object.__new__(PagePipeline)
-        other.__dict__.update(self.__dict__, head=head)
+        other = copy.copy(self)
+        other.head = head
         return other
 
     def start_first_block(self, first_block, num_blocks):

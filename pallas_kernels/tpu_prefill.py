@@ -22,8 +22,9 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.gpu_prefill import tile_layout
 from pallas_kernels.tpu_decode import (MASK_VALUE, SUBLANES, PagePipeline, attend_blocks,
                                        attend_chunk, compiler_params, compute_dtype,
-                                       default_pages_per_step, fetch_table_row, flat_tables, interpret_params,
-                                       page_scratch, split_quantized, table_width)
+                                       default_pages_per_step, fetch_table_row, flat_tables,
+                                       interpret_params, page_scratch, split_quantized,
+                                       table_width)
 
 
 def _ragged_kernel(

@@ -11,14 +11,13 @@ import functools
 import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 from test_kernels_lowering import KERNELS, kernel_args
+from pallas_kernels import tpu_aot
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LIBTPU = pathlib.Path(os.environ.get("PAGEDJAX_LIBTPU", ROOT / ".venv" / "libtpu"))
@@ -133,16 +132,11 @@ def compiled(tmp_path_factory):
 
 def compile_topology(topology: str, stem: pathlib.Path) -> dict:
     names = [*CASES, *STEPS] + ([*LARGE] if topology == TOPOLOGIES[0] else [])
-    cases = stem.with_suffix(".cases.json")
-    cases.write_text(json.dumps([{"name": name, "module": "test_kernels_tpu_compile",
-                                  "function": "build"} for name in names]))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
-    run = subprocess.run(
-        [sys.executable, "-m", "pallas_kernels.tpu_aot", str(cases), "--libtpu", str(LIBTPU),
-         "--topology", topology],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert run.returncode == 0 and lines, run.stderr[-3000:]
+    lines, stderr = tpu_aot.run_in_child(
+        [{"name": name, "module": "test_kernels_tpu_compile", "function": "build"}
+         for name in names], stem.with_suffix(".cases.json"), libtpu=LIBTPU,
+        topology=topology, pythonpath=[ROOT / "tests", ROOT], cwd=ROOT)
+    assert lines, stderr[-3000:]
     return {line["name"]: line for line in lines}
 
 
