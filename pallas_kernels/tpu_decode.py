@@ -43,9 +43,9 @@ KEYS_PER_STEP = 128
 
 def default_pages_per_step(block_size: int) -> int:
     """Pages per compute block: 128 keys. Read from the compiled schedule on v5e
-    (tpu_schedule.md): the decode loop then issues for 96% of HBM bandwidth at block 16 (256
-    keys: 136%, but up to 255 keys of a sequence's last block are fetched for nothing), and
-    the ragged loop takes 1.8x fewer bundles per query-row x key than at 64 keys."""
+    (tpu_schedule.md): the decode loop then issues for more than v5e's HBM bandwidth at block
+    16 (a larger block only fetches more of a sequence's last block for nothing), and the
+    ragged loop takes 1.8x fewer bundles per query-row x key than at 64 keys."""
     return max(1, KEYS_PER_STEP // block_size)
 
 
@@ -94,7 +94,7 @@ class PagePipeline:
     """Double-buffered page DMAs of one (sequence, KV head), C pages per compute block into one
     slot of the VMEM buffers: one DMA a page carries its K and V rows together (the cache's
     leading K/V axis, strided), and for a quantized cache one more its scales. Issuing a DMA is
-    scalar work (addresses, descriptors), which bounds the decode loop (tpu_schedule.md)."""
+    scalar work (addresses, descriptors), done beside the block's vector work (fetch)."""
 
     def __init__(self, kv_hbm_ref, scales_hbm_ref, buffers, sem, table_row_ref, *, head,
                  pages_per_step: int):
@@ -140,34 +140,46 @@ class PagePipeline:
             whole = buf.at[slot]
             pltpu.make_async_copy(whole, whole, self.sem.at[slot]).wait()
 
-    def fetch(self, block, first_block, num_blocks, dtype):
-        """Compute block `block` as a list of key chunks, with block + 1 already in flight into
-        the other slot while they are used. Each chunk is (offset of its first key in the
-        block, K [n, H], V [n, H] in dtype, K scales, V scales f32 [1, n] or None)."""
+    def fetch(self, block, first_block, num_blocks, dtype, *, prefetch: bool | None):
+        """Compute block `block` loaded from its slot (chunk), then block + 1 started into the
+        other slot, in flight while this one is computed. `prefetch` says whether there is a
+        block + 1: True or False where the caller knows (attend_blocks' loops), None to test
+        it here. The order and a known answer let the scheduler issue the next block's DMAs
+        (scalar work) beside this block's vector work: started before the loads, or under a
+        branch, they came first and the loop was their sum (tpu_schedule.md)."""
         slot = (block - first_block) % 2
-
-        @pl.when(block + 1 < num_blocks)
-        def _():
-            self.start(block + 1, 1 - slot)
-
         self.wait(slot)
-        return self.chunks(slot, dtype)
+        chunk = self.chunk(slot, dtype)
+        if prefetch is None:
+            @pl.when(block + 1 < num_blocks)
+            def _():
+                self.start(block + 1, 1 - slot)
+        elif prefetch:
+            self.start(block + 1, 1 - slot)
+        return chunk
 
-    def chunks(self, slot, dtype):
-        """One chunk of C*S keys in `dtype` (the dots' operand type); for a quantized cache
-        one per page, whose scales are read as a [1, S] row: Mosaic cannot recast the [C, S]
-        scale buffer into a [C*S, 1] column, so they scale the scores and the probabilities
-        instead of K and V."""
+    def chunk(self, slot, dtype):
+        """The compute block as (K [C*S, H], V [C*S, H] in `dtype`, the dots' operand type;
+        K scales, V scales f32 [1, C*S] or None). 8-bit pages are widened through f32, whose
+        tiles hold whole pages, so that joining them into one [C*S, H] tile costs nothing. A
+        quantized cache's scales come as [1, C*S] rows, joined along lanes from the pages'
+        [1, S] rows (Mosaic cannot reshape the [C, S] buffer into a row or a column), and
+        scale the scores and the probabilities rather than K and V."""
         kv_buf = self.buffers[0]
         _, _, pages, block_size, head_dim = kv_buf.shape
+        rows = pages * block_size
+        wide = jnp.float32 if kv_buf.dtype.itemsize == 1 else kv_buf.dtype
+        k = kv_buf[slot, 0].astype(wide).reshape(rows, head_dim).astype(dtype)
+        v = kv_buf[slot, 1].astype(wide).reshape(rows, head_dim).astype(dtype)
         if len(self.buffers) == 1:
-            rows = pages * block_size
-            return [(0, kv_buf[slot, 0].reshape(rows, head_dim).astype(dtype),
-                     kv_buf[slot, 1].reshape(rows, head_dim).astype(dtype), None, None)]
+            return k, v, None, None
         scales = self.buffers[1]
-        return [(c * block_size, kv_buf[slot, 0, c].astype(dtype),
-                 kv_buf[slot, 1, c].astype(dtype), scales[slot, 0, pl.ds(c, 1)],
-                 scales[slot, 1, pl.ds(c, 1)]) for c in range(pages)]
+
+        def row(kv):
+            return jnp.concatenate([scales[slot, kv, pl.ds(c, 1)] for c in range(pages)],
+                                   axis=1)
+
+        return k, v, row(0), row(1)
 
 
 def compute_dtype(cache_dtype, q_dtype):
@@ -229,11 +241,11 @@ def attend_chunk(q, chunk, first_key, carry, *, key_live, visible, scale, soft_c
     visible(pos [1, n]) which the rows see (never a key that is not live); pos are absolute.
     zero_v=False skips zeroing V where keys are not live, for blocks that hold none
     (attend_blocks): a select on every 16-bit V tile is most of a loop's vector work."""
-    offset, k, v, k_scales, v_scales = chunk
+    k, v, k_scales, v_scales = chunk
     n = k.shape[0]
     # Positions as a row and as a column: no transpose, which Mosaic may not lay out.
-    row = first_key + offset + jax.lax.broadcasted_iota(jnp.int32, (1, n), 1)
-    col = first_key + offset + jax.lax.broadcasted_iota(jnp.int32, (n, 1), 0)
+    row = first_key + jax.lax.broadcasted_iota(jnp.int32, (1, n), 1)
+    col = first_key + jax.lax.broadcasted_iota(jnp.int32, (n, 1), 0)
     if zero_v:
         v = jnp.where(key_live(col), v, jnp.zeros_like(v))  # 0 x NaN would reach the output
     if k_scales is not None:
@@ -244,18 +256,22 @@ def attend_chunk(q, chunk, first_key, carry, *, key_live, visible, scale, soft_c
 
 
 def attend_blocks(body, first_block, num_blocks, init, *, edge_first: bool):
-    """fori_loop of body(block, carry, zero_v) over [first_block, num_blocks), with V zeroed
-    only in the last block, the one that may reach past the sequence's keys into garbage (and
-    with edge_first, a sliding window, in the first one too, whose pages before the window may
-    have gone back to the pool)."""
+    """fori_loop of body(block, carry, zero_v=, prefetch=) over [first_block, num_blocks), in
+    up to three loops so that each knows statically what its blocks need: V is zeroed only in
+    the last block, the one that may reach past the sequence's keys into garbage (and with
+    edge_first, a sliding window, in the first one too, whose pages before the window may
+    have gone back to the pool), and every block but the last prefetches its successor
+    (PagePipeline.fetch)."""
     head_end = jnp.minimum(first_block + 1, num_blocks) if edge_first else first_block
     tail_start = jnp.maximum(num_blocks - 1, head_end)
     carry = init
     if edge_first:
         carry = jax.lax.fori_loop(first_block, head_end,
-                                  functools.partial(body, zero_v=True), carry)
-    carry = jax.lax.fori_loop(head_end, tail_start, functools.partial(body, zero_v=False), carry)
-    return jax.lax.fori_loop(tail_start, num_blocks, functools.partial(body, zero_v=True), carry)
+                                  functools.partial(body, zero_v=True, prefetch=None), carry)
+    carry = jax.lax.fori_loop(head_end, tail_start,
+                              functools.partial(body, zero_v=False, prefetch=True), carry)
+    return jax.lax.fori_loop(tail_start, num_blocks,
+                             functools.partial(body, zero_v=True, prefetch=False), carry)
 
 
 def _decode_kernel(
@@ -296,12 +312,10 @@ def _decode_kernel(
             live &= pos >= kv_len - sliding_window
         return live
 
-    def body(block, carry, zero_v):
-        for chunk in pipeline.fetch(block, first_block, num_blocks, dtype):
-            carry = attend_chunk(q, chunk, block * block_k, carry, key_live=key_live,
-                                 visible=key_live, scale=scale, soft_cap=soft_cap,
-                                 zero_v=zero_v)
-        return carry
+    def body(block, carry, zero_v, prefetch):
+        chunk = pipeline.fetch(block, first_block, num_blocks, dtype, prefetch=prefetch)
+        return attend_chunk(q, chunk, block * block_k, carry, key_live=key_live,
+                            visible=key_live, scale=scale, soft_cap=soft_cap, zero_v=zero_v)
 
     init = (jnp.zeros((num_rows, head_dim), jnp.float32),
             jnp.full((num_rows, 1), MASK_VALUE, jnp.float32),

@@ -86,12 +86,10 @@ def _ragged_kernel(
             seen &= pos > q_pos - sliding_window
         return seen
 
-    def body(block, carry, zero_v):
-        for chunk in pipeline.fetch(block, first_block, num_blocks, dtype):
-            carry = attend_chunk(q, chunk, block * block_k, carry,
-                                 key_live=key_live, visible=visible,
-                                 scale=scale, soft_cap=soft_cap, zero_v=zero_v)
-        return carry
+    def body(block, carry, zero_v, prefetch):
+        chunk = pipeline.fetch(block, first_block, num_blocks, dtype, prefetch=prefetch)
+        return attend_chunk(q, chunk, block * block_k, carry, key_live=key_live,
+                            visible=visible, scale=scale, soft_cap=soft_cap, zero_v=zero_v)
 
     init = (jnp.zeros((num_rows, head_dim), jnp.float32),
             jnp.full((num_rows, 1), MASK_VALUE, jnp.float32),

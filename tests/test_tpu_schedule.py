@@ -1,8 +1,9 @@
 """benchmarks/tpu_schedule.py reads libtpu's compiled schedule of the TPU decode kernel back.
 
-Structure, not speed: the compiled decode loop issues one DMA a page (K and V together), two
-matmuls a block, and no bounds-check halts (they took two thirds of the loop). A parser that
-lost the loop, or a kernel change that brought the checks or per-K/V DMAs back, fails here.
+Structure, not speed: the compiled decode loop issues one DMA a page (K and V together), each
+beside the block's matmuls rather than before them, two matmuls a block, and no bounds-check
+halts (they took two thirds of the loop). A parser that lost the loop, or a kernel change
+that brought the checks, per-K/V DMAs or DMAs issued ahead of the compute back, fails here.
 """
 
 import pathlib
@@ -22,6 +23,8 @@ def test_decode_loop_schedule(tmp_path):
     sched = tpu_schedule.compile_case("pagedjax decode (bf16)", "v5e:2x2", tmp_path)
     assert sched["device"] == "TPU v5 lite"
     assert sched["dmas_in_loop"] == tpu_schedule.PAGES_PER_STEP
+    # The next block's DMAs are issued beside this block's matmuls, not before them.
+    assert sched["dmas_beside_compute"] == sched["dmas_in_loop"]
     assert sched["matmuls_in_loop"] == 2
     assert sched["bounds_checks_in_loop"] == 0
     assert 0 < sched["loop"] < sched["total"]
@@ -40,5 +43,5 @@ def test_parser_finds_the_matmul_loop():
         "  0x6   : > { %8 = sbr.rel target = $region7 } /* End region 7 */",
     ])
     assert tpu_schedule.parse_schedule(text) == {
-        "total": 7, "loop": 4, "fixed": 3, "dmas_in_loop": 1, "matmuls_in_loop": 1,
-        "bounds_checks_in_loop": 1}
+        "total": 7, "loop": 4, "fixed": 3, "dmas_in_loop": 1, "dmas_beside_compute": 1,
+        "matmuls_in_loop": 1, "bounds_checks_in_loop": 1}
