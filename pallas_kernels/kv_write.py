@@ -167,7 +167,7 @@ def write_kv_tpu(
     written by the XLA scatter (it quantizes as it writes)."""
     if isinstance(kv_cache, QuantizedKV):
         return write_kv_reference(kv_cache, k, v, slot_mapping)
-    _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
+    block_size = kv_cache.shape[3]
     num_tokens = k.shape[0]
     if num_tokens > MAX_WRITE_TOKENS:
         raise ValueError(f"the TPU KV write takes at most {MAX_WRITE_TOKENS} tokens a step (its "
@@ -177,9 +177,22 @@ def write_kv_tpu(
         raise ValueError(f"the TPU KV write needs a block size that is a multiple of {ROW_TILE}, "
                          f"got block_size={block_size}")
     order, *groups = page_groups(slot_mapping.astype(jnp.int32), block_size)
+    return write_pages_tpu(kv_cache, k[order], v[order], *groups, interpret=interpret)
+
+
+def write_pages_tpu(
+    kv_cache: jax.Array,  # [2, K, NB, S, H]
+    k: jax.Array,  # [T, K, H] in page_groups' order
+    v: jax.Array,  # [T, K, H] in page_groups' order
+    num_pages: jax.Array, first: jax.Array, counts: jax.Array, slots: jax.Array,  # page_groups
+    *, interpret: bool = False,
+) -> jax.Array:
+    """write_kv_tpu's kernel, on tokens already grouped by page (page_groups, an XLA sort)."""
+    _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
+    num_tokens = k.shape[0]
 
     def head_major(x):  # f32[K, T + S + 8, H] in slot order: every page's window of rows exists
-        x = jnp.pad(x[order].astype(jnp.float32), ((0, block_size + ROW_TILE), (0, 0), (0, 0)))
+        x = jnp.pad(x.astype(jnp.float32), ((0, block_size + ROW_TILE), (0, 0), (0, 0)))
         return x.transpose(1, 0, 2)
 
     # HBM, not ANY: a small input under ANY may be placed in VMEM, where a window at an
@@ -205,4 +218,4 @@ def write_kv_tpu(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=interpret_params(interpret),
         name="write_kv_tpu",
-    )(groups[0].reshape(1), *groups[1:], head_major(k), head_major(v), kv_cache)
+    )(num_pages.reshape(1), first, counts, slots, head_major(k), head_major(v), kv_cache)

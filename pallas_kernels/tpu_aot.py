@@ -31,8 +31,11 @@ QUIET_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5litepod-4",
              "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 
 
-def compile_for_topology(build, topology: str) -> str:
-    """Compiles `fn(*abstract_args)` for the first chip of `topology`; returns its device kind."""
+def compile_for_topology(build, topology: str) -> dict:
+    """Compiles `fn(*abstract_args)` for the first chip of `topology` (fn as it is when already
+    jitted, so that its donations hold); returns its device kind and arg_copies: for each
+    argument of 1 MiB or more (a KV cache) that the compiled program copies whole, its HLO
+    type and the number of copies (a donated cache updated in place has none)."""
     import jax
     from jax.experimental import topologies
 
@@ -41,10 +44,35 @@ def compile_for_topology(build, topology: str) -> str:
     fn, args = build()
     args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
                         args)
+    jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
     # Pallas asks the default device which TPU generation it lowers for.
     with jax.default_device(device):
-        jax.jit(fn).trace(*args).lower().compile()
-    return device.device_kind
+        hlo = jitted.trace(*args).lower().compile().as_text()
+    return {"device_kind": device.device_kind, "arg_copies": whole_copies(hlo, args)}
+
+
+HLO_TYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "int8": "s8",
+             "int32": "s32", "uint32": "u32", "float8_e4m3fn": "f8e4m3fn", "bool": "pred"}
+
+
+def whole_copies(hlo: str, args) -> dict:
+    """{HLO type: count} of the copies (copy or copy-start, any layout) in an optimized HLO
+    text whose result has the type of an argument of 1 MiB or more."""
+    import re
+
+    import jax
+    import numpy as np
+
+    copies = {}
+    for arg in jax.tree.leaves(args):
+        if arg.size * np.dtype(arg.dtype).itemsize < 2 ** 20:
+            continue
+        dtype = np.dtype(arg.dtype).name
+        name = f"{HLO_TYPES.get(dtype, dtype)}[{','.join(map(str, arg.shape))}]"
+        count = len(re.findall(rf"= {re.escape(name)}{{[^}}]*}} copy(-start)?\(", hlo))
+        if count:
+            copies[name] = copies.get(name, 0) + count
+    return copies
 
 
 def run_in_child(cases: list[dict], cases_file, *, libtpu, topology: str, pythonpath: list,
@@ -85,8 +113,8 @@ def main() -> None:
         try:
             module = importlib.import_module(case["module"])
             build = getattr(module, case["function"])
-            result.update(ok=True, device_kind=compile_for_topology(
-                lambda: build(case["name"]), args.topology))
+            result.update(ok=True, **compile_for_topology(lambda: build(case["name"]),
+                                                          args.topology))
         except Exception as e:  # every case reports, the run goes on
             result.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
         result["seconds"] = round(time.perf_counter() - start, 2)

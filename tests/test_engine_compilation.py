@@ -7,7 +7,9 @@ from pagedjax.runner import num_step_traces
 
 
 def test_no_compilation_after_warmup(tiny_model):
-    config = EngineConfig(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64,
+    # Token buckets 16/32, sequence buckets 2/4: six step programs to compile (the test's
+    # cost), then 120 requests of lengths up to the model's 128 through them.
+    config = EngineConfig(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
                           min_token_bucket=16, min_seq_bucket=2, block_size=8, num_blocks=48)
     engine = LLMEngine(tiny_model, config)
     num_shapes = engine.warmup()
