@@ -74,12 +74,13 @@ def jax_shipped(kind, dtype):
             (q, pages, pages, i32((8,)), i32((8, WIDTH))))
 
 
-# name: (builder, kind, cache dtype, keys per loop iteration, bytes per key and KV head)
+# name: (builder, kind, cache dtype, keys per loop iteration, bytes per key and KV head as the
+# DMAs move them: int8 data and its share of the page's scale row, padded to 128 lanes)
 CASES = {
     "pagedjax decode (bf16)": (ours, "decode", "bfloat16", PAGES_PER_STEP * BLOCK_SIZE,
                                2 * HEAD_DIM * 2),
     "pagedjax decode (int8 cache)": (ours, "decode", "int8", PAGES_PER_STEP * BLOCK_SIZE,
-                                     2 * (HEAD_DIM + 4)),
+                                     2 * (HEAD_DIM + 4 * 128 // BLOCK_SIZE)),
     "pagedjax ragged (bf16, 16 tokens a tile)": (ours, "ragged", "bfloat16",
                                                  PAGES_PER_STEP * BLOCK_SIZE,
                                                  2 * HEAD_DIM * 2),
@@ -257,10 +258,13 @@ Then (2026-12-01, later): 125 / 310 / 354 -> 91 / 163 / 344.
   (`dmas_beside_compute`), decode bf16 125 -> 91 (issue ceiling 96% -> 132% of HBM), int8
   205 -> 163. `fixed_bundles` grew: the last block's loop is a copy of the body.
 
-Not changed: the int8 loop still issues 16 DMAs a block (each page's scales are their own
-64-byte DMA: a scale row at a lane offset inside a 128-lane row is no DMA source for Mosaic,
-which wants the offset a multiple of 128 elements), and per key it is 1.8x the bf16 loop; the
-ragged loop multiplies 128 query rows a tile and is meant to be compute-heavy.
+Not changed: the int8 loop still issues 16 DMAs a block (each page's scale row is its own DMA:
+a row at a lane offset inside a 128-lane row is no DMA source for Mosaic, which wants the
+offset a multiple of 128 elements), and per key it is 1.8x the bf16 loop; the ragged loop
+multiplies 128 query rows a tile and is meant to be compute-heavy. The int8 row's bytes count
+each page's scale row as the TPU layout stores it, padded to 128 lanes (layout.scale_lanes: with
+16-wide rows XLA laid the scales out transposed and the step copied them whole, 12 copies of a
+layer's pool a step; tests/test_kernels_tpu_compile.py now checks for none).
 """
 
 if __name__ == "__main__":

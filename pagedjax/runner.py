@@ -30,7 +30,7 @@ def step_fn(graphdef, backend: AttentionBackend, num_top_logprobs: int, params,
     global _num_traces
     _num_traces += 1  # runs at trace time only
     model = nnx.merge(graphdef, params)
-    kv_caches = [copy_blocks(c, plan.copy_src, plan.copy_dst, plan.num_copies)
+    kv_caches = [copy_blocks(c, plan.copy_src, plan.copy_dst, plan.num_copies, backend)
                  for c in kv_caches]
     metadata = AttentionMetadata(
         slot_mapping=plan.slot_mapping, block_tables=plan.block_tables, kv_lens=plan.kv_lens,

@@ -5,14 +5,14 @@ Pallas kernels (GPU: Triton lowering; TPU: Mosaic) sit beside the reference in
 """
 
 from pallas_kernels.attention import (BACKEND_NAMES, IMPLEMENTATIONS, AttentionBackend,
-                                      AttentionMetadata, Implementation, paged_attention,
-                                      resolve_backend)
+                                      AttentionMetadata, Implementation, copy_blocks,
+                                      paged_attention, resolve_backend)
 from pallas_kernels.gpu_decode import paged_decode_attention_gpu
 from pallas_kernels.gpu_prefill import ragged_paged_attention_gpu
 from pallas_kernels.tpu_decode import paged_decode_attention_tpu
 from pallas_kernels.tpu_prefill import ragged_paged_attention_tpu
 from pallas_kernels.kv_write import write_kv_gpu, write_kv_tpu
-from pallas_kernels.layout import (cache_head_dim, copy_blocks, gather_blocks, init_kv_cache,
+from pallas_kernels.layout import (cache_head_dim, gather_blocks, init_kv_cache,
                                    scatter_blocks, kv_cache_bytes_per_block,
                                    kv_cache_shape, write_kv_reference)
 from pallas_kernels.reference import (paged_decode_attention_reference,

@@ -9,8 +9,10 @@ import jax
 
 from pallas_kernels.gpu_decode import paged_decode_attention_gpu
 from pallas_kernels.gpu_prefill import ragged_paged_attention_gpu
-from pallas_kernels.kv_write import write_kv_gpu, write_kv_tpu
+from pallas_kernels import layout
+from pallas_kernels.kv_write import copy_blocks_tpu, write_kv_gpu, write_kv_tpu
 from pallas_kernels.layout import write_kv_reference
+from pallas_kernels.quant import QuantizedKV
 from pallas_kernels.reference import (paged_decode_attention_reference,
                                       ragged_paged_attention_reference)
 from pallas_kernels.tpu_decode import paged_decode_attention_tpu
@@ -101,3 +103,13 @@ def paged_attention(
         out = impl.ragged(q, kv_cache, metadata.kv_lens, metadata.block_tables,
                           metadata.cu_q_lens, metadata.num_seqs, **opts)
     return out, kv_cache
+
+
+def copy_blocks(kv_cache, src: jax.Array, dst: jax.Array, num_copies: jax.Array,
+                backend: AttentionBackend = AttentionBackend()):
+    """Copy-on-write block copies src[i] -> dst[i] (the first num_copies pairs) in one layer's
+    cache: layout.copy_blocks, an XLA scatter, except for a quantized cache on the TPU, where
+    XLA would relayout the pool's f32 scales for it and a Pallas DMA copy runs instead."""
+    if backend.name == "tpu" and isinstance(kv_cache, QuantizedKV):
+        return copy_blocks_tpu(kv_cache, src, dst, num_copies, interpret=backend.interpret)
+    return layout.copy_blocks(kv_cache, src, dst, num_copies)

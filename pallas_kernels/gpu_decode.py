@@ -157,6 +157,10 @@ def split_cache(kv_cache, q_dtype, interpret: bool = False):
     compiling, not in the interpreter)."""
     if not isinstance(kv_cache, QuantizedKV):
         return kv_cache, None, kv_cache.dtype
+    if kv_cache.scales.shape[-1] != kv_cache.data.shape[3]:
+        raise ValueError(f"the GPU kernels read one scale per token of a page: scale rows of "
+                         f"{kv_cache.scales.shape[-1]} for block size {kv_cache.data.shape[3]} "
+                         "are the TPU layout (init_kv_cache(..., backend='gpu') makes theirs)")
     if (not interpret and jnp.dtype(kv_cache.data.dtype).name.startswith("float8")
             and target_compute_capability() < (8, 9)):
         major, minor = target_compute_capability()

@@ -18,8 +18,8 @@ from jax.experimental.pallas import triton as plgpu
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.gpu_decode import check_triton_shapes
-from pallas_kernels.layout import NULL_BLOCK, write_kv_reference
-from pallas_kernels.quant import QuantizedKV
+from pallas_kernels.layout import LANES, NULL_BLOCK, write_kv_reference
+from pallas_kernels.quant import QuantizedKV, quantize
 from pallas_kernels.tpu_decode import interpret_params
 
 
@@ -97,12 +97,18 @@ def page_groups(slot_mapping: jax.Array, block_size: int):
 
 
 def _write_kernel_tpu(num_pages_ref, first_ref, count_ref, slot_ref,  # SMEM
-                      k_hbm_ref, v_hbm_ref,  # f32[K, T + S + 8, H] HBM: new rows in slot order
-                      _cache_in_ref, cache_ref,  # [2, K, NB, S, H] HBM, aliased
-                      page_buf, new_buf, sems):
-    # page_buf [R, 2, K, S, H] and new_buf f32[R, 2, K, S + 8, H] VMEM, sems DMA[R, 4]
+                      k_hbm_ref, v_hbm_ref,  # f32[K, T + S + 8, (Ss +) H] HBM: new rows
+                      *refs, quantized: bool):
+    # refs: the cache [2, K, NB, S, H] (and its scales f32[2, K, NB, Ss]) in HBM as inputs,
+    # then the same, aliased, as outputs; then scratch: page_buf [R, 2, K, S, H] (and
+    # scale_buf f32[R, 2, K, Ss]), new_buf f32[R, 2, K, S + 8, (Ss +) H] VMEM, sems DMA[R, 6].
+    if quantized:
+        _, _, cache_ref, scales_ref, page_buf, scale_buf, new_buf, sems = refs
+    else:
+        _, cache_ref, page_buf, new_buf, sems = refs
     pages_per_program, _, num_kv_heads, block_size, head_dim = page_buf.shape
     window_rows = new_buf.shape[3]
+    scale_lanes = scale_buf.shape[-1] if quantized else 0
 
     def for_each_page(fn):
         for r in range(pages_per_program):
@@ -120,30 +126,53 @@ def _write_kernel_tpu(num_pages_ref, first_ref, count_ref, slot_ref,  # SMEM
         # more than one lane tile, as at head dim 256).
         window = pl.ds(pl.multiple_of(first - jax.lax.rem(first, ROW_TILE), ROW_TILE),
                        window_rows)
-        return ([pltpu.make_async_copy(cache_ref.at[i, :, page], page_buf.at[r, i],
-                                       sems.at[r, i]) for i in (0, 1)]
-                + [pltpu.make_async_copy(src.at[:, window], new_buf.at[r, i], sems.at[r, 2 + i])
-                   for i, src in enumerate((k_hbm_ref, v_hbm_ref))])
+        copies = ([pltpu.make_async_copy(cache_ref.at[i, :, page], page_buf.at[r, i],
+                                         sems.at[r, i]) for i in (0, 1)]
+                  + [pltpu.make_async_copy(src.at[:, window], new_buf.at[r, i],
+                                           sems.at[r, 2 + i])
+                     for i, src in enumerate((k_hbm_ref, v_hbm_ref))])
+        if quantized:
+            copies += [pltpu.make_async_copy(scales_ref.at[i, :, page], scale_buf.at[r, i],
+                                             sems.at[r, 4 + i]) for i in (0, 1)]
+        return copies
 
     def writes(r, page):
-        return [pltpu.make_async_copy(page_buf.at[r, i], cache_ref.at[i, :, page],
-                                      sems.at[r, i]) for i in (0, 1)]
+        copies = [pltpu.make_async_copy(page_buf.at[r, i], cache_ref.at[i, :, page],
+                                        sems.at[r, i]) for i in (0, 1)]
+        if quantized:
+            copies += [pltpu.make_async_copy(scale_buf.at[r, i], scales_ref.at[i, :, page],
+                                             sems.at[r, 4 + i]) for i in (0, 1)]
+        return copies
 
     def update(r, first, count, page):
         row = jax.lax.broadcasted_iota(jnp.int32, (num_kv_heads, block_size, head_dim), 1)
         lead = jax.lax.rem(first, ROW_TILE)
+        if quantized:
+            scale_row = jax.lax.broadcasted_iota(
+                jnp.int32, (num_kv_heads, block_size, scale_lanes), 1)
+            lane = jax.lax.broadcasted_iota(jnp.int32, (num_kv_heads, scale_lanes), 1)
 
-        def put(j, pages):  # token first + j: window row lead + j goes to its page offset
+        def put(j, carry):  # token first + j: window row lead + j goes to its page offset
+            pages, scales = carry
             offset = jax.lax.rem(slot_ref[first + j], block_size)
             shift = jax.lax.rem(offset - lead - j + 2 * window_rows, window_rows)
-            return tuple(
-                jnp.where(row == offset, pltpu.roll(new_buf[r, i], shift, 1)[:, :block_size],
-                          pages[i]) for i in (0, 1))
+            new_pages, new_scales = [], []
+            for i in (0, 1):
+                rolled = pltpu.roll(new_buf[r, i], shift, 1)[:, :block_size]
+                new_pages.append(jnp.where(row == offset, rolled[..., scale_lanes:], pages[i]))
+                if quantized:  # the token's scale fills its row's first Ss lanes
+                    token_scale = jnp.sum(jnp.where(scale_row == offset,
+                                                    rolled[..., :scale_lanes], 0.0), axis=1)
+                    new_scales.append(jnp.where(lane == offset, token_scale, scales[i]))
+            return tuple(new_pages), tuple(new_scales)
 
-        pages = jax.lax.fori_loop(0, count, put, tuple(
-            page_buf[r, i].astype(jnp.float32) for i in (0, 1)))
+        init = (tuple(page_buf[r, i].astype(jnp.float32) for i in (0, 1)),
+                tuple(scale_buf[r, i] for i in (0, 1)) if quantized else ())
+        pages, scales = jax.lax.fori_loop(0, count, put, init)
         for i in (0, 1):
-            page_buf[r, i] = pages[i].astype(page_buf.dtype)
+            page_buf[r, i] = pages[i].astype(page_buf.dtype)  # quantized: exact values
+            if quantized:
+                scale_buf[r, i] = scales[i]
 
     for_each_page(lambda r, first, count, page: [c.start() for c in reads(r, first, page)])
     for_each_page(lambda r, first, count, page: [c.wait() for c in reads(r, first, page)])
@@ -163,11 +192,12 @@ def write_kv_tpu(
     """Mosaic. The step's tokens are grouped by page (page_groups); each program takes
     PAGES_PER_PROGRAM pages, with all their DMAs in flight together: the pages' K and V are read
     into VMEM, their new rows put in place and the pages written back, in place on the aliased
-    HBM cache. No two programs touch one page, so the grid is parallel. A quantized cache is
-    written by the XLA scatter (it quantizes as it writes)."""
-    if isinstance(kv_cache, QuantizedKV):
-        return write_kv_reference(kv_cache, k, v, slot_mapping)
-    block_size = kv_cache.shape[3]
+    HBM cache. No two programs touch one page, so the grid is parallel. A quantized cache's
+    new rows are quantized here (quant.quantize, as the XLA scatter does) and each carries its
+    scale in front of its values, put into the page's scale row the same way; an XLA scatter
+    would relayout the whole int8 pool and its scales every step (layout.py)."""
+    data = kv_cache.data if isinstance(kv_cache, QuantizedKV) else kv_cache
+    block_size = data.shape[3]
     num_tokens = k.shape[0]
     if num_tokens > MAX_WRITE_TOKENS:
         raise ValueError(f"the TPU KV write takes at most {MAX_WRITE_TOKENS} tokens a step (its "
@@ -176,22 +206,33 @@ def write_kv_tpu(
     if block_size % ROW_TILE:
         raise ValueError(f"the TPU KV write needs a block size that is a multiple of {ROW_TILE}, "
                          f"got block_size={block_size}")
+    if isinstance(kv_cache, QuantizedKV):
+        scale_lanes = kv_cache.scales.shape[-1]
+        if scale_lanes % LANES:
+            raise ValueError(f"the TPU KV write needs scale rows of whole {LANES}-lane tiles "
+                             f"(init_kv_cache(..., backend='tpu')), got {scale_lanes}")
+        values, scales = quantize(jnp.stack([k, v]), data.dtype)  # [2, T, K, H], f32[2, T, K]
+        k, v = (jnp.concatenate([jnp.broadcast_to(scales[i][..., None],
+                                                  (*scales[i].shape, scale_lanes)),
+                                 values[i].astype(jnp.float32)], axis=-1) for i in (0, 1))
     order, *groups = page_groups(slot_mapping.astype(jnp.int32), block_size)
     return write_pages_tpu(kv_cache, k[order], v[order], *groups, interpret=interpret)
 
 
 def write_pages_tpu(
-    kv_cache: jax.Array,  # [2, K, NB, S, H]
-    k: jax.Array,  # [T, K, H] in page_groups' order
-    v: jax.Array,  # [T, K, H] in page_groups' order
+    kv_cache: jax.Array,  # [2, K, NB, S, H] or a QuantizedKV
+    k: jax.Array,  # [T, K, H] in page_groups' order; quantized: f32[T, K, Ss + H], see above
+    v: jax.Array,  # [T, K, H] likewise
     num_pages: jax.Array, first: jax.Array, counts: jax.Array, slots: jax.Array,  # page_groups
     *, interpret: bool = False,
 ) -> jax.Array:
     """write_kv_tpu's kernel, on tokens already grouped by page (page_groups, an XLA sort)."""
-    _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
-    num_tokens = k.shape[0]
+    quantized = isinstance(kv_cache, QuantizedKV)
+    arrays = list(kv_cache) if quantized else [kv_cache]  # data (and scales)
+    _, num_kv_heads, _, block_size, head_dim = arrays[0].shape
+    num_tokens, _, row_width = k.shape
 
-    def head_major(x):  # f32[K, T + S + 8, H] in slot order: every page's window of rows exists
+    def head_major(x):  # f32[K, T + S + 8, W] in slot order: every page's window of rows exists
         x = jnp.pad(x.astype(jnp.float32), ((0, block_size + ROW_TILE), (0, 0), (0, 0)))
         return x.transpose(1, 0, 2)
 
@@ -199,23 +240,84 @@ def write_pages_tpu(
     # unaligned row is no DMA source (MQA at head dim 256 did that).
     hbm_spec = pl.BlockSpec(memory_space=pltpu.HBM)
     pages = PAGES_PER_PROGRAM
-    return pl.pallas_call(
-        _write_kernel_tpu,
+    scale_scratch = ([pltpu.VMEM((pages, 2, num_kv_heads, arrays[1].shape[-1]), jnp.float32)]
+                     if quantized else [])
+    out = pl.pallas_call(
+        functools.partial(_write_kernel_tpu, quantized=quantized),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,  # num_pages, first, count, slots
             grid=(pl.cdiv(num_tokens, pages),),  # at most one page per token
-            in_specs=[hbm_spec] * 3,  # new K, new V, kv_cache
-            out_specs=hbm_spec,
+            in_specs=[hbm_spec] * (2 + len(arrays)),  # new K, new V, the cache's arrays
+            out_specs=[hbm_spec] * len(arrays),
             scratch_shapes=[
-                pltpu.VMEM((pages, 2, num_kv_heads, block_size, head_dim), kv_cache.dtype),
-                pltpu.VMEM((pages, 2, num_kv_heads, block_size + ROW_TILE, head_dim),
+                pltpu.VMEM((pages, 2, num_kv_heads, block_size, head_dim), arrays[0].dtype),
+                *scale_scratch,
+                pltpu.VMEM((pages, 2, num_kv_heads, block_size + ROW_TILE, row_width),
                            jnp.float32),
-                pltpu.SemaphoreType.DMA((pages, 4)),
+                pltpu.SemaphoreType.DMA((pages, 6)),
             ],
         ),
-        out_shape=jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
-        input_output_aliases={6: 0},  # operand 6 counts the four scalar-prefetch operands
+        out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays],
+        # Operand 6 on: the cache's arrays, after the four scalar-prefetch operands and K, V.
+        input_output_aliases={6 + i: i for i in range(len(arrays))},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=interpret_params(interpret),
         name="write_kv_tpu",
-    )(num_pages.reshape(1), first, counts, slots, head_major(k), head_major(v), kv_cache)
+    )(num_pages.reshape(1), first, counts, slots, head_major(k), head_major(v), *arrays)
+    return QuantizedKV(*out) if quantized else out[0]
+
+
+def _copy_blocks_kernel_tpu(src_ref, dst_ref, num_ref,  # SMEM
+                            *refs):  # the cache's arrays (inputs, aliased outputs), sems
+    num_arrays = (len(refs) - 1) // 2
+    outs, sems = refs[num_arrays:-1], refs[-1]
+
+    def copies(i):  # block src[i] -> dst[i], HBM to HBM, in every array of the cache
+        return [pltpu.make_async_copy(out.at[:, :, src_ref[i]], out.at[:, :, dst_ref[i]],
+                                      sems.at[a]) for a, out in enumerate(outs)]
+
+    def start(i, carry):
+        for c in copies(i):
+            c.start()
+        return carry
+
+    def wait(i, carry):
+        for c in copies(i):
+            c.wait()
+        return carry
+
+    jax.lax.fori_loop(0, num_ref[0], start, 0)  # all in flight at once, then waited on
+    jax.lax.fori_loop(0, num_ref[0], wait, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(0,))
+def copy_blocks_tpu(
+    kv_cache,  # [2, K, NB, S, H] or a QuantizedKV
+    src: jax.Array,  # i32[C] blocks to copy from
+    dst: jax.Array,  # i32[C] blocks to copy to; padding pairs are (0, 0)
+    num_copies: jax.Array,  # i32[] only the first num_copies pairs are real
+    *, interpret: bool = False,
+):
+    """Copy-on-write on the TPU: one HBM-to-HBM DMA a block and array, in place on the aliased
+    cache, none when num_copies is 0. layout.copy_blocks (an XLA scatter) is the reference; on a
+    quantized pool XLA relays the f32 scales out for it, a whole-pool copy a step. A copy's
+    destination is a fresh block, never another copy's source, so all run at once."""
+    quantized = isinstance(kv_cache, QuantizedKV)
+    arrays = list(kv_cache) if quantized else [kv_cache]
+    hbm_spec = pl.BlockSpec(memory_space=pltpu.HBM)
+    out = pl.pallas_call(
+        _copy_blocks_kernel_tpu,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3,  # src, dst, num_copies
+            grid=(1,),
+            in_specs=[hbm_spec] * len(arrays),
+            out_specs=[hbm_spec] * len(arrays),
+            scratch_shapes=[pltpu.SemaphoreType.DMA((len(arrays),))],
+        ),
+        out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays],
+        input_output_aliases={3 + i: i for i in range(len(arrays))},
+        interpret=interpret_params(interpret),
+        name="copy_blocks_tpu",
+    )(src.astype(jnp.int32), dst.astype(jnp.int32), num_copies.astype(jnp.int32).reshape(1),
+      *arrays)
+    return QuantizedKV(*out) if quantized else out[0]

@@ -6,6 +6,12 @@ KV head is contiguous, the layout JAX's shipped paged-attention ops read. Block 
 
 Hc is the model's head dim H, except for the GPU (Triton) kernels, whose tiles must be powers of
 two of at least 16: there H is zero-padded, e.g. 80 -> 128 (zeros change no dot product).
+
+A quantized cache (int8, fp8) is a QuantizedKV: the data as above and f32 scales [2, K, NB, Ss],
+one per token and KV head, Ss = S except on the TPU, where a page's scale row is padded to whole
+128-lane tiles (scale_lanes): XLA lays an f32 array with a 16-wide minor axis out transposed,
+and every kernel reading it row by row then cost a relayout copy of the whole pool a step
+(tests/test_kernels_tpu_compile.py checks the step makes none).
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from pallas_kernels.quant import QuantizedKV, is_quantized, quantize
 
 
 PADDED_HEAD_DIM_BACKENDS = ("gpu",)
+PADDED_SCALE_BACKENDS = ("tpu",)
+LANES = 128  # a TPU vector register's lanes
 NULL_BLOCK = 0  # the scheduler's null block (scheduler.block_pool): padding writes land there
 
 
@@ -27,6 +35,13 @@ def cache_head_dim(head_dim: int, backend: str = "reference") -> int:
     if backend in PADDED_HEAD_DIM_BACKENDS:
         return max(16, 1 << (head_dim - 1).bit_length())
     return head_dim
+
+
+def scale_lanes(block_size: int, backend: str = "reference") -> int:
+    """Ss: the length of a page's scale row (see the module docstring)."""
+    if backend in PADDED_SCALE_BACKENDS:
+        return -(-block_size // LANES) * LANES
+    return block_size
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -37,12 +52,13 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
 
 def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                              dtype, backend: str = "reference") -> int:
-    """Bytes of one physical block across all layers: 2 * L * S * K * Hc * itemsize, plus an f32
-    scale per token and KV head for quantized (int8, fp8) caches."""
-    per_token_head = cache_head_dim(head_dim, backend) * np.dtype(dtype).itemsize
+    """Bytes of one physical block across all layers: 2 * L * S * K * Hc * itemsize, plus the
+    f32 scales of quantized (int8, fp8) caches: 2 * L * Ss * K * 4."""
+    data = 2 * num_layers * block_size * num_kv_heads * cache_head_dim(head_dim, backend)
+    data *= np.dtype(dtype).itemsize
     if is_quantized(dtype):
-        per_token_head += 4
-    return 2 * num_layers * block_size * num_kv_heads * per_token_head
+        data += 2 * num_layers * scale_lanes(block_size, backend) * num_kv_heads * 4
+    return data
 
 
 def init_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
@@ -50,7 +66,8 @@ def init_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_head
     """One cache per layer: an array, or a QuantizedKV for int8 / fp8."""
     shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim, backend)
     if is_quantized(dtype):
-        return [QuantizedKV(jnp.zeros(shape, dtype), jnp.ones(shape[:-1], jnp.float32))
+        scales = (*shape[:3], scale_lanes(block_size, backend))
+        return [QuantizedKV(jnp.zeros(shape, dtype), jnp.ones(scales, jnp.float32))
                 for _ in range(num_layers)]
     return [jnp.zeros(shape, dtype) for _ in range(num_layers)]
 
@@ -80,11 +97,10 @@ def _write_quantized(kv_cache: QuantizedKV, k, v, slot_mapping) -> QuantizedKV:
         data = jnp.pad(data, ((0, 0), (0, 0), (0, 0), (0, head_dim - data.shape[-1])))
     flat = kv_cache.data.reshape(2, num_kv_heads, num_blocks * block_size, head_dim)
     flat = flat.at[:, :, slot_mapping].set(data.transpose(0, 2, 1, 3), mode="promise_in_bounds")
-    flat_scales = kv_cache.scales.reshape(2, num_kv_heads, num_blocks * block_size)
-    flat_scales = flat_scales.at[:, :, slot_mapping].set(scales.transpose(0, 2, 1),
-                                                         mode="promise_in_bounds")
-    return QuantizedKV(flat.reshape(kv_cache.data.shape),
-                       flat_scales.reshape(kv_cache.scales.shape))
+    blocks, offsets = jnp.divmod(slot_mapping, block_size)
+    new_scales = kv_cache.scales.at[:, :, blocks, offsets].set(scales.transpose(0, 2, 1),
+                                                                mode="promise_in_bounds")
+    return QuantizedKV(flat.reshape(kv_cache.data.shape), new_scales)
 
 
 def copy_blocks(

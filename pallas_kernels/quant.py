@@ -1,7 +1,8 @@
 """Quantized KV cache: int8 or fp8 (e4m3) values with one f32 scale per token and KV head.
 
-A layer's quantized cache is QuantizedKV(data i8|f8[2, K, NB, S, Hc], scales f32[2, K, NB, S]):
-both share the leading [2, K, NB, S] axes, so block copies, swaps and gathers index them alike.
+A layer's quantized cache is QuantizedKV(data i8|f8[2, K, NB, S, Hc], scales f32[2, K, NB, Ss]),
+Ss = S, or S padded to whole lane tiles on the TPU (layout.scale_lanes): both share the leading
+[2, K, NB] axes, so block copies, swaps and gathers index them alike.
 Per-token scales keep appends cheap: writing a token never requantizes its block.
 """
 
@@ -24,7 +25,7 @@ def is_quantized(dtype) -> bool:
 
 class QuantizedKV(NamedTuple):
     data: jax.Array  # i8|f8[2, K, NB, S, Hc]
-    scales: jax.Array  # f32[2, K, NB, S]
+    scales: jax.Array  # f32[2, K, NB, Ss]: token j of a page at [..., j]
 
     @property
     def shape(self) -> tuple[int, ...]:

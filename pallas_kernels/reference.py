@@ -80,7 +80,8 @@ def _load(kv_cache, kv_index: int, blocks: jax.Array) -> jax.Array:
     """f32 K or V of blocks (any shape of ids), dequantized from int8 when the cache is."""
     if isinstance(kv_cache, QuantizedKV):
         data = kv_cache.data[kv_index][:, blocks].astype(jnp.float32)
-        return data * kv_cache.scales[kv_index][:, blocks][..., None]
+        scales = kv_cache.scales[kv_index][:, blocks][..., :data.shape[-2]]  # TPU rows: padded
+        return data * scales[..., None]
     return kv_cache[kv_index][:, blocks].astype(jnp.float32)
 
 

@@ -175,9 +175,9 @@ class PagePipeline:
             return k, v, None, None
         scales = self.buffers[1]
 
-        def row(kv):
-            return jnp.concatenate([scales[slot, kv, pl.ds(c, 1)] for c in range(pages)],
-                                   axis=1)
+        def row(kv):  # the scale rows may be padded past S (layout.scale_lanes)
+            return jnp.concatenate(
+                [scales[slot, kv, pl.ds(c, 1)][:, :block_size] for c in range(pages)], axis=1)
 
         return k, v, row(0), row(1)
 
@@ -199,11 +199,11 @@ def split_quantized(kv_cache):
 
 
 def page_scratch(pages_per_step: int, block_size: int, head_dim: int, data, scales) -> list:
-    """VMEM double buffers for PagePipeline: [slot, K/V, C, S, H] pages (and [slot, K/V, C, S]
-    scales)."""
+    """VMEM double buffers for PagePipeline: [slot, K/V, C, S, H] pages (and [slot, K/V, C, Ss]
+    scale rows)."""
     shapes = [pltpu.VMEM((2, 2, pages_per_step, block_size, head_dim), data.dtype)]
     if scales is not None:
-        shapes.append(pltpu.VMEM((2, 2, pages_per_step, block_size), jnp.float32))
+        shapes.append(pltpu.VMEM((2, 2, pages_per_step, scales.shape[-1]), jnp.float32))
     return shapes
 
 
@@ -279,9 +279,9 @@ def _decode_kernel(
     q_ref,  # [Gp, H]                      VMEM block of this (sequence, KV head)
     tables_hbm_ref,  # i32[B * Pp]         HBM, flattened block tables
     kv_hbm_ref,  # [2, K, NB, S, H]        HBM (ANY)
-    *refs,  # [scales f32[2, K, NB, S] HBM,] o [Gp, H] VMEM output block, then scratch:
+    *refs,  # [scales f32[2, K, NB, Ss] HBM,] o [Gp, H] VMEM output block, then scratch:
     #         table_row i32[Pp] SMEM and its DMA semaphore,
-    #         kv_buf [2, 2, C, S, H] (+ scale buffer [2, 2, C, S]) VMEM double buffers,
+    #         kv_buf [2, 2, C, S, H] (+ scale buffer [2, 2, C, Ss]) VMEM double buffers,
     #         page_sems DMA[2], one semaphore per buffer slot
     pages_per_step: int, scale: float, sliding_window: int | None,
     soft_cap: float | None, quantized: bool,

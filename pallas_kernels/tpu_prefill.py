@@ -35,9 +35,9 @@ def _ragged_kernel(
     tables_hbm_ref,  # i32[B * Pp]     HBM, flattened block tables
     q_hbm_ref,  # [T + BQ, K, Gp, H]   HBM (ANY)
     kv_hbm_ref,  # [2, K, NB, S, H]    HBM (ANY)
-    *refs,  # [scales f32[2, K, NB, S] HBM,] o f32[BQ, Gp, H] VMEM output tile, then scratch:
+    *refs,  # [scales f32[2, K, NB, Ss] HBM,] o f32[BQ, Gp, H] VMEM output tile, then scratch:
     #         table_row i32[Pp] SMEM, q_buf [BQ, Gp, H], kv_buf [2, 2, C, S, H] (+ scale
-    #         buffer [2, 2, C, S]) VMEM, table_sem, q_sem, page_sems DMA
+    #         buffer [2, 2, C, Ss]) VMEM, table_sem, q_sem, page_sems DMA
     tile_q: int, pages_per_step: int, scale: float,
     sliding_window: int | None, soft_cap: float | None, quantized: bool,
 ):

@@ -20,11 +20,10 @@ from flax import nnx
 
 from models import LlamaConfig, LlamaForCausalLM
 from pagedjax.runner import _step, padding_plan
-from pallas_kernels import (AttentionBackend, init_kv_cache, kv_cache_shape,
+from pallas_kernels import (AttentionBackend, init_kv_cache,
                             paged_decode_attention_gpu, paged_decode_attention_tpu,
                             ragged_paged_attention_gpu, ragged_paged_attention_tpu,
                             write_kv_gpu, write_kv_tpu)
-from pallas_kernels.quant import QuantizedKV
 from scheduler import DECODE, PREFILL
 
 PLATFORM = {"gpu": "cuda", "tpu": "tpu"}
@@ -47,11 +46,9 @@ def lowered_text(fn, backend, *args, **kwargs) -> str:
 
 def cache_struct(backend, head_dim, dtype, block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS,
                  num_blocks=NUM_BLOCKS):
-    shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim, backend)
-    if dtype in ("int8", "float8_e4m3fn"):
-        return QuantizedKV(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)),
-                           jax.ShapeDtypeStruct(shape[:-1], jnp.float32))
-    return jax.ShapeDtypeStruct(shape, dtype)
+    """One layer's cache as init_kv_cache lays it out for `backend`, abstract."""
+    return jax.eval_shape(lambda: init_kv_cache(1, num_blocks, block_size, num_kv_heads,
+                                                head_dim, jnp.dtype(dtype), backend))[0]
 
 
 def kernel_args(kind, backend, head_dim, dtype, *, block_size=BLOCK_SIZE, width=TABLE_WIDTH,

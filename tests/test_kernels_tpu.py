@@ -1,6 +1,7 @@
 """TPU Pallas kernels (Mosaic) under the TPU interpreter: DMAs and semaphores simulated,
 out-of-bounds reads raise. Against the reference and JAX's shipped TPU op."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -127,6 +128,51 @@ def test_write_kv_tpu_matches_scatter(dtype, pattern):
     want = write_kv_reference(cache, k, v, slots)
     got = write_kv_tpu(cache, k, v, jnp.asarray(slots), interpret=True)
     assert_same_write(got, want, 8)
+
+
+@pytest.mark.parametrize("dtype, pattern", [("int8", "engine"), ("float8_e4m3fn", "shuffled")])
+def test_write_kv_tpu_quantized_matches_scatter(dtype, pattern):
+    """A quantized cache in the TPU layout (scale rows padded to 128 lanes, NaN past the block
+    size): the kernel quantizes as the scatter does and puts values and scales in place, bit
+    for bit, and leaves the padding lanes alone."""
+    from test_kernels_gpu import write_case
+    from pallas_kernels import write_kv_reference, write_kv_tpu
+    from pallas_kernels.layout import scale_lanes
+    from pallas_kernels.quant import QuantizedKV, quantize
+    cache, k, v, slots = write_case(np.random.default_rng(5), 128, 128, num_tokens=16)
+    if pattern == "engine":
+        slots = engine_slots()
+    data, scales = quantize(jnp.asarray(cache), jnp.dtype(dtype))
+    lanes = scale_lanes(8, "tpu")
+    padded = np.full((*scales.shape[:-1], lanes), np.nan, np.float32)
+    padded[..., :8] = scales
+    cache = QuantizedKV(data, jnp.asarray(padded))
+    want = write_kv_reference(cache, jnp.asarray(k), jnp.asarray(v), slots)
+    got = write_kv_tpu(cache, jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots),
+                       interpret=True)
+    for got_array, want_array in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(got_array[:, :, 1:]).astype(np.float32),
+                                      np.asarray(want_array[:, :, 1:]).astype(np.float32))
+    assert np.isnan(np.asarray(got.scales)[..., 8:]).all()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_copy_blocks_tpu_matches_scatter(dtype):
+    """Copy-on-write by DMA, every array of the cache, only the first num_copies pairs."""
+    from pallas_kernels import init_kv_cache
+    from pallas_kernels.kv_write import copy_blocks_tpu
+    from pallas_kernels.layout import copy_blocks
+    rng = np.random.default_rng(6)
+    cache = jax.tree.map(
+        lambda a: jnp.asarray(rng.standard_normal(a.shape) * 50).astype(a.dtype),
+        init_kv_cache(1, 12, 8, 2, 128, jnp.dtype(dtype), "tpu")[0])
+    src, dst = jnp.asarray([3, 5, 7, 0], jnp.int32), jnp.asarray([9, 4, 11, 0], jnp.int32)
+    for num_copies in (0, 3):
+        want = copy_blocks(cache, src, dst, jnp.int32(num_copies))
+        got = copy_blocks_tpu(jax.tree.map(jnp.copy, cache), src, dst, jnp.int32(num_copies),
+                              interpret=True)
+        for got_array, want_array in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(got_array), np.asarray(want_array))
 
 
 def test_write_kv_tpu_repeated_slots_keep_the_last_token():

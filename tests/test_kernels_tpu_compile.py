@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from test_kernels_lowering import KERNELS, kernel_args
+from test_kernels_lowering import KERNELS, cache_struct, kernel_args
 from pallas_kernels import tpu_aot
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -43,6 +43,9 @@ CASES = {
     "write-f32": ("write", 128, jnp.float32, {}),
     # A row of two lane tiles: the new rows' DMA window must start on a tile row.
     "write-bf16-block8-mqa-h256": ("write", 256, jnp.bfloat16, {}, 8, (8, 1)),
+    "write-int8": ("write", 128, "int8", {}),
+    "write-fp8-block32-h64": ("write", 64, "float8_e4m3fn", {}, 32, (8, 8)),
+    "copy-blocks-int8": ("copy", 128, "int8", {}),
 }
 # Production sizes, where SMEM (1 MB on v5e) is the limit: block tables of 128 sequences x 32k
 # tokens (a scalar-prefetched table was 1 MB alone) and the largest step the KV write takes.
@@ -54,7 +57,7 @@ LARGE = {
 
 
 # The engine's whole jitted step, tpu backend: on v5e only, like LARGE (10 s a topology).
-STEPS = ["step-prefill", "step-decode"]
+STEPS = ["step-prefill", "step-decode", "step-prefill-int8", "step-decode-int8"]
 
 
 def build_step(name):
@@ -104,6 +107,11 @@ def build(name):
         return functools.partial(fn, scale=0.1), args
     kind, head_dim, dtype, options, *shape = CASES[name]
     block_size, (num_heads, num_kv_heads) = shape or (16, (32, 8))
+    if kind == "copy":
+        from pallas_kernels.kv_write import copy_blocks_tpu
+        i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+        return copy_blocks_tpu, (cache_struct("tpu", head_dim, dtype), i32((8,)), i32((8,)),
+                                 i32(()))
     decode, ragged, write = KERNELS["tpu"]
     fn = {"decode": decode, "ragged": ragged, "write": write}[kind]
     if kind != "write":
