@@ -34,8 +34,8 @@ QUIET_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5litepod-4",
 def compile_for_topology(build, topology: str) -> dict:
     """Compiles `fn(*abstract_args)` for the first chip of `topology` (fn as it is when already
     jitted, so that its donations hold); returns its device kind and arg_copies: for each
-    argument of 1 MiB or more (a KV cache) that the compiled program copies whole, its HLO
-    type and the number of copies (a donated cache updated in place has none)."""
+    argument of 256 KiB or more (a KV cache, its scales) that the compiled program copies
+    whole, its HLO type and the number of copies (a donated cache updated in place has none)."""
     import jax
     from jax.experimental import topologies
 
@@ -57,7 +57,7 @@ HLO_TYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "int8": "s8
 
 def whole_copies(hlo: str, args) -> dict:
     """{HLO type: count} of the copies (copy or copy-start, any layout) in an optimized HLO
-    text whose result has the type of an argument of 1 MiB or more."""
+    text whose result has the type of an argument of 256 KiB or more."""
     import re
 
     import jax
@@ -65,7 +65,7 @@ def whole_copies(hlo: str, args) -> dict:
 
     copies = {}
     for arg in jax.tree.leaves(args):
-        if arg.size * np.dtype(arg.dtype).itemsize < 2 ** 20:
+        if arg.size * np.dtype(arg.dtype).itemsize < 2 ** 18:
             continue
         dtype = np.dtype(arg.dtype).name
         name = f"{HLO_TYPES.get(dtype, dtype)}[{','.join(map(str, arg.shape))}]"

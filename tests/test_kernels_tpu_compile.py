@@ -46,6 +46,7 @@ CASES = {
     "write-int8": ("write", 128, "int8", {}),
     "write-fp8-block32-h64": ("write", 64, "float8_e4m3fn", {}, 32, (8, 8)),
     "copy-blocks-int8": ("copy", 128, "int8", {}),
+    "swap-in-int8": ("swap", 128, "int8", {}),  # layout.scatter_blocks, an XLA scatter
 }
 # Production sizes, where SMEM (1 MB on v5e) is the limit: block tables of 128 sequences x 32k
 # tokens (a scalar-prefetched table was 1 MB alone) and the largest step the KV write takes.
@@ -107,11 +108,16 @@ def build(name):
         return functools.partial(fn, scale=0.1), args
     kind, head_dim, dtype, options, *shape = CASES[name]
     block_size, (num_heads, num_kv_heads) = shape or (16, (32, 8))
+    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
     if kind == "copy":
         from pallas_kernels.kv_write import copy_blocks_tpu
-        i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
         return copy_blocks_tpu, (cache_struct("tpu", head_dim, dtype), i32((8,)), i32((8,)),
                                  i32(()))
+    if kind == "swap":
+        from pallas_kernels import gather_blocks, scatter_blocks
+        cache = cache_struct("tpu", head_dim, dtype)
+        return scatter_blocks, (cache, i32((8,)),
+                                jax.eval_shape(gather_blocks, cache, i32((8,))))
     decode, ragged, write = KERNELS["tpu"]
     fn = {"decode": decode, "ragged": ragged, "write": write}[kind]
     if kind != "write":
@@ -164,8 +170,10 @@ def compile_topology(topology: str, stem: pathlib.Path) -> dict:
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 @pytest.mark.parametrize("case", CASES)
 def test_kernel_compiles_for_tpu(case, topology, compiled):
+    """And copies no cache whole: the kernels read and write it in place."""
     result = compiled(topology)[case]
     assert result["ok"], result.get("error")
+    assert result["arg_copies"] == {}, result["arg_copies"]
 
 
 @pytest.mark.parametrize("case", STEPS)
