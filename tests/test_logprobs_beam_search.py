@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from pagedjax import LLM, BeamSearchParams, SamplingParams
 
@@ -11,8 +12,17 @@ CONFIG = dict(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32, min_s
               block_size=4)
 
 
+DENSE_LEN = 32  # longer than every context here: one compiled dense forward for them all
+_dense_forward = nnx.jit(lambda model, token_ids: model(token_ids))
+
+
 def dense_log_probs(model, tokens):
-    return np.asarray(jax.nn.log_softmax(model(jnp.asarray([tokens]))[0, -1]))
+    """Full recompute of the next token's log-probabilities, the context padded to DENSE_LEN:
+    a causal model's logits at the last real position do not see what follows it."""
+    ids = np.zeros((1, DENSE_LEN), np.int32)
+    ids[0, :len(tokens)] = tokens
+    logits = _dense_forward(model, jnp.asarray(ids))[0, len(tokens) - 1]
+    return np.asarray(jax.nn.log_softmax(logits))
 
 
 def test_top_logprobs_match_the_dense_model(tiny_model):
