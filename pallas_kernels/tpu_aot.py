@@ -86,6 +86,10 @@ def run_in_child(cases: list[dict], cases_file, *, libtpu, topology: str, python
     pathlib.Path(cases_file).write_text(json.dumps(cases))
     child_env = dict(os.environ, **(env or {}),
                      PYTHONPATH=os.pathsep.join(str(p) for p in pythonpath))
+    # The test suite's CPU-only XLA flag (tests/conftest.py) is no TPU compile's business.
+    child_env["XLA_FLAGS"] = " ".join(
+        flag for flag in child_env.get("XLA_FLAGS", "").split()
+        if not flag.startswith("--xla_backend_optimization_level"))
     run = subprocess.run(
         [sys.executable, "-m", "pallas_kernels.tpu_aot", str(cases_file), "--libtpu",
          str(libtpu), "--topology", topology],
