@@ -309,19 +309,24 @@ def load_hf_model(model_dir: str, dtype: str = "float32") -> LlamaForCausalLM:
 
 # ---- inspection ------------------------------------------------------------------------------
 
-def inspect_model_dir(model_dir: str, kv_dtype: str = "bfloat16",
-                      block_size: int = 16) -> dict[str, Any]:
-    """What `pagedjax inspect` prints: architecture, attention type, KV bytes, support."""
+def inspect_model_dir(model_dir: str, kv_dtype: str = "bfloat16", block_size: int = 16,
+                      attention_backend: str = "reference") -> dict[str, Any]:
+    """What `pagedjax inspect` prints: architecture, attention type, KV bytes (in the cache
+    layout of attention_backend: the GPU pads the head dim, the TPU a quantized cache's scale
+    rows), support."""
     raw = read_json(os.path.join(model_dir, "config.json"))
     import ml_dtypes
 
-    from pallas_kernels import kv_cache_bytes_per_block
+    from pallas_kernels import IMPLEMENTATIONS, kv_cache_bytes_per_block
     dtypes = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "int8": np.int8,
               "fp8": ml_dtypes.float8_e4m3fn}
     if kv_dtype not in dtypes:
         raise ValueError(f"kv_dtype must be one of {sorted(dtypes)}, got {kv_dtype!r}")
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+    if attention_backend not in IMPLEMENTATIONS:
+        raise ValueError(f"attention_backend must be one of {sorted(IMPLEMENTATIONS)}, "
+                         f"got {attention_backend!r}")
     report: dict[str, Any] = {"architecture": architecture_of(raw),
                               "model_type": raw.get("model_type"),
                               "checkpoint_dtype": checkpoint_dtype(raw)}
@@ -335,9 +340,9 @@ def inspect_model_dir(model_dir: str, kv_dtype: str = "bfloat16",
     except UnsupportedModelError as e:
         report.update(supported=False, reason=str(e))
         return report
-    # the reference layout; int8 / fp8 add an f32 scale per token and KV head
+    # int8 / fp8 add an f32 scale per token and KV head (on the TPU, per 128-lane row slot)
     per_block = kv_cache_bytes_per_block(config.num_layers, block_size, config.num_kv_heads,
-                                         config.head_dim, dtypes[kv_dtype])
+                                         config.head_dim, dtypes[kv_dtype], attention_backend)
     per_token = per_block // block_size
     report.update(
         supported=True, num_layers=config.num_layers, num_heads=config.num_heads,
@@ -345,7 +350,7 @@ def inspect_model_dir(model_dir: str, kv_dtype: str = "bfloat16",
         sliding_window=config.sliding_window,
         rope=(config.rope_scaling.rope_type if config.rope_scaling else "default"),
         rope_theta=config.rope_theta, max_position_embeddings=config.max_position_embeddings,
-        num_params=config.num_params, kv_dtype=kv_dtype,
+        num_params=config.num_params, kv_dtype=kv_dtype, attention_backend=attention_backend,
         kv_bytes_per_token=per_token, block_size=block_size,
         kv_bytes_per_block=per_block, eos_token_ids=list(config.eos_token_ids))
     return report

@@ -49,11 +49,15 @@ def inspect(argv) -> None:
     parser.add_argument("--kv-dtype", default="bfloat16",
                         choices=["float32", "bfloat16", "int8", "fp8"])
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--attention-backend", default="reference",
+                        choices=["reference", "gpu", "tpu"],
+                        help="whose cache layout to count bytes in")
     args = parser.parse_args(argv)
     if args.block_size < 1:
         parser.error("--block-size must be >= 1")
     try:
-        report = inspect_model_dir(args.model_dir, args.kv_dtype, args.block_size)
+        report = inspect_model_dir(args.model_dir, args.kv_dtype, args.block_size,
+                                   args.attention_backend)
     except ValueError as e:
         parser.exit(1, f"pagedjax inspect: {e}\n")
     print(f"{args.model_dir}")
@@ -71,7 +75,8 @@ def inspect(argv) -> None:
     print(f"  rope                 {report['rope']} (theta {report['rope_theta']:g}), "
           f"max positions {report['max_position_embeddings']:,}")
     print(f"  parameters           {report['num_params']:,}")
-    print(f"  KV bytes per token   {report['kv_bytes_per_token']:,} ({report['kv_dtype']})")
+    print(f"  KV bytes per token   {report['kv_bytes_per_token']:,} "
+          f"({report['kv_dtype']}, {report['attention_backend']} layout)")
     print(f"  KV bytes per block   {report['kv_bytes_per_block']:,} "
           f"(block size {report['block_size']})")
     print(f"  eos token ids        {report['eos_token_ids']}")

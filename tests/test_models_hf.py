@@ -261,3 +261,8 @@ def test_inspect_reports_attention_and_kv_bytes(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "MistralForCausalLM" in printed and "supported" in printed
     assert f"{2 * 2 * 2 * (16 + 4):,}" in printed  # int8 bytes per token, with f32 scales
+    # The TPU's layout pads each page's scale row to 128 lanes: 128 / 16 f32 a token.
+    tpu = inspect_model_dir(str(tmp_path), kv_dtype="int8", attention_backend="tpu")
+    assert tpu["kv_bytes_per_token"] == 2 * 2 * 2 * (16 + 4 * 128 // 16)
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        inspect_model_dir(str(tmp_path), attention_backend="cuda")
