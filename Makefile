@@ -4,7 +4,18 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: demo test bench clean
+# Python 3.12 as the image has it: on PATH, or one pyenv keeps (its shim alone may refuse).
+GPU_IMAGE_PYTHON ?= $(shell for p in python3.12 $$(pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12; \
+	do "$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && \
+	{ echo "$$p"; break; }; done)
+GPU_IMAGE_VENV := .venv-gpu-image
+GPU_IMAGE_STAMP := $(GPU_IMAGE_VENV)/.installed
+# What the GPU device run touches, under the device image's Python and jax (requirements/gpu-image.txt).
+GPU_IMAGE_TESTS := tests/test_gpu_script.py tests/test_kernels_gpu.py \
+	tests/test_kernels_lowering.py tests/test_kernels_triton_compile.py \
+	tests/test_engine_equivalence.py
+
+.PHONY: demo test test-gpu-image gpu-image-python bench clean
 
 $(STAMP): pyproject.toml requirements/cpu.txt
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -18,11 +29,25 @@ $(TEST_STAMP): $(STAMP) requirements/test.txt requirements/tpu-aot.txt
 	$(PY) -m pip install --quiet --no-deps --upgrade --target $(VENV)/libtpu -r requirements/tpu-aot.txt
 	touch $(TEST_STAMP)
 
+$(GPU_IMAGE_STAMP): pyproject.toml requirements/gpu-image.txt
+	@test -n "$(GPU_IMAGE_PYTHON)" || { echo "test-gpu-image needs Python 3.12 (the GPU image's): none on PATH or under pyenv; set GPU_IMAGE_PYTHON=..."; exit 1; }
+	test -d $(GPU_IMAGE_VENV) || $(GPU_IMAGE_PYTHON) -m venv $(GPU_IMAGE_VENV)
+	$(GPU_IMAGE_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(GPU_IMAGE_VENV)/bin/python -m pip install --quiet -r requirements/gpu-image.txt
+	$(GPU_IMAGE_VENV)/bin/python -m pip install --quiet --no-deps -e .
+	touch $(GPU_IMAGE_STAMP)
+
 demo: $(STAMP)
 	$(PY) -m pagedjax.demo
 
 test: $(TEST_STAMP)
 	$(PY) -m pytest -n 2 -q tests
+
+test-gpu-image: $(GPU_IMAGE_STAMP)
+	$(GPU_IMAGE_VENV)/bin/python -m pytest -n 2 -q $(GPU_IMAGE_TESTS) -k "not tpu"
+
+gpu-image-python:
+	@echo "$(GPU_IMAGE_PYTHON)"
 
 bench: $(TEST_STAMP)
 	$(PY) benchmarks/kv_memory.py
@@ -39,4 +64,4 @@ bench: $(TEST_STAMP)
 	$(PY) benchmarks/tpu_schedule.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(GPU_IMAGE_VENV) build *.egg-info

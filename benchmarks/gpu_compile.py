@@ -54,6 +54,11 @@ What these builds changed in the kernels (2026-11-29, before any GPU run):
 - The decode kernel on 4 warps needed 237 registers a thread (255 with an int8 cache); on 8
   it needs 119 and is the default. The ragged kernel likewise moved to 8 warps (sm_80 spilled).
 - fp8 (e4m3) caches do not build below sm_89: the wrappers refuse them there by name.
+
+2026-12-01: jax 0.11's Triton lowering (the GPU image's) is told the target chip's compute
+capability (gpu_aot.cuda_target); built from it (`.venv-gpu-image/bin/python
+benchmarks/gpu_compile.py`, the table below) and from jax 0.10.2's lowering, every figure in this
+table is the same.
 """
 
 
@@ -101,7 +106,7 @@ def main() -> None:
         jax.clear_caches()
         for name, trace in KERNELS_TO_BUILD.items():
             try:
-                kernels = gpu_aot.compile_lowered(trace().lower(lowering_platforms=("cuda",)),
+                kernels = gpu_aot.compile_lowered(gpu_aot.lower_cuda(trace, capability),
                                                   capability)
             except Exception as e:  # a refusal (fp8 below sm_89) is a row too
                 rows.append({"chip": chip, "kernel": name, "warps": "", "stages": "",

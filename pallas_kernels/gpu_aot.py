@@ -2,11 +2,11 @@
 
 Interpret mode checks what a Pallas kernel computes, not whether Triton can build it: a kernel
 whose tiles need more shared memory than the chip has passes every interpret test and fails at
-launch. This module takes the Triton modules out of a CUDA lowering (`lowering_platforms=
-("cuda",)`, which jax 0.10 runs on a CPU-only jaxlib and which leaves the Triton IR in each
-`__gpu$xla.gpu.triton` custom call), compiles them to a cubin with the `triton` package for the
-target compute capability, and reads back shared memory, registers and spills (cuobjdump, bundled
-with triton). The `triton` package is a test dependency only; the engine never imports this.
+launch. This module takes the Triton modules out of a CUDA lowering (`lower_cuda`: a CPU-only
+jaxlib lowers for CUDA and leaves the Triton IR in each `__gpu$xla.gpu.triton` custom call),
+compiles them to a cubin with the `triton` package for the target compute capability, and reads
+back shared memory, registers and spills (cuobjdump, bundled with triton). The `triton` package
+is a test dependency only; the engine never imports this.
 
 The triton package's compiler is not the fork XLA builds with, so its figures are an estimate of
 what the GPU's compile will do; they have matched the layout of shared memory exactly on the
@@ -15,17 +15,50 @@ kernels measured (see benchmarks/results/gpu_compile.md).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import pathlib
 import re
 import subprocess
 import tempfile
 
+import jax
+from jax.sharding import AbstractDevice, AbstractMesh
 from jaxlib.mlir import ir
 
 from pallas_kernels.gpu_decode import shared_memory_limit
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
+# A device kind of each compute capability that jax's Triton lowering knows (jax >= 0.11 looks
+# the capability up by kind: jax/_src/pallas/triton/gpu_info.py).
+DEVICE_KIND = {(9, 0): "NVIDIA H200", (8, 0): "NVIDIA A100", (8, 6): "NVIDIA A10",
+               (8, 9): "NVIDIA L4", (10, 0): "NVIDIA B200"}
+
+
+@contextlib.contextmanager
+def cuda_target(capability: tuple[int, int] = (9, 0)):
+    """Lowers Pallas Triton calls for a GPU of `capability` on a machine without one.
+
+    jax >= 0.11 asks the device for its compute capability while lowering a Triton call (and
+    fails with "No supported GPU devices found" on a CPU); an abstract mesh whose abstract
+    device names the chip answers instead. jax 0.10's lowering asks nothing: there it is inert.
+    """
+    if capability not in DEVICE_KIND:
+        raise ValueError(f"no known device kind for compute capability {capability}; "
+                         f"known: {sorted(DEVICE_KIND)}")
+    device = AbstractDevice(device_kind=DEVICE_KIND[capability], num_cores=None,
+                            platform="gpu")
+    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("_cuda_target",),
+                                                     abstract_device=device)):
+        yield
+
+
+def lower_cuda(trace, capability: tuple[int, int] = (9, 0)):
+    """`trace().lower(lowering_platforms=("cuda",))` for a GPU of `capability`, GPU or not.
+    `trace` makes the `jax.jit(...).trace(...)`: under jax 0.11 a lowering keeps the context
+    of its trace, so the chip must be named while tracing."""
+    with cuda_target(capability):
+        return trace().lower(lowering_platforms=("cuda",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +88,7 @@ class CompiledKernel:
 
 
 def triton_modules(lowered) -> list[TritonModule]:
-    """The Triton modules of a `jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))`."""
+    """The Triton modules of a CUDA lowering (`lower_cuda`)."""
     from jaxlib.triton import dialect as triton_dialect
 
     found = []
@@ -72,8 +105,8 @@ def triton_modules(lowered) -> list[TritonModule]:
 
     visit(lowered.compiler_ir("stablehlo").operation)
     if not found and "triton_kernel_call" in lowered.as_text():
-        raise RuntimeError("this jaxlib compiles Triton kernels at lowering time (jax >= 0.11 "
-                           "with CUDA): there is no Triton IR to build ahead of time here")
+        raise RuntimeError("this lowering compiled its Triton kernels already (a "
+                           "triton_kernel_call, not Triton IR): nothing to build ahead of time")
     context = ir.Context()
     triton_dialect.register_dialect(context)
     modules = []

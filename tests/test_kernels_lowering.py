@@ -2,7 +2,8 @@
 
 Interpret mode runs a kernel's semantics but not its lowering: a kernel can pass every interpret
 test and still be rejected by the Triton lowering. Cross-platform lowering
-(`.lower(lowering_platforms=("cuda",))`) runs Pallas -> Triton IR without a device;
+(`gpu_aot.lower_cuda`, which names an H200 to jax >= 0.11's lowering) runs Pallas -> Triton IR
+without a device;
 tests/test_kernels_triton_compile.py then builds that IR for real chips. The TPU kernels are
 compiled whole, Mosaic and libtpu included, by tests/test_kernels_tpu_compile.py (their lowering
 asks the target device's generation, which only a TPU topology answers). The shapes are the
@@ -20,7 +21,7 @@ from flax import nnx
 
 from models import LlamaConfig, LlamaForCausalLM
 from pagedjax.runner import _step, padding_plan
-from pallas_kernels import (AttentionBackend, init_kv_cache,
+from pallas_kernels import (AttentionBackend, gpu_aot, init_kv_cache,
                             paged_decode_attention_gpu, paged_decode_attention_tpu,
                             ragged_paged_attention_gpu, ragged_paged_attention_tpu,
                             write_kv_gpu, write_kv_tpu)
@@ -39,9 +40,16 @@ NUM_HEADS, NUM_KV_HEADS = 32, 8
 i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
 
 
+def lower(trace, backend):
+    """trace() lowered for the backend's platform (`trace` makes the jax.jit(...).trace)."""
+    if backend == "gpu":
+        return gpu_aot.lower_cuda(trace)
+    return trace().lower(lowering_platforms=(PLATFORM[backend],))
+
+
 def lowered_text(fn, backend, *args, **kwargs) -> str:
-    traced = jax.jit(functools.partial(fn, **kwargs)).trace(*args)
-    return traced.lower(lowering_platforms=(PLATFORM[backend],)).as_text()
+    return lower(lambda: jax.jit(functools.partial(fn, **kwargs)).trace(*args),
+                 backend).as_text()
 
 
 def cache_struct(backend, head_dim, dtype, block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS,
@@ -111,8 +119,8 @@ def test_model_step_lowers_with_backend(backend, kind):
     num_tokens = 16 if kind == PREFILL else 4
     plan = padding_plan(kind, num_tokens, 4, max_blocks_per_seq=4)
     plan = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), plan)
-    traced = _step.trace(graphdef, AttentionBackend(backend), 0, params, caches, plan)
-    text = traced.lower(lowering_platforms=(PLATFORM[backend],)).as_text()
+    text = lower(lambda: _step.trace(graphdef, AttentionBackend(backend), 0, params, caches,
+                                     plan), backend).as_text()
     attention = "paged_decode_attention" if kind == DECODE else "ragged_paged_attention"
     for kernel in (f"write_kv_{backend}", f"{attention}_{backend}"):  # once per layer
         assert text.count(f"call @{kernel}(") == config.num_layers, kernel
@@ -125,14 +133,13 @@ def test_gpu_dot_precision_follows_jax_matmul_precision(kind):
     does XLA on a GPU under JAX's default precision. Under
     `jax.default_matmul_precision("highest")` the f32 kernels multiply in IEEE f32, as XLA's f32
     matmuls then do; bf16 operands are bf16 either way."""
-    from pallas_kernels.gpu_aot import triton_modules
     fn = KERNELS["gpu"][0 if kind == "decode" else 1]
 
     def dots(dtype, precision):
         with jax.default_matmul_precision(precision):
-            lowered = jax.jit(functools.partial(fn, scale=0.1)).trace(
-                *kernel_args(kind, "gpu", 128, dtype)).lower(lowering_platforms=("cuda",))
-        [module] = triton_modules(lowered)
+            lowered = gpu_aot.lower_cuda(lambda: jax.jit(functools.partial(fn, scale=0.1)).trace(
+                *kernel_args(kind, "gpu", 128, dtype)))
+        [module] = gpu_aot.triton_modules(lowered)
         found = [line for line in module.ttir.splitlines() if "tt.dot" in line]
         assert len(found) == 2, found  # q.k and p.v
         return found

@@ -59,8 +59,8 @@ def build(case, capability):
     kwargs = {} if kind == "write" else dict(scale=head_dim ** -0.5, **options)
     args = kernel_args(kind, "gpu", head_dim, dtype, block_size=block_size, width=width,
                        num_heads=num_heads, num_kv_heads=num_kv_heads)
-    lowered = jax.jit(functools.partial(fn, **kwargs)).trace(*args).lower(
-        lowering_platforms=("cuda",))
+    lowered = gpu_aot.lower_cuda(
+        lambda: jax.jit(functools.partial(fn, **kwargs)).trace(*args), capability)
     [kernel] = gpu_aot.compile_lowered(lowered, capability)
     return kernel, jnp.dtype(dtype).name
 
@@ -103,9 +103,8 @@ def test_ieee_f32_fits(case, capability, target):
 def test_oversized_tiles_are_caught():
     """The check can fail: 8 pages of 32 f32 keys, double-buffered, do not fit an H200."""
     args = kernel_args("decode", "gpu", 128, jnp.float32, block_size=32, width=8)
-    lowered = jax.jit(functools.partial(KERNELS["gpu"][0], scale=0.1, pages_per_step=8,
-                                        num_stages=2)).trace(
-        *args).lower(lowering_platforms=("cuda",))
+    lowered = gpu_aot.lower_cuda(lambda: jax.jit(functools.partial(
+        KERNELS["gpu"][0], scale=0.1, pages_per_step=8, num_stages=2)).trace(*args))
     [kernel] = gpu_aot.compile_lowered(lowered, H200)
     assert not kernel.fits and kernel.shared_bytes > kernel.shared_limit
 
@@ -123,8 +122,8 @@ def test_shared_memory_estimate_bounds_the_build(case, pages_per_step, rows):
     kind, head_dim, dtype, block_size, width, _ = CASES[case]
     fn = KERNELS["gpu"][0 if kind == "decode" else 1]
     args = kernel_args(kind, "gpu", head_dim, dtype, block_size=block_size, width=width)
-    lowered = jax.jit(functools.partial(fn, scale=0.1, pages_per_step=pages_per_step)).trace(
-        *args).lower(lowering_platforms=("cuda",))
+    lowered = gpu_aot.lower_cuda(lambda: jax.jit(functools.partial(
+        fn, scale=0.1, pages_per_step=pages_per_step)).trace(*args))
     [kernel] = gpu_aot.compile_lowered(lowered, H200)
     cache_itemsize = jnp.dtype(dtype).itemsize
     estimate = gpu_decode.shared_memory_bytes(
@@ -162,7 +161,7 @@ def test_engine_step_kernels_build_for_h200(kind, target):
     plan = padding_plan(kind, 64 if kind == "prefill" else 8, 8, max_blocks_per_seq=32)
     plan = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), plan)
     step = functools.partial(step_fn, graphdef, AttentionBackend("gpu"), 0)
-    lowered = jax.jit(step).trace(params, caches, plan).lower(lowering_platforms=("cuda",))
+    lowered = gpu_aot.lower_cuda(lambda: jax.jit(step).trace(params, caches, plan))
     kernels = gpu_aot.compile_lowered(lowered, H200)
     attention = {"prefill": "ragged_paged_attention_gpu", "decode": "paged_decode_attention_gpu"}
     assert sorted(k.name for k in kernels) == sorted([attention[kind], "write_kv_gpu"])
