@@ -96,6 +96,30 @@ def run_in_child(cases: list[dict], cases_file, *, libtpu, topology: str, python
             run.stderr)
 
 
+def libtpu_mismatch(folder) -> str | None:
+    """Why the libtpu in `folder` cannot compile for this jax, or None. Mosaic kernels travel
+    to libtpu as MLIR bytecode that only the libtpu jax[tpu] pins reads (another one fails with
+    "unknown attribute code")."""
+    import importlib.metadata as metadata
+    import re
+
+    import jax
+
+    found = [d.version for d in metadata.distributions(path=[str(folder)])
+             if (d.metadata["Name"] or "").lower() == "libtpu"]
+    if not found:
+        return f"no libtpu package in {folder} (make test installs it there)"
+    wanted = [re.match(r"libtpu\s*==\s*([\w.*]+)", r) for r in metadata.requires("jax") or []]
+    wanted = [m.group(1) for m in wanted if m]
+    if not wanted:
+        return None
+    pattern = re.escape(wanted[0]).replace(r"\*", ".*")
+    if re.fullmatch(pattern, found[0]):
+        return None
+    return (f"libtpu {found[0]} in {folder} does not match jax {jax.__version__}, which "
+            f"compiles for libtpu=={wanted[0]} (what jax[tpu] pins); install that one there")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("cases", help="JSON file: [{name, module, function}]")
@@ -104,6 +128,8 @@ def main() -> None:
     args = parser.parse_args()
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
+    if problem := libtpu_mismatch(args.libtpu):
+        sys.exit(f"tpu_aot: {problem}")
     sys.path.insert(0, os.path.abspath(args.libtpu))
     with open(args.cases) as f:
         cases = json.load(f)

@@ -197,3 +197,17 @@ def test_kv_write_refuses_more_tokens_than_smem_holds():
     args = kernel_args("write", "tpu", 128, jnp.bfloat16, tokens=MAX_WRITE_TOKENS + 1)
     with pytest.raises(ValueError, match=f"at most {MAX_WRITE_TOKENS} tokens a step"):
         jax.eval_shape(KERNELS["tpu"][2], *args)
+
+
+def test_libtpu_must_be_the_one_jax_pins(tmp_path):
+    """Another libtpu cannot read this jax's Mosaic bytecode ("unknown attribute code"): the
+    compile child refuses it up front, naming both versions."""
+    assert tpu_aot.libtpu_mismatch(LIBTPU) is None  # what `make test` installed
+    info = tmp_path / "libtpu-0.0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: libtpu\nVersion: 0.0.1\n")
+    problem = tpu_aot.libtpu_mismatch(tmp_path)
+    assert f"libtpu 0.0.1 in {tmp_path} does not match jax {jax.__version__}" in problem
+    with pytest.raises(RuntimeError, match="does not match jax"):
+        tpu_aot.run_in_child([], tmp_path / "cases.json", libtpu=tmp_path, topology="v5e:2x2",
+                             pythonpath=[ROOT], cwd=ROOT)
