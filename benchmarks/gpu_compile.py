@@ -10,7 +10,9 @@ shared memory per block, registers and spills per thread. Beside it, JAX's shipp
 shared memory and thread limits of the chip (CUDA occupancy rules, register allocation in units
 of 256 per warp). A memory-bound decode kernel hides DRAM latency with the loads those warps
 keep in flight, so it bounds what the kernel can reach; timings need the GPU
-(benchmarks/gpu_kernels.py).
+(benchmarks/gpu_kernels.py). `global_loads` counts the PTX's load instructions from global
+memory by kind and width (a static count: an unrolled or pipelined copy counts each time it is
+written out): K/V tiles want 16-byte `cp.async` copies, straight to shared memory.
 """
 
 from __future__ import annotations
@@ -113,7 +115,8 @@ def main() -> None:
                              "grid": "", "shared_kib": float("nan"),
                              "limit_kib": gpu_decode.shared_memory_limit(capability) / 1024,
                              "registers": "", "spill_bytes": "",
-                             "resident_warps_per_sm": f"not built: {str(e).splitlines()[0]}"})
+                             "resident_warps_per_sm": f"not built: {str(e).splitlines()[0]}",
+                             "global_loads": ""})
                 print(rows[-1], flush=True)
                 continue
             for kernel in kernels:
@@ -123,7 +126,9 @@ def main() -> None:
                     "shared_kib": kernel.shared_bytes / 1024,
                     "limit_kib": kernel.shared_limit / 1024, "registers": kernel.registers,
                     "spill_bytes": kernel.spill_bytes,
-                    "resident_warps_per_sm": resident_warps(kernel)})
+                    "resident_warps_per_sm": resident_warps(kernel),
+                    "global_loads": ", ".join(f"{k} x{n}"
+                                              for k, n in kernel.global_loads.items())})
                 print(rows[-1], flush=True)
     import triton
     params = {"shape": "q bf16[4, 32, 128], cache block 16, 8 KV heads, head dim 128, "

@@ -81,6 +81,9 @@ class CompiledKernel:
     shared_limit: int  # what one block of this capability may use
     registers: int  # per thread
     spill_bytes: int  # stack + local memory per thread: 0 unless registers spilled
+    # Global-memory load instructions in the PTX, by kind and bytes each ("cp.async 16B": n):
+    # a static count (unrolled copies each count), not bytes per iteration.
+    global_loads: dict = dataclasses.field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
@@ -146,7 +149,23 @@ def compile_module(module: TritonModule, capability: tuple[int, int] = (9, 0)) -
         num_stages=module.num_stages, grid=module.grid,
         shared_bytes=int(kernel.metadata.shared) + usage["SHARED"],
         shared_limit=shared_memory_limit(capability), registers=usage["REG"],
-        spill_bytes=usage["STACK"] + usage["LOCAL"])
+        spill_bytes=usage["STACK"] + usage["LOCAL"], global_loads=global_loads(kernel.asm["ptx"]))
+
+
+def global_loads(ptx: str) -> dict[str, int]:
+    """{"cp.async 16B": n, "ld.global 4B": m, ...}: the PTX's loads from global memory by
+    instruction and width. A memory-bound kernel wants its K/V tiles in 16-byte copies
+    (cp.async: straight to shared memory, pipelined); narrower ones cost issue slots per byte."""
+    found: dict[str, int] = {}
+    for size in re.findall(r"cp\.async\.\w+\.shared\.global[^,;]*,[^,;]*,\s*(0x[0-9a-fA-F]+|\d+)",
+                           ptx):
+        key = f"cp.async {int(size, 0)}B"
+        found[key] = found.get(key, 0) + 1
+    loads = r"\bld\.global(?:\.[A-Za-z0-9_:]+)*?(?:\.v(\d))?\.[a-z](\d+)\s"
+    for vector, bits in re.findall(loads, ptx):
+        key = f"ld.global {int(vector or 1) * int(bits) // 8}B"
+        found[key] = found.get(key, 0) + 1
+    return dict(sorted(found.items()))
 
 
 def _resource_usage(cubin: pathlib.Path) -> dict[str, int]:

@@ -3,7 +3,8 @@
 Each kernel is lowered for CUDA as the wrapper sizes it for the target chip, its Triton IR is
 compiled to a cubin by the triton package, and the cubin's resources are checked: the shared
 memory a block asks for fits the chip (a kernel that does not fit passes every interpret test
-and fails at launch), and on sm_90 the serving dtypes build without register spills.
+and fails at launch), and on sm_90 the serving dtypes build without register spills and load
+K/V in 16-byte asynchronous copies.
 """
 
 import functools
@@ -74,6 +75,13 @@ def test_kernel_builds_for_h200(case, target):
     if dtype in SERVING_DTYPES:
         assert kernel.spill_bytes == 0, (f"{kernel.name} spills {kernel.spill_bytes} B a "
                                          f"thread at {kernel.registers} registers")
+    if dtype in SERVING_DTYPES and CASES[case][0] != "write":
+        # Memory-bound: K/V pages reach shared memory in 16-byte asynchronous copies (the
+        # widest a thread issues, pipelined with the dots); only an 8-bit cache's per-token f32
+        # scales go 4 bytes at a time.
+        copies = {k for k in kernel.global_loads if k.startswith("cp.async")}
+        allowed = {"cp.async 16B"} | ({"cp.async 4B"} if dtype != "bfloat16" else set())
+        assert "cp.async 16B" in copies and copies <= allowed, kernel.global_loads
 
 
 @pytest.mark.parametrize("capability", [A100, L4], ids=["sm_80", "sm_89"])
