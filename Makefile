@@ -13,9 +13,9 @@ GPU_IMAGE_STAMP := $(GPU_IMAGE_VENV)/.installed
 # What the GPU device run touches, under the device image's Python and jax (requirements/gpu-image.txt).
 GPU_IMAGE_TESTS := tests/test_gpu_script.py tests/test_kernels_gpu.py \
 	tests/test_kernels_lowering.py tests/test_kernels_triton_compile.py \
-	tests/test_engine_equivalence.py
+	tests/test_kernels_xla_gpu_compile.py tests/test_engine_equivalence.py
 
-.PHONY: demo test test-gpu-image gpu-image-python bench clean
+.PHONY: demo test test-gpu-image gpu-image-python bench bench-gpu-image clean
 
 $(STAMP): pyproject.toml requirements/cpu.txt
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -44,7 +44,7 @@ test: $(TEST_STAMP)
 	$(PY) -m pytest -n 2 -q tests
 
 test-gpu-image: $(GPU_IMAGE_STAMP)
-	$(GPU_IMAGE_VENV)/bin/python -m pytest -n 2 -q $(GPU_IMAGE_TESTS) -k "not tpu"
+	JAX_PLATFORMS=cpu $(GPU_IMAGE_VENV)/bin/python -m pytest -n 2 -q $(GPU_IMAGE_TESTS) -k "not tpu"
 
 gpu-image-python:
 	@echo "$(GPU_IMAGE_PYTHON)"
@@ -62,6 +62,10 @@ bench: $(TEST_STAMP)
 	$(PY) benchmarks/vs_transformers.py
 	$(PY) benchmarks/gpu_compile.py
 	$(PY) benchmarks/tpu_schedule.py
+
+# The GPU device script rehearsed without a GPU: its programs compiled by XLA for an H200.
+bench-gpu-image: $(GPU_IMAGE_STAMP)
+	JAX_PLATFORMS=cpu $(GPU_IMAGE_VENV)/bin/python benchmarks/gpu_xla_compile.py
 
 clean:
 	rm -rf $(VENV) $(GPU_IMAGE_VENV) build *.egg-info

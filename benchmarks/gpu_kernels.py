@@ -104,56 +104,67 @@ def copy_bandwidth(num_bytes: int) -> float:
     return 2 * num_bytes / (us * 1e-6)
 
 
-def check_kernels(args, budget: Budget) -> list[dict]:
-    from test_kernels_gpu import CASES, as_dtype, decode_seqs, ragged_seqs, reference_layout
-    from test_kernels_gpu import tolerance
-    from test_kernels_reference import build_case
+def check_cases() -> list[tuple]:
+    """[(name, kind, (block size, query heads, KV heads, head dim, dtype), precision)]: the
+    kernel test grid (tests/test_kernels_gpu.py) in IEEE f32, plus one f32 case at the default
+    precision (TF32)."""
+    from test_kernels_gpu import CASES
     cases = [(case, "highest") for case in CASES] + [((16, 8, 2, 128, "float32"), None)]
+    return [(f"{kind} S={case[0]} N={case[1]} K={case[2]} H={case[3]} {case[4]}"
+             f"{'' if precision else ' default precision (TF32)'}", kind, case, precision)
+            for case, precision in cases for kind in ("decode", "ragged")]
+
+
+def check_operands(kind: str, case: tuple):
+    """(kernel, reference, operands, rows to compare) of one check: a shuffled, NaN-padded
+    cache built as the kernel tests build theirs."""
+    from test_kernels_gpu import as_dtype, decode_seqs, ragged_seqs
+    from test_kernels_reference import build_case
+    block_size, num_heads, num_kv_heads, head_dim, dtype = case
+    rng = np.random.default_rng(block_size + head_dim)
+    seqs = decode_seqs(block_size) if kind == "decode" else ragged_seqs(block_size)
+    n = sum(q for _, q in seqs)
+    built = build_case(rng, seqs, block_size=block_size, num_heads=num_heads,
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, padded_seqs=8,
+                       padded_tokens=8 if kind == "decode" else n + 7, backend="gpu")
+    q, cache = as_dtype(built, dtype)
+    if kind == "decode":
+        return (paged_decode_attention_gpu, paged_decode_attention_reference,
+                (q, cache, built["kv_lens"], built["tables"], built["num_seqs"]), len(seqs))
+    return (ragged_paged_attention_gpu, ragged_paged_attention_reference,
+            (q, cache, built["kv_lens"], built["tables"], built["cu_q_lens"], built["num_seqs"]),
+            n)
+
+
+def check_kernels(args, budget: Budget) -> list[dict]:
+    from test_kernels_gpu import reference_layout, tolerance
     rows = []
-    for (block_size, num_heads, num_kv_heads, head_dim, dtype), precision in cases:
-        for kind in ("decode", "ragged"):
-            name = (f"{kind} S={block_size} N={num_heads} K={num_kv_heads} H={head_dim} {dtype}"
-                    f"{'' if precision else ' default precision (TF32)'}")
-            if budget.left() < 20:
-                rows.append({"check": name, "passed": False, "error": "skipped: time budget"})
-                continue
-            try:
-                rng = np.random.default_rng(block_size + head_dim)
-                seqs = decode_seqs(block_size) if kind == "decode" else ragged_seqs(block_size)
-                n = sum(q for _, q in seqs)
-                case = build_case(rng, seqs, block_size=block_size, num_heads=num_heads,
-                                  num_kv_heads=num_kv_heads, head_dim=head_dim, padded_seqs=8,
-                                  padded_tokens=8 if kind == "decode" else n + 7, backend="gpu")
-                q, cache = as_dtype(case, dtype)
-                scale = head_dim ** -0.5
-                with jax.default_matmul_precision(precision):
-                    if kind == "decode":
-                        operands = (q, cache, case["kv_lens"], case["tables"], case["num_seqs"])
-                        kernel, reference = paged_decode_attention_gpu, \
-                            paged_decode_attention_reference
-                        n = len(seqs)
-                    else:
-                        operands = (q, cache, case["kv_lens"], case["tables"], case["cu_q_lens"],
-                                    case["num_seqs"])
-                        kernel, reference = ragged_paged_attention_gpu, \
-                            ragged_paged_attention_reference
-                    got = kernel(*operands, scale=scale, interpret=args.smoke)
-                    with jax.default_matmul_precision("highest"):
-                        want = reference(*reference_layout(operands, head_dim), scale=scale)
-                got = np.asarray(got, np.float32)
-                want = np.asarray(want, np.float32)
-                # TF32 keeps 10 mantissa bits, bf16 8: the bf16 tolerance bounds TF32 products.
-                tol = tolerance("bfloat16" if precision is None else dtype)
-                ok = bool(np.all(np.isfinite(got)) and np.allclose(got[:n], want[:n], **tol)
-                          and np.all(got[n:] == 0))
-                rows.append({"check": name, "passed": ok,
-                             "max_abs_err": float(np.abs(got[:n] - want[:n]).max()),
-                             "rel_err": relative_error(got[:n], want[:n])})
-            except Exception as e:  # keep going: every case is reported
-                traceback.print_exc()
-                rows.append({"check": name, "passed": False,
-                             "error": f"{type(e).__name__}: {e}"[:300]})
-            print(rows[-1], flush=True)
+    for name, kind, case, precision in check_cases():
+        head_dim, dtype = case[3], case[4]
+        if budget.left() < 20:
+            rows.append({"check": name, "passed": False, "error": "skipped: time budget"})
+            continue
+        try:
+            kernel, reference, operands, n = check_operands(kind, case)
+            scale = head_dim ** -0.5
+            with jax.default_matmul_precision(precision):
+                got = kernel(*operands, scale=scale, interpret=args.smoke)
+            with jax.default_matmul_precision("highest"):
+                want = reference(*reference_layout(operands, head_dim), scale=scale)
+            got = np.asarray(got, np.float32)
+            want = np.asarray(want, np.float32)
+            # TF32 keeps 10 mantissa bits, bf16 8: the bf16 tolerance bounds TF32 products.
+            tol = tolerance("bfloat16" if precision is None else dtype)
+            ok = bool(np.all(np.isfinite(got)) and np.allclose(got[:n], want[:n], **tol)
+                      and np.all(got[n:] == 0))
+            rows.append({"check": name, "passed": ok,
+                         "max_abs_err": float(np.abs(got[:n] - want[:n]).max()),
+                         "rel_err": relative_error(got[:n], want[:n])})
+        except Exception as e:  # keep going: every case is reported
+            traceback.print_exc()
+            rows.append({"check": name, "passed": False,
+                         "error": f"{type(e).__name__}: {e}"[:300]})
+        print(rows[-1], flush=True)
     rows.append(check_write(args) if budget.left() >= 20 else {
         "check": "write_kv_gpu == XLA scatter", "passed": False, "error": "skipped: time budget"})
     print(rows[-1], flush=True)
@@ -231,10 +242,28 @@ def rotations_for(batch, context) -> int:
     return int(np.clip(-(-ROTATE_BYTES // kv_bytes(batch, context)), 1, 64))
 
 
-def bench_decode(args, bandwidth: float, budget: Budget) -> list[dict]:
+def decode_impls(batch: int, context: int, *, interpret: bool) -> dict:
+    """{name: (jitted fn of (q, kv, tables, lens), kv kind)}: the reference, ours and JAX's
+    shipped op at one shape. kv is the stacked cache [2, K, NB, S, H] ("stacked") or a
+    (K pages, V pages) pair ("pair", JAX's op). Every operand is an argument (a closed-over
+    array would be baked into the program); benchmarks/gpu_xla_compile.py compiles these."""
     from jax.experimental.pallas.ops.gpu import paged_attention as jax_gpu_op
-    rows = []
     scale = HEADS["head_dim"] ** -0.5
+    return {
+        "reference (XLA)": (jax.jit(lambda q, c, t, l: paged_decode_attention_reference(
+            q, c, l, t, jnp.int32(batch), scale=scale)), "stacked"),
+        "pagedjax gpu kernel": (jax.jit(lambda q, c, t, l: paged_decode_attention_gpu(
+            q, c, l, t, jnp.int32(batch), scale=scale, interpret=interpret)), "stacked"),
+        # JAX's op takes no scale: q is scaled inside the timed program (B x N x H elements).
+        "jax pallas.ops.gpu.paged_attention": (jax.jit(
+            lambda q, kv, t, l: jax_gpu_op.paged_attention(
+                q * jnp.asarray(scale, q.dtype), kv[0], kv[1], t, l, interpret=interpret,
+                k_splits=min(16, context // BLOCK_SIZE))), "pair"),
+    }
+
+
+def bench_decode(args, bandwidth: float, budget: Budget) -> list[dict]:
+    rows = []
     for batch in args.batches:
         for context in args.contexts:
             if budget.left() < 30:
@@ -246,24 +275,13 @@ def bench_decode(args, bandwidth: float, budget: Budget) -> list[dict]:
                                                               seed=batch + context)
             cache = jnp.stack([k_pages, v_pages])
             num_bytes = kv_bytes(batch, context)
-            # Every operand is an argument (a closed-over array would be baked into the program).
-            impls = {
-                "reference (XLA)": (jax.jit(
-                    lambda q, c, t, l: paged_decode_attention_reference(
-                        q, c, l, t, jnp.int32(batch), scale=scale)), (q, cache)),
-                "pagedjax gpu kernel": (jax.jit(lambda q, c, t, l: paged_decode_attention_gpu(
-                    q, c, l, t, jnp.int32(batch), scale=scale, interpret=args.smoke)),
-                    (q, cache)),
-                "jax pallas.ops.gpu.paged_attention": (jax.jit(
-                    lambda q, kv, t, l: jax_gpu_op.paged_attention(
-                        q, kv[0], kv[1], t, l, interpret=args.smoke,
-                        k_splits=min(16, context // BLOCK_SIZE))), (q * scale, (k_pages, v_pages))),
-            }
+            impls = decode_impls(batch, context, interpret=args.smoke)
             want, shape_rows = None, []
-            for name, (fn, operands) in impls.items():
+            for name, (fn, kv_kind) in impls.items():
                 row = {"batch": batch, "context": context, "impl": name}
+                kv = cache if kv_kind == "stacked" else (k_pages, v_pages)
                 try:
-                    out, us, us_sync = measure(fn, [(*operands, t, lens) for t in tables],
+                    out, us, us_sync = measure(fn, [(q, kv, t, lens) for t in tables],
                                                min_time=0.02 if args.smoke else 0.2)
                     want = out if want is None else want
                     row.update(us=us, us_sync=us_sync, kv_gb_per_s=num_bytes / us / 1e3,
@@ -289,20 +307,37 @@ def bench_decode(args, bandwidth: float, budget: Budget) -> list[dict]:
 TUNING = [(8, 8, 2), (8, 4, 2), (4, 8, 2), (4, 4, 3), (8, 8, 3), (2, 4, 4)]
 
 
+TUNING_SHAPES = [(128, 4096), (8, 32768)]  # (batch, context)
+
+
+def tuning_configs(batch: int, context: int) -> tuple[list[tuple], int]:
+    """[(pages_per_step, num_warps, num_stages, num_splits or None for auto)], and the auto
+    number of splits (gpu_decode.choose_num_splits) at this shape."""
+    from pallas_kernels.gpu_decode import choose_num_splits
+    auto = choose_num_splits(batch * HEADS["num_kv_heads"], context // BLOCK_SIZE, 8)
+    return [(p, w, s, None) for p, w, s in TUNING] + [
+        (8, 8, 2, splits) for splits in (auto // 2, auto * 2) if splits >= 1], auto
+
+
+def tuning_fn(batch: int, pages: int, warps: int, stages: int, splits: int | None, *,
+              interpret: bool):
+    """Our decode kernel with these launch parameters, jitted, of (q, cache, tables, lens)."""
+    scale = HEADS["head_dim"] ** -0.5
+    return jax.jit(lambda q, c, t, l: paged_decode_attention_gpu(
+        q, c, l, t, jnp.int32(batch), scale=scale, pages_per_step=pages, num_warps=warps,
+        num_stages=stages, num_splits=splits, interpret=interpret))
+
+
 def bench_tuning(args, bandwidth: float, budget: Budget) -> list[dict]:
     """The decode kernel's launch parameters at a large batch and at a long context, then the
     number of context splits around the default (gpu_decode.choose_num_splits)."""
-    from pallas_kernels.gpu_decode import choose_num_splits
     rows = []
-    scale = HEADS["head_dim"] ** -0.5
-    shapes = [(2, 128)] if args.smoke else [(128, 4096), (8, 32768)]
+    shapes = [(2, 128)] if args.smoke else TUNING_SHAPES
     for batch, context in shapes:
         q, k_pages, v_pages, tables, lens = decode_inputs(batch, context, seed=7)
         cache = jnp.stack([k_pages, v_pages])
         del k_pages, v_pages
-        auto = choose_num_splits(batch * HEADS["num_kv_heads"], context // BLOCK_SIZE, 8)
-        configs = [(p, w, s, None) for p, w, s in TUNING] + [
-            (8, 8, 2, splits) for splits in (auto // 2, auto * 2) if splits >= 1]
+        configs, auto = tuning_configs(batch, context)
         for pages, warps, stages, splits in configs:
             row = {"batch": batch, "context": context, "pages_per_step": pages,
                    "num_warps": warps, "num_stages": stages,
@@ -310,11 +345,7 @@ def bench_tuning(args, bandwidth: float, budget: Budget) -> list[dict]:
             if budget.left() < 10:
                 rows.append({**row, "error": "skipped: time budget"})
                 continue
-            fn = jax.jit(lambda q, c, t, l, pages=pages, warps=warps, stages=stages,
-                         splits=splits: paged_decode_attention_gpu(
-                             q, c, l, t, jnp.int32(batch), scale=scale, pages_per_step=pages,
-                             num_warps=warps, num_stages=stages, num_splits=splits,
-                             interpret=args.smoke))
+            fn = tuning_fn(batch, pages, warps, stages, splits, interpret=args.smoke)
             try:
                 _, us, _ = measure(fn, [(q, cache, tables[0], lens)],
                                    min_time=0.02 if args.smoke else 0.2)

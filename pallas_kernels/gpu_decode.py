@@ -39,11 +39,16 @@ def next_power_of_2(n: int) -> int:
 
 
 def target_compute_capability() -> tuple[int, int]:
-    """The visible GPU's compute capability; DEFAULT_TARGET on a machine without one."""
-    if jax.default_backend() == "gpu":
-        major, minor = str(jax.devices()[0].compute_capability).split(".")[:2]
-        return int(major), int(minor)
-    return DEFAULT_TARGET
+    """The compute capability kernels are sized for: the default device's when that is a GPU
+    (`jax.default_device(d)`, a compile-only device included: pallas_kernels/gpu_xla_aot.py),
+    else the first visible GPU's; DEFAULT_TARGET on a machine without one."""
+    device = jax.config.jax_default_device
+    if getattr(device, "platform", None) != "gpu":
+        if jax.default_backend() != "gpu":
+            return DEFAULT_TARGET
+        device = jax.devices()[0]
+    major, minor = str(device.compute_capability).split(".")[:2]
+    return int(major), int(minor)
 
 
 def shared_memory_limit(capability: tuple[int, int] | None = None) -> int:

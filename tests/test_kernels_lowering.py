@@ -75,6 +75,38 @@ def kernel_args(kind, backend, head_dim, dtype, *, block_size=BLOCK_SIZE, width=
     return (cache, new, new, i32((tokens,)))
 
 
+# kind, head dim, cache dtype, block size, table width (pages), options
+GPU_CASES = {
+    "decode-bf16": ("decode", 128, jnp.bfloat16, 16, 8, {}),
+    "decode-bf16-32k": ("decode", 128, jnp.bfloat16, 16, 2048, {}),
+    "decode-bf16-window-softcap": ("decode", 128, jnp.bfloat16, 16, 64,
+                                   dict(sliding_window=512, soft_cap=30.0)),
+    "decode-f32-h80-block32": ("decode", 80, jnp.float32, 32, 8, {}),
+    "decode-int8": ("decode", 128, "int8", 16, 64, {}),
+    "decode-fp8": ("decode", 128, "float8_e4m3fn", 16, 64, {}),
+    "ragged-bf16": ("ragged", 128, jnp.bfloat16, 16, 64, {}),
+    "ragged-f32-h80-block32": ("ragged", 80, jnp.float32, 32, 8, {}),
+    "ragged-int8": ("ragged", 128, "int8", 16, 64, {}),
+    # 8 query heads on one KV head of 256: 16 tokens a program would spill (choose_tile_q).
+    "ragged-bf16-h256-mqa": ("ragged", 256, jnp.bfloat16, 16, 64, {}, (8, 1)),
+    # One page of 32 f32 keys of 256 overflows an L4 at 2 stages: fit_pipeline drops to 1.
+    "decode-f32-h256-block32": ("decode", 256, jnp.float32, 32, 8, {}, (8, 1)),
+    "write-bf16": ("write", 128, jnp.bfloat16, 16, 8, {}),
+    "write-f32-h80": ("write", 80, jnp.float32, 16, 8, {}),
+}
+
+
+def gpu_case(case, num_blocks=NUM_BLOCKS):
+    """(fn with its options bound, abstract args) of a GPU_CASES entry."""
+    kind, head_dim, dtype, block_size, width, options, *heads = GPU_CASES[case]
+    num_heads, num_kv_heads = heads[0] if heads else (32, 8)
+    fn = dict(zip(("decode", "ragged", "write"), KERNELS["gpu"]))[kind]
+    kwargs = {} if kind == "write" else dict(scale=head_dim ** -0.5, **options)
+    return functools.partial(fn, **kwargs), kernel_args(
+        kind, "gpu", head_dim, dtype, block_size=block_size, width=width, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, num_blocks=num_blocks)
+
+
 ATTENTION_OPTIONS = [
     dict(),
     dict(sliding_window=40, soft_cap=30.0),

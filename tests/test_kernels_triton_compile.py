@@ -16,29 +16,11 @@ import pytest
 pytest.importorskip("triton", reason="a test dependency: requirements/test.txt")
 
 from pallas_kernels import gpu_aot, gpu_decode  # noqa: E402
-from test_kernels_lowering import KERNELS, kernel_args  # noqa: E402
+from test_kernels_lowering import GPU_CASES as CASES  # noqa: E402
+from test_kernels_lowering import KERNELS, gpu_case, kernel_args  # noqa: E402
 
 H200, A100, L4 = (9, 0), (8, 0), (8, 9)
 
-# kind, head dim, cache dtype, block size, table width (pages), options
-CASES = {
-    "decode-bf16": ("decode", 128, jnp.bfloat16, 16, 8, {}),
-    "decode-bf16-32k": ("decode", 128, jnp.bfloat16, 16, 2048, {}),
-    "decode-bf16-window-softcap": ("decode", 128, jnp.bfloat16, 16, 64,
-                                   dict(sliding_window=512, soft_cap=30.0)),
-    "decode-f32-h80-block32": ("decode", 80, jnp.float32, 32, 8, {}),
-    "decode-int8": ("decode", 128, "int8", 16, 64, {}),
-    "decode-fp8": ("decode", 128, "float8_e4m3fn", 16, 64, {}),
-    "ragged-bf16": ("ragged", 128, jnp.bfloat16, 16, 64, {}),
-    "ragged-f32-h80-block32": ("ragged", 80, jnp.float32, 32, 8, {}),
-    "ragged-int8": ("ragged", 128, "int8", 16, 64, {}),
-    # 8 query heads on one KV head of 256: 16 tokens a program would spill (choose_tile_q).
-    "ragged-bf16-h256-mqa": ("ragged", 256, jnp.bfloat16, 16, 64, {}, (8, 1)),
-    # One page of 32 f32 keys of 256 overflows an L4 at 2 stages: fit_pipeline drops to 1.
-    "decode-f32-h256-block32": ("decode", 256, jnp.float32, 32, 8, {}, (8, 1)),
-    "write-bf16": ("write", 128, jnp.bfloat16, 16, 8, {}),
-    "write-f32-h80": ("write", 80, jnp.float32, 16, 8, {}),
-}
 SERVING_DTYPES = ("bfloat16", "int8", "float8_e4m3fn")
 
 
@@ -53,17 +35,10 @@ def target(monkeypatch):
 
 
 def build(case, capability):
-    kind, head_dim, dtype, block_size, width, options, *heads = CASES[case]
-    num_heads, num_kv_heads = heads[0] if heads else (32, 8)
-    decode, ragged, write = KERNELS["gpu"]
-    fn = {"decode": decode, "ragged": ragged, "write": write}[kind]
-    kwargs = {} if kind == "write" else dict(scale=head_dim ** -0.5, **options)
-    args = kernel_args(kind, "gpu", head_dim, dtype, block_size=block_size, width=width,
-                       num_heads=num_heads, num_kv_heads=num_kv_heads)
-    lowered = gpu_aot.lower_cuda(
-        lambda: jax.jit(functools.partial(fn, **kwargs)).trace(*args), capability)
+    fn, args = gpu_case(case)
+    lowered = gpu_aot.lower_cuda(lambda: jax.jit(fn).trace(*args), capability)
     [kernel] = gpu_aot.compile_lowered(lowered, capability)
-    return kernel, jnp.dtype(dtype).name
+    return kernel, jnp.dtype(CASES[case][2]).name
 
 
 @pytest.mark.parametrize("case", CASES)

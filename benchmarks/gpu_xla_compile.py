@@ -1,0 +1,155 @@
+"""Rehearsal of the GPU device script without a GPU: each of its programs compiled by XLA for an H200.
+
+benchmarks/gpu_kernels.py runs on a GPU lent for minutes; a program that fails to compile there
+costs the lease. This compiles the programs it runs, at its shapes, with the GPU image's jax
+(0.11) and XLA's own GPU compiler for a compile-only H200 (pallas_kernels/gpu_xla_aot.py): the
+decode benchmark's three implementations at every batch x context, the launch-parameter sweep,
+the kernel checks, and the engine's prefill and decode steps on the gpu backend. Each row gives
+the compile's outcome, the Pallas kernel's launch (grid, threads per block, shared memory per
+block, all as XLA built it) and the program's temporary memory beside its operands (a whole
+copy of a cache would show there). Nothing runs: speed and results still need the GPU.
+
+Run in the GPU image's environment: `make .venv-gpu-image/.installed` then
+`JAX_PLATFORMS=cpu .venv-gpu-image/bin/python benchmarks/gpu_xla_compile.py`.
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+
+import gpu_kernels  # noqa: E402
+from common import write_results  # noqa: E402
+
+from pallas_kernels import gpu_xla_aot  # noqa: E402
+
+def abstract(tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)
+
+
+def row_for(section: str, program: str, fn, args, chip: str) -> dict:
+    row = {"section": section, "program": program}
+    try:
+        build = gpu_xla_aot.compile_for(fn, args, chip)
+    except Exception as e:  # a program that does not compile is the finding
+        traceback.print_exc()
+        return {**row, "compiled": False, "error": f"{type(e).__name__}: {e}"[:300]}
+    kernels = build.kernels
+    operand_bytes = sum(a.size * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(args))
+    return {**row, "compiled": True, "compile_s": build.seconds,
+            "pallas_kernels": "; ".join(
+                f"{k.name} grid {'x'.join(map(str, k.grid))}, {k.threads[0]} threads, "
+                f"{k.shared_bytes / 1024:.1f} KiB shared" for k in kernels),
+            "max_shared_kib": max((k.shared_bytes for k in kernels), default=0) / 1024,
+            "launches": len(build.launches), "operand_mib": operand_bytes / 2**20,
+            "temp_mib": build.temp_bytes / 2**20}
+
+
+def decode_rows(chip: str) -> list[dict]:
+    heads = gpu_kernels.HEADS
+    rows = []
+    for batch in (128, 32, 1):
+        for context in (32768, 4096, 512):
+            rotations = gpu_kernels.rotations_for(batch, context)
+            pages = context // gpu_kernels.BLOCK_SIZE
+            num_blocks = rotations * batch * pages + 1
+            page = jax.ShapeDtypeStruct((heads["num_kv_heads"], num_blocks,
+                                         gpu_kernels.BLOCK_SIZE, heads["head_dim"]), jnp.bfloat16)
+            q = jax.ShapeDtypeStruct((batch, heads["num_heads"], heads["head_dim"]),
+                                     jnp.bfloat16)
+            tables = jax.ShapeDtypeStruct((batch, pages), jnp.int32)
+            lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
+            cache = jax.ShapeDtypeStruct((2, *page.shape), page.dtype)
+            for name, (fn, kv_kind) in gpu_kernels.decode_impls(batch, context,
+                                                                interpret=False).items():
+                kv = cache if kv_kind == "stacked" else (page, page)
+                rows.append(row_for("decode", f"{name}, batch {batch} x {context}", fn,
+                                    (q, kv, tables, lens), chip))
+                print(rows[-1], flush=True)
+    return rows
+
+
+def tuning_rows(chip: str) -> list[dict]:
+    heads = gpu_kernels.HEADS
+    rows = []
+    for batch, context in gpu_kernels.TUNING_SHAPES:
+        pages = context // gpu_kernels.BLOCK_SIZE
+        q = jax.ShapeDtypeStruct((batch, heads["num_heads"], heads["head_dim"]), jnp.bfloat16)
+        cache = jax.ShapeDtypeStruct((2, heads["num_kv_heads"], batch * pages + 1,
+                                      gpu_kernels.BLOCK_SIZE, heads["head_dim"]), jnp.bfloat16)
+        args = (q, cache, jax.ShapeDtypeStruct((batch, pages), jnp.int32),
+                jax.ShapeDtypeStruct((batch,), jnp.int32))
+        configs, auto = gpu_kernels.tuning_configs(batch, context)
+        for pages_per_step, warps, stages, splits in configs:
+            fn = gpu_kernels.tuning_fn(batch, pages_per_step, warps, stages, splits,
+                                       interpret=False)
+            rows.append(row_for("tuning", f"batch {batch} x {context}: {pages_per_step} pages, "
+                                f"{warps} warps, {stages} stages, "
+                                f"{splits or f'auto ({auto})'} splits", fn, args, chip))
+            print(rows[-1], flush=True)
+    return rows
+
+
+def check_rows(chip: str) -> list[dict]:
+    rows = []
+    for name, kind, case, precision in gpu_kernels.check_cases():
+        kernel, _, operands, _ = gpu_kernels.check_operands(kind, case)
+        fn = functools.partial(kernel, scale=case[3] ** -0.5)
+        with jax.default_matmul_precision(precision):
+            rows.append(row_for("checks", name, fn, abstract(operands), chip))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def engine_rows(chip: str) -> list[dict]:
+    """The device script's engine check: demo-small, block 16, the gpu backend, f32 (its jitted
+    step at the buckets it runs: 64 prefill tokens, 8 decode sequences)."""
+    from pagedjax.runner import padding_plan, step_fn
+    from pallas_kernels import AttentionBackend, init_kv_cache
+    from pagedjax import load_model
+    from flax import nnx
+
+    model = load_model("demo-small")
+    config = model.config
+    graphdef, params = nnx.split(model)
+    caches = jax.eval_shape(lambda: init_kv_cache(
+        config.num_layers, 8 * 256 // 16 + 1, 16, config.num_kv_heads, config.head_dim,
+        jnp.float32, "gpu"))
+    rows = []
+    for kind, tokens in (("prefill", 64), ("decode", 8)):
+        plan = abstract(padding_plan(kind, tokens, 8, max_blocks_per_seq=256 // 16))
+        step = jax.jit(functools.partial(step_fn, graphdef, AttentionBackend("gpu"), 0),
+                       donate_argnums=(1,))
+        with jax.default_matmul_precision("highest"):
+            rows.append(row_for("engine", f"demo-small {kind} step ({tokens} tokens), caches "
+                                "donated", step, (abstract(params), caches, plan), chip))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    if problem := gpu_xla_aot.available():
+        sys.exit(problem)
+    chip = "h200"
+    rows = decode_rows(chip) + tuning_rows(chip) + check_rows(chip) + engine_rows(chip)
+    failed = [row for row in rows if not row["compiled"]]
+    params = {"chip": chip, "target": str(gpu_xla_aot.CHIPS[chip]),
+              "programs": len(rows), "compiled": len(rows) - len(failed)}
+    write_results("gpu_xla_compile", "The GPU device script's programs compiled by XLA for an "
+                  "H200, without a GPU", rows, params, notes=__doc__.split("\n\n", 1)[1],
+                  reproduce="JAX_PLATFORMS=cpu .venv-gpu-image/bin/python "
+                            "benchmarks/gpu_xla_compile.py")
+    print(f"{len(rows) - len(failed)}/{len(rows)} programs compiled", flush=True)
+
+
+if __name__ == "__main__":
+    main()

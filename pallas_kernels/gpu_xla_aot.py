@@ -1,0 +1,175 @@
+"""XLA's own GPU compile of a program, for a described GPU, on a machine without one.
+
+pallas_kernels/gpu_aot.py builds each kernel's Triton IR with the `triton` package, an estimate
+of what the GPU's compile does. This module runs the compile itself: jax >= 0.11's CUDA plugin
+(requirements/gpu-image.txt: jax-cuda13-plugin, and ptxas from nvidia-cuda-nvcc) creates a
+compile-only device from a GPU target description (XLA's GpuTargetConfigProto, written here from
+the chips' published figures), and `jit(...).lower().compile()` for it runs XLA's GPU pipeline
+whole: its Triton fork builds the Pallas kernels, ptxas the cubins, and a kernel whose launch
+needs more shared memory than the chip allows fails here ("RESOURCE_EXHAUSTED: Shared memory size
+limit exceeded") as it would at the first call on the GPU. Every kernel launch of the compiled
+program (XLA's fusions and the Pallas kernels: grid, threads, shared memory) is read back from
+XLA's thunk sequence.
+
+Nothing is run: a GPU is still what measures speed and checks results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+import re
+import tempfile
+import time
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """What XLA's GPU compiler needs to know of a chip (NVIDIA's datasheets and the CUDA
+    programming guide's per-compute-capability limits)."""
+    device_kind: str  # as the device reports it (jax's Pallas lowering looks the SM up by it)
+    capability: tuple[int, int]
+    sms: int
+    shared_per_sm: int  # bytes
+    shared_per_block: int  # opt-in maximum of one block, bytes
+    threads_per_sm: int
+    memory_bytes: int
+    bandwidth: float  # HBM/GDDR bytes per second
+    l2_bytes: int
+    clock_ghz: float
+
+
+CHIPS = {
+    "h200": Chip("NVIDIA H200", (9, 0), sms=132, shared_per_sm=228 << 10,
+                 shared_per_block=227 << 10, threads_per_sm=2048, memory_bytes=143771 << 20,
+                 bandwidth=4.8e12, l2_bytes=50 << 20, clock_ghz=1.98),
+    "a100": Chip("NVIDIA A100-SXM4-80GB", (8, 0), sms=108, shared_per_sm=164 << 10,
+                 shared_per_block=163 << 10, threads_per_sm=2048, memory_bytes=81920 << 20,
+                 bandwidth=2.039e12, l2_bytes=40 << 20, clock_ghz=1.41),
+    "l4": Chip("NVIDIA L4", (8, 9), sms=58, shared_per_sm=100 << 10, shared_per_block=99 << 10,
+               threads_per_sm=1536, memory_bytes=23034 << 20, bandwidth=3.0e11,
+               l2_bytes=48 << 20, clock_ghz=2.04),
+}
+
+
+def target_config(chip: Chip) -> str:
+    """The chip as an XLA GpuTargetConfigProto, in protobuf text format."""
+    major, minor = chip.capability
+    return f"""gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: {chip.shared_per_sm}
+  shared_memory_per_block_optin: {chip.shared_per_block}
+  threads_per_core_limit: {chip.threads_per_sm}
+  core_count: {chip.sms}
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {int(chip.bandwidth)}
+  l2_cache_size: {chip.l2_bytes}
+  clock_rate_ghz: {chip.clock_ghz}
+  device_memory_size: {chip.memory_bytes}
+  cuda_compute_capability {{ major: {major} minor: {minor} }}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+  thread_dim_limit_x: 1024
+  thread_dim_limit_y: 1024
+  thread_dim_limit_z: 64
+  device_vendor: "NVIDIA Corporation"
+  name: "{chip.device_kind}"
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 10 patch: 0 }}
+device_description_str: "{chip.device_kind}"
+"""
+
+
+def available() -> str | None:
+    """None if this jax can compile for a described GPU here, else why not."""
+    import jax
+    try:
+        import jax_plugins.xla_cuda13  # noqa: F401
+    except ImportError:
+        return ("XLA's GPU compiler without a GPU needs jax >= 0.11 with jax-cuda13-plugin "
+                f"(requirements/gpu-image.txt; this is jax {jax.__version__})")
+    return None
+
+
+@functools.cache
+def device(chip: str = "h200"):
+    """A compile-only device of `chip` (one of CHIPS)."""
+    if chip not in CHIPS:
+        raise ValueError(f"chip must be one of {sorted(CHIPS)}, got {chip!r}")
+    if problem := available():
+        raise RuntimeError(problem)
+    from jax.experimental import topologies
+    return topologies.get_topology_desc(chip, "cuda", target_config=target_config(CHIPS[chip]),
+                                        topology="1x1x1").devices[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One kernel launch of a compiled program."""
+    name: str
+    grid: tuple[int, int, int]
+    threads: tuple[int, int, int]
+    shared_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Build:
+    launches: tuple[Launch, ...]
+    seconds: float
+    # XLA's memory analysis of the compiled program: its temporaries (a whole copy of an
+    # operand would be one), and the bytes of outputs that alias (donated) inputs.
+    temp_bytes: int
+    alias_bytes: int
+    triton_names: frozenset  # the launches that are Triton kernels (Pallas calls), by name
+
+    @property
+    def kernels(self) -> tuple[Launch, ...]:
+        """The Pallas (Triton) kernel launches, without XLA's own fusions."""
+        return tuple(launch for launch in self.launches if launch.name in self.triton_names)
+
+    def launch(self, name: str) -> Launch:
+        found = [launch for launch in self.launches if launch.name == name]
+        if len(found) != 1:
+            raise KeyError(f"{len(found)} launches named {name!r} in "
+                           f"{[launch.name for launch in self.launches]}")
+        return found[0]
+
+
+LAUNCH = re.compile(r"\]\s+(\S+) grid: \[([\d, ]+)\] threads: \[([\d, ]+)\]\s+"
+                    r"shared_memory: (\d+) bytes")
+
+
+def compile_for(fn, args, chip: str = "h200") -> Build:
+    """Compiles `fn(*args)` (abstract args; fn as it is when already jitted, so that its
+    donations hold) with XLA's GPU compiler for `chip`; returns its kernel launches. Raises what
+    the compile raises."""
+    import jax
+    target = device(chip)
+    sharding = jax.sharding.SingleDeviceSharding(target)
+    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                        args)
+    jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as dump:
+        # Pallas' Triton lowering asks the default device which SM it lowers for.
+        with jax.default_device(target):
+            compiled = jitted.trace(*args).lower().compile({"xla_dump_to": dump})
+        seconds = time.perf_counter() - start
+        [sequence] = pathlib.Path(dump).glob("*.thunk_sequence.txt")
+        text = sequence.read_text()
+    launches = tuple(
+        Launch(name, tuple(map(int, grid.split(","))), tuple(map(int, threads.split(","))),
+               int(shared))
+        for name, grid, threads, shared in LAUNCH.findall(text))
+    memory = compiled.memory_analysis()
+    triton = frozenset(re.findall(r'custom_call_target="__gpu\$xla\.gpu\.triton".*?'
+                                  r'\bname = "([^"]+)"', compiled.as_text()))
+    return Build(launches, seconds, temp_bytes=int(memory.temp_size_in_bytes),
+                 alias_bytes=int(memory.alias_size_in_bytes), triton_names=triton)
