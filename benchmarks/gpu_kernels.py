@@ -233,6 +233,36 @@ def decode_inputs(batch, context, *, seed, rotations=1, dtype=jnp.bfloat16):
     return q, k_pages, v_pages, [jnp.asarray(t, jnp.int32) for t in tables.astype(np.int32)], lens
 
 
+def decode_shapes(batch: int, context: int, rotations: int) -> dict:
+    """Abstract operands of decode_impls' programs at one shape, by kv kind: what
+    decode_inputs makes, as shapes (for compiling ahead of the inputs)."""
+    pages = context // BLOCK_SIZE
+    page = jax.ShapeDtypeStruct((HEADS["num_kv_heads"], rotations * batch * pages + 1,
+                                 BLOCK_SIZE, HEADS["head_dim"]), jnp.bfloat16)
+    q = jax.ShapeDtypeStruct((batch, HEADS["num_heads"], HEADS["head_dim"]), jnp.bfloat16)
+    rest = (jax.ShapeDtypeStruct((batch, pages), jnp.int32),
+            jax.ShapeDtypeStruct((batch,), jnp.int32))
+    return {"stacked": (q, jax.ShapeDtypeStruct((2, *page.shape), page.dtype), *rest),
+            "pair": (q, (page, page), *rest)}
+
+
+def precompile(jobs: dict, workers: int) -> dict:
+    """{key: compiled program, or the exception its compile raised} for jobs {key: (jitted fn,
+    abstract args)}, compiled `workers` at a time. XLA compiles outside the GIL: on the GPU
+    host's cores the section's compiles overlap instead of queueing in front of each
+    measurement (a device lease is minutes long). Nothing is timed while this runs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def build(fn, args):
+        try:
+            return fn.trace(*args).lower().compile()
+        except Exception as e:  # reported on the program's row
+            return e
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        futures = {key: pool.submit(build, fn, args) for key, (fn, args) in jobs.items()}
+        return {key: future.result() for key, future in futures.items()}
+
+
 def kv_bytes(batch, context) -> int:
     """K and V bytes a decode step must read: 2 x B x context x K x H x 2 (bf16)."""
     return 2 * batch * context * HEADS["num_kv_heads"] * HEADS["head_dim"] * 2
@@ -264,6 +294,18 @@ def decode_impls(batch: int, context: int, *, interpret: bool) -> dict:
 
 def bench_decode(args, bandwidth: float, budget: Budget) -> list[dict]:
     rows = []
+    jobs = {}
+    for batch in args.batches:
+        for context in args.contexts:
+            rotations = 1 if args.smoke else rotations_for(batch, context)
+            shapes = decode_shapes(batch, context, rotations)
+            for name, (fn, kv_kind) in decode_impls(batch, context,
+                                                    interpret=args.smoke).items():
+                jobs[batch, context, name] = (fn, shapes[kv_kind])
+    start = time.perf_counter()
+    compiled = precompile(jobs, args.compile_workers) if budget.left() >= 30 else {}
+    print(f"compiled {len(compiled)} decode programs in {time.perf_counter() - start:.1f} s "
+          f"({args.compile_workers} at a time)", flush=True)
     for batch in args.batches:
         for context in args.contexts:
             if budget.left() < 30:
@@ -277,10 +319,13 @@ def bench_decode(args, bandwidth: float, budget: Budget) -> list[dict]:
             num_bytes = kv_bytes(batch, context)
             impls = decode_impls(batch, context, interpret=args.smoke)
             want, shape_rows = None, []
-            for name, (fn, kv_kind) in impls.items():
+            for name, (_, kv_kind) in impls.items():
                 row = {"batch": batch, "context": context, "impl": name}
                 kv = cache if kv_kind == "stacked" else (k_pages, v_pages)
                 try:
+                    fn = compiled[batch, context, name]
+                    if isinstance(fn, Exception):
+                        raise fn
                     out, us, us_sync = measure(fn, [(q, kv, t, lens) for t in tables],
                                                min_time=0.02 if args.smoke else 0.2)
                     want = out if want is None else want
@@ -333,6 +378,11 @@ def bench_tuning(args, bandwidth: float, budget: Budget) -> list[dict]:
     number of context splits around the default (gpu_decode.choose_num_splits)."""
     rows = []
     shapes = [(2, 128)] if args.smoke else TUNING_SHAPES
+    jobs = {(batch, context, config): (
+        tuning_fn(batch, *config, interpret=args.smoke),
+        decode_shapes(batch, context, rotations=1)["stacked"])
+        for batch, context in shapes for config in tuning_configs(batch, context)[0]}
+    compiled = precompile(jobs, args.compile_workers) if budget.left() >= 10 else {}
     for batch, context in shapes:
         q, k_pages, v_pages, tables, lens = decode_inputs(batch, context, seed=7)
         cache = jnp.stack([k_pages, v_pages])
@@ -345,8 +395,10 @@ def bench_tuning(args, bandwidth: float, budget: Budget) -> list[dict]:
             if budget.left() < 10:
                 rows.append({**row, "error": "skipped: time budget"})
                 continue
-            fn = tuning_fn(batch, pages, warps, stages, splits, interpret=args.smoke)
+            fn = compiled[batch, context, (pages, warps, stages, splits)]
             try:
+                if isinstance(fn, Exception):
+                    raise fn
                 _, us, _ = measure(fn, [(q, cache, tables[0], lens)],
                                    min_time=0.02 if args.smoke else 0.2)
                 row.update(us=us, pct_of_copy_bw=100 * kv_bytes(batch, context) / (us * 1e-6)
@@ -403,6 +455,8 @@ def main(argv=None) -> None:
     parser.add_argument("--budget-s", type=float, default=260.0,
                         help="the script's own deadline; sections skip what would overrun it")
     parser.add_argument("--out-dir", type=pathlib.Path, default=RESULTS)
+    parser.add_argument("--compile-workers", type=int, default=min(8, os.cpu_count() or 1),
+                        help="programs of a section compiled at once, before it is timed")
     parser.add_argument("--batches", default=None, help="decode batches (default 128,32,1)")
     parser.add_argument("--contexts", default=None, help="decode contexts (default 32768,4096,512)")
     args = parser.parse_args(argv)

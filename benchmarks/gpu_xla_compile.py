@@ -55,39 +55,23 @@ def row_for(section: str, program: str, fn, args, chip: str) -> dict:
 
 
 def decode_rows(chip: str) -> list[dict]:
-    heads = gpu_kernels.HEADS
     rows = []
     for batch in (128, 32, 1):
         for context in (32768, 4096, 512):
-            rotations = gpu_kernels.rotations_for(batch, context)
-            pages = context // gpu_kernels.BLOCK_SIZE
-            num_blocks = rotations * batch * pages + 1
-            page = jax.ShapeDtypeStruct((heads["num_kv_heads"], num_blocks,
-                                         gpu_kernels.BLOCK_SIZE, heads["head_dim"]), jnp.bfloat16)
-            q = jax.ShapeDtypeStruct((batch, heads["num_heads"], heads["head_dim"]),
-                                     jnp.bfloat16)
-            tables = jax.ShapeDtypeStruct((batch, pages), jnp.int32)
-            lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
-            cache = jax.ShapeDtypeStruct((2, *page.shape), page.dtype)
+            shapes = gpu_kernels.decode_shapes(batch, context,
+                                               gpu_kernels.rotations_for(batch, context))
             for name, (fn, kv_kind) in gpu_kernels.decode_impls(batch, context,
                                                                 interpret=False).items():
-                kv = cache if kv_kind == "stacked" else (page, page)
                 rows.append(row_for("decode", f"{name}, batch {batch} x {context}", fn,
-                                    (q, kv, tables, lens), chip))
+                                    shapes[kv_kind], chip))
                 print(rows[-1], flush=True)
     return rows
 
 
 def tuning_rows(chip: str) -> list[dict]:
-    heads = gpu_kernels.HEADS
     rows = []
     for batch, context in gpu_kernels.TUNING_SHAPES:
-        pages = context // gpu_kernels.BLOCK_SIZE
-        q = jax.ShapeDtypeStruct((batch, heads["num_heads"], heads["head_dim"]), jnp.bfloat16)
-        cache = jax.ShapeDtypeStruct((2, heads["num_kv_heads"], batch * pages + 1,
-                                      gpu_kernels.BLOCK_SIZE, heads["head_dim"]), jnp.bfloat16)
-        args = (q, cache, jax.ShapeDtypeStruct((batch, pages), jnp.int32),
-                jax.ShapeDtypeStruct((batch,), jnp.int32))
+        args = gpu_kernels.decode_shapes(batch, context, rotations=1)["stacked"]
         configs, auto = gpu_kernels.tuning_configs(batch, context)
         for pages_per_step, warps, stages, splits in configs:
             fn = gpu_kernels.tuning_fn(batch, pages_per_step, warps, stages, splits,
