@@ -107,6 +107,31 @@ def gpu_case(case, num_blocks=NUM_BLOCKS):
         num_kv_heads=num_kv_heads, num_blocks=num_blocks)
 
 
+# (GPU case, pages per step, rows of a program's query tile) whose shared memory the wrappers'
+# estimate must bound, in the triton package's build and in XLA's.
+ESTIMATE_CASES = [
+    ("decode-bf16", 8, 16),  # Gp = 16 (a GQA group of 4, padded to the minimum dot size)
+    ("decode-int8", 8, 16),
+    ("decode-f32-h80-block32", 2, 16),
+    ("ragged-bf16", 4, 64),  # 16 tokens x a group of 4
+    ("ragged-int8", 4, 64),
+]
+
+
+def estimate_case(case, pages_per_step, rows):
+    """(kernel fn at pages_per_step, abstract args, gpu_decode.shared_memory_bytes for it)."""
+    from pallas_kernels import gpu_decode
+    kind, head_dim, dtype, block_size, width, _ = GPU_CASES[case]
+    fn = KERNELS["gpu"][0 if kind == "decode" else 1]
+    args = kernel_args(kind, "gpu", head_dim, dtype, block_size=block_size, width=width)
+    cache_itemsize = jnp.dtype(dtype).itemsize
+    estimate = gpu_decode.shared_memory_bytes(
+        rows=rows, keys=pages_per_step * block_size, head_dim=128,
+        cache_itemsize=cache_itemsize, compute_itemsize=2 if dtype == "int8" else cache_itemsize,
+        num_stages=2, quantized=dtype == "int8")
+    return functools.partial(fn, scale=0.1, pages_per_step=pages_per_step), args, estimate
+
+
 ATTENTION_OPTIONS = [
     dict(),
     dict(sliding_window=40, soft_cap=30.0),

@@ -17,7 +17,8 @@ pytest.importorskip("triton", reason="a test dependency: requirements/test.txt")
 
 from pallas_kernels import gpu_aot, gpu_decode  # noqa: E402
 from test_kernels_lowering import GPU_CASES as CASES  # noqa: E402
-from test_kernels_lowering import KERNELS, gpu_case, kernel_args  # noqa: E402
+from test_kernels_lowering import ESTIMATE_CASES, KERNELS, estimate_case  # noqa: E402
+from test_kernels_lowering import gpu_case, kernel_args  # noqa: E402
 
 H200, A100, L4 = (9, 0), (8, 0), (8, 9)
 
@@ -92,27 +93,13 @@ def test_oversized_tiles_are_caught():
     assert not kernel.fits and kernel.shared_bytes > kernel.shared_limit
 
 
-@pytest.mark.parametrize("case, pages_per_step, rows", [
-    ("decode-bf16", 8, 16),  # Gp = 16 (a GQA group of 4, padded to the minimum dot size)
-    ("decode-int8", 8, 16),
-    ("decode-f32-h80-block32", 2, 16),
-    ("ragged-bf16", 4, 64),  # 16 tokens x a group of 4
-    ("ragged-int8", 4, 64),
-])
+@pytest.mark.parametrize("case, pages_per_step, rows", ESTIMATE_CASES)
 def test_shared_memory_estimate_bounds_the_build(case, pages_per_step, rows):
     """The wrappers size tiles with gpu_decode.shared_memory_bytes: it must never undercount
     (a tile sized by it would then fail to launch)."""
-    kind, head_dim, dtype, block_size, width, _ = CASES[case]
-    fn = KERNELS["gpu"][0 if kind == "decode" else 1]
-    args = kernel_args(kind, "gpu", head_dim, dtype, block_size=block_size, width=width)
-    lowered = gpu_aot.lower_cuda(lambda: jax.jit(functools.partial(
-        fn, scale=0.1, pages_per_step=pages_per_step)).trace(*args))
-    [kernel] = gpu_aot.compile_lowered(lowered, H200)
-    cache_itemsize = jnp.dtype(dtype).itemsize
-    estimate = gpu_decode.shared_memory_bytes(
-        rows=rows, keys=pages_per_step * block_size, head_dim=128,
-        cache_itemsize=cache_itemsize, compute_itemsize=2 if dtype == "int8" else cache_itemsize,
-        num_stages=2, quantized=dtype == "int8")
+    fn, args, estimate = estimate_case(case, pages_per_step, rows)
+    [kernel] = gpu_aot.compile_lowered(gpu_aot.lower_cuda(lambda: jax.jit(fn).trace(*args)),
+                                       H200)
     assert kernel.shared_bytes <= estimate + 1024  # + the 1 KB sm_90 reserves per block
 
 

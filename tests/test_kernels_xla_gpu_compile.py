@@ -19,7 +19,8 @@ from pallas_kernels import gpu_xla_aot
 if (problem := gpu_xla_aot.available()) is not None:
     pytest.skip(problem, allow_module_level=True)
 
-from test_kernels_lowering import GPU_CASES, KERNELS, gpu_case, kernel_args  # noqa: E402
+from test_kernels_lowering import ESTIMATE_CASES, GPU_CASES, KERNELS, estimate_case  # noqa
+from test_kernels_lowering import gpu_case, kernel_args  # noqa: E402
 
 KERNEL_NAMES = {"decode": "paged_decode_attention_gpu", "ragged": "ragged_paged_attention_gpu",
                 "write": "write_kv_gpu"}
@@ -78,6 +79,16 @@ def test_oversized_tiles_fail_to_compile():
     fn = functools.partial(KERNELS["gpu"][0], scale=0.1, pages_per_step=8, num_stages=2)
     with pytest.raises(Exception, match="Shared memory size limit exceeded"):
         gpu_xla_aot.compile_for(fn, args, "h200")
+
+
+@pytest.mark.parametrize("case, pages_per_step, rows", ESTIMATE_CASES)
+def test_shared_memory_estimate_bounds_xla_build(case, pages_per_step, rows):
+    """gpu_decode.shared_memory_bytes, with which the wrappers size tiles for a chip, never
+    undercounts what XLA's build of the kernel asks (else a tile it sized would fail to
+    launch)."""
+    fn, args, estimate = estimate_case(case, pages_per_step, rows)
+    [launch] = gpu_xla_aot.compile_for(fn, args, "h200").kernels
+    assert launch.shared_bytes <= estimate, (launch.shared_bytes, estimate)
 
 
 @pytest.mark.parametrize("kind", ["prefill", "decode"])
