@@ -258,6 +258,18 @@ Then (2026-12-01, later): 125 / 310 / 354 -> 91 / 163 / 344.
   (`dmas_beside_compute`), decode bf16 125 -> 91 (issue ceiling 96% -> 132% of HBM), int8
   205 -> 163. `fixed_bundles` grew: the last block's loop is a copy of the body.
 
+Then (2026-12-01, a later session): 91 / 163 / 344 -> 85 / 156 / 344.
+
+- Each iteration opened with eight serial scalar bundles: the buffer slot was
+  `(block - first_block) % 2`, and a signed remainder lowers to a chain that fixes up negative
+  operands. The operand is never negative; its low bit (`bitwise_and(..., 1)`) is one op. The
+  ragged loop, bound by its matmuls, hid the chain and is unchanged.
+- What the int8 loop spends its bundles on (op counts in the loop): address arithmetic for its
+  16 DMAs (about 11 scalar ops a DMA, two scalar slots a bundle: some 90 bundles' worth), then
+  widening K and V (32 unpacks, 32 int-to-float converts, 16 packs to bf16) and joining the
+  pages' scale rows (16 single-row loads, 14 lane rotations, 7 selects). Widening int8 straight
+  to bf16 (a bf16 tile holds a 16-row page, so the join would stay free) was tried: 176.
+
 Not changed: the int8 loop still issues 16 DMAs a block (each page's scale row is its own DMA:
 a row at a lane offset inside a 128-lane row is no DMA source for Mosaic, which wants the
 offset a multiple of 128 elements), and per key it is 1.8x the bf16 loop; the ragged loop

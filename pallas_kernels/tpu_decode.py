@@ -147,7 +147,9 @@ class PagePipeline:
         it here. The order and a known answer let the scheduler issue the next block's DMAs
         (scalar work) beside this block's vector work: started before the loads, or under a
         branch, they came first and the loop was their sum (tpu_schedule.md)."""
-        slot = (block - first_block) % 2
+        # block >= first_block: the low bit is the slot (one scalar op; `% 2` of a signed
+        # int is a serial chain of eight that fixes up negative remainders).
+        slot = jnp.bitwise_and(block - first_block, 1)
         self.wait(slot)
         chunk = self.chunk(slot, dtype)
         if prefetch is None:
