@@ -1,6 +1,6 @@
 """Rehearsal of the GPU device script without a GPU: each of its programs compiled by XLA for an H200.
 
-benchmarks/gpu_kernels.py runs on a GPU lent for minutes; a program that fails to compile there
+benchmarks/gpu_programs.py runs on a GPU lent for minutes; a program that fails to compile there
 costs the lease. This compiles the programs it runs, at its shapes, with the GPU image's jax
 (0.11) and XLA's own GPU compiler for a compile-only H200 (pallas_kernels/gpu_xla_aot.py): the
 decode benchmark's three implementations at every batch x context, the launch-parameter sweep,
@@ -27,7 +27,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-import gpu_kernels  # noqa: E402
+import gpu_programs  # noqa: E402
 from common import write_results  # noqa: E402
 
 from pallas_kernels import gpu_xla_aot  # noqa: E402
@@ -58,9 +58,9 @@ def decode_rows(chip: str) -> list[dict]:
     rows = []
     for batch in (128, 32, 1):
         for context in (32768, 4096, 512):
-            shapes = gpu_kernels.decode_shapes(batch, context,
-                                               gpu_kernels.rotations_for(batch, context))
-            for name, (fn, kv_kind) in gpu_kernels.decode_impls(batch, context,
+            shapes = gpu_programs.decode_shapes(batch, context,
+                                               gpu_programs.rotations_for(batch, context))
+            for name, (fn, kv_kind) in gpu_programs.decode_impls(batch, context,
                                                                 interpret=False).items():
                 rows.append(row_for("decode", f"{name}, batch {batch} x {context}", fn,
                                     shapes[kv_kind], chip))
@@ -70,11 +70,11 @@ def decode_rows(chip: str) -> list[dict]:
 
 def tuning_rows(chip: str) -> list[dict]:
     rows = []
-    for batch, context in gpu_kernels.TUNING_SHAPES:
-        args = gpu_kernels.decode_shapes(batch, context, rotations=1)["stacked"]
-        configs, auto = gpu_kernels.tuning_configs(batch, context)
+    for batch, context in gpu_programs.TUNING_SHAPES:
+        args = gpu_programs.decode_shapes(batch, context, rotations=1)["stacked"]
+        configs, auto = gpu_programs.tuning_configs(batch, context)
         for pages_per_step, warps, stages, splits in configs:
-            fn = gpu_kernels.tuning_fn(batch, pages_per_step, warps, stages, splits,
+            fn = gpu_programs.tuning_fn(batch, pages_per_step, warps, stages, splits,
                                        interpret=False)
             rows.append(row_for("tuning", f"batch {batch} x {context}: {pages_per_step} pages, "
                                 f"{warps} warps, {stages} stages, "
@@ -85,8 +85,8 @@ def tuning_rows(chip: str) -> list[dict]:
 
 def check_rows(chip: str) -> list[dict]:
     rows = []
-    for name, kind, case, precision in gpu_kernels.check_cases():
-        kernel, _, operands, _ = gpu_kernels.check_operands(kind, case)
+    for name, kind, case, precision in gpu_programs.check_cases():
+        kernel, _, operands, _ = gpu_programs.check_operands(kind, case)
         fn = functools.partial(kernel, scale=case[3] ** -0.5)
         with jax.default_matmul_precision(precision):
             rows.append(row_for("checks", name, fn, abstract(operands), chip))
