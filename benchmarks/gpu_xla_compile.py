@@ -31,6 +31,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 import gpu_programs  # noqa: E402
 from common import write_results  # noqa: E402
+from test_kernels_lowering import abstract_step  # noqa: E402
 
 from pallas_kernels import gpu_xla_aot  # noqa: E402
 
@@ -99,26 +100,16 @@ def check_rows(chip: str) -> list[dict]:
 
 def engine_rows(chip: str) -> list[dict]:
     """The device script's engine check: demo-small, block 16, the gpu backend, f32 (its jitted
-    step at the buckets it runs: 64 prefill tokens, 8 decode sequences)."""
-    from pagedjax.runner import padding_plan, step_fn
-    from pallas_kernels import AttentionBackend, init_kv_cache
-    from pagedjax import load_model
-    from flax import nnx
-
-    model = load_model("demo-small")
-    config = model.config
-    graphdef, params = nnx.split(model)
-    caches = jax.eval_shape(lambda: init_kv_cache(
-        config.num_layers, 8 * 256 // 16 + 1, 16, config.num_kv_heads, config.head_dim,
-        jnp.float32, "gpu"))
+    step at the buckets it runs: 64 prefill tokens, 8 decode sequences; a pool of 129 blocks)."""
+    from models import CONFIGS
     rows = []
     for kind, tokens in (("prefill", 64), ("decode", 8)):
-        plan = abstract(padding_plan(kind, tokens, 8, max_blocks_per_seq=256 // 16))
-        step = jax.jit(functools.partial(step_fn, graphdef, AttentionBackend("gpu"), 0),
-                       donate_argnums=(1,))
+        step, args = abstract_step(CONFIGS["demo-small"], kind, num_tokens=tokens, num_seqs=8,
+                                   num_blocks=8 * 256 // 16 + 1, max_blocks_per_seq=256 // 16,
+                                   cache_dtype=jnp.float32, param_dtype=None)
         with jax.default_matmul_precision("highest"):
             rows.append(row_for("engine", f"demo-small {kind} step ({tokens} tokens), caches "
-                                "donated", step, (abstract(params), caches, plan), chip))
+                                "donated", step, args, chip))
         print(rows[-1], flush=True)
     return rows
 
@@ -127,27 +118,14 @@ def production_rows(chip: str) -> list[dict]:
     """The engine's step for Llama-3-8B (bf16, block 16) at serving sizes: 256 decode sequences
     with 32k-token block tables, and an 8192-token prefill, over a pool of 30,000 blocks (480k
     tokens, 58.6 GiB of KV beside 15 GiB of weights: what an H200 holds). Caches donated."""
-    from flax import nnx
-
-    from models import CONFIGS, LlamaForCausalLM
-    from pagedjax.runner import padding_plan, step_fn
-    from pallas_kernels import AttentionBackend, init_kv_cache
-
-    config = CONFIGS["llama-3-8b"]
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: LlamaForCausalLM(config,
-                                                                         rngs=nnx.Rngs(0))))
-    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), params)
-    caches = jax.eval_shape(lambda: init_kv_cache(config.num_layers, 30000, 16,
-                                                  config.num_kv_heads, config.head_dim,
-                                                  jnp.bfloat16, "gpu"))
-    step = jax.jit(functools.partial(step_fn, graphdef, AttentionBackend("gpu"), 0),
-                   donate_argnums=(1,))
+    from models import CONFIGS
     rows = []
     for kind, tokens in (("decode", 256), ("prefill", 8192)):
-        plan = abstract(padding_plan(kind, tokens, 256, max_blocks_per_seq=32768 // 16))
+        step, args = abstract_step(CONFIGS["llama-3-8b"], kind, num_tokens=tokens, num_seqs=256,
+                                   num_blocks=30000, max_blocks_per_seq=32768 // 16,
+                                   cache_dtype=jnp.bfloat16)
         rows.append(row_for("production", f"llama-3-8b {kind} step, {tokens} tokens of 256 "
-                            "sequences, 30,000-block pool, caches donated", step,
-                            (params, caches, plan), chip))
+                            "sequences, 30,000-block pool, caches donated", step, args, chip))
         print(rows[-1], flush=True)
     return rows
 

@@ -132,6 +132,25 @@ def estimate_case(case, pages_per_step, rows):
     return functools.partial(fn, scale=0.1, pages_per_step=pages_per_step), args, estimate
 
 
+def abstract_step(config, kind, *, num_tokens, num_seqs, num_blocks, max_blocks_per_seq,
+                  cache_dtype, backend="gpu", param_dtype=jnp.bfloat16, block_size=16):
+    """(the engine's jitted step for `backend`, its caches donated, and abstract (params,
+    caches, plan)) for a model config, at one bucket: nothing is allocated."""
+    from pagedjax.runner import step_fn
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: LlamaForCausalLM(config,
+                                                                         rngs=nnx.Rngs(0))))
+    if param_dtype is not None:
+        params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, param_dtype), params)
+    caches = jax.eval_shape(lambda: init_kv_cache(
+        config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim,
+        jnp.dtype(cache_dtype), backend))
+    plan = padding_plan(kind, num_tokens, num_seqs, max_blocks_per_seq=max_blocks_per_seq)
+    plan = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), plan)
+    step = jax.jit(functools.partial(step_fn, graphdef, AttentionBackend(backend), 0),
+                   donate_argnums=(1,))
+    return step, (params, caches, plan)
+
+
 ATTENTION_OPTIONS = [
     dict(),
     dict(sliding_window=40, soft_cap=30.0),

@@ -18,7 +18,7 @@ pytest.importorskip("triton", reason="a test dependency: requirements/test.txt")
 from pallas_kernels import gpu_aot, gpu_decode  # noqa: E402
 from test_kernels_lowering import GPU_CASES as CASES  # noqa: E402
 from test_kernels_lowering import ESTIMATE_CASES, KERNELS, estimate_case  # noqa: E402
-from test_kernels_lowering import gpu_case, kernel_args  # noqa: E402
+from test_kernels_lowering import abstract_step, gpu_case, kernel_args  # noqa: E402
 
 H200, A100, L4 = (9, 0), (8, 0), (8, 9)
 
@@ -115,23 +115,15 @@ def test_fp8_cache_is_refused_below_sm89(target):
 def test_engine_step_kernels_build_for_h200(kind, target):
     """Every Triton kernel of the engine's jitted step (gpu backend, a Llama-shaped attention:
     32 query / 8 KV heads of 128, block 16, bf16) builds and fits an H200."""
-    import numpy as np
-    from flax import nnx
-
-    from models import LlamaConfig, LlamaForCausalLM
-    from pagedjax.runner import padding_plan, step_fn
-    from pallas_kernels import AttentionBackend, init_kv_cache
+    from models import LlamaConfig
 
     target(H200)
     config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_layers=1,
                          num_heads=32, num_kv_heads=8, head_dim=128)
-    graphdef, params = nnx.split(LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
-    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), params)
-    caches = jax.eval_shape(lambda: init_kv_cache(1, 64, 16, 8, 128, jnp.bfloat16, "gpu"))
-    plan = padding_plan(kind, 64 if kind == "prefill" else 8, 8, max_blocks_per_seq=32)
-    plan = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), plan)
-    step = functools.partial(step_fn, graphdef, AttentionBackend("gpu"), 0)
-    lowered = gpu_aot.lower_cuda(lambda: jax.jit(step).trace(params, caches, plan))
+    step, args = abstract_step(config, kind, num_tokens=64 if kind == "prefill" else 8,
+                               num_seqs=8, num_blocks=64, max_blocks_per_seq=32,
+                               cache_dtype=jnp.bfloat16)
+    lowered = gpu_aot.lower_cuda(lambda: step.trace(*args))
     kernels = gpu_aot.compile_lowered(lowered, H200)
     attention = {"prefill": "ragged_paged_attention_gpu", "decode": "paged_decode_attention_gpu"}
     assert sorted(k.name for k in kernels) == sorted([attention[kind], "write_kv_gpu"])

@@ -11,7 +11,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from pallas_kernels import gpu_xla_aot
@@ -20,7 +19,7 @@ if (problem := gpu_xla_aot.available()) is not None:
     pytest.skip(problem, allow_module_level=True)
 
 from test_kernels_lowering import ESTIMATE_CASES, GPU_CASES, KERNELS, estimate_case  # noqa
-from test_kernels_lowering import gpu_case, kernel_args  # noqa: E402
+from test_kernels_lowering import abstract_step, gpu_case, kernel_args  # noqa: E402
 
 KERNEL_NAMES = {"decode": "paged_decode_attention_gpu", "ragged": "ragged_paged_attention_gpu",
                 "write": "write_kv_gpu"}
@@ -98,22 +97,15 @@ def test_engine_step_compiles_for_h200(kind, dtype):
     heads of 128, block 16, 2 layers), its caches donated: the KV write and the step's
     attention kernel in every layer, the caches updated where they lie (no temporary the size
     of a layer's pool, the outputs aliasing them), int8 caches included."""
-    from flax import nnx
-
-    from models import LlamaConfig, LlamaForCausalLM
-    from pagedjax.runner import padding_plan, step_fn
-    from pallas_kernels import AttentionBackend, init_kv_cache
+    from models import LlamaConfig
 
     config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_layers=2,
                          num_heads=32, num_kv_heads=8, head_dim=128)
-    graphdef, params = nnx.split(LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
-    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), params)
-    caches = jax.eval_shape(lambda: init_kv_cache(2, 4096, 16, 8, 128, jnp.dtype(dtype), "gpu"))
-    plan = padding_plan(kind, 64 if kind == "prefill" else 8, 8, max_blocks_per_seq=32)
-    plan = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), plan)
-    step = jax.jit(functools.partial(step_fn, graphdef, AttentionBackend("gpu"), 0),
-                   donate_argnums=(1,))
-    build = gpu_xla_aot.compile_for(step, (params, caches, plan), "h200")
+    step, args = abstract_step(config, kind, num_tokens=64 if kind == "prefill" else 8,
+                               num_seqs=8, num_blocks=4096, max_blocks_per_seq=32,
+                               cache_dtype=dtype)
+    caches = args[1]
+    build = gpu_xla_aot.compile_for(step, args, "h200")
     attention = KERNEL_NAMES["ragged" if kind == "prefill" else "decode"]
     # A quantized cache is written by XLA's scatter, which quantizes as it writes.
     writes = ["write_kv_gpu"] if dtype == "bfloat16" else []
