@@ -50,7 +50,7 @@ def inspect(argv) -> None:
                         choices=["float32", "bfloat16", "int8", "fp8"])
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--attention-backend", default="reference",
-                        choices=["reference", "gpu", "tpu"],
+                        choices=["reference", "gpu", "mosaic_gpu", "tpu"],
                         help="whose cache layout to count bytes in")
     args = parser.parse_args(argv)
     if args.block_size < 1:

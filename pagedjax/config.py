@@ -34,7 +34,7 @@ class EngineConfig:
     dtype: str = "float32"  # activations (and the KV cache unless kv_cache_dtype says otherwise)
     kv_cache_dtype: str = "auto"  # auto (= dtype), int8 or fp8 (e4m3), with per-token,
     # per-head f32 scales
-    attention_backend: str = "auto"  # auto | reference | gpu | tpu
+    attention_backend: str = "auto"  # auto | reference | gpu | mosaic_gpu | tpu
     attention_interpret: bool = False  # run the Pallas kernels through the interpreter (CPU)
     max_logprobs: int = 20  # most top logprobs a request may ask for (computed on device)
     min_token_bucket: int = 16
@@ -69,10 +69,26 @@ class EngineConfig:
         if self.attention_backend not in BACKEND_NAMES:
             raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, "
                              f"got {self.attention_backend!r}")
+        if self.attention_backend == "mosaic_gpu":
+            self.check_mosaic_gpu()
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(f"max_num_seqs ({self.max_num_seqs}) must be <= "
                              f"max_num_batched_tokens ({self.max_num_batched_tokens})")
         self.scheduler_config()  # SchedulerConfig validates the scheduler's fields (policy, ...)
+
+    def check_mosaic_gpu(self) -> None:
+        from pallas_kernels import gpu_mosaic_decode
+
+        if (reason := gpu_mosaic_decode.problem()) is not None:
+            raise ValueError(f"attention_backend='mosaic_gpu': {reason}")
+        kv_dtype = self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        if kv_dtype not in gpu_mosaic_decode.DTYPES:
+            raise ValueError(f"attention_backend='mosaic_gpu' reads a bfloat16 KV cache, got "
+                             f"dtype={self.dtype!r}, kv_cache_dtype={self.kv_cache_dtype!r}: use "
+                             "dtype='bfloat16' or attention_backend='gpu'")
+        if self.block_size % 8:
+            raise ValueError(f"block_size must be a multiple of 8 for attention_backend="
+                             f"'mosaic_gpu', got {self.block_size}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

@@ -107,9 +107,9 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.clock = clock
         self.backend = resolve_backend(config.attention_backend, config.attention_interpret)
-        if self.backend.name == "gpu" and config.block_size & (config.block_size - 1):
-            raise ValueError(f"block_size must be a power of two for the gpu attention backend, "
-                             f"got {config.block_size}")
+        if self.backend.gpu_layout and config.block_size & (config.block_size - 1):
+            raise ValueError(f"block_size must be a power of two for the {self.backend.name} "
+                             f"attention backend, got {config.block_size}")
         self.bytes_per_block = kv_cache_bytes_per_block(
             model_config.num_layers, config.block_size, model_config.num_kv_heads,
             model_config.head_dim, config.kv_np_dtype, self.backend.name)

@@ -11,13 +11,19 @@ limit exceeded") as it would at the first call on the GPU. Every kernel launch o
 program (XLA's fusions and the Pallas kernels: grid, threads, shared memory) is read back from
 XLA's thunk sequence.
 
+Pallas' Mosaic GPU kernels are custom calls that XLA's compile builds with Mosaic GPU's own
+pipeline (MLIR -> PTX -> ptxas); `compile_for` reads what ptxas and Mosaic GPU report of each
+(registers, spills, shared memory) from Mosaic GPU's dumps.
+
 Nothing is run: a GPU is still what measures speed and checks results.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import os
 import pathlib
 import re
 import tempfile
@@ -120,6 +126,16 @@ class Launch:
 
 
 @dataclasses.dataclass(frozen=True)
+class MosaicKernel:
+    """One Mosaic GPU kernel as its compile built it."""
+    name: str
+    arch: str  # e.g. sm_90a
+    registers: int  # a thread
+    spill_bytes: int  # stores + loads
+    shared_bytes: int  # dynamic shared memory a block (Mosaic GPU's scratch)
+
+
+@dataclasses.dataclass(frozen=True)
 class Build:
     launches: tuple[Launch, ...]
     seconds: float
@@ -128,6 +144,8 @@ class Build:
     temp_bytes: int
     alias_bytes: int
     triton_names: frozenset  # the launches that are Triton kernels (Pallas calls), by name
+    # Mosaic GPU kernels (custom calls, not in the thunk sequence's launches).
+    mosaic: tuple[MosaicKernel, ...] = ()
 
     @property
     def kernels(self) -> tuple[Launch, ...]:
@@ -140,6 +158,42 @@ class Build:
             raise KeyError(f"{len(found)} launches named {name!r} in "
                            f"{[launch.name for launch in self.launches]}")
         return found[0]
+
+
+PTXAS = re.compile(r"entry function '([^']+)' for '(sm_\w+)'.*?(\d+) bytes spill stores, "
+                   r"(\d+) bytes spill loads.*?Used (\d+) registers", re.S)
+
+
+@contextlib.contextmanager
+def mosaic_dumps():
+    """Has Mosaic GPU's compiles write their ptxas report and resources into a directory
+    (MOSAIC_GPU_DUMP_*, read at each compile); yields that directory."""
+    names = ("MOSAIC_GPU_DUMP_TO", "MOSAIC_GPU_DUMP_PTXAS")
+    saved = {name: os.environ.get(name) for name in names}
+    with tempfile.TemporaryDirectory() as dump:
+        os.environ.update(MOSAIC_GPU_DUMP_TO=dump, MOSAIC_GPU_DUMP_PTXAS="1")
+        try:
+            yield pathlib.Path(dump)
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
+def read_mosaic_dumps(dump: pathlib.Path) -> tuple[MosaicKernel, ...]:
+    kernels = []
+    for report in sorted(dump.glob("*.ptxas")):
+        match = PTXAS.search(report.read_text())
+        if match is None:
+            raise RuntimeError(f"no ptxas report in {report.name}: {report.read_text()[:400]}")
+        name, arch, stores, loads, registers = match.groups()
+        resources = report.with_suffix(".resources.txt")
+        shared = re.search(r"smem_scratch_bytes=(\d+)", resources.read_text())
+        kernels.append(MosaicKernel(name, arch, int(registers), int(stores) + int(loads),
+                                    int(shared.group(1)) if shared else 0))
+    return tuple(kernels)
 
 
 LAUNCH = re.compile(r"\]\s+(\S+) grid: \[([\d, ]+)\] threads: \[([\d, ]+)\]\s+"
@@ -157,10 +211,11 @@ def compile_for(fn, args, chip: str = "h200") -> Build:
                         args)
     jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as dump:
+    with tempfile.TemporaryDirectory() as dump, mosaic_dumps() as mosaic_dump:
         # Pallas' Triton lowering asks the default device which SM it lowers for.
         with jax.default_device(target):
             compiled = jitted.trace(*args).lower().compile({"xla_dump_to": dump})
+        mosaic = read_mosaic_dumps(mosaic_dump)
         seconds = time.perf_counter() - start
         [sequence] = pathlib.Path(dump).glob("*.thunk_sequence.txt")
         text = sequence.read_text()
@@ -172,4 +227,4 @@ def compile_for(fn, args, chip: str = "h200") -> Build:
     triton = frozenset(re.findall(r'custom_call_target="__gpu\$xla\.gpu\.triton".*?'
                                   r'\bname = "([^"]+)"', compiled.as_text()))
     return Build(launches, seconds, temp_bytes=int(memory.temp_size_in_bytes),
-                 alias_bytes=int(memory.alias_size_in_bytes), triton_names=triton)
+                 alias_bytes=int(memory.alias_size_in_bytes), triton_names=triton, mosaic=mosaic)

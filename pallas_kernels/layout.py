@@ -25,7 +25,7 @@ import numpy as np
 from pallas_kernels.quant import QuantizedKV, is_quantized, quantize
 
 
-PADDED_HEAD_DIM_BACKENDS = ("gpu",)
+PADDED_HEAD_DIM_BACKENDS = ("gpu", "mosaic_gpu")
 PADDED_SCALE_BACKENDS = ("tpu",)
 LANES = 128  # a TPU vector register's lanes
 NULL_BLOCK = 0  # the scheduler's null block (scheduler.block_pool): padding writes land there

@@ -1,0 +1,219 @@
+"""The Mosaic GPU decode kernel (pallas_kernels/gpu_mosaic_decode.py).
+
+Through the Mosaic GPU interpreter (it simulates shared memory, TMA copies, barriers and WGMMA on
+the CPU) against the reference and the Triton kernel, and built by XLA for an H200 that is not
+there (pallas_kernels/gpu_xla_aot.py). Both need jax >= 0.11: these tests run in
+`make test-gpu-image` and are skipped under the main environment's jax.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import gpu_mosaic_decode, gpu_xla_aot
+from pallas_kernels.gpu_decode import paged_decode_attention_gpu
+from pallas_kernels.gpu_mosaic_decode import paged_decode_attention_mosaic_gpu
+from pallas_kernels.quant import QuantizedKV
+from pallas_kernels.reference import paged_decode_attention_reference
+from test_kernels_gpu import reference_layout
+from test_kernels_reference import build_case
+
+pytestmark = pytest.mark.skipif(gpu_mosaic_decode.problem() is not None,
+                                reason=str(gpu_mosaic_decode.problem()))
+
+# Every block size the kernel takes, MHA / GQA 4 / GQA 8 / MQA, head dims 64, 128 and 80 (the GPU
+# layout pads it to 128), bf16 and f16, pages a step that do and do not divide a sequence, one to
+# three stages, split contexts.
+CASES = [
+    # block_size, num_heads, num_kv_heads, head_dim, dtype, tunables
+    (8, 4, 4, 64, "bfloat16", dict(pages_per_step=2, num_splits=2)),
+    (16, 8, 2, 128, "bfloat16", dict()),
+    (32, 8, 1, 80, "bfloat16", dict(pages_per_step=1, num_stages=3)),
+    (16, 16, 2, 64, "float16", dict(pages_per_step=2, num_stages=1, num_splits=4)),
+    (8, 32, 8, 128, "bfloat16", dict(num_stages=3)),
+]
+
+
+def decode_seqs(block_size):
+    # 1 token, exactly a block, one past, several blocks and a remainder, long.
+    return [(1, 1), (block_size, 1), (block_size + 1, 1), (3 * block_size + 5, 1), (150, 1)]
+
+
+def tolerance(dtype):
+    # Both sides read the same 16-bit K/V. The kernel rounds q and the probabilities to the
+    # cache's type for its two WGMMAs (2**-8 relative in bf16, 2**-11 in f16) on O(1) outputs,
+    # and takes exp2 in the approximate form (a few ulp of f32).
+    return dict(rtol=2e-2, atol=2e-2) if dtype == "bfloat16" else dict(rtol=4e-3, atol=4e-3)
+
+
+def make_args(rng, block_size, num_heads, num_kv_heads, head_dim, dtype, seqs=None):
+    seqs = seqs or decode_seqs(block_size)
+    case = build_case(rng, seqs, block_size=block_size, num_heads=num_heads,
+                      num_kv_heads=num_kv_heads, head_dim=head_dim, num_blocks=160,
+                      padded_seqs=len(seqs) + 3, backend="gpu", padded_tokens=len(seqs) + 3)
+    return (jnp.asarray(case["q"], dtype), jnp.asarray(case["cache"], dtype),
+            jnp.asarray(case["kv_lens"]), jnp.asarray(case["tables"]),
+            jnp.asarray(case["num_seqs"])), len(seqs)
+
+
+def reference(args, head_dim, **options):
+    q, cache, *rest = reference_layout(args, head_dim)
+    return np.asarray(paged_decode_attention_reference(
+        q.astype(jnp.float32), cache.astype(jnp.float32), *rest, scale=head_dim ** -0.5,
+        **options), np.float32)
+
+
+@pytest.mark.parametrize("block_size, num_heads, num_kv_heads, head_dim, dtype, tunables", CASES)
+def test_decode_matches_reference(block_size, num_heads, num_kv_heads, head_dim, dtype,
+                                  tunables):
+    rng = np.random.default_rng(block_size + head_dim + num_heads)
+    args, live = make_args(rng, block_size, num_heads, num_kv_heads, head_dim, dtype)
+    got = np.asarray(paged_decode_attention_mosaic_gpu(
+        *args, scale=head_dim ** -0.5, interpret=True, **tunables), np.float32)
+    assert np.all(np.isfinite(got)), "a NaN page leaked"
+    np.testing.assert_allclose(got[:live], reference(args, head_dim)[:live], **tolerance(dtype))
+    assert np.all(got[live:] == 0), "padding rows must be zero"
+
+
+@pytest.mark.parametrize("sliding_window, soft_cap, tunables", [
+    (7, None, dict()),
+    (None, 3.0, dict(pages_per_step=1)),
+    (40, 2.0, dict(pages_per_step=2, num_splits=2)),  # a window that starts mid-step and split
+])
+def test_window_and_soft_cap(sliding_window, soft_cap, tunables):
+    # Pages wholly before the window are NaN here (the engine frees them): the kernel must
+    # neither read them into a score nor let them reach the output through V.
+    rng = np.random.default_rng(7)
+    args, live = make_args(rng, 16, 8, 2, 64, "bfloat16")
+    q, cache, kv_lens, tables, num_seqs = args
+    if sliding_window is not None:
+        cache = np.asarray(cache.astype(jnp.float32)).copy()
+        for b in range(live):
+            first_seen = max(int(kv_lens[b]) - sliding_window, 0) // 16
+            cache[:, :, np.asarray(tables[b, :first_seen])] = np.nan
+        args = (q, jnp.asarray(cache, jnp.bfloat16), kv_lens, tables, num_seqs)
+    options = dict(sliding_window=sliding_window, soft_cap=soft_cap)
+    got = np.asarray(paged_decode_attention_mosaic_gpu(
+        *args, scale=64 ** -0.5, interpret=True, **options, **tunables), np.float32)
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got[:live], reference(args, 64, **options)[:live],
+                               **tolerance("bfloat16"))
+
+
+def test_agrees_with_the_triton_kernel():
+    """Two kernels, two lowerings, one algorithm: at bf16 they round the same operands."""
+    rng = np.random.default_rng(3)
+    args, live = make_args(rng, 16, 8, 2, 128, "bfloat16")
+    mosaic = paged_decode_attention_mosaic_gpu(*args, scale=0.1, interpret=True)
+    triton = paged_decode_attention_gpu(*args, scale=0.1, interpret=True)
+    np.testing.assert_allclose(np.asarray(mosaic, np.float32), np.asarray(triton, np.float32),
+                               rtol=2e-2, atol=2e-2)
+
+
+def test_large_pool_high_block_ids():
+    """Pages near the top of a 40k-block pool: the TMA source index is not truncated."""
+    rng = np.random.default_rng(11)
+    num_blocks, block_size, head_dim = 40_000, 8, 64
+    cache = np.full((2, 1, num_blocks, block_size, head_dim), np.nan, np.float32)
+    blocks = np.array([num_blocks - 1, 5, num_blocks - 2, 32_769])
+    cache[:, :, blocks] = rng.standard_normal((2, 1, 4, block_size, head_dim))
+    tables = jnp.asarray(blocks[None], jnp.int32)
+    args = (jnp.asarray(rng.standard_normal((1, 4, head_dim)), jnp.bfloat16),
+            jnp.asarray(cache, jnp.bfloat16), jnp.array([29], jnp.int32), tables,
+            jnp.int32(1))
+    got = paged_decode_attention_mosaic_gpu(*args, scale=0.125, interpret=True)
+    want = paged_decode_attention_reference(args[0].astype(jnp.float32),
+                                            args[1].astype(jnp.float32), *args[2:], scale=0.125)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               **tolerance("bfloat16"))
+
+
+def test_what_it_cannot_read_is_refused_by_name():
+    q = jnp.zeros((1, 4, 64), jnp.bfloat16)
+    tables, lens, n = jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32), jnp.int32(1)
+    call = functools.partial(paged_decode_attention_mosaic_gpu, scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match="float32"):
+        call(q, jnp.zeros((2, 1, 4, 8, 64), jnp.float32), lens, tables, n)
+    with pytest.raises(ValueError, match="quantized"):
+        call(q, QuantizedKV(jnp.zeros((2, 1, 4, 8, 64), jnp.int8),
+                            jnp.ones((2, 1, 4, 8), jnp.float32)), lens, tables, n)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        call(q, jnp.zeros((2, 1, 4, 4, 64), jnp.bfloat16), lens, tables, n)
+    with pytest.raises(ValueError, match="num_heads=4 must be divisible by num_kv_heads=3"):
+        call(q, jnp.zeros((2, 3, 4, 8, 64), jnp.bfloat16), lens, tables, n)
+
+
+def test_engine_config_refuses_what_it_cannot_serve():
+    from pagedjax import EngineConfig
+
+    with pytest.raises(ValueError, match="bfloat16 KV cache.*dtype='float32'"):
+        EngineConfig(attention_backend="mosaic_gpu")
+    with pytest.raises(ValueError, match="bfloat16 KV cache.*kv_cache_dtype='int8'"):
+        EngineConfig(attention_backend="mosaic_gpu", dtype="bfloat16", kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="block_size must be a multiple of 8"):
+        EngineConfig(attention_backend="mosaic_gpu", dtype="bfloat16", block_size=4)
+    EngineConfig(attention_backend="mosaic_gpu", dtype="bfloat16")
+
+
+def test_engine_greedy_tokens_match_the_reference(tiny_model):
+    """The engine on the mosaic_gpu backend (Mosaic GPU decode, Triton ragged prefill and KV
+    writes, all interpreted), bf16 throughout, against the reference backend in bf16."""
+    from test_engine_equivalence import run_engine
+
+    common = dict(dtype="bfloat16", block_size=8, max_num_batched_tokens=16, max_tokens=8)
+    want, _ = run_engine(tiny_model, attention_backend="reference", **common)
+    got, engine = run_engine(tiny_model, attention_backend="mosaic_gpu",
+                             attention_interpret=True, **common)
+    assert engine.stats.num_decode_steps > 0
+    assert got == want
+    assert engine.scheduler.kv_manager.num_used_blocks == 0
+
+
+# Built for an H200 by XLA (jax 0.11's CUDA plugin, ptxas), as the device script runs it.
+H200_SHAPES = [
+    # batch, num_heads, num_kv_heads, head_dim, block_size, table width (pages)
+    (128, 32, 8, 128, 16, 32),  # the benchmark's batch 128 x 512 tokens
+    (1, 32, 8, 128, 16, 2048),  # batch 1 x 32k: split-K
+    (16, 64, 8, 64, 32, 64),  # GQA 8, head dim 64, blocks of 32
+]
+
+
+@pytest.mark.skipif(gpu_xla_aot.available() is not None, reason=str(gpu_xla_aot.available()))
+@pytest.mark.parametrize("batch, num_heads, num_kv_heads, head_dim, block_size, width",
+                         H200_SHAPES)
+def test_builds_for_h200(batch, num_heads, num_kv_heads, head_dim, block_size, width):
+    args = (jax.ShapeDtypeStruct((batch, num_heads, head_dim), jnp.bfloat16),
+            jax.ShapeDtypeStruct((2, num_kv_heads, 4096, block_size, head_dim), jnp.bfloat16),
+            jax.ShapeDtypeStruct((batch,), jnp.int32),
+            jax.ShapeDtypeStruct((batch, width), jnp.int32),
+            jax.ShapeDtypeStruct((), jnp.int32))
+    build = gpu_xla_aot.compile_for(
+        functools.partial(paged_decode_attention_mosaic_gpu, scale=head_dim ** -0.5), args)
+    [kernel] = build.mosaic
+    assert kernel.name.startswith("paged_decode_attention_mosaic_gpu")
+    assert kernel.arch == "sm_90a"  # TMA and WGMMA: Hopper's arch-specific target
+    assert kernel.spill_bytes == 0 and kernel.registers <= 255
+    group = num_heads // num_kv_heads
+    rows = -(-group // gpu_mosaic_decode.ROWS) * gpu_mosaic_decode.ROWS
+    pages, stages = gpu_mosaic_decode.fit_pipeline(None, None, rows=rows, block_size=block_size,
+                                                   head_dim=head_dim, itemsize=2)
+    assert kernel.shared_bytes == gpu_mosaic_decode.shared_memory_bytes(
+        rows=rows, keys=pages * block_size, head_dim=head_dim, itemsize=2, num_stages=stages)
+    assert kernel.shared_bytes <= gpu_xla_aot.CHIPS["h200"].shared_per_block
+
+
+@pytest.mark.skipif(gpu_xla_aot.available() is not None, reason=str(gpu_xla_aot.available()))
+def test_fit_pipeline_keeps_to_the_chip():
+    """Four stages of 128 keys overflow an H200's 227 KiB: the wrapper halves the step instead
+    of failing at launch, and the build fits."""
+    kwargs = dict(rows=64, head_dim=128, itemsize=2)
+    limit = gpu_xla_aot.CHIPS["h200"].shared_per_block
+    pages, stages = gpu_mosaic_decode.fit_pipeline(None, 4, limit=limit, block_size=16,
+                                                   **kwargs)
+    assert (pages, stages) == (4, 4)
+    assert gpu_mosaic_decode.shared_memory_bytes(keys=pages * 16, num_stages=stages,
+                                                 **kwargs) <= limit
+    assert gpu_mosaic_decode.shared_memory_bytes(keys=128, num_stages=4, **kwargs) > limit
