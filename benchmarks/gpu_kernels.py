@@ -105,6 +105,8 @@ def check_kernels(args, budget: Budget) -> list[dict]:
     from test_kernels_gpu import reference_layout, tolerance
     rows = []
     for name, kind, case, precision in check_cases():
+        if args.checks not in name:
+            continue
         head_dim, dtype = case[3], case[4]
         if budget.left() < 20:
             rows.append({"check": name, "passed": False, "error": "skipped: time budget"})
@@ -323,6 +325,8 @@ def main(argv=None) -> None:
                         help="programs of a section compiled at once, before it is timed")
     parser.add_argument("--batches", default=None, help="decode batches (default 128,32,1)")
     parser.add_argument("--contexts", default=None, help="decode contexts (default 32768,4096,512)")
+    parser.add_argument("--checks", default="",
+                        help="run only the kernel checks whose name contains this")
     args = parser.parse_args(argv)
     args.sections = [s for s in args.sections.split(",") if s]
     unknown = sorted(set(args.sections) - set(SECTIONS))

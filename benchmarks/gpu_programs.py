@@ -13,8 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import (paged_decode_attention_gpu, paged_decode_attention_reference,
-                            ragged_paged_attention_gpu, ragged_paged_attention_reference)
+from pallas_kernels import (gpu_mosaic_decode, paged_decode_attention_gpu,
+                            paged_decode_attention_reference, ragged_paged_attention_gpu,
+                            ragged_paged_attention_reference)
+from pallas_kernels.gpu_mosaic_decode import paged_decode_attention_mosaic_gpu
+
+MOSAIC = gpu_mosaic_decode.problem() is None  # the Mosaic GPU kernel needs jax >= 0.11
 
 HEADS = dict(num_heads=32, num_kv_heads=8, head_dim=128)
 BLOCK_SIZE = 16
@@ -24,12 +28,18 @@ ROTATE_BYTES = 256 << 20  # > 4x an H100/H200's 50 MB L2
 def check_cases() -> list[tuple]:
     """[(name, kind, (block size, query heads, KV heads, head dim, dtype), precision)]: the
     kernel test grid (tests/test_kernels_gpu.py) in IEEE f32, plus one f32 case at the default
-    precision (TF32)."""
+    precision (TF32), and the Mosaic GPU kernel's grid (tests/test_kernels_mosaic_gpu.py, 16-bit
+    caches) where jax has it."""
     from test_kernels_gpu import CASES
     cases = [(case, "highest") for case in CASES] + [((16, 8, 2, 128, "float32"), None)]
-    return [(f"{kind} S={case[0]} N={case[1]} K={case[2]} H={case[3]} {case[4]}"
-             f"{'' if precision else ' default precision (TF32)'}", kind, case, precision)
-            for case, precision in cases for kind in ("decode", "ragged")]
+    checks = [(f"{kind} S={case[0]} N={case[1]} K={case[2]} H={case[3]} {case[4]}"
+               f"{'' if precision else ' default precision (TF32)'}", kind, case, precision)
+              for case, precision in cases for kind in ("decode", "ragged")]
+    if MOSAIC:
+        from test_kernels_mosaic_gpu import CASES as MOSAIC_CASES
+        checks += [(f"mosaic decode S={case[0]} N={case[1]} K={case[2]} H={case[3]} {case[4]} "
+                    f"{case[5]}", "mosaic decode", case, None) for case in MOSAIC_CASES]
+    return checks
 
 
 def check_operands(kind: str, case: tuple):
@@ -37,6 +47,13 @@ def check_operands(kind: str, case: tuple):
     cache built as the kernel tests build theirs."""
     from test_kernels_gpu import as_dtype, decode_seqs, ragged_seqs
     from test_kernels_reference import build_case
+    if kind == "mosaic decode":
+        import functools
+        from test_kernels_mosaic_gpu import make_args
+        *shape, tunables = case
+        operands, n = make_args(np.random.default_rng(sum(shape[:4])), *shape)
+        return (functools.partial(paged_decode_attention_mosaic_gpu, **tunables),
+                paged_decode_attention_reference, operands, n)
     block_size, num_heads, num_kv_heads, head_dim, dtype = case
     rng = np.random.default_rng(block_size + head_dim)
     seqs = decode_seqs(block_size) if kind == "decode" else ragged_seqs(block_size)
@@ -125,7 +142,11 @@ def decode_impls(batch: int, context: int, *, interpret: bool) -> dict:
             lambda q, kv, t, l: jax_gpu_op.paged_attention(
                 q * jnp.asarray(scale, q.dtype), kv[0], kv[1], t, l, interpret=interpret,
                 k_splits=min(16, context // BLOCK_SIZE))), "pair"),
-    }
+    } | ({
+        "pagedjax mosaic_gpu kernel": (jax.jit(
+            lambda q, c, t, l: paged_decode_attention_mosaic_gpu(
+                q, c, l, t, jnp.int32(batch), scale=scale, interpret=interpret)), "stacked"),
+    } if MOSAIC else {})
 
 
 # (pages_per_step, num_warps, num_stages); the first is the default at block 16 / bf16 / head

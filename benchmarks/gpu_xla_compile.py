@@ -3,7 +3,8 @@
 benchmarks/gpu_programs.py runs on a GPU lent for minutes; a program that fails to compile there
 costs the lease. This compiles the programs it runs, at its shapes, with the GPU image's jax
 (0.11) and XLA's own GPU compiler for a compile-only H200 (pallas_kernels/gpu_xla_aot.py): the
-decode benchmark's three implementations at every batch x context, the launch-parameter sweep,
+decode benchmark's implementations (four with jax >= 0.11's Mosaic GPU kernel) at every
+batch x context, the launch-parameter sweep,
 the kernel checks, and the engine's prefill and decode steps on the gpu backend. Each row gives
 the compile's outcome, the Pallas kernel's launch (grid, threads per block, shared memory per
 block, all as XLA built it) and the program's temporary memory beside its operands (a whole
@@ -48,12 +49,18 @@ def row_for(section: str, program: str, fn, args, chip: str) -> dict:
         return {**row, "compiled": False, "error": f"{type(e).__name__}: {e}"[:300]}
     kernels = build.kernels
     operand_bytes = sum(a.size * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(args))
+    descriptions = [f"{k.name} grid {'x'.join(map(str, k.grid))}, {k.threads[0]} threads, "
+                    f"{k.shared_bytes / 1024:.1f} KiB shared" for k in kernels]
+    # Mosaic GPU kernels are custom calls: what ptxas and Mosaic GPU report of them instead.
+    descriptions += [f"{k.name} ({k.arch}, Mosaic GPU) {k.registers} registers, "
+                     f"{k.spill_bytes} B spilled, {k.shared_bytes / 1024:.1f} KiB shared"
+                     for k in build.mosaic]
+    shared = [k.shared_bytes for k in kernels] + [k.shared_bytes for k in build.mosaic]
     return {**row, "compiled": True, "compile_s": build.seconds,
             "pallas_kernels": "; ".join(
-                f"{desc}{f' (x{n})' if n > 1 else ''}" for desc, n in collections.Counter(
-                    f"{k.name} grid {'x'.join(map(str, k.grid))}, {k.threads[0]} threads, "
-                    f"{k.shared_bytes / 1024:.1f} KiB shared" for k in kernels).items()),
-            "max_shared_kib": max((k.shared_bytes for k in kernels), default=0) / 1024,
+                f"{desc}{f' (x{n})' if n > 1 else ''}"
+                for desc, n in collections.Counter(descriptions).items()),
+            "max_shared_kib": max(shared, default=0) / 1024,
             "launches": len(build.launches), "operand_mib": operand_bytes / 2**20,
             "temp_mib": build.temp_bytes / 2**20, "aliased_mib": build.alias_bytes / 2**20}
 

@@ -1,7 +1,7 @@
 """Paged attention: the pure-jnp reference, the KV-cache layout and backend dispatch.
 
-Pallas kernels (GPU: Triton lowering; TPU: Mosaic) sit beside the reference in
-`attention.IMPLEMENTATIONS`.
+Pallas kernels (GPU: Triton lowering, and a Mosaic GPU decode kernel; TPU: Mosaic) sit beside
+the reference in `attention.IMPLEMENTATIONS`.
 """
 
 from pallas_kernels.attention import (BACKEND_NAMES, IMPLEMENTATIONS, AttentionBackend,

@@ -4,8 +4,8 @@ The same algorithm as gpu_decode (split-K flash-decoding over the block tables) 
 lowering JAX develops now; Pallas' Triton lowering is deprecated upstream. Axis letters as in
 gpu_decode; R = G padded to 64, the rows of one warpgroup's matrix multiply.
 
-Grid (B, K, num_splits), one warpgroup a program. A program copies its query-head group into
-shared memory once, then walks only the pages below the sequence's kv_len, C pages a step: each
+Grid (B, K, num_splits), one warpgroup a program. A program copies its query-head group (padded
+to 8 rows in HBM, to R in shared memory) into shared memory once, then walks only the pages below the sequence's kv_len, C pages a step: each
 page of K and of V is one TMA copy from the block table's physical block straight into its row
 range of a [C*S, Hc] tile, num_stages steps in flight, one barrier a step. Scores are a WGMMA of
 the [R, Hc] queries by the K tile, the online softmax runs in registers (base 2, the scale and
@@ -116,7 +116,14 @@ def _decode_kernel(lens_ref, tables_ref, q_ref, kv_ref, o_ref, lm_ref, q_smem, k
     hi = jnp.minimum(kv_len, end_page * block_size)  # this split's keys are [lo, hi)
     num_steps = (jnp.maximum(end_page - first_page, 0) + pages_per_step - 1) // pages_per_step
 
-    plgpu.copy_gmem_to_smem(q_ref.at[seq, head], q_smem, q_barrier.at[0])
+    # The group's queries come padded to whole 8-row tiles only; the rest of the 64 rows are
+    # zeroed here, once (before the TMA writes its rows: the fence orders the two).
+    q_rows = q_ref.shape[2]
+    if q_rows < rows:
+        q_smem[...] = plgpu.layout_cast(jnp.zeros((rows, head_dim), q_smem.dtype),
+                                        plgpu.Layout.WGMMA)
+        plgpu.commit_smem()
+    plgpu.copy_gmem_to_smem(q_ref.at[seq, head], q_smem.at[pl.ds(0, q_rows)], q_barrier.at[0])
 
     def fetch(step):
         slot = jax.lax.rem(step, num_stages)
@@ -255,7 +262,8 @@ def paged_decode_attention_mosaic_gpu(
     tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_width - width)))
     lens = jnp.where(jnp.arange(batch) < num_seqs, kv_lens, 0).astype(jnp.int32)
     qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(dtype)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, cache_head_dim - head_dim)))
+    q_rows = -(-group // 8) * 8  # whole 8-row tiles for the TMA; the kernel zeroes the rest
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, q_rows - group), (0, cache_head_dim - head_dim)))
 
     itemsize = jnp.dtype(dtype).itemsize
 

@@ -4,8 +4,9 @@ One array per layer, K and V stacked in front: f32|bf16[2, K, NB, S, Hc]
 (2 = key/value, K KV heads, NB physical blocks, S block size, Hc the cache head dim). A page of one
 KV head is contiguous, the layout JAX's shipped paged-attention ops read. Block 0 is the null block.
 
-Hc is the model's head dim H, except for the GPU (Triton) kernels, whose tiles must be powers of
-two of at least 16: there H is zero-padded, e.g. 80 -> 128 (zeros change no dot product).
+Hc is the model's head dim H, except for the GPU kernels (backends gpu and mosaic_gpu, one
+layout), whose tiles must be powers of two of at least 16: there H is zero-padded, e.g.
+80 -> 128 (zeros change no dot product).
 
 A quantized cache (int8, fp8) is a QuantizedKV: the data as above and f32 scales [2, K, NB, Ss],
 one per token and KV head, Ss = S except on the TPU, where a page's scale row is padded to whole

@@ -12,6 +12,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+from pallas_kernels import gpu_mosaic_decode
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_kernels.py"
 
@@ -24,13 +28,15 @@ def run_script(*args, env=None):
     return result
 
 
-def test_decode_slice_compares_three_implementations(tmp_path):
+def test_decode_slice_compares_the_implementations(tmp_path):
     run_script("--sections", "decode", "--batches", "1", "--contexts", "64",
                "--out-dir", str(tmp_path))
     data = json.loads((tmp_path / "gpu_kernels_smoke.json").read_text())
     rows = {row["impl"]: row for row in data["rows"]}
+    # The Mosaic GPU kernel where jax has its interpreter (>= 0.11, as on the device).
     assert set(rows) == {"reference (XLA)", "pagedjax gpu kernel",
-                         "jax pallas.ops.gpu.paged_attention"}
+                         "jax pallas.ops.gpu.paged_attention"} | (
+        {"pagedjax mosaic_gpu kernel"} if gpu_mosaic_decode.problem() is None else set())
     for row in rows.values():
         assert "error" not in row, row
         assert row["us"] > 0 and row["pct_of_copy_bw"] > 0
@@ -59,3 +65,12 @@ def test_spent_budget_still_writes_every_file(tmp_path):
     assert data["params"]["checks_passed"] == 0 and data["params"]["checks_total"] > 10
     md = (tmp_path / "results" / "gpu_kernels_smoke.md").read_text()
     assert "FAIL engine greedy tokens skipped: time budget" in md
+
+
+@pytest.mark.skipif(gpu_mosaic_decode.problem() is not None,
+                    reason=str(gpu_mosaic_decode.problem()))
+def test_mosaic_kernel_checks_pass(tmp_path):
+    run_script("--sections", "checks", "--checks", "mosaic", "--out-dir", str(tmp_path))
+    md = (tmp_path / "gpu_kernels_smoke.md").read_text()
+    mosaic = [line for line in md.splitlines() if "mosaic decode" in line]
+    assert len(mosaic) == 5 and all(line.startswith("- PASS") for line in mosaic), mosaic

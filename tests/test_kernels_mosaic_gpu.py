@@ -217,3 +217,25 @@ def test_fit_pipeline_keeps_to_the_chip():
     assert gpu_mosaic_decode.shared_memory_bytes(keys=pages * 16, num_stages=stages,
                                                  **kwargs) <= limit
     assert gpu_mosaic_decode.shared_memory_bytes(keys=128, num_stages=4, **kwargs) > limit
+
+
+@pytest.mark.skipif(gpu_xla_aot.available() is not None, reason=str(gpu_xla_aot.available()))
+def test_engine_decode_step_builds_for_h200_in_place():
+    """The engine's decode step on the mosaic_gpu backend (Triton KV writes, Mosaic GPU
+    attention, every layer) builds for an H200 with its donated caches updated where they lie."""
+    from models import LlamaConfig
+    from test_kernels_lowering import abstract_step
+
+    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_layers=2,
+                         num_heads=32, num_kv_heads=8, head_dim=128)
+    step, args = abstract_step(config, "decode", num_tokens=8, num_seqs=8, num_blocks=4096,
+                               max_blocks_per_seq=32, cache_dtype=jnp.bfloat16,
+                               backend="mosaic_gpu")
+    build = gpu_xla_aot.compile_for(step, args, "h200")
+    assert [k.name for k in build.kernels] == ["write_kv_gpu"] * config.num_layers
+    [kernel] = build.mosaic  # the layers' identical kernels are built once
+    assert kernel.name.startswith("paged_decode_attention_mosaic_gpu")
+    assert kernel.spill_bytes == 0
+    caches = sum(a.size * 2 for a in jax.tree.leaves(args[1]))
+    assert build.temp_bytes < caches / config.num_layers / 2
+    assert build.alias_bytes >= caches
