@@ -35,6 +35,10 @@ from pallas_kernels.gpu_decode import (MASK_VALUE, choose_num_splits, combine_sp
 from pallas_kernels.quant import QuantizedKV
 
 ROWS = 64  # one warpgroup's WGMMA tile height: a query-head group is padded to a multiple
+# Keys a step: a multiple of 64, since the V tile a step zeroes past kv_len is held in the WGMMA
+# register layout, whose tiles are 64 rows (the interpreter, which ignores layouts, would take
+# 16; Mosaic GPU's lowering refuses it: benchmarks/gpu_xla_compile.py found it).
+MIN_KEYS = 64
 LOG2E = math.log2(math.e)
 DTYPES = ("bfloat16", "float16")
 
@@ -84,11 +88,12 @@ def fit_pipeline(pages_per_step: int | None, num_stages: int | None, *, rows: in
                  block_size: int, head_dim: int, itemsize: int,
                  limit: int | None = None) -> tuple[int, int]:
     """(pages a step, stages): given values are taken as given; otherwise 128 keys a step (at
-    least one page) and 2 stages, fewer pages while the tiles overflow the shared memory."""
+    least one page) and 2 stages, fewer pages (down to MIN_KEYS keys) while the tiles overflow
+    the shared memory."""
     limit = shared_memory_limit() if limit is None else limit
     stages = 2 if num_stages is None else num_stages
     pages = max(1, 128 // block_size) if pages_per_step is None else pages_per_step
-    while pages_per_step is None and pages > 1 and shared_memory_bytes(
+    while pages_per_step is None and pages * block_size > MIN_KEYS and shared_memory_bytes(
             rows=rows, keys=pages * block_size, head_dim=head_dim, itemsize=itemsize,
             num_stages=stages) > limit:
         pages //= 2
@@ -254,6 +259,9 @@ def paged_decode_attention_mosaic_gpu(
         raise ValueError(f"pages_per_step and num_stages must be >= 1, got {pages_per_step} "
                          f"and {num_stages}")
     keys = pages_per_step * block_size
+    if keys % MIN_KEYS:
+        raise ValueError(f"pages_per_step x block_size ({pages_per_step} x {block_size}) must be "
+                         f"a multiple of {MIN_KEYS} keys for the Mosaic GPU decode kernel")
     if num_splits is None:
         num_splits = choose_num_splits(batch * num_kv_heads, width, pages_per_step)
     pages_per_split = -(-(-(-width // num_splits)) // pages_per_step) * pages_per_step

@@ -24,16 +24,16 @@ from test_kernels_reference import build_case
 pytestmark = pytest.mark.skipif(gpu_mosaic_decode.problem() is not None,
                                 reason=str(gpu_mosaic_decode.problem()))
 
-# Every block size the kernel takes, MHA / GQA 4 / GQA 8 / MQA, head dims 64, 128 and 80 (the GPU
-# layout pads it to 128), bf16 and f16, pages a step that do and do not divide a sequence, one to
-# three stages, split contexts.
+# Block sizes 8 / 16 / 32, MHA / GQA 4 / GQA 8 / MQA, head dims 64, 128 and 80 (the GPU layout
+# pads it to 128), bf16 and f16, 64 and 128 keys a step (neither divides every sequence), one to
+# three stages, split contexts. Each case also builds for an H200 (test_cases_build_for_h200).
 CASES = [
     # block_size, num_heads, num_kv_heads, head_dim, dtype, tunables
-    (8, 4, 4, 64, "bfloat16", dict(pages_per_step=2, num_splits=2)),
+    (8, 4, 4, 64, "bfloat16", dict(pages_per_step=8, num_splits=2)),
     (16, 8, 2, 128, "bfloat16", dict()),
-    (32, 8, 1, 80, "bfloat16", dict(pages_per_step=1, num_stages=3)),
-    (16, 16, 2, 64, "float16", dict(pages_per_step=2, num_stages=1, num_splits=4)),
-    (8, 32, 8, 128, "bfloat16", dict(num_stages=3)),
+    (32, 8, 1, 80, "bfloat16", dict(pages_per_step=2, num_stages=3)),
+    (16, 16, 2, 64, "float16", dict(pages_per_step=4, num_stages=1, num_splits=4)),
+    (8, 32, 8, 128, "bfloat16", dict(num_stages=3)),  # 3 stages of 128 keys do not fit: 64
 ]
 
 
@@ -80,8 +80,8 @@ def test_decode_matches_reference(block_size, num_heads, num_kv_heads, head_dim,
 
 @pytest.mark.parametrize("sliding_window, soft_cap, tunables", [
     (7, None, dict()),
-    (None, 3.0, dict(pages_per_step=1)),
-    (40, 2.0, dict(pages_per_step=2, num_splits=2)),  # a window that starts mid-step and split
+    (None, 3.0, dict(pages_per_step=4)),
+    (40, 2.0, dict(pages_per_step=4, num_splits=2)),  # a window that starts mid-step and split
 ])
 def test_window_and_soft_cap(sliding_window, soft_cap, tunables):
     # Pages wholly before the window are NaN here (the engine frees them): the kernel must
@@ -144,6 +144,8 @@ def test_what_it_cannot_read_is_refused_by_name():
         call(q, jnp.zeros((2, 1, 4, 4, 64), jnp.bfloat16), lens, tables, n)
     with pytest.raises(ValueError, match="num_heads=4 must be divisible by num_kv_heads=3"):
         call(q, jnp.zeros((2, 3, 4, 8, 64), jnp.bfloat16), lens, tables, n)
+    with pytest.raises(ValueError, match=r"\(2 x 16\) must be a multiple of 64 keys"):
+        call(q, jnp.zeros((2, 1, 4, 16, 64), jnp.bfloat16), lens, tables, n, pages_per_step=2)
 
 
 def test_engine_config_refuses_what_it_cannot_serve():
@@ -202,6 +204,21 @@ def test_builds_for_h200(batch, num_heads, num_kv_heads, head_dim, block_size, w
                                                    head_dim=head_dim, itemsize=2)
     assert kernel.shared_bytes == gpu_mosaic_decode.shared_memory_bytes(
         rows=rows, keys=pages * block_size, head_dim=head_dim, itemsize=2, num_stages=stages)
+    assert kernel.shared_bytes <= gpu_xla_aot.CHIPS["h200"].shared_per_block
+
+
+@pytest.mark.skipif(gpu_xla_aot.available() is not None, reason=str(gpu_xla_aot.available()))
+@pytest.mark.parametrize("block_size, num_heads, num_kv_heads, head_dim, dtype, tunables", CASES)
+def test_cases_build_for_h200(block_size, num_heads, num_kv_heads, head_dim, dtype, tunables):
+    """What the interpreter checks also builds for the chip: the interpreter ignores register
+    layouts and shared-memory limits, Mosaic GPU's lowering and the launch do not."""
+    args, _ = make_args(np.random.default_rng(0), block_size, num_heads, num_kv_heads, head_dim,
+                        dtype)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
+    build = gpu_xla_aot.compile_for(functools.partial(
+        paged_decode_attention_mosaic_gpu, scale=0.1, **tunables), abstract)
+    [kernel] = build.mosaic
+    assert kernel.spill_bytes == 0
     assert kernel.shared_bytes <= gpu_xla_aot.CHIPS["h200"].shared_per_block
 
 
