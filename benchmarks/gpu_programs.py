@@ -13,12 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import (gpu_mosaic_decode, paged_decode_attention_gpu,
+from pallas_kernels import (gpu_mosaic, paged_decode_attention_gpu,
                             paged_decode_attention_reference, ragged_paged_attention_gpu,
                             ragged_paged_attention_reference)
-from pallas_kernels.gpu_mosaic_decode import paged_decode_attention_mosaic_gpu
+from pallas_kernels.gpu_mosaic import (paged_decode_attention_mosaic_gpu,
+                                       ragged_paged_attention_mosaic_gpu)
 
-MOSAIC = gpu_mosaic_decode.problem() is None  # the Mosaic GPU kernel needs jax >= 0.11
+MOSAIC = gpu_mosaic.problem() is None  # the Mosaic GPU kernel needs jax >= 0.11
 
 HEADS = dict(num_heads=32, num_kv_heads=8, head_dim=128)
 BLOCK_SIZE = 16
@@ -37,8 +38,9 @@ def check_cases() -> list[tuple]:
               for case, precision in cases for kind in ("decode", "ragged")]
     if MOSAIC:
         from test_kernels_mosaic_gpu import CASES as MOSAIC_CASES
-        checks += [(f"mosaic decode S={case[0]} N={case[1]} K={case[2]} H={case[3]} {case[4]} "
-                    f"{case[5]}", "mosaic decode", case, None) for case in MOSAIC_CASES]
+        checks += [(f"mosaic {kind} S={case[0]} N={case[1]} K={case[2]} H={case[3]} {case[4]} "
+                    f"{case[5]}", f"mosaic {kind}", case, None)
+                   for case in MOSAIC_CASES for kind in ("decode", "ragged")]
     return checks
 
 
@@ -47,13 +49,19 @@ def check_operands(kind: str, case: tuple):
     cache built as the kernel tests build theirs."""
     from test_kernels_gpu import as_dtype, decode_seqs, ragged_seqs
     from test_kernels_reference import build_case
-    if kind == "mosaic decode":
+    if kind.startswith("mosaic"):
         import functools
-        from test_kernels_mosaic_gpu import make_args
+        from test_kernels_mosaic_gpu import kernel_options, make_args
         *shape, tunables = case
-        operands, n = make_args(np.random.default_rng(sum(shape[:4])), *shape)
-        return (functools.partial(paged_decode_attention_mosaic_gpu, **tunables),
-                paged_decode_attention_reference, operands, n)
+        kind = kind.split()[1]
+        operands, n = make_args(np.random.default_rng(sum(shape[:4])), *shape,
+                                ragged=kind == "ragged")
+        if kind == "decode":
+            return (functools.partial(paged_decode_attention_mosaic_gpu, **tunables),
+                    paged_decode_attention_reference, operands, n)
+        return (functools.partial(ragged_paged_attention_mosaic_gpu,
+                                  **kernel_options(kind, tunables)),
+                ragged_paged_attention_reference, operands, n)
     block_size, num_heads, num_kv_heads, head_dim, dtype = case
     rng = np.random.default_rng(block_size + head_dim)
     seqs = decode_seqs(block_size) if kind == "decode" else ragged_seqs(block_size)

@@ -77,12 +77,12 @@ class EngineConfig:
         self.scheduler_config()  # SchedulerConfig validates the scheduler's fields (policy, ...)
 
     def check_mosaic_gpu(self) -> None:
-        from pallas_kernels import gpu_mosaic_decode
+        from pallas_kernels import gpu_mosaic
 
-        if (reason := gpu_mosaic_decode.problem()) is not None:
+        if (reason := gpu_mosaic.problem()) is not None:
             raise ValueError(f"attention_backend='mosaic_gpu': {reason}")
         kv_dtype = self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
-        if kv_dtype not in gpu_mosaic_decode.DTYPES:
+        if kv_dtype not in gpu_mosaic.DTYPES:
             raise ValueError(f"attention_backend='mosaic_gpu' reads a bfloat16 KV cache, got "
                              f"dtype={self.dtype!r}, kv_cache_dtype={self.kv_cache_dtype!r}: use "
                              "dtype='bfloat16' or attention_backend='gpu'")

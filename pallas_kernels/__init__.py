@@ -8,6 +8,8 @@ from pallas_kernels.attention import (BACKEND_NAMES, IMPLEMENTATIONS, AttentionB
                                       AttentionMetadata, Implementation, copy_blocks,
                                       paged_attention, resolve_backend)
 from pallas_kernels.gpu_decode import paged_decode_attention_gpu
+from pallas_kernels.gpu_mosaic import (paged_decode_attention_mosaic_gpu,
+                                       ragged_paged_attention_mosaic_gpu)
 from pallas_kernels.gpu_prefill import ragged_paged_attention_gpu
 from pallas_kernels.tpu_decode import paged_decode_attention_tpu
 from pallas_kernels.tpu_prefill import ragged_paged_attention_tpu
@@ -21,7 +23,8 @@ from pallas_kernels.reference import (paged_decode_attention_reference,
 __all__ = [
     "BACKEND_NAMES", "IMPLEMENTATIONS", "AttentionBackend", "AttentionMetadata",
     "Implementation", "paged_attention", "resolve_backend", "paged_decode_attention_gpu",
-    "ragged_paged_attention_gpu", "paged_decode_attention_tpu", "ragged_paged_attention_tpu",
+    "ragged_paged_attention_gpu", "paged_decode_attention_mosaic_gpu",
+    "ragged_paged_attention_mosaic_gpu", "paged_decode_attention_tpu", "ragged_paged_attention_tpu",
     "cache_head_dim", "copy_blocks", "gather_blocks", "scatter_blocks", "init_kv_cache", "kv_cache_bytes_per_block",
     "kv_cache_shape", "write_kv_reference", "write_kv_gpu", "write_kv_tpu",
     "paged_decode_attention_reference", "ragged_paged_attention_reference",

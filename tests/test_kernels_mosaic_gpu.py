@@ -1,4 +1,4 @@
-"""The Mosaic GPU decode kernel (pallas_kernels/gpu_mosaic_decode.py).
+"""The Mosaic GPU kernels (pallas_kernels/gpu_mosaic.py): decode and ragged prefill.
 
 Through the Mosaic GPU interpreter (it simulates shared memory, TMA copies, barriers and WGMMA on
 the CPU) against the reference and the Triton kernel, and built by XLA for an H200 that is not
@@ -13,16 +13,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import gpu_mosaic_decode, gpu_xla_aot
+from pallas_kernels import gpu_mosaic, gpu_xla_aot
 from pallas_kernels.gpu_decode import paged_decode_attention_gpu
-from pallas_kernels.gpu_mosaic_decode import paged_decode_attention_mosaic_gpu
+from pallas_kernels.gpu_mosaic import (paged_decode_attention_mosaic_gpu,
+                                       ragged_paged_attention_mosaic_gpu)
+from pallas_kernels.gpu_prefill import ragged_paged_attention_gpu
 from pallas_kernels.quant import QuantizedKV
-from pallas_kernels.reference import paged_decode_attention_reference
-from test_kernels_gpu import reference_layout
+from pallas_kernels.reference import (paged_decode_attention_reference,
+                                      ragged_paged_attention_reference)
+from test_kernels_gpu import ragged_seqs, reference_layout
 from test_kernels_reference import build_case
 
-pytestmark = pytest.mark.skipif(gpu_mosaic_decode.problem() is not None,
-                                reason=str(gpu_mosaic_decode.problem()))
+pytestmark = pytest.mark.skipif(gpu_mosaic.problem() is not None,
+                                reason=str(gpu_mosaic.problem()))
 
 # Block sizes 8 / 16 / 32, MHA / GQA 4 / GQA 8 / MQA, head dims 64, 128 and 80 (the GPU layout
 # pads it to 128), bf16 and f16, 64 and 128 keys a step (neither divides every sequence), one to
@@ -49,66 +52,88 @@ def tolerance(dtype):
     return dict(rtol=2e-2, atol=2e-2) if dtype == "bfloat16" else dict(rtol=4e-3, atol=4e-3)
 
 
-def make_args(rng, block_size, num_heads, num_kv_heads, head_dim, dtype, seqs=None):
-    seqs = seqs or decode_seqs(block_size)
+def make_args(rng, block_size, num_heads, num_kv_heads, head_dim, dtype, ragged=False):
+    """(kernel operands, live rows): decode rows, or ragged tokens (and 7 padding tokens)."""
+    seqs = ragged_seqs(block_size) if ragged else decode_seqs(block_size)
+    live = sum(q for _, q in seqs)
     case = build_case(rng, seqs, block_size=block_size, num_heads=num_heads,
                       num_kv_heads=num_kv_heads, head_dim=head_dim, num_blocks=160,
-                      padded_seqs=len(seqs) + 3, backend="gpu", padded_tokens=len(seqs) + 3)
+                      padded_seqs=len(seqs) + 3, backend="gpu",
+                      padded_tokens=live + 7 if ragged else len(seqs) + 3)
+    ragged_operands = (jnp.asarray(case["cu_q_lens"]),) if ragged else ()
     return (jnp.asarray(case["q"], dtype), jnp.asarray(case["cache"], dtype),
-            jnp.asarray(case["kv_lens"]), jnp.asarray(case["tables"]),
-            jnp.asarray(case["num_seqs"])), len(seqs)
+            jnp.asarray(case["kv_lens"]), jnp.asarray(case["tables"]), *ragged_operands,
+            jnp.asarray(case["num_seqs"])), live
 
 
 def reference(args, head_dim, **options):
     q, cache, *rest = reference_layout(args, head_dim)
-    return np.asarray(paged_decode_attention_reference(
-        q.astype(jnp.float32), cache.astype(jnp.float32), *rest, scale=head_dim ** -0.5,
-        **options), np.float32)
+    fn = (ragged_paged_attention_reference if len(args) == 6
+          else paged_decode_attention_reference)
+    return np.asarray(fn(q.astype(jnp.float32), cache.astype(jnp.float32), *rest,
+                         scale=head_dim ** -0.5, **options), np.float32)
 
 
+KERNELS = {"decode": paged_decode_attention_mosaic_gpu,
+           "ragged": ragged_paged_attention_mosaic_gpu}
+
+
+def kernel_options(kind, tunables):
+    """The ragged kernel has no splits: a tile of queries is its unit of work."""
+    return {k: v for k, v in tunables.items() if kind == "decode" or k != "num_splits"}
+
+
+@pytest.mark.parametrize("kind", ["decode", "ragged"])
 @pytest.mark.parametrize("block_size, num_heads, num_kv_heads, head_dim, dtype, tunables", CASES)
-def test_decode_matches_reference(block_size, num_heads, num_kv_heads, head_dim, dtype,
+def test_kernel_matches_reference(kind, block_size, num_heads, num_kv_heads, head_dim, dtype,
                                   tunables):
     rng = np.random.default_rng(block_size + head_dim + num_heads)
-    args, live = make_args(rng, block_size, num_heads, num_kv_heads, head_dim, dtype)
-    got = np.asarray(paged_decode_attention_mosaic_gpu(
-        *args, scale=head_dim ** -0.5, interpret=True, **tunables), np.float32)
+    args, live = make_args(rng, block_size, num_heads, num_kv_heads, head_dim, dtype,
+                           ragged=kind == "ragged")
+    got = np.asarray(KERNELS[kind](*args, scale=head_dim ** -0.5, interpret=True,
+                                   **kernel_options(kind, tunables)), np.float32)
     assert np.all(np.isfinite(got)), "a NaN page leaked"
     np.testing.assert_allclose(got[:live], reference(args, head_dim)[:live], **tolerance(dtype))
     assert np.all(got[live:] == 0), "padding rows must be zero"
 
 
+@pytest.mark.parametrize("kind", ["decode", "ragged"])
 @pytest.mark.parametrize("sliding_window, soft_cap, tunables", [
     (7, None, dict()),
     (None, 3.0, dict(pages_per_step=4)),
     (40, 2.0, dict(pages_per_step=4, num_splits=2)),  # a window that starts mid-step and split
 ])
-def test_window_and_soft_cap(sliding_window, soft_cap, tunables):
-    # Pages wholly before the window are NaN here (the engine frees them): the kernel must
-    # neither read them into a score nor let them reach the output through V.
+def test_window_and_soft_cap(kind, sliding_window, soft_cap, tunables):
+    # Pages wholly before every window of a sequence's queries are NaN here (the engine frees
+    # them): the kernel must neither read them into a score nor let them reach the output
+    # through V.
     rng = np.random.default_rng(7)
-    args, live = make_args(rng, 16, 8, 2, 64, "bfloat16")
-    q, cache, kv_lens, tables, num_seqs = args
+    args, live = make_args(rng, 16, 8, 2, 64, "bfloat16", ragged=kind == "ragged")
+    q, cache, kv_lens, tables, *rest = args
     if sliding_window is not None:
+        cu_q_lens = np.asarray(rest[0]) if kind == "ragged" else np.arange(len(kv_lens) + 1)
         cache = np.asarray(cache.astype(jnp.float32)).copy()
-        for b in range(live):
-            first_seen = max(int(kv_lens[b]) - sliding_window, 0) // 16
+        for b in range(int(rest[-1])):
+            first_query = int(kv_lens[b]) - int(cu_q_lens[b + 1] - cu_q_lens[b])
+            first_seen = max(first_query + 1 - sliding_window, 0) // 16
             cache[:, :, np.asarray(tables[b, :first_seen])] = np.nan
-        args = (q, jnp.asarray(cache, jnp.bfloat16), kv_lens, tables, num_seqs)
+        args = (q, jnp.asarray(cache, jnp.bfloat16), kv_lens, tables, *rest)
     options = dict(sliding_window=sliding_window, soft_cap=soft_cap)
-    got = np.asarray(paged_decode_attention_mosaic_gpu(
-        *args, scale=64 ** -0.5, interpret=True, **options, **tunables), np.float32)
+    got = np.asarray(KERNELS[kind](*args, scale=64 ** -0.5, interpret=True, **options,
+                                   **kernel_options(kind, tunables)), np.float32)
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got[:live], reference(args, 64, **options)[:live],
                                **tolerance("bfloat16"))
 
 
-def test_agrees_with_the_triton_kernel():
+@pytest.mark.parametrize("kind", ["decode", "ragged"])
+def test_agrees_with_the_triton_kernel(kind):
     """Two kernels, two lowerings, one algorithm: at bf16 they round the same operands."""
     rng = np.random.default_rng(3)
-    args, live = make_args(rng, 16, 8, 2, 128, "bfloat16")
-    mosaic = paged_decode_attention_mosaic_gpu(*args, scale=0.1, interpret=True)
-    triton = paged_decode_attention_gpu(*args, scale=0.1, interpret=True)
+    args, live = make_args(rng, 16, 8, 2, 128, "bfloat16", ragged=kind == "ragged")
+    mosaic = KERNELS[kind](*args, scale=0.1, interpret=True)
+    triton = (paged_decode_attention_gpu if kind == "decode"
+              else ragged_paged_attention_gpu)(*args, scale=0.1, interpret=True)
     np.testing.assert_allclose(np.asarray(mosaic, np.float32), np.asarray(triton, np.float32),
                                rtol=2e-2, atol=2e-2)
 
@@ -161,15 +186,16 @@ def test_engine_config_refuses_what_it_cannot_serve():
 
 
 def test_engine_greedy_tokens_match_the_reference(tiny_model):
-    """The engine on the mosaic_gpu backend (Mosaic GPU decode, Triton ragged prefill and KV
-    writes, all interpreted), bf16 throughout, against the reference backend in bf16."""
+    """The engine on the mosaic_gpu backend (Mosaic GPU ragged and decode attention, Triton KV
+    writes, all interpreted; chunked prefill and mixed steps), bf16 throughout, against the
+    reference backend in bf16."""
     from test_engine_equivalence import run_engine
 
-    common = dict(dtype="bfloat16", block_size=8, max_num_batched_tokens=16, max_tokens=8)
+    common = dict(dtype="bfloat16", block_size=8, max_num_batched_tokens=32, max_tokens=6)
     want, _ = run_engine(tiny_model, attention_backend="reference", **common)
     got, engine = run_engine(tiny_model, attention_backend="mosaic_gpu",
                              attention_interpret=True, **common)
-    assert engine.stats.num_decode_steps > 0
+    assert engine.stats.num_decode_steps > 0 and engine.stats.num_prefill_steps >= 4
     assert got == want
     assert engine.scheduler.kv_manager.num_used_blocks == 0
 
@@ -199,25 +225,29 @@ def test_builds_for_h200(batch, num_heads, num_kv_heads, head_dim, block_size, w
     assert kernel.arch == "sm_90a"  # TMA and WGMMA: Hopper's arch-specific target
     assert kernel.spill_bytes == 0 and kernel.registers <= 255
     group = num_heads // num_kv_heads
-    rows = -(-group // gpu_mosaic_decode.ROWS) * gpu_mosaic_decode.ROWS
-    pages, stages = gpu_mosaic_decode.fit_pipeline(None, None, rows=rows, block_size=block_size,
+    rows = -(-group // gpu_mosaic.ROWS) * gpu_mosaic.ROWS
+    pages, stages = gpu_mosaic.fit_pipeline(None, None, rows=rows, block_size=block_size,
                                                    head_dim=head_dim, itemsize=2)
-    assert kernel.shared_bytes == gpu_mosaic_decode.shared_memory_bytes(
+    assert kernel.shared_bytes == gpu_mosaic.shared_memory_bytes(
         rows=rows, keys=pages * block_size, head_dim=head_dim, itemsize=2, num_stages=stages)
     assert kernel.shared_bytes <= gpu_xla_aot.CHIPS["h200"].shared_per_block
 
 
 @pytest.mark.skipif(gpu_xla_aot.available() is not None, reason=str(gpu_xla_aot.available()))
+@pytest.mark.parametrize("kind", ["decode", "ragged"])
 @pytest.mark.parametrize("block_size, num_heads, num_kv_heads, head_dim, dtype, tunables", CASES)
-def test_cases_build_for_h200(block_size, num_heads, num_kv_heads, head_dim, dtype, tunables):
+def test_cases_build_for_h200(kind, block_size, num_heads, num_kv_heads, head_dim, dtype,
+                              tunables):
     """What the interpreter checks also builds for the chip: the interpreter ignores register
-    layouts and shared-memory limits, Mosaic GPU's lowering and the launch do not."""
+    layouts, index alignment and shared-memory limits; Mosaic GPU's lowering and the launch do
+    not."""
     args, _ = make_args(np.random.default_rng(0), block_size, num_heads, num_kv_heads, head_dim,
-                        dtype)
+                        dtype, ragged=kind == "ragged")
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
     build = gpu_xla_aot.compile_for(functools.partial(
-        paged_decode_attention_mosaic_gpu, scale=0.1, **tunables), abstract)
+        KERNELS[kind], scale=0.1, **kernel_options(kind, tunables)), abstract)
     [kernel] = build.mosaic
+    assert kernel.name.startswith(KERNELS[kind].__name__)
     assert kernel.spill_bytes == 0
     assert kernel.shared_bytes <= gpu_xla_aot.CHIPS["h200"].shared_per_block
 
@@ -228,30 +258,31 @@ def test_fit_pipeline_keeps_to_the_chip():
     of failing at launch, and the build fits."""
     kwargs = dict(rows=64, head_dim=128, itemsize=2)
     limit = gpu_xla_aot.CHIPS["h200"].shared_per_block
-    pages, stages = gpu_mosaic_decode.fit_pipeline(None, 4, limit=limit, block_size=16,
+    pages, stages = gpu_mosaic.fit_pipeline(None, 4, limit=limit, block_size=16,
                                                    **kwargs)
     assert (pages, stages) == (4, 4)
-    assert gpu_mosaic_decode.shared_memory_bytes(keys=pages * 16, num_stages=stages,
+    assert gpu_mosaic.shared_memory_bytes(keys=pages * 16, num_stages=stages,
                                                  **kwargs) <= limit
-    assert gpu_mosaic_decode.shared_memory_bytes(keys=128, num_stages=4, **kwargs) > limit
+    assert gpu_mosaic.shared_memory_bytes(keys=128, num_stages=4, **kwargs) > limit
 
 
 @pytest.mark.skipif(gpu_xla_aot.available() is not None, reason=str(gpu_xla_aot.available()))
-def test_engine_decode_step_builds_for_h200_in_place():
-    """The engine's decode step on the mosaic_gpu backend (Triton KV writes, Mosaic GPU
-    attention, every layer) builds for an H200 with its donated caches updated where they lie."""
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_engine_step_builds_for_h200_in_place(kind):
+    """The engine's steps on the mosaic_gpu backend (Triton KV writes, Mosaic GPU attention, in
+    every layer) build for an H200 with the donated caches updated where they lie."""
     from models import LlamaConfig
     from test_kernels_lowering import abstract_step
 
     config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_layers=2,
                          num_heads=32, num_kv_heads=8, head_dim=128)
-    step, args = abstract_step(config, "decode", num_tokens=8, num_seqs=8, num_blocks=4096,
-                               max_blocks_per_seq=32, cache_dtype=jnp.bfloat16,
-                               backend="mosaic_gpu")
+    step, args = abstract_step(config, kind, num_tokens=8 if kind == "decode" else 64,
+                               num_seqs=8, num_blocks=4096, max_blocks_per_seq=32,
+                               cache_dtype=jnp.bfloat16, backend="mosaic_gpu")
     build = gpu_xla_aot.compile_for(step, args, "h200")
     assert [k.name for k in build.kernels] == ["write_kv_gpu"] * config.num_layers
     [kernel] = build.mosaic  # the layers' identical kernels are built once
-    assert kernel.name.startswith("paged_decode_attention_mosaic_gpu")
+    assert kernel.name.startswith(KERNELS["decode" if kind == "decode" else "ragged"].__name__)
     assert kernel.spill_bytes == 0
     caches = sum(a.size * 2 for a in jax.tree.leaves(args[1]))
     assert build.temp_bytes < caches / config.num_layers / 2
