@@ -46,7 +46,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 from common import RESULTS, write_results  # noqa: E402
-from gpu_programs import (BLOCK_SIZE, HEADS, TUNING_SHAPES, check_cases,  # noqa: E402
+from gpu_programs import (BLOCK_SIZE, HEADS, MOSAIC, TUNING_SHAPES, check_cases,  # noqa: E402
                           check_operands, decode_impls, decode_inputs, decode_shapes, kv_bytes,
                           precompile, rotations_for, tuning_configs, tuning_fn)
 
@@ -155,19 +155,22 @@ def check_write(args) -> dict:
         return {"check": name, "passed": False, "error": f"{type(e).__name__}: {e}"[:300]}
 
 
-def check_engine(args) -> dict:
+def check_engine(args, backends=("reference", "gpu"), dtype="float32") -> dict:
+    """The engine's greedy tokens on two backends: f32 at the highest precision (reference vs
+    gpu), or bf16 (gpu vs mosaic_gpu: both round the same operands to bf16)."""
     from pagedjax import EngineConfig, LLMEngine, SamplingParams, load_model
-    name = "engine greedy tokens, gpu backend == reference (f32, highest precision)"
+    name = (f"engine greedy tokens, {backends[1]} backend == {backends[0]} ({dtype}"
+            f"{', highest precision' if dtype == 'float32' else ''})")
     try:
         model = load_model("demo-small")
         rng = np.random.default_rng(0)
         prompts = [rng.integers(0, 512, n).tolist() for n in (3, 40, 1, 130, 17, 64)]
         outs = []
         with jax.default_matmul_precision("highest"):
-            for backend in ("reference", "gpu"):
+            for backend in backends:
                 engine = LLMEngine(model, EngineConfig(
                     max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, block_size=16,
-                    attention_backend=backend,
+                    attention_backend=backend, dtype=dtype,
                     attention_interpret=args.smoke and backend != "reference"))
                 ids = [engine.add_request(p, SamplingParams(max_tokens=16, temperature=0))
                        for p in prompts]
@@ -361,6 +364,12 @@ def main(argv=None) -> None:
             results.checks.append({"check": "engine greedy tokens", "passed": False,
                                    "error": "skipped: time budget"})
         print(results.checks[-1], flush=True)
+        if MOSAIC:  # the Mosaic GPU kernels on the chip, end to end
+            results.checks.append(
+                check_engine(args, ("gpu", "mosaic_gpu"), "bfloat16") if budget.left() > 40
+                else {"check": "engine greedy tokens, mosaic_gpu", "passed": False,
+                      "error": "skipped: time budget"})
+            print(results.checks[-1], flush=True)
     results.write()
     print(f"done, {budget.left():.0f} s of the budget left", flush=True)
 
