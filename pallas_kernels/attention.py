@@ -9,7 +9,7 @@ import jax
 
 from pallas_kernels.gpu_decode import paged_decode_attention_gpu
 from pallas_kernels.gpu_mosaic import (paged_decode_attention_mosaic_gpu,
-                                       ragged_paged_attention_mosaic_gpu)
+                                       ragged_paged_attention_mosaic_gpu, write_kv_mosaic_gpu)
 from pallas_kernels.gpu_prefill import ragged_paged_attention_gpu
 from pallas_kernels import layout
 from pallas_kernels.kv_write import copy_blocks_tpu, write_kv_gpu, write_kv_tpu
@@ -65,10 +65,9 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                                 paged_decode_attention_reference, write_kv_reference, False),
     "gpu": Implementation(ragged_paged_attention_gpu, paged_decode_attention_gpu, write_kv_gpu,
                           True),
-    # Attention by the Mosaic GPU kernels (Hopper, 16-bit caches, jax >= 0.11); KV writes as in
-    # "gpu", on the same cache layout.
+    # The Mosaic GPU kernels (Hopper, 16-bit caches, jax >= 0.11), on the "gpu" cache layout.
     "mosaic_gpu": Implementation(ragged_paged_attention_mosaic_gpu,
-                                 paged_decode_attention_mosaic_gpu, write_kv_gpu, True),
+                                 paged_decode_attention_mosaic_gpu, write_kv_mosaic_gpu, True),
     "tpu": Implementation(ragged_paged_attention_tpu, paged_decode_attention_tpu, write_kv_tpu,
                           True),
 }

@@ -1,4 +1,4 @@
-"""The Mosaic GPU kernels (pallas_kernels/gpu_mosaic.py): decode and ragged prefill.
+"""The Mosaic GPU kernels (pallas_kernels/gpu_mosaic.py): decode, ragged prefill, KV write.
 
 Through the Mosaic GPU interpreter (it simulates shared memory, TMA copies, barriers and WGMMA on
 the CPU) against the reference and the Triton kernel, and built by XLA for an H200 that is not
@@ -16,12 +16,13 @@ import pytest
 from pallas_kernels import gpu_mosaic, gpu_xla_aot
 from pallas_kernels.gpu_decode import paged_decode_attention_gpu
 from pallas_kernels.gpu_mosaic import (paged_decode_attention_mosaic_gpu,
-                                       ragged_paged_attention_mosaic_gpu)
+                                       ragged_paged_attention_mosaic_gpu, write_kv_mosaic_gpu)
+from pallas_kernels.layout import write_kv_reference
 from pallas_kernels.gpu_prefill import ragged_paged_attention_gpu
 from pallas_kernels.quant import QuantizedKV
 from pallas_kernels.reference import (paged_decode_attention_reference,
                                       ragged_paged_attention_reference)
-from test_kernels_gpu import ragged_seqs, reference_layout
+from test_kernels_gpu import assert_same_write, ragged_seqs, reference_layout, write_case
 from test_kernels_reference import build_case
 
 pytestmark = pytest.mark.skipif(gpu_mosaic.problem() is not None,
@@ -156,6 +157,16 @@ def test_large_pool_high_block_ids():
                                **tolerance("bfloat16"))
 
 
+@pytest.mark.parametrize("head_dim, cache_head_dim", [(64, 64), (80, 128)])
+def test_write_kv_matches_scatter(head_dim, cache_head_dim):
+    cache, k, v, slots = write_case(np.random.default_rng(head_dim), head_dim, cache_head_dim)
+    cache, k, v, slots = (jnp.asarray(cache, jnp.bfloat16), jnp.asarray(k), jnp.asarray(v),
+                          jnp.asarray(slots))
+    want = write_kv_reference(cache, k, v, slots)
+    got = write_kv_mosaic_gpu(cache.copy(), k, v, slots, interpret=True)
+    assert_same_write(np.asarray(got, np.float32), np.asarray(want, np.float32), 8)
+
+
 def test_what_it_cannot_read_is_refused_by_name():
     q = jnp.zeros((1, 4, 64), jnp.bfloat16)
     tables, lens, n = jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32), jnp.int32(1)
@@ -186,8 +197,8 @@ def test_engine_config_refuses_what_it_cannot_serve():
 
 
 def test_engine_greedy_tokens_match_the_reference(tiny_model):
-    """The engine on the mosaic_gpu backend (Mosaic GPU ragged and decode attention, Triton KV
-    writes, all interpreted; chunked prefill and mixed steps), bf16 throughout, against the
+    """The engine on the mosaic_gpu backend (Mosaic GPU ragged and decode attention and KV
+    writes, interpreted; chunked prefill and mixed steps), bf16 throughout, against the
     reference backend in bf16."""
     from test_engine_equivalence import run_engine
 
@@ -253,6 +264,18 @@ def test_cases_build_for_h200(kind, block_size, num_heads, num_kv_heads, head_di
 
 
 @pytest.mark.skipif(gpu_xla_aot.available() is not None, reason=str(gpu_xla_aot.available()))
+def test_write_kv_builds_for_h200_in_place():
+    cache = jax.ShapeDtypeStruct((2, 8, 4096, 16, 128), jnp.bfloat16)
+    rows = jax.ShapeDtypeStruct((512, 8, 128), jnp.bfloat16)
+    build = gpu_xla_aot.compile_for(write_kv_mosaic_gpu, (
+        cache, rows, rows, jax.ShapeDtypeStruct((512,), jnp.int32)))
+    [kernel] = build.mosaic
+    assert kernel.name.startswith("write_kv_mosaic_gpu") and kernel.spill_bytes == 0
+    cache_bytes = cache.size * 2
+    assert build.alias_bytes >= cache_bytes and build.temp_bytes < cache_bytes / 100
+
+
+@pytest.mark.skipif(gpu_xla_aot.available() is not None, reason=str(gpu_xla_aot.available()))
 def test_fit_pipeline_keeps_to_the_chip():
     """Four stages of 128 keys overflow an H200's 227 KiB: the wrapper halves the step instead
     of failing at launch, and the build fits."""
@@ -269,8 +292,9 @@ def test_fit_pipeline_keeps_to_the_chip():
 @pytest.mark.skipif(gpu_xla_aot.available() is not None, reason=str(gpu_xla_aot.available()))
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
 def test_engine_step_builds_for_h200_in_place(kind):
-    """The engine's steps on the mosaic_gpu backend (Triton KV writes, Mosaic GPU attention, in
-    every layer) build for an H200 with the donated caches updated where they lie."""
+    """The engine's steps on the mosaic_gpu backend (Mosaic GPU KV writes and attention in every
+    layer, no Triton kernel) build for an H200 with the donated caches updated where they
+    lie."""
     from models import LlamaConfig
     from test_kernels_lowering import abstract_step
 
@@ -280,10 +304,12 @@ def test_engine_step_builds_for_h200_in_place(kind):
                                num_seqs=8, num_blocks=4096, max_blocks_per_seq=32,
                                cache_dtype=jnp.bfloat16, backend="mosaic_gpu")
     build = gpu_xla_aot.compile_for(step, args, "h200")
-    assert [k.name for k in build.kernels] == ["write_kv_gpu"] * config.num_layers
-    [kernel] = build.mosaic  # the layers' identical kernels are built once
-    assert kernel.name.startswith(KERNELS["decode" if kind == "decode" else "ragged"].__name__)
-    assert kernel.spill_bytes == 0
+    assert build.kernels == ()  # no Triton kernel
+    # The layers' identical kernels are built once each.
+    names = sorted(k.name.split("_mosaic_gpu")[0] for k in build.mosaic)
+    attention = KERNELS["decode" if kind == "decode" else "ragged"].__name__
+    assert names == sorted([attention.split("_mosaic_gpu")[0], "write_kv"]), names
+    assert all(k.spill_bytes == 0 for k in build.mosaic)
     caches = sum(a.size * 2 for a in jax.tree.leaves(args[1]))
     assert build.temp_bytes < caches / config.num_layers / 2
     assert build.alias_bytes >= caches
