@@ -7,9 +7,10 @@ is deprecated upstream. Axis letters as in gpu_decode; R = 64 rows, one warpgrou
 Both kernels share one loop (attend_pages), described here for decode.
 
 Grid (B, K, num_splits), one warpgroup a program. A program copies its query-head group (padded
-to 8 rows in HBM, to R in shared memory) into shared memory once, then walks only the pages below the sequence's kv_len, C pages a step: each
-page of K and of V is one TMA copy from the block table's physical block straight into its row
-range of a [C*S, Hc] tile, num_stages steps in flight, one barrier a step. Scores are a WGMMA of
+to 8 rows in HBM, to R in shared memory) into shared memory once, then walks only the pages
+below the sequence's kv_len, C pages a step: each page of K and of V is one TMA copy from the
+block table's physical block straight into its row range of a [C*S, Hc] tile, num_stages steps
+in flight, one barrier a step. Scores are a WGMMA of
 the [R, Hc] queries by the K tile, the online softmax runs in registers (base 2, the scale and
 log2(e) folded into one multiply), and the probabilities go through shared memory into a second
 WGMMA with the V tile. Slots past kv_len (or before a sliding window) may hold anything, NaN
@@ -55,7 +56,7 @@ DTYPES = ("bfloat16", "float16")
 
 
 def problem() -> str | None:
-    """Why this kernel cannot run with the installed jax, or None."""
+    """Why these kernels cannot run with the installed jax, or None."""
     try:
         from jax.experimental.pallas import mosaic_gpu as plgpu
     except ImportError as e:  # pragma: no cover - jax always ships it
