@@ -24,11 +24,11 @@ def dense_outputs(tiny_model):
     return dense_greedy_generate(tiny_model, prompts(), MAX_TOKENS)
 
 
-def run_engine(model, max_tokens=MAX_TOKENS, **kwargs):
+def run_engine(model, max_tokens=MAX_TOKENS, num_prompts=None, **kwargs):
     base = dict(max_model_len=96, max_num_seqs=8, max_num_batched_tokens=64, min_seq_bucket=8)
     engine = LLMEngine(model, EngineConfig(**{**base, **kwargs}))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    ids = [engine.add_request(p, params) for p in prompts()]
+    ids = [engine.add_request(p, params) for p in prompts()[:num_prompts]]
     outputs = {}
     while engine.has_unfinished():
         for out in engine.step():

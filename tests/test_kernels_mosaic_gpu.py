@@ -202,11 +202,13 @@ def test_engine_greedy_tokens_match_the_reference(tiny_model):
     reference backend in bf16."""
     from test_engine_equivalence import run_engine
 
-    common = dict(dtype="bfloat16", block_size=8, max_num_batched_tokens=32, max_tokens=6)
+    # 4 prompts of 3, 17, 1 and 40 tokens: the 40 is prefilled in chunks beside decodes.
+    common = dict(dtype="bfloat16", block_size=8, max_num_batched_tokens=16, max_tokens=6,
+                  num_prompts=4, max_num_seqs=4, min_seq_bucket=4)
     want, _ = run_engine(tiny_model, attention_backend="reference", **common)
     got, engine = run_engine(tiny_model, attention_backend="mosaic_gpu",
                              attention_interpret=True, **common)
-    assert engine.stats.num_decode_steps > 0 and engine.stats.num_prefill_steps >= 4
+    assert engine.stats.num_decode_steps > 0 and engine.stats.num_prefill_steps >= 3
     assert got == want
     assert engine.scheduler.kv_manager.num_used_blocks == 0
 
