@@ -295,6 +295,17 @@ def _ragged_kernel(tile_seq_ref, tile_start_ref, cu_q_lens_ref, lens_ref, tables
     plgpu.wait_smem_to_gmem(0)
 
 
+def check_operands(q, kv_cache) -> int:
+    """Refuses what the Mosaic GPU kernels cannot read, by name; returns the GQA group."""
+    if (reason := problem()) is not None:
+        raise ValueError(reason)
+    check_cache(kv_cache, q.shape[-1])
+    num_heads, num_kv_heads = q.shape[1], kv_cache.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
+    return num_heads // num_kv_heads
+
+
 def check_cache(kv_cache, head_dim: int) -> None:
     if isinstance(kv_cache, QuantizedKV):
         raise ValueError("the Mosaic GPU kernels read 16-bit caches; a quantized "
@@ -366,16 +377,11 @@ def paged_decode_attention_mosaic_gpu(
     overflow the GPU's shared memory (fit_pipeline). num_splits None: as the Triton kernel
     (gpu_decode.choose_num_splits). interpret: True or plgpu.InterpretGPUParams runs the Mosaic
     GPU interpreter."""
-    if (reason := problem()) is not None:
-        raise ValueError(reason)
+    group = check_operands(q, kv_cache)
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     batch, num_heads, head_dim = q.shape
-    check_cache(kv_cache, head_dim)
     _, num_kv_heads, _, block_size, cache_head_dim = kv_cache.shape
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
-    group = num_heads // num_kv_heads
     rows = -(-group // ROWS) * ROWS
     width = block_tables.shape[1]
     pages_per_step, num_stages = pipeline(pages_per_step, num_stages, rows=rows,
@@ -431,16 +437,11 @@ def ragged_paged_attention_mosaic_gpu(
 ) -> jax.Array:  # [T, N, H]; 0 for padding tokens
     """A tile is R // Gp query tokens (16 at GQA 4, 64 for MHA); pages_per_step / num_stages as
     in paged_decode_attention_mosaic_gpu."""
-    if (reason := problem()) is not None:
-        raise ValueError(reason)
+    group = check_operands(q, kv_cache)
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     num_tokens, num_heads, head_dim = q.shape
-    check_cache(kv_cache, head_dim)
     _, num_kv_heads, _, block_size, cache_head_dim = kv_cache.shape
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
-    group = num_heads // num_kv_heads
     padded_group = next_power_of_2(group)
     rows = max(ROWS, padded_group)
     tile_q = rows // padded_group
