@@ -243,8 +243,9 @@ def bench_decode(args, bandwidth: float, budget: Budget) -> list[dict]:
 
 
 def bench_tuning(args, bandwidth: float, budget: Budget) -> list[dict]:
-    """The decode kernel's launch parameters at a large batch and at a long context, then the
-    number of context splits around the default (gpu_decode.choose_num_splits)."""
+    """The decode kernels' launch parameters at a large batch and at a long context, then the
+    number of context splits around the default (gpu_decode.choose_num_splits): the Triton
+    kernel's, then the Mosaic GPU kernel's (4 warps: one warpgroup)."""
     rows = []
     shapes = [(2, 128)] if args.smoke else TUNING_SHAPES
     jobs = {(batch, context, config): (
@@ -257,14 +258,15 @@ def bench_tuning(args, bandwidth: float, budget: Budget) -> list[dict]:
         cache = jnp.stack([k_pages, v_pages])
         del k_pages, v_pages
         configs, auto = tuning_configs(batch, context)
-        for pages, warps, stages, splits in configs:
-            row = {"batch": batch, "context": context, "pages_per_step": pages,
-                   "num_warps": warps, "num_stages": stages,
+        for config in configs:
+            kernel, pages, warps, stages, splits = config
+            row = {"kernel": kernel, "batch": batch, "context": context,
+                   "pages_per_step": pages, "num_warps": warps or 4, "num_stages": stages,
                    "num_splits": splits or f"auto ({auto})"}
             if budget.left() < 10:
                 rows.append({**row, "error": "skipped: time budget"})
                 continue
-            fn = compiled[batch, context, (pages, warps, stages, splits)]
+            fn = compiled[batch, context, config]
             try:
                 if isinstance(fn, Exception):
                     raise fn

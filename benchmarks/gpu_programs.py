@@ -162,22 +162,37 @@ def decode_impls(batch: int, context: int, *, interpret: bool) -> dict:
 TUNING = [(8, 8, 2), (8, 4, 2), (4, 8, 2), (4, 4, 3), (8, 8, 3), (2, 4, 4)]
 
 
+# The Mosaic GPU decode kernel's (pages_per_step, num_stages), one warpgroup a program; the first
+# is its default (128 keys, 2 stages: 195 KiB of shared memory); 1 stage fetches nothing ahead
+# (what the pipeline is worth). 256 keys x 1 stage fits but spills ~3 KB (the rehearsal).
+TUNING_MOSAIC = [(8, 2), (4, 2), (4, 3), (8, 1)]
+
+
 TUNING_SHAPES = [(128, 4096), (8, 32768)]  # (batch, context)
 
 
 def tuning_configs(batch: int, context: int) -> tuple[list[tuple], int]:
-    """[(pages_per_step, num_warps, num_stages, num_splits or None for auto)], and the auto
-    number of splits (gpu_decode.choose_num_splits) at this shape."""
+    """[(kernel, pages_per_step, num_warps, num_stages, num_splits or None for auto)]: the
+    Triton kernel's ("triton"), then where jax has it the Mosaic GPU kernel's ("mosaic", no
+    warps); and the auto number of splits (gpu_decode.choose_num_splits) at this shape."""
     from pallas_kernels.gpu_decode import choose_num_splits
     auto = choose_num_splits(batch * HEADS["num_kv_heads"], context // BLOCK_SIZE, 8)
-    return [(p, w, s, None) for p, w, s in TUNING] + [
-        (8, 8, 2, splits) for splits in (auto // 2, auto * 2) if splits >= 1], auto
+    configs = [("triton", p, w, s, None) for p, w, s in TUNING] + [
+        ("triton", 8, 8, 2, splits) for splits in (auto // 2, auto * 2) if splits >= 1]
+    if MOSAIC:
+        configs += [("mosaic", p, None, s, None) for p, s in TUNING_MOSAIC] + [
+            ("mosaic", 8, None, 2, splits) for splits in (auto // 2, auto * 2) if splits >= 1]
+    return configs, auto
 
 
-def tuning_fn(batch: int, pages: int, warps: int, stages: int, splits: int | None, *,
-              interpret: bool):
-    """Our decode kernel with these launch parameters, jitted, of (q, cache, tables, lens)."""
+def tuning_fn(batch: int, kernel: str, pages: int, warps: int | None, stages: int,
+              splits: int | None, *, interpret: bool):
+    """A decode kernel with these launch parameters, jitted, of (q, cache, tables, lens)."""
     scale = HEADS["head_dim"] ** -0.5
+    if kernel == "mosaic":
+        return jax.jit(lambda q, c, t, l: paged_decode_attention_mosaic_gpu(
+            q, c, l, t, jnp.int32(batch), scale=scale, pages_per_step=pages,
+            num_stages=stages, num_splits=splits, interpret=interpret))
     return jax.jit(lambda q, c, t, l: paged_decode_attention_gpu(
         q, c, l, t, jnp.int32(batch), scale=scale, pages_per_step=pages, num_warps=warps,
         num_stages=stages, num_splits=splits, interpret=interpret))

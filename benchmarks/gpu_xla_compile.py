@@ -84,11 +84,11 @@ def tuning_rows(chip: str) -> list[dict]:
     for batch, context in gpu_programs.TUNING_SHAPES:
         args = gpu_programs.decode_shapes(batch, context, rotations=1)["stacked"]
         configs, auto = gpu_programs.tuning_configs(batch, context)
-        for pages_per_step, warps, stages, splits in configs:
-            fn = gpu_programs.tuning_fn(batch, pages_per_step, warps, stages, splits,
+        for kernel, pages_per_step, warps, stages, splits in configs:
+            fn = gpu_programs.tuning_fn(batch, kernel, pages_per_step, warps, stages, splits,
                                        interpret=False)
-            rows.append(row_for("tuning", f"batch {batch} x {context}: {pages_per_step} pages, "
-                                f"{warps} warps, {stages} stages, "
+            rows.append(row_for("tuning", f"{kernel}, batch {batch} x {context}: "
+                                f"{pages_per_step} pages, {warps or 4} warps, {stages} stages, "
                                 f"{splits or f'auto ({auto})'} splits", fn, args, chip))
             print(rows[-1], flush=True)
     return rows
