@@ -1,4 +1,5 @@
-"""`pagedjax` command line: `pagedjax demo`, `pagedjax capacity`, `pagedjax inspect MODEL_DIR`."""
+"""`pagedjax` command line: `pagedjax demo`, `pagedjax serve [MODEL]`, `pagedjax capacity`,
+`pagedjax inspect MODEL_DIR`."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 
 from models import CONFIGS, get_config
 from pallas_kernels import kv_cache_bytes_per_block
+from scheduler import POLICIES
 
 
 def capacity(argv) -> None:
@@ -83,9 +85,94 @@ def inspect(argv) -> None:
     print("  supported            yes")
 
 
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """EngineConfig's fields as flags (defaults: EngineConfig's own)."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--max-model-len", type=int)
+    group.add_argument("--block-size", type=int)
+    group.add_argument("--num-blocks", type=int, help="KV blocks in the pool, the null block "
+                       "included (default: max-num-seqs sequences of max-model-len tokens)")
+    group.add_argument("--kv-cache-memory-gib", type=float,
+                       help="size the KV pool by memory instead of --num-blocks")
+    group.add_argument("--max-num-seqs", type=int)
+    group.add_argument("--max-num-batched-tokens", type=int)
+    group.add_argument("--policy", choices=list(POLICIES))
+    group.add_argument("--dtype", choices=["float32", "bfloat16"])
+    group.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8"])
+    group.add_argument("--attention-backend",
+                       choices=["auto", "reference", "gpu", "mosaic_gpu", "tpu"])
+    group.add_argument("--preemption-mode", choices=["recompute", "swap"])
+    group.add_argument("--swap-space-gib", type=float, help="host pool for --preemption-mode swap")
+    group.add_argument("--no-prefix-caching", action="store_true")
+    group.add_argument("--no-chunked-prefill", action="store_true")
+    group.add_argument("--max-logprobs", type=int)
+    group.add_argument("--seed", type=int)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields the flags of add_engine_args set."""
+    kwargs = {name: getattr(args, name) for name in (
+        "max_model_len", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
+        "policy", "dtype", "kv_cache_dtype", "attention_backend", "preemption_mode",
+        "max_logprobs", "seed") if getattr(args, name) is not None}
+    if args.kv_cache_memory_gib is not None:
+        kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_memory_gib * 2**30)
+    if args.swap_space_gib is not None:
+        kwargs["swap_space_bytes"] = int(args.swap_space_gib * 2**30)
+    if args.no_prefix_caching:
+        kwargs["enable_prefix_caching"] = False
+    if args.no_chunked_prefill:
+        kwargs["enable_chunked_prefill"] = False
+    return kwargs
+
+
+def serve(argv) -> None:
+    """An OpenAI-compatible server (/v1/completions, /v1/chat/completions, streaming; /metrics,
+    /health) for MODEL: a Hugging Face or orbax directory, or a config name (default: the
+    embedded trained model)."""
+    import os
+
+    parser = argparse.ArgumentParser(prog="pagedjax serve", description=serve.__doc__)
+    parser.add_argument("model", nargs="?", default=None)
+    parser.add_argument("--tokenizer", help="a tokenizer directory, or 'byte'")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name",
+                        help="the name clients send as `model` (default: the model's)")
+    parser.add_argument("--max-outstanding-tokens", type=int,
+                        help="admission control: refuse (HTTP 429) a request that would raise "
+                        "the tokens still to compute over all requests above this")
+    parser.add_argument("--api-key", default=os.environ.get("PAGEDJAX_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1 (or PAGEDJAX_API_KEY)")
+    parser.add_argument("--warmup", action="store_true",
+                        help="compile every step program before accepting requests")
+    parser.add_argument("--log-level", default="info")
+    add_engine_args(parser)
+    args = parser.parse_args(argv)
+    if not 0 < args.port < 65536:
+        parser.error(f"--port must be in 1..65535, got {args.port}")
+    if args.max_outstanding_tokens is not None and args.max_outstanding_tokens < 1:
+        parser.error(f"--max-outstanding-tokens must be >= 1, got {args.max_outstanding_tokens}")
+
+    from pagedjax.llm import DEFAULT_MODEL, LLM
+    from pagedjax.server import run_server
+
+    model = args.model or DEFAULT_MODEL
+    try:
+        llm = LLM(model, tokenizer=args.tokenizer, **engine_kwargs(args))
+    except ValueError as e:
+        parser.exit(1, f"pagedjax serve: {e}\n")
+    if args.warmup:
+        print(f"warmup: {llm.engine.warmup()} step shapes compiled", flush=True)
+    name = args.served_model_name or os.path.basename(os.path.normpath(str(model)))
+    run_server(llm.engine, name, host=args.host, port=args.port,
+               max_outstanding_tokens=args.max_outstanding_tokens, api_key=args.api_key,
+               log_level=args.log_level)
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"demo": None, "capacity": capacity, "inspect": inspect}
+    commands = {"demo": None, "serve": serve, "capacity": capacity, "inspect": inspect}
     if not argv or argv[0] not in commands:
         print(f"usage: pagedjax {{{','.join(commands)}}} [options]", file=sys.stderr)
         raise SystemExit(2)

@@ -1,0 +1,305 @@
+"""AsyncLLMEngine: one LLMEngine stepped on its own thread, driven from asyncio (the server).
+
+The LLMEngine is not thread-safe, so only the engine thread touches it: adds, aborts and
+inspections are closures queued to that thread and run between steps; outputs go back to each
+request's asyncio queue through its event loop. A step blocks in JAX for milliseconds to seconds;
+the event loop keeps accepting and streaming meanwhile.
+
+Admission control is a token budget: a request is admitted while the work outstanding (tokens
+still to compute, prompt and output, over all unfinished samples, the new request's included)
+stays within `max_outstanding_tokens`; otherwise it is refused at once with OverloadedError (the
+server's HTTP 429) instead of queueing behind minutes of work. An idle engine admits any request
+that can fit at all, so a budget smaller than one request never starves it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import queue
+import threading
+import time
+from typing import AsyncIterator, Callable, Sequence
+
+from pagedjax.engine import LLMEngine
+from pagedjax.outputs import RequestOutput
+from scheduler import Request, RequestStatus, SamplingParams
+
+
+class OverloadedError(RuntimeError):
+    """Admission control refused a request: the engine's outstanding work is at its budget."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped on an error or was shut down; no request can be served."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    """What the engine thread reports after each step (to metrics)."""
+
+    outputs: list[RequestOutput]
+    step_time_s: float  # wall time of LLMEngine.step (scheduling, the device step, postprocess)
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_usage: float  # used / usable blocks
+    outstanding_tokens: int
+
+
+def remaining_tokens(samples: Sequence[Request]) -> int:
+    """Tokens these samples may still compute: the prompt not yet prefilled (again, after a
+    recompute preemption) and the outputs not yet generated, up to max_tokens."""
+    return sum(r.max_num_tokens - r.num_computed_tokens for r in samples
+               if not r.status.finished)
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptSpec:
+    """One request to add: its prompt ids and sampling, optionally its id, the prompt's text (for
+    the outputs) and a cache salt (requests share prefix-cached blocks only with equal salts)."""
+
+    prompt_token_ids: Sequence[int]
+    params: SamplingParams
+    request_id: str | None = None
+    prompt_text: str | None = None
+    cache_salt: str | None = None
+
+
+class RequestGroup:
+    """The outputs of requests added together, in the order the engine produced them; iterate
+    until every request has finished. Leaving early (`async with` / `aclose`, e.g. a client that
+    went away) aborts the unfinished ones and frees their blocks."""
+
+    def __init__(self, engine: "AsyncLLMEngine", request_ids: list[str], outputs: asyncio.Queue):
+        self.engine = engine
+        self.request_ids = request_ids
+        self._outputs = outputs
+        self._unfinished = set(request_ids)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._unfinished:
+            raise StopAsyncIteration
+        item = await self._outputs.get()
+        if isinstance(item, BaseException):
+            self._unfinished.clear()
+            raise item
+        if item.finished:
+            self._unfinished.discard(item.request_id)
+        return item
+
+    async def __aenter__(self) -> "RequestGroup":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.aclose()
+
+    def aclose(self) -> None:
+        for request_id in self._unfinished:
+            self.engine.abort_soon(request_id)
+        self._unfinished.clear()
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, *, max_outstanding_tokens: int | None = None,
+                 on_step: Callable[[StepInfo], None] | None = None,
+                 on_abort: Callable[[str], None] | None = None,
+                 idle_wait_s: float = 0.05):
+        if max_outstanding_tokens is not None and (
+                not isinstance(max_outstanding_tokens, int) or max_outstanding_tokens < 1):
+            raise ValueError(f"max_outstanding_tokens must be None or an integer >= 1, "
+                             f"got {max_outstanding_tokens!r}")
+        self.engine = engine
+        self.max_outstanding_tokens = max_outstanding_tokens
+        self.on_step = on_step
+        self.on_abort = on_abort
+        self.idle_wait_s = idle_wait_s
+        self.error: BaseException | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopped = False
+        self._paused = False
+        # Engine-thread state: request id -> (its samples, the loop and queue its outputs go to).
+        self._live: dict[str, tuple[list[Request], asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread = threading.Thread(target=self._run, name="pagedjax-engine", daemon=True)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> "AsyncLLMEngine":
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stops the engine thread after its current step; live requests end with
+        EngineDeadError."""
+        self._stopped = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def pause(self) -> None:
+        """Stops stepping after the current step (requests are still admitted and queued; a
+        drain for a rollout, or a test holding requests in flight)."""
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+        self._wake.set()
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and not self._stopped and self._thread.is_alive()
+
+    # ---- the asyncio side --------------------------------------------------------------------
+
+    async def call(self, fn: Callable[[LLMEngine], object]):
+        """Runs fn(engine) on the engine thread between steps; returns its result or raises
+        its exception."""
+        if not self.healthy:
+            raise EngineDeadError(self._dead_reason())
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, future))
+        self._wake.set()
+        return await asyncio.wrap_future(future)
+
+    async def add_requests(self, prompts: Sequence[PromptSpec]) -> "RequestGroup":
+        """Queues several requests at once, all or none: each is validated (ValueError naming
+        the field) and the budget checked for their sum (OverloadedError) before any is queued.
+        Their outputs arrive, interleaved, through the returned group."""
+        if not prompts:
+            raise ValueError("prompts must not be empty")
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+
+        def add(engine: LLMEngine) -> list[str]:
+            requests = [engine.make_request(p.prompt_token_ids, p.params, p.request_id,
+                                            cache_salt=p.cache_salt) for p in prompts]
+            ids = [r.parent_id for r in requests]
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"request ids must be unique, got {ids}")
+            for request in requests:
+                engine.scheduler.check_request(request)
+            groups = [[r, *r.followers] for r in requests]
+            budget = self.max_outstanding_tokens
+            if budget is not None and self._live:
+                outstanding = self._outstanding_tokens()
+                needed = sum(remaining_tokens(samples) for samples in groups)
+                if outstanding + needed > budget:
+                    raise OverloadedError(
+                        f"the engine has {outstanding} tokens of work outstanding and this "
+                        f"request adds {needed} (prompt + max_tokens per sample), over "
+                        f"max_outstanding_tokens ({budget}): retry later")
+            for request, samples, spec in zip(requests, groups, prompts):
+                engine.queue(request)
+                if spec.prompt_text is not None:
+                    engine.set_prompt_text(request.parent_id, spec.prompt_text)
+                self._live[request.parent_id] = (samples, loop, outputs)
+            return ids
+
+        return RequestGroup(self, await self.call(add), outputs)
+
+    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                       request_id: str | None = None, prompt_text: str | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """One request's outputs until the finished one (see add_requests)."""
+        group = await self.add_requests(
+            [PromptSpec(prompt_token_ids, params, request_id, prompt_text, cache_salt)])
+        async with group:
+            async for out in group:
+                yield out
+
+    async def abort(self, request_id: str) -> None:
+        await self.call(lambda engine: self._abort(request_id))
+
+    def abort_soon(self, request_id: str) -> None:
+        """Aborts a request from any thread without waiting (the engine thread does it before
+        its next step)."""
+        if self.healthy:
+            self._commands.put((lambda engine: self._abort(request_id), None))
+            self._wake.set()
+
+    # ---- the engine thread -------------------------------------------------------------------
+
+    def _abort(self, request_id: str) -> None:
+        if self._live.pop(request_id, None) is not None:
+            self.engine.abort(request_id)
+            if self.on_abort is not None:
+                self.on_abort(request_id)
+
+    def _outstanding_tokens(self) -> int:
+        return sum(remaining_tokens(samples) for samples, _, _ in self._live.values())
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if future is None:
+                fn(self.engine)
+                continue
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(self.engine))
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                future.set_exception(e)
+
+    def _deliver(self, request_id: str, item) -> None:
+        _, loop, outputs = self._live[request_id]
+        try:
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening
+            self._abort(request_id)
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopped:
+                self._drain()
+                if self._paused or not engine.has_unfinished():
+                    self._wake.wait(self.idle_wait_s)
+                    self._wake.clear()
+                    continue
+                start = time.perf_counter()
+                outputs = engine.step()
+                step_time = time.perf_counter() - start
+                for out in outputs:
+                    if out.request_id in self._live:
+                        self._deliver(out.request_id, out)
+                        if out.finished:
+                            self._live.pop(out.request_id, None)
+                if self.on_step is not None:
+                    state = engine.scheduler.state
+                    kv = state.kv_manager
+                    self.on_step(StepInfo(
+                        outputs, step_time, len(state.running), len(state.waiting),
+                        sum(r.status is RequestStatus.SWAPPED for r in state.waiting),
+                        kv.num_used_blocks / max(1, kv.pool.num_usable_blocks),
+                        self._outstanding_tokens()))
+        except BaseException as e:  # noqa: BLE001 - the engine is dead; tell every caller
+            self.error = e
+        finally:
+            self._fail_all()
+
+    def _dead_reason(self) -> str:
+        if self.error is not None:
+            return f"the engine stopped on {type(self.error).__name__}: {self.error}"
+        return "the engine is shut down" if self._stopped else "the engine is not started"
+
+    def _fail_all(self) -> None:
+        dead = EngineDeadError(self._dead_reason())
+        for request_id in list(self._live):
+            self._deliver(request_id, dead)
+        self._live.clear()
+        while True:  # commands queued after the last drain
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if future is not None and future.set_running_or_notify_cancel():
+                future.set_exception(dead)

@@ -1,0 +1,333 @@
+"""The OpenAI-compatible server against the offline API on the same engine (the reference): text,
+token ids and parallel samples equal; streaming equals non-streaming; bad input gets HTTP 400
+naming the field and changes nothing; admission control's 429; aborts on disconnect; metrics;
+a dead engine's 503; and `pagedjax serve` as a real process."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagedjax import LLM, SamplingParams
+from pagedjax.server import OpenAIServer
+
+ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=128)
+PROMPTS = ["copy:hello=", "rev:paged=", "copy:kv cache=", "rev:block table="]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(**ENGINE)
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    """Offline outputs, computed on the engine before the server drives it."""
+    greedy = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)
+    sampled = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=6, temperature=0.8, n=2,
+                                                       seed=7), use_tqdm=False)
+    return greedy, sampled
+
+
+@pytest.fixture(scope="module")
+def server(llm, reference):
+    server = OpenAIServer(llm.engine, "tiny")
+    with TestClient(server.build_app()) as client:
+        yield server, client
+
+
+def _stream(client, path, body):
+    """The decoded data events of a streamed response, and whether it ended with [DONE]."""
+    events = []
+    with client.stream("POST", path, json={**body, "stream": True}) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def _metrics(client) -> dict[tuple[str, tuple], float]:
+    samples = {}
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for s in family.samples:
+            samples[s.name, tuple(sorted((k, v) for k, v in s.labels.items()
+                                         if k != "model_name"))] = s.value
+    return samples
+
+
+def test_completions_equal_offline_generate_under_concurrency(server, reference):
+    _, client = server
+    greedy, _ = reference
+    body = dict(model="tiny", max_tokens=12, temperature=0, return_token_ids=True)
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        responses = list(pool.map(lambda p: client.post("/v1/completions",
+                                                        json={**body, "prompt": p}), PROMPTS))
+    for prompt, response, ref in zip(PROMPTS, responses, greedy):
+        assert response.status_code == 200, response.json()
+        data = response.json()
+        choice, = data["choices"]
+        assert choice["text"] == ref.text
+        assert choice["token_ids"] == ref.output_token_ids
+        assert choice["finish_reason"] == ref.finish_reason
+        assert data["usage"] == {"prompt_tokens": len(ref.prompt_token_ids),
+                                 "completion_tokens": len(ref.output_token_ids),
+                                 "total_tokens": len(ref.prompt_token_ids)
+                                 + len(ref.output_token_ids)}
+    # Token-id prompts and a batch of prompts in one request: the same answers, in order.
+    data = client.post("/v1/completions", json={**body, "prompt": [r.prompt_token_ids
+                                                                   for r in greedy]}).json()
+    assert [c["index"] for c in data["choices"]] == list(range(len(PROMPTS)))
+    assert [c["text"] for c in data["choices"]] == [r.text for r in greedy]
+
+
+def test_parallel_samples_and_seeds_equal_offline(server, reference):
+    _, client = server
+    _, sampled = reference
+    data = client.post("/v1/completions", json={
+        "prompt": PROMPTS[:2], "max_tokens": 6, "temperature": 0.8, "n": 2, "seed": 7,
+        "return_token_ids": True}).json()
+    got = [(c["index"], c["token_ids"]) for c in data["choices"]]
+    want = [(2 * i + c.index, c.token_ids) for i, r in enumerate(sampled) for c in r.outputs]
+    assert got == want
+
+
+def test_streaming_equals_non_streaming(server, reference):
+    _, client = server
+    greedy, _ = reference
+    body = dict(prompt=PROMPTS[2], max_tokens=12, temperature=0, logprobs=2,
+                stream_options={"include_usage": True})
+    whole = client.post("/v1/completions", json=body).json()
+    events = _stream(client, "/v1/completions", body)
+    *chunks, usage = events
+    assert usage["choices"] == [] and usage["usage"] == whole["usage"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == greedy[2].text
+    tokens = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert tokens == whole["choices"][0]["logprobs"]["tokens"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == greedy[2].finish_reason
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    logprobs = whole["choices"][0]["logprobs"]
+    for token, chosen, top in zip(logprobs["tokens"], logprobs["token_logprobs"],
+                                  logprobs["top_logprobs"]):
+        assert top[token] == chosen and len(top) >= 2 and chosen <= 0
+
+
+def test_chat_completions(server, llm):
+    _, client = server
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "copy:"},
+                                             {"type": "text", "text": "abc="}]}]
+    body = dict(messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+    whole = client.post("/v1/chat/completions", json=body).json()
+    flat = [messages[0], {"role": "user", "content": "copy:abc="}]
+    prompt_ids = llm.tokenizer.apply_chat_template(flat, add_generation_prompt=True,
+                                                   tokenize=True)
+    assert whole["object"] == "chat.completion"
+    assert whole["usage"]["prompt_tokens"] == len(prompt_ids)
+    choice, = whole["choices"]
+    assert choice["message"]["role"] == "assistant"
+    content = choice["logprobs"]["content"]
+    assert len(content) == whole["usage"]["completion_tokens"]
+    assert all(len(t["top_logprobs"]) == 2 and t["top_logprobs"][0]["logprob"] >= t["logprob"]
+               for t in content)
+    events = _stream(client, "/v1/chat/completions", body)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) \
+        == choice["message"]["content"]
+    assert events[-1]["choices"][0]["finish_reason"] == choice["finish_reason"]
+
+
+BAD = [
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_k": -3}, "top_k"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 2, "best_of": 1}, "best_of"),
+    ({"prompt": "x", "seed": -1}, "seed"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),  # max_logprobs is 20
+    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "stop_token_ids": [9999]}, "stop_token_ids"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": [[1, 2], []]}, "prompt"),
+    ({"prompt": [70000]}, "prompt"),  # outside the vocabulary
+    ({"prompt": "x" * 120, "max_tokens": 16}, "prompt"),  # over max_model_len (128)
+    ({"prompt": "x", "n": 9}, "n"),  # over max_num_seqs (8)
+    ({"max_tokens": 4}, "prompt"),  # missing
+]
+
+
+def test_bad_requests_get_400_naming_the_field_and_change_nothing(server, reference):
+    srv, client = server
+    engine = srv.engine
+    before = _metrics(client)
+    for body, param in BAD:
+        response = client.post("/v1/completions", json=body)
+        assert response.status_code == 400, (body, response.json())
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == param, (body, error)
+        assert param.split("_")[0] in error["message"], error
+    assert not engine.scheduler.state.requests and not engine.has_unfinished()
+    assert engine.scheduler.kv_manager.num_used_blocks == 0
+    response = client.post("/v1/completions", json={"prompt": "x", "model": "gpt-4"})
+    assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
+    response = client.post("/v1/chat/completions", json={"messages": []})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    response = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]})
+    assert response.status_code == 400 and "only text" in response.json()["error"]["message"]
+    after = _metrics(client)
+    rejected = ("pagedjax:requests_rejected_total", (("reason", "invalid"),))
+    assert after[rejected] - before.get(rejected, 0) == len(BAD) + 3
+    # ... and the engine still serves.
+    greedy, _ = reference
+    data = client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 12,
+                                                "temperature": 0}).json()
+    assert data["choices"][0]["text"] == greedy[0].text
+
+
+def test_metrics_count_what_was_served(server):
+    _, client = server
+    before = _metrics(client)
+    usage = [client.post("/v1/completions", json={"prompt": p, "max_tokens": 5,
+                                                  "ignore_eos": True}).json()["usage"]
+             for p in PROMPTS[:3]]
+    after = _metrics(client)
+
+    def delta(name, labels=()):
+        return after[name, labels] - before.get((name, labels), 0)
+
+    assert delta("pagedjax:prompt_tokens_total") == sum(u["prompt_tokens"] for u in usage)
+    assert delta("pagedjax:generation_tokens_total") == 15
+    assert delta("pagedjax:request_success_total", (("finished_reason", "length"),)) == 3
+    assert delta("pagedjax:time_to_first_token_seconds_count") == 3
+    assert delta("pagedjax:e2e_request_latency_seconds_count") == 3
+    assert delta("pagedjax:time_per_output_token_seconds_count") == 3
+    assert delta("pagedjax:request_generation_tokens_sum") == 15
+    assert after["pagedjax:num_requests_running", ()] == 0
+    assert after["pagedjax:kv_cache_usage_perc", ()] == 0
+
+
+def test_disconnected_stream_is_aborted_and_frees_its_blocks(server):
+    srv, client = server
+    engine = srv.engine
+    aborted, generated = engine.stats.num_aborted, engine.stats.num_generated_tokens
+    with client.stream("POST", "/v1/completions", json={
+            "prompt": PROMPTS[0], "max_tokens": 100, "ignore_eos": True,
+            "stream": True}) as response:
+        next(response.iter_lines())  # the first token, then the client goes away
+    deadline = time.time() + 60
+    while engine.stats.num_aborted == aborted and time.time() < deadline:
+        time.sleep(0.05)
+    assert engine.stats.num_aborted == aborted + 1
+    assert engine.stats.num_generated_tokens - generated < 100
+    while engine.has_unfinished() and time.time() < deadline:
+        time.sleep(0.05)
+    assert engine.scheduler.kv_manager.num_used_blocks == 0
+
+
+def test_admission_control_and_api_key(llm, server):
+    srv, _ = server
+    srv.async_engine.pause()  # a second server drives the same engine meanwhile
+    try:
+        _admission_control_and_api_key(llm)
+    finally:
+        srv.async_engine.resume()
+
+
+def _admission_control_and_api_key(llm):
+    budgeted = OpenAIServer(llm.engine, "tiny", max_outstanding_tokens=40, api_key="secret")
+    auth = {"Authorization": "Bearer secret"}
+    body = {"prompt": PROMPTS[0], "max_tokens": 16, "ignore_eos": True}  # 12 + 16 = 28 tokens
+    with TestClient(budgeted.build_app()) as client:
+        assert client.post("/v1/completions", json=body).status_code == 401
+        assert client.get("/health").status_code == 200  # outside /v1: no key
+        budgeted.async_engine.pause()
+        first = concurrent.futures.Future()
+        threading.Thread(target=lambda: first.set_result(
+            client.post("/v1/completions", json=body, headers=auth))).start()
+        deadline = time.time() + 30
+        while not budgeted.async_engine._live and time.time() < deadline:
+            time.sleep(0.01)
+        refused = client.post("/v1/completions", json=body, headers=auth)
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        error = refused.json()["error"]
+        assert error["code"] == "server_overloaded" and "max_outstanding_tokens (40)" in \
+            error["message"]
+        budgeted.async_engine.resume()
+        assert first.result(timeout=60).status_code == 200
+        assert client.post("/v1/completions", json=body, headers=auth).status_code == 200
+        rejected = _metrics(client)["pagedjax:requests_rejected_total",
+                                    (("reason", "overloaded"),)]
+        assert rejected >= 1
+
+
+def test_dead_engine_answers_503():
+    dead = LLM(**ENGINE)
+
+    def broken(plan):
+        raise RuntimeError("device lost")
+
+    dead.engine.runner.step = broken
+    server = OpenAIServer(dead.engine, "tiny")
+    with TestClient(server.build_app()) as client:
+        response = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert response.status_code == 503
+        assert "device lost" in response.json()["error"]["message"]
+        assert client.get("/health").status_code == 503
+        assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 503
+
+
+def test_pagedjax_serve_process():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedjax.cli", "serve", "--port", str(port),
+         "--max-model-len", "128", "--max-num-batched-tokens", "128",
+         "--served-model-name", "tiny", "--max-outstanding-tokens", "4096"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    assert json.load(r) == {"status": "ok"}
+                break
+            except OSError:
+                assert proc.poll() is None and time.time() < deadline, proc.stdout.read()
+                time.sleep(0.5)
+        request = urllib.request.Request(
+            f"{url}/v1/completions", method="POST",
+            data=json.dumps({"model": "tiny", "prompt": "rev:paged=", "max_tokens": 8,
+                             "temperature": 0}).encode(),
+            headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as r:
+            data = json.load(r)
+        assert data["choices"][0]["text"] == "degap"  # the embedded model reverses strings
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as r:
+            assert json.load(r)["data"][0]["id"] == "tiny"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    # uvicorn shuts down gracefully, then re-raises the signal it caught (exit by SIGTERM).
+    assert proc.returncode in (0, -signal.SIGTERM), out
+    assert "Application shutdown complete" in out, out
