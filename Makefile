@@ -54,6 +54,7 @@ bench: $(TEST_STAMP)
 	$(PY) benchmarks/kv_memory.py
 	$(PY) benchmarks/scheduler_overhead.py
 	$(PY) benchmarks/throughput.py
+	$(PY) benchmarks/serving.py
 	$(PY) benchmarks/donation.py
 	$(PY) benchmarks/prefix_caching.py
 	$(PY) benchmarks/parallel_sampling.py

@@ -282,7 +282,7 @@ class OpenAIServer:
                  "logprobs": (self._completion_logprobs(choice, start, offset)
                               if body.logprobs is not None else None),
                  "finish_reason": finish}
-            if body.return_token_ids:
+            if body.return_token_ids or self.tokenizer is None:  # no text without one
                 d["token_ids"] = choice.token_ids[start:]
                 if start == 0:
                     d["prompt_token_ids"] = out.prompt_token_ids
@@ -301,7 +301,8 @@ class OpenAIServer:
                                                choice.finish_reason, len(prefix)))
             return {**base, "choices": choices, "usage": self._usage(final)}
 
-        per_token = body.logprobs is not None or body.return_token_ids
+        # Without a tokenizer there is no text: every token is news.
+        per_token = body.logprobs is not None or body.return_token_ids or self.tokenizer is None
 
         async def events():
             sent: dict[tuple[str, int], tuple[int, int]] = {}  # (rid, index) -> (chars, tokens)
@@ -404,7 +405,7 @@ class OpenAIServer:
             return {**base, "choices": choices, "usage": self._usage({request_id: out})}
 
         chunk = {**base, "object": "chat.completion.chunk"}
-        per_token = body.logprobs or body.return_token_ids
+        per_token = body.logprobs or body.return_token_ids or self.tokenizer is None
 
         async def events():
             yield _sse({**chunk, "choices": [

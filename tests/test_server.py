@@ -20,7 +20,8 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedjax import LLM, SamplingParams
+from pagedjax import LLM, EngineConfig, LLMEngine, SamplingParams, load_model
+from pagedjax.llm import DEFAULT_MODEL
 from pagedjax.server import OpenAIServer
 
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=128)
@@ -48,10 +49,11 @@ def server(llm, reference):
         yield server, client
 
 
-def _stream(client, path, body):
-    """The decoded data events of a streamed response, and whether it ended with [DONE]."""
+def _stream(client, path, body, headers=None):
+    """The decoded data events of a streamed response (which must end with [DONE])."""
     events = []
-    with client.stream("POST", path, json={**body, "stream": True}) as response:
+    with client.stream("POST", path, json={**body, "stream": True},
+                       headers=headers) as response:
         assert response.status_code == 200, response.read()
         for line in response.iter_lines():
             if line.startswith("data: "):
@@ -119,6 +121,8 @@ def test_streaming_equals_non_streaming(server, reference):
     assert tokens == whole["choices"][0]["logprobs"]["tokens"]
     assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == greedy[2].finish_reason
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    echoed = client.post("/v1/completions", json={**body, "echo": True, "logprobs": None})
+    assert echoed.json()["choices"][0]["text"] == PROMPTS[2] + greedy[2].text
     logprobs = whole["choices"][0]["logprobs"]
     for token, chosen, top in zip(logprobs["tokens"], logprobs["token_logprobs"],
                                   logprobs["top_logprobs"]):
@@ -242,22 +246,20 @@ def test_disconnected_stream_is_aborted_and_frees_its_blocks(server):
     assert engine.scheduler.kv_manager.num_used_blocks == 0
 
 
-def test_admission_control_and_api_key(llm, server):
-    srv, _ = server
-    srv.async_engine.pause()  # a second server drives the same engine meanwhile
-    try:
-        _admission_control_and_api_key(llm)
-    finally:
-        srv.async_engine.resume()
-
-
-def _admission_control_and_api_key(llm):
-    budgeted = OpenAIServer(llm.engine, "tiny", max_outstanding_tokens=40, api_key="secret")
+def test_admission_control_api_key_and_token_ids_without_tokenizer(llm, reference):
+    """A server over an engine without a tokenizer (prompts and outputs are token ids), a token
+    budget of 40 and an API key."""
+    greedy, _ = reference
+    engine = LLMEngine(load_model(DEFAULT_MODEL), EngineConfig(**ENGINE))
+    budgeted = OpenAIServer(engine, "tiny", max_outstanding_tokens=40, api_key="secret")
     auth = {"Authorization": "Bearer secret"}
-    body = {"prompt": PROMPTS[0], "max_tokens": 16, "ignore_eos": True}  # 12 + 16 = 28 tokens
+    ids = greedy[0].prompt_token_ids  # 12 tokens: 12 + 16 = 28 outstanding
+    body = {"prompt": ids, "max_tokens": 16, "ignore_eos": True, "temperature": 0}
     with TestClient(budgeted.build_app()) as client:
         assert client.post("/v1/completions", json=body).status_code == 401
         assert client.get("/health").status_code == 200  # outside /v1: no key
+        text = client.post("/v1/completions", json={"prompt": "x"}, headers=auth)
+        assert text.status_code == 400 and "no tokenizer" in text.json()["error"]["message"]
         budgeted.async_engine.pause()
         first = concurrent.futures.Future()
         threading.Thread(target=lambda: first.set_result(
@@ -265,17 +267,22 @@ def _admission_control_and_api_key(llm):
         deadline = time.time() + 30
         while not budgeted.async_engine._live and time.time() < deadline:
             time.sleep(0.01)
-        refused = client.post("/v1/completions", json=body, headers=auth)
+        refused = client.post("/v1/completions", json=body, headers=auth)  # 28 + 28 > 40
         assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
         error = refused.json()["error"]
-        assert error["code"] == "server_overloaded" and "max_outstanding_tokens (40)" in \
-            error["message"]
+        assert error["code"] == "server_overloaded"
+        assert "max_outstanding_tokens (40)" in error["message"]
         budgeted.async_engine.resume()
-        assert first.result(timeout=60).status_code == 200
-        assert client.post("/v1/completions", json=body, headers=auth).status_code == 200
+        data = first.result(timeout=60).json()
+        assert len(data["choices"][0]["token_ids"]) == 16  # token ids, with no tokenizer
+        assert data["choices"][0]["token_ids"][:6] == greedy[0].output_token_ids[:6]
+        events = _stream(client, "/v1/completions", {**body, "max_tokens": 5},
+                         headers=auth)  # admitted now: nothing outstanding
+        assert [t for e in events for t in e["choices"][0]["token_ids"]] \
+            == data["choices"][0]["token_ids"][:5]
         rejected = _metrics(client)["pagedjax:requests_rejected_total",
                                     (("reason", "overloaded"),)]
-        assert rejected >= 1
+        assert rejected == 1
 
 
 def test_dead_engine_answers_503():

@@ -1,0 +1,195 @@
+"""Online serving: the OpenAI server under load, against the offline engine on the same workload.
+
+One engine (warmed up, so no compile is timed) serves a seeded log-normal workload five ways:
+
+- offline: `LLMEngine` with every request queued at once, stepped in a loop (the baseline: no
+  HTTP, no threads);
+- burst: every request sent to the server at once, streamed (`stream: true`), so the difference
+  to offline is what the server costs (HTTP, SSE, the engine thread, the event loop);
+- poisson x0.5 / x2: requests arriving as a Poisson process at half and twice the rate the
+  offline run sustained (requests per second), without admission control;
+- poisson x2 + admission: twice the rate with `max_outstanding_tokens` set to the KV pool's
+  tokens: requests that would push the outstanding work past it get HTTP 429 (counted, not
+  retried), so the served ones keep a bounded queue.
+
+Latencies are measured by the client (its own process, httpx) from the stream: TTFT = send to
+the first token's event, TPOT = (last token - first token) / (tokens - 1) per request, e2e = send
+to the final event. Throughput is output tokens over the run's span; for the Poisson runs that
+span is set by the arrivals, so only the burst row measures what the server costs
+(ratio_vs_offline). model_step_s is the time spent in the runner's steps (swap + the jit step +
+fetching the sampled ids) within the run: what of the difference is the model running slower
+under contention, and what is the server's own work. Client and server share this machine's cores (2 here); the server's event
+loop and its engine thread share one Python process (and its GIL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import socket
+import threading
+import time
+
+import httpx
+import numpy as np
+import uvicorn
+from common import lognormal_workload, write_results
+
+from pagedjax import EngineConfig, LLMEngine, load_model
+from pagedjax.server import OpenAIServer
+from scheduler import SamplingParams
+
+
+def run_offline(engine: LLMEngine, workload) -> dict:
+    step_time = engine.stats.step_time_s
+    start = time.perf_counter()
+    for prompt, output in workload:
+        engine.add_request(prompt, SamplingParams(max_tokens=output, temperature=0,
+                                                  ignore_eos=True))
+    tokens = 0
+    while engine.has_unfinished():
+        tokens += sum(len(o.output_token_ids) for o in engine.step() if o.finished)
+    return {"seconds": time.perf_counter() - start, "output_tokens": tokens,
+            "device_step_s": engine.stats.step_time_s - step_time}
+
+
+class ServerThread:
+    """The app under uvicorn on a free local port, in a background thread."""
+
+    def __init__(self, server: OpenAIServer):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        config = uvicorn.Config(server.build_app(), host="127.0.0.1", port=self.port,
+                                log_level="warning")
+        self.uvicorn = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        while not self.uvicorn.started:
+            time.sleep(0.01)
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc):
+        self.uvicorn.should_exit = True
+        self.thread.join(60)
+
+
+async def one_request(client: httpx.AsyncClient, url: str, prompt, output: int) -> dict:
+    body = {"prompt": prompt, "max_tokens": output, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+    sent = time.perf_counter()
+    stamps, tokens = [], 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            return {"status": response.status_code}
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            new = len(json.loads(line[6:])["choices"][0].get("token_ids", []))
+            if new:
+                tokens += new
+                stamps.append(time.perf_counter())
+    done = time.perf_counter()
+    return {"status": 200, "ttft": stamps[0] - sent, "e2e": done - sent, "tokens": tokens,
+            "tpot": (stamps[-1] - stamps[0]) / (tokens - 1) if tokens > 1 else None}
+
+
+async def run_load(url: str, workload, arrivals) -> tuple[list[dict], float]:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        start = time.perf_counter()
+
+        async def send(at, prompt, output):
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            return await one_request(client, url, prompt, output)
+
+        results = await asyncio.gather(*(send(at, p, o) for at, (p, o)
+                                         in zip(arrivals, workload)))
+        return list(results), time.perf_counter() - start
+
+
+def client_main(url: str, workload, arrivals) -> tuple[list[dict], float]:
+    """The load generator, in its own process."""
+    return asyncio.run(run_load(url, workload, arrivals))
+
+
+def summarize(name: str, results: list[dict], seconds: float, baseline_tps: float) -> dict:
+    served = [r for r in results if r["status"] == 200]
+    tokens = sum(r["tokens"] for r in served)
+
+    def pct(key, q):
+        values = [r[key] for r in served if r.get(key) is not None]
+        return float(np.percentile(values, q)) * 1e3 if values else float("nan")
+
+    tps = tokens / seconds
+    return {"run": name, "requests": len(results), "served": len(served),
+            "refused_429": sum(r["status"] == 429 for r in results),
+            "seconds": seconds, "output_tokens_per_s": tps,
+            "ratio_vs_offline": tps / baseline_tps if baseline_tps else "",
+            "ttft_p50_ms": pct("ttft", 50), "ttft_p99_ms": pct("ttft", 99),
+            "tpot_p50_ms": pct("tpot", 50), "tpot_p99_ms": pct("tpot", 99),
+            "e2e_p50_ms": pct("e2e", 50), "e2e_p99_ms": pct("e2e", 99)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="demo-small")
+    parser.add_argument("--num-requests", type=int, default=96)
+    parser.add_argument("--num-blocks", type=int, default=257)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    config = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks,
+                          max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)
+    engine = LLMEngine(load_model(args.model, seed=args.seed), config)
+    engine.warmup()
+    rng = np.random.default_rng(args.seed)
+    vocab = engine.model_config.vocab_size
+    workload = [(rng.integers(0, vocab, p).tolist(), o) for p, o in
+                lognormal_workload(args.num_requests, seed=args.seed,
+                                   max_model_len=args.max_model_len)]
+
+    offline = run_offline(engine, workload)
+    baseline_tps = offline["output_tokens"] / offline["seconds"]
+    rows = [{"run": "offline LLMEngine (baseline)", "requests": len(workload),
+             "served": len(workload), "refused_429": 0, "seconds": offline["seconds"],
+             "output_tokens_per_s": baseline_tps, "ratio_vs_offline": 1.0,
+             "model_step_s": offline["device_step_s"]}]
+    capacity_rps = len(workload) / offline["seconds"]
+    pool_tokens = (args.num_blocks - 1) * args.block_size
+    runs = [("burst (all at t=0)", None, None), ("poisson x0.5", 0.5, None),
+            ("poisson x2", 2.0, None), ("poisson x2 + admission", 2.0, pool_tokens)]
+    for name, load, budget in runs:
+        if load is None:
+            arrivals = np.zeros(len(workload))
+        else:
+            arrivals = np.cumsum(np.random.default_rng(args.seed + 1).exponential(
+                1.0 / (load * capacity_rps), len(workload)))
+        server = OpenAIServer(engine, "bench", max_outstanding_tokens=budget)
+        step_time = engine.stats.step_time_s
+        with ServerThread(server) as url, multiprocessing.get_context("spawn").Pool(1) as pool:
+            results, seconds = pool.apply(client_main, (url, workload, arrivals.tolist()))
+        rows.append({**summarize(name, results, seconds, baseline_tps if load is None else 0),
+                     "model_step_s": engine.stats.step_time_s - step_time})
+        assert not engine.has_unfinished()
+
+    params = {**vars(args), "kv_pool_tokens": pool_tokens,
+              "offline_requests_per_s": capacity_rps,
+              "admission_max_outstanding_tokens": pool_tokens,
+              "workload_output_tokens": sum(o for _, o in workload)}
+    write_results("serving", "Online serving: OpenAI server under load vs the offline engine",
+                  rows, params, __doc__.split("\n", 2)[2])
+
+
+if __name__ == "__main__":
+    main()
