@@ -28,17 +28,14 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import socket
-import threading
 import time
 
 import httpx
 import numpy as np
-import uvicorn
 from common import lognormal_workload, write_results
 
 from pagedjax import EngineConfig, LLMEngine, load_model
-from pagedjax.server import OpenAIServer
+from pagedjax.server import BackgroundServer, OpenAIServer
 from scheduler import SamplingParams
 
 
@@ -53,29 +50,6 @@ def run_offline(engine: LLMEngine, workload) -> dict:
         tokens += sum(len(o.output_token_ids) for o in engine.step() if o.finished)
     return {"seconds": time.perf_counter() - start, "output_tokens": tokens,
             "device_step_s": engine.stats.step_time_s - step_time}
-
-
-class ServerThread:
-    """The app under uvicorn on a free local port, in a background thread."""
-
-    def __init__(self, server: OpenAIServer):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        config = uvicorn.Config(server.build_app(), host="127.0.0.1", port=self.port,
-                                log_level="warning")
-        self.uvicorn = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        while not self.uvicorn.started:
-            time.sleep(0.01)
-        return f"http://127.0.0.1:{self.port}"
-
-    def __exit__(self, *exc):
-        self.uvicorn.should_exit = True
-        self.thread.join(60)
 
 
 async def one_request(client: httpx.AsyncClient, url: str, prompt, output: int) -> dict:
@@ -177,7 +151,8 @@ def main() -> None:
                 1.0 / (load * capacity_rps), len(workload)))
         server = OpenAIServer(engine, "bench", max_outstanding_tokens=budget)
         step_time = engine.stats.step_time_s
-        with ServerThread(server) as url, multiprocessing.get_context("spawn").Pool(1) as pool:
+        with (BackgroundServer(server.build_app()) as url,
+              multiprocessing.get_context("spawn").Pool(1) as pool):
             results, seconds = pool.apply(client_main, (url, workload, arrivals.tolist()))
         rows.append({**summarize(name, results, seconds, baseline_tps if load is None else 0),
                      "model_step_s": engine.stats.step_time_s - step_time})

@@ -1,5 +1,5 @@
-"""`pagedjax` command line: `pagedjax demo`, `pagedjax serve [MODEL]`, `pagedjax capacity`,
-`pagedjax inspect MODEL_DIR`."""
+"""`pagedjax` command line: `pagedjax demo`, `pagedjax serve [MODEL]`, `pagedjax router
+--backend URL ...`, `pagedjax capacity`, `pagedjax inspect MODEL_DIR`."""
 
 from __future__ import annotations
 
@@ -170,9 +170,38 @@ def serve(argv) -> None:
                log_level=args.log_level)
 
 
+def router(argv) -> None:
+    """An OpenAI-compatible proxy routing each request to the `pagedjax serve` instance most
+    likely to hold its prompt's prefix in its KV cache (see pagedjax.router)."""
+    from pagedjax.router import POLICIES, run_router
+
+    parser = argparse.ArgumentParser(prog="pagedjax router", description=router.__doc__)
+    parser.add_argument("--backend", action="append", required=True,
+                        help="a server's base URL (repeat for each)")
+    parser.add_argument("--policy", default="kv_aware", choices=POLICIES)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--balance-abs", type=int, default=8,
+                        help="in-flight difference beyond which load wins over cache affinity")
+    parser.add_argument("--balance-rel", type=float, default=1.5)
+    parser.add_argument("--min-match", type=float, default=0.25,
+                        help="least fraction of a prompt's chunks matched to follow affinity")
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    if not 0 < args.port < 65536:
+        parser.error(f"--port must be in 1..65535, got {args.port}")
+    try:
+        run_router(args.backend, args.policy, host=args.host, port=args.port,
+                   log_level=args.log_level, balance_abs=args.balance_abs,
+                   balance_rel=args.balance_rel, min_match=args.min_match)
+    except ValueError as e:
+        parser.exit(1, f"pagedjax router: {e}\n")
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"demo": None, "serve": serve, "capacity": capacity, "inspect": inspect}
+    commands = {"demo": None, "serve": serve, "router": router, "capacity": capacity,
+                "inspect": inspect}
     if not argv or argv[0] not in commands:
         print(f"usage: pagedjax {{{','.join(commands)}}} [options]", file=sys.stderr)
         raise SystemExit(2)

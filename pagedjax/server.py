@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import json
 import secrets
+import socket
+import threading
 import time
 from typing import Any
 
@@ -550,3 +552,36 @@ def run_server(engine: LLMEngine, served_model_name: str = "pagedjax", *, host: 
                     api_key=api_key)
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises SIGINT once shut down
         uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+class BackgroundServer:
+    """An ASGI app under uvicorn in a background thread (a notebook, a benchmark, a test):
+
+        with BackgroundServer(build_app(engine)) as url:   # http://127.0.0.1:PORT
+            ...
+
+    port 0 picks a free one."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        import uvicorn
+
+        if port == 0:
+            with socket.socket() as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+        self.url = f"http://{host}:{port}"
+        self.uvicorn = uvicorn.Server(uvicorn.Config(app, host=host, port=port,
+                                                     log_level=log_level))
+        self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        while not self.uvicorn.started:
+            if not self.thread.is_alive():
+                raise RuntimeError(f"the server at {self.url} did not start")
+            time.sleep(0.01)
+        return self.url
+
+    def __exit__(self, *exc) -> None:
+        self.uvicorn.should_exit = True
+        self.thread.join(60)
