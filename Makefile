@@ -55,6 +55,7 @@ bench: $(TEST_STAMP)
 	$(PY) benchmarks/scheduler_overhead.py
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/serving.py
+	$(PY) benchmarks/routing.py
 	$(PY) benchmarks/donation.py
 	$(PY) benchmarks/prefix_caching.py
 	$(PY) benchmarks/parallel_sampling.py
