@@ -249,12 +249,19 @@ class AsyncLLMEngine:
             except Exception as e:  # noqa: BLE001 - handed to the caller
                 future.set_exception(e)
 
-    def _deliver(self, request_id: str, item) -> None:
-        _, loop, outputs = self._live[request_id]
-        try:
-            loop.call_soon_threadsafe(outputs.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed: nobody is listening
-            self._abort(request_id)
+    def _deliver(self, items: list[tuple[str, object]]) -> None:
+        """Hands (request id, output or error) pairs to their callers' event loops: one wakeup
+        per loop, not one per output."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id, item in items:
+            _, loop, outputs = self._live[request_id]
+            by_loop.setdefault(loop, []).append((request_id, outputs, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the callers' loop is closed: nobody is listening
+                for request_id, _, _ in batch:
+                    self._abort(request_id)
 
     def _run(self) -> None:
         engine = self.engine
@@ -268,11 +275,11 @@ class AsyncLLMEngine:
                 start = time.perf_counter()
                 outputs = engine.step()
                 step_time = time.perf_counter() - start
-                for out in outputs:
-                    if out.request_id in self._live:
-                        self._deliver(out.request_id, out)
-                        if out.finished:
-                            self._live.pop(out.request_id, None)
+                live = [out for out in outputs if out.request_id in self._live]
+                self._deliver([(out.request_id, out) for out in live])
+                for out in live:
+                    if out.finished:
+                        self._live.pop(out.request_id, None)
                 if self.on_step is not None:
                     state = engine.scheduler.state
                     kv = state.kv_manager
@@ -293,8 +300,7 @@ class AsyncLLMEngine:
 
     def _fail_all(self) -> None:
         dead = EngineDeadError(self._dead_reason())
-        for request_id in list(self._live):
-            self._deliver(request_id, dead)
+        self._deliver([(request_id, dead) for request_id in list(self._live)])
         self._live.clear()
         while True:  # commands queued after the last drain
             try:
@@ -303,3 +309,8 @@ class AsyncLLMEngine:
                 return
             if future is not None and future.set_running_or_notify_cancel():
                 future.set_exception(dead)
+
+
+def _put_all(batch) -> None:
+    for _, outputs, item in batch:
+        outputs.put_nowait(item)

@@ -227,25 +227,24 @@ class Router:
                 backend.down_until = time.monotonic() + self.retry_after_s
                 self.failovers.labels(backend.url).inc()
                 continue
+            except BaseException:  # cancelled: the client went away while we waited
+                self._release(backend)
+                raise
             break
         self.policy.record(backend, chunks)
         self.routed.labels(backend.url).inc()
         self.prompt_chunks.inc(len(chunks))
         self.matched_chunks.inc(matched)
 
-        async def relay():
-            try:
-                async for part in response.aiter_raw():
-                    yield part
-            finally:
-                await response.aclose()
-                self._release(backend)
+        async def close():
+            await response.aclose()
+            self._release(backend)
 
         passed = {k: v for k, v in response.headers.items()
                   if k.lower() in ("content-type", "retry-after")}
         passed["x-pagedjax-backend"] = backend.url
-        return responses.StreamingResponse(relay(), status_code=response.status_code,
-                                           headers=passed)
+        return _Relay(response.aiter_raw(), close, status_code=response.status_code,
+                      headers=passed)
 
     def _release(self, backend: Backend) -> None:
         backend.in_flight -= 1
@@ -301,6 +300,21 @@ class Router:
                                        media_type="text/plain; version=0.0.4; charset=utf-8")
 
         return app
+
+
+class _Relay(responses.StreamingResponse):
+    """Streams an instance's response through; closes it and releases the instance however
+    the response ends (finished, or the client gone before or while streaming)."""
+
+    def __init__(self, content, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
 
 
 def _error(status: int, message: str, param: str | None, type_: str = "invalid_request_error",
