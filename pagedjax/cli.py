@@ -173,6 +173,8 @@ def serve(argv) -> None:
 def router(argv) -> None:
     """An OpenAI-compatible proxy routing each request to the `pagedjax serve` instance most
     likely to hold its prompt's prefix in its KV cache (see pagedjax.router)."""
+    import os
+
     from pagedjax.router import POLICIES, run_router
 
     parser = argparse.ArgumentParser(prog="pagedjax router", description=router.__doc__)
@@ -186,14 +188,37 @@ def router(argv) -> None:
     parser.add_argument("--balance-rel", type=float, default=1.5)
     parser.add_argument("--min-match", type=float, default=0.25,
                         help="least fraction of a prompt's chunks matched to follow affinity")
+    rollout = parser.add_argument_group("safe rollout")
+    rollout.add_argument("--canary", action="append", default=[],
+                         help="a canary instance's base URL (repeat for each)")
+    rollout.add_argument("--canary-weight", type=float, default=0.0,
+                         help="the canary group's share of the traffic, in [0, 1]")
+    rollout.add_argument("--rollback-window", type=int, default=200,
+                         help="outcomes per group the comparison looks at")
+    rollout.add_argument("--rollback-min-requests", type=int, default=20,
+                         help="canary outcomes needed before it can be judged")
+    rollout.add_argument("--rollback-max-error-delta", type=float, default=0.05,
+                         help="roll back when the canary's error rate exceeds the stable "
+                         "group's by more than this")
+    rollout.add_argument("--rollback-max-latency-ratio", type=float, default=2.0,
+                         help="roll back when the canary's median latency exceeds this times "
+                         "the stable group's")
+    rollout.add_argument("--admin-key", default=os.environ.get("PAGEDJAX_ADMIN_KEY"),
+                         help="require 'Authorization: Bearer KEY' on /router/* (or "
+                         "PAGEDJAX_ADMIN_KEY)")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     if not 0 < args.port < 65536:
         parser.error(f"--port must be in 1..65535, got {args.port}")
+    guard = dict(window=args.rollback_window, min_requests=args.rollback_min_requests,
+                 max_error_delta=args.rollback_max_error_delta,
+                 max_latency_ratio=args.rollback_max_latency_ratio)
     try:
         run_router(args.backend, args.policy, host=args.host, port=args.port,
-                   log_level=args.log_level, balance_abs=args.balance_abs,
-                   balance_rel=args.balance_rel, min_match=args.min_match)
+                   log_level=args.log_level, canary=args.canary,
+                   canary_weight=args.canary_weight, guard=guard, admin_key=args.admin_key,
+                   balance_abs=args.balance_abs, balance_rel=args.balance_rel,
+                   min_match=args.min_match)
     except ValueError as e:
         parser.exit(1, f"pagedjax router: {e}\n")
 

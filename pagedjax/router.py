@@ -19,7 +19,15 @@ there. Policy `kv_aware` (the default):
 
 `round_robin` and `least_loaded` are there to compare against. A request whose instance cannot
 be reached before any byte was returned is sent to the next one, and that instance is skipped
-for `retry_after_s`; errors an instance answers (HTTP 4xx/5xx) pass through unchanged.
+for `retry_after_s`; errors a stable instance answers (HTTP 4xx/5xx) pass through unchanged.
+
+Safe rollout: `--canary URL` instances (a new model, config or build) get `--canary-weight` of
+the traffic; a RolloutGuard compares their error rate and median latency with the stable
+group's over a sliding window and rolls the canary back by itself when it is worse by more than
+the limits. A canary that fails a request (5xx, unreachable) has it resent to the stable group,
+so clients do not see the canary's failures. `GET /router/status`, `POST /router/canary
+{"weight": w}` (ramp up, or re-arm after a rollback), `POST /router/rollback` and `POST
+/router/promote` (the canary becomes the stable group) drive it, behind `--admin-key`.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from typing import Any, Sequence
 
 import fastapi
 import httpx
+import numpy as np
 import prometheus_client as prom
 from fastapi import responses
 
@@ -166,17 +175,132 @@ class RoutingPolicy:
             index.popitem(last=False)
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupStats:
+    requests: int
+    errors: int
+    p50_latency_s: float | None  # of the successful ones: time to the response's headers
+
+    @property
+    def error_rate(self) -> float:
+        return self.errors / self.requests if self.requests else 0.0
+
+
+class RolloutGuard:
+    """A canary's share of the traffic, and the rule that takes it back.
+
+    Requests go to the canary group at exactly `weight` of the traffic (deterministically
+    interleaved). Each response is an outcome of its group: an error is a 5xx or an instance
+    that could not be reached (a 4xx is the client's); latency is the time to the response's
+    headers. Over the last `window` outcomes of each group, once the canary has
+    `min_requests`, the guard rolls back (weight 0, state `rolled_back`, the reason kept) when
+    the canary's error rate exceeds the stable group's by more than `max_error_delta`, or its
+    median latency is over `max_latency_ratio` times the stable group's (which then needs
+    `min_requests` too)."""
+
+    def __init__(self, weight: float = 0.0, *, window: int = 200, min_requests: int = 20,
+                 max_error_delta: float = 0.05, max_latency_ratio: float = 2.0):
+        if not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be an integer >= 1, got {window!r}")
+        if not isinstance(min_requests, int) or not 1 <= min_requests <= window:
+            raise ValueError(f"min_requests must be an integer in [1, window={window}], "
+                             f"got {min_requests!r}")
+        if not 0 <= max_error_delta <= 1:
+            raise ValueError(f"max_error_delta must be in [0, 1], got {max_error_delta!r}")
+        if not max_latency_ratio >= 1:
+            raise ValueError(f"max_latency_ratio must be >= 1, got {max_latency_ratio!r}")
+        self.min_requests = min_requests
+        self.max_error_delta = max_error_delta
+        self.max_latency_ratio = max_latency_ratio
+        self.outcomes = {g: collections.deque(maxlen=window) for g in ("stable", "canary")}
+        self.set_weight(weight)
+
+    def set_weight(self, weight: float) -> None:
+        """Sets the canary's share (0 turns it off) and re-arms a rolled-back guard."""
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) \
+                or not 0 <= weight <= 1:
+            raise ValueError(f"weight must be a number in [0, 1], got {weight!r}")
+        self.weight = float(weight)
+        self.state = "canary" if weight > 0 else "off"
+        self.reason: str | None = None
+        self._seen = self._to_canary = 0
+        self.outcomes["canary"].clear()
+
+    def to_canary(self) -> bool:
+        """Whether the next request goes to the canary (exactly `weight` of them)."""
+        if self.state != "canary":
+            return False
+        self._seen += 1
+        if self._to_canary + 1 <= self.weight * self._seen + 1e-9:
+            self._to_canary += 1
+            return True
+        return False
+
+    def stats(self, group: str) -> GroupStats:
+        outcomes = self.outcomes[group]
+        latencies = [latency for ok, latency in outcomes if ok and latency is not None]
+        return GroupStats(len(outcomes), sum(not ok for ok, _ in outcomes),
+                          float(np.median(latencies)) if latencies else None)
+
+    def record(self, group: str, ok: bool, latency_s: float | None) -> None:
+        self.outcomes[group].append((ok, latency_s))
+        if self.state == "canary":
+            self._check()
+
+    def _check(self) -> None:
+        canary, stable = self.stats("canary"), self.stats("stable")
+        if canary.requests < self.min_requests:
+            return
+        if canary.error_rate > stable.error_rate + self.max_error_delta:
+            self.rollback(f"canary error rate {canary.error_rate:.1%} over the stable group's "
+                          f"{stable.error_rate:.1%} + {self.max_error_delta:.1%} "
+                          f"(last {canary.requests} canary requests)")
+        elif (stable.requests >= self.min_requests and canary.p50_latency_s is not None
+              and stable.p50_latency_s
+              and canary.p50_latency_s > self.max_latency_ratio * stable.p50_latency_s):
+            self.rollback(f"canary median latency {canary.p50_latency_s * 1e3:.0f} ms over "
+                          f"{self.max_latency_ratio:g}x the stable group's "
+                          f"{stable.p50_latency_s * 1e3:.0f} ms")
+
+    def rollback(self, reason: str) -> None:
+        self.weight, self.state, self.reason = 0.0, "rolled_back", reason
+
+    def status(self) -> dict:
+        return {"state": self.state, "weight": self.weight, "reason": self.reason,
+                **{g: {**dataclasses.asdict(self.stats(g)),
+                       "error_rate": self.stats(g).error_rate} for g in self.outcomes}}
+
+
 class Router:
+    """The proxy: a stable group of instances and, optionally, a canary group getting a share
+    of the traffic under a RolloutGuard. A canary's failure is never the client's: a canary
+    that cannot be reached or answers 5xx has the request resent to the stable group."""
+
     def __init__(self, urls: Sequence[str], policy: str = "kv_aware", *,
+                 canary: Sequence[str] = (), canary_weight: float = 0.0,
+                 guard: dict | None = None, admin_key: str | None = None,
                  retry_after_s: float = 5.0, timeout_s: float = 600.0, **policy_kwargs):
-        urls = [u.rstrip("/") for u in urls]
-        for url in urls:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"backend must be an http(s):// URL, got {url!r}")
-        if len(set(urls)) != len(urls):
-            raise ValueError(f"backends must be distinct, got {urls}")
-        self.backends = [Backend(u) for u in urls]
-        self.policy = RoutingPolicy(self.backends, policy, **policy_kwargs)
+        def clean(group, values):
+            values = [u.rstrip("/") for u in values]
+            for url in values:
+                if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                    raise ValueError(f"{group} must be an http(s):// URL, got {url!r}")
+            return values
+
+        urls, canary = clean("backend", urls), clean("canary", canary)
+        if len(set(urls + canary)) != len(urls + canary):
+            raise ValueError(f"backends must be distinct, got {urls + canary}")
+        if canary_weight and not canary:
+            raise ValueError("canary_weight needs canary backends")
+        self.policy_name = policy
+        self.policy_kwargs = policy_kwargs
+        self.groups = {"stable": RoutingPolicy([Backend(u) for u in urls], policy,
+                                               **policy_kwargs)}
+        if canary:
+            self.groups["canary"] = RoutingPolicy([Backend(u) for u in canary], policy,
+                                                  **policy_kwargs)
+        self.guard = RolloutGuard(canary_weight, **(guard or {}))
+        self.admin_key = admin_key
         self.retry_after_s = retry_after_s
         self.timeout_s = timeout_s
         self.registry = prom.CollectorRegistry()
@@ -192,9 +316,28 @@ class Router:
         self.failovers = prom.Counter("pagedjax_router:failovers",
                                       "Requests resent because a backend was unreachable.",
                                       ["backend"], registry=self.registry)
+        self.outcomes = prom.Counter("pagedjax_router:responses",
+                                     "Responses by group and outcome (error: 5xx or "
+                                     "unreachable).", ["group", "outcome"],
+                                     registry=self.registry)
+        self.canary_retries = prom.Counter(
+            "pagedjax_router:canary_retries",
+            "Requests a canary failed and the stable group then served.", registry=self.registry)
+        self.canary_weight = prom.Gauge("pagedjax_router:canary_weight",
+                                        "The canary group's share of the traffic.",
+                                        registry=self.registry)
+        self.canary_weight.set_function(lambda: self.guard.weight)
         self.in_flight = prom.Gauge("pagedjax_router:in_flight", "Requests in flight, by "
                                     "backend.", ["backend"], registry=self.registry)
         self.client: httpx.AsyncClient | None = None
+
+    @property
+    def backends(self) -> list[Backend]:
+        return [b for group in self.groups.values() for b in group.backends]
+
+    def _record(self, group: str, ok: bool, latency_s: float | None) -> None:
+        self.guard.record(group, ok, latency_s)
+        self.outcomes.labels(group, "ok" if ok else "error").inc()
 
     async def forward(self, path: str, request: fastapi.Request):
         raw = await request.body()
@@ -208,11 +351,15 @@ class Router:
         chunks = prompt_chunks(key) if key is not None else []
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() in ("authorization", "content-type")}
+        group = "canary" if "canary" in self.groups and self.guard.to_canary() else "stable"
         tried: list[Backend] = []
         while True:
             try:
-                backend, matched = self.policy.choose(chunks, exclude=tried)
+                backend, matched = self.groups[group].choose(chunks, exclude=tried)
             except LookupError:
+                if group == "canary":
+                    group = "stable"
+                    continue
                 return _error(503, "no backend is reachable", None, "server_error",
                               "no_backend")
             tried.append(backend)
@@ -220,18 +367,29 @@ class Router:
             self.in_flight.labels(backend.url).set(backend.in_flight)
             upstream = self.client.build_request("POST", backend.url + path, content=raw,
                                                  headers=headers)
+            start = time.monotonic()
             try:
                 response = await self.client.send(upstream, stream=True)
             except httpx.TransportError:
                 self._release(backend)
                 backend.down_until = time.monotonic() + self.retry_after_s
                 self.failovers.labels(backend.url).inc()
+                self._record(group, False, None)
+                group = "stable"
                 continue
             except BaseException:  # cancelled: the client went away while we waited
                 self._release(backend)
                 raise
+            ok = response.status_code < 500
+            self._record(group, ok, time.monotonic() - start if ok else None)
+            if not ok and group == "canary":
+                await response.aclose()
+                self._release(backend)
+                self.canary_retries.inc()
+                group = "stable"
+                continue
             break
-        self.policy.record(backend, chunks)
+        self.groups[group].record(backend, chunks)
         self.routed.labels(backend.url).inc()
         self.prompt_chunks.inc(len(chunks))
         self.matched_chunks.inc(matched)
@@ -245,6 +403,30 @@ class Router:
         passed["x-pagedjax-backend"] = backend.url
         return _Relay(response.aiter_raw(), close, status_code=response.status_code,
                       headers=passed)
+
+    # ---- rollout -------------------------------------------------------------------------------
+
+    def status(self) -> dict:
+        now = time.monotonic()
+        return {"policy": self.policy_name,
+                "backends": [{"url": b.url, "group": g, "in_flight": b.in_flight,
+                              "reachable": b.alive(now), "indexed_chunks": len(b.index)}
+                             for g, policy in self.groups.items() for b in policy.backends],
+                "canary": self.guard.status()}
+
+    def set_canary_weight(self, weight: float) -> None:
+        if "canary" not in self.groups:
+            raise ValueError("there is no canary group (start the router with --canary URL)")
+        self.guard.set_weight(weight)
+
+    def promote(self) -> None:
+        """The canary group becomes the stable one (the old stable instances get no new
+        requests; those in flight finish)."""
+        if "canary" not in self.groups:
+            raise ValueError("there is no canary group to promote")
+        self.groups = {"stable": self.groups["canary"]}
+        self.guard.set_weight(0.0)
+        self.guard.outcomes["stable"].clear()
 
     def _release(self, backend: Backend) -> None:
         backend.in_flight -= 1
@@ -288,6 +470,47 @@ class Router:
                                                   status_code=response.status_code)
             return _error(503, "no backend is reachable", None, "server_error", "no_backend")
 
+        def admin(request: fastapi.Request):
+            if (self.admin_key is not None
+                    and request.headers.get("authorization") != f"Bearer {self.admin_key}"):
+                return _error(401, "missing or wrong admin key (Authorization: Bearer ...)",
+                              None, "authentication_error", "invalid_api_key")
+            return None
+
+        @app.get("/router/status")
+        async def router_status(request: fastapi.Request):
+            return admin(request) or self.status()
+
+        @app.post("/router/canary")
+        async def router_canary(request: fastapi.Request):
+            if (denied := admin(request)) is not None:
+                return denied
+            try:
+                body = json.loads(await request.body())
+                if not isinstance(body, dict) or "weight" not in body:
+                    raise ValueError('the body must be {"weight": w} with w in [0, 1]')
+                self.set_canary_weight(body["weight"])
+            except (ValueError, json.JSONDecodeError) as e:
+                return _error(400, str(e), "weight")
+            return self.status()
+
+        @app.post("/router/rollback")
+        async def router_rollback(request: fastapi.Request):
+            if (denied := admin(request)) is not None:
+                return denied
+            self.guard.rollback("rolled back by hand (POST /router/rollback)")
+            return self.status()
+
+        @app.post("/router/promote")
+        async def router_promote(request: fastapi.Request):
+            if (denied := admin(request)) is not None:
+                return denied
+            try:
+                self.promote()
+            except ValueError as e:
+                return _error(400, str(e), None)
+            return self.status()
+
         @app.get("/health")
         async def health():
             states = await asyncio.gather(*(self._probe(b) for b in self.backends))
@@ -325,9 +548,9 @@ def _error(status: int, message: str, param: str | None, type_: str = "invalid_r
 
 
 def run_router(urls: Sequence[str], policy: str = "kv_aware", *, host: str = "127.0.0.1",
-               port: int = 8080, log_level: str = "info", **policy_kwargs) -> None:
+               port: int = 8080, log_level: str = "info", **router_kwargs) -> None:
     import uvicorn
 
-    app = Router(urls, policy, **policy_kwargs).build_app()
+    app = Router(urls, policy, **router_kwargs).build_app()
     with contextlib.suppress(KeyboardInterrupt):
         uvicorn.run(app, host=host, port=port, log_level=log_level)

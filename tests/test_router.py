@@ -13,7 +13,8 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedjax import LLM
-from pagedjax.router import Backend, Router, RoutingPolicy, prompt_chunks, routing_key
+from pagedjax.router import (Backend, RolloutGuard, Router, RoutingPolicy, prompt_chunks,
+                             routing_key)
 from pagedjax.server import BackgroundServer, OpenAIServer
 
 # ---- the policy -------------------------------------------------------------------------------
@@ -198,3 +199,94 @@ def test_router_fails_over_past_a_dead_backend(backends):
         response = client.post("/v1/completions", json={"prompt": "x"})
         assert response.status_code == 503 and response.json()["error"]["code"] == "no_backend"
         assert client.get("/health").status_code == 503
+
+
+# ---- safe rollout -----------------------------------------------------------------------------
+
+
+def test_guard_splits_exactly_and_rolls_back_on_errors():
+    guard = RolloutGuard(0.25, window=50, min_requests=8, max_error_delta=0.1)
+    picks = [guard.to_canary() for _ in range(100)]
+    assert sum(picks) == 25 and picks[:8] == [False, False, False, True] * 2
+    for _ in range(20):
+        guard.record("stable", True, 0.1)
+    for i in range(7):  # one error in seven: under min_requests, not judged yet
+        guard.record("canary", i != 0, 0.1)
+    assert guard.state == "canary"
+    guard.record("canary", True, 0.1)  # 1/8 = 12.5% > 0% + 10%
+    assert guard.state == "rolled_back" and "error rate 12.5%" in guard.reason
+    assert guard.weight == 0 and not any(guard.to_canary() for _ in range(10))
+    guard.set_weight(0.5)  # re-armed, with a clean canary window
+    assert guard.state == "canary" and guard.stats("canary").requests == 0
+
+
+def test_guard_rolls_back_on_latency_but_not_on_noise():
+    guard = RolloutGuard(0.5, window=100, min_requests=10, max_latency_ratio=2.0)
+    for _ in range(10):
+        guard.record("stable", True, 0.100)
+    for _ in range(10):
+        guard.record("canary", True, 0.150)  # 1.5x: within the limit
+    assert guard.state == "canary"
+    for _ in range(20):
+        guard.record("canary", True, 0.500)
+    assert guard.state == "rolled_back" and "median latency" in guard.reason
+    for bad in ({"window": 0}, {"min_requests": 0}, {"min_requests": 300},
+                {"max_error_delta": 2}, {"max_latency_ratio": 0.5}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            RolloutGuard(0.1, **bad)
+    with pytest.raises(ValueError, match="weight"):
+        RolloutGuard(1.5)
+
+
+@pytest.fixture(scope="module")
+def broken_backend():
+    """A real server whose device step fails: every request gets a 5xx."""
+    llm = LLM(**ENGINE)
+
+    def step(plan):
+        raise RuntimeError("bad build")
+
+    llm.engine.runner.step = step
+    with BackgroundServer(OpenAIServer(llm.engine, "tiny").build_app()) as url:
+        yield url
+
+
+def test_failing_canary_is_rolled_back_and_clients_never_see_it(backends, broken_backend):
+    _, urls = backends
+    router = Router([urls[0]], "kv_aware", canary=[broken_backend], canary_weight=0.5,
+                    guard=dict(window=20, min_requests=3), admin_key="ops")
+    admin = {"Authorization": "Bearer ops"}
+    with TestClient(router.build_app()) as client:
+        served_by = [_post(client, f"copy:{i}=").headers["x-pagedjax-backend"]
+                     for i in range(10)]
+        assert set(served_by) == {urls[0]}  # the canary's 503s were resent to stable
+        assert client.get("/router/status").status_code == 401
+        status = client.get("/router/status", headers=admin).json()
+        canary = status["canary"]
+        assert canary["state"] == "rolled_back" and "error rate 100.0%" in canary["reason"]
+        assert canary["canary"]["requests"] == 3  # judged after min_requests, then no more
+        text = client.get("/metrics").text
+        assert "pagedjax_router:canary_retries_total 3.0" in text
+        assert 'pagedjax_router:responses_total{group="canary",outcome="error"} 3.0' in text
+        assert "pagedjax_router:canary_weight 0.0" in text
+        bad = client.post("/router/canary", json={"weight": 2}, headers=admin)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "weight"
+
+
+def test_healthy_canary_ramps_and_is_promoted(backends):
+    _, urls = backends
+    router = Router([urls[0]], "round_robin", canary=[urls[1]], canary_weight=0.5,
+                    guard=dict(window=20, min_requests=3, max_latency_ratio=100))
+    with TestClient(router.build_app()) as client:
+        served_by = [_post(client, f"rev:{i}=").headers["x-pagedjax-backend"]
+                     for i in range(6)]
+        assert served_by == [urls[0], urls[1]] * 3
+        assert client.get("/router/status").json()["canary"]["state"] == "canary"
+        assert client.post("/router/canary", json={"weight": 1.0}).status_code == 200
+        assert {_post(client, "x").headers["x-pagedjax-backend"] for _ in range(3)} \
+            == {urls[1]}
+        status = client.post("/router/promote").json()
+        assert [b["url"] for b in status["backends"]] == [urls[1]]
+        assert status["canary"]["state"] == "off"
+        assert _post(client, "y").headers["x-pagedjax-backend"] == urls[1]
+        assert client.post("/router/promote").status_code == 400  # no canary left
