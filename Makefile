@@ -56,6 +56,7 @@ bench: $(TEST_STAMP)
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/serving.py
 	$(PY) benchmarks/routing.py
+	$(PY) benchmarks/simulator.py
 	$(PY) benchmarks/donation.py
 	$(PY) benchmarks/prefix_caching.py
 	$(PY) benchmarks/parallel_sampling.py

@@ -1,5 +1,6 @@
 """`pagedjax` command line: `pagedjax demo`, `pagedjax serve [MODEL]`, `pagedjax router
---backend URL ...`, `pagedjax capacity`, `pagedjax inspect MODEL_DIR`."""
+--backend URL ...`, `pagedjax capacity`, `pagedjax inspect MODEL_DIR`, `pagedjax profile`,
+`pagedjax simulate`."""
 
 from __future__ import annotations
 
@@ -223,10 +224,95 @@ def router(argv) -> None:
         parser.exit(1, f"pagedjax router: {e}\n")
 
 
+def profile(argv) -> None:
+    """Serves a trace (JSON lines: arrival_s, prompt_len, output_len[, n, prefix_group,
+    prefix_len]) on the engine in real time and fits the simulator's step-time model to its
+    steps (written as JSON for `pagedjax simulate`)."""
+    parser = argparse.ArgumentParser(prog="pagedjax profile", description=profile.__doc__)
+    parser.add_argument("model", nargs="?", default=None)
+    parser.add_argument("--trace", required=True)
+    parser.add_argument("--out", required=True, help="where to write the cost model (JSON)")
+    add_engine_args(parser)
+    args = parser.parse_args(argv)
+
+    from pagedjax.llm import DEFAULT_MODEL, LLM
+    from pagedjax.profiling import run_trace
+    from scheduler.simulator import StepCostModel, load_trace
+
+    try:
+        trace = load_trace(args.trace)
+        llm = LLM(args.model or DEFAULT_MODEL, **engine_kwargs(args))
+    except (ValueError, OSError) as e:
+        parser.exit(1, f"pagedjax profile: {e}\n")
+    print(f"warmup: {llm.engine.warmup()} step shapes compiled", flush=True)
+    result, samples = run_trace(llm.engine, trace)
+    cost = StepCostModel.fit(samples)
+    with open(args.out, "w") as f:
+        f.write(cost.to_json() + "\n")
+    print(_table([{"run": "engine", **result.summary()}]))
+    print(f"cost model from {len(samples)} steps -> {args.out}")
+
+
+def simulate(argv) -> None:
+    """Predicts a trace's TTFT, TPOT, throughput, preemptions and KV use under each combination
+    of the given pool sizes and batch limits, with the real scheduler on a fitted step-time
+    model (from `pagedjax profile`); no model, no device."""
+    parser = argparse.ArgumentParser(prog="pagedjax simulate", description=simulate.__doc__)
+    parser.add_argument("--trace", required=True)
+    parser.add_argument("--cost", required=True, help="a cost model from `pagedjax profile`")
+    ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
+    parser.add_argument("--num-blocks", type=ints, required=True,
+                        help="pool sizes to try, comma-separated (the null block included)")
+    parser.add_argument("--max-num-seqs", type=ints, default=[32])
+    parser.add_argument("--max-num-batched-tokens", type=ints, default=[512])
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--policy", default="mixed", choices=list(POLICIES))
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--vocab-size", type=int, default=32000)
+    args = parser.parse_args(argv)
+
+    from pagedjax.config import EngineConfig
+    from scheduler.simulator import StepCostModel, load_trace
+    from scheduler.simulator import simulate as run
+
+    try:
+        trace = load_trace(args.trace)
+        with open(args.cost) as f:
+            cost = StepCostModel.from_json(f.read())
+        rows = []
+        for num_blocks in args.num_blocks:
+            for max_num_seqs in args.max_num_seqs:
+                for max_tokens in args.max_num_batched_tokens:
+                    config = EngineConfig(
+                        num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=max_tokens, block_size=args.block_size,
+                        max_model_len=args.max_model_len, policy=args.policy,
+                        enable_prefix_caching=not args.no_prefix_caching)
+                    result = run(trace, config.scheduler_config(), num_blocks=num_blocks,
+                                 block_size=args.block_size, buckets=config.buckets(),
+                                 cost=cost, vocab_size=args.vocab_size)
+                    rows.append({"num_blocks": num_blocks, "max_num_seqs": max_num_seqs,
+                                 "max_num_batched_tokens": max_tokens, **result.summary()})
+    except (ValueError, OSError, KeyError) as e:
+        parser.exit(1, f"pagedjax simulate: {e}\n")
+    print(_table(rows))
+
+
+def _table(rows: list[dict]) -> str:
+    keys = list(rows[0])
+    cells = [[f"{v:.4g}" if isinstance(v, float) else str(v) for v in row.values()]
+             for row in rows]
+    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
+    lines = ["  ".join(k.rjust(w) for k, w in zip(keys, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     commands = {"demo": None, "serve": serve, "router": router, "capacity": capacity,
-                "inspect": inspect}
+                "inspect": inspect, "profile": profile, "simulate": simulate}
     if not argv or argv[0] not in commands:
         print(f"usage: pagedjax {{{','.join(commands)}}} [options]", file=sys.stderr)
         raise SystemExit(2)

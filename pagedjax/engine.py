@@ -18,7 +18,7 @@ from pagedjax.runner import ModelRunner
 from pallas_kernels import kv_cache_bytes_per_block, resolve_backend
 from pagedjax.tokenizer import IncrementalDetokenizer, StopStringMatcher
 from scheduler import (DECODE, NULL_BLOCK, Request, RequestStatus, SamplingParams, Scheduler,
-                       build_plan)
+                       build_plan, make_samples)
 
 
 class _TextState:
@@ -135,6 +135,7 @@ class LLMEngine:
         self._texts: dict[str, _TextState] = {}  # sample request_id -> its text, with a tokenizer
         self._prompts: dict[str, str] = {}  # request_id -> prompt text, when given as text
         self.usage_history: collections.deque[UsageSample] = collections.deque(maxlen=100_000)
+        self.last_schedule = None
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -179,17 +180,9 @@ class LLMEngine:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         arrival_time = self.clock() if arrival_time is None else arrival_time
-        num_samples = sampling_params.num_samples
-        samples = []
-        for i in range(num_samples):
-            sample = Request(request_id if num_samples == 1 else f"{request_id}#{i}",
-                             ids.tolist(), sampling_params, seed=(seed + i) % 2**32,
-                             arrival_time=arrival_time, cache_salt=cache_salt,
-                             eos_token_ids=self.model_config.eos_token_ids)
-            sample.parent_id, sample.sample_index = request_id, i
-            samples.append(sample)
-        samples[0].followers = samples[1:]
-        return samples[0]
+        return make_samples(request_id, ids.tolist(), sampling_params, seed=seed,
+                            arrival_time=arrival_time, cache_salt=cache_salt,
+                            eos_token_ids=self.model_config.eos_token_ids)
 
     def add_request(self, prompt_token_ids: Sequence[int],
                     sampling_params: SamplingParams | None = None,
@@ -243,6 +236,7 @@ class LLMEngine:
             if self.has_unfinished():
                 raise RuntimeError("scheduler made no progress with requests pending")
             return []
+        self.last_schedule = output  # what the step ran (profiling reads its shape)
         plan = build_plan(output, self.scheduler.kv_manager, self.buckets)
         start = time.perf_counter()
         self.runner.swap(output.swap_out, output.swap_in, self.host_pool)

@@ -7,7 +7,7 @@ from scheduler.block_pool import NULL_BLOCK, BlockPool
 from scheduler.buckets import ShapeBuckets, pad_to_bucket, power_of_two_buckets
 from scheduler.kv_cache_manager import KVCacheManager, cdiv
 from scheduler.plan import ARRAY_FIELDS, DECODE, PREFILL, STATIC_FIELDS, BatchPlan, build_plan
-from scheduler.request import Request, RequestStatus, SamplingParams
+from scheduler.request import Request, RequestStatus, SamplingParams, make_samples
 from scheduler.lifecycle import Scheduler, abort_request, add_request, check_request, update
 from scheduler.scheduler import (DECODE_FIRST, MIXED, POLICIES, PREFILL_FIRST, VICTIM_POLICIES,
                                  ScheduledSeq, SchedulerConfig, SchedulerOutput, SchedulerState,
@@ -19,5 +19,5 @@ __all__ = [
     "build_plan", "Request", "RequestStatus", "SamplingParams", "DECODE_FIRST", "MIXED",
     "POLICIES", "PREFILL_FIRST", "VICTIM_POLICIES", "ScheduledSeq", "Scheduler",
     "SchedulerConfig", "SchedulerOutput", "SchedulerState", "abort_request", "add_request", "check_request",
-    "schedule", "update",
+    "schedule", "update", "make_samples",
 ]

@@ -176,3 +176,21 @@ class Request:
         return (f"Request({self.request_id!r}, status={self.status.value}, "
                 f"prompt={self.num_prompt_tokens}, output={self.num_output_tokens}, "
                 f"computed={self.num_computed_tokens})")
+
+
+def make_samples(request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                 seed: int, arrival_time: float, eos_token_ids: Sequence[int] = (),
+                 cache_salt: str | None = None) -> Request:
+    """A request and its parallel samples (params.num_samples of them): sample i is
+    `request_id#i` with seed + i, the others wait as the first one's followers."""
+    num_samples = params.num_samples
+    samples = []
+    for i in range(num_samples):
+        sample = Request(request_id if num_samples == 1 else f"{request_id}#{i}",
+                         prompt_token_ids, params, seed=(seed + i) % 2**32,
+                         arrival_time=arrival_time, cache_salt=cache_salt,
+                         eos_token_ids=eos_token_ids)
+        sample.parent_id, sample.sample_index = request_id, i
+        samples.append(sample)
+    samples[0].followers = samples[1:]
+    return samples[0]

@@ -1,0 +1,77 @@
+"""Workload profiling and capacity planning: run a trace on the real engine, fit the
+simulator's step-time model to it, and predict other configurations with scheduler.simulator.
+
+    engine.warmup()
+    measured, samples = run_trace(engine, trace)        # the real thing, step by step
+    cost = StepCostModel.fit(samples)                    # seconds(step kind, T, B, kv tokens)
+    predicted = simulate(trace, config..., cost=cost)    # milliseconds, no device
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import numpy as np
+
+from pagedjax.engine import LLMEngine
+from scheduler import SamplingParams
+from scheduler.simulator import SimResult, TraceRequest, step_features
+
+
+def run_trace(engine: LLMEngine, trace: Sequence[TraceRequest]
+              ) -> tuple[SimResult, list[tuple[str, np.ndarray, float]]]:
+    """Serves the trace on the engine in real time (each request added once its arrival_s has
+    passed), outputs forced to their recorded length. Returns what happened, in the simulator's
+    terms, and every step's (kind, features, seconds of LLMEngine.step)."""
+    if engine.has_unfinished():
+        raise ValueError("run_trace needs an idle engine")
+    vocab = engine.model_config.vocab_size
+    order = sorted(range(len(trace)), key=lambda i: trace[i].arrival_s)
+    stats = engine.stats
+    before = (stats.num_steps, stats.num_prefill_steps, stats.num_preemptions,
+              stats.num_prefix_query_tokens, stats.num_prefix_hit_tokens)
+    ids: dict[str, int] = {}
+    finals = {}
+    samples, peak, tokens = [], 0, 0
+    start = time.perf_counter()
+    next_arrival = 0
+    while next_arrival < len(order) or engine.has_unfinished():
+        now = time.perf_counter() - start
+        while next_arrival < len(order) and trace[order[next_arrival]].arrival_s <= now:
+            i = order[next_arrival]
+            r = trace[i]
+            params = SamplingParams(max_tokens=r.output_len, n=r.n, temperature=0.0,
+                                    ignore_eos=True, seed=i)
+            rid = engine.add_request(r.prompt_token_ids(i, vocab), params,
+                                     arrival_time=start + r.arrival_s)
+            ids[rid] = i
+            next_arrival += 1
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, trace[order[next_arrival]].arrival_s
+                           - (time.perf_counter() - start)))
+            continue
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        seconds = time.perf_counter() - t0
+        kind, features = step_features(engine.last_schedule, engine.buckets)
+        samples.append((kind, features, seconds))
+        peak = max(peak, engine.scheduler.kv_manager.num_used_blocks)
+        for out in outputs:
+            if out.finished:
+                finals[ids[out.request_id]] = out
+    tokens = sum(len(c.token_ids) for out in finals.values() for c in out.outputs)
+    outs = [finals[i] for i in range(len(trace))]
+    arrival = np.array([o.metrics.arrival_time for o in outs])
+    first = np.array([o.metrics.first_token_time for o in outs])
+    finish = np.array([o.metrics.finish_time for o in outs])
+    longest = np.array([max(len(c.token_ids) for c in o.outputs) for o in outs])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        tpot = np.where(longest > 1, (finish - first) / (longest - 1), np.nan)
+    after = (stats.num_steps, stats.num_prefill_steps, stats.num_preemptions,
+             stats.num_prefix_query_tokens, stats.num_prefix_hit_tokens)
+    steps, prefill_steps, preemptions, queried, hits = (a - b for a, b in zip(after, before))
+    result = SimResult(first - arrival, tpot, finish - arrival,
+                       float(finish.max() - arrival.min()), steps, prefill_steps, preemptions,
+                       tokens, peak, hits / queried if queried else 0.0)
+    return result, samples

@@ -1,0 +1,258 @@
+"""Replays a workload through the real scheduler against a step-time cost model (no jax, no
+device): what TTFT, TPOT, throughput, preemptions and KV usage a configuration would give, in
+milliseconds of host time instead of the run itself. Capacity planning sweeps it over pool sizes
+and batch limits.
+
+The scheduler is the engine's own (`schedule` / `update` are pure functions of their
+arguments), fed requests of the trace's lengths whose outputs are forced to their recorded length
+(ignore_eos). Only the step's duration is modelled: StepCostModel predicts it from the step's
+kind and its shape, the padded token count T and sequence count B the jit program runs, and the
+KV tokens the step attends; `pagedjax.profiling.calibrate` fits it to an engine's measured
+steps. Given the same arrivals relative to the steps (e.g. all at once), the simulated schedule
+is the engine's, step for step.
+
+A trace is JSON lines, one request each: {"arrival_s", "prompt_len", "output_len"} and
+optionally "n" (parallel samples), "prefix_group" and "prefix_len" (requests of one group share
+their first prefix_len prompt tokens, so the prefix cache sees them as it would).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from scheduler.buckets import ShapeBuckets
+from scheduler.plan import DECODE, PREFILL
+from scheduler.request import Request, SamplingParams, make_samples
+from scheduler.lifecycle import Scheduler
+from scheduler.scheduler import SchedulerConfig, SchedulerOutput
+
+FEATURES = ("1", "T", "B", "kv_tokens")
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceRequest:
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+    n: int = 1
+    prefix_group: int | None = None
+    prefix_len: int = 0
+
+    def __post_init__(self):
+        for name in ("prompt_len", "output_len", "n"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.arrival_s, (int, float)) or not np.isfinite(self.arrival_s) \
+                or self.arrival_s < 0:
+            raise ValueError(f"arrival_s must be a finite number >= 0, got {self.arrival_s!r}")
+        if not isinstance(self.prefix_len, int) or not 0 <= self.prefix_len <= self.prompt_len:
+            raise ValueError(f"prefix_len must be an integer in [0, prompt_len="
+                             f"{self.prompt_len}], got {self.prefix_len!r}")
+        if self.prefix_len and self.prefix_group is None:
+            raise ValueError("prefix_len needs a prefix_group")
+
+    def prompt_token_ids(self, index: int, vocab_size: int) -> list[int]:
+        """Synthetic ids: the group's shared prefix (the same for every member), then tokens
+        of this request's own."""
+        shared = []
+        if self.prefix_len:
+            rng = np.random.default_rng([1, self.prefix_group])
+            shared = rng.integers(0, vocab_size, self.prefix_len).tolist()
+        own = np.random.default_rng([2, index]).integers(0, vocab_size,
+                                                         self.prompt_len - self.prefix_len)
+        return shared + own.tolist()
+
+
+def load_trace(path: str | os.PathLike) -> list[TraceRequest]:
+    """Reads a JSON-lines trace; errors name the line and the field."""
+    requests = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                if not isinstance(record, dict):
+                    raise ValueError("a line must be a JSON object")
+                requests.append(TraceRequest(**record))
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"{path}:{number}: {e}") from None
+    if not requests:
+        raise ValueError(f"{path}: the trace has no requests")
+    return requests
+
+
+def save_trace(path: str | os.PathLike, requests: Iterable[TraceRequest]) -> None:
+    with open(path, "w") as f:
+        for r in requests:
+            record = {k: v for k, v in dataclasses.asdict(r).items()
+                      if v != TraceRequest.__dataclass_fields__[k].default}
+            f.write(json.dumps({"arrival_s": r.arrival_s, **record}) + "\n")
+
+
+def step_features(output: SchedulerOutput, buckets: ShapeBuckets) -> tuple[str, np.ndarray]:
+    """(kind, [1, T, B, kv_tokens]) of a step, padded as build_plan pads it."""
+    num_seqs = len(output.scheduled) + len(output.forks)
+    padded_seqs = buckets.padded_num_seqs(num_seqs)
+    if output.kind == DECODE:
+        padded_tokens = padded_seqs
+    else:
+        padded_tokens = buckets.padded_num_tokens(output.num_scheduled_tokens)
+    kv_tokens = sum(seq.start + seq.num_new_tokens for seq in output.scheduled)
+    return output.kind, np.array([1.0, padded_tokens, padded_seqs, kv_tokens])
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCostModel:
+    """seconds(step) = coef[kind] . [1, T, B, kv_tokens] + shape[(kind, T, B)].
+
+    The linear part extrapolates to any shape; `shape` holds, for each compiled program (kind,
+    T, B) seen often enough when fitting, the mean of its steps' residuals (what the program
+    costs beyond the line: each shape is its own XLA program)."""
+
+    coef: dict[str, tuple[float, ...]]
+    shape: dict[tuple[str, int, int], float] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        for kind in (PREFILL, DECODE):
+            values = self.coef.get(kind)
+            if values is None or len(values) != len(FEATURES):
+                raise ValueError(f"coef[{kind!r}] must hold {len(FEATURES)} numbers "
+                                 f"({', '.join(FEATURES)}), got {values!r}")
+
+    def predict(self, kind: str, features: np.ndarray) -> float:
+        key = (kind, int(features[1]), int(features[2]))
+        return max(float(np.dot(self.coef[kind], features)) + self.shape.get(key, 0.0), 0.0)
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[str, np.ndarray, float]],
+            min_shape_samples: int = 3) -> "StepCostModel":
+        """Least squares per kind with non-negative coefficients (a feature that is constant,
+        a copy of another (a decode step's T is its B), or whose coefficient comes out
+        negative is dropped and the rest refitted); then the per-shape residual means."""
+        coef, shape = {}, {}
+        for kind in (PREFILL, DECODE):
+            rows = [(f, t) for k, f, t in samples if k == kind]
+            if len(rows) < 2:
+                raise ValueError(f"need at least 2 {kind} steps to fit, got {len(rows)}")
+            x = np.array([f for f, _ in rows])
+            y = np.array([t for _, t in rows])
+            keep = [0]
+            for i in range(x.shape[1] - 1, 0, -1):  # of two equal columns B stays, not T
+                if np.ptp(x[:, i]) > 0 and not any(np.array_equal(x[:, i], x[:, k])
+                                                   for k in keep):
+                    keep.append(i)
+            keep.sort()
+            while True:
+                solution, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
+                negative = [k for k, c in zip(keep, solution) if c < 0 and k != 0]
+                if not negative:
+                    break
+                keep.remove(negative[0])
+            full = np.zeros(x.shape[1])
+            full[keep] = solution
+            coef[kind] = tuple(float(c) for c in full)
+            residuals: dict[tuple[str, int, int], list[float]] = {}
+            for f, t in rows:
+                residuals.setdefault((kind, int(f[1]), int(f[2])), []).append(
+                    t - float(np.dot(full, f)))
+            shape.update({key: float(np.mean(r)) for key, r in residuals.items()
+                          if len(r) >= min_shape_samples})
+        return cls(coef, shape)
+
+    def to_json(self) -> str:
+        return json.dumps({"features": FEATURES, "coef": self.coef,
+                           "shape": [[k, t, b, v] for (k, t, b), v in self.shape.items()]},
+                          indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "StepCostModel":
+        data = json.loads(text)
+        if tuple(data.get("features", ())) != FEATURES:
+            raise ValueError(f"cost model features must be {FEATURES}, "
+                             f"got {data.get('features')}")
+        return cls({k: tuple(v) for k, v in data["coef"].items()},
+                   {(k, int(t), int(b)): float(v) for k, t, b, v in data.get("shape", [])})
+
+
+@dataclasses.dataclass(frozen=True)
+class SimResult:
+    ttft_s: np.ndarray  # per request, in trace order
+    tpot_s: np.ndarray  # per request with > 1 output token (nan otherwise)
+    e2e_s: np.ndarray
+    makespan_s: float
+    num_steps: int
+    num_prefill_steps: int
+    num_preemptions: int
+    output_tokens: int
+    peak_used_blocks: int
+    prefix_hit_rate: float
+
+    def summary(self) -> dict:
+        def pct(values, q):
+            values = values[~np.isnan(values)]
+            return float(np.percentile(values, q)) if values.size else float("nan")
+
+        return {"steps": self.num_steps, "prefill_steps": self.num_prefill_steps,
+                "preemptions": self.num_preemptions, "makespan_s": self.makespan_s,
+                "output_tokens_per_s": self.output_tokens / self.makespan_s,
+                "ttft_p50_s": pct(self.ttft_s, 50), "ttft_p99_s": pct(self.ttft_s, 99),
+                "tpot_p50_s": pct(self.tpot_s, 50), "tpot_p99_s": pct(self.tpot_s, 99),
+                "e2e_p50_s": pct(self.e2e_s, 50), "peak_used_blocks": self.peak_used_blocks,
+                "prefix_hit_rate": self.prefix_hit_rate}
+
+
+def simulate(trace: Sequence[TraceRequest], config: SchedulerConfig, *, num_blocks: int,
+             block_size: int, buckets: ShapeBuckets, cost: StepCostModel,
+             vocab_size: int = 32000, num_host_blocks: int = 0) -> SimResult:
+    """Runs the trace to completion on simulated time; raises ValueError for a request the
+    configuration can never serve (as the engine would reject it)."""
+    scheduler = Scheduler(config, num_blocks, block_size, num_host_blocks=num_host_blocks)
+    order = sorted(range(len(trace)), key=lambda i: trace[i].arrival_s)
+    groups: list[list[Request]] = [[] for _ in trace]  # each request's samples
+    now, next_arrival, steps, prefill_steps, peak, tokens = 0.0, 0, 0, 0, 0, 0
+    while next_arrival < len(order) or scheduler.has_unfinished():
+        while next_arrival < len(order) and trace[order[next_arrival]].arrival_s <= now:
+            i = order[next_arrival]
+            r = trace[i]
+            params = SamplingParams(max_tokens=r.output_len, n=r.n, temperature=0.0,
+                                    ignore_eos=True)
+            request = make_samples(str(i), r.prompt_token_ids(i, vocab_size), params,
+                                   seed=i, arrival_time=r.arrival_s)
+            try:
+                scheduler.add_request(request)
+            except ValueError as e:
+                raise ValueError(f"trace request {i}: {e}") from None
+            groups[i] = [request, *request.followers]
+            next_arrival += 1
+        if not scheduler.has_unfinished():
+            now = max(now, trace[order[next_arrival]].arrival_s)
+            continue
+        output = scheduler.schedule(now)
+        if not output.scheduled:
+            raise RuntimeError("the scheduler made no progress with requests pending")
+        kind, features = step_features(output, buckets)
+        now += cost.predict(kind, features)
+        advanced = scheduler.update(output, np.ones(len(output.scheduled) + len(output.forks),
+                                                    np.int64), now)
+        steps += 1
+        prefill_steps += kind == PREFILL
+        tokens += len(advanced)
+        peak = max(peak, scheduler.kv_manager.num_used_blocks)
+    arrival = np.array([g[0].arrival_time for g in groups])
+    first = np.array([min(s.first_token_time for s in g) for g in groups])
+    finish = np.array([max(s.finish_time for s in g) for g in groups])
+    longest = np.array([max(len(s.output_token_ids) for s in g) for g in groups])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        tpot = np.where(longest > 1, (finish - first) / (longest - 1), np.nan)
+    state = scheduler.state
+    queried = state.num_prefix_query_tokens
+    return SimResult(first - arrival, tpot, finish - arrival, float(finish.max() - arrival.min()),
+                     steps, prefill_steps, state.num_preemptions, tokens, peak,
+                     state.num_prefix_hit_tokens / queried if queried else 0.0)

@@ -1,0 +1,136 @@
+"""The scheduler simulator: traces, the step-time model, and the simulated schedule against the
+real engine's (same steps, prefill steps, preemptions and prefix hits when requests arrive at
+once)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pagedjax import LLM
+from pagedjax.profiling import run_trace
+from scheduler import DECODE, PREFILL, SchedulerConfig, ShapeBuckets
+from scheduler.simulator import (StepCostModel, TraceRequest, load_trace, save_trace,
+                                 simulate)
+
+
+def test_trace_requests_validate_and_round_trip(tmp_path):
+    for bad, field in [(dict(arrival_s=-1, prompt_len=4, output_len=2), "arrival_s"),
+                       (dict(arrival_s=0, prompt_len=0, output_len=2), "prompt_len"),
+                       (dict(arrival_s=0, prompt_len=4, output_len=2.5), "output_len"),
+                       (dict(arrival_s=0, prompt_len=4, output_len=2, n=0), "n"),
+                       (dict(arrival_s=0, prompt_len=4, output_len=2, prefix_len=5,
+                             prefix_group=1), "prefix_len"),
+                       (dict(arrival_s=0, prompt_len=4, output_len=2, prefix_len=2),
+                        "prefix_group")]:
+        with pytest.raises(ValueError, match=field):
+            TraceRequest(**bad)
+    trace = [TraceRequest(0.0, 10, 3), TraceRequest(1.5, 40, 8, n=2, prefix_group=3,
+                                                    prefix_len=32)]
+    path = tmp_path / "trace.jsonl"
+    save_trace(path, trace)
+    assert load_trace(path) == trace
+    path.write_text(json.dumps({"arrival_s": 0, "prompt_len": 3, "output_len": 1}) + "\n"
+                    + json.dumps({"arrival_s": 0, "prompt_len": 3}) + "\n")
+    with pytest.raises(ValueError, match=r"trace.jsonl:2: .*output_len"):
+        load_trace(path)
+    a, b = trace[1].prompt_token_ids(1, 100), TraceRequest(
+        0, 50, 1, prefix_group=3, prefix_len=32).prompt_token_ids(7, 100)
+    assert a[:32] == b[:32] and a[32:] != b[32:40] and len(a) == 40
+
+
+def test_cost_model_fit_recovers_a_linear_model():
+    rng = np.random.default_rng(0)
+    true = {PREFILL: (2e-3, 1e-5, 0.0, 2e-7), DECODE: (1e-3, 0.0, 3e-5, 1e-7)}
+    samples = []
+    for _ in range(60):
+        kind = PREFILL if rng.random() < 0.5 else DECODE
+        t = float(2 ** rng.integers(4, 9))  # 16 .. 256
+        b = float(2 ** rng.integers(0, 2))  # 1, 2
+        features = np.array([1.0, t if kind == PREFILL else b, b, rng.integers(10, 5000)])
+        samples.append((kind, features, float(np.dot(true[kind], features))))
+    model = StepCostModel.fit(samples)
+    for kind in true:
+        np.testing.assert_allclose(model.coef[kind], true[kind], rtol=1e-6, atol=1e-12)
+        assert min(model.coef[kind]) >= 0
+    assert max(abs(v) for v in model.shape.values()) < 1e-9  # exactly linear: no residuals
+    assert StepCostModel.from_json(model.to_json()) == model
+    # A shape that costs more than the line: its residual is learned, other shapes keep the line.
+    slow = [np.array([1.0, 64, 4, kv]) for kv in (100, 900, 2500)]  # not a shape drawn above
+    bumped = samples + [(PREFILL, f, float(np.dot(true[PREFILL], f)) + 0.05) for f in slow]
+    fitted = StepCostModel.fit(bumped)
+    assert set(fitted.shape) == {(PREFILL, 64, 4)} or \
+        max(abs(v) for k, v in fitted.shape.items() if k != (PREFILL, 64, 4)) < 0.01
+    for f in slow:
+        assert fitted.predict(PREFILL, f) == pytest.approx(np.dot(true[PREFILL], f) + 0.05,
+                                                           abs=0.01)
+    with pytest.raises(ValueError, match="coef"):
+        StepCostModel({PREFILL: (1, 2)})
+    with pytest.raises(ValueError, match="at least 2 decode"):
+        StepCostModel.fit([s for s in samples if s[0] == PREFILL])
+
+
+def _setup(num_blocks=200, **config):
+    config = SchedulerConfig(**{**dict(max_num_seqs=8, max_num_batched_tokens=64,
+                                       max_model_len=256), **config})
+    buckets = ShapeBuckets.create(max_num_batched_tokens=config.max_num_batched_tokens,
+                                  max_num_seqs=config.max_num_seqs,
+                                  max_model_len=config.max_model_len, block_size=16)
+    cost = StepCostModel({PREFILL: (0.01, 1e-4, 0, 0), DECODE: (0.005, 0, 1e-4, 0)})
+    return dict(config=config, num_blocks=num_blocks, block_size=16, buckets=buckets,
+                cost=cost)
+
+
+def test_simulation_waits_for_arrivals_and_runs_parallel_samples():
+    trace = [TraceRequest(0.0, 20, 5), TraceRequest(100.0, 20, 5, n=3)]
+    result = simulate(trace, **_setup())
+    assert result.makespan_s > 100 and result.ttft_s[1] < 1.0
+    assert result.output_tokens == 5 + 3 * 5
+    with pytest.raises(ValueError, match="trace request 0: .*max_model_len"):
+        simulate([TraceRequest(0.0, 250, 10)], **_setup())
+
+
+@pytest.mark.parametrize("num_blocks", [200, 24], ids=["roomy", "preempting"])
+def test_simulated_schedule_is_the_engines(num_blocks):
+    llm = LLM(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+              num_blocks=num_blocks)
+    engine = llm.engine
+    rng = np.random.default_rng(1)
+    trace = [TraceRequest(0.0, int(rng.integers(5, 90)), int(rng.integers(2, 30)))
+             for _ in range(10)]
+    trace += [TraceRequest(0.0, 70, 6, prefix_group=0, prefix_len=48) for _ in range(3)]
+    real, samples = run_trace(engine, trace)
+    assert len(samples) == real.num_steps and not engine.has_unfinished()
+    sim = simulate(trace, engine.config.scheduler_config(), num_blocks=num_blocks,
+                   block_size=16, buckets=engine.buckets, cost=StepCostModel.fit(samples),
+                   vocab_size=engine.model_config.vocab_size)
+    assert (sim.num_steps, sim.num_prefill_steps, sim.num_preemptions) == \
+        (real.num_steps, real.num_prefill_steps, real.num_preemptions)
+    assert sim.output_tokens == real.output_tokens == sum(r.output_len for r in trace)
+    assert sim.prefix_hit_rate == real.prefix_hit_rate > 0
+    assert sim.peak_used_blocks == real.peak_used_blocks
+    if num_blocks == 24:
+        assert real.num_preemptions > 0
+
+
+def test_simulate_cli_sweeps_configs(tmp_path, capsys):
+    from pagedjax.cli import main
+
+    trace = tmp_path / "trace.jsonl"
+    save_trace(trace, [TraceRequest(0.0, 30 + i, 40) for i in range(12)])
+    cost = tmp_path / "cost.json"
+    cost.write_text(_setup()["cost"].to_json())
+    main(["simulate", "--trace", str(trace), "--cost", str(cost), "--num-blocks", "10,60",
+          "--max-num-seqs", "2,8", "--max-model-len", "128", "--max-num-batched-tokens", "64"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].split()[:4] == ["num_blocks", "max_num_seqs", "max_num_batched_tokens",
+                                    "steps"]
+    rows = [line.split() for line in lines[1:]]
+    assert [(r[0], r[1]) for r in rows] == [("10", "2"), ("10", "8"), ("60", "2"), ("60", "8")]
+    preemptions = {(r[0], r[1]): int(r[5]) for r in rows}
+    assert preemptions["10", "8"] > 0 and preemptions["60", "8"] == 0
+    with pytest.raises(SystemExit) as exit_info:
+        main(["simulate", "--trace", str(trace), "--cost", str(cost), "--num-blocks", "1"])
+    assert exit_info.value.code == 1 and "num_blocks" in capsys.readouterr().err
