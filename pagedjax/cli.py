@@ -147,6 +147,9 @@ def serve(argv) -> None:
                         help="require 'Authorization: Bearer KEY' on /v1 (or PAGEDJAX_API_KEY)")
     parser.add_argument("--warmup", action="store_true",
                         help="compile every step program before accepting requests")
+    parser.add_argument("--trace-out", help="append every finished request to this JSON-lines "
+                        "trace (lengths, arrival, prefix hashes; no text) for `pagedjax "
+                        "simulate`")
     parser.add_argument("--log-level", default="info")
     add_engine_args(parser)
     args = parser.parse_args(argv)
@@ -168,7 +171,7 @@ def serve(argv) -> None:
     name = args.served_model_name or os.path.basename(os.path.normpath(str(model)))
     run_server(llm.engine, name, host=args.host, port=args.port,
                max_outstanding_tokens=args.max_outstanding_tokens, api_key=args.api_key,
-               log_level=args.log_level)
+               trace_out=args.trace_out, log_level=args.log_level)
 
 
 def router(argv) -> None:

@@ -33,6 +33,7 @@ from pagedjax.engine import LLMEngine
 from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.server_metrics import ServerMetrics
 from scheduler import SamplingParams
+from scheduler.simulator import prefix_hashes
 
 
 # ---- request bodies ------------------------------------------------------------------------------
@@ -164,11 +165,38 @@ REJECTED = {400: "invalid", 404: "invalid", 429: "overloaded"}  # status -> the 
 
 # ---- the app -------------------------------------------------------------------------------------
 
+class TraceRecorder:
+    """Appends each finished request to a JSON-lines trace for `pagedjax simulate`: arrival
+    (seconds since the server started), prompt and output lengths, samples, and the chained
+    hashes of the prompt's 16-token pieces (which requests share a prefix; no tokens)."""
+
+    def __init__(self, path: str, start: float):
+        self.file = open(path, "a", buffering=1)
+        self.start = start
+
+    def record(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            if not out.finished:
+                continue
+            record = {"arrival_s": round(out.metrics.arrival_time - self.start, 6),
+                      "prompt_len": len(out.prompt_token_ids),
+                      "output_len": max(1, max(len(c.token_ids) for c in out.outputs))}
+            if len(out.outputs) > 1:
+                record["n"] = len(out.outputs)
+            if hashes := prefix_hashes(out.prompt_token_ids):
+                record["prefix_hashes"] = list(hashes)
+            self.file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self.file.close()
+
+
 class OpenAIServer:
     """The endpoints over one AsyncLLMEngine."""
 
     def __init__(self, engine: LLMEngine, served_model_name: str = "pagedjax", *,
-                 max_outstanding_tokens: int | None = None, api_key: str | None = None):
+                 max_outstanding_tokens: int | None = None, api_key: str | None = None,
+                 trace_out: str | None = None):
         if not isinstance(served_model_name, str) or not served_model_name:
             raise ValueError(f"served_model_name must be a non-empty string, "
                              f"got {served_model_name!r}")
@@ -178,9 +206,14 @@ class OpenAIServer:
         self.api_key = api_key
         self.created = int(time.time())
         self.metrics = ServerMetrics(engine, served_model_name)
+        self.trace = TraceRecorder(trace_out, engine.clock()) if trace_out else None
         self.async_engine = AsyncLLMEngine(engine, max_outstanding_tokens=max_outstanding_tokens,
-                                           on_step=self.metrics.on_step,
-                                           on_abort=self.metrics.forget)
+                                           on_step=self._on_step, on_abort=self.metrics.forget)
+
+    def _on_step(self, info) -> None:  # the engine thread, after every step
+        self.metrics.on_step(info)
+        if self.trace is not None:
+            self.trace.record(info.outputs)
 
     # ---- helpers ---------------------------------------------------------------------------
 
@@ -464,6 +497,8 @@ class OpenAIServer:
                 yield
             finally:
                 self.async_engine.shutdown()
+                if self.trace is not None:
+                    self.trace.close()
 
         app = fastapi.FastAPI(title="pagedjax", lifespan=lifespan)
         app.state.server = self
@@ -543,13 +578,12 @@ def build_app(engine: LLMEngine, served_model_name: str = "pagedjax", *,
 
 
 def run_server(engine: LLMEngine, served_model_name: str = "pagedjax", *, host: str = "127.0.0.1",
-               port: int = 8000, max_outstanding_tokens: int | None = None,
-               api_key: str | None = None, log_level: str = "info") -> None:
-    """Serves until interrupted (uvicorn; SIGINT / SIGTERM stop it after in-flight responses)."""
+               port: int = 8000, log_level: str = "info", **server_kwargs) -> None:
+    """Serves until interrupted (uvicorn; SIGINT / SIGTERM stop it after in-flight responses).
+    server_kwargs: OpenAIServer's (max_outstanding_tokens, api_key, trace_out)."""
     import uvicorn
 
-    app = build_app(engine, served_model_name, max_outstanding_tokens=max_outstanding_tokens,
-                    api_key=api_key)
+    app = OpenAIServer(engine, served_model_name, **server_kwargs).build_app()
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises SIGINT once shut down
         uvicorn.run(app, host=host, port=port, log_level=log_level)
 

@@ -12,13 +12,16 @@ steps. Given the same arrivals relative to the steps (e.g. all at once), the sim
 is the engine's, step for step.
 
 A trace is JSON lines, one request each: {"arrival_s", "prompt_len", "output_len"} and
-optionally "n" (parallel samples), "prefix_group" and "prefix_len" (requests of one group share
-their first prefix_len prompt tokens, so the prefix cache sees them as it would).
+optionally "n" (parallel samples), and either "prefix_group" and "prefix_len" (requests of one
+group share their first prefix_len prompt tokens) or "prefix_hashes" (chained hashes of the
+prompt's 16-token pieces, as `pagedjax serve --trace-out` records them), so that the prefix
+cache sees the requests as it would.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from typing import Iterable, Sequence
@@ -32,6 +35,18 @@ from scheduler.lifecycle import Scheduler
 from scheduler.scheduler import SchedulerConfig, SchedulerOutput
 
 FEATURES = ("1", "T", "B", "kv_tokens")
+CHUNK = 16  # tokens a prefix hash covers
+
+
+def prefix_hashes(prompt_token_ids: Sequence[int]) -> tuple[str, ...]:
+    """Chained hashes of a prompt's whole CHUNK-token pieces, for a trace: equal lists mean
+    equal prefixes, and the tokens cannot be read back from them."""
+    hashes, parent = [], b""
+    for start in range(0, len(prompt_token_ids) - CHUNK + 1, CHUNK):
+        piece = np.asarray(prompt_token_ids[start:start + CHUNK], np.int64).tobytes()
+        parent = hashlib.blake2b(parent + piece, digest_size=8).digest()
+        hashes.append(parent.hex())
+    return tuple(hashes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +57,9 @@ class TraceRequest:
     n: int = 1
     prefix_group: int | None = None
     prefix_len: int = 0
+    # Chained hashes of the prompt's leading CHUNK-token pieces (hex; what a served trace
+    # records): prompts whose lists start alike share those tokens.
+    prefix_hashes: tuple[str, ...] = ()
 
     def __post_init__(self):
         for name in ("prompt_len", "output_len", "n"):
@@ -56,6 +74,12 @@ class TraceRequest:
                              f"{self.prompt_len}], got {self.prefix_len!r}")
         if self.prefix_len and self.prefix_group is None:
             raise ValueError("prefix_len needs a prefix_group")
+        object.__setattr__(self, "prefix_hashes", tuple(self.prefix_hashes))
+        if self.prefix_hashes and self.prefix_len:
+            raise ValueError("give prefix_hashes or prefix_group/prefix_len, not both")
+        if len(self.prefix_hashes) * CHUNK > self.prompt_len:
+            raise ValueError(f"prefix_hashes cover {len(self.prefix_hashes)} x {CHUNK} tokens, "
+                             f"more than prompt_len={self.prompt_len}")
 
     def prompt_token_ids(self, index: int, vocab_size: int) -> list[int]:
         """Synthetic ids: the group's shared prefix (the same for every member), then tokens
@@ -64,8 +88,11 @@ class TraceRequest:
         if self.prefix_len:
             rng = np.random.default_rng([1, self.prefix_group])
             shared = rng.integers(0, vocab_size, self.prefix_len).tolist()
+        for h in self.prefix_hashes:
+            shared += np.random.default_rng([3, int(h, 16)]).integers(0, vocab_size,
+                                                                      CHUNK).tolist()
         own = np.random.default_rng([2, index]).integers(0, vocab_size,
-                                                         self.prompt_len - self.prefix_len)
+                                                         self.prompt_len - len(shared))
         return shared + own.tolist()
 
 
@@ -91,7 +118,8 @@ def load_trace(path: str | os.PathLike) -> list[TraceRequest]:
 def save_trace(path: str | os.PathLike, requests: Iterable[TraceRequest]) -> None:
     with open(path, "w") as f:
         for r in requests:
-            record = {k: v for k, v in dataclasses.asdict(r).items()
+            record = {k: list(v) if isinstance(v, tuple) else v
+                      for k, v in dataclasses.asdict(r).items()
                       if v != TraceRequest.__dataclass_fields__[k].default}
             f.write(json.dumps({"arrival_s": r.arrival_s, **record}) + "\n")
 

@@ -6,6 +6,7 @@ a dead engine's 503; and `pagedjax serve` as a real process."""
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import os
 import signal
@@ -23,6 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagedjax import LLM, EngineConfig, LLMEngine, SamplingParams, load_model
 from pagedjax.llm import DEFAULT_MODEL
 from pagedjax.server import OpenAIServer
+from scheduler import SchedulerConfig, ShapeBuckets
+from scheduler.simulator import StepCostModel, load_trace, simulate
 
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=128)
 PROMPTS = ["copy:hello=", "rev:paged=", "copy:kv cache=", "rev:block table="]
@@ -43,8 +46,13 @@ def reference(llm):
 
 
 @pytest.fixture(scope="module")
-def server(llm, reference):
-    server = OpenAIServer(llm.engine, "tiny")
+def trace_path(tmp_path_factory):
+    return tmp_path_factory.mktemp("trace") / "served.jsonl"
+
+
+@pytest.fixture(scope="module")
+def server(llm, reference, trace_path):
+    server = OpenAIServer(llm.engine, "tiny", trace_out=str(trace_path))
     with TestClient(server.build_app()) as client:
         yield server, client
 
@@ -338,3 +346,28 @@ def test_pagedjax_serve_process():
     # uvicorn shuts down gracefully, then re-raises the signal it caught (exit by SIGTERM).
     assert proc.returncode in (0, -signal.SIGTERM), out
     assert "Application shutdown complete" in out, out
+
+
+def test_served_trace_replays_in_the_simulator(server, trace_path):
+    _, client = server
+    shared = "system: answer in one word. " * 2  # 56 characters
+    usages = [client.post("/v1/completions", json={
+        "prompt": shared + f"copy:{w}=", "max_tokens": 6, "temperature": 0}).json()["usage"]
+        for w in ("ab", "cd", "ef")]
+    records = [json.loads(line) for line in trace_path.read_text().splitlines()][-3:]
+    assert [(r["prompt_len"], r["output_len"]) for r in records] == \
+        [(u["prompt_tokens"], u["completion_tokens"]) for u in usages]
+    # 65 tokens (with <bos>): 4 whole pieces, the first 3 inside the shared text.
+    hashes = [r["prefix_hashes"] for r in records]
+    assert all(len(h) == 4 and h[:3] == hashes[0][:3] for h in hashes)
+    assert len({h[3] for h in hashes}) == 3
+    assert records[0]["arrival_s"] <= records[1]["arrival_s"] <= records[2]["arrival_s"]
+    trace = load_trace(trace_path)
+    sim = simulate([dataclasses.replace(t, arrival_s=0.0) for t in trace[-3:]],
+                   SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128,
+                                   max_model_len=128), num_blocks=64, block_size=16,
+                   buckets=ShapeBuckets.create(max_num_batched_tokens=128, max_num_seqs=8,
+                                               max_model_len=128, block_size=16),
+                   cost=StepCostModel({"prefill": (1e-3, 0, 0, 0), "decode": (1e-3, 0, 0, 0)}),
+                   vocab_size=264)
+    assert sim.prefix_hit_rate > 0  # the 2nd and 3rd find the shared pieces
