@@ -57,6 +57,7 @@ bench: $(TEST_STAMP)
 	$(PY) benchmarks/serving.py
 	$(PY) benchmarks/routing.py
 	$(PY) benchmarks/simulator.py
+	$(PY) benchmarks/stress_matrix.py
 	$(PY) benchmarks/donation.py
 	$(PY) benchmarks/prefix_caching.py
 	$(PY) benchmarks/parallel_sampling.py

@@ -113,6 +113,24 @@ print(f"peak KV blocks {stats.peak_used_blocks} of {stats.num_blocks}, "
       f"{100 * stats.peak_waste:.1f}% of their slots empty; preemptions {stats.num_preemptions}")
 print(f"compiled step programs: {engine.num_compiled_programs} "
       f"(bound {engine.buckets.num_programs})")"""),
+    ("markdown", """\
+## Serve it
+
+The same engine behind the OpenAI-compatible server (`pagedjax serve` on the command line), here
+in a background thread: any OpenAI client can talk to it, with streaming, and `/metrics` has
+the Prometheus counters."""),
+    ("code", """\
+import json, urllib.request
+from pagedjax.server import BackgroundServer, build_app
+
+with BackgroundServer(build_app(llm.engine, "pagedjax-tiny")) as url:
+    body = {"model": "pagedjax-tiny", "prompt": "rev:colab=", "max_tokens": 12, "temperature": 0}
+    request = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    reply = json.load(urllib.request.urlopen(request))
+    print(f"{url}/v1/completions ->", repr(reply["choices"][0]["text"]), reply["usage"])
+    metrics = urllib.request.urlopen(f"{url}/metrics").read().decode()
+    print([line for line in metrics.splitlines() if line.startswith("pagedjax:generation")])"""),
 ]
 
 

@@ -92,6 +92,9 @@ class CompletionRequest(_SamplingFields):
             found.append(("suffix", "suffix is not supported"))
         if self.echo and self.logprobs is not None:
             found.append(("echo", "echo with logprobs (prompt logprobs) is not supported"))
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            found.append(("best_of", "best_of > n cannot stream (the best n are known only at "
+                          "the end)"))
         return found
 
 

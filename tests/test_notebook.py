@@ -32,5 +32,6 @@ def test_notebook_runs_top_to_bottom(tmp_path):
     out = result.stdout
     assert "M parameters" in out and "parallel samples of rev:pagedattention=" in out
     assert "prefix cache:" in out
+    assert "/v1/completions -> 'baloc'" in out  # served over HTTP by the same engine
     # the model answers: the 6 copy examples at least are right (its accuracy is in its card)
     assert out.count(", ok)") >= 6, out

@@ -175,6 +175,7 @@ BAD = [
     ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
     ({"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias"),
     ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "n": 1, "best_of": 2, "stream": True}, "best_of"),
     ({"prompt": "x", "stop_token_ids": [9999]}, "stop_token_ids"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": [[1, 2], []]}, "prompt"),
