@@ -258,14 +258,30 @@ def profile(argv) -> None:
 
 def simulate(argv) -> None:
     """Predicts a trace's TTFT, TPOT, throughput, preemptions and KV use under each combination
-    of the given pool sizes and batch limits, with the real scheduler on a fitted step-time
-    model (from `pagedjax profile`); no model, no device."""
+    of the given pool sizes and batch limits, with the real scheduler on a step-time model:
+    fitted to an engine (`--cost`, from `pagedjax profile`) or a roofline estimate for a model
+    on a chip not at hand (`--roofline CHIP --model NAME`). No model runs, no device."""
+    from scheduler.simulator import CHIPS
+
     parser = argparse.ArgumentParser(prog="pagedjax simulate", description=simulate.__doc__)
     parser.add_argument("--trace", required=True)
-    parser.add_argument("--cost", required=True, help="a cost model from `pagedjax profile`")
+    model_source = parser.add_mutually_exclusive_group(required=True)
+    model_source.add_argument("--cost", help="a fitted cost model from `pagedjax profile`")
+    model_source.add_argument("--roofline", choices=sorted(CHIPS),
+                              help="estimate step times for --model on this chip")
+    parser.add_argument("--model", choices=sorted(CONFIGS), help="with --roofline")
+    parser.add_argument("--flops-util", type=float, default=0.5)
+    parser.add_argument("--bw-util", type=float, default=0.7)
+    parser.add_argument("--overhead-ms", type=float, default=2.0)
+    parser.add_argument("--kv-dtype", default="bfloat16", choices=["bfloat16", "int8"],
+                        help="with --roofline: KV bytes per element 2 or 1 (weights bf16)")
     ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
-    parser.add_argument("--num-blocks", type=ints, required=True,
-                        help="pool sizes to try, comma-separated (the null block included)")
+    floats = lambda text: [float(v) for v in text.split(",")]  # noqa: E731
+    pool = parser.add_mutually_exclusive_group(required=True)
+    pool.add_argument("--num-blocks", type=ints,
+                      help="pool sizes to try, comma-separated (the null block included)")
+    pool.add_argument("--kv-memory-gib", type=floats,
+                      help="with --roofline: KV memory budgets to try, comma-separated")
     parser.add_argument("--max-num-seqs", type=ints, default=[32])
     parser.add_argument("--max-num-batched-tokens", type=ints, default=[512])
     parser.add_argument("--block-size", type=int, default=16)
@@ -274,17 +290,36 @@ def simulate(argv) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--vocab-size", type=int, default=32000)
     args = parser.parse_args(argv)
+    if args.roofline and not args.model:
+        parser.error("--roofline needs --model")
+    if args.kv_memory_gib and not args.roofline:
+        parser.error("--kv-memory-gib needs --roofline --model (for KV bytes per token)")
 
     from pagedjax.config import EngineConfig
-    from scheduler.simulator import StepCostModel, load_trace
+    from scheduler.simulator import RooflineCost, StepCostModel, load_trace
     from scheduler.simulator import simulate as run
 
     try:
         trace = load_trace(args.trace)
-        with open(args.cost) as f:
-            cost = StepCostModel.from_json(f.read())
+        vocab = args.vocab_size
+        if args.roofline:
+            config = get_config(args.model)
+            kv_per_token = config.kv_bytes_per_token(2 if args.kv_dtype == "bfloat16" else 1)
+            cost = RooflineCost(CHIPS[args.roofline], config.num_params, 2 * config.num_params,
+                                kv_per_token,
+                                4 * config.num_layers * config.num_heads * config.head_dim,
+                                flops_util=args.flops_util, bw_util=args.bw_util,
+                                overhead_s=args.overhead_ms / 1e3)
+            vocab = config.vocab_size
+            pools = args.num_blocks or [
+                1 + int(gib * 2**30) // (kv_per_token * args.block_size)
+                for gib in args.kv_memory_gib]
+        else:
+            with open(args.cost) as f:
+                cost = StepCostModel.from_json(f.read())
+            pools = args.num_blocks
         rows = []
-        for num_blocks in args.num_blocks:
+        for num_blocks in pools:
             for max_num_seqs in args.max_num_seqs:
                 for max_tokens in args.max_num_batched_tokens:
                     config = EngineConfig(
@@ -294,11 +329,14 @@ def simulate(argv) -> None:
                         enable_prefix_caching=not args.no_prefix_caching)
                     result = run(trace, config.scheduler_config(), num_blocks=num_blocks,
                                  block_size=args.block_size, buckets=config.buckets(),
-                                 cost=cost, vocab_size=args.vocab_size)
+                                 cost=cost, vocab_size=vocab)
                     rows.append({"num_blocks": num_blocks, "max_num_seqs": max_num_seqs,
                                  "max_num_batched_tokens": max_tokens, **result.summary()})
     except (ValueError, OSError, KeyError) as e:
         parser.exit(1, f"pagedjax simulate: {e}\n")
+    if args.roofline:
+        print(f"roofline estimate: {args.model} on {args.roofline} (flops x {args.flops_util}, "
+              f"bandwidth x {args.bw_util}, {args.overhead_ms} ms a step); not a measurement")
     print(_table(rows))
 
 

@@ -34,7 +34,7 @@ from scheduler.request import Request, SamplingParams, make_samples
 from scheduler.lifecycle import Scheduler
 from scheduler.scheduler import SchedulerConfig, SchedulerOutput
 
-FEATURES = ("1", "T", "B", "kv_tokens")
+FEATURES = ("1", "T", "B", "kv_tokens", "attn_pairs")
 CHUNK = 16  # tokens a prefix hash covers
 
 
@@ -125,7 +125,9 @@ def save_trace(path: str | os.PathLike, requests: Iterable[TraceRequest]) -> Non
 
 
 def step_features(output: SchedulerOutput, buckets: ShapeBuckets) -> tuple[str, np.ndarray]:
-    """(kind, [1, T, B, kv_tokens]) of a step, padded as build_plan pads it."""
+    """(kind, [1, T, B, kv_tokens, attn_pairs]) of a step, padded as build_plan pads it:
+    kv_tokens are the keys the step's sequences attend, attn_pairs the (query, key) pairs
+    (a chunk of n tokens from position s: n * s + n * (n + 1) / 2, causal)."""
     num_seqs = len(output.scheduled) + len(output.forks)
     padded_seqs = buckets.padded_num_seqs(num_seqs)
     if output.kind == DECODE:
@@ -133,7 +135,9 @@ def step_features(output: SchedulerOutput, buckets: ShapeBuckets) -> tuple[str, 
     else:
         padded_tokens = buckets.padded_num_tokens(output.num_scheduled_tokens)
     kv_tokens = sum(seq.start + seq.num_new_tokens for seq in output.scheduled)
-    return output.kind, np.array([1.0, padded_tokens, padded_seqs, kv_tokens])
+    pairs = sum(seq.num_new_tokens * seq.start + seq.num_new_tokens * (seq.num_new_tokens + 1) / 2
+                for seq in output.scheduled)
+    return output.kind, np.array([1.0, padded_tokens, padded_seqs, kv_tokens, pairs])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +176,7 @@ class StepCostModel:
             x = np.array([f for f, _ in rows])
             y = np.array([t for _, t in rows])
             keep = [0]
-            for i in range(x.shape[1] - 1, 0, -1):  # of two equal columns B stays, not T
+            for i in (3, 2, 4, 1):  # of equal columns (decode: T = B, pairs = kv) B, kv stay
                 if np.ptp(x[:, i]) > 0 and not any(np.array_equal(x[:, i], x[:, k])
                                                    for k in keep):
                     keep.append(i)
@@ -210,6 +214,57 @@ class StepCostModel:
 
 
 @dataclasses.dataclass(frozen=True)
+class Chip:
+    name: str
+    hbm_bytes_per_s: float
+    flops_per_s: float  # dense bf16
+
+
+# Datasheet peaks (dense bf16; HBM bandwidth).
+CHIPS = {c.name: c for c in (
+    Chip("h200", 4.8e12, 989e12), Chip("h100", 3.35e12, 989e12),
+    Chip("a100-80gb", 2.039e12, 312e12), Chip("l4", 0.3e12, 121e12),
+    Chip("tpu-v5e", 0.819e12, 197e12), Chip("tpu-v5p", 2.765e12, 459e12),
+    Chip("tpu-v6e", 1.64e12, 918e12))}
+
+
+@dataclasses.dataclass(frozen=True)
+class RooflineCost:
+    """An estimate of a step's time on a chip not at hand (capacity planning before hardware):
+    overhead + max(FLOPs / (peak FLOPs x flops_util), bytes / (HBM bandwidth x bw_util)).
+
+    FLOPs: 2 x parameters x padded tokens (every padded token is computed) + 4 x layers x query
+    heads x head dim x attention pairs. Bytes: the weights once a step, the KV read (attended
+    tokens x KV bytes per token, the KV-cache formula 2 L K H itemsize) and the new tokens' KV
+    written. The utilisations stand for what kernels reach of the peaks; the step overhead for
+    host scheduling and launches. A first-order model: calibrate (StepCostModel.fit on
+    `pagedjax profile`) once the hardware is there."""
+
+    chip: Chip
+    num_params: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+    attn_flops_per_pair: int  # 4 x layers x query heads x head dim
+    flops_util: float = 0.5
+    bw_util: float = 0.7
+    overhead_s: float = 0.002
+
+    def __post_init__(self):
+        for name in ("flops_util", "bw_util"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
+        if self.overhead_s < 0:
+            raise ValueError(f"overhead_s must be >= 0, got {self.overhead_s!r}")
+
+    def predict(self, kind: str, features: np.ndarray) -> float:
+        _, tokens, _, kv_tokens, pairs = features
+        flops = 2.0 * self.num_params * tokens + self.attn_flops_per_pair * pairs
+        moved = self.weight_bytes + (kv_tokens + tokens) * self.kv_bytes_per_token
+        return self.overhead_s + max(flops / (self.chip.flops_per_s * self.flops_util),
+                                     moved / (self.chip.hbm_bytes_per_s * self.bw_util))
+
+
+@dataclasses.dataclass(frozen=True)
 class SimResult:
     ttft_s: np.ndarray  # per request, in trace order
     tpot_s: np.ndarray  # per request with > 1 output token (nan otherwise)
@@ -237,7 +292,7 @@ class SimResult:
 
 
 def simulate(trace: Sequence[TraceRequest], config: SchedulerConfig, *, num_blocks: int,
-             block_size: int, buckets: ShapeBuckets, cost: StepCostModel,
+             block_size: int, buckets: ShapeBuckets, cost: StepCostModel | RooflineCost,
              vocab_size: int = 32000, num_host_blocks: int = 0) -> SimResult:
     """Runs the trace to completion on simulated time; raises ValueError for a request the
     configuration can never serve (as the engine would reject it)."""

@@ -369,6 +369,7 @@ def test_served_trace_replays_in_the_simulator(server, trace_path):
                                    max_model_len=128), num_blocks=64, block_size=16,
                    buckets=ShapeBuckets.create(max_num_batched_tokens=128, max_num_seqs=8,
                                                max_model_len=128, block_size=16),
-                   cost=StepCostModel({"prefill": (1e-3, 0, 0, 0), "decode": (1e-3, 0, 0, 0)}),
+                   cost=StepCostModel({"prefill": (1e-3, 0, 0, 0, 0),
+                                       "decode": (1e-3, 0, 0, 0, 0)}),
                    vocab_size=264)
     assert sim.prefix_hit_rate > 0  # the 2nd and 3rd find the shared pieces

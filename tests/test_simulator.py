@@ -43,13 +43,15 @@ def test_trace_requests_validate_and_round_trip(tmp_path):
 
 def test_cost_model_fit_recovers_a_linear_model():
     rng = np.random.default_rng(0)
-    true = {PREFILL: (2e-3, 1e-5, 0.0, 2e-7), DECODE: (1e-3, 0.0, 3e-5, 1e-7)}
+    true = {PREFILL: (2e-3, 1e-5, 0.0, 2e-7, 1e-9), DECODE: (1e-3, 0.0, 3e-5, 1e-7, 0.0)}
     samples = []
     for _ in range(60):
         kind = PREFILL if rng.random() < 0.5 else DECODE
         t = float(2 ** rng.integers(4, 9))  # 16 .. 256
         b = float(2 ** rng.integers(0, 2))  # 1, 2
-        features = np.array([1.0, t if kind == PREFILL else b, b, rng.integers(10, 5000)])
+        kv = float(rng.integers(10, 5000))
+        pairs = float(rng.integers(10, 200_000)) if kind == PREFILL else kv
+        features = np.array([1.0, t if kind == PREFILL else b, b, kv, pairs])
         samples.append((kind, features, float(np.dot(true[kind], features))))
     model = StepCostModel.fit(samples)
     for kind in true:
@@ -58,7 +60,7 @@ def test_cost_model_fit_recovers_a_linear_model():
     assert max(abs(v) for v in model.shape.values()) < 1e-9  # exactly linear: no residuals
     assert StepCostModel.from_json(model.to_json()) == model
     # A shape that costs more than the line: its residual is learned, other shapes keep the line.
-    slow = [np.array([1.0, 64, 4, kv]) for kv in (100, 900, 2500)]  # not a shape drawn above
+    slow = [np.array([1.0, 64, 4, kv, 30 * kv]) for kv in (100, 900, 2500)]  # a shape not drawn
     bumped = samples + [(PREFILL, f, float(np.dot(true[PREFILL], f)) + 0.05) for f in slow]
     fitted = StepCostModel.fit(bumped)
     assert set(fitted.shape) == {(PREFILL, 64, 4)} or \
@@ -78,7 +80,7 @@ def _setup(num_blocks=200, **config):
     buckets = ShapeBuckets.create(max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_num_seqs=config.max_num_seqs,
                                   max_model_len=config.max_model_len, block_size=16)
-    cost = StepCostModel({PREFILL: (0.01, 1e-4, 0, 0), DECODE: (0.005, 0, 1e-4, 0)})
+    cost = StepCostModel({PREFILL: (0.01, 1e-4, 0, 0, 0), DECODE: (0.005, 0, 1e-4, 0, 0)})
     return dict(config=config, num_blocks=num_blocks, block_size=16, buckets=buckets,
                 cost=cost)
 
@@ -134,3 +136,40 @@ def test_simulate_cli_sweeps_configs(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["simulate", "--trace", str(trace), "--cost", str(cost), "--num-blocks", "1"])
     assert exit_info.value.code == 1 and "num_blocks" in capsys.readouterr().err
+
+
+def test_roofline_estimate_matches_the_formula():
+    from models import get_config
+    from scheduler.simulator import CHIPS, RooflineCost
+
+    config = get_config("llama-3-8b")
+    kv_per_token = config.kv_bytes_per_token(2)
+    assert kv_per_token == 2 * 32 * 8 * 128 * 2  # 128 KiB: 2 L K H itemsize
+    cost = RooflineCost(CHIPS["h200"], config.num_params, 2 * config.num_params, kv_per_token,
+                        4 * config.num_layers * config.num_heads * config.head_dim)
+    # Decode, 64 sequences of 2k tokens: memory-bound (weights + 128k tokens of KV).
+    features = np.array([1.0, 64, 64, 64 * 2048, 64 * 2048])
+    moved = 2 * config.num_params + (64 * 2048 + 64) * kv_per_token
+    assert cost.predict(DECODE, features) == pytest.approx(0.002 + moved / (4.8e12 * 0.7))
+    # An 8k-token prefill chunk: compute-bound.
+    features = np.array([1.0, 8192, 1, 8192, 8192 * 8193 / 2])
+    flops = 2 * config.num_params * 8192 + 4 * 32 * 32 * 128 * 8192 * 8193 / 2
+    assert cost.predict(PREFILL, features) == pytest.approx(0.002 + flops / (989e12 * 0.5))
+    with pytest.raises(ValueError, match="bw_util"):
+        RooflineCost(CHIPS["h200"], 1, 1, 1, 1, bw_util=0)
+
+
+def test_simulate_cli_plans_with_the_roofline(tmp_path, capsys):
+    from pagedjax.cli import main
+
+    trace = tmp_path / "trace.jsonl"
+    save_trace(trace, [TraceRequest(0.05 * i, 300 + 10 * i, 50) for i in range(20)])
+    main(["simulate", "--trace", str(trace), "--roofline", "h200", "--model", "llama-3-8b",
+          "--kv-memory-gib", "0.25,1", "--max-model-len", "1024"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("roofline estimate: llama-3-8b on h200")
+    # 1 GiB / (128 KiB a token x 16) = 512 blocks, plus the null block.
+    assert [line.split()[0] for line in out[2:]] == ["129", "513"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["simulate", "--trace", str(trace), "--roofline", "h200", "--num-blocks", "64"])
+    assert exit_info.value.code == 2 and "--model" in capsys.readouterr().err
