@@ -1,8 +1,10 @@
 """The scheduler simulator against the real engine: fit on one workload, predict others.
 
 The step-time model (scheduler.simulator.StepCostModel: per step kind, seconds linear in the
-padded token count T, padded sequence count B and KV tokens attended) is fitted to the steps of
-one run of the engine (demo-small, a log-normal workload of 96 requests arriving at once).
+padded token count T, padded sequence count B and KV tokens attended, plus each compiled
+shape's mean residual) is fitted to the steps of two runs of the engine (demo-small, log-normal
+workloads of 96 requests: one arriving at once, one as a Poisson stream at 70% of the first's
+rate, so that large and small batches are both in the fit).
 Then each validation workload runs twice: on the engine (pagedjax.profiling.run_trace, real
 time) and in the simulator (the same scheduler code on predicted time), and the table sets
 them side by side:
@@ -62,13 +64,19 @@ def main() -> None:
 
     fit_trace = trace_of(workload(args.seed))
     measured, samples = run_trace(engine_for(args.num_blocks), fit_trace)
-    cost = StepCostModel.fit(samples)
     capacity_rps = len(fit_trace) / measured.makespan_s
     rng = np.random.default_rng(args.seed + 7)
+    fit_poisson = trace_of(workload(args.seed + 3), np.cumsum(
+        rng.exponential(1 / (0.7 * capacity_rps), args.num_requests)))
+    measured_poisson, more = run_trace(engine_for(args.num_blocks), fit_poisson)
+    samples += more
+    cost = StepCostModel.fit(samples)
     shared = [TraceRequest(0.0, 256 + int(rng.integers(8, 64)), int(rng.integers(16, 64)),
                            prefix_group=g, prefix_len=256) for g in range(8) for _ in range(8)]
     poisson = np.cumsum(rng.exponential(1 / (0.7 * capacity_rps), args.num_requests))
+    fitted = {id(fit_trace): measured, id(fit_poisson): measured_poisson}
     cases = [("fit: workload 0, all at once", fit_trace, args.num_blocks),
+             ("fit: workload 3, Poisson 0.7x", fit_poisson, args.num_blocks),
              ("workload 1, all at once", trace_of(workload(args.seed + 1)), args.num_blocks),
              (f"workload 1, {args.small_num_blocks}-block pool", trace_of(workload(args.seed + 1)),
               args.small_num_blocks),
@@ -78,7 +86,7 @@ def main() -> None:
     rows = []
     for name, trace, num_blocks in cases:
         engine = engine_for(num_blocks)
-        real = measured if trace is fit_trace else run_trace(engine, trace)[0]
+        real = fitted.get(id(trace)) or run_trace(engine, trace)[0]
         sim = simulate(trace, engine.config.scheduler_config(), num_blocks=num_blocks,
                        block_size=16, buckets=engine.buckets, cost=cost,
                        vocab_size=engine.model_config.vocab_size)

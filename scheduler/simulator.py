@@ -142,7 +142,8 @@ def step_features(output: SchedulerOutput, buckets: ShapeBuckets) -> tuple[str, 
 
 @dataclasses.dataclass(frozen=True)
 class StepCostModel:
-    """seconds(step) = coef[kind] . [1, T, B, kv_tokens] + shape[(kind, T, B)].
+    """seconds(step) = coef[kind] . [1, T, B, kv_tokens, attn_pairs] + shape[(kind, T, B)]
+    (fit leaves attn_pairs' coefficient 0).
 
     The linear part extrapolates to any shape; `shape` holds, for each compiled program (kind,
     T, B) seen often enough when fitting, the mean of its steps' residuals (what the program
@@ -176,7 +177,9 @@ class StepCostModel:
             x = np.array([f for f, _ in rows])
             y = np.array([t for _, t in rows])
             keep = [0]
-            for i in (3, 2, 4, 1):  # of equal columns (decode: T = B, pairs = kv) B, kv stay
+            # Of equal columns B stays, not T (a decode step's T is its B). attn_pairs is left
+            # to the roofline: on the CPU runs measured it made the fit swing between runs.
+            for i in (3, 2, 1):
                 if np.ptp(x[:, i]) > 0 and not any(np.array_equal(x[:, i], x[:, k])
                                                    for k in keep):
                     keep.append(i)
