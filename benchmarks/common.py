@@ -68,3 +68,39 @@ def write_results(name: str, title: str, rows: list[dict], params: dict, notes: 
         md += [notes.strip(), ""]
     md.append(f"Reproduce: `{reproduce or f'.venv/bin/python benchmarks/{name}.py'}`")
     (results_dir / f"{name}.md").write_text("\n".join(md) + "\n")
+
+
+async def stream_completion(client, url: str, body: dict, *,
+                            abandon_after_first: bool = False) -> dict:
+    """One streamed /v1/completions request (token ids asked back), timed by the client:
+    status (-1 when the connection failed), send and end times, a timestamp per event that
+    brought tokens, and the tokens received. abandon_after_first: the client goes away after
+    the first token."""
+    import httpx
+
+    body = {**body, "stream": True, "return_token_ids": True}
+    sent = time.perf_counter()
+    stamps, tokens, status = [], 0, None
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            status = response.status_code
+            if status != 200:
+                await response.aread()
+            else:
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    data = json.loads(line[6:])
+                    if "error" in data:
+                        status = 500
+                        break
+                    new = len(data["choices"][0].get("token_ids", [])) if data["choices"] else 0
+                    if new:
+                        stamps.append(time.perf_counter())
+                        tokens += new
+                        if abandon_after_first:
+                            break
+    except httpx.HTTPError:
+        status = -1
+    return {"status": status, "sent": sent, "done": time.perf_counter(), "stamps": stamps,
+            "tokens": tokens}

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import time
 
 import httpx
 import numpy as np
-from common import write_results
+from common import stream_completion, write_results
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedjax import LLM
@@ -36,19 +35,10 @@ def counters(url: str) -> dict[str, float]:
 
 async def one_request(client, url, prompt, max_tokens, at, start) -> dict:
     await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-    sent = time.perf_counter()
-    first, tokens = None, 0
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "return_token_ids": True}
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        assert response.status_code == 200, await response.aread()
-        async for line in response.aiter_lines():
-            if line.startswith("data: {"):
-                new = len(json.loads(line[6:])["choices"][0].get("token_ids", []))
-                if new and first is None:
-                    first = time.perf_counter()
-                tokens += new
-    return {"ttft": first - sent, "tokens": tokens}
+    r = await stream_completion(client, url, {"prompt": prompt, "max_tokens": max_tokens,
+                                              "temperature": 0, "ignore_eos": True})
+    assert r["status"] == 200, r
+    return {"ttft": r["stamps"][0] - r["sent"], "tokens": r["tokens"]}
 
 
 async def run_load(url, prompts, max_tokens, arrivals):

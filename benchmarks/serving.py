@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing
 import time
 
 import httpx
 import numpy as np
-from common import lognormal_workload, write_results
+from common import lognormal_workload, stream_completion, write_results
 
 from pagedjax import EngineConfig, LLMEngine, load_model
 from pagedjax.server import BackgroundServer, OpenAIServer
@@ -53,23 +52,13 @@ def run_offline(engine: LLMEngine, workload) -> dict:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, prompt, output: int) -> dict:
-    body = {"prompt": prompt, "max_tokens": output, "temperature": 0, "ignore_eos": True,
-            "stream": True, "return_token_ids": True}
-    sent = time.perf_counter()
-    stamps, tokens = [], 0
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            await response.aread()
-            return {"status": response.status_code}
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            new = len(json.loads(line[6:])["choices"][0].get("token_ids", []))
-            if new:
-                tokens += new
-                stamps.append(time.perf_counter())
-    done = time.perf_counter()
-    return {"status": 200, "ttft": stamps[0] - sent, "e2e": done - sent, "tokens": tokens,
+    r = await stream_completion(client, url, {"prompt": prompt, "max_tokens": output,
+                                              "temperature": 0, "ignore_eos": True})
+    if r["status"] != 200:
+        return {"status": r["status"]}
+    stamps, tokens = r["stamps"], r["tokens"]
+    return {"status": 200, "ttft": stamps[0] - r["sent"], "e2e": r["done"] - r["sent"],
+            "tokens": tokens,
             "tpot": (stamps[-1] - stamps[0]) / (tokens - 1) if tokens > 1 else None}
 
 

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing
 import time
 
 import httpx
 import numpy as np
-from common import write_results
+from common import stream_completion, write_results
 
 from pagedjax import EngineConfig, LLMEngine, load_model
 from pagedjax.server import BackgroundServer, OpenAIServer
@@ -30,30 +29,11 @@ from pagedjax.server import BackgroundServer, OpenAIServer
 async def client_loop(client, url, rng, prompt_len, output_len, count, first_index, vocab):
     results = []
     for k in range(count):
-        index = first_index + k
-        abandon = index % 7 == 6
+        abandon = (first_index + k) % 7 == 6  # the client goes away after the first token
         body = {"prompt": rng.integers(0, vocab, prompt_len).tolist(), "max_tokens": output_len,
-                "temperature": 0, "ignore_eos": True, "stream": True}
-        sent = time.perf_counter()
-        stamps, tokens, status = [], 0, None
-        try:
-            async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-                status = response.status_code
-                async for line in response.aiter_lines():
-                    if line.startswith("data: {"):
-                        data = json.loads(line[6:])
-                        if "error" in data:
-                            status = 500
-                            break
-                        if data["choices"] and data["choices"][0].get("token_ids"):
-                            stamps.append(time.perf_counter())
-                            tokens += len(data["choices"][0]["token_ids"])
-                            if abandon:
-                                break  # the client goes away mid-stream
-        except httpx.HTTPError:
-            status = -1
-        results.append({"status": status, "abandoned": abandon, "sent": sent,
-                        "stamps": stamps, "tokens": tokens})
+                "temperature": 0, "ignore_eos": True}
+        result = await stream_completion(client, url, body, abandon_after_first=abandon)
+        results.append({**result, "abandoned": abandon})
     return results
 
 
