@@ -62,16 +62,13 @@ def run_trace(engine: LLMEngine, trace: Sequence[TraceRequest]
                 finals[ids[out.request_id]] = out
     tokens = sum(len(c.token_ids) for out in finals.values() for c in out.outputs)
     outs = [finals[i] for i in range(len(trace))]
-    arrival = np.array([o.metrics.arrival_time for o in outs])
-    first = np.array([o.metrics.first_token_time for o in outs])
-    finish = np.array([o.metrics.finish_time for o in outs])
-    longest = np.array([max(len(c.token_ids) for c in o.outputs) for o in outs])
-    with np.errstate(invalid="ignore", divide="ignore"):
-        tpot = np.where(longest > 1, (finish - first) / (longest - 1), np.nan)
     after = (stats.num_steps, stats.num_prefill_steps, stats.num_preemptions,
              stats.num_prefix_query_tokens, stats.num_prefix_hit_tokens)
     steps, prefill_steps, preemptions, queried, hits = (a - b for a, b in zip(after, before))
-    result = SimResult(first - arrival, tpot, finish - arrival,
-                       float(finish.max() - arrival.min()), steps, prefill_steps, preemptions,
-                       tokens, peak, hits / queried if queried else 0.0)
+    result = SimResult.from_timings(
+        [o.metrics.arrival_time for o in outs], [o.metrics.first_token_time for o in outs],
+        [o.metrics.finish_time for o in outs],
+        [max(len(c.token_ids) for c in o.outputs) for o in outs], num_steps=steps,
+        num_prefill_steps=prefill_steps, num_preemptions=preemptions, output_tokens=tokens,
+        peak_used_blocks=peak, prefix_queried=queried, prefix_hits=hits)
     return result, samples

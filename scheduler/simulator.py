@@ -280,6 +280,19 @@ class SimResult:
     peak_used_blocks: int
     prefix_hit_rate: float
 
+    @classmethod
+    def from_timings(cls, arrival, first, finish, longest, *, num_steps: int,
+                     num_prefill_steps: int, num_preemptions: int, output_tokens: int,
+                     peak_used_blocks: int, prefix_queried: int,
+                     prefix_hits: int) -> "SimResult":
+        """From per-request arrival, first-token and finish times and longest output."""
+        arrival, first, finish, longest = map(np.asarray, (arrival, first, finish, longest))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            tpot = np.where(longest > 1, (finish - first) / (longest - 1), np.nan)
+        return cls(first - arrival, tpot, finish - arrival, float(finish.max() - arrival.min()),
+                   num_steps, num_prefill_steps, num_preemptions, output_tokens,
+                   peak_used_blocks, prefix_hits / prefix_queried if prefix_queried else 0.0)
+
     def summary(self) -> dict:
         def pct(values, q):
             values = values[~np.isnan(values)]
@@ -331,14 +344,11 @@ def simulate(trace: Sequence[TraceRequest], config: SchedulerConfig, *, num_bloc
         prefill_steps += kind == PREFILL
         tokens += len(advanced)
         peak = max(peak, scheduler.kv_manager.num_used_blocks)
-    arrival = np.array([g[0].arrival_time for g in groups])
-    first = np.array([min(s.first_token_time for s in g) for g in groups])
-    finish = np.array([max(s.finish_time for s in g) for g in groups])
-    longest = np.array([max(len(s.output_token_ids) for s in g) for g in groups])
-    with np.errstate(invalid="ignore", divide="ignore"):
-        tpot = np.where(longest > 1, (finish - first) / (longest - 1), np.nan)
     state = scheduler.state
-    queried = state.num_prefix_query_tokens
-    return SimResult(first - arrival, tpot, finish - arrival, float(finish.max() - arrival.min()),
-                     steps, prefill_steps, state.num_preemptions, tokens, peak,
-                     state.num_prefix_hit_tokens / queried if queried else 0.0)
+    return SimResult.from_timings(
+        [g[0].arrival_time for g in groups], [min(s.first_token_time for s in g) for g in groups],
+        [max(s.finish_time for s in g) for g in groups],
+        [max(len(s.output_token_ids) for s in g) for g in groups], num_steps=steps,
+        num_prefill_steps=prefill_steps, num_preemptions=state.num_preemptions,
+        output_tokens=tokens, peak_used_blocks=peak,
+        prefix_queried=state.num_prefix_query_tokens, prefix_hits=state.num_prefix_hit_tokens)
