@@ -17,18 +17,29 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import logging
 import queue
 import threading
 import time
 from typing import AsyncIterator, Callable, Sequence
 
+from pagedjax.admission import Admission, PromptSpec
 from pagedjax.engine import LLMEngine
 from pagedjax.outputs import RequestOutput
 from scheduler import Request, RequestStatus, SamplingParams
 
+logger = logging.getLogger("pagedjax.engine")
+
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "OverloadedError", "PromptSpec",
+           "RequestFailedError", "RequestGroup", "StepInfo"]
+
 
 class OverloadedError(RuntimeError):
     """Admission control refused a request: the engine's outstanding work is at its budget."""
+
+
+class RequestFailedError(RuntimeError):
+    """A request failed inside a step and was dropped alone (the engine serves the others)."""
 
 
 class EngineDeadError(RuntimeError):
@@ -40,7 +51,9 @@ class StepInfo:
     """What the engine thread reports after each step (to metrics)."""
 
     outputs: list[RequestOutput]
-    step_time_s: float  # wall time of LLMEngine.step (scheduling, the device step, postprocess)
+    # Wall time of LLMEngine.step (scheduling, the device step, postprocess); None for a report
+    # without a step (after an abort, or when the engine falls idle).
+    step_time_s: float | None
     num_running: int
     num_waiting: int
     num_swapped: int
@@ -53,18 +66,6 @@ def remaining_tokens(samples: Sequence[Request]) -> int:
     recompute preemption) and the outputs not yet generated, up to max_tokens."""
     return sum(r.max_num_tokens - r.num_computed_tokens for r in samples
                if not r.status.finished)
-
-
-@dataclasses.dataclass(frozen=True)
-class PromptSpec:
-    """One request to add: its prompt ids and sampling, optionally its id, the prompt's text (for
-    the outputs) and a cache salt (requests share prefix-cached blocks only with equal salts)."""
-
-    prompt_token_ids: Sequence[int]
-    params: SamplingParams
-    request_id: str | None = None
-    prompt_text: str | None = None
-    cache_salt: str | None = None
 
 
 class RequestGroup:
@@ -170,34 +171,25 @@ class AsyncLLMEngine:
         """Queues several requests at once, all or none: each is validated (ValueError naming
         the field) and the budget checked for their sum (OverloadedError) before any is queued.
         Their outputs arrive, interleaved, through the returned group."""
-        if not prompts:
-            raise ValueError("prompts must not be empty")
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
 
-        def add(engine: LLMEngine) -> list[str]:
-            requests = [engine.make_request(p.prompt_token_ids, p.params, p.request_id,
-                                            cache_salt=p.cache_salt) for p in prompts]
-            ids = [r.parent_id for r in requests]
-            if len(set(ids)) != len(ids):
-                raise ValueError(f"request ids must be unique, got {ids}")
-            for request in requests:
-                engine.scheduler.check_request(request)
-            groups = [[r, *r.followers] for r in requests]
+        def admit(admissions: list[Admission]) -> None:
             budget = self.max_outstanding_tokens
-            if budget is not None and self._live:
-                outstanding = self._outstanding_tokens()
-                needed = sum(remaining_tokens(samples) for samples in groups)
-                if outstanding + needed > budget:
-                    raise OverloadedError(
-                        f"the engine has {outstanding} tokens of work outstanding and this "
-                        f"request adds {needed} (prompt + max_tokens per sample), over "
-                        f"max_outstanding_tokens ({budget}): retry later")
-            for request, samples, spec in zip(requests, groups, prompts):
-                engine.queue(request)
-                if spec.prompt_text is not None:
-                    engine.set_prompt_text(request.parent_id, spec.prompt_text)
-                self._live[request.parent_id] = (samples, loop, outputs)
+            if budget is None or not self._live:
+                return
+            outstanding = self._outstanding_tokens()
+            needed = sum(a.num_tokens for a in admissions)
+            if outstanding + needed > budget:
+                raise OverloadedError(
+                    f"the engine has {outstanding} tokens of work outstanding and this request "
+                    f"adds {needed} (prompt + max_tokens per sample), over "
+                    f"max_outstanding_tokens ({budget}): retry later")
+
+        def add(engine: LLMEngine) -> list[str]:
+            ids = engine.add_requests(prompts, admit)
+            for request_id in ids:
+                self._live[request_id] = (engine.request_groups[request_id], loop, outputs)
             return ids
 
         return RequestGroup(self, await self.call(add), outputs)
@@ -233,12 +225,15 @@ class AsyncLLMEngine:
     def _outstanding_tokens(self) -> int:
         return sum(remaining_tokens(samples) for samples, _, _ in self._live.values())
 
-    def _drain(self) -> None:
+    def _drain(self) -> int:
+        """Runs the queued commands; returns how many ran."""
+        num_run = 0
         while True:
             try:
                 fn, future = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return num_run
+            num_run += 1
             if future is None:
                 fn(self.engine)
                 continue
@@ -266,32 +261,46 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         engine = self.engine
         try:
+            idle_reported = False
             while not self._stopped:
-                self._drain()
+                changed = self._drain()
                 if self._paused or not engine.has_unfinished():
+                    if changed or not idle_reported:  # gauges follow aborts and idleness
+                        self._report([], None)
+                        idle_reported = True
                     self._wake.wait(self.idle_wait_s)
                     self._wake.clear()
                     continue
+                idle_reported = False
                 start = time.perf_counter()
-                outputs = engine.step()
+                try:
+                    outputs = engine.step()
+                except Exception as error:  # noqa: BLE001 - fail what ran, serve on
+                    logger.exception("engine step failed; its requests fail, the engine goes on")
+                    outputs = engine.fail_all(error)
                 step_time = time.perf_counter() - start
                 live = [out for out in outputs if out.request_id in self._live]
-                self._deliver([(out.request_id, out) for out in live])
+                self._deliver([(out.request_id, RequestFailedError(
+                    f"request {out.request_id} failed inside a step and was dropped: "
+                    f"{out.error}") if out.error is not None else out) for out in live])
                 for out in live:
                     if out.finished:
                         self._live.pop(out.request_id, None)
-                if self.on_step is not None:
-                    state = engine.scheduler.state
-                    kv = state.kv_manager
-                    self.on_step(StepInfo(
-                        outputs, step_time, len(state.running), len(state.waiting),
-                        sum(r.status is RequestStatus.SWAPPED for r in state.waiting),
-                        kv.num_used_blocks / max(1, kv.pool.num_usable_blocks),
-                        self._outstanding_tokens()))
+                self._report(outputs, step_time)
         except BaseException as e:  # noqa: BLE001 - the engine is dead; tell every caller
             self.error = e
         finally:
             self._fail_all()
+
+    def _report(self, outputs: list[RequestOutput], step_time: float | None) -> None:
+        if self.on_step is None:
+            return
+        state = self.engine.scheduler.state
+        kv = state.kv_manager
+        self.on_step(StepInfo(
+            outputs, step_time, len(state.running), len(state.waiting),
+            sum(r.status is RequestStatus.SWAPPED for r in state.waiting),
+            kv.num_used_blocks / max(1, kv.pool.num_usable_blocks), self._outstanding_tokens()))
 
     def _dead_reason(self) -> str:
         if self.error is not None:

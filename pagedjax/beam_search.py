@@ -10,7 +10,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from scheduler import SamplingParams
+from pagedjax.admission import PromptSpec, check_prompt_token_ids, check_specs
+from scheduler import RequestError, SamplingParams
+from scheduler.errors import check_bool, check_float, check_int
+from scheduler.request import INT32_MAX
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,10 +24,10 @@ class BeamSearchParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.beam_width, int) or self.beam_width < 1:
-            raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        check_int("beam_width", self.beam_width, 1, INT32_MAX)
+        check_int("max_tokens", self.max_tokens, 1, INT32_MAX)
+        check_float("length_penalty", self.length_penalty, -1e3, 1e3)
+        check_bool("ignore_eos", self.ignore_eos)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,14 +45,16 @@ def beam_search(engine, prompts: Sequence[Sequence[int]],
     """The beam_width best sequences of each prompt, best first."""
     width = params.beam_width
     if 2 * width > engine.config.max_logprobs:
-        raise ValueError(f"beam_width ({width}) needs 2 * beam_width <= max_logprobs "
+        raise RequestError("beam_width", f"beam_width ({width}) needs 2 * beam_width <= max_logprobs "
                          f"({engine.config.max_logprobs})")
     eos = () if params.ignore_eos else engine.model_config.eos_token_ids
     step_params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * width,
                                  ignore_eos=True)
-    for prompt in prompts:  # all validated (at their longest) before anything runs
-        longest = engine.make_request(list(prompt) + [0] * (params.max_tokens - 1), step_params)
-        engine.scheduler.check_request(longest)
+    # All checked, at their longest, before anything runs.
+    prompts = [check_prompt_token_ids(p, engine.model_config.vocab_size,
+                                      engine.config.max_model_len) for p in prompts]
+    check_specs(engine, [PromptSpec(p + [0] * (params.max_tokens - 1), step_params)
+                         for p in prompts])
     live = [[BeamSequence([], 0.0)] for _ in prompts]
     completed: list[list[BeamSequence]] = [[] for _ in prompts]
     for _ in range(params.max_tokens):

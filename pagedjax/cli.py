@@ -144,7 +144,12 @@ def serve(argv) -> None:
                         help="admission control: refuse (HTTP 429) a request that would raise "
                         "the tokens still to compute over all requests above this")
     parser.add_argument("--api-key", default=os.environ.get("PAGEDJAX_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on /v1 (or PAGEDJAX_API_KEY)")
+                        help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(or PAGEDJAX_API_KEY)")
+    parser.add_argument("--public-metrics", action="store_true",
+                        help="with --api-key, leave /metrics open (a Prometheus scraper)")
+    parser.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
+                        help="answer 413 to a larger request body, unread (default 4 MiB)")
     parser.add_argument("--warmup", action="store_true",
                         help="compile every step program before accepting requests")
     parser.add_argument("--trace-out", help="append every finished request to this JSON-lines "
@@ -157,6 +162,8 @@ def serve(argv) -> None:
         parser.error(f"--port must be in 1..65535, got {args.port}")
     if args.max_outstanding_tokens is not None and args.max_outstanding_tokens < 1:
         parser.error(f"--max-outstanding-tokens must be >= 1, got {args.max_outstanding_tokens}")
+    if args.max_request_bytes < 1:
+        parser.error(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
 
     from pagedjax.llm import DEFAULT_MODEL, LLM
     from pagedjax.server import run_server
@@ -171,7 +178,8 @@ def serve(argv) -> None:
     name = args.served_model_name or os.path.basename(os.path.normpath(str(model)))
     run_server(llm.engine, name, host=args.host, port=args.port,
                max_outstanding_tokens=args.max_outstanding_tokens, api_key=args.api_key,
-               trace_out=args.trace_out, log_level=args.log_level)
+               trace_out=args.trace_out, log_level=args.log_level,
+               max_request_bytes=args.max_request_bytes, public_metrics=args.public_metrics)
 
 
 def router(argv) -> None:
@@ -208,8 +216,10 @@ def router(argv) -> None:
                          help="roll back when the canary's median latency exceeds this times "
                          "the stable group's")
     rollout.add_argument("--admin-key", default=os.environ.get("PAGEDJAX_ADMIN_KEY"),
-                         help="require 'Authorization: Bearer KEY' on /router/* (or "
-                         "PAGEDJAX_ADMIN_KEY)")
+                         help="serve the /router/* admin endpoints, behind 'Authorization: "
+                         "Bearer KEY' (or PAGEDJAX_ADMIN_KEY); without a key they do not exist")
+    parser.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
+                        help="answer 413 to a larger request body, unread (default 4 MiB)")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     if not 0 < args.port < 65536:
@@ -222,7 +232,7 @@ def router(argv) -> None:
                    log_level=args.log_level, canary=args.canary,
                    canary_weight=args.canary_weight, guard=guard, admin_key=args.admin_key,
                    balance_abs=args.balance_abs, balance_rel=args.balance_rel,
-                   min_match=args.min_match)
+                   min_match=args.min_match, max_request_bytes=args.max_request_bytes)
     except ValueError as e:
         parser.exit(1, f"pagedjax router: {e}\n")
 

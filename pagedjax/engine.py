@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from models import LlamaForCausalLM
+from pagedjax.admission import Admission, PromptSpec, check_specs
 from pagedjax.config import EngineConfig
 from pagedjax.metrics import EngineStats
 from pagedjax.outputs import RequestOutput
@@ -19,6 +20,10 @@ from pallas_kernels import kv_cache_bytes_per_block, resolve_backend
 from pagedjax.tokenizer import IncrementalDetokenizer, StopStringMatcher
 from scheduler import (DECODE, NULL_BLOCK, Request, RequestStatus, SamplingParams, Scheduler,
                        build_plan, make_samples)
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"[:500]
 
 
 class _TextState:
@@ -116,10 +121,11 @@ class LLMEngine:
         self.num_blocks = config.resolve_num_blocks(self.bytes_per_block)
         self.buckets = config.buckets()
         num_host_blocks = config.swap_space_bytes // self.bytes_per_block
-        self.scheduler = Scheduler(config.scheduler_config(), self.num_blocks, config.block_size,
-                                   cache_key=model_cache_key(model, config),
-                                   num_host_blocks=num_host_blocks,
-                                   sliding_window=model_config.sliding_window)
+        self._make_scheduler = lambda: Scheduler(
+            config.scheduler_config(), self.num_blocks, config.block_size,
+            cache_key=model_cache_key(model, config), num_host_blocks=num_host_blocks,
+            sliding_window=model_config.sliding_window)
+        self.scheduler = self._make_scheduler()
         self.runner = ModelRunner(model, num_blocks=self.num_blocks,
                                   block_size=config.block_size, dtype=config.kv_np_dtype,
                                   backend=self.backend,
@@ -139,63 +145,65 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def make_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
-                     request_id: str | None = None, arrival_time: float | None = None,
-                     cache_salt: str | None = None) -> Request:
-        """Validates a request without queueing it; raises ValueError naming the field."""
-        if not isinstance(sampling_params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, "
-                             f"got {type(sampling_params).__name__}")
-        ids = np.asarray(prompt_token_ids)
-        if ids.ndim != 1 or ids.size == 0:
-            raise ValueError("prompt_token_ids must be a non-empty list of token ids, got "
-                             f"shape {ids.shape}")
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"prompt_token_ids must be integers, got dtype {ids.dtype}")
-        vocab = self.model_config.vocab_size
-        bad = ids[(ids < 0) | (ids >= vocab)]
-        if bad.size:
-            raise ValueError(f"prompt_token_ids must be in [0, vocab_size={vocab}), "
-                             f"got {bad[:5].tolist()}")
-        if (sampling_params.logprobs or 0) > self.config.max_logprobs:
-            raise ValueError(f"logprobs ({sampling_params.logprobs}) exceeds max_logprobs "
-                             f"({self.config.max_logprobs})")
-        if sampling_params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this engine has none (pass "
-                             "stop_token_ids, or give the engine a tokenizer)")
-        for token_id in sampling_params.stop_token_ids:
-            if not 0 <= token_id < vocab:
-                raise ValueError(f"stop_token_ids must be in [0, vocab_size={vocab}), "
-                                 f"got {token_id}")
-        seed = sampling_params.seed
-        if seed is None:
-            seed = int(self._seed_rng.integers(0, 2**32))
-        if request_id is None:
-            request_id = str(self._next_id)
-            self._next_id += 1
-        if not isinstance(request_id, str):
-            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
-        if request_id in self._groups:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
-        arrival_time = self.clock() if arrival_time is None else arrival_time
-        return make_samples(request_id, ids.tolist(), sampling_params, seed=seed,
-                            arrival_time=arrival_time, cache_salt=cache_salt,
-                            eos_token_ids=self.model_config.eos_token_ids)
+    @property
+    def request_groups(self) -> dict[str, list[Request]]:
+        """request_id -> its samples, for every unfinished request."""
+        return self._groups
+
+    def add_requests(self, specs: Sequence[PromptSpec],
+                     admit: Callable[[list[Admission]], None] | None = None) -> list[str]:
+        """Queues several requests all or none and returns their ids: each is checked against
+        the engine's limits (admission.check_specs) before anything is built; admit, when given,
+        sees the checked requests next and may refuse them all by raising. On any error nothing
+        is built or queued."""
+        admissions = check_specs(self, specs)
+        if admit is not None:
+            admit(admissions)
+        taken = {a.request_id for a in admissions}
+        requests = [self._build(a, taken) for a in admissions]
+        for request, admission in zip(requests, admissions):
+            self.queue(request)
+            if admission.spec.prompt_text is not None:
+                self._prompts[request.parent_id] = admission.spec.prompt_text
+        return [r.parent_id for r in requests]
 
     def add_request(self, prompt_token_ids: Sequence[int],
                     sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
                     cache_salt: str | None = None) -> str:
-        """Queues a request and returns its id; on bad input raises ValueError, queues nothing.
+        """Queues a request and returns its id; on bad input raises RequestError (a ValueError
+        naming the field) and queues nothing.
 
         Requests share prefix-cached blocks only when their cache_salt is equal (None included).
         """
-        request = self.make_request(prompt_token_ids, sampling_params or SamplingParams(),
-                                    request_id, arrival_time, cache_salt)
-        self.queue(request)
-        return request.parent_id
+        spec = PromptSpec(prompt_token_ids, sampling_params or SamplingParams(), request_id,
+                          cache_salt=cache_salt, arrival_time=arrival_time)
+        return self.add_requests([spec])[0]
+
+    def make_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
+                     request_id: str | None = None, arrival_time: float | None = None,
+                     cache_salt: str | None = None) -> Request:
+        """A checked request with its samples, not queued (benchmarks drive it by hand)."""
+        spec = PromptSpec(prompt_token_ids, sampling_params, request_id, cache_salt=cache_salt,
+                          arrival_time=arrival_time)
+        return self._build(check_specs(self, [spec])[0])
+
+    def _build(self, admission: Admission, taken: set = frozenset()) -> Request:
+        spec = admission.spec
+        seed = spec.params.seed
+        if seed is None:
+            seed = int(self._seed_rng.integers(0, 2**32))
+        request_id = admission.request_id
+        if request_id is None:
+            request_id = str(self._next_id)
+            while request_id in self._groups or request_id in taken:
+                self._next_id += 1
+                request_id = str(self._next_id)
+            self._next_id += 1
+        arrival_time = self.clock() if spec.arrival_time is None else spec.arrival_time
+        return make_samples(request_id, admission.prompt_token_ids, spec.params, seed=seed,
+                            arrival_time=arrival_time, cache_salt=spec.cache_salt,
+                            eos_token_ids=self.model_config.eos_token_ids)
 
     def queue(self, request: Request) -> None:
         """Queues a request from make_request (with its parallel samples)."""
@@ -230,41 +238,119 @@ class LLMEngine:
     # ---- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Runs one step; returns an output for every request that got a token this step."""
+        """Runs one step; returns an output for every request that got a token this step.
+
+        A request whose part of the step fails (its plan rows, its detokenization) is dropped
+        alone: it finishes with finish_reason "error" and its error, its blocks are freed, and
+        the others go on. Only a failure that loses the KV cache itself is raised."""
         output = self.scheduler.schedule(self.clock())
         if not output.scheduled:
             if self.has_unfinished():
                 raise RuntimeError("scheduler made no progress with requests pending")
             return []
         self.last_schedule = output  # what the step ran (profiling reads its shape)
-        plan = build_plan(output, self.scheduler.kv_manager, self.buckets)
         start = time.perf_counter()
         self.runner.swap(output.swap_out, output.swap_in, self.host_pool)
-        sampled_ids, logprobs, top_ids, top_logprobs = self.runner.step(plan)
+        try:
+            plan = build_plan(output, self.scheduler.kv_manager, self.buckets)
+            sampled_ids, logprobs, top_ids, top_logprobs = self.runner.step(plan)
+        except Exception as error:  # noqa: BLE001 - isolated below, or re-raised
+            return self._recover(output, error)
         self.stats.step_time_s += time.perf_counter() - start
-        now = self.clock()
-        advanced = self.scheduler.update(output, sampled_ids, now, logprobs, top_ids,
-                                         top_logprobs)
-        if self.tokenizer is not None:
-            for sample in advanced:
-                if self._texts[sample.request_id].advance(sample) and not sample.status.finished:
-                    self.scheduler.abort(sample.request_id, now, RequestStatus.FINISHED_STOPPED)
+        advanced: list[Request] = []
+        outputs = self._postprocess(output, (sampled_ids, logprobs, top_ids, top_logprobs),
+                                    advanced)
         self._record(output, advanced)
-        outputs = []
-        for parent_id in dict.fromkeys(r.parent_id for r in advanced):
-            samples = self._groups[parent_id]
-            texts = None
-            if self.tokenizer is not None:
-                texts = {s.request_id: self._texts[s.request_id].visible_text(s.status.finished)
-                         for s in samples}
-            out = RequestOutput.from_samples(samples, samples[0].sampling_params.n, texts,
-                                             self._prompts.get(parent_id))
-            if out.finished:
-                del self._groups[parent_id]
-                self._prompts.pop(parent_id, None)
-                for sample in samples:
-                    self._texts.pop(sample.request_id, None)
-            outputs.append(out)
+        return outputs
+
+    def _postprocess(self, output, results, advanced: list[Request]) -> list[RequestOutput]:
+        """Advances the step's requests by its results (appending them to advanced); one
+        output per request that got a token. A request whose detokenization fails is dropped
+        alone."""
+        now = self.clock()
+        sampled_ids, logprobs, top_ids, top_logprobs = results
+        new = self.scheduler.update(output, sampled_ids, now, logprobs, top_ids, top_logprobs)
+        advanced.extend(new)
+        failed: dict[str, str] = {}
+        if self.tokenizer is not None:
+            for sample in new:
+                try:
+                    stopped = self._texts[sample.request_id].advance(sample)
+                except Exception as error:  # noqa: BLE001 - this request fails alone
+                    failed[sample.parent_id] = _describe(error)
+                    continue
+                if stopped and not sample.status.finished:
+                    self.scheduler.abort(sample.request_id, now, RequestStatus.FINISHED_STOPPED)
+        for parent_id, message in failed.items():
+            self._fail(parent_id, message, now)
+        return [self._output(parent_id, failed.get(parent_id))
+                for parent_id in dict.fromkeys(r.parent_id for r in new)]
+
+    def fail_all(self, error: BaseException) -> list[RequestOutput]:
+        """After a step failed beyond one request's part (the KV cache lost with it): every
+        unfinished request fails with the error, and the engine starts over with a fresh cache
+        and an empty prefix cache, ready for new requests."""
+        message, now = _describe(error), self.clock()
+        failed = list(self._groups)
+        for parent_id in failed:
+            self._fail(parent_id, message, now)
+        outputs = [self._output(parent_id, message) for parent_id in failed]
+        self.scheduler = self._make_scheduler()
+        if self.runner.kv_cache_lost:
+            self.runner.reset_kv_cache()
+        return outputs
+
+    def _output(self, parent_id: str, error: str | None = None) -> RequestOutput:
+        samples = self._groups[parent_id]
+        texts = None
+        if self.tokenizer is not None:
+            texts = {s.request_id: self._texts[s.request_id].visible_text(s.status.finished)
+                     for s in samples}
+        out = RequestOutput.from_samples(samples, samples[0].sampling_params.n, texts,
+                                         self._prompts.get(parent_id), error)
+        if out.finished:
+            del self._groups[parent_id]
+            self._prompts.pop(parent_id, None)
+            for sample in samples:
+                self._texts.pop(sample.request_id, None)
+        return out
+
+    def _fail(self, parent_id: str, message: str, now: float) -> None:
+        for sample in self._groups[parent_id]:
+            if not sample.status.finished:
+                self.scheduler.abort(sample.request_id, now, RequestStatus.FINISHED_ERROR)
+        self.stats.num_failed += 1
+
+    def _recover(self, output, error: Exception) -> list[RequestOutput]:
+        """A step raised before any result: each of its sequences runs again alone (its blocks
+        are still allocated); the requests that fail alone too are dropped with their error,
+        the others get their tokens, and the engine goes on. Raises when the step lost the KV
+        cache (a donated buffer was consumed): nothing can be retried then."""
+        if self.runner.kv_cache_lost:
+            raise error
+        outputs, copies, advanced = [], output.copies, []
+        for seq in output.scheduled:
+            alone = dataclasses.replace(
+                output, scheduled=[seq], forks=[f for f in output.forks if f[0] is seq.request],
+                copies=copies, num_scheduled_tokens=seq.num_new_tokens, swap_out=[], swap_in=[])
+            try:
+                if len(output.scheduled) == 1:
+                    raise error
+                results = self.runner.step(build_plan(alone, self.scheduler.kv_manager,
+                                                      self.buckets))
+            except Exception as row_error:  # noqa: BLE001 - this request fails alone
+                if self.runner.kv_cache_lost:
+                    raise
+                parent_id = seq.request.parent_id
+                if parent_id in self._groups:
+                    message = _describe(row_error)
+                    self._fail(parent_id, message, self.clock())
+                    outputs.append(self._output(parent_id, message))
+                continue
+            copies = []  # done once, by the first sequence that ran
+            if not seq.request.status.finished:
+                outputs.extend(self._postprocess(alone, results, advanced))
+        self._record(output, advanced)
         return outputs
 
     def _record(self, output, advanced) -> None:

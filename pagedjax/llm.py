@@ -9,12 +9,13 @@ import jax.numpy as jnp
 from tqdm.auto import tqdm
 
 from models import CONFIGS, DEFAULT_CHECKPOINT, LlamaForCausalLM, get_config, init_model
+from pagedjax.admission import PromptSpec, encode_text
 from pagedjax.beam_search import BeamSearchParams, BeamSequence, beam_search
 from pagedjax.config import EngineConfig
 from pagedjax.engine import LLMEngine
 from pagedjax.outputs import RequestOutput
 from pagedjax.tokenizer import ByteTokenizer, Tokenizer
-from scheduler import SamplingParams
+from scheduler import RequestError, SamplingParams
 
 DEFAULT_MODEL = DEFAULT_CHECKPOINT  # the embedded trained model
 
@@ -94,16 +95,13 @@ class LLM:
 
     def _token_ids(self, prompt) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompts are strings but the model has no tokenizer; pass "
-                                 "token ids or LLM(..., tokenizer=...)")
-            return self.tokenizer.encode(prompt), prompt
+            return encode_text(self.tokenizer, prompt), prompt
         if isinstance(prompt, dict):
             if set(prompt) != {"prompt_token_ids"}:
-                raise ValueError(f"a prompt dict must hold only prompt_token_ids, got "
-                                 f"{sorted(prompt)}")
-            return list(prompt["prompt_token_ids"]), None
-        return list(prompt), None
+                raise RequestError("prompt", f"a prompt dict must hold only prompt_token_ids, "
+                                   f"got {sorted(map(str, prompt))[:8]}")
+            return prompt["prompt_token_ids"], None
+        return prompt, None  # token ids: check_specs checks them
 
     def generate(self, prompts: str | Sequence[Any],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -117,37 +115,34 @@ class LLM:
         if isinstance(prompts, str):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError("prompts must be a non-empty list of strings or token-id lists")
+            raise RequestError("prompts", "prompts must be a non-empty list of strings or "
+                               "token-id lists")
         if isinstance(prompts[0], int):
             prompts = [prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
+        if not isinstance(sampling_params, (list, tuple)):
+            raise RequestError("sampling_params", f"sampling_params must be a SamplingParams or "
+                               f"a list of them, got {type(sampling_params).__name__}")
         if len(sampling_params) != len(prompts):
-            raise ValueError(f"sampling_params has {len(sampling_params)} entries for "
+            raise RequestError("sampling_params", f"sampling_params has {len(sampling_params)} entries for "
                              f"{len(prompts)} prompts")
         engine = self.engine
-        encoded = [self._token_ids(p) for p in prompts]
-        requests = [engine.make_request(ids, sp)
-                    for (ids, _), sp in zip(encoded, sampling_params)]
-        ids = [r.parent_id for r in requests]
-        if len(set(ids)) != len(ids):
-            raise ValueError("request ids must be unique")
-        for request in requests:
-            engine.scheduler.check_request(request)
-        for request, (_, text) in zip(requests, encoded):
-            engine.queue(request)
-            if text is not None:
-                engine.set_prompt_text(request.parent_id, text)
+        specs = []
+        for prompt, params in zip(prompts, sampling_params):
+            ids, text = self._token_ids(prompt)
+            specs.append(PromptSpec(ids, params, prompt_text=text))
+        request_ids = engine.add_requests(specs)
         outputs: dict[str, RequestOutput] = {}
-        with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as bar:
+        with tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm) as bar:
             while engine.has_unfinished():
                 for out in engine.step():
                     if out.finished:
                         outputs[out.request_id] = out
                         bar.update(1)
-        return [outputs[r.parent_id] for r in requests]
+        return [outputs[request_id] for request_id in request_ids]
 
     def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

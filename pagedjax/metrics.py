@@ -16,6 +16,7 @@ class EngineStats:
     num_generated_tokens: int = 0
     num_finished: int = 0
     num_aborted: int = 0
+    num_failed: int = 0  # requests dropped alone because their part of a step failed
     num_preemptions: int = 0
     peak_used_blocks: int = 0
     peak_used_tokens: int = 0  # token slots filled at the block-usage peak (shared once)

@@ -29,7 +29,7 @@ class RequestMetrics:
 class CompletionOutput:
     index: int  # which sample (0 .. n-1)
     token_ids: list[int]
-    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    finish_reason: str | None  # "stop", "length", "abort" or "error" once finished
     cumulative_logprob: float  # sum of the model's logprobs of token_ids
     # Per token, when asked for: {token id: logprob} of the most likely tokens and the chosen one.
     logprobs: list[dict[int, float]] | None = None
@@ -46,6 +46,8 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     prompt: str | None = None
+    error: str | None = None  # why it failed inside a step (finish_reason "error")
+    cache_salt: str | None = None  # the request's, as given
 
     @property
     def text(self) -> str | None:
@@ -62,7 +64,7 @@ class RequestOutput:
     @classmethod
     def from_samples(cls, samples: Sequence[Request], n: int,
                      texts: dict[str, str] | None = None,
-                     prompt: str | None = None) -> "RequestOutput":
+                     prompt: str | None = None, error: str | None = None) -> "RequestOutput":
         """One request's output from its samples (one, or best_of >= n parallel ones); texts
         maps a sample's request_id to its detokenized output."""
         texts = texts or {}
@@ -86,4 +88,5 @@ class RequestOutput:
             max(finishes) if finished else None,
             sum(s.num_preemptions for s in samples), leader.num_cached_tokens)
         return cls(request_id=leader.parent_id, prompt_token_ids=list(leader.prompt_token_ids),
-                   outputs=outputs, finished=finished, metrics=metrics, prompt=prompt)
+                   outputs=outputs, finished=finished, metrics=metrics, prompt=prompt,
+                   error=error, cache_salt=leader.cache_salt)

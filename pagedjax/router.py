@@ -36,7 +36,6 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-import json
 import time
 from typing import Any, Sequence
 
@@ -45,6 +44,9 @@ import httpx
 import numpy as np
 import prometheus_client as prom
 from fastapi import responses
+
+from pagedjax.http_common import (DEFAULT_MAX_REQUEST_BYTES, GuardMiddleware, error_response,
+                                  install_error_handlers, key_matches, parse_json_object)
 
 POLICIES = ("kv_aware", "round_robin", "least_loaded")
 
@@ -88,8 +90,12 @@ def routing_key(path: str, body: dict) -> str | list[int] | None:
                 return None
             content = m.get("content")
             if isinstance(content, list):
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            parts.append(f"<|{m.get('role')}|>{content or ''}")
+                content = "".join(p["text"] for p in content
+                                  if isinstance(p, dict) and isinstance(p.get("text"), str))
+            if not isinstance(content, str):
+                content = ""
+            role = m.get("role") if isinstance(m.get("role"), str) else ""
+            parts.append(f"<|{role}|>{content}")
         return "".join(parts)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -279,7 +285,9 @@ class Router:
     def __init__(self, urls: Sequence[str], policy: str = "kv_aware", *,
                  canary: Sequence[str] = (), canary_weight: float = 0.0,
                  guard: dict | None = None, admin_key: str | None = None,
-                 retry_after_s: float = 5.0, timeout_s: float = 600.0, **policy_kwargs):
+                 retry_after_s: float = 5.0, timeout_s: float = 600.0,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, **policy_kwargs):
+        """admin_key: the /router/* admin endpoints exist only with one (and need it)."""
         def clean(group, values):
             values = [u.rstrip("/") for u in values]
             for url in values:
@@ -300,7 +308,10 @@ class Router:
             self.groups["canary"] = RoutingPolicy([Backend(u) for u in canary], policy,
                                                   **policy_kwargs)
         self.guard = RolloutGuard(canary_weight, **(guard or {}))
+        if admin_key is not None and (not isinstance(admin_key, str) or not admin_key):
+            raise ValueError("admin_key must be None or a non-empty string")
         self.admin_key = admin_key
+        self.max_request_bytes = max_request_bytes
         self.retry_after_s = retry_after_s
         self.timeout_s = timeout_s
         self.registry = prom.CollectorRegistry()
@@ -341,13 +352,7 @@ class Router:
 
     async def forward(self, path: str, request: fastapi.Request):
         raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except json.JSONDecodeError as e:
-            return _error(400, f"body is not valid JSON: {e}", None)
-        if not isinstance(body, dict):
-            return _error(400, "body must be a JSON object", None)
-        key = routing_key(path, body)
+        key = routing_key(path, parse_json_object(raw))
         chunks = prompt_chunks(key) if key is not None else []
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() in ("authorization", "content-type")}
@@ -450,6 +455,8 @@ class Router:
                 await self.client.aclose()
 
         app = fastapi.FastAPI(title="pagedjax router", lifespan=lifespan)
+        install_error_handlers(app)
+        app.add_middleware(GuardMiddleware, max_request_bytes=self.max_request_bytes)
 
         @app.post("/v1/completions")
         async def completions(request: fastapi.Request):
@@ -470,46 +477,8 @@ class Router:
                                                   status_code=response.status_code)
             return _error(503, "no backend is reachable", None, "server_error", "no_backend")
 
-        def admin(request: fastapi.Request):
-            if (self.admin_key is not None
-                    and request.headers.get("authorization") != f"Bearer {self.admin_key}"):
-                return _error(401, "missing or wrong admin key (Authorization: Bearer ...)",
-                              None, "authentication_error", "invalid_api_key")
-            return None
-
-        @app.get("/router/status")
-        async def router_status(request: fastapi.Request):
-            return admin(request) or self.status()
-
-        @app.post("/router/canary")
-        async def router_canary(request: fastapi.Request):
-            if (denied := admin(request)) is not None:
-                return denied
-            try:
-                body = json.loads(await request.body())
-                if not isinstance(body, dict) or "weight" not in body:
-                    raise ValueError('the body must be {"weight": w} with w in [0, 1]')
-                self.set_canary_weight(body["weight"])
-            except (ValueError, json.JSONDecodeError) as e:
-                return _error(400, str(e), "weight")
-            return self.status()
-
-        @app.post("/router/rollback")
-        async def router_rollback(request: fastapi.Request):
-            if (denied := admin(request)) is not None:
-                return denied
-            self.guard.rollback("rolled back by hand (POST /router/rollback)")
-            return self.status()
-
-        @app.post("/router/promote")
-        async def router_promote(request: fastapi.Request):
-            if (denied := admin(request)) is not None:
-                return denied
-            try:
-                self.promote()
-            except ValueError as e:
-                return _error(400, str(e), None)
-            return self.status()
+        if self.admin_key is not None:
+            self._admin_routes(app)
 
         @app.get("/health")
         async def health():
@@ -523,6 +492,50 @@ class Router:
                                        media_type="text/plain; version=0.0.4; charset=utf-8")
 
         return app
+
+
+    def _admin_routes(self, app: fastapi.FastAPI) -> None:
+        """GET /router/status, POST /router/canary {"weight": w}, /router/rollback and
+        /router/promote, each behind the admin key (compared in constant time)."""
+
+        def admin(handler):
+            async def guarded(request: fastapi.Request):
+                if not key_matches(request.headers.get("authorization"), self.admin_key):
+                    return _error(401, "missing or wrong admin key (Authorization: Bearer ...)",
+                                  None, "authentication_error", "invalid_api_key")
+                return await handler(request)
+            return guarded
+
+        async def router_status(request):
+            return self.status()
+
+        async def router_canary(request):
+            body = parse_json_object(await request.body())
+            weight = body.get("weight")
+            if set(body) != {"weight"} or isinstance(weight, bool) or not isinstance(
+                    weight, (int, float)):
+                return _error(400, 'the body must be {"weight": w} with w in [0, 1]', "weight")
+            try:
+                self.set_canary_weight(float(weight))
+            except ValueError as e:
+                return _error(400, str(e), "weight")
+            return self.status()
+
+        async def router_rollback(request):
+            self.guard.rollback("rolled back by hand (POST /router/rollback)")
+            return self.status()
+
+        async def router_promote(request):
+            try:
+                self.promote()
+            except ValueError as e:
+                return _error(400, str(e), None)
+            return self.status()
+
+        app.get("/router/status")(admin(router_status))
+        app.post("/router/canary")(admin(router_canary))
+        app.post("/router/rollback")(admin(router_rollback))
+        app.post("/router/promote")(admin(router_promote))
 
 
 class _Relay(responses.StreamingResponse):
@@ -542,9 +555,7 @@ class _Relay(responses.StreamingResponse):
 
 def _error(status: int, message: str, param: str | None, type_: str = "invalid_request_error",
            code: Any = None) -> responses.JSONResponse:
-    return responses.JSONResponse(
-        {"error": {"message": message, "type": type_, "param": param, "code": code}},
-        status_code=status)
+    return error_response(status, message, param, type_, code)
 
 
 def run_router(urls: Sequence[str], policy: str = "kv_aware", *, host: str = "127.0.0.1",

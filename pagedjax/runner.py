@@ -57,8 +57,9 @@ class ModelRunner:
         self.graphdef, params = nnx.split(model)
         self.backend = backend
         self.num_top_logprobs = num_top_logprobs
-        kv_caches = init_kv_cache(config.num_layers, num_blocks, block_size,
-                                  config.num_kv_heads, config.head_dim, dtype, backend.name)
+        self._cache_spec = (config.num_layers, num_blocks, block_size, config.num_kv_heads,
+                            config.head_dim, dtype, backend.name)
+        kv_caches = init_kv_cache(*self._cache_spec)
         # Parameters and caches committed to one device, whatever their source (random init is
         # uncommitted, a checkpoint loader's device_put is committed): the step's outputs are
         # committed, so mixed inputs would compile every program a second time.
@@ -92,6 +93,14 @@ class ModelRunner:
             for layer, cache in enumerate(self.kv_caches):
                 data = jax.tree.map(staged, host_pool[layer])
                 self.kv_caches[layer] = scatter_blocks(cache, padded, data)
+
+    def reset_kv_cache(self) -> None:
+        """A fresh, zeroed KV cache (after a step that failed lost the donated one)."""
+        self.kv_caches = jax.device_put(init_kv_cache(*self._cache_spec), jax.devices()[0])
+
+    @property
+    def kv_cache_lost(self) -> bool:
+        return any(leaf.is_deleted() for leaf in jax.tree.leaves(self.kv_caches))
 
     def step(self, plan: BatchPlan) -> tuple[np.ndarray, ...]:
         """Runs one step; returns, for the first num_seqs rows, the sampled ids, their logprobs,

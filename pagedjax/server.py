@@ -14,6 +14,7 @@ ignore_eos, skip_special_tokens, include_stop_str_in_output, cache_salt, return_
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import secrets
@@ -24,174 +25,21 @@ from typing import Any
 
 import fastapi
 from fastapi import responses
-from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field
 
+from pagedjax.admission import encode_text
 from pagedjax.async_engine import (AsyncLLMEngine, EngineDeadError, OverloadedError,
-                                   PromptSpec, RequestGroup)
+                                   PromptSpec, RequestFailedError, RequestGroup)
 from pagedjax.engine import LLMEngine
+from pagedjax.http_common import (DEFAULT_MAX_REQUEST_BYTES, APIError, GuardMiddleware,
+                                  error_body, install_error_handlers, parse_body)
 from pagedjax.outputs import CompletionOutput, RequestOutput
+from pagedjax.protocol import (ChatCompletionRequest, CompletionRequest, _SamplingFields,
+                               split_prompts)
 from pagedjax.server_metrics import ServerMetrics
-from scheduler import SamplingParams
-from scheduler.simulator import prefix_hashes
+from pagedjax.trace_recorder import TraceRecorder
+from scheduler import RequestError, SamplingParams
 
-
-# ---- request bodies ------------------------------------------------------------------------------
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class _SamplingFields(BaseModel):
-    """Fields both endpoints share. Unknown fields are ignored, as OpenAI's API does."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = None
-    n: int = Field(1, ge=1)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = Field(None, ge=0, lt=2**32)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
-    cache_salt: str | None = None
-    return_token_ids: bool = False
-
-    def unsupported(self) -> list[tuple[str, str]]:
-        """(field, why) for fields with values this engine does not implement."""
-        found = []
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                found.append((name, f"{name} is not supported (only 0)"))
-        if self.logit_bias:
-            found.append(("logit_bias", "logit_bias is not supported"))
-        return found
-
-
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    best_of: int | None = Field(None, ge=1)
-    logprobs: int | None = Field(None, ge=0)
-    echo: bool = False
-    suffix: str | None = None
-
-    def unsupported(self):
-        found = super().unsupported()
-        if self.suffix:
-            found.append(("suffix", "suffix is not supported"))
-        if self.echo and self.logprobs is not None:
-            found.append(("echo", "echo with logprobs (prompt logprobs) is not supported"))
-        if self.stream and self.best_of is not None and self.best_of > self.n:
-            found.append(("best_of", "best_of > n cannot stream (the best n are known only at "
-                          "the end)"))
-        return found
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-
-
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
-
-    def unsupported(self):
-        found = super().unsupported()
-        if self.tools:
-            found.append(("tools", "tool calling is not supported"))
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            found.append(("response_format", "only response_format {'type': 'text'} is "
-                          "supported (no guided decoding)"))
-        if self.top_logprobs is not None and not self.logprobs:
-            found.append(("top_logprobs", "top_logprobs needs logprobs: true"))
-        return found
-
-
-# ---- errors --------------------------------------------------------------------------------------
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type_: str = "invalid_request_error", code: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.type, self.code, self.headers = type_, code, headers
-
-
-def error_body(message: str, type_: str, param: str | None = None,
-               code: str | int | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    parts, param = [], None
-    for error in exc.errors():
-        loc = [str(x) for x in error.get("loc", ()) if x != "body"]
-        field = ".".join(loc) or "body"
-        param = param or (loc[0] if loc else None)
-        got = f" (got {error['input']!r})" if "input" in error and loc else ""
-        parts.append(f"{field}: {error.get('msg', 'invalid')}{got}")
-    return "; ".join(parts), param
-
-
-def _param_of(message: str) -> str | None:
-    """The request field a ValueError from the engine names first ("max_tokens must be ...")."""
-    head = message.split(" ", 1)[0].strip("(:,")
-    if head in ("prompt_token_ids", "prompt"):
-        return "prompt"
-    return head if head.isidentifier() else None
-
-
-REJECTED = {400: "invalid", 404: "invalid", 429: "overloaded"}  # status -> the metric's reason
-
-
-# ---- the app -------------------------------------------------------------------------------------
-
-class TraceRecorder:
-    """Appends each finished request to a JSON-lines trace for `pagedjax simulate`: arrival
-    (seconds since the server started), prompt and output lengths, samples, and the chained
-    hashes of the prompt's 16-token pieces (which requests share a prefix; no tokens)."""
-
-    def __init__(self, path: str, start: float):
-        self.file = open(path, "a", buffering=1)
-        self.start = start
-
-    def record(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            if not out.finished:
-                continue
-            record = {"arrival_s": round(out.metrics.arrival_time - self.start, 6),
-                      "prompt_len": len(out.prompt_token_ids),
-                      "output_len": max(1, max(len(c.token_ids) for c in out.outputs))}
-            if len(out.outputs) > 1:
-                record["n"] = len(out.outputs)
-            if hashes := prefix_hashes(out.prompt_token_ids):
-                record["prefix_hashes"] = list(hashes)
-            self.file.write(json.dumps(record) + "\n")
-
-    def close(self) -> None:
-        self.file.close()
+REJECTED = {400: "invalid", 404: "invalid", 413: "invalid", 429: "overloaded"}  # -> reason
 
 
 class OpenAIServer:
@@ -199,14 +47,25 @@ class OpenAIServer:
 
     def __init__(self, engine: LLMEngine, served_model_name: str = "pagedjax", *,
                  max_outstanding_tokens: int | None = None, api_key: str | None = None,
-                 trace_out: str | None = None):
+                 trace_out: str | None = None,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 public_metrics: bool = False):
+        """api_key guards every route but /health (and /metrics with public_metrics, for a
+        scraper); bodies over max_request_bytes answer 413 unread."""
         if not isinstance(served_model_name, str) or not served_model_name:
             raise ValueError(f"served_model_name must be a non-empty string, "
                              f"got {served_model_name!r}")
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = served_model_name
+        if api_key is not None and (not isinstance(api_key, str) or not api_key):
+            raise ValueError("api_key must be None or a non-empty string")
+        if not isinstance(max_request_bytes, int) or max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be an integer >= 1, "
+                             f"got {max_request_bytes!r}")
         self.api_key = api_key
+        self.max_request_bytes = max_request_bytes
+        self.open_paths = ("/health", "/metrics") if public_metrics else ("/health",)
         self.created = int(time.time())
         self.metrics = ServerMetrics(engine, served_model_name)
         self.trace = TraceRecorder(trace_out, engine.clock()) if trace_out else None
@@ -228,48 +87,49 @@ class OpenAIServer:
             raise APIError(400, why, param)
 
     def _sampling(self, body: _SamplingFields, max_tokens: int, logprobs: int | None,
-                  best_of: int | None = None) -> SamplingParams:
+                  best_of: int | None, params_of: dict[str, str]) -> SamplingParams:
         kwargs: dict[str, Any] = dict(max_tokens=max_tokens, n=body.n, best_of=best_of,
                                       seed=body.seed, ignore_eos=body.ignore_eos,
                                       skip_special_tokens=body.skip_special_tokens,
                                       include_stop_str_in_output=body.include_stop_str_in_output,
-                                      logprobs=logprobs)
+                                      logprobs=logprobs, stop=body.stop,
+                                      stop_token_ids=tuple(body.stop_token_ids or ()))
         if body.temperature is not None:
             kwargs["temperature"] = body.temperature
         if body.top_p is not None:
             kwargs["top_p"] = body.top_p
         if body.top_k is not None:
             kwargs["top_k"] = -1 if body.top_k == 0 else body.top_k
-        if body.stop:
-            kwargs["stop"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
-        if body.stop_token_ids:
-            kwargs["stop_token_ids"] = tuple(body.stop_token_ids)
         try:
             return SamplingParams(**kwargs)
-        except ValueError as e:
-            raise APIError(400, str(e), _param_of(str(e))) from None
+        except RequestError as e:
+            raise _rejected(e, params_of) from None
 
-    def _encode(self, prompt: str | list[int], field: str) -> tuple[list[int], str | None]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise APIError(400, f"{field} is text but the model has no tokenizer: send "
-                               "token ids", field)
-            return self.tokenizer.encode(prompt), prompt
-        return list(prompt), None
+    async def _encode(self, prompt: str | list, field: str) -> tuple[list, str | None]:
+        """Token ids of a text prompt (tokenized off the event loop) or the ids as given (the
+        engine checks them)."""
+        if not isinstance(prompt, str):
+            return prompt, None
+        try:
+            if len(prompt) < 4096:
+                return encode_text(self.tokenizer, prompt, field), prompt
+            return await asyncio.to_thread(encode_text, self.tokenizer, prompt, field), prompt
+        except RequestError as e:
+            raise APIError(400, str(e), field) from None
 
     def _token_text(self, token_id: int) -> str:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    async def _add(self, specs: list[PromptSpec]) -> RequestGroup:
+    async def _add(self, specs: list[PromptSpec], params_of: dict[str, str]) -> RequestGroup:
         try:
             return await self.async_engine.add_requests(specs)
         except OverloadedError as e:
             raise APIError(429, str(e), None, "rate_limit_error", "server_overloaded",
                            {"Retry-After": "1"}) from None
-        except ValueError as e:
-            raise APIError(400, str(e), _param_of(str(e))) from None
+        except RequestError as e:
+            raise _rejected(e, params_of) from None
         except EngineDeadError as e:
             raise APIError(503, str(e), None, "server_error", "engine_dead") from None
 
@@ -294,23 +154,24 @@ class OpenAIServer:
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
                 "text_offset": offsets}
 
-    async def completions(self, body: CompletionRequest, request: fastapi.Request):
+    async def completions(self, request: fastapi.Request):
+        body = parse_body(await request.body(), CompletionRequest)
         self._check_model(body)
-        prompts = body.prompt
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise APIError(400, "prompt must be non-empty (a string, token ids, or a non-empty "
-                           "list of them)", "prompt")
-        params = self._sampling(body, body.max_tokens or 16, body.logprobs, body.best_of)
-        encoded = [self._encode(p, "prompt") for p in prompts]
+        try:
+            prompts = split_prompts(body.prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), "prompt") from None
+        params_of = {"prompt_token_ids": "prompt", "prompts": "prompt"}
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        params = self._sampling(body, max_tokens, body.logprobs, body.best_of, params_of)
+        encoded = [await self._encode(p, "prompt") for p in prompts]
         request_id = f"cmpl-{secrets.token_hex(12)}"
         specs = [PromptSpec(ids, params, f"{request_id}-{i}", text, body.cache_salt)
                  for i, (ids, text) in enumerate(encoded)]
         index_of = {spec.request_id: i for i, spec in enumerate(specs)}
-        echo = [(text if text is not None else self.tokenizer.decode(ids))
+        group = await self._add(specs, params_of)
+        echo = [(text if text is not None else self.tokenizer.decode(list(ids)))
                 if body.echo and self.tokenizer is not None else "" for ids, text in encoded]
-        group = await self._add(specs)
         created = int(time.time())
         n = body.n
 
@@ -330,6 +191,8 @@ class OpenAIServer:
                 "model": self.model_name}
         if not body.stream:
             final = await self._collect(group, request)
+            if final is None:
+                return _gone()
             choices = []
             for rid in (s.request_id for s in specs):
                 out = final[rid]
@@ -389,8 +252,8 @@ class OpenAIServer:
                 texts = []
                 for part in content:
                     if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise APIError(400, f"messages[{i}].content: only text parts are "
-                                       f"supported, got type {part.get('type')!r}",
+                        raise APIError(400, f"messages[{i}].content: only text parts "
+                                       "({'type': 'text', 'text': str}) are supported",
                                        "messages")
                     texts.append(part["text"])
                 content = "".join(texts)
@@ -400,7 +263,8 @@ class OpenAIServer:
                 messages, add_generation_prompt=body.add_generation_prompt, tokenize=True,
                 **(body.chat_template_kwargs or {})))
         except Exception as e:  # noqa: BLE001 - a template error is the caller's input
-            raise APIError(400, f"messages: the chat template failed: {e}", "messages") from None
+            raise APIError(400, f"messages: the chat template failed: {str(e)[:200]}",
+                           "messages") from None
 
     def _chat_logprobs(self, choice: CompletionOutput, start: int, top_n: int) -> dict:
         content = []
@@ -413,16 +277,25 @@ class OpenAIServer:
                                   "bytes": list(t.encode())} for i, lp in ranked]})
         return {"content": content}
 
-    async def chat_completions(self, body: ChatCompletionRequest, request: fastapi.Request):
+    async def chat_completions(self, request: fastapi.Request):
+        body = parse_body(await request.body(), ChatCompletionRequest)
         self._check_model(body)
-        ids = self._chat_prompt(body)
-        max_tokens = body.max_completion_tokens or body.max_tokens
+        ids = await asyncio.to_thread(self._chat_prompt, body)
+        max_tokens = body.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = body.max_tokens
         if max_tokens is None:  # as vLLM: whatever the context leaves
             max_tokens = max(1, self.engine.config.max_model_len - len(ids))
         top_n = body.top_logprobs or 0
-        params = self._sampling(body, max_tokens, top_n if body.logprobs else None)
+        params_of = {"prompt_token_ids": "messages", "prompts": "messages",
+                     "logprobs": "top_logprobs",
+                     "max_tokens": ("max_completion_tokens"
+                                    if body.max_completion_tokens is not None else "max_tokens")}
+        params = self._sampling(body, max_tokens, top_n if body.logprobs else None, None,
+                                params_of)
         request_id = f"chatcmpl-{secrets.token_hex(12)}"
-        group = await self._add([PromptSpec(ids, params, request_id, None, body.cache_salt)])
+        group = await self._add([PromptSpec(ids, params, request_id, None, body.cache_salt)],
+                                params_of)
         base = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name}
 
@@ -435,7 +308,10 @@ class OpenAIServer:
             return d
 
         if not body.stream:
-            out = (await self._collect(group, request))[request_id]
+            final = await self._collect(group, request)
+            if final is None:
+                return _gone()
+            out = final[request_id]
             choices = [{"index": c.index,
                         "message": {"role": "assistant", "content": c.text or ""},
                         "logprobs": None, **extra(out, c, 0), "finish_reason": c.finish_reason}
@@ -475,18 +351,33 @@ class OpenAIServer:
         return responses.StreamingResponse(_guard(events()), media_type="text/event-stream")
 
     async def _collect(self, group: RequestGroup, request: fastapi.Request
-                       ) -> dict[str, RequestOutput]:
-        """Every request's finished output; aborts them if the client disconnects first."""
+                       ) -> dict[str, RequestOutput] | None:
+        """Every request's finished output, or None when the client disconnected first (its
+        requests are aborted and their blocks freed at once)."""
         final: dict[str, RequestOutput] = {}
-        try:
-            async with group:
-                async for out in group:
-                    if out.finished:
-                        final[out.request_id] = out
-                    elif await request.is_disconnected():
-                        break
-        except EngineDeadError as e:
-            raise APIError(503, str(e), None, "server_error", "engine_dead") from None
+
+        async def collect():
+            async for out in group:
+                if out.finished:
+                    final[out.request_id] = out
+
+        async with group:
+            collecting = asyncio.ensure_future(collect())
+            gone = asyncio.ensure_future(_disconnected(request))
+            try:
+                await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                finished = collecting.done()
+                gone.cancel()
+                collecting.cancel()  # a no-op once it is done
+            if not finished:
+                return None
+            try:
+                collecting.result()
+            except EngineDeadError as e:
+                raise APIError(503, str(e), None, "server_error", "engine_dead") from None
+            except RequestFailedError as e:
+                raise APIError(500, str(e), None, "server_error", "request_failed") from None
         return final
 
     # ---- the app ---------------------------------------------------------------------------
@@ -506,30 +397,13 @@ class OpenAIServer:
         app = fastapi.FastAPI(title="pagedjax", lifespan=lifespan)
         app.state.server = self
 
-        @app.exception_handler(APIError)
-        async def api_error(request, exc: APIError):
-            if exc.status in REJECTED:
-                self.metrics.rejected(REJECTED[exc.status])
-            return responses.JSONResponse(
-                error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status,
-                headers=exc.headers)
+        def on_error(status: int) -> None:
+            if status in REJECTED:
+                self.metrics.rejected(REJECTED[status])
 
-        @app.exception_handler(RequestValidationError)
-        async def validation_error(request, exc: RequestValidationError):
-            self.metrics.rejected("invalid")
-            message, param = _validation_message(exc)
-            return responses.JSONResponse(error_body(message, "invalid_request_error", param),
-                                          status_code=400)
-
-        @app.middleware("http")
-        async def check_api_key(request: fastapi.Request, call_next):
-            if (self.api_key is not None and request.url.path.startswith("/v1")
-                    and request.headers.get("authorization") != f"Bearer {self.api_key}"):
-                return responses.JSONResponse(
-                    error_body("missing or wrong API key (Authorization: Bearer ...)",
-                               "authentication_error", None, "invalid_api_key"),
-                    status_code=401)
-            return await call_next(request)
+        install_error_handlers(app, on_error)
+        app.add_middleware(GuardMiddleware, max_request_bytes=self.max_request_bytes,
+                           api_key=self.api_key, open_paths=self.open_paths)
 
         @app.get("/health")
         async def health():
@@ -555,6 +429,24 @@ class OpenAIServer:
         return app
 
 
+def _rejected(error: RequestError, params_of: dict[str, str]) -> APIError:
+    """The engine's RequestError as HTTP 400, its field spelled as the endpoint's body does."""
+    field = error.field
+    param = params_of.get(field, field) if field not in ("sampling_params", "request_id") else None
+    return APIError(400, str(error), param)
+
+
+async def _disconnected(request: fastapi.Request) -> None:
+    """Returns when the client has gone away (the body is read: the next message is the
+    disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _gone() -> responses.Response:
+    return responses.Response(status_code=499)  # nobody reads it: the client has gone
+
+
 async def _guard(events):
     """A stream whose engine dies mid-way ends with an error event, then [DONE]."""
     try:
@@ -562,6 +454,9 @@ async def _guard(events):
             yield event
     except EngineDeadError as e:
         yield _sse(error_body(str(e), "server_error", None, "engine_dead"))
+        yield "data: [DONE]\n\n"
+    except RequestFailedError as e:
+        yield _sse(error_body(str(e), "server_error", None, "request_failed"))
         yield "data: [DONE]\n\n"
     finally:
         await events.aclose()  # a client that went away: abort its requests now
@@ -571,13 +466,11 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def build_app(engine: LLMEngine, served_model_name: str = "pagedjax", *,
-              max_outstanding_tokens: int | None = None,
-              api_key: str | None = None) -> fastapi.FastAPI:
-    """The FastAPI app serving `engine` (its engine thread starts with the app's lifespan)."""
-    return OpenAIServer(engine, served_model_name, max_outstanding_tokens=max_outstanding_tokens,
-                        api_key=api_key).build_app()
-
+def build_app(engine: LLMEngine, served_model_name: str = "pagedjax",
+              **server_kwargs) -> fastapi.FastAPI:
+    """The FastAPI app serving `engine` (its engine thread starts with the app's lifespan);
+    server_kwargs: OpenAIServer's."""
+    return OpenAIServer(engine, served_model_name, **server_kwargs).build_app()
 
 
 def run_server(engine: LLMEngine, served_model_name: str = "pagedjax", *, host: str = "127.0.0.1",

@@ -102,7 +102,8 @@ class ServerMetrics:
         self.num_requests_swapped.set(info.num_swapped)
         self.kv_cache_usage_perc.set(info.kv_usage)
         self.outstanding_tokens.set(info.outstanding_tokens)
-        self.step_time.observe(info.step_time_s)
+        if info.step_time_s is not None:
+            self.step_time.observe(info.step_time_s)
         totals = self._totals()
         for metric, now, before in zip((self.generation_tokens, self.num_preemptions,
                                         self.prefix_cache_queries, self.prefix_cache_hits),

@@ -7,8 +7,10 @@ from scheduler.block_pool import NULL_BLOCK, BlockPool
 from scheduler.buckets import ShapeBuckets, pad_to_bucket, power_of_two_buckets
 from scheduler.kv_cache_manager import KVCacheManager, cdiv
 from scheduler.plan import ARRAY_FIELDS, DECODE, PREFILL, STATIC_FIELDS, BatchPlan, build_plan
-from scheduler.request import Request, RequestStatus, SamplingParams, make_samples
-from scheduler.lifecycle import Scheduler, abort_request, add_request, check_request, update
+from scheduler.request import Request, RequestStatus, SamplingParams, fold_seed, make_samples
+from scheduler.errors import RequestError
+from scheduler.lifecycle import (Scheduler, abort_request, add_request, check_admission,
+                                 check_request, update)
 from scheduler.scheduler import (DECODE_FIRST, MIXED, POLICIES, PREFILL_FIRST, VICTIM_POLICIES,
                                  ScheduledSeq, SchedulerConfig, SchedulerOutput, SchedulerState,
                                  schedule)
@@ -18,6 +20,7 @@ __all__ = [
     "KVCacheManager", "cdiv", "ARRAY_FIELDS", "DECODE", "PREFILL", "STATIC_FIELDS", "BatchPlan",
     "build_plan", "Request", "RequestStatus", "SamplingParams", "DECODE_FIRST", "MIXED",
     "POLICIES", "PREFILL_FIRST", "VICTIM_POLICIES", "ScheduledSeq", "Scheduler",
-    "SchedulerConfig", "SchedulerOutput", "SchedulerState", "abort_request", "add_request", "check_request",
+    "SchedulerConfig", "SchedulerOutput", "SchedulerState", "abort_request", "add_request",
+    "check_admission", "check_request", "RequestError", "fold_seed",
     "schedule", "update", "make_samples",
 ]

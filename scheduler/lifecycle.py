@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from scheduler.errors import RequestError
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import SchedulerConfig, SchedulerOutput, SchedulerState, schedule
@@ -72,29 +73,39 @@ def _finish(state: SchedulerState, request: Request, status: RequestStatus, now:
     state.requests.pop(request.request_id, None)
 
 
-def check_request(state: SchedulerState, request: Request) -> None:
-    """Raises ValueError, naming the field and the limit, if request (with its parallel-sample
-    followers) can never be served."""
+def check_admission(state: SchedulerState, num_samples: int, num_prompt_tokens: int,
+                    max_tokens: int, request_ids: Sequence[str] = ()) -> None:
+    """Raises RequestError, naming the field and the limit, if a request with these numbers
+    (request_ids: its samples' ids, when already chosen) can never be served. Needs no Request:
+    the engine calls it before building anything."""
     config = state.config
-    for r in [request, *request.followers]:
-        if r.request_id in state.requests:
-            raise ValueError(f"request_id {r.request_id!r} is already in use")
-    if request.num_prompt_tokens < 1:
-        raise ValueError("prompt must contain at least one token")
-    if request.max_num_tokens > config.max_model_len:
-        raise ValueError(
-            f"prompt length ({request.num_prompt_tokens}) + max_tokens "
-            f"({request.sampling_params.max_tokens}) = {request.max_num_tokens} exceeds "
-            f"max_model_len ({config.max_model_len})")
-    group = 1 + len(request.followers)
-    if group > config.max_num_seqs:
-        raise ValueError(f"n / best_of ({group}) exceeds max_num_seqs ({config.max_num_seqs})")
+    for request_id in request_ids:
+        if request_id in state.requests:
+            raise RequestError("request_id", f"request_id {request_id!r} is already in use")
+    if num_prompt_tokens < 1:
+        raise RequestError("prompt_token_ids", "prompt_token_ids must contain at least one token")
+    total = num_prompt_tokens + max_tokens
+    if total > config.max_model_len:
+        field = "max_tokens" if max_tokens >= config.max_model_len else "prompt_token_ids"
+        raise RequestError(field, f"{field}: prompt length ({num_prompt_tokens}) + max_tokens "
+                           f"({max_tokens}) = {total} exceeds max_model_len "
+                           f"({config.max_model_len})")
+    if num_samples > config.max_num_seqs:
+        raise RequestError("n", f"n / best_of ({num_samples}) exceeds max_num_seqs "
+                           f"({config.max_num_seqs})")
     kv = state.kv_manager
-    if not kv.can_ever_fit(request.max_num_tokens):
-        raise ValueError(
-            f"prompt length + max_tokens = {request.max_num_tokens} tokens needs "
-            f"{kv.num_blocks_for(request.max_num_tokens)} KV blocks, more than the whole pool "
-            f"({kv.pool.num_usable_blocks} blocks of {kv.block_size} tokens)")
+    if not kv.can_ever_fit(total):
+        raise RequestError("max_tokens", f"max_tokens: prompt length + max_tokens = {total} "
+                           f"tokens needs {kv.num_blocks_for(total)} KV blocks, more than the "
+                           f"whole pool ({kv.pool.num_usable_blocks} blocks of {kv.block_size} "
+                           f"tokens)")
+
+
+def check_request(state: SchedulerState, request: Request) -> None:
+    """check_admission for a built request and its parallel-sample followers."""
+    samples = [request, *request.followers]
+    check_admission(state, len(samples), request.num_prompt_tokens,
+                    request.sampling_params.max_tokens, [r.request_id for r in samples])
 
 
 def add_request(state: SchedulerState, request: Request) -> None:
@@ -132,6 +143,20 @@ def abort_request(state: SchedulerState, request_id: str, now: float,
     request.followers = []
     _finish(state, request, status, now)
     return request
+
+
+def requeue(state: SchedulerState, request: Request) -> None:
+    """Puts a running request back at the head of the queue to recompute its KV (a step that
+    failed left its blocks in an unknown state)."""
+    if request.status != RequestStatus.RUNNING:
+        return
+    state.kv_manager.free(request)
+    state.num_recomputed_tokens += request.num_computed_tokens
+    request.num_computed_tokens = 0
+    request.status = RequestStatus.PREEMPTED
+    state.running.remove(request)
+    state.num_followers -= len(request.followers)
+    state.waiting.appendleft(request)
 
 
 class Scheduler:
@@ -173,6 +198,9 @@ class Scheduler:
     def abort(self, request_id: str, now: float,
               status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Request | None:
         return abort_request(self.state, request_id, now, status)
+
+    def requeue(self, request: Request) -> None:
+        requeue(self.state, request)
 
     def has_unfinished(self) -> bool:
         return bool(self.state.requests)

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 from typing import Sequence
+
+from scheduler.errors import RequestError, check_bool, check_float, check_int
+
+INT32_MAX = 2**31 - 1  # integer fields are packed into i32 plan arrays
+MAX_TEMPERATURE = 1e4
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,7 +23,8 @@ class SamplingParams:
     seed makes a request's samples reproducible whatever else is in the batch; with no seed the
     engine draws one from its own seeded generator. n samples share the prompt's KV blocks;
     best_of >= n samples are drawn and the n with the highest cumulative logprob returned.
-    Sample i uses seed + i, so it equals the same request run alone with that seed.
+    Sample i uses seed + i, so it equals the same request run alone with that seed. Seeds
+    take 64 bits; the sampler's key is made from their 32-bit fold (see fold_seed).
     """
 
     max_tokens: int = 16
@@ -36,33 +44,51 @@ class SamplingParams:
     skip_special_tokens: bool = True  # in the detokenized text
 
     def __post_init__(self):
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", _int_tuple("stop_token_ids",
+                                                              self.stop_token_ids))
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        elif not isinstance(stop, (list, tuple)):
+            raise RequestError("stop", f"stop must be a string or a list of strings, got "
+                               f"{type(stop).__name__}")
+        object.__setattr__(self, "stop", tuple(stop))
         self.validate()
 
     def validate(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if self.best_of is not None and (not isinstance(self.best_of, int)
-                                         or self.best_of < self.n):
-            raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
-            raise ValueError(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int)
-                                          or self.logprobs < 0):
-            raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
-        if self.seed is not None and not (0 <= self.seed < 2**32):
-            raise ValueError(f"seed must be in [0, 2**32), got {self.seed!r}")
+        """Checks what needs no engine (types, ranges); the engine checks its own limits
+        (n and best_of against max_num_seqs, top_k against the vocabulary, ...)."""
+        check_int("n", self.n, 1, INT32_MAX)
+        if self.best_of is not None:
+            check_int("best_of", self.best_of, 1, INT32_MAX)
+            if self.best_of < self.n:
+                raise RequestError("best_of", f"best_of must be >= n ({self.n}), "
+                                   f"got {self.best_of}")
+        check_int("max_tokens", self.max_tokens, 1, INT32_MAX)
+        check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        check_int("top_k", self.top_k, 1, INT32_MAX, allow=(-1,))
+        check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        if self.logprobs is not None:
+            check_int("logprobs", self.logprobs, 0, INT32_MAX)
+        if self.seed is not None:
+            check_int("seed", self.seed, 0, 2**64 - 1)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            check_bool(name, getattr(self, name))
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise RequestError("stop", f"stop holds {len(self.stop)} strings, more than "
+                               f"{MAX_STOP_STRINGS}")
         for text in self.stop:
             if not isinstance(text, str) or not text:
-                raise ValueError(f"stop must hold non-empty strings, got {text!r}")
+                raise RequestError("stop", f"stop must hold non-empty strings, got "
+                                   f"{type(text).__name__}")
+            if len(text) > MAX_STOP_STRING_CHARS:
+                raise RequestError("stop", f"stop strings must be at most "
+                                   f"{MAX_STOP_STRING_CHARS} characters, got {len(text)}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise RequestError("stop_token_ids", f"stop_token_ids holds "
+                               f"{len(self.stop_token_ids)} ids, more than {MAX_STOP_TOKEN_IDS}")
 
     @property
     def greedy(self) -> bool:
@@ -82,11 +108,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # failed inside a step; dropped alone, the others go on
 
     @property
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
 class Request:
@@ -187,10 +214,23 @@ def make_samples(request_id: str, prompt_token_ids: Sequence[int], params: Sampl
     samples = []
     for i in range(num_samples):
         sample = Request(request_id if num_samples == 1 else f"{request_id}#{i}",
-                         prompt_token_ids, params, seed=(seed + i) % 2**32,
+                         prompt_token_ids, params, seed=fold_seed(seed + i),
                          arrival_time=arrival_time, cache_salt=cache_salt,
                          eos_token_ids=eos_token_ids)
         sample.parent_id, sample.sample_index = request_id, i
         samples.append(sample)
     samples[0].followers = samples[1:]
     return samples[0]
+
+
+def fold_seed(seed: int) -> int:
+    """A 64-bit seed folded into the u32 the sampler keys on; seeds below 2**32 are themselves."""
+    seed %= 2**64
+    return (seed & 0xFFFFFFFF) ^ (seed >> 32)
+
+
+def _int_tuple(field: str, values) -> tuple[int, ...]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)):
+        raise RequestError(field, f"{field} must be a list of integers, got "
+                           f"{type(values).__name__}")
+    return tuple(check_int(f"{field}", v, 0, INT32_MAX) for v in values)

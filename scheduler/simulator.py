@@ -38,13 +38,14 @@ FEATURES = ("1", "T", "B", "kv_tokens", "attn_pairs")
 CHUNK = 16  # tokens a prefix hash covers
 
 
-def prefix_hashes(prompt_token_ids: Sequence[int]) -> tuple[str, ...]:
+def prefix_hashes(prompt_token_ids: Sequence[int], key: bytes = b"") -> tuple[str, ...]:
     """Chained hashes of a prompt's whole CHUNK-token pieces, for a trace: equal lists mean
-    equal prefixes, and the tokens cannot be read back from them."""
+    equal prefixes, and the tokens cannot be read back from them. With a secret key (at most 64
+    bytes; a served trace's is random per file) nobody can confirm a guessed piece either."""
     hashes, parent = [], b""
     for start in range(0, len(prompt_token_ids) - CHUNK + 1, CHUNK):
         piece = np.asarray(prompt_token_ids[start:start + CHUNK], np.int64).tobytes()
-        parent = hashlib.blake2b(parent + piece, digest_size=8).digest()
+        parent = hashlib.blake2b(parent + piece, digest_size=8, key=key).digest()
         hashes.append(parent.hex())
     return tuple(hashes)
 

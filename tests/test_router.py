@@ -276,17 +276,33 @@ def test_failing_canary_is_rolled_back_and_clients_never_see_it(backends, broken
 def test_healthy_canary_ramps_and_is_promoted(backends):
     _, urls = backends
     router = Router([urls[0]], "round_robin", canary=[urls[1]], canary_weight=0.5,
-                    guard=dict(window=20, min_requests=3, max_latency_ratio=100))
+                    guard=dict(window=20, min_requests=3, max_latency_ratio=100),
+                    admin_key="ops")
+    admin = {"Authorization": "Bearer ops"}
     with TestClient(router.build_app()) as client:
         served_by = [_post(client, f"rev:{i}=").headers["x-pagedjax-backend"]
                      for i in range(6)]
         assert served_by == [urls[0], urls[1]] * 3
-        assert client.get("/router/status").json()["canary"]["state"] == "canary"
-        assert client.post("/router/canary", json={"weight": 1.0}).status_code == 200
+        status = client.get("/router/status", headers=admin).json()
+        assert status["canary"]["state"] == "canary"
+        assert client.post("/router/canary", json={"weight": 1.0},
+                           headers=admin).status_code == 200
         assert {_post(client, "x").headers["x-pagedjax-backend"] for _ in range(3)} \
             == {urls[1]}
-        status = client.post("/router/promote").json()
+        status = client.post("/router/promote", headers=admin).json()
         assert [b["url"] for b in status["backends"]] == [urls[1]]
         assert status["canary"]["state"] == "off"
         assert _post(client, "y").headers["x-pagedjax-backend"] == urls[1]
-        assert client.post("/router/promote").status_code == 400  # no canary left
+        assert client.post("/router/promote", headers=admin).status_code == 400  # none left
+
+
+def test_admin_endpoints_exist_only_with_a_key(backends):
+    _, urls = backends
+    router = Router([urls[0]], "round_robin", canary=[urls[1]], canary_weight=0.5)
+    with TestClient(router.build_app()) as client:
+        for path in ("/router/canary", "/router/promote", "/router/rollback"):
+            response = client.post(path, json={"weight": 1})
+            assert response.status_code == 404, path
+            assert response.json()["error"]["type"] == "not_found_error"
+        assert client.get("/router/status").status_code == 404
+        assert router.guard.weight == 0.5 and "canary" in router.groups

@@ -70,9 +70,11 @@ def _stream(client, path, body, headers=None):
     return [json.loads(e) for e in events[:-1]]
 
 
-def _metrics(client) -> dict[tuple[str, tuple], float]:
+def _metrics(client, headers=None) -> dict[tuple[str, tuple], float]:
     samples = {}
-    for family in text_string_to_metric_families(client.get("/metrics").text):
+    response = client.get("/metrics", headers=headers)
+    assert response.status_code == 200, response.text
+    for family in text_string_to_metric_families(response.text):
         for s in family.samples:
             samples[s.name, tuple(sorted((k, v) for k, v in s.labels.items()
                                          if k != "model_name"))] = s.value
@@ -266,7 +268,11 @@ def test_admission_control_api_key_and_token_ids_without_tokenizer(llm, referenc
     body = {"prompt": ids, "max_tokens": 16, "ignore_eos": True, "temperature": 0}
     with TestClient(budgeted.build_app()) as client:
         assert client.post("/v1/completions", json=body).status_code == 401
-        assert client.get("/health").status_code == 200  # outside /v1: no key
+        assert client.get("/health").status_code == 200  # the one route without a key
+        for path in ("/metrics", "/docs", "/openapi.json", "/v1/models"):
+            assert client.get(path).status_code == 401, path
+        wrong = client.get("/v1/models", headers={"Authorization": "Bearer secreT"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
         text = client.post("/v1/completions", json={"prompt": "x"}, headers=auth)
         assert text.status_code == 400 and "no tokenizer" in text.json()["error"]["message"]
         budgeted.async_engine.pause()
@@ -276,8 +282,11 @@ def test_admission_control_api_key_and_token_ids_without_tokenizer(llm, referenc
         deadline = time.time() + 30
         while not budgeted.async_engine._live and time.time() < deadline:
             time.sleep(0.01)
+        queued = dict(engine.scheduler.state.requests)
         refused = client.post("/v1/completions", json=body, headers=auth)  # 28 + 28 > 40
         assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert engine.scheduler.state.requests == queued  # refused: nothing queued
+        assert len(engine.request_groups) == len(budgeted.async_engine._live) == 1
         error = refused.json()["error"]
         assert error["code"] == "server_overloaded"
         assert "max_outstanding_tokens (40)" in error["message"]
@@ -289,25 +298,56 @@ def test_admission_control_api_key_and_token_ids_without_tokenizer(llm, referenc
                          headers=auth)  # admitted now: nothing outstanding
         assert [t for e in events for t in e["choices"][0]["token_ids"]] \
             == data["choices"][0]["token_ids"][:5]
-        rejected = _metrics(client)["pagedjax:requests_rejected_total",
+        rejected = _metrics(client, auth)["pagedjax:requests_rejected_total",
                                     (("reason", "overloaded"),)]
         assert rejected == 1
 
 
-def test_dead_engine_answers_503():
-    dead = LLM(**ENGINE)
+def test_request_failing_inside_a_step_fails_alone():
+    """A step that raises for one request's rows: that request answers 500 with its error, the
+    one batched with it is served as if alone, the engine keeps serving and frees every block."""
+    llm = LLM(**ENGINE)
+    step = llm.engine.runner.step
+    poison = 7  # the tokenizer's id for the BEL byte, which no other prompt holds
 
-    def broken(plan):
-        raise RuntimeError("device lost")
+    def flaky(plan):
+        if poison in plan.token_ids[:int(plan.cu_q_lens[int(plan.num_seqs)])]:
+            raise RuntimeError("kernel fault")
+        return step(plan)
 
-    dead.engine.runner.step = broken
-    server = OpenAIServer(dead.engine, "tiny")
+    expected = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0),
+                            use_tqdm=False)[0].text
+    llm.engine.runner.step = flaky
+    server = OpenAIServer(llm.engine, "tiny")
     with TestClient(server.build_app()) as client:
+        server.async_engine.pause()  # both requests land in the same first step
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            bad = pool.submit(client.post, "/v1/completions",
+                              json={"prompt": "copy:\x07=", "max_tokens": 8})
+            good = pool.submit(client.post, "/v1/completions",
+                               json={"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0})
+            deadline = time.time() + 30
+            while len(server.async_engine._live) < 2 and time.time() < deadline:
+                time.sleep(0.01)
+            server.async_engine.resume()
+            bad, good = bad.result(timeout=60), good.result(timeout=60)
+        assert bad.status_code == 500, bad.text
+        assert "kernel fault" in bad.json()["error"]["message"]
+        assert good.status_code == 200 and good.json()["choices"][0]["text"] == expected
+        assert client.get("/health").status_code == 200
+        assert llm.engine.stats.num_failed == 1
+        assert llm.engine.scheduler.kv_manager.num_used_blocks == 0
+
+
+def test_shut_down_engine_answers_503():
+    llm = LLM(**ENGINE)
+    server = OpenAIServer(llm.engine, "tiny")
+    with TestClient(server.build_app()) as client:
+        server.async_engine.shutdown()
         response = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert response.status_code == 503
-        assert "device lost" in response.json()["error"]["message"]
+        assert response.json()["error"]["code"] == "engine_dead"
         assert client.get("/health").status_code == 503
-        assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 503
 
 
 def test_pagedjax_serve_process():

@@ -1,0 +1,177 @@
+"""The one admission path: every request (LLM, AsyncLLMEngine, beam search, the server) is checked
+here against the engine's limits before anything is built, and queued all or none.
+
+    specs = [PromptSpec(prompt_token_ids, SamplingParams(...)), ...]
+    engine.add_requests(specs)          # RequestError (a ValueError) naming the field, or ids
+
+A rejected call changes nothing: no Request objects, no samples, no blocks, no queue entries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from scheduler import RequestError, SamplingParams, check_admission
+
+if TYPE_CHECKING:
+    from pagedjax.engine import LLMEngine
+
+MAX_REQUEST_ID_CHARS = 256
+MAX_CACHE_SALT_CHARS = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptSpec:
+    """One request to add: its prompt ids and sampling, optionally its id, the prompt's text (for
+    the outputs) and a cache salt (requests share prefix-cached blocks only with equal salts)."""
+
+    prompt_token_ids: Sequence[int]
+    params: SamplingParams
+    request_id: str | None = None
+    prompt_text: str | None = None
+    cache_salt: str | None = None
+    arrival_time: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """A spec that passed every check: what the engine builds its samples from."""
+
+    spec: PromptSpec
+    prompt_token_ids: list[int]
+    request_id: str | None  # None: the engine numbers it when it builds the request
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens its samples may compute at most (prompt + max_tokens each): the admission
+        budget's measure."""
+        params = self.spec.params
+        return params.num_samples * (len(self.prompt_token_ids) + params.max_tokens)
+
+
+def check_prompt_token_ids(prompt_token_ids, vocab_size: int, max_len: int) -> list[int]:
+    """The prompt as a list of ints in [0, vocab_size), at most max_len of them."""
+    field = "prompt_token_ids"
+    if isinstance(prompt_token_ids, (str, bytes, dict)) or not hasattr(prompt_token_ids,
+                                                                      "__len__"):
+        raise RequestError(field, f"{field} must be a list of token ids, got "
+                           f"{type(prompt_token_ids).__name__}")
+    if len(prompt_token_ids) == 0:
+        raise RequestError(field, f"{field} must be a non-empty list of token ids")
+    if len(prompt_token_ids) > max_len:  # before converting anything
+        raise RequestError(field, f"{field} holds {len(prompt_token_ids)} tokens, more than "
+                           f"max_model_len ({max_len})")
+    if isinstance(prompt_token_ids, np.ndarray):
+        ids = prompt_token_ids
+    elif any(isinstance(t, bool) or not isinstance(t, (int, np.integer))
+             for t in prompt_token_ids):
+        raise RequestError(field, f"{field} must hold integers only")
+    else:
+        try:
+            ids = np.asarray(prompt_token_ids, dtype=np.int64)
+        except OverflowError:
+            raise RequestError(field, f"{field} must be in [0, vocab_size={vocab_size})") from None
+    if ids.ndim != 1:
+        raise RequestError(field, f"{field} must be a flat list of token ids, got shape "
+                           f"{ids.shape}")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise RequestError(field, f"{field} must be integers, got dtype {ids.dtype}")
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.size:
+        raise RequestError(field, f"{field} must be in [0, vocab_size={vocab_size}), got "
+                           f"{bad[:5].tolist()}")
+    return ids.tolist()
+
+
+def encode_text(tokenizer, text, field: str = "prompt") -> list[int]:
+    """text's token ids; RequestError naming field when the text is not a string or not valid
+    Unicode (a lone surrogate cannot be encoded as UTF-8)."""
+    if not isinstance(text, str):
+        raise RequestError(field, f"{field} must be a string, got {type(text).__name__}")
+    if tokenizer is None:
+        raise RequestError(field, f"{field} is text but the model has no tokenizer: send token "
+                           "ids, or give the engine a tokenizer")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(field, f"{field} is not valid Unicode: {e.reason} at character "
+                           f"{e.start}") from None
+    return list(tokenizer.encode(text))
+
+
+def check_spec(engine: "LLMEngine", spec: PromptSpec) -> Admission:
+    """Every limit the engine puts on one request; raises RequestError naming the field."""
+    if not isinstance(spec, PromptSpec):
+        raise RequestError(None, f"a request must be a PromptSpec, got {type(spec).__name__}")
+    params = spec.params
+    if not isinstance(params, SamplingParams):
+        raise RequestError("sampling_params", f"sampling_params must be a SamplingParams, got "
+                           f"{type(params).__name__}")
+    config, model_config = engine.config, engine.model_config
+    vocab = model_config.vocab_size
+    if params.num_samples > config.max_num_seqs:
+        field = "best_of" if params.best_of is not None else "n"
+        raise RequestError(field, f"{field} ({params.num_samples}) exceeds max_num_seqs "
+                           f"({config.max_num_seqs})")
+    if params.max_tokens > config.max_model_len:
+        raise RequestError("max_tokens", f"max_tokens ({params.max_tokens}) exceeds "
+                           f"max_model_len ({config.max_model_len})")
+    if params.top_k > vocab:
+        raise RequestError("top_k", f"top_k ({params.top_k}) exceeds the vocabulary "
+                           f"({vocab}); -1 disables it")
+    if (params.logprobs or 0) > config.max_logprobs:
+        raise RequestError("logprobs", f"logprobs ({params.logprobs}) exceeds max_logprobs "
+                           f"({config.max_logprobs})")
+    if params.stop and engine.tokenizer is None:
+        raise RequestError("stop", "stop strings need a tokenizer; this engine has none (pass "
+                           "stop_token_ids, or give the engine a tokenizer)")
+    for token_id in params.stop_token_ids:
+        if token_id >= vocab:
+            raise RequestError("stop_token_ids", f"stop_token_ids must be in [0, vocab_size="
+                               f"{vocab}), got {token_id}")
+    _check_text("request_id", spec.request_id, MAX_REQUEST_ID_CHARS)
+    _check_text("cache_salt", spec.cache_salt, MAX_CACHE_SALT_CHARS)
+    if spec.prompt_text is not None and not isinstance(spec.prompt_text, str):
+        raise RequestError("prompt", f"prompt must be a string, got "
+                           f"{type(spec.prompt_text).__name__}")
+    ids = check_prompt_token_ids(spec.prompt_token_ids, vocab, config.max_model_len)
+    sample_ids = []
+    if spec.request_id is not None:
+        if spec.request_id in engine.request_groups:
+            raise RequestError("request_id", f"request_id {spec.request_id!r} is already in use")
+        sample_ids = ([spec.request_id] if params.num_samples == 1 else
+                      [f"{spec.request_id}#{i}" for i in range(params.num_samples)])
+    check_admission(engine.scheduler.state, params.num_samples, len(ids), params.max_tokens,
+                    sample_ids)
+    return Admission(spec, ids, spec.request_id)
+
+
+def check_specs(engine: "LLMEngine", specs: Sequence[PromptSpec]) -> list[Admission]:
+    """check_spec for each, with unique ids across them; a batch's error names its index."""
+    if isinstance(specs, (str, bytes)) or not isinstance(specs, (list, tuple)) or not specs:
+        raise RequestError("prompts", "prompts must be a non-empty list of requests")
+    admissions = []
+    for i, spec in enumerate(specs):
+        try:
+            admissions.append(check_spec(engine, spec))
+        except RequestError as e:
+            if len(specs) == 1:
+                raise
+            raise RequestError(e.field, f"request {i}: {e}") from None
+    ids = [a.request_id for a in admissions if a.request_id is not None]
+    if len(set(ids)) != len(ids):
+        raise RequestError("request_id", "request ids must be unique")
+    return admissions
+
+
+def _check_text(field: str, value, max_chars: int) -> None:
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise RequestError(field, f"{field} must be a string, got {type(value).__name__}")
+    if len(value) > max_chars:
+        raise RequestError(field, f"{field} must be at most {max_chars} characters, got "
+                           f"{len(value)}")

@@ -1,0 +1,130 @@
+"""The wire format of the OpenAI-compatible endpoints: pydantic request bodies.
+
+Bodies are parsed strictly (no string-to-number coercion, no booleans for integers) and unknown
+fields are refused by name: a field a client sends is served or refused, never dropped. Limits
+that depend on the engine (n against max_num_seqs, top_k against the vocabulary, ...) are the
+engine's admission path's (pagedjax.admission); these models check only the shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_PROMPTS = 1024  # prompts in one /v1/completions request
+
+
+# ---- request bodies ------------------------------------------------------------------------------
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields both endpoints share."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    cache_salt: str | None = None
+    return_token_ids: bool = False
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        """(field, why) for fields with values this engine does not implement."""
+        found = []
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                found.append((name, f"{name} is not supported (only 0)"))
+        if self.logit_bias:
+            found.append(("logit_bias", "logit_bias is not supported"))
+        return found
+
+
+class CompletionRequest(_SamplingFields):
+    # A string, a list of strings, token ids, or a list of token-id lists: told apart by
+    # split_prompts, token ids checked by the engine (a union of typed lists would validate a
+    # long bad list once per branch).
+    prompt: str | list = Field(...)
+    max_tokens: int | None = 16
+    best_of: int | None = None
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def unsupported(self):
+        found = super().unsupported()
+        if self.suffix:
+            found.append(("suffix", "suffix is not supported"))
+        if self.echo and self.logprobs is not None:
+            found.append(("echo", "echo with logprobs (prompt logprobs) is not supported"))
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            found.append(("best_of", "best_of > n cannot stream (the best n are known only at "
+                          "the end)"))
+        return found
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self):
+        found = super().unsupported()
+        if self.tools:
+            found.append(("tools", "tool calling is not supported"))
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            found.append(("response_format", "only response_format {'type': 'text'} is "
+                          "supported (no guided decoding)"))
+        if self.top_logprobs is not None and not self.logprobs:
+            found.append(("top_logprobs", "top_logprobs needs logprobs: true"))
+        return found
+
+
+
+
+def split_prompts(prompt: str | list) -> list[str | list]:
+    """A completion request's prompts: each a string or a token-id list; raises ValueError."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise ValueError("prompt must be non-empty (a string, token ids, or a list of them)")
+    if all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise ValueError(f"prompt holds {len(prompt)} prompts, more than {MAX_PROMPTS}")
+        if any(len(p) == 0 for p in prompt):
+            raise ValueError("prompt must be non-empty (a string, token ids, or a list of "
+                             "them)")
+        return list(prompt)
+    return [prompt]  # token ids
