@@ -175,3 +175,8 @@ def _check_text(field: str, value, max_chars: int) -> None:
     if len(value) > max_chars:
         raise RequestError(field, f"{field} must be at most {max_chars} characters, got "
                            f"{len(value)}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(field, f"{field} is not valid Unicode: {e.reason} at character "
+                           f"{e.start}") from None

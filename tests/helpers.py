@@ -40,7 +40,7 @@ def simulate(scheduler: Scheduler, buckets, *, max_steps=100_000, on_step=None, 
     """
     outputs = []
     now = 0.0
-    while scheduler.has_unfinished():
+    for _ in until_done(scheduler, max_steps + 1):
         assert len(outputs) < max_steps, "simulation did not finish"
         now += 1.0
         output = scheduler.schedule(now)
@@ -52,3 +52,13 @@ def simulate(scheduler: Scheduler, buckets, *, max_steps=100_000, on_step=None, 
         check_kv_invariants(scheduler.kv_manager)
         outputs.append(output)
     return outputs
+
+
+def until_done(engine, max_steps: int = 10_000):
+    """Yields while engine (an LLMEngine or a Scheduler) has unfinished requests, at most
+    max_steps times: a loop that stops making progress fails instead of hanging."""
+    for step in range(max_steps):
+        if not engine.has_unfinished():
+            return
+        yield step
+    raise AssertionError(f"still unfinished after {max_steps} steps")

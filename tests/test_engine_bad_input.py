@@ -1,5 +1,6 @@
 """Bad input: a clear ValueError naming the field, nothing allocated or queued, others unaffected."""
 
+from helpers import until_done
 import dataclasses
 
 import pytest
@@ -36,12 +37,12 @@ def test_bad_request_changes_nothing(tiny_model, prompt, params, field):
         engine.add_request(prompt, params)
     assert snapshot(engine) == before
     outputs = {}
-    while engine.has_unfinished():
+    for _ in until_done(engine):
         outputs.update({o.request_id: o for o in engine.step() if o.finished})
     reference = LLMEngine(tiny_model, CONFIG)
     ref_id = reference.add_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=6, temperature=0))
     ref_out = {}
-    while reference.has_unfinished():
+    for _ in until_done(reference):
         ref_out.update({o.request_id: o for o in reference.step() if o.finished})
     assert outputs[running].output_token_ids == ref_out[ref_id].output_token_ids
 
@@ -115,7 +116,7 @@ def test_abort(tiny_model):
     engine.abort(a)
     assert engine.scheduler.kv_manager.num_used_blocks == 3
     assert engine.stats.num_aborted == 1
-    while engine.has_unfinished():
+    for _ in until_done(engine):
         engine.step()
     assert engine.scheduler.kv_manager.num_used_blocks == 0
     engine.abort(b)  # finished already: a no-op
@@ -140,6 +141,6 @@ def test_abort_of_a_waiting_request(tiny_model):
     engine.abort(second)
     assert not engine.scheduler.state.waiting
     finished = []
-    while engine.has_unfinished():
+    for _ in until_done(engine):
         finished += [o.request_id for o in engine.step() if o.finished]
     assert finished == [first]

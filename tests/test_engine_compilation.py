@@ -1,5 +1,6 @@
 """After warmup(), a long mixed trace compiles nothing new."""
 
+from helpers import until_done
 import numpy as np
 
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
@@ -27,7 +28,7 @@ def test_no_compilation_after_warmup(tiny_model):
                                           top_k=20 if i % 2 else -1, seed=i))
         if i % 10 == 9:  # requests keep arriving while others run
             engine.step()
-    while engine.has_unfinished():
+    for _ in until_done(engine):
         engine.step()
     assert engine.stats.num_finished == num_requests
     assert engine.stats.num_prefill_steps > 0 and engine.stats.num_decode_steps > 0

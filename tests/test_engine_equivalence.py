@@ -1,5 +1,6 @@
 """The paged engine against dense full-recompute greedy decoding of the same model."""
 
+from helpers import until_done
 import numpy as np
 import pytest
 
@@ -30,7 +31,7 @@ def run_engine(model, max_tokens=MAX_TOKENS, num_prompts=None, **kwargs):
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     ids = [engine.add_request(p, params) for p in prompts()[:num_prompts]]
     outputs = {}
-    while engine.has_unfinished():
+    for _ in until_done(engine):
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out

@@ -1,5 +1,6 @@
 """int8 KV cache: per-token, per-head scales; attention on dequantized values; the engine."""
 
+from helpers import until_done
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -62,7 +63,7 @@ def generate(model, max_tokens=12, **kwargs):
     ids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0.0))
            for p in prompts]
     done = {}
-    while engine.has_unfinished():
+    for _ in until_done(engine):
         done.update({o.request_id: o.output_token_ids for o in engine.step() if o.finished})
     return [done[i] for i in ids], engine
 

@@ -4,6 +4,7 @@ path. Token-level references come from transformers on the same weights."""
 
 from __future__ import annotations
 
+from helpers import until_done
 import json
 import shutil
 
@@ -101,7 +102,7 @@ def test_streamed_text_never_shows_a_stop_string(llm):
     request_id = engine.add_request(llm.tokenizer.encode(prompt),
                                     SamplingParams(max_tokens=16, temperature=0.0, stop=[stop]))
     seen = []
-    while engine.has_unfinished():
+    for _ in until_done(engine):
         for out in engine.step():
             assert out.request_id == request_id
             seen.append(out.text)

@@ -7,6 +7,7 @@ dropped tensor cannot hide behind an all-ones or all-zeros initialisation.
 
 from __future__ import annotations
 
+from helpers import until_done
 import json
 import os
 
@@ -87,7 +88,7 @@ def engine_greedy(model, token_prompts, max_tokens, **config):
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     ids = [engine.add_request(p, params) for p in token_prompts]
     done = {}
-    while engine.has_unfinished():
+    for _ in until_done(engine):
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out

@@ -1,5 +1,6 @@
 """n > 1 and best_of: one prompt computation, shared blocks, copy-on-write, seeded samples."""
 
+from helpers import until_done
 import numpy as np
 import pytest
 
@@ -18,7 +19,7 @@ def engine(model, **kwargs):
 def generate(eng, requests):
     ids = [eng.add_request(p, sp) for p, sp in requests]
     done = {}
-    while eng.has_unfinished():
+    for _ in until_done(eng):
         done.update({o.request_id: o for o in eng.step() if o.finished})
     return [done[i] for i in ids]
 
@@ -52,7 +53,7 @@ def test_prompt_blocks_are_stored_once_and_partial_block_copied_on_write(tiny_mo
     tables = [kv.get_block_table(f"0#{i}") for i in range(4)]
     assert kv.num_used_blocks == 5 + 3
     assert len({t[4] for t in tables}) == 4 and all(t[:4] == tables[0][:4] for t in tables)
-    while eng.has_unfinished():
+    for _ in until_done(eng):
         eng.step()
     assert kv.num_used_blocks == 0
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from helpers import check_kv_invariants, make_request
+from helpers import check_kv_invariants, make_request, until_done
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
 from scheduler import Scheduler, SchedulerConfig
 
@@ -21,7 +21,7 @@ def run(engine, requests, *, one_by_one=False):
     outputs, ids = {}, []
 
     def drain():
-        while engine.has_unfinished():
+        for _ in until_done(engine):
             outputs.update({o.request_id: o for o in engine.step() if o.finished})
 
     for prompt, params, *salt in requests:
@@ -110,7 +110,7 @@ def scheduler(num_blocks=20, **kwargs):
 
 
 def finish(sched, now=1.0):
-    while sched.has_unfinished():
+    for _ in until_done(sched):
         output = sched.schedule(now)
         sched.update(output, [9] * len(output.scheduled), now)
         check_kv_invariants(sched.kv_manager)
@@ -153,3 +153,23 @@ def test_hit_is_capped_one_token_short():
     sched.add_request(again)
     output = sched.schedule(5.0)
     assert output.scheduled[0].start == 8 and output.scheduled[0].num_new_tokens == 4
+
+
+def test_block_hashes_are_chained_to_their_prefix():
+    """A block whose tokens equal a cached block's, after a different prefix, is not a hit: its
+    K/V depends on everything before it (unchained hashes would find every block here)."""
+    from scheduler import Request, SamplingParams
+
+    def request(request_id, *blocks):
+        tokens = [t for b in blocks for t in [b] * BLOCK] + [9]
+        return Request(request_id, tokens, SamplingParams(max_tokens=1, temperature=0.0),
+                       seed=0, arrival_time=0.0)
+
+    sched = scheduler()
+    sched.add_request(request("a", 1, 2, 3))
+    finish(sched)
+    find = sched.kv_manager.find_cached_prefix
+    assert len(find(request("same", 1, 2, 3))) == 3
+    assert find(request("swapped", 2, 1, 3)) == []
+    assert len(find(request("repeated", 1, 1, 1))) == 1
+    assert len(find(request("diverged", 1, 2, 1))) == 2

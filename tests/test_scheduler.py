@@ -191,12 +191,17 @@ def test_preempted_request_recomputes_prompt_and_outputs():
     scheduler.add_request(a)
     scheduler.add_request(b)
     now = 0.0
-    while not b.num_preemptions:
+    for _ in range(100):  # bounded: a victim policy that picks the wrong request fails here
+        if b.num_preemptions or a.num_preemptions:
+            break
         now += 1
         scheduler.update(scheduler.schedule(now), [3] * 2, now)
+    assert b.num_preemptions == 1 and a.num_preemptions == 0  # lifo: the newest goes
     assert b.num_computed_tokens == 0 and scheduler.kv_manager.get_block_table("b") == []
     num_tokens = b.num_tokens
-    while b.num_computed_tokens == 0:
+    for _ in range(100):
+        if b.num_computed_tokens:
+            break
         now += 1
         output = scheduler.schedule(now)
         scheduler.update(output, [3] * len(output.scheduled), now)

@@ -25,7 +25,7 @@ from pagedjax import LLM, EngineConfig, LLMEngine, SamplingParams, load_model
 from pagedjax.llm import DEFAULT_MODEL
 from pagedjax.server import OpenAIServer
 from scheduler import SchedulerConfig, ShapeBuckets
-from scheduler.simulator import StepCostModel, load_trace, simulate
+from scheduler.simulator import StepCostModel, load_trace, prefix_hashes, simulate
 
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=128)
 PROMPTS = ["copy:hello=", "rev:paged=", "copy:kv cache=", "rev:block table="]
@@ -392,10 +392,20 @@ def test_pagedjax_serve_process():
 def test_served_trace_replays_in_the_simulator(server, trace_path):
     _, client = server
     shared = "system: answer in one word. " * 2  # 56 characters
-    usages = [client.post("/v1/completions", json={
-        "prompt": shared + f"copy:{w}=", "max_tokens": 6, "temperature": 0}).json()["usage"]
-        for w in ("ab", "cd", "ef")]
-    records = [json.loads(line) for line in trace_path.read_text().splitlines()][-3:]
+    responses = [client.post("/v1/completions", json={
+        "prompt": shared + f"copy:{w}=", "max_tokens": 6, "temperature": 0,
+        "return_token_ids": True}).json() for w in ("ab", "cd", "ef")]
+    usages = [r["usage"] for r in responses]
+    client.post("/v1/completions", json={"prompt": shared + "copy:ab=", "max_tokens": 6,
+                                         "temperature": 0, "cache_salt": "tenant-b"})
+    assert os.stat(trace_path).st_mode & 0o777 == 0o600  # the owner's only
+    records = [json.loads(line) for line in trace_path.read_text().splitlines()][-4:]
+    salted = records.pop()
+    # Keyed by a secret of the file: a guessed prompt's plain hashes do not match, and the
+    # same prompt under another cache_salt hashes apart.
+    ids = responses[0]["choices"][0]["prompt_token_ids"]
+    assert not set(prefix_hashes(ids)) & set(records[0]["prefix_hashes"])
+    assert not set(salted["prefix_hashes"]) & set(records[0]["prefix_hashes"])
     assert [(r["prompt_len"], r["output_len"]) for r in records] == \
         [(u["prompt_tokens"], u["completion_tokens"]) for u in usages]
     # 65 tokens (with <bos>): 4 whole pieces, the first 3 inside the shared text.
@@ -404,7 +414,7 @@ def test_served_trace_replays_in_the_simulator(server, trace_path):
     assert len({h[3] for h in hashes}) == 3
     assert records[0]["arrival_s"] <= records[1]["arrival_s"] <= records[2]["arrival_s"]
     trace = load_trace(trace_path)
-    sim = simulate([dataclasses.replace(t, arrival_s=0.0) for t in trace[-3:]],
+    sim = simulate([dataclasses.replace(t, arrival_s=0.0) for t in trace[-4:-1]],
                    SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128,
                                    max_model_len=128), num_blocks=64, block_size=16,
                    buckets=ShapeBuckets.create(max_num_batched_tokens=128, max_num_seqs=8,

@@ -1,6 +1,7 @@
 """Sliding-window attention: the paged engine against a dense windowed reference, and blocks
 outside every window released as sequences grow."""
 
+from helpers import until_done
 import dataclasses
 
 import numpy as np
@@ -38,7 +39,7 @@ def test_greedy_equals_dense_windowed_recompute(window_model, engine_kwargs):
     ids = [engine.add_request(p, SamplingParams(max_tokens=16, temperature=0.0))
            for p in prompts()]
     done = {}
-    while engine.has_unfinished():
+    for _ in until_done(engine):
         done.update({o.request_id: o.output_token_ids for o in engine.step() if o.finished})
     assert [done[i] for i in ids] == dense
     assert engine.scheduler.kv_manager.num_used_blocks == 0
@@ -57,7 +58,7 @@ def test_blocks_outside_the_window_are_released(window_model):
     engine.add_request(list(range(1, 31)), SamplingParams(max_tokens=30, temperature=0.0))
     kv = engine.scheduler.kv_manager
     most = 0
-    while engine.has_unfinished():
+    for _ in until_done(engine):
         engine.step()
         most = max(most, kv.num_used_blocks)
     # A query sees the last 10 positions: at most 3 full blocks plus the one being written.

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from helpers import make_request
+from helpers import make_request, until_done
 from models.generate import dense_greedy_generate
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
 from scheduler import RequestStatus, Scheduler, SchedulerConfig
@@ -24,7 +24,7 @@ def run(model, **kwargs):
     ids = [engine.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
            for p in prompts()]
     done = {}
-    while engine.has_unfinished():
+    for _ in until_done(engine):
         done.update({o.request_id: o.output_token_ids for o in engine.step() if o.finished})
     assert engine.scheduler.kv_manager.num_used_blocks == 0
     assert engine.scheduler.kv_manager.num_free_host_blocks == \
@@ -62,11 +62,14 @@ def test_swapped_request_keeps_its_progress_and_abort_frees_host_blocks():
     sched.add_request(a)
     sched.add_request(b)
     now = 0.0
-    while b.status != RequestStatus.SWAPPED:
+    for _ in range(100):  # bounded
+        if b.status == RequestStatus.SWAPPED:
+            break
         now += 1
         out = sched.schedule(now)
         sched.update(out, [3] * len(out.scheduled), now)
     kv = sched.kv_manager
+    assert b.status == RequestStatus.SWAPPED
     assert b.num_computed_tokens > 0 and kv.get_block_table("b") == []
     held = len(kv.host_tables["b"])
     assert kv.num_free_host_blocks == 8 - held
