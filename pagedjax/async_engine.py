@@ -279,6 +279,8 @@ class AsyncLLMEngine:
                     logger.exception("engine step failed; its requests fail, the engine goes on")
                     outputs = engine.fail_all(error)
                 step_time = time.perf_counter() - start
+                self._report(outputs, step_time)  # first: a caller who has its output
+                # finds it in the metrics and the trace
                 live = [out for out in outputs if out.request_id in self._live]
                 self._deliver([(out.request_id, RequestFailedError(
                     f"request {out.request_id} failed inside a step and was dropped: "
@@ -286,7 +288,6 @@ class AsyncLLMEngine:
                 for out in live:
                     if out.finished:
                         self._live.pop(out.request_id, None)
-                self._report(outputs, step_time)
         except BaseException as e:  # noqa: BLE001 - the engine is dead; tell every caller
             self.error = e
         finally:

@@ -306,3 +306,27 @@ def test_admin_endpoints_exist_only_with_a_key(backends):
             assert response.json()["error"]["type"] == "not_found_error"
         assert client.get("/router/status").status_code == 404
         assert router.guard.weight == 0.5 and "canary" in router.groups
+
+
+def test_router_refuses_hostile_bodies_with_400(backends):
+    """Bodies no parser should trust get a 400 from the router itself (never a 500), and bodies
+    that parse but are wrong reach a backend, whose 400 comes back; the router serves on."""
+    _, urls = backends
+    router = Router(urls, "kv_aware", max_request_bytes=2**16)
+    json_header = {"content-type": "application/json"}
+    with TestClient(router.build_app()) as client:
+        for raw in (b'{"prompt": "ab\xff"}', b'{"prompt": "a", "seed": ' + b"9" * 5000 + b"}",
+                    b"[" * 10_000 + b"]" * 10_000, b"[1, 2]", b"", b'{"prompt": '):
+            response = client.post("/v1/completions", content=raw, headers=json_header)
+            assert response.status_code == 400, (raw[:40], response.text[:200])
+            assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+        parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}
+        response = client.post("/v1/chat/completions", json=parts)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+        odd = {"messages": [{"role": ["x"], "content": {"a": 1}}, 7]}
+        assert client.post("/v1/chat/completions", json=odd).status_code == 400
+        big = client.post("/v1/completions", content=b'{"prompt": "' + b"a" * 2**17 + b'"}')
+        assert big.status_code == 413
+        assert client.get("/v1/nowhere").status_code == 404
+        assert client.get("/v1/completions").json()["error"]["type"] == "invalid_request_error"
+        _post(client, "copy:ab=")

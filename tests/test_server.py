@@ -17,6 +17,7 @@ import threading
 import time
 import urllib.request
 
+import jax
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
@@ -336,6 +337,48 @@ def test_request_failing_inside_a_step_fails_alone():
         assert good.status_code == 200 and good.json()["choices"][0]["text"] == expected
         assert client.get("/health").status_code == 200
         assert llm.engine.stats.num_failed == 1
+        assert llm.engine.scheduler.kv_manager.num_used_blocks == 0
+
+
+def test_internal_errors_answer_500_with_a_request_id_and_the_engine_serves_on(caplog):
+    """A handler bug answers 500 with a request id (logged with its traceback); a step that
+    loses the KV cache itself fails the requests it held, and the engine starts over with a
+    fresh cache and serves the next request right."""
+    llm = LLM(**ENGINE)
+    expected = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=8, temperature=0),
+                            use_tqdm=False)[0].text
+    server = OpenAIServer(llm.engine, "tiny")
+    step = llm.engine.runner.step
+    lost = []
+
+    def loses_the_cache(plan):
+        if not lost:
+            lost.append(1)
+            for leaf in jax.tree.leaves(llm.engine.runner.kv_caches):
+                leaf.delete()
+            raise RuntimeError("device reset")
+        return step(plan)
+
+    with TestClient(server.build_app(), raise_server_exceptions=False) as client:
+        def broken_template(body):
+            raise KeyError("a bug")
+
+        server._chat_prompt = broken_template
+        with caplog.at_level("ERROR", logger="pagedjax.http"):
+            response = client.post("/v1/chat/completions",
+                                   json={"messages": [{"role": "user", "content": "hi"}]})
+        assert response.status_code == 500
+        request_id = response.headers["x-request-id"]
+        assert request_id in response.json()["error"]["message"]
+        assert "a bug" not in response.text  # the traceback goes to the log only
+        assert any(request_id in r.getMessage() and r.exc_info for r in caplog.records)
+        llm.engine.runner.step = loses_the_cache
+        failed = client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4})
+        assert failed.status_code == 500 and "device reset" in failed.json()["error"]["message"]
+        assert client.get("/health").status_code == 200
+        again = client.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 8,
+                                                     "temperature": 0})
+        assert again.status_code == 200 and again.json()["choices"][0]["text"] == expected
         assert llm.engine.scheduler.kv_manager.num_used_blocks == 0
 
 
