@@ -47,7 +47,16 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+        for name in ("num_blocks", "kv_cache_memory_bytes", "max_logprobs", "swap_space_bytes",
+                     "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (value is None or isinstance(value, int)):
+                raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "attention_interpret"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got "
+                                 f"{type(getattr(self, name)).__name__}")
+        if self.max_logprobs is None or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         if self.num_blocks is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError("give num_blocks or kv_cache_memory_bytes, not both")

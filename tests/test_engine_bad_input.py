@@ -70,6 +70,9 @@ def test_bad_sampling_params(kwargs, field):
     (dict(num_blocks=10, kv_cache_memory_bytes=10**6), "num_blocks or kv_cache_memory_bytes"),
     (dict(max_num_seqs=64, max_num_batched_tokens=32), "max_num_seqs"),
     (dict(victim_policy="oldest"), "victim_policy"),
+    (dict(num_blocks=True), "num_blocks"),
+    (dict(seed=1.5), "seed"),
+    (dict(enable_prefix_caching=1), "enable_prefix_caching"),
     (dict(enable_chunked_prefill=False, max_num_batched_tokens=32, max_model_len=64),
      "max_num_batched_tokens"),
 ])
