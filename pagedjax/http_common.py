@@ -12,7 +12,6 @@ import secrets
 from typing import Any, Iterable
 
 import pydantic
-import pydantic_core
 from fastapi import responses
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -69,15 +68,17 @@ def parse_body(raw: bytes, model: type[pydantic.BaseModel]):
         raise validation_error(e.errors(include_input=False, include_url=False)) from None
 
 
+_JSON_OBJECT = pydantic.TypeAdapter(dict[str, Any])
+
+
 def parse_json_object(raw: bytes) -> dict:
     """raw as a JSON object (the router's view of a body it forwards), or APIError 400."""
     try:
-        body = pydantic_core.from_json(raw)
-    except ValueError as e:
-        raise APIError(400, f"body is not valid JSON: {str(e)[:200]}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "body must be a JSON object")
-    return body
+        return _JSON_OBJECT.validate_json(raw)
+    except pydantic.ValidationError as e:
+        error = e.errors(include_input=False, include_url=False)[0]
+        what = "a JSON object" if error.get("type") == "dict_type" else "valid JSON"
+        raise APIError(400, f"body must be {what}: {error.get('msg', '')[:200]}") from None
 
 
 def key_matches(header: str | None, key: str) -> bool:
