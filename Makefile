@@ -65,6 +65,7 @@ bench: $(TEST_STAMP)
 	$(PY) benchmarks/kv_int8.py
 	$(PY) benchmarks/hf_load.py
 	$(PY) benchmarks/vs_transformers.py
+	$(PY) benchmarks/cold_start.py
 	$(PY) benchmarks/gpu_compile.py
 	$(PY) benchmarks/tpu_schedule.py
 

@@ -134,6 +134,10 @@ CONFIGS: dict[str, LlamaConfig] = {
                               max_position_embeddings=4096, initializer_range=0.05,
                               tie_word_embeddings=True, eos_token_id=None),
     # Real shapes, for capacity planning and shape-accurate benchmarks (random weights).
+    "smollm2-135m": LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                num_layers=30, num_heads=9, num_kv_heads=3,
+                                rope_theta=100000.0, tie_word_embeddings=True,
+                                max_position_embeddings=8192),
     "llama-3.2-1b": LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                                 num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
                                 rope_theta=500000.0, tie_word_embeddings=True,

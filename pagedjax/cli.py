@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 import sys
 
 from models import CONFIGS, get_config
@@ -108,6 +109,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-chunked-prefill", action="store_true")
     group.add_argument("--max-logprobs", type=int)
     group.add_argument("--seed", type=int)
+    group.add_argument("--compilation-cache", metavar="DIR|auto|off",
+                       help="JAX's persistent compilation cache: a second start compiles "
+                       "nothing (default auto: ~/.cache/pagedjax/jax_cache)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -115,7 +119,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs = {name: getattr(args, name) for name in (
         "max_model_len", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
         "policy", "dtype", "kv_cache_dtype", "attention_backend", "preemption_mode",
-        "max_logprobs", "seed") if getattr(args, name) is not None}
+        "max_logprobs", "seed", "compilation_cache") if getattr(args, name) is not None}
     if args.kv_cache_memory_gib is not None:
         kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_memory_gib * 2**30)
     if args.swap_space_gib is not None:
@@ -174,7 +178,11 @@ def serve(argv) -> None:
     except ValueError as e:
         parser.exit(1, f"pagedjax serve: {e}\n")
     if args.warmup:
-        print(f"warmup: {llm.engine.warmup()} step shapes compiled", flush=True)
+        start = time.perf_counter()
+        num_programs = llm.engine.warmup(progress=True)
+        print(f"warmup: {num_programs} step programs ready in "
+              f"{time.perf_counter() - start:.1f} s (compilation cache: "
+              f"{llm.engine.compilation_cache_dir or 'off'})", flush=True)
     name = args.served_model_name or os.path.basename(os.path.normpath(str(model)))
     run_server(llm.engine, name, host=args.host, port=args.port,
                max_outstanding_tokens=args.max_outstanding_tokens, api_key=args.api_key,
@@ -257,7 +265,7 @@ def profile(argv) -> None:
         llm = LLM(args.model or DEFAULT_MODEL, **engine_kwargs(args))
     except (ValueError, OSError) as e:
         parser.exit(1, f"pagedjax profile: {e}\n")
-    print(f"warmup: {llm.engine.warmup()} step shapes compiled", flush=True)
+    print(f"warmup: {llm.engine.warmup(progress=True)} step programs ready", flush=True)
     result, samples = run_trace(llm.engine, trace)
     cost = StepCostModel.fit(samples)
     with open(args.out, "w") as f:

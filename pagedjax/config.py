@@ -40,6 +40,9 @@ class EngineConfig:
     min_token_bucket: int = 16
     min_seq_bucket: int = 1
     seed: int = 0
+    # JAX's persistent compilation cache: "auto" (~/.cache/pagedjax/jax_cache, or
+    # $PAGEDJAX_COMPILATION_CACHE), "off", or a directory (pagedjax.compile_cache).
+    compilation_cache: str = "auto"
 
     def __post_init__(self):
         for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
@@ -70,6 +73,9 @@ class EngineConfig:
         if not isinstance(self.swap_space_bytes, int) or self.swap_space_bytes < 0:
             raise ValueError(f"swap_space_bytes must be an integer >= 0, "
                              f"got {self.swap_space_bytes!r}")
+        if not isinstance(self.compilation_cache, str) or not self.compilation_cache:
+            raise ValueError(f"compilation_cache must be 'auto', 'off' or a directory, "
+                             f"got {self.compilation_cache!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -77,9 +77,10 @@ def main(argv=None) -> None:
           f"{config.num_layers} layers, {config.num_heads} query / {config.num_kv_heads} KV heads; "
           f"attention backend {engine.runner.backend.name}")
     start = time.perf_counter()
-    num_programs = engine.warmup()
-    print(f"compiled {num_programs} step programs (every bucket) in "
-          f"{time.perf_counter() - start:.1f} s")
+    num_programs = engine.warmup(progress=True)
+    print(f"{num_programs} step programs (every bucket) ready in "
+          f"{time.perf_counter() - start:.1f} s (compiled, or loaded from the compilation cache "
+          f"{engine.compilation_cache_dir or 'off'})")
     examples, outputs = [], []
     start = time.perf_counter()
     for wave_examples, wave_params in workload(args.seed):

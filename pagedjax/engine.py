@@ -12,6 +12,7 @@ import numpy as np
 
 from models import LlamaForCausalLM
 from pagedjax.admission import Admission, PromptSpec, check_specs
+from pagedjax.compile_cache import enable_compilation_cache
 from pagedjax.config import EngineConfig
 from pagedjax.metrics import EngineStats
 from pagedjax.outputs import RequestOutput
@@ -109,6 +110,7 @@ class LLMEngine:
                              f"max_position_embeddings ({model_config.max_position_embeddings})")
         self.config = config
         self.model_config = model_config
+        self.compilation_cache_dir = enable_compilation_cache(config.compilation_cache)
         self.tokenizer = tokenizer
         self.clock = clock
         self.backend = resolve_backend(config.attention_backend, config.attention_interpret)
@@ -408,9 +410,11 @@ class LLMEngine:
         full_blocks.discard(NULL_BLOCK)  # slots of blocks freed outside a sliding window
         return len(full_blocks) * block_size + partial
 
-    def warmup(self) -> int:
-        """Compiles every step program the buckets allow; returns the number of shapes run."""
-        return self.runner.warmup(self.buckets)
+    def warmup(self, progress: bool = False) -> int:
+        """Compiles every step program the buckets allow (loaded from the persistent
+        compilation cache when an earlier process compiled them); returns the number of shapes
+        run. progress shows a bar with each program as it compiles and the seconds taken."""
+        return self.runner.warmup(self.buckets, progress)
 
     @property
     def num_compiled_programs(self) -> int:

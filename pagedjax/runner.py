@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from tqdm.auto import tqdm
 from flax import nnx
 
 from models import LlamaForCausalLM
@@ -111,12 +112,16 @@ class ModelRunner:
         num_seqs = int(plan.num_seqs)
         return tuple(np.asarray(x)[:num_seqs] for x in sampled)
 
-    def warmup(self, buckets) -> int:
-        """Compiles every program a plan from these buckets can need; returns how many ran."""
+    def warmup(self, buckets, progress: bool = False) -> int:
+        """Compiles every program a plan from these buckets can need; returns how many ran.
+        progress shows a bar on stderr: programs done of all, the one compiling, seconds."""
         shapes = [(PREFILL, t, b) for t, b in buckets.prefill_shapes()]
         shapes += [(DECODE, b, b) for b in buckets.decode_shapes()]
-        for kind, num_tokens, num_seqs in shapes:
-            self.step(padding_plan(kind, num_tokens, num_seqs, buckets.max_blocks_per_seq))
+        with tqdm(shapes, desc="compiling step programs", unit="program",
+                  disable=not progress) as bar:
+            for kind, num_tokens, num_seqs in bar:
+                bar.set_postfix_str(f"{kind} T={num_tokens} B={num_seqs}")
+                self.step(padding_plan(kind, num_tokens, num_seqs, buckets.max_blocks_per_seq))
         return len(shapes)
 
 

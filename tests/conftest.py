@@ -8,6 +8,10 @@ TEST_XLA_FLAG = "--xla_backend_optimization_level=0"
 if TEST_XLA_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAG}".strip()
 
+# Hermetic: no test reads or fills the user's persistent compilation cache; the tests of the
+# cache (test_compile_cache.py) name their own directories.
+os.environ.setdefault("PAGEDJAX_COMPILATION_CACHE", "off")
+
 import pytest  # noqa: E402
 
 from models import get_config, init_model  # noqa: E402
