@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from scheduler import RequestError, SamplingParams, check_admission
+from scheduler.errors import check_float
 
 if TYPE_CHECKING:
     from pagedjax.engine import LLMEngine
@@ -134,6 +135,8 @@ def check_spec(engine: "LLMEngine", spec: PromptSpec) -> Admission:
                                f"{vocab}), got {token_id}")
     _check_text("request_id", spec.request_id, MAX_REQUEST_ID_CHARS)
     _check_text("cache_salt", spec.cache_salt, MAX_CACHE_SALT_CHARS)
+    if spec.arrival_time is not None:
+        check_float("arrival_time", spec.arrival_time, -float(2**62), float(2**62))
     if spec.prompt_text is not None and not isinstance(spec.prompt_text, str):
         raise RequestError("prompt", f"prompt must be a string, got "
                            f"{type(spec.prompt_text).__name__}")
