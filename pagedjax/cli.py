@@ -109,6 +109,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-chunked-prefill", action="store_true")
     group.add_argument("--max-logprobs", type=int)
     group.add_argument("--seed", type=int)
+    group.add_argument("--prefill-seqs", choices=["per_token_bucket", "bucketed"],
+                       help="prefill programs: one per token bucket, or one per (T, B)")
     group.add_argument("--compilation-cache", metavar="DIR|auto|off",
                        help="JAX's persistent compilation cache: a second start compiles "
                        "nothing (default auto: ~/.cache/pagedjax/jax_cache)")
@@ -119,7 +121,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs = {name: getattr(args, name) for name in (
         "max_model_len", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
         "policy", "dtype", "kv_cache_dtype", "attention_backend", "preemption_mode",
-        "max_logprobs", "seed", "compilation_cache") if getattr(args, name) is not None}
+        "max_logprobs", "seed", "compilation_cache", "prefill_seqs") if getattr(args, name) is not None}
     if args.kv_cache_memory_gib is not None:
         kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_memory_gib * 2**30)
     if args.swap_space_gib is not None:

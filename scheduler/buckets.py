@@ -29,6 +29,9 @@ def pad_to_bucket(n: int, buckets: tuple[int, ...]) -> int:
     return buckets[i]
 
 
+PREFILL_SEQS = ("bucketed", "per_token_bucket")
+
+
 @dataclasses.dataclass(frozen=True)
 class ShapeBuckets:
     """Padded sizes of a step.
@@ -36,19 +39,31 @@ class ShapeBuckets:
     token_buckets: padded token counts T of a prefill (ragged) step.
     seq_buckets: padded sequence counts B; a decode step has T == B.
     max_blocks_per_seq: the block table width P, fixed by max_model_len.
+    prefill_seqs: how a prefill step's B is padded: "bucketed" (the seq bucket of its sequence
+        count: a program per (T, B) pair) or "per_token_bucket" (the seq bucket of min(T,
+        max_num_seqs), the most sequences T tokens can hold: one program per T; rows beyond the
+        real ones are padding).
     """
 
     token_buckets: tuple[int, ...]
     seq_buckets: tuple[int, ...]
     max_blocks_per_seq: int
+    prefill_seqs: str = "bucketed"
+
+    def __post_init__(self):
+        if self.prefill_seqs not in PREFILL_SEQS:
+            raise ValueError(f"prefill_seqs must be one of {PREFILL_SEQS}, "
+                             f"got {self.prefill_seqs!r}")
 
     @classmethod
     def create(cls, *, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
-               block_size: int, min_token_bucket: int = 16, min_seq_bucket: int = 1):
+               block_size: int, min_token_bucket: int = 16, min_seq_bucket: int = 1,
+               prefill_seqs: str = "bucketed"):
         return cls(
             token_buckets=power_of_two_buckets(min_token_bucket, max_num_batched_tokens),
             seq_buckets=power_of_two_buckets(min_seq_bucket, max_num_seqs),
             max_blocks_per_seq=-(-max_model_len // block_size),
+            prefill_seqs=prefill_seqs,
         )
 
     def padded_num_tokens(self, num_tokens: int) -> int:
@@ -57,8 +72,19 @@ class ShapeBuckets:
     def padded_num_seqs(self, num_seqs: int) -> int:
         return pad_to_bucket(num_seqs, self.seq_buckets)
 
+    def padded_prefill_seqs(self, num_seqs: int, padded_tokens: int) -> int:
+        """B of a prefill step of num_seqs sequences padded to padded_tokens tokens."""
+        if self.prefill_seqs == "per_token_bucket":  # (fork followers add rows, not tokens)
+            return max(self._most_seqs(padded_tokens), self.padded_num_seqs(num_seqs))
+        return self.padded_num_seqs(num_seqs)
+
+    def _most_seqs(self, padded_tokens: int) -> int:
+        return self.padded_num_seqs(min(padded_tokens, self.seq_buckets[-1]))
+
     def prefill_shapes(self) -> list[tuple[int, int]]:
         """Every (T, B) a prefill step can have: B sequences need at least B tokens."""
+        if self.prefill_seqs == "per_token_bucket":
+            return [(t, self._most_seqs(t)) for t in self.token_buckets]
         shapes = []
         for t in self.token_buckets:
             for b in self.seq_buckets:

@@ -68,7 +68,7 @@ def build_plan(output: "SchedulerOutput", kv_manager: "KVCacheManager",
         padded_tokens = padded_seqs
     else:
         padded_tokens = buckets.padded_num_tokens(num_tokens)
-        padded_seqs = buckets.padded_num_seqs(num_seqs)
+        padded_seqs = buckets.padded_prefill_seqs(num_seqs, padded_tokens)
     block_size = kv_manager.block_size
 
     token_ids = np.zeros(padded_tokens, np.int32)

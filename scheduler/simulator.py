@@ -130,11 +130,11 @@ def step_features(output: SchedulerOutput, buckets: ShapeBuckets) -> tuple[str, 
     kv_tokens are the keys the step's sequences attend, attn_pairs the (query, key) pairs
     (a chunk of n tokens from position s: n * s + n * (n + 1) / 2, causal)."""
     num_seqs = len(output.scheduled) + len(output.forks)
-    padded_seqs = buckets.padded_num_seqs(num_seqs)
     if output.kind == DECODE:
-        padded_tokens = padded_seqs
+        padded_seqs = padded_tokens = buckets.padded_num_seqs(num_seqs)
     else:
         padded_tokens = buckets.padded_num_tokens(output.num_scheduled_tokens)
+        padded_seqs = buckets.padded_prefill_seqs(num_seqs, padded_tokens)
     kv_tokens = sum(seq.start + seq.num_new_tokens for seq in output.scheduled)
     pairs = sum(seq.num_new_tokens * seq.start + seq.num_new_tokens * (seq.num_new_tokens + 1) / 2
                 for seq in output.scheduled)

@@ -11,13 +11,14 @@ from scheduler import (DECODE, DECODE_FIRST, NULL_BLOCK, POLICIES, PREFILL,
 
 
 def make_scheduler(*, num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
-                   max_model_len=128, **kwargs):
+                   max_model_len=128, prefill_seqs="bucketed", **kwargs):
     config = SchedulerConfig(max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len, **kwargs)
     buckets = ShapeBuckets.create(max_num_batched_tokens=max_num_batched_tokens,
                                   max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                  block_size=block_size, min_token_bucket=8)
+                                  block_size=block_size, min_token_bucket=8,
+                                  prefill_seqs=prefill_seqs)
     return Scheduler(config, num_blocks, block_size), buckets
 
 
@@ -65,15 +66,16 @@ workloads = st.lists(st.tuples(st.integers(1, 60), st.integers(1, 20)), min_size
 @settings(max_examples=40, deadline=None)
 @given(workload=workloads, policy=st.sampled_from(POLICIES),
        num_blocks=st.integers(21, 80), block_size=st.sampled_from([1, 4, 16]),
-       chunked=st.booleans(), victim=st.sampled_from(["lifo", "fewest_computed"]))
+       chunked=st.booleans(), victim=st.sampled_from(["lifo", "fewest_computed"]),
+       prefill_seqs=st.sampled_from(["bucketed", "per_token_bucket"]))
 def test_every_request_finishes_within_limits(workload, policy, num_blocks, block_size, chunked,
-                                              victim):
+                                              victim, prefill_seqs):
     max_model_len = 80
     num_blocks = max(num_blocks, -(-max_model_len // block_size) + 1)
     scheduler, buckets = make_scheduler(
         num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
         max_num_batched_tokens=80 if not chunked else 32, policy=policy,
-        enable_chunked_prefill=chunked, victim_policy=victim)
+        enable_chunked_prefill=chunked, victim_policy=victim, prefill_seqs=prefill_seqs)
     requests = [make_request(i, p, m, arrival_time=float(i)) for i, (p, m) in enumerate(workload)]
     for request in requests:
         scheduler.add_request(request)
@@ -238,6 +240,15 @@ def test_buckets_bound_the_program_count():
     assert buckets.max_blocks_per_seq == 16
     assert (100, 64) in buckets.prefill_shapes() and (16, 32) not in buckets.prefill_shapes()
     assert buckets.num_programs == len(buckets.prefill_shapes()) + 7
+    per_t = ShapeBuckets.create(max_num_batched_tokens=100, max_num_seqs=64, max_model_len=256,
+                                block_size=16, min_token_bucket=16,
+                                prefill_seqs="per_token_bucket")
+    assert per_t.prefill_shapes() == [(16, 16), (32, 32), (64, 64), (100, 64)]
+    assert per_t.num_programs == 4 + 7
+    assert per_t.padded_prefill_seqs(3, 32) == 32 and per_t.padded_prefill_seqs(40, 32) == 64
+    with pytest.raises(ValueError, match="prefill_seqs"):
+        ShapeBuckets.create(max_num_batched_tokens=100, max_num_seqs=64, max_model_len=256,
+                            block_size=16, prefill_seqs="fixed")
 
 
 def test_preempted_request_waits_until_its_whole_recompute_fits():
