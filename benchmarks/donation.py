@@ -47,8 +47,8 @@ def run_step(runner: ModelRunner, plan: BatchPlan, donate: bool) -> float:
     if donate:
         runner.step(plan)
     else:
-        (ids, *_), runner.kv_caches = _undonated_step(
-            runner.graphdef, runner.backend, 0, runner.params, runner.kv_caches, plan)
+        (ids, *_), runner.kv_cache = _undonated_step(
+            runner.graph, runner.backend, 0, runner.params, runner.kv_cache, plan)
         np.asarray(ids)
     return time.perf_counter() - start
 

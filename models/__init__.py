@@ -4,8 +4,10 @@ import os
 
 from models.config import CONFIGS, LlamaConfig, get_config
 from models.llama import LlamaForCausalLM, init_model
+from models.serving import ServingGraph, ServingWeights, serving_form
 
 # The project's trained byte-level model (models/train.py), shipped in the repository.
 DEFAULT_CHECKPOINT = os.path.join(os.path.dirname(__file__), "checkpoints", "pagedjax-tiny")
 
-__all__ = ["DEFAULT_CHECKPOINT", "CONFIGS", "LlamaConfig", "get_config", "LlamaForCausalLM", "init_model"]
+__all__ = ["DEFAULT_CHECKPOINT", "CONFIGS", "LlamaConfig", "get_config", "LlamaForCausalLM", "init_model",
+           "ServingGraph", "ServingWeights", "serving_form"]

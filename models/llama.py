@@ -1,9 +1,11 @@
 """A Llama-family decoder in Flax NNX with two paths over the same weights.
 
 - `__call__(token_ids)`: dense causal forward over [B, L] tokens (training, and the reference).
-- `forward_paged(kv_caches, token_ids, positions, metadata)`: the serving path over a flat [T]
+- `forward_paged(kv_cache, token_ids, positions, metadata)`: the serving path over a flat [T]
   batch of tokens from many sequences, reading and writing the paged KV cache; it returns
-  `(hidden, new_kv_caches)` and `logits(hidden)` projects only the rows that are sampled.
+  `(hidden, new_kv_cache)` and `logits(hidden)` projects only the rows that are sampled. Its
+  layers are unrolled; the engine runs models.serving's form of the same weights, stacked and
+  scanned, which traces one layer whatever the depth.
 
 Axis letters: B batch, L sequence length, T flat tokens, D model dim, N query heads, K KV heads,
 G = N // K, H head dim, F MLP dim, V vocab.
@@ -17,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from models.config import LlamaConfig, RopeScaling
-from pallas_kernels import AttentionBackend, AttentionMetadata, paged_attention
+from pallas_kernels import AttentionBackend, AttentionMetadata, for_layer, paged_attention
 
 
 class RMSNorm(nnx.Module):
@@ -173,10 +175,7 @@ class LlamaForCausalLM(nnx.Module):
                                 param_dtype))
 
     def logits(self, hidden: jax.Array) -> jax.Array:  # [..., D] -> f32[..., V]
-        hidden = self.norm(hidden)
-        if self.lm_head is None:
-            return self.embed_tokens.attend(hidden).astype(jnp.float32)
-        return self.lm_head(hidden).astype(jnp.float32)
+        return project_logits(self.norm, self.embed_tokens, self.lm_head, hidden)
 
     def __call__(self, token_ids: jax.Array) -> jax.Array:  # i32[B, L] -> f32[B, L, V]
         x = self.embed_tokens(token_ids)
@@ -186,18 +185,31 @@ class LlamaForCausalLM(nnx.Module):
 
     def forward_paged(
         self,
-        kv_caches: list[jax.Array],  # L x [2, K, NB, S, H]
+        kv_cache: jax.Array,  # [2, K, L * NB, S, Hc]: every layer (pallas_kernels.layout)
         token_ids: jax.Array,  # i32[T]
         positions: jax.Array,  # i32[T]
         metadata: AttentionMetadata,
         backend: AttentionBackend = AttentionBackend(),
-    ) -> tuple[jax.Array, list[jax.Array]]:  # ([T, D] pre-norm hidden, new caches)
+    ) -> tuple[jax.Array, jax.Array]:  # ([T, D] pre-norm hidden, new cache)
+        """The layers unrolled in Python (one copy of the layer per layer in a traced program):
+        the reference for models.serving's scanned form."""
         x = self.embed_tokens(token_ids)
-        new_caches = []
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, kv_cache = layer.forward_paged(x, positions, kv_cache, metadata, backend)
-            new_caches.append(kv_cache)
-        return x, new_caches
+        blocks_per_layer = kv_cache.shape[2] // len(self.layers)
+        block_size = kv_cache.shape[3]
+        for index, layer in enumerate(self.layers):
+            x, kv_cache = layer.forward_paged(
+                x, positions, kv_cache, for_layer(metadata, index, blocks_per_layer, block_size),
+                backend)
+        return x, kv_cache
+
+
+def project_logits(norm: RMSNorm, embed_tokens: nnx.Embed, lm_head: nnx.Linear | None,
+                   hidden: jax.Array) -> jax.Array:  # [..., D] -> f32[..., V]
+    """The final norm and the vocabulary projection (the tied embedding when lm_head is None)."""
+    hidden = norm(hidden)
+    if lm_head is None:
+        return embed_tokens.attend(hidden).astype(jnp.float32)
+    return lm_head(hidden).astype(jnp.float32)
 
 
 def init_model(config: LlamaConfig, seed: int = 0, dtype=jnp.float32,

@@ -107,6 +107,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--swap-space-gib", type=float, help="host pool for --preemption-mode swap")
     group.add_argument("--no-prefix-caching", action="store_true")
     group.add_argument("--no-chunked-prefill", action="store_true")
+    group.add_argument("--no-scan-layers", action="store_true",
+                       help="unroll the decoder layers in every step program (compiles L "
+                       "copies of the layer) instead of one jax.lax.scan")
     group.add_argument("--max-logprobs", type=int)
     group.add_argument("--seed", type=int)
     group.add_argument("--prefill-seqs", choices=["per_token_bucket", "bucketed"],
@@ -130,6 +133,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kwargs["enable_prefix_caching"] = False
     if args.no_chunked_prefill:
         kwargs["enable_chunked_prefill"] = False
+    if args.no_scan_layers:
+        kwargs["scan_layers"] = False
     return kwargs
 
 

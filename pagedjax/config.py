@@ -48,6 +48,9 @@ class EngineConfig:
     # JAX's persistent compilation cache: "auto" (~/.cache/pagedjax/jax_cache, or
     # $PAGEDJAX_COMPILATION_CACHE), "off", or a directory (pagedjax.compile_cache).
     compilation_cache: str = "auto"
+    # The decoder layers under one jax.lax.scan (models.serving): a step program compiles one
+    # layer whatever the depth. False unrolls them (L copies of the layer in every program).
+    scan_layers: bool = True
 
     def __post_init__(self):
         for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
@@ -60,7 +63,8 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not (value is None or isinstance(value, int)):
                 raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
-        for name in ("enable_chunked_prefill", "enable_prefix_caching", "attention_interpret"):
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "attention_interpret",
+                     "scan_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got "
                                  f"{type(getattr(self, name)).__name__}")

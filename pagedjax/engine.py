@@ -7,7 +7,6 @@ import dataclasses
 import time
 from typing import Callable, Sequence
 
-import jax
 import numpy as np
 
 from models import LlamaForCausalLM
@@ -17,7 +16,7 @@ from pagedjax.config import EngineConfig
 from pagedjax.metrics import EngineStats
 from pagedjax.outputs import RequestOutput
 from pagedjax.runner import ModelRunner
-from pallas_kernels import kv_cache_bytes_per_block, resolve_backend
+from pallas_kernels import check_num_slots, kv_cache_bytes_per_block, resolve_backend
 from pagedjax.tokenizer import IncrementalDetokenizer, StopStringMatcher
 from scheduler import (DECODE, NULL_BLOCK, Request, RequestStatus, SamplingParams, Scheduler,
                        build_plan, make_samples)
@@ -121,6 +120,7 @@ class LLMEngine:
             model_config.num_layers, config.block_size, model_config.num_kv_heads,
             model_config.head_dim, config.kv_np_dtype, self.backend.name)
         self.num_blocks = config.resolve_num_blocks(self.bytes_per_block)
+        check_num_slots(model_config.num_layers, self.num_blocks, config.block_size)
         self.buckets = config.buckets()
         num_host_blocks = config.swap_space_bytes // self.bytes_per_block
         self._make_scheduler = lambda: Scheduler(
@@ -131,12 +131,11 @@ class LLMEngine:
         self.runner = ModelRunner(model, num_blocks=self.num_blocks,
                                   block_size=config.block_size, dtype=config.kv_np_dtype,
                                   backend=self.backend,
-                                  num_top_logprobs=config.max_logprobs)
+                                  num_top_logprobs=config.max_logprobs,
+                                  scan_layers=config.scan_layers)
         self.stats = EngineStats(num_blocks=self.num_blocks - 1, block_size=config.block_size)
-        # The swap space: one host array per layer, like the device cache, num_host_blocks wide.
-        self.host_pool = [jax.tree.map(
-            lambda a: np.zeros(a.shape[:2] + (num_host_blocks,) + a.shape[3:], a.dtype), cache)
-            for cache in self.runner.kv_caches]
+        # The swap space: host arrays like the device cache, num_host_blocks a layer.
+        self.host_pool = self.runner.init_host_pool(num_host_blocks)
         self._seed_rng = np.random.default_rng(config.seed)
         self._next_id = 0
         self._groups: dict[str, list[Request]] = {}  # request_id -> its samples, until finished

@@ -5,12 +5,12 @@ from __future__ import annotations
 import jax
 import numpy as np
 from tqdm.auto import tqdm
-from flax import nnx
 
-from models import LlamaForCausalLM
+from models import LlamaForCausalLM, ServingGraph, ServingWeights, serving_form
+from models import serving
 from pagedjax.sampler import sample
 from pallas_kernels import (AttentionBackend, AttentionMetadata, copy_blocks, gather_blocks,
-                            init_kv_cache, scatter_blocks)
+                            init_kv_cache, layer_blocks, scatter_blocks)
 from scheduler import ARRAY_FIELDS, DECODE, NULL_BLOCK, PREFILL, STATIC_FIELDS, BatchPlan
 
 jax.tree_util.register_dataclass(BatchPlan, data_fields=list(ARRAY_FIELDS),
@@ -24,27 +24,27 @@ def num_step_traces() -> int:
     return _num_traces
 
 
-def step_fn(graphdef, backend: AttentionBackend, num_top_logprobs: int, params,
-            kv_caches: list[jax.Array], plan: BatchPlan):
-    """One engine step as a pure function: returns (sampled, kv_caches) where sampled is
+def step_fn(graph: ServingGraph, backend: AttentionBackend, num_top_logprobs: int,
+            params: ServingWeights, kv_cache, plan: BatchPlan):
+    """One engine step as a pure function: returns (sampled, kv_cache) where sampled is
     (ids i32[B], logprobs f32[B], top ids i32[B, K], top logprobs f32[B, K])."""
     global _num_traces
     _num_traces += 1  # runs at trace time only
-    model = nnx.merge(graphdef, params)
-    kv_caches = [copy_blocks(c, plan.copy_src, plan.copy_dst, plan.num_copies, backend)
-                 for c in kv_caches]
+    blocks_per_layer = kv_cache.shape[2] // graph.num_layers
+    kv_cache = copy_blocks(kv_cache, plan.copy_src, plan.copy_dst, plan.num_copies, backend,
+                           num_blocks=blocks_per_layer)
     metadata = AttentionMetadata(
         slot_mapping=plan.slot_mapping, block_tables=plan.block_tables, kv_lens=plan.kv_lens,
         cu_q_lens=plan.cu_q_lens, num_seqs=plan.num_seqs, decode_only=plan.kind == DECODE)
-    hidden, kv_caches = model.forward_paged(kv_caches, plan.token_ids, plan.positions, metadata,
-                                            backend)
-    logits = model.logits(hidden[plan.logits_indices])  # f32[B, V]
+    hidden, kv_cache = serving.forward_paged(graph, params, kv_cache, plan.token_ids,
+                                             plan.positions, metadata, backend)
+    logits = serving.logits(graph, params, hidden[plan.logits_indices])  # f32[B, V]
     sampled = sample(logits, plan.temperature, plan.top_k, plan.top_p, plan.seeds, plan.kv_lens,
                      num_top_logprobs)
-    return sampled, kv_caches
+    return sampled, kv_cache
 
 
-# graphdef and backend are static; the KV cache is donated so XLA updates it in place.
+# graph and backend are static; the KV cache is donated so XLA updates it in place.
 _step = jax.jit(step_fn, static_argnums=(0, 1, 2), donate_argnums=(4,))
 
 
@@ -53,61 +53,71 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, *, num_blocks: int, block_size: int,
                  dtype, backend: AttentionBackend = AttentionBackend(),
-                 num_top_logprobs: int = 0):
+                 num_top_logprobs: int = 0, scan_layers: bool = True):
         config = model.config
-        self.graphdef, params = nnx.split(model)
+        self.graph, params = serving_form(model, scan_layers)
+        self.num_blocks = num_blocks
         self.backend = backend
         self.num_top_logprobs = num_top_logprobs
         self._cache_spec = (config.num_layers, num_blocks, block_size, config.num_kv_heads,
                             config.head_dim, dtype, backend.name)
-        kv_caches = init_kv_cache(*self._cache_spec)
+        kv_cache = init_kv_cache(*self._cache_spec)
         # Parameters and caches committed to one device, whatever their source (random init is
         # uncommitted, a checkpoint loader's device_put is committed): the step's outputs are
         # committed, so mixed inputs would compile every program a second time.
         device = jax.devices()[0]
         self.params = jax.device_put(params, device)
-        self.kv_caches = jax.device_put(kv_caches, device)
+        self.kv_cache = jax.device_put(kv_cache, device)
         self.step_shapes: set[tuple[str, int, int]] = set()
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
-             host_pool: list[np.ndarray]) -> None:
+             host_pool) -> None:
         """Runs a step's swaps before the step: device -> host first (those device blocks may be
-        reused by this step), then host -> device. Block counts are padded to powers of two
-        (null-block entries), so each direction compiles a bounded number of programs."""
+        reused by this step), then host -> device. host_pool is laid out like the cache
+        (init_host_pool). Block counts are padded to powers of two (null-block entries), so
+        each direction compiles a bounded number of programs."""
+        num_layers = self.graph.num_layers
         if swap_out:
             device, host = map(list, zip(*swap_out))
-            padded = _pad_ids(device)
-            for layer, cache in enumerate(self.kv_caches):
-                blocks = gather_blocks(cache, padded)
-                for pool, data in zip(jax.tree.leaves(host_pool[layer]),
-                                      jax.tree.leaves(blocks)):
-                    pool[:, :, host] = np.asarray(data)[:, :, :len(host)]
+            ids = layer_blocks(_pad_ids(device), num_layers, self.num_blocks)  # [L, C]
+            blocks = gather_blocks(self.kv_cache, ids.reshape(-1))
+            for pool, data in zip(jax.tree.leaves(host_pool), jax.tree.leaves(blocks)):
+                data = _by_layer(np.asarray(data), num_layers)
+                _by_layer(pool, num_layers)[:, :, :, host] = data[:, :, :, :len(host)]
         if swap_in:
             host, device = map(list, zip(*swap_in))
-            padded = _pad_ids(device)
+            ids = layer_blocks(_pad_ids(device), num_layers, self.num_blocks)
 
             def staged(pool):
-                data = np.zeros(pool.shape[:2] + (len(padded),) + pool.shape[3:], pool.dtype)
-                data[:, :, :len(host)] = pool[:, :, host]
-                return data
+                by_layer = _by_layer(pool, num_layers)
+                data = np.zeros(by_layer.shape[:3] + ids.shape[1:] + by_layer.shape[4:],
+                                pool.dtype)
+                data[:, :, :, :len(host)] = by_layer[:, :, :, host]
+                return data.reshape(pool.shape[:2] + (-1,) + pool.shape[3:])
 
-            for layer, cache in enumerate(self.kv_caches):
-                data = jax.tree.map(staged, host_pool[layer])
-                self.kv_caches[layer] = scatter_blocks(cache, padded, data)
+            data = jax.tree.map(staged, host_pool)
+            self.kv_cache = scatter_blocks(self.kv_cache, ids.reshape(-1), data)
+
+    def init_host_pool(self, num_host_blocks: int):
+        """The swap space: host arrays laid out like the device cache, num_host_blocks a layer."""
+        num_layers = self.graph.num_layers
+        return jax.tree.map(
+            lambda a: np.zeros(a.shape[:2] + (num_layers * num_host_blocks,) + a.shape[3:],
+                               a.dtype), self.kv_cache)
 
     def reset_kv_cache(self) -> None:
         """A fresh, zeroed KV cache (after a step that failed lost the donated one)."""
-        self.kv_caches = jax.device_put(init_kv_cache(*self._cache_spec), jax.devices()[0])
+        self.kv_cache = jax.device_put(init_kv_cache(*self._cache_spec), jax.devices()[0])
 
     @property
     def kv_cache_lost(self) -> bool:
-        return any(leaf.is_deleted() for leaf in jax.tree.leaves(self.kv_caches))
+        return any(leaf.is_deleted() for leaf in jax.tree.leaves(self.kv_cache))
 
     def step(self, plan: BatchPlan) -> tuple[np.ndarray, ...]:
         """Runs one step; returns, for the first num_seqs rows, the sampled ids, their logprobs,
         and the num_top_logprobs most likely tokens with their logprobs."""
-        sampled, self.kv_caches = _step(self.graphdef, self.backend, self.num_top_logprobs,
-                                        self.params, self.kv_caches, plan)
+        sampled, self.kv_cache = _step(self.graph, self.backend, self.num_top_logprobs,
+                                       self.params, self.kv_cache, plan)
         self.step_shapes.add((plan.kind, plan.padded_num_tokens, plan.padded_num_seqs))
         num_seqs = int(plan.num_seqs)
         return tuple(np.asarray(x)[:num_seqs] for x in sampled)
@@ -144,3 +154,8 @@ def _pad_ids(ids: list[int]) -> np.ndarray:
     padded = np.full(1 << (len(ids) - 1).bit_length(), NULL_BLOCK, np.int32)
     padded[:len(ids)] = ids
     return padded
+
+
+def _by_layer(array: np.ndarray, num_layers: int) -> np.ndarray:
+    """A view [2, K, L, NB, ...] of a cache-layout host array [2, K, L * NB, ...]."""
+    return array.reshape(array.shape[:2] + (num_layers, -1) + array.shape[3:])

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels.gpu_decode import paged_decode_attention_gpu
 from pallas_kernels.gpu_mosaic import (paged_decode_attention_mosaic_gpu,
@@ -37,6 +38,22 @@ jax.tree_util.register_dataclass(
     AttentionMetadata,
     data_fields=["slot_mapping", "block_tables", "kv_lens", "cu_q_lens", "num_seqs"],
     meta_fields=["decode_only"])
+
+
+def for_layer(metadata: AttentionMetadata, layer, blocks_per_layer: int,
+              block_size: int) -> AttentionMetadata:
+    """The plan as layer `layer` (an int, or traced under scan) reads the cache: its block ids
+    and slots offset into that layer's blocks (layout.layer_blocks); the null block stays."""
+    if blocks_per_layer <= 0:
+        raise ValueError(f"blocks_per_layer must be positive, got {blocks_per_layer}")
+    offset = jnp.asarray(layer, jnp.int32) * blocks_per_layer
+    tables = metadata.block_tables
+    slots = metadata.slot_mapping
+    null_slot = slots // block_size == layout.NULL_BLOCK
+    return dataclasses.replace(
+        metadata,
+        block_tables=jnp.where(tables == layout.NULL_BLOCK, tables, tables + offset),
+        slot_mapping=jnp.where(null_slot, slots, slots + offset * block_size))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,10 +133,25 @@ def paged_attention(
 
 
 def copy_blocks(kv_cache, src: jax.Array, dst: jax.Array, num_copies: jax.Array,
-                backend: AttentionBackend = AttentionBackend()):
-    """Copy-on-write block copies src[i] -> dst[i] (the first num_copies pairs) in one layer's
-    cache: layout.copy_blocks, an XLA scatter, except for a quantized cache on the TPU, where
-    XLA would relayout the pool's f32 scales for it and a Pallas DMA copy runs instead."""
+                backend: AttentionBackend = AttentionBackend(), *, num_blocks: int):
+    """Copy-on-write block copies src[i] -> dst[i] (the first num_copies pairs, the scheduler's
+    block ids) in every layer: layout.copy_blocks, an XLA scatter, except for a quantized cache
+    on the TPU, where XLA would relayout the pool's f32 scales for it and a Pallas DMA copy runs
+    instead."""
+    num_layers = num_layers_of(kv_cache, num_blocks)
+    # Block-major (pair i of every layer, then pair i + 1): the real pairs stay in front.
+    src, dst = (layout.layer_blocks(ids, num_layers, num_blocks).T.reshape(-1)
+                for ids in (src, dst))
+    num_copies = num_copies * num_layers
     if backend.name == "tpu" and isinstance(kv_cache, QuantizedKV):
         return copy_blocks_tpu(kv_cache, src, dst, num_copies, interpret=backend.interpret)
     return layout.copy_blocks(kv_cache, src, dst, num_copies)
+
+
+def num_layers_of(kv_cache, blocks_per_layer: int) -> int:
+    """How many layers a cache of blocks_per_layer blocks a layer holds."""
+    total = kv_cache.shape[2]
+    if blocks_per_layer <= 0 or total % blocks_per_layer:
+        raise ValueError(f"a cache of {total} blocks does not hold whole layers of "
+                         f"{blocks_per_layer} blocks")
+    return total // blocks_per_layer

@@ -1,8 +1,14 @@
 """The KV-cache layout. Only pallas_kernels indexes the cache; everyone else asks this module.
 
-One array per layer, K and V stacked in front: f32|bf16[2, K, NB, S, Hc]
-(2 = key/value, K KV heads, NB physical blocks, S block size, Hc the cache head dim). A page of one
-KV head is contiguous, the layout JAX's shipped paged-attention ops read. Block 0 is the null block.
+One array for all layers, K and V stacked in front: f32|bf16[2, K, L * NB, S, Hc]
+(2 = key/value, K KV heads, L layers, NB physical blocks a layer, S block size, Hc the cache head
+dim). A page of one KV head is contiguous, the layout JAX's shipped paged-attention ops read.
+The layers are folded into the block axis: layer l's block b is physical block l * NB + b
+(layer_blocks), so every kernel reads one layer through offset block tables (a per-layer view
+of a step's plan, attention.for_layer) and the layers of a step run under one jax.lax.scan with
+the cache carried through and updated in place. The scheduler's block ids are a layer's, 0..NB-1;
+block 0 is the null block, and it stays global block 0 in every layer: padding writes land
+there, where the TPU KV write drops them.
 
 Hc is the model's head dim H, except for the GPU kernels (backends gpu and mosaic_gpu, one
 layout), whose tiles must be powers of two of at least 16: there H is zero-padded, e.g.
@@ -46,9 +52,27 @@ def scale_lanes(block_size: int, backend: str = "reference") -> int:
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                   backend: str = "reference") -> tuple[int, ...]:
-    """Shape of one layer's cache."""
-    return (2, num_kv_heads, num_blocks, block_size, cache_head_dim(head_dim, backend))
+                   backend: str = "reference", num_layers: int = 1) -> tuple[int, ...]:
+    """Shape of the cache of num_layers layers of num_blocks blocks each."""
+    return (2, num_kv_heads, num_layers * num_blocks, block_size,
+            cache_head_dim(head_dim, backend))
+
+
+def layer_blocks(blocks, num_layers: int, blocks_per_layer: int):
+    """i32[L, C]: each layer's physical ids of the scheduler's blocks (any 1-D ids, numpy on the
+    host or jax in a step); the null block stays block 0 in every layer."""
+    xp = np if isinstance(blocks, np.ndarray) else jnp
+    offsets = xp.arange(num_layers, dtype=np.int32)[:, None] * blocks_per_layer
+    return xp.where(blocks[None, :] == NULL_BLOCK, NULL_BLOCK, blocks[None, :] + offsets)
+
+
+def check_num_slots(num_layers: int, num_blocks: int, block_size: int) -> None:
+    """Slots are int32: L * NB * S of them must fit."""
+    slots = num_layers * num_blocks * block_size
+    if slots > np.iinfo(np.int32).max:
+        raise ValueError(f"the KV cache holds {slots} slots (num_layers x num_blocks x "
+                         f"block_size), more than int32 indexes ({np.iinfo(np.int32).max}): "
+                         "lower num_blocks or kv_cache_memory_bytes")
 
 
 def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -63,14 +87,15 @@ def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int
 
 
 def init_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                  head_dim: int, dtype, backend: str = "reference") -> list:
-    """One cache per layer: an array, or a QuantizedKV for int8 / fp8."""
-    shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim, backend)
+                  head_dim: int, dtype, backend: str = "reference"):
+    """The cache of every layer (layers folded into the block axis, see the module docstring):
+    an array, or a QuantizedKV for int8 / fp8."""
+    check_num_slots(num_layers, num_blocks, block_size)
+    shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim, backend, num_layers)
     if is_quantized(dtype):
         scales = (*shape[:3], scale_lanes(block_size, backend))
-        return [QuantizedKV(jnp.zeros(shape, dtype), jnp.ones(scales, jnp.float32))
-                for _ in range(num_layers)]
-    return [jnp.zeros(shape, dtype) for _ in range(num_layers)]
+        return QuantizedKV(jnp.zeros(shape, dtype), jnp.ones(scales, jnp.float32))
+    return jnp.zeros(shape, dtype)
 
 
 def write_kv_reference(
@@ -110,8 +135,8 @@ def copy_blocks(
     dst: jax.Array,  # i32[C] blocks to copy to; padding pairs are (0, 0)
     num_copies: jax.Array,  # i32[] only the first num_copies pairs are real
 ) -> jax.Array:
-    """Copy-on-write: block src[i] -> dst[i] for every layer's cache, skipped entirely (no pool
-    traffic) when the step has no copies."""
+    """Copy-on-write: physical block src[i] -> dst[i] (layer_blocks gives every layer's), skipped
+    entirely (no pool traffic) when the step has no copies."""
 
     def copy(cache):
         return jax.tree.map(
@@ -125,7 +150,7 @@ def gather_blocks(
     kv_cache: jax.Array,  # [2, K, NB, S, Hc]
     blocks: jax.Array,  # i32[C]
 ) -> jax.Array:  # [2, K, C, S, Hc]
-    """Reads blocks out of a layer's cache (swap-out); a pytree like the cache."""
+    """Reads physical blocks out of the cache (swap-out); a pytree like the cache."""
     return jax.tree.map(lambda a: a[:, :, blocks], kv_cache)
 
 
@@ -135,8 +160,8 @@ def scatter_blocks(
     blocks: jax.Array,  # i32[C]; padding entries point at the null block
     data: jax.Array,  # [2, K, C, S, Hc]
 ) -> jax.Array:
-    """Writes whole blocks into a layer's cache in place (swap-in); data is a pytree like the
-    cache."""
+    """Writes whole physical blocks into the cache in place (swap-in); data is a pytree like
+    the cache."""
     return jax.tree.map(
         lambda a, d: a.at[:, :, blocks].set(d.astype(a.dtype), mode="promise_in_bounds"),
         kv_cache, data)

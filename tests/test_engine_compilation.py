@@ -1,10 +1,15 @@
-"""After warmup(), a long mixed trace compiles nothing new."""
+"""After warmup(), a long mixed trace compiles nothing new; a compiled step keeps the cache in
+place."""
 
 from helpers import until_done
+import jax
 import numpy as np
+import pytest
 
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
-from pagedjax.runner import num_step_traces
+from pagedjax.runner import _step, num_step_traces, padding_plan
+from pallas_kernels.tpu_aot import whole_copies
+from scheduler import DECODE
 
 
 def test_no_compilation_after_warmup(tiny_model):
@@ -34,3 +39,25 @@ def test_no_compilation_after_warmup(tiny_model):
     assert engine.stats.num_prefill_steps > 0 and engine.stats.num_decode_steps > 0
     assert num_step_traces() == traces_after_warmup, "a step program compiled after warmup"
     assert engine.num_compiled_programs <= engine.buckets.num_programs
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_compiled_step_updates_the_cache_in_place(tiny_model, kv_cache_dtype):
+    """The layers run under one scan with the whole cache carried through: XLA must keep the
+    donated pool where it lies (the output aliases it, no copy of it, temporaries that do not
+    grow with it), or every step would move the whole pool."""
+    temps = []
+    for num_blocks in (256, 1024):
+        config = EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
+                              block_size=8, num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype)
+        runner = LLMEngine(tiny_model, config).runner
+        plan = padding_plan(DECODE, 4, 4, max_blocks_per_seq=8)
+        compiled = _step.lower(runner.graph, runner.backend, 0, runner.params, runner.kv_cache,
+                               plan).compile()
+        memory = compiled.memory_analysis()
+        assert memory.alias_size_in_bytes >= sum(
+            leaf.nbytes for leaf in jax.tree.leaves(runner.kv_cache))
+        temps.append(memory.temp_size_in_bytes)
+        args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), runner.kv_cache)
+        assert whole_copies(compiled.as_text(), args) == {}
+    assert temps[0] == temps[1], temps

@@ -6,6 +6,8 @@ block once idle. Disconnecting clients, streaming or not, are aborted at once.""
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import socket
 import time
 
 import httpx
@@ -224,6 +226,24 @@ def test_disconnecting_clients_are_aborted_at_once():
     assert llm.engine.warmup() == 2
     server = OpenAIServer(llm.engine, "tiny")
     body = {"prompt": "copy:abc=", "max_tokens": 100, "ignore_eos": True, "temperature": 1}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100,
+            "ignore_eos": True}
+    added = []  # every request the engine took, counted in its thread
+    add_requests = llm.engine.add_requests
+
+    def counting(specs, *args, **kwargs):
+        result = add_requests(specs, *args, **kwargs)
+        added.extend(specs)
+        return result
+
+    llm.engine.add_requests = counting
+
+    def all_admitted():  # every client hangs up once all of them are in the engine
+        deadline = time.monotonic() + 60
+        while len(added) < len(jobs):
+            assert time.monotonic() < deadline, f"{len(added)} of {len(jobs)} admitted"
+            time.sleep(0.002)
+
     with BackgroundServer(server.build_app()) as url:
 
         def streaming(path, payload):
@@ -231,13 +251,17 @@ def test_disconnecting_clients_are_aborted_at_once():
                     client.stream("POST", url + path, json={**payload, "stream": True}) as r:
                 assert r.status_code == 200
                 next(r.iter_lines())  # one event, then hang up
+                all_admitted()
 
-        def waiting(path, payload):
-            with pytest.raises(httpx.ReadTimeout):  # hangs up before the answer
-                httpx.post(url + path, json=payload, timeout=0.5)
+        def waiting(path, payload):  # sends the request, hangs up before the answer
+            host, port = httpx.URL(url).host, httpx.URL(url).port
+            data = json.dumps(payload).encode()
+            head = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                    f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")
+            with socket.create_connection((host, port), timeout=120) as sock:
+                sock.sendall(head.encode() + data)
+                all_admitted()
 
-        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100,
-                "ignore_eos": True}
         jobs = [(streaming, "/v1/completions", body), (waiting, "/v1/completions", body),
                 (streaming, "/v1/chat/completions", chat),
                 (waiting, "/v1/chat/completions", chat)] * 2  # 8: one step holds them all

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import LlamaConfig, LlamaForCausalLM
+from models import LlamaConfig, LlamaForCausalLM, serving_form
 from pagedjax.runner import _step, padding_plan
 from pallas_kernels import (AttentionBackend, gpu_aot, init_kv_cache,
                             paged_decode_attention_gpu, paged_decode_attention_tpu,
@@ -56,7 +56,7 @@ def cache_struct(backend, head_dim, dtype, block_size=BLOCK_SIZE, num_kv_heads=N
                  num_blocks=NUM_BLOCKS):
     """One layer's cache as init_kv_cache lays it out for `backend`, abstract."""
     return jax.eval_shape(lambda: init_kv_cache(1, num_blocks, block_size, num_kv_heads,
-                                                head_dim, jnp.dtype(dtype), backend))[0]
+                                                head_dim, jnp.dtype(dtype), backend))
 
 
 def kernel_args(kind, backend, head_dim, dtype, *, block_size=BLOCK_SIZE, width=TABLE_WIDTH,
@@ -137,7 +137,7 @@ def abstract_step(config, kind, *, num_tokens, num_seqs, num_blocks, max_blocks_
     """(the engine's jitted step for `backend`, its caches donated, and abstract (params,
     caches, plan)) for a model config, at one bucket: nothing is allocated."""
     from pagedjax.runner import step_fn
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: LlamaForCausalLM(config,
+    graph, params = serving_form(nnx.eval_shape(lambda: LlamaForCausalLM(config,
                                                                          rngs=nnx.Rngs(0))))
     if param_dtype is not None:
         params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, param_dtype), params)
@@ -146,7 +146,7 @@ def abstract_step(config, kind, *, num_tokens, num_seqs, num_blocks, max_blocks_
         jnp.dtype(cache_dtype), backend))
     plan = padding_plan(kind, num_tokens, num_seqs, max_blocks_per_seq=max_blocks_per_seq)
     plan = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), plan)
-    step = jax.jit(functools.partial(step_fn, graphdef, AttentionBackend(backend), 0),
+    step = jax.jit(functools.partial(step_fn, graph, AttentionBackend(backend), 0),
                    donate_argnums=(1,))
     return step, (params, caches, plan)
 
@@ -185,21 +185,22 @@ def test_kv_write_kernel_lowers_in_place(backend, head_dim, dtype):
 def test_model_step_lowers_with_backend(backend, kind):
     """The engine's whole jitted step (model, KV writes, attention, sampler) with the backend's
     kernels, at a bucket shape, lowers for that platform, calling the KV write and the attention
-    kernel of the step's kind in every layer."""
+    kernel of the step's kind once: in the body of the scan over layers."""
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=16)
-    graphdef, params = nnx.split(LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
-    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    graph, params = serving_form(nnx.eval_shape(lambda: LlamaForCausalLM(config,
+                                                                         rngs=nnx.Rngs(0))))
     caches = jax.eval_shape(lambda: init_kv_cache(config.num_layers, 32, 8, config.num_kv_heads,
                                                   config.head_dim, jnp.float32, backend))
     num_tokens = 16 if kind == PREFILL else 4
     plan = padding_plan(kind, num_tokens, 4, max_blocks_per_seq=4)
     plan = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), plan)
-    text = lower(lambda: _step.trace(graphdef, AttentionBackend(backend), 0, params, caches,
+    text = lower(lambda: _step.trace(graph, AttentionBackend(backend), 0, params, caches,
                                      plan), backend).as_text()
     attention = "paged_decode_attention" if kind == DECODE else "ragged_paged_attention"
-    for kernel in (f"write_kv_{backend}", f"{attention}_{backend}"):  # once per layer
-        assert text.count(f"call @{kernel}(") == config.num_layers, kernel
+    for kernel in (f"write_kv_{backend}", f"{attention}_{backend}"):  # once, in the scan
+        assert text.count(f"call @{kernel}(") == 1, kernel
+    assert "stablehlo.while" in text
     assert KERNEL_CALL[backend] in text
 
 

@@ -184,7 +184,7 @@ def test_paged_attention_writes_then_attends():
     q = rng.standard_normal((num_tokens, 4, 16)).astype(np.float32)
     k = rng.standard_normal((num_tokens, 2, 16)).astype(np.float32)
     v = rng.standard_normal((num_tokens, 2, 16)).astype(np.float32)
-    cache = init_kv_cache(1, 8, block_size, 2, 16, jnp.float32)[0]
+    cache = init_kv_cache(1, 8, block_size, 2, 16, jnp.float32)
     table = np.array([[5, 2, 7, 0]], np.int32)
     slots = table[0, np.arange(num_tokens) // block_size] * block_size + np.arange(
         num_tokens) % block_size

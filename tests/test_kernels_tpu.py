@@ -165,7 +165,7 @@ def test_copy_blocks_tpu_matches_scatter(dtype):
     rng = np.random.default_rng(6)
     cache = jax.tree.map(
         lambda a: jnp.asarray(rng.standard_normal(a.shape) * 50).astype(a.dtype),
-        init_kv_cache(1, 12, 8, 2, 128, jnp.dtype(dtype), "tpu")[0])
+        init_kv_cache(1, 12, 8, 2, 128, jnp.dtype(dtype), "tpu"))
     src, dst = jnp.asarray([3, 5, 7, 0], jnp.int32), jnp.asarray([9, 4, 11, 0], jnp.int32)
     for num_copies in (0, 3):
         want = copy_blocks(cache, src, dst, jnp.int32(num_copies))

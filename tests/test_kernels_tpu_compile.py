@@ -68,7 +68,7 @@ def build_step(name):
     import numpy as np
     from flax import nnx
 
-    from models import LlamaConfig, LlamaForCausalLM
+    from models import LlamaConfig, LlamaForCausalLM, serving_form
     from pagedjax.runner import padding_plan, step_fn
     from pallas_kernels import AttentionBackend, init_kv_cache
 
@@ -76,8 +76,8 @@ def build_step(name):
 
     config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=128)
-    graphdef, params = nnx.split(LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
-    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    graph, params = serving_form(nnx.eval_shape(lambda: LlamaForCausalLM(config,
+                                                                         rngs=nnx.Rngs(0))))
     # A pool of 64 MiB a layer: XLA may place a small one in VMEM, away from what a real
     # pool meets.
     caches = jax.eval_shape(lambda: init_kv_cache(config.num_layers, 4096, 16,
@@ -87,7 +87,7 @@ def build_step(name):
     plan = padding_plan(kind, num_tokens, 8, max_blocks_per_seq=8)
     plan = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), plan)
     # Donated, as the runner's step does (pagedjax.runner._step).
-    return (jax.jit(functools.partial(step_fn, graphdef, AttentionBackend("tpu"), 0),
+    return (jax.jit(functools.partial(step_fn, graph, AttentionBackend("tpu"), 0),
                     donate_argnums=(1,)), (params, caches, plan))
 
 

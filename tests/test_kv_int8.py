@@ -124,7 +124,7 @@ def test_int8_engine_on_pallas_kernels_equals_reference_backend(tiny_model, back
 def test_fp8_cache_serves_and_agrees(tiny_model):
     f32, _ = generate(tiny_model)
     fp8, engine = generate(tiny_model, kv_cache_dtype="fp8")
-    assert engine.runner.kv_caches[0].data.dtype == jnp.float8_e4m3fn
+    assert engine.runner.kv_cache.data.dtype == jnp.float8_e4m3fn
     agreement = np.mean([a == b for x, y in zip(f32, fp8) for a, b in zip(x, y)])
     # e4m3 rounds each K/V element by up to 2**-4 of itself, so greedy tokens flip more often
     # than with int8 (kv_int8.py measures it); a broken cache would agree on ~1/256 of tokens.

@@ -1,5 +1,6 @@
 """The user-facing surface: LLM.generate, bf16 serving, the CLI."""
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -36,7 +37,7 @@ def test_stop_tokens_finish_with_stop():
 
 def test_bf16_engine_serves_with_a_bf16_cache():
     llm = LLM("debug-tiny", dtype="bfloat16", **SMALL)
-    assert all(c.dtype == jnp.bfloat16 for c in llm.engine.runner.kv_caches)
+    assert all(c.dtype == jnp.bfloat16 for c in jax.tree.leaves(llm.engine.runner.kv_cache))
     outputs = llm.generate([[1, 2, 3], [4] * 40], SamplingParams(max_tokens=6, temperature=0),
                            use_tqdm=False)
     assert [len(o.output_token_ids) for o in outputs] == [6, 6]

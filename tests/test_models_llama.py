@@ -1,13 +1,18 @@
 """The NNX Llama: dense and paged paths on the same weights agree."""
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from models import LlamaConfig, get_config, init_model
+from models import LlamaConfig, get_config, init_model, serving
 from models.llama import rope
-from pallas_kernels import AttentionMetadata, init_kv_cache
+from pagedjax.runner import padding_plan, step_fn
+from pallas_kernels import AttentionBackend, AttentionMetadata, init_kv_cache
 
 CONFIG = get_config("debug-tiny")
 
@@ -103,3 +108,72 @@ def test_bf16_paged_error_is_the_error_of_bf16_itself():
     paged_err = np.abs(paged16 - ref).max()
     assert 0 < dense_err < 0.1 * np.abs(ref).max()
     assert paged_err <= 2 * dense_err, (paged_err, dense_err)
+
+
+def serving_logits(graph, weights, kv_cache, token_ids, start, table, block_size):
+    """paged_logits on models.serving's form of the weights, jitted as the engine runs it."""
+    n = len(token_ids)
+    positions = np.arange(start, start + n, dtype=np.int32)
+    slots = table[positions // block_size] * block_size + positions % block_size
+    metadata = AttentionMetadata(
+        slot_mapping=jnp.asarray(slots, jnp.int32), block_tables=jnp.asarray(table[None]),
+        kv_lens=jnp.array([start + n], jnp.int32), cu_q_lens=jnp.array([0, n], jnp.int32),
+        num_seqs=jnp.int32(1), decode_only=False)
+
+    @jax.jit
+    def run(weights, kv_cache, token_ids, positions, metadata):
+        hidden, kv_cache = serving.forward_paged(graph, weights, kv_cache, token_ids, positions,
+                                                 metadata)
+        return serving.logits(graph, weights, hidden), kv_cache
+
+    return run(weights, kv_cache, jnp.asarray(token_ids, jnp.int32), jnp.asarray(positions),
+               metadata)
+
+
+def test_scanned_and_unrolled_layers_give_the_same_logits_and_cache():
+    """The engine's form (layers stacked, one lax.scan) against the unrolled form of the same
+    weights: the same f32 ops on the same values, so bitwise equal on the CPU, cache included;
+    and both equal to the model's own forward_paged (eager, op by op: XLA may fuse the jitted
+    forms differently, hence f32 rounding)."""
+    model = init_model(CONFIG, seed=2)
+    tokens = np.random.default_rng(1).integers(0, CONFIG.vocab_size, 14)
+    table = np.array([5, 2, 7, 0], np.int32)
+    results = {}
+    for scan_layers in (True, False):
+        graph, weights = serving.serving_form(model, scan_layers)
+        kv_cache = init_kv_cache(CONFIG.num_layers, 8, 4, CONFIG.num_kv_heads, CONFIG.head_dim,
+                                 jnp.float32)
+        first, kv_cache = serving_logits(graph, weights, kv_cache, tokens[:13], 0, table, 4)
+        second, kv_cache = serving_logits(graph, weights, kv_cache, tokens[13:], 13, table, 4)
+        results[scan_layers] = (np.asarray(first), np.asarray(second), np.asarray(kv_cache))
+    for got, want in zip(results[True], results[False]):
+        np.testing.assert_array_equal(got, want)
+    kv_cache = init_kv_cache(CONFIG.num_layers, 8, 4, CONFIG.num_kv_heads, CONFIG.head_dim,
+                             jnp.float32)
+    eager, kv_cache = paged_logits(model, kv_cache, tokens[:13], 0, table, 4)
+    np.testing.assert_allclose(results[True][0], eager, rtol=1e-5, atol=1e-5)
+    eager, kv_cache = paged_logits(model, kv_cache, tokens[13:], 13, table, 4)
+    np.testing.assert_allclose(results[True][1], eager, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(results[True][2], kv_cache, rtol=1e-5, atol=1e-5)
+    # Each layer wrote its own blocks: layer l's copy of block 5 at 8 * l + 5, all different.
+    written = results[True][2][0][:, 8 * np.arange(CONFIG.num_layers) + 5]  # [K, L, S, H]
+    assert np.all(np.abs(written).max(axis=(0, 2, 3)) > 0)
+    assert len({written[:, i].tobytes() for i in range(CONFIG.num_layers)}) == CONFIG.num_layers
+
+
+@pytest.mark.parametrize("scan_layers, grows", [(True, False), (False, True)])
+def test_step_program_size_is_independent_of_depth_under_scan(scan_layers, grows):
+    """Scanned, a step program holds one layer: 2 and 6 layers lower to the same number of
+    matmuls. Unrolled, the count grows with the depth."""
+    def matmuls(num_layers):
+        config = dataclasses.replace(CONFIG, num_layers=num_layers)
+        graph, weights = serving.serving_form(
+            nnx.eval_shape(lambda: init_model(config)), scan_layers)
+        cache = jax.eval_shape(lambda: init_kv_cache(num_layers, 8, 4, config.num_kv_heads,
+                                                     config.head_dim, jnp.float32))
+        plan = padding_plan("prefill", 16, 2, max_blocks_per_seq=4)
+        text = jax.jit(functools.partial(step_fn, graph, AttentionBackend(), 0)).lower(
+            weights, cache, plan).as_text()
+        return text.count("stablehlo.dot_general")
+
+    assert (matmuls(6) > matmuls(2)) == grows

@@ -354,7 +354,7 @@ def test_internal_errors_answer_500_with_a_request_id_and_the_engine_serves_on(c
     def loses_the_cache(plan):
         if not lost:
             lost.append(1)
-            for leaf in jax.tree.leaves(llm.engine.runner.kv_caches):
+            for leaf in jax.tree.leaves(llm.engine.runner.kv_cache):
                 leaf.delete()
             raise RuntimeError("device reset")
         return step(plan)

@@ -1,0 +1,106 @@
+"""The serving form of a Llama model: the same weights, with the decoder layers' stacked on a
+leading [L] axis and run under `jax.lax.scan`, so a step program traces and compiles one layer
+whatever the model's depth (a 30-layer model costs what a 4-layer one does to compile).
+
+The KV cache is carried through the scan whole (every layer's blocks in one array, see
+pallas_kernels.layout) and each layer writes its slots in place: no layer's pool is sliced out
+or copied. `serving_form(model, scan_layers=False)` keeps the layers as a tuple and unrolls them,
+the program LlamaForCausalLM.forward_paged traces; both load from the same model (any
+checkpoint the loaders read), and tests/test_models_llama.py checks they agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.llama import LlamaForCausalLM, project_logits
+from pallas_kernels import AttentionBackend, AttentionMetadata, for_layer
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingGraph:
+    """The static half (hashable: a jit static argument): each part's nnx graph."""
+
+    embed: nnx.GraphDef
+    layer: nnx.GraphDef  # one decoder layer; every layer has this structure
+    norm: nnx.GraphDef
+    lm_head: nnx.GraphDef | None  # None: tied to the embedding
+    num_layers: int
+    scan_layers: bool
+
+
+class ServingWeights(NamedTuple):
+    """The arrays: a pytree to pass, donate-free, into every step."""
+
+    embed: nnx.State
+    layers: nnx.State | tuple  # stacked (leaves [L, ...]) or a tuple of L per-layer states
+    norm: nnx.State
+    lm_head: nnx.State | None
+
+
+def serving_form(model: LlamaForCausalLM,
+                 scan_layers: bool = True) -> tuple[ServingGraph, ServingWeights]:
+    """Splits a model into (static graph, weights); scan_layers stacks the layers' weights (a
+    copy: the model's own arrays stay as they are, freed with the model). Works on an abstract
+    model (nnx.eval_shape) too, stacking shapes."""
+    embed_def, embed = nnx.split(model.embed_tokens)
+    norm_def, norm = nnx.split(model.norm)
+    head_def, head = (None, None) if model.lm_head is None else nnx.split(model.lm_head)
+    splits = [nnx.split(layer) for layer in model.layers]
+    layer_def = splits[0][0]
+    if any(graph != layer_def for graph, _ in splits[1:]):
+        raise ValueError("serving_form needs every decoder layer to have one structure")
+    states = tuple(state for _, state in splits)
+    layers = jax.tree.map(_stack, *states) if scan_layers else states
+    graph = ServingGraph(embed_def, layer_def, norm_def, head_def, len(states), scan_layers)
+    return graph, ServingWeights(embed, layers, norm, head)
+
+
+def _stack(*leaves):
+    if isinstance(leaves[0], jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((len(leaves), *leaves[0].shape), leaves[0].dtype)
+    return jnp.stack(leaves)
+
+
+def forward_paged(
+    graph: ServingGraph, weights: ServingWeights,
+    kv_cache: jax.Array,  # [2, K, L * NB, S, Hc]
+    token_ids: jax.Array,  # i32[T]
+    positions: jax.Array,  # i32[T]
+    metadata: AttentionMetadata,
+    backend: AttentionBackend = AttentionBackend(),
+) -> tuple[jax.Array, jax.Array]:  # ([T, D] pre-norm hidden, new cache)
+    """LlamaForCausalLM.forward_paged on the serving form: scanned or unrolled by graph."""
+    x = nnx.merge(graph.embed, weights.embed)(token_ids)
+    blocks_per_layer = kv_cache.shape[2] // graph.num_layers
+    block_size = kv_cache.shape[3]
+
+    def layer_step(x, kv_cache, index, state):
+        layer = nnx.merge(graph.layer, state)
+        return layer.forward_paged(x, positions, kv_cache,
+                                   for_layer(metadata, index, blocks_per_layer, block_size),
+                                   backend)
+
+    if not graph.scan_layers:
+        for index, state in enumerate(weights.layers):
+            x, kv_cache = layer_step(x, kv_cache, index, state)
+        return x, kv_cache
+
+    def body(carry, xs):
+        return layer_step(*carry, *xs), None
+
+    layer_ids = jnp.arange(graph.num_layers, dtype=jnp.int32)
+    (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (layer_ids, weights.layers))
+    return x, kv_cache
+
+
+def logits(graph: ServingGraph, weights: ServingWeights,
+           hidden: jax.Array) -> jax.Array:  # [..., D] -> f32[..., V]
+    head = None if graph.lm_head is None else nnx.merge(graph.lm_head, weights.lm_head)
+    return project_logits(nnx.merge(graph.norm, weights.norm),
+                          nnx.merge(graph.embed, weights.embed), head, hidden)
