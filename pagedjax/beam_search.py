@@ -64,7 +64,7 @@ def beam_search(engine, prompts: Sequence[Sequence[int]],
             break
         top = {}
         while engine.has_unfinished():
-            for out in engine.step():
+            for out in engine.step(final_only=True):
                 if out.finished:
                     top[out.request_id] = out.outputs[0].logprobs[0]
         for p, beams in enumerate(live):

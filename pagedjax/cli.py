@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import threading
 import time
 import sys
 
@@ -161,8 +162,12 @@ def serve(argv) -> None:
                         help="with --api-key, leave /metrics open (a Prometheus scraper)")
     parser.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
                         help="answer 413 to a larger request body, unread (default 4 MiB)")
-    parser.add_argument("--warmup", action="store_true",
+    warmup = parser.add_mutually_exclusive_group()
+    warmup.add_argument("--warmup", action="store_true",
                         help="compile every step program before accepting requests")
+    warmup.add_argument("--warmup-background", action="store_true",
+                        help="accept requests at once and compile every step program in a "
+                        "background thread (a shape not compiled yet compiles on first use)")
     parser.add_argument("--trace-out", help="append every finished request to this JSON-lines "
                         "trace (lengths, arrival, prefix hashes; no text) for `pagedjax "
                         "simulate`")
@@ -190,11 +195,23 @@ def serve(argv) -> None:
         print(f"warmup: {num_programs} step programs ready in "
               f"{time.perf_counter() - start:.1f} s (compilation cache: "
               f"{llm.engine.compilation_cache_dir or 'off'})", flush=True)
+    if args.warmup_background:
+        threading.Thread(target=_report_warmup, args=(llm.engine.start_warmup(progress=True),),
+                         daemon=True).start()
     name = args.served_model_name or os.path.basename(os.path.normpath(str(model)))
     run_server(llm.engine, name, host=args.host, port=args.port,
                max_outstanding_tokens=args.max_outstanding_tokens, api_key=args.api_key,
                trace_out=args.trace_out, log_level=args.log_level,
                max_request_bytes=args.max_request_bytes, public_metrics=args.public_metrics)
+
+
+def _report_warmup(warmup) -> None:
+    warmup.wait()
+    if warmup.error is not None:
+        print(f"warmup stopped ({warmup.error!r}); the rest compile on first use", flush=True)
+    else:
+        print(f"warmup: {warmup.num_programs} step programs ready in the background in "
+              f"{warmup.seconds:.1f} s", flush=True)
 
 
 def router(argv) -> None:

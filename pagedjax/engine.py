@@ -238,8 +238,11 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Runs one step; returns an output for every request that got a token this step.
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """Runs one step; returns an output for every request that got a token this step, or,
+        final_only, for every request that finished in it (vLLM's FINAL_ONLY output kind, what
+        LLM.generate asks for: an output copies the request's tokens, O(length) a request a
+        step otherwise).
 
         A request whose part of the step fails (its plan rows, its detokenization) is dropped
         alone: it finishes with finish_reason "error" and its error, its blocks are freed, and
@@ -260,11 +263,12 @@ class LLMEngine:
         self.stats.step_time_s += time.perf_counter() - start
         advanced: list[Request] = []
         outputs = self._postprocess(output, (sampled_ids, logprobs, top_ids, top_logprobs),
-                                    advanced)
+                                    advanced, final_only)
         self._record(output, advanced)
         return outputs
 
-    def _postprocess(self, output, results, advanced: list[Request]) -> list[RequestOutput]:
+    def _postprocess(self, output, results, advanced: list[Request],
+                     final_only: bool = False) -> list[RequestOutput]:
         """Advances the step's requests by its results (appending them to advanced); one
         output per request that got a token. A request whose detokenization fails is dropped
         alone."""
@@ -284,8 +288,11 @@ class LLMEngine:
                     self.scheduler.abort(sample.request_id, now, RequestStatus.FINISHED_STOPPED)
         for parent_id, message in failed.items():
             self._fail(parent_id, message, now)
-        return [self._output(parent_id, failed.get(parent_id))
-                for parent_id in dict.fromkeys(r.parent_id for r in new)]
+        parents = dict.fromkeys(r.parent_id for r in new)
+        if final_only:
+            parents = [p for p in parents
+                       if all(s.status.finished for s in self._groups[p])]
+        return [self._output(parent_id, failed.get(parent_id)) for parent_id in parents]
 
     def fail_all(self, error: BaseException) -> list[RequestOutput]:
         """After a step failed beyond one request's part (the KV cache lost with it): every
@@ -411,10 +418,16 @@ class LLMEngine:
 
     def warmup(self, progress: bool = False) -> int:
         """Compiles every step program the buckets allow (loaded from the persistent
-        compilation cache when an earlier process compiled them); returns the number of shapes
-        run. progress shows a bar with each program as it compiles and the seconds taken."""
+        compilation cache when an earlier process compiled them); returns how many. progress
+        shows a bar with each program as it compiles and the seconds taken."""
         return self.runner.warmup(self.buckets, progress)
+
+    def start_warmup(self, progress: bool = False):
+        """warmup() behind serving: a background thread compiles every program while steps run
+        (a runner.BackgroundWarmup: done(), wait(timeout), error). Once it is done no step
+        compiles."""
+        return self.runner.start_warmup(self.buckets, progress)
 
     @property
     def num_compiled_programs(self) -> int:
-        return len(self.runner.step_shapes)
+        return self.runner.num_programs

@@ -138,7 +138,7 @@ class LLM:
         outputs: dict[str, RequestOutput] = {}
         with tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm) as bar:
             while engine.has_unfinished():
-                for out in engine.step():
+                for out in engine.step(final_only=True):
                     if out.finished:
                         outputs[out.request_id] = out
                         bar.update(1)

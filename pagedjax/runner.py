@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import jax
 import numpy as np
 from tqdm.auto import tqdm
@@ -17,11 +20,22 @@ jax.tree_util.register_dataclass(BatchPlan, data_fields=list(ARRAY_FIELDS),
                                  meta_fields=list(STATIC_FIELDS))
 
 _num_traces = 0
+_num_compiles = 0
 
 
 def num_step_traces() -> int:
-    """How many times any step program has been traced (each trace is one compilation)."""
+    """How many times any step program has been traced."""
     return _num_traces
+
+
+def num_step_compiles() -> int:
+    """How many step programs any runner has compiled (ModelRunner.program)."""
+    return _num_compiles
+
+
+def _count_compile() -> None:
+    global _num_compiles
+    _num_compiles += 1
 
 
 def step_fn(graph: ServingGraph, backend: AttentionBackend, num_top_logprobs: int,
@@ -68,7 +82,16 @@ class ModelRunner:
         device = jax.devices()[0]
         self.params = jax.device_put(params, device)
         self.kv_cache = jax.device_put(kv_cache, device)
-        self.step_shapes: set[tuple[str, int, int]] = set()
+        self.step_shapes: set[tuple[str, int, int]] = set()  # the shapes steps have run
+        # (kind, T, B) -> the compiled step program. A program is compiled ahead of time from
+        # abstract arguments (nothing runs, no buffer is touched), so a warmup thread can
+        # compile while the engine thread steps; each shape compiles once, under its lock.
+        self._programs: dict[tuple[str, int, int], jax.stages.Compiled] = {}
+        self._program_locks: dict[tuple[str, int, int], threading.Lock] = {}
+        self._locks_lock = threading.Lock()
+        self._abstract_args = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+            (self.params, self.kv_cache))
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
              host_pool) -> None:
@@ -113,26 +136,92 @@ class ModelRunner:
     def kv_cache_lost(self) -> bool:
         return any(leaf.is_deleted() for leaf in jax.tree.leaves(self.kv_cache))
 
+    @property
+    def num_programs(self) -> int:
+        """Step programs compiled so far."""
+        return len(self._programs)
+
+    def program(self, kind: str, num_tokens: int, num_seqs: int,
+                max_blocks_per_seq: int) -> jax.stages.Compiled:
+        """The step program of a shape, compiled on first use (from the persistent compilation
+        cache when an earlier process compiled it); thread-safe, one compile per shape."""
+        key = (kind, num_tokens, num_seqs)
+        program = self._programs.get(key)
+        if program is not None:
+            return program
+        with self._locks_lock:
+            lock = self._program_locks.setdefault(key, threading.Lock())
+        with lock:
+            if key not in self._programs:
+                _count_compile()
+                plan = padding_plan(kind, num_tokens, num_seqs, max_blocks_per_seq)
+                plan = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), plan)
+                self._programs[key] = _step.lower(
+                    self.graph, self.backend, self.num_top_logprobs, *self._abstract_args,
+                    plan).compile()
+        return self._programs[key]
+
     def step(self, plan: BatchPlan) -> tuple[np.ndarray, ...]:
         """Runs one step; returns, for the first num_seqs rows, the sampled ids, their logprobs,
         and the num_top_logprobs most likely tokens with their logprobs."""
-        sampled, self.kv_cache = _step(self.graph, self.backend, self.num_top_logprobs,
-                                       self.params, self.kv_cache, plan)
+        program = self.program(plan.kind, plan.padded_num_tokens, plan.padded_num_seqs,
+                               plan.block_tables.shape[1])
+        sampled, self.kv_cache = program(self.params, self.kv_cache, plan)
         self.step_shapes.add((plan.kind, plan.padded_num_tokens, plan.padded_num_seqs))
         num_seqs = int(plan.num_seqs)
         return tuple(np.asarray(x)[:num_seqs] for x in sampled)
 
     def warmup(self, buckets, progress: bool = False) -> int:
-        """Compiles every program a plan from these buckets can need; returns how many ran.
-        progress shows a bar on stderr: programs done of all, the one compiling, seconds."""
-        shapes = [(PREFILL, t, b) for t, b in buckets.prefill_shapes()]
-        shapes += [(DECODE, b, b) for b in buckets.decode_shapes()]
+        """Compiles every program a plan from these buckets can need (without running any);
+        returns how many. progress shows a bar on stderr: programs done of all, the one
+        compiling, seconds."""
+        shapes = warmup_shapes(buckets)
         with tqdm(shapes, desc="compiling step programs", unit="program",
                   disable=not progress) as bar:
             for kind, num_tokens, num_seqs in bar:
                 bar.set_postfix_str(f"{kind} T={num_tokens} B={num_seqs}")
-                self.step(padding_plan(kind, num_tokens, num_seqs, buckets.max_blocks_per_seq))
+                self.program(kind, num_tokens, num_seqs, buckets.max_blocks_per_seq)
         return len(shapes)
+
+    def start_warmup(self, buckets, progress: bool = False) -> "BackgroundWarmup":
+        """warmup() in a background thread: steps meanwhile run with the programs there are
+        (a shape not compiled yet compiles on first use, once, whichever thread comes first)."""
+        return BackgroundWarmup(self, buckets, progress)
+
+
+class BackgroundWarmup:
+    """A warmup thread (ModelRunner.start_warmup): done(), wait(timeout), and the error that
+    stopped it, if any (the engine keeps serving; the rest compile on first use)."""
+
+    def __init__(self, runner: ModelRunner, buckets, progress: bool):
+        self.num_programs = len(warmup_shapes(buckets))
+        self.error: BaseException | None = None
+        self.seconds: float | None = None
+        self._thread = threading.Thread(target=self._run, args=(runner, buckets, progress),
+                                        name="pagedjax-warmup", daemon=True)
+        self._thread.start()
+
+    def _run(self, runner, buckets, progress) -> None:
+        start = time.perf_counter()
+        try:
+            runner.warmup(buckets, progress)
+        except BaseException as error:  # noqa: BLE001 - reported through .error
+            self.error = error
+        self.seconds = time.perf_counter() - start
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self._thread.join(timeout)
+        return self.done()
+
+
+def warmup_shapes(buckets) -> list[tuple[str, int, int]]:
+    """Every (kind, T, B) step shape the buckets allow: decode first (the shapes a serving
+    engine meets most), small before large."""
+    shapes = [(DECODE, b, b) for b in buckets.decode_shapes()]
+    return shapes + [(PREFILL, t, b) for t, b in buckets.prefill_shapes()]
 
 
 def padding_plan(kind: str, num_tokens: int, num_seqs: int, max_blocks_per_seq: int) -> BatchPlan:

@@ -1,13 +1,15 @@
 """After warmup(), a long mixed trace compiles nothing new; a compiled step keeps the cache in
 place."""
 
+import dataclasses
+
 from helpers import until_done
 import jax
 import numpy as np
 import pytest
 
-from pagedjax import EngineConfig, LLMEngine, SamplingParams
-from pagedjax.runner import _step, num_step_traces, padding_plan
+from pagedjax import LLM, EngineConfig, LLMEngine, SamplingParams
+from pagedjax.runner import _step, num_step_compiles, num_step_traces, padding_plan
 from pallas_kernels.tpu_aot import whole_copies
 from scheduler import DECODE
 
@@ -20,7 +22,7 @@ def test_no_compilation_after_warmup(tiny_model):
     engine = LLMEngine(tiny_model, config)
     num_shapes = engine.warmup()
     assert num_shapes == engine.buckets.num_programs == engine.num_compiled_programs
-    traces_after_warmup = num_step_traces()
+    traces_after_warmup, compiles_after_warmup = num_step_traces(), num_step_compiles()
 
     rng = np.random.default_rng(0)
     num_requests = 120
@@ -37,7 +39,8 @@ def test_no_compilation_after_warmup(tiny_model):
         engine.step()
     assert engine.stats.num_finished == num_requests
     assert engine.stats.num_prefill_steps > 0 and engine.stats.num_decode_steps > 0
-    assert num_step_traces() == traces_after_warmup, "a step program compiled after warmup"
+    assert num_step_traces() == traces_after_warmup, "a step program traced after warmup"
+    assert num_step_compiles() == compiles_after_warmup, "a step program compiled after warmup"
     assert engine.num_compiled_programs <= engine.buckets.num_programs
 
 
@@ -61,3 +64,35 @@ def test_compiled_step_updates_the_cache_in_place(tiny_model, kv_cache_dtype):
         args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), runner.kv_cache)
         assert whole_copies(compiled.as_text(), args) == {}
     assert temps[0] == temps[1], temps
+
+
+def test_background_warmup_serves_meanwhile_and_compiles_each_program_once(tiny_model):
+    """start_warmup compiles in a thread while the engine steps: requests are answered as
+    they would be without it, every shape compiles exactly once (whichever thread comes
+    first), and after the warmup no step compiles."""
+    config = EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
+                          min_token_bucket=16, min_seq_bucket=2, block_size=8, num_blocks=48)
+    prompts = [list(range(1, 1 + n)) for n in (5, 19, 40)]
+    params = SamplingParams(max_tokens=8, temperature=0)
+    reference = [o.output_token_ids for o in LLM(tiny_model, **vars_of(config)).generate(
+        prompts, params, use_tqdm=False)]
+    engine = LLMEngine(tiny_model, config)
+    compiles = num_step_compiles()
+    warmup = engine.start_warmup()
+    ids = [engine.add_request(p, params) for p in prompts]
+    outputs = {}
+    for _ in until_done(engine):
+        for output in engine.step():
+            outputs[output.request_id] = output
+    assert warmup.wait(timeout=300) and warmup.error is None
+    assert [outputs[i].output_token_ids for i in ids] == reference
+    assert engine.num_compiled_programs == engine.buckets.num_programs == warmup.num_programs
+    assert num_step_compiles() - compiles == engine.buckets.num_programs  # none twice
+    engine.add_request(prompts[1], params)
+    for _ in until_done(engine):
+        engine.step()
+    assert num_step_compiles() - compiles == engine.buckets.num_programs
+
+
+def vars_of(config: EngineConfig) -> dict:
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}

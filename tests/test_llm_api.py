@@ -61,3 +61,24 @@ def test_cli_capacity_uses_the_kv_formula(capsys):
         cli_main(["capacity", "--kv-memory-gib", "-1"])
     with pytest.raises(SystemExit):
         cli_main(["serve-everything"])
+
+
+def test_final_only_steps_return_each_request_once_when_it_finishes(tiny_model):
+    """LLM.generate's output kind: no per-step copies of unfinished requests, and the finished
+    outputs are those every-step outputs end with."""
+    from helpers import until_done
+    from pagedjax import EngineConfig, LLMEngine
+
+    results = {}
+    for final_only in (False, True):
+        engine = LLMEngine(tiny_model, EngineConfig(max_model_len=64, max_num_seqs=4))
+        ids = [engine.add_request([1, 2, 3], SamplingParams(max_tokens=3, temperature=0)),
+               engine.add_request([4, 5], SamplingParams(max_tokens=7, temperature=0))]
+        outputs = []
+        for _ in until_done(engine):
+            outputs += engine.step(final_only=final_only)
+        assert not final_only or all(o.finished for o in outputs)
+        results[final_only] = {o.request_id: o.output_token_ids for o in outputs if o.finished}
+        assert sorted(results[final_only]) == sorted(ids)
+        assert len(outputs) == (2 if final_only else 3 + 7)
+    assert results[True] == results[False]
