@@ -66,6 +66,10 @@ bench: $(TEST_STAMP)
 	$(PY) benchmarks/hf_load.py
 	$(PY) benchmarks/vs_transformers.py
 	$(PY) benchmarks/cold_start.py
+	$(PY) benchmarks/prefill_buckets.py
+	$(PY) benchmarks/mixed_vs_transformers.py
+	$(PY) benchmarks/scan_layers.py
+	$(PY) benchmarks/host_path.py
 	$(PY) benchmarks/gpu_compile.py
 	$(PY) benchmarks/tpu_schedule.py
 

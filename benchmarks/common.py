@@ -29,6 +29,32 @@ def lognormal_workload(num_requests: int, *, seed: int, max_model_len: int,
     return pairs
 
 
+def add_llama_args(parser, *, hidden: int, intermediate: int, layers: int, heads: int,
+                   kv_heads: int, vocab: int) -> None:
+    """The random Llama's shape flags of the benchmarks against transformers, and --seed."""
+    parser.add_argument("--hidden", type=int, default=hidden)
+    parser.add_argument("--intermediate", type=int, default=intermediate)
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--heads", type=int, default=heads)
+    parser.add_argument("--kv-heads", type=int, default=kv_heads)
+    parser.add_argument("--vocab", type=int, default=vocab)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def random_hf_llama(args, max_position_embeddings: int):
+    """A seeded random transformers Llama of add_llama_args' shape (no bos/eos), eval mode."""
+    import torch
+    import transformers
+
+    torch.manual_seed(args.seed)
+    config = transformers.LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads, max_position_embeddings=max_position_embeddings,
+        bos_token_id=None, eos_token_id=None, initializer_range=0.05)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
 def environment() -> dict:
     env = {"python": platform.python_version(), "machine": platform.machine(),
            "cpu_count": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}

@@ -53,10 +53,10 @@ def run_step(runner: ModelRunner, plan: BatchPlan, donate: bool) -> float:
     return time.perf_counter() - start
 
 
-def interleaved_medians(runners, plan, iters: int) -> dict:
+def interleaved_medians(runners, plan, iters: int, donate_options=(True, False)) -> dict:
     """Median step time of every (runner, donate) pair, measured round-robin in a shuffled order
     each round, so drift and cache effects of the neighbouring case spread evenly."""
-    cases = [(i, donate) for i in range(len(runners)) for donate in (True, False)]
+    cases = [(i, donate) for i in range(len(runners)) for donate in donate_options]
     times = {case: [] for case in cases}
     rng = np.random.default_rng(0)
     for round_index in range(iters + 3):

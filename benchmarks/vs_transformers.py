@@ -22,22 +22,17 @@ import tempfile
 import time
 
 import numpy as np
-from common import write_results
+from common import add_llama_args, random_hf_llama, write_results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--intermediate", type=int, default=1408)
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=4096)
+    add_llama_args(parser, hidden=512, intermediate=1408, layers=6, heads=8, kv_heads=2,
+                   vocab=4096)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--batches", type=int, default=2)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
     import torch
@@ -45,13 +40,7 @@ def main() -> None:
 
     from pagedjax import LLM, SamplingParams
 
-    torch.manual_seed(args.seed)
-    config = transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, max_position_embeddings=1024, bos_token_id=None,
-        eos_token_id=None, initializer_range=0.05)
-    hf = transformers.LlamaForCausalLM(config).eval()
+    hf = random_hf_llama(args, max_position_embeddings=1024)
     rng = np.random.default_rng(args.seed)
     # The untimed warm-up pass runs other prompts than the timed one.
     warmup_batches = [rng.integers(0, args.vocab, (args.batch_size, args.prompt_len))

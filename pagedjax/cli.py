@@ -113,6 +113,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        "copies of the layer) instead of one jax.lax.scan")
     group.add_argument("--max-logprobs", type=int)
     group.add_argument("--seed", type=int)
+    group.add_argument("--step-programs", choices=["split", "ragged"],
+                       help="decode programs beside the ragged ones (split, the default), or "
+                       "every step on the ragged programs (ragged: half the programs)")
     group.add_argument("--prefill-seqs", choices=["per_token_bucket", "bucketed"],
                        help="prefill programs: one per token bucket, or one per (T, B)")
     group.add_argument("--compilation-cache", metavar="DIR|auto|off",
@@ -125,7 +128,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs = {name: getattr(args, name) for name in (
         "max_model_len", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
         "policy", "dtype", "kv_cache_dtype", "attention_backend", "preemption_mode",
-        "max_logprobs", "seed", "compilation_cache", "prefill_seqs") if getattr(args, name) is not None}
+        "max_logprobs", "seed", "compilation_cache", "prefill_seqs",
+        "step_programs") if getattr(args, name) is not None}
     if args.kv_cache_memory_gib is not None:
         kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_memory_gib * 2**30)
     if args.swap_space_gib is not None:

@@ -11,6 +11,7 @@ from scheduler import SchedulerConfig, ShapeBuckets, cdiv
 
 DTYPES = ("float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+STEP_PROGRAMS = ("split", "ragged")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +45,13 @@ class EngineConfig:
     # benchmarks/prefill_buckets.py (default config: 12 programs instead of 41, warmup 15x
     # shorter, prefill steps 4-18% slower on the CPU reference).
     prefill_seqs: str = "per_token_bucket"
+    # Step program families: "split" (decode programs, T == B, with the decode kernels, beside
+    # the ragged programs) or "ragged" (every step on the ragged programs, as vLLM V1 and
+    # tpu-inference: 6 programs instead of 12 at the defaults). benchmarks/
+    # mixed_vs_transformers.py on the CPU: ragged's first call (compiles counted) 13.1 s vs
+    # 15.0 s, but its warm decode 20% slower; with the persistent compilation cache every
+    # session after the first pays no compile, so split is the default.
+    step_programs: str = "split"
     seed: int = 0
     # JAX's persistent compilation cache: "auto" (~/.cache/pagedjax/jax_cache, or
     # $PAGEDJAX_COMPILATION_CACHE), "off", or a directory (pagedjax.compile_cache).
@@ -98,6 +106,9 @@ class EngineConfig:
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(f"max_num_seqs ({self.max_num_seqs}) must be <= "
                              f"max_num_batched_tokens ({self.max_num_batched_tokens})")
+        if self.step_programs not in STEP_PROGRAMS:
+            raise ValueError(f"step_programs must be one of {STEP_PROGRAMS}, "
+                             f"got {self.step_programs!r}")
         self.buckets()  # ShapeBuckets validates prefill_seqs
         self.scheduler_config()  # SchedulerConfig validates the scheduler's fields (policy, ...)
 
@@ -166,4 +177,5 @@ class EngineConfig:
             max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len, block_size=self.block_size,
             min_token_bucket=self.min_token_bucket, min_seq_bucket=self.min_seq_bucket,
-            prefill_seqs=self.prefill_seqs)
+            prefill_seqs=self.prefill_seqs,
+            decode_programs=self.step_programs == "split")

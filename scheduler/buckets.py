@@ -43,12 +43,17 @@ class ShapeBuckets:
         count: a program per (T, B) pair) or "per_token_bucket" (the seq bucket of min(T,
         max_num_seqs), the most sequences T tokens can hold: one program per T; rows beyond the
         real ones are padding).
+    decode_programs: True, a decode step (one token a sequence) has its own family of programs
+        (T == B, the decode attention kernels); False, every step runs the ragged family (a
+        decode step padded like a prefill of as many tokens), as vLLM V1 and tpu-inference do:
+        fewer programs to compile.
     """
 
     token_buckets: tuple[int, ...]
     seq_buckets: tuple[int, ...]
     max_blocks_per_seq: int
     prefill_seqs: str = "bucketed"
+    decode_programs: bool = True
 
     def __post_init__(self):
         if self.prefill_seqs not in PREFILL_SEQS:
@@ -58,12 +63,13 @@ class ShapeBuckets:
     @classmethod
     def create(cls, *, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                block_size: int, min_token_bucket: int = 16, min_seq_bucket: int = 1,
-               prefill_seqs: str = "bucketed"):
+               prefill_seqs: str = "bucketed", decode_programs: bool = True):
         return cls(
             token_buckets=power_of_two_buckets(min_token_bucket, max_num_batched_tokens),
             seq_buckets=power_of_two_buckets(min_seq_bucket, max_num_seqs),
             max_blocks_per_seq=-(-max_model_len // block_size),
             prefill_seqs=prefill_seqs,
+            decode_programs=decode_programs,
         )
 
     def padded_num_tokens(self, num_tokens: int) -> int:
@@ -93,7 +99,7 @@ class ShapeBuckets:
         return shapes
 
     def decode_shapes(self) -> list[int]:
-        return list(self.seq_buckets)
+        return list(self.seq_buckets) if self.decode_programs else []
 
     @property
     def num_programs(self) -> int:

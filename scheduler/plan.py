@@ -63,7 +63,9 @@ def build_plan(output: "SchedulerOutput", kv_manager: "KVCacheManager",
     if num_seqs == 0:
         raise ValueError("cannot build a plan for an empty schedule")
     num_tokens = output.num_scheduled_tokens
-    if output.kind == DECODE:
+    # Without decode programs a decode step runs the ragged family, padded like a prefill.
+    kind = output.kind if buckets.decode_programs else PREFILL
+    if kind == DECODE:
         padded_seqs = buckets.padded_num_seqs(num_seqs)
         padded_tokens = padded_seqs
     else:
@@ -134,5 +136,5 @@ def build_plan(output: "SchedulerOutput", kv_manager: "KVCacheManager",
         block_tables=block_tables, kv_lens=kv_lens, cu_q_lens=cu_q_lens,
         logits_indices=logits_indices, num_seqs=np.asarray(num_seqs, np.int32),
         temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, copy_src=copy_src,
-        copy_dst=copy_dst, num_copies=np.asarray(len(output.copies), np.int32), kind=output.kind,
+        copy_dst=copy_dst, num_copies=np.asarray(len(output.copies), np.int32), kind=kind,
         padded_num_tokens=padded_tokens, padded_num_seqs=padded_seqs)

@@ -45,13 +45,15 @@ def run_engine(model, max_tokens=MAX_TOKENS, num_prompts=None, **kwargs):
     dict(block_size=4, max_num_batched_tokens=16),  # every prompt over 16 tokens is chunked
     dict(block_size=4, policy="prefill_first"),
     dict(block_size=4, policy="decode_first", max_num_batched_tokens=32),
+    # Every step on the ragged programs (no decode programs), decodes padded like prefills.
+    dict(block_size=4, step_programs="ragged"),
     # The GPU Pallas kernels through the interpreter, chunked prefill and mixed steps included.
     dict(block_size=8, max_num_batched_tokens=16, attention_backend="gpu",
          attention_interpret=True),
     # Blocks of 16, TPU-sized: few simulated DMAs a 128-key compute block.
     dict(block_size=16, max_num_batched_tokens=32, attention_backend="tpu",
          attention_interpret=True),
-], ids=["bs1", "bs4", "bs16", "chunked", "prefill_first", "decode_first", "gpu_kernels",
+], ids=["bs1", "bs4", "bs16", "chunked", "prefill_first", "decode_first", "ragged", "gpu_kernels",
         "tpu_kernels"])
 def test_greedy_equals_dense_recompute(tiny_model, dense_outputs, engine_kwargs):
     max_tokens = (TPU_INTERPRET_MAX_TOKENS if engine_kwargs.get("attention_backend") == "tpu"
