@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.llama import LlamaForCausalLM, project_logits
+from models.llama import DecoderLayer, LlamaForCausalLM, project_logits
 from pallas_kernels import AttentionBackend, AttentionMetadata, for_layer
 
 
@@ -43,11 +43,13 @@ class ServingWeights(NamedTuple):
     lm_head: nnx.State | None
 
 
-def serving_form(model: LlamaForCausalLM,
-                 scan_layers: bool = True) -> tuple[ServingGraph, ServingWeights]:
+def serving_form(model: LlamaForCausalLM, scan_layers: bool = True,
+                 kv_head_repeats: int = 1) -> tuple[ServingGraph, ServingWeights]:
     """Splits a model into (static graph, weights); scan_layers stacks the layers' weights (a
-    copy: the model's own arrays stay as they are, freed with the model). Works on an abstract
-    model (nnx.eval_shape) too, stacking shapes."""
+    copy: the model's own arrays stay as they are, freed with the model). kv_head_repeats > 1
+    repeats each KV head that many times in the k/v projections (tensor parallelism past the
+    model's KV heads, pagedjax.sharding). Works on an abstract model (nnx.eval_shape) too,
+    stacking shapes."""
     embed_def, embed = nnx.split(model.embed_tokens)
     norm_def, norm = nnx.split(model.norm)
     head_def, head = (None, None) if model.lm_head is None else nnx.split(model.lm_head)
@@ -56,9 +58,40 @@ def serving_form(model: LlamaForCausalLM,
     if any(graph != layer_def for graph, _ in splits[1:]):
         raise ValueError("serving_form needs every decoder layer to have one structure")
     states = tuple(state for _, state in splits)
+    if kv_head_repeats > 1:
+        layer_def, states = _repeat_kv_heads(model, states, kv_head_repeats)
     layers = jax.tree.map(_stack, *states) if scan_layers else states
     graph = ServingGraph(embed_def, layer_def, norm_def, head_def, len(states), scan_layers)
     return graph, ServingWeights(embed, layers, norm, head)
+
+
+def _repeat_kv_heads(model: LlamaForCausalLM, states: tuple, repeats: int):
+    """(the graph of a layer with K * repeats KV heads, the layers' states with each KV head's
+    k/v projection columns repeated `repeats` times in place: head j of the result is head
+    j // repeats of the model)."""
+    config = model.config
+    wide = dataclasses.replace(config, num_kv_heads=config.num_kv_heads * repeats)
+    param_dtype = model.embed_tokens.embedding[...].dtype
+    layer_def, _ = nnx.split(nnx.eval_shape(lambda: DecoderLayer(
+        wide, rngs=nnx.Rngs(0), dtype=model.dtype, param_dtype=param_dtype)))
+
+    def repeat(x):  # [..., K * H] -> [..., K * repeats * H]
+        shape = x.shape[:-1] + (config.num_kv_heads, config.head_dim)
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape[:-1] + (x.shape[-1] * repeats,), x.dtype)
+        return jnp.repeat(x.reshape(shape), repeats, axis=-2).reshape(
+            x.shape[:-1] + (-1,))
+
+    def widen(state):
+        state = jax.tree.map(lambda x: x, state)  # a copy of the mapping to edit
+        for name in ("k_proj", "v_proj"):
+            projection = state["self_attn"][name]
+            for parameter in list(projection.keys()):  # kernel [D, K*H], bias [K*H]
+                variable = projection[parameter]
+                variable.set_value(repeat(variable.get_value()))
+        return state
+
+    return layer_def, tuple(widen(state) for state in states)
 
 
 def _stack(*leaves):

@@ -59,10 +59,13 @@ class EngineConfig:
     # The decoder layers under one jax.lax.scan (models.serving): a step program compiles one
     # layer whatever the depth. False unrolls them (L copies of the layer in every program).
     scan_layers: bool = True
+    # Tensor parallelism over this many local devices (pagedjax.sharding): weights Megatron-
+    # style, the KV cache over KV heads; 1 runs on jax.devices()[0].
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                     "min_token_bucket", "min_seq_bucket"):
+                     "min_token_bucket", "min_seq_bucket", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

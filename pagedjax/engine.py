@@ -16,6 +16,7 @@ from pagedjax.config import EngineConfig
 from pagedjax.metrics import EngineStats
 from pagedjax.outputs import RequestOutput
 from pagedjax.runner import ModelRunner
+from pagedjax.sharding import check_tensor_parallel, kv_head_repeats, make_mesh
 from pallas_kernels import check_num_slots, kv_cache_bytes_per_block, resolve_backend
 from pagedjax.tokenizer import IncrementalDetokenizer, StopStringMatcher
 from scheduler import (DECODE, NULL_BLOCK, Request, RequestStatus, SamplingParams, Scheduler,
@@ -112,12 +113,18 @@ class LLMEngine:
         self.compilation_cache_dir = enable_compilation_cache(config.compilation_cache)
         self.tokenizer = tokenizer
         self.clock = clock
+        check_tensor_parallel(model_config, config.tensor_parallel_size)
         self.backend = resolve_backend(config.attention_backend, config.attention_interpret)
+        if config.tensor_parallel_size > 1:
+            self.backend = dataclasses.replace(self.backend,
+                                               mesh=make_mesh(config.tensor_parallel_size))
+        kv_heads = model_config.num_kv_heads * kv_head_repeats(model_config.num_kv_heads,
+                                                               config.tensor_parallel_size)
         if self.backend.gpu_layout and config.block_size & (config.block_size - 1):
             raise ValueError(f"block_size must be a power of two for the {self.backend.name} "
                              f"attention backend, got {config.block_size}")
-        self.bytes_per_block = kv_cache_bytes_per_block(
-            model_config.num_layers, config.block_size, model_config.num_kv_heads,
+        self.bytes_per_block = kv_cache_bytes_per_block(  # over all devices
+            model_config.num_layers, config.block_size, kv_heads,
             model_config.head_dim, config.kv_np_dtype, self.backend.name)
         self.num_blocks = config.resolve_num_blocks(self.bytes_per_block)
         check_num_slots(model_config.num_layers, self.num_blocks, config.block_size)

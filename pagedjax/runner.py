@@ -14,6 +14,8 @@ from models import serving
 from pagedjax.sampler import sample
 from pallas_kernels import (AttentionBackend, AttentionMetadata, copy_blocks, gather_blocks,
                             init_kv_cache, layer_blocks, scatter_blocks)
+from pagedjax.sharding import kv_cache_sharding, kv_head_repeats, shard_weights
+from pallas_kernels.attention import TP_AXIS
 from scheduler import ARRAY_FIELDS, DECODE, NULL_BLOCK, PREFILL, STATIC_FIELDS, BatchPlan
 
 jax.tree_util.register_dataclass(BatchPlan, data_fields=list(ARRAY_FIELDS),
@@ -68,20 +70,25 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, *, num_blocks: int, block_size: int,
                  dtype, backend: AttentionBackend = AttentionBackend(),
                  num_top_logprobs: int = 0, scan_layers: bool = True):
+        """backend.mesh, when set, splits the model over its devices (pagedjax.sharding)."""
         config = model.config
-        self.graph, params = serving_form(model, scan_layers)
+        mesh = backend.mesh
+        repeats = 1 if mesh is None else kv_head_repeats(config.num_kv_heads,
+                                                         mesh.shape[TP_AXIS])
+        self.graph, params = serving_form(model, scan_layers, repeats)
         self.num_blocks = num_blocks
         self.backend = backend
         self.num_top_logprobs = num_top_logprobs
-        self._cache_spec = (config.num_layers, num_blocks, block_size, config.num_kv_heads,
-                            config.head_dim, dtype, backend.name)
-        kv_cache = init_kv_cache(*self._cache_spec)
-        # Parameters and caches committed to one device, whatever their source (random init is
-        # uncommitted, a checkpoint loader's device_put is committed): the step's outputs are
-        # committed, so mixed inputs would compile every program a second time.
-        device = jax.devices()[0]
-        self.params = jax.device_put(params, device)
-        self.kv_cache = jax.device_put(kv_cache, device)
+        self._cache_spec = (config.num_layers, num_blocks, block_size,
+                            config.num_kv_heads * repeats, config.head_dim, dtype, backend.name)
+        # Parameters and caches committed to their devices, whatever their source (random init
+        # is uncommitted, a checkpoint loader's device_put is committed): the step's outputs
+        # are committed, so mixed inputs would compile every program a second time.
+        if mesh is None:
+            self.params = jax.device_put(params, jax.devices()[0])
+        else:
+            self.params = shard_weights(params, mesh, config.vocab_size)
+        self.kv_cache = self._new_kv_cache()
         self.step_shapes: set[tuple[str, int, int]] = set()  # the shapes steps have run
         # (kind, T, B) -> the compiled step program. A program is compiled ahead of time from
         # abstract arguments (nothing runs, no buffer is touched), so a warmup thread can
@@ -128,9 +135,16 @@ class ModelRunner:
             lambda a: np.zeros(a.shape[:2] + (num_layers * num_host_blocks,) + a.shape[3:],
                                a.dtype), self.kv_cache)
 
+    def _new_kv_cache(self):
+        """A zeroed cache, on one device or split over the mesh's devices (allocated there)."""
+        if self.backend.mesh is None:
+            return jax.device_put(init_kv_cache(*self._cache_spec), jax.devices()[0])
+        return jax.jit(lambda: init_kv_cache(*self._cache_spec),
+                       out_shardings=kv_cache_sharding(self.backend.mesh))()
+
     def reset_kv_cache(self) -> None:
         """A fresh, zeroed KV cache (after a step that failed lost the donated one)."""
-        self.kv_cache = jax.device_put(init_kv_cache(*self._cache_spec), jax.devices()[0])
+        self.kv_cache = self._new_kv_cache()
 
     @property
     def kv_cache_lost(self) -> bool:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.gpu_decode import paged_decode_attention_gpu
 from pallas_kernels.gpu_mosaic import (paged_decode_attention_mosaic_gpu,
@@ -63,6 +65,9 @@ class AttentionBackend:
 
     name: str = "reference"
     interpret: bool = False
+    # Tensor parallelism: the mesh whose TP_AXIS splits the heads (q, k, v, the cache's KV
+    # heads); attention and the cache's writes and copies then run per device under shard_map.
+    mesh: jax.sharding.Mesh | None = None
 
     @property
     def gpu_layout(self) -> bool:
@@ -89,6 +94,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                           True),
 }
 BACKEND_NAMES = ("auto", *IMPLEMENTATIONS)
+TP_AXIS = "tp"
 
 
 def resolve_backend(name: str, interpret: bool = False) -> AttentionBackend:
@@ -113,6 +119,14 @@ def paged_attention(
     sliding_window: int | None = None, soft_cap: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:  # ([T, N, H], new kv_cache)
     """Writes the step's K/V into their slots, then attends through the block tables."""
+    if backend.mesh is not None:  # each device its heads, the plan replicated
+        heads, cache = P(None, TP_AXIS), P(None, TP_AXIS)
+        local = functools.partial(paged_attention, scale=scale,
+                                  backend=dataclasses.replace(backend, mesh=None),
+                                  sliding_window=sliding_window, soft_cap=soft_cap)
+        return jax.shard_map(local, mesh=backend.mesh, in_specs=(heads, heads, heads, cache, P()),
+                             out_specs=(heads, cache), check_vma=False)(q, k, v, kv_cache,
+                                                                        metadata)
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
@@ -138,6 +152,12 @@ def copy_blocks(kv_cache, src: jax.Array, dst: jax.Array, num_copies: jax.Array,
     block ids) in every layer: layout.copy_blocks, an XLA scatter, except for a quantized cache
     on the TPU, where XLA would relayout the pool's f32 scales for it and a Pallas DMA copy runs
     instead."""
+    if backend.mesh is not None:
+        local = functools.partial(copy_blocks, backend=dataclasses.replace(backend, mesh=None),
+                                  num_blocks=num_blocks)
+        return jax.shard_map(local, mesh=backend.mesh, in_specs=(P(None, TP_AXIS), P(), P(), P()),
+                             out_specs=P(None, TP_AXIS), check_vma=False)(kv_cache, src, dst,
+                                                                          num_copies)
     num_layers = num_layers_of(kv_cache, num_blocks)
     # Block-major (pair i of every layer, then pair i + 1): the real pairs stay in front.
     src, dst = (layout.layer_blocks(ids, num_layers, num_blocks).T.reshape(-1)

@@ -1,0 +1,84 @@
+"""Tensor parallelism on one jax.sharding.Mesh: which axis of each tensor is split over "tp".
+
+Megatron-style, over the serving form of the weights (models.serving, layers stacked or not):
+- q/k/v and gate/up projections column-parallel (their output features split: each device
+  holds N/TP query heads, K/TP KV heads, F/TP of the MLP), o and down row-parallel (their input
+  features split; XLA all-reduces their partial sums, two all-reduces a layer);
+- the LM head split over the vocabulary (the sampler's sort sees them gathered), the token
+  embedding and the norms replicated: a gather from a vocab-split table would need a masked
+  lookup and an all-reduce a step for what is, at 8B, 4% of the weights;
+- the KV cache split over KV heads, so attention (the Pallas kernels or the reference) runs per
+  device on its heads under shard_map with the block tables and lengths replicated. With more
+  devices than KV heads (Llama-3-8B's 8 on a 16-chip slice) each KV head is repeated TP / K
+  times (k/v projections and the cache), vLLM's rule: every device holds the head its query
+  heads read.
+One BatchPlan drives every device: the scheduler does not change.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from models import LlamaConfig
+
+AXIS = "tp"
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output features split
+ROW = ("o_proj", "down_proj")  # input features split
+
+
+def check_tensor_parallel(config: LlamaConfig, tensor_parallel_size: int) -> None:
+    """Raises ValueError naming the limit when the model or the machine cannot split tp ways."""
+    tp = tensor_parallel_size
+    if tp < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+    if tp == 1:
+        return
+    devices = len(jax.devices())
+    if tp > devices:
+        raise ValueError(f"tensor_parallel_size ({tp}) exceeds the {devices} devices JAX sees")
+    for name, value in (("num_heads", config.num_heads),
+                        ("intermediate_size", config.intermediate_size)):
+        if value % tp:
+            raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's {name} "
+                             f"({value})")
+    k = config.num_kv_heads
+    if k % tp and tp % k:
+        raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's num_kv_heads "
+                         f"({k}) or be a multiple of it")
+
+
+def kv_head_repeats(num_kv_heads: int, tensor_parallel_size: int) -> int:
+    """How many copies of each KV head the cache holds: TP / K past K devices, else 1."""
+    return max(1, tensor_parallel_size // num_kv_heads)
+
+
+def make_mesh(tensor_parallel_size: int) -> Mesh:
+    return Mesh(np.array(jax.devices()[:tensor_parallel_size]), (AXIS,))
+
+
+def weight_spec(path: tuple, leaf, vocab_size: int, tp: int) -> P:
+    """The PartitionSpec of one weight, from its path in the serving form's pytree."""
+    names = [str(getattr(key, "key", getattr(key, "name", key))) for key in path]
+    ndim = len(leaf.shape)
+    module = next((n for n in reversed(names) if n.endswith("_proj") or n == "lm_head"), None)
+    parameter = names[-1] if names[-1] != "value" else names[-2]
+    if module in COLUMN or (module == "lm_head" and vocab_size % tp == 0):
+        return P(*([None] * (ndim - 1)), AXIS)  # kernel [.., D, out] and bias [.., out]
+    if module in ROW and parameter == "kernel":
+        return P(*([None] * (ndim - 2)), AXIS, None)  # kernel [.., in, D]
+    return P()  # norms, embedding, row-parallel biases
+
+
+def shard_weights(weights, mesh: Mesh, vocab_size: int):
+    """The weights placed on the mesh by weight_spec."""
+    tp = mesh.shape[AXIS]
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: jax.device_put(
+            leaf, NamedSharding(mesh, weight_spec(path, leaf, vocab_size, tp))), weights)
+
+
+def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
+    """[2, K, L*NB, S, Hc] (and a quantized cache's scales [2, K, L*NB, Ss]): over K."""
+    return NamedSharding(mesh, P(None, AXIS))
