@@ -72,6 +72,7 @@ bench: $(TEST_STAMP)
 	$(PY) benchmarks/host_path.py
 	$(PY) benchmarks/gpu_compile.py
 	$(PY) benchmarks/tpu_schedule.py
+	$(PY) benchmarks/tpu_tensor_parallel.py
 
 # The GPU device script rehearsed without a GPU: its programs compiled by XLA for an H200.
 bench-gpu-image: $(GPU_IMAGE_STAMP)

@@ -145,6 +145,9 @@ CONFIGS: dict[str, LlamaConfig] = {
     "llama-3-8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                               num_layers=32, num_heads=32, num_kv_heads=8,
                               rope_theta=500000.0, max_position_embeddings=8192),
+    "llama-3-70b": LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                               num_layers=80, num_heads=64, num_kv_heads=8,
+                               rope_theta=500000.0, max_position_embeddings=8192),
 }
 
 

@@ -71,7 +71,7 @@ def _repeat_kv_heads(model: LlamaForCausalLM, states: tuple, repeats: int):
     j // repeats of the model)."""
     config = model.config
     wide = dataclasses.replace(config, num_kv_heads=config.num_kv_heads * repeats)
-    param_dtype = model.embed_tokens.embedding[...].dtype
+    param_dtype = jax.tree.leaves(nnx.state(model.embed_tokens))[0].dtype  # abstract too
     layer_def, _ = nnx.split(nnx.eval_shape(lambda: DecoderLayer(
         wide, rngs=nnx.Rngs(0), dtype=model.dtype, param_dtype=param_dtype)))
 

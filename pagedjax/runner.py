@@ -7,6 +7,7 @@ import time
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from models import LlamaForCausalLM, ServingGraph, ServingWeights, serving_form
@@ -55,6 +56,9 @@ def step_fn(graph: ServingGraph, backend: AttentionBackend, num_top_logprobs: in
     hidden, kv_cache = serving.forward_paged(graph, params, kv_cache, plan.token_ids,
                                              plan.positions, metadata, backend)
     logits = serving.logits(graph, params, hidden[plan.logits_indices])  # f32[B, V]
+    if backend.mesh is not None:  # vocab-split: one all-gather, then each device samples whole
+        # rows (left to XLA, the sampler's sorts re-partitioned the rows with all-to-alls)
+        logits = jax.lax.with_sharding_constraint(logits, NamedSharding(backend.mesh, P()))
     sampled = sample(logits, plan.temperature, plan.top_k, plan.top_p, plan.seeds, plan.kv_lens,
                      num_top_logprobs)
     return sampled, kv_cache

@@ -51,6 +51,55 @@ def compile_for_topology(build, topology: str) -> dict:
     return {"device_kind": device.device_kind, "arg_copies": whole_copies(hlo, args)}
 
 
+def compile_sharded_for_topology(build, topology: str) -> dict:
+    """Compiles `fn(*args)` from build(devices) -> (fn, abstract args carrying shardings over
+    those devices), for every chip of `topology` as one program; returns per-device memory
+    from XLA's memory analysis (arguments, outputs, aliased, temporaries) and the collectives
+    XLA inserted (count and bytes of each kind's results)."""
+    import jax
+    from jax.experimental import topologies
+
+    devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
+    fn, args = build(devices)
+    with jax.default_device(devices[0]):
+        compiled = fn.trace(*args).lower().compile()
+    memory = compiled.memory_analysis()
+    hlo = compiled.as_text()
+    # One device's program: its arguments are the shards.
+    local = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.sharding.shard_shape(a.shape),
+                                                        a.dtype), args)
+    return {"device_kind": devices[0].device_kind, "devices": len(devices),
+            "arg_copies": whole_copies(hlo, local),
+            "argument_gib": memory.argument_size_in_bytes / 2**30,
+            "output_gib": memory.output_size_in_bytes / 2**30,
+            "alias_gib": memory.alias_size_in_bytes / 2**30,
+            "temp_gib": memory.temp_size_in_bytes / 2**30,
+            "collectives": collectives(hlo)}
+
+
+def collectives(hlo: str) -> dict:
+    """{op: [count, MiB of their results]} of the collectives in an optimized HLO text (a
+    while loop's body counted once: under a scan over layers, multiply by the layers)."""
+    import re
+
+    import numpy as np
+
+    found: dict[str, list] = {}
+    for m in re.finditer(r"= \(?((?:[a-z0-9]+\[[0-9,]*\][^ ]*,? ?)+)\)? "
+                         r"(all-reduce|all-gather|reduce-scatter|all-to-all|"
+                         r"collective-permute)(?:-start)?\(", hlo):
+        shapes, op = m.group(1), m.group(2)
+        size = 0
+        for dtype, dims in re.findall(r"([a-z0-9]+)\[([0-9,]*)\]", shapes):
+            width = re.match(r"[a-z]+(\d+)", dtype)  # f32, bf16, s8, f8e4m3fn; pred: 8
+            bits = int(width.group(1)) if width else 8
+            size += int(np.prod([int(d) for d in dims.split(",") if d])) * bits // 8
+        entry = found.setdefault(op, [0, 0.0])
+        entry[0] += 1
+        entry[1] += size / 2**20
+    return {op: [count, round(float(mib), 3)] for op, (count, mib) in found.items()}
+
+
 HLO_TYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "int8": "s8",
              "int32": "s32", "uint32": "u32", "float8_e4m3fn": "f8e4m3fn", "bool": "pred"}
 
@@ -139,8 +188,12 @@ def main() -> None:
         try:
             module = importlib.import_module(case["module"])
             build = getattr(module, case["function"])
-            result.update(ok=True, **compile_for_topology(lambda: build(case["name"]),
-                                                          args.topology))
+            if case.get("sharded"):
+                result.update(ok=True, **compile_sharded_for_topology(
+                    lambda devices: build(case["name"], devices), args.topology))
+            else:
+                result.update(ok=True, **compile_for_topology(lambda: build(case["name"]),
+                                                              args.topology))
         except Exception as e:  # every case reports, the run goes on
             result.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
         result["seconds"] = round(time.perf_counter() - start, 2)

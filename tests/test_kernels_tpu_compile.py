@@ -59,40 +59,63 @@ LARGE = {
 
 # The engine's whole jitted step, tpu backend: on v5e only, like LARGE (10 s a topology).
 STEPS = ["step-prefill", "step-decode", "step-prefill-int8", "step-decode-int8"]
+# The same split over the 4 chips of a v5e 2x2 by tensor parallelism (4 > the 2 KV heads, so
+# each head is repeated twice): one program for all chips (tpu_aot's sharded cases).
+SHARDED_STEPS = ["step-prefill-tp4", "step-decode-int8-tp4"]
 
 
-def build_step(name):
+def build_step(name, devices=None):
     """The runner's step program (model, KV writes, attention, sampler) at a bucket shape:
-    "prefill" or "decode", and "-int8" for a quantized cache."""
+    "prefill" or "decode", and "-int8" for a quantized cache; with devices, split over them
+    (pagedjax.sharding), the tensors' shardings in the abstract arguments."""
     import jax
     import numpy as np
     from flax import nnx
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from models import LlamaConfig, LlamaForCausalLM, serving_form
+    from pagedjax import sharding
     from pagedjax.runner import padding_plan, step_fn
     from pallas_kernels import AttentionBackend, init_kv_cache
 
-    kind, _, dtype = name.partition("-")
+    kind, _, dtype = name.removesuffix("-tp4").partition("-")
 
     config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=128)
+    tp = 1 if devices is None else len(devices)
+    repeats = sharding.kv_head_repeats(config.num_kv_heads, tp)
     graph, params = serving_form(nnx.eval_shape(lambda: LlamaForCausalLM(config,
-                                                                         rngs=nnx.Rngs(0))))
+                                                                         rngs=nnx.Rngs(0))),
+                                 kv_head_repeats=repeats)
     # A pool of 64 MiB a layer: XLA may place a small one in VMEM, away from what a real
     # pool meets.
     caches = jax.eval_shape(lambda: init_kv_cache(config.num_layers, 4096, 16,
-                                                  config.num_kv_heads, config.head_dim,
-                                                  dtype or jnp.bfloat16, "tpu"))
+                                                  config.num_kv_heads * repeats,
+                                                  config.head_dim, dtype or jnp.bfloat16,
+                                                  "tpu"))
     num_tokens = 64 if kind == "prefill" else 8
     plan = padding_plan(kind, num_tokens, 8, max_blocks_per_seq=8)
     plan = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), plan)
+    backend = AttentionBackend("tpu")
+    if devices is not None:
+        mesh = Mesh(np.array(devices), (sharding.AXIS,))
+        backend = AttentionBackend("tpu", mesh=mesh)
+        params = jax.tree_util.tree_map_with_path(lambda path, a: jax.ShapeDtypeStruct(
+            a.shape, a.dtype, sharding=NamedSharding(
+                mesh, sharding.weight_spec(path, a, config.vocab_size, tp))), params)
+        caches = jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+            a.shape, a.dtype, sharding=sharding.kv_cache_sharding(mesh)), caches)
+        plan = jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+            a.shape, a.dtype, sharding=NamedSharding(mesh, P())), plan)
     # Donated, as the runner's step does (pagedjax.runner._step).
-    return (jax.jit(functools.partial(step_fn, graph, AttentionBackend("tpu"), 0),
-                    donate_argnums=(1,)), (params, caches, plan))
+    return (jax.jit(functools.partial(step_fn, graph, backend, 0), donate_argnums=(1,)),
+            (params, caches, plan))
 
 
-def build(name):
+def build(name, devices=None):
     """(fn, abstract args) of one case: what the child process compiles."""
+    if name in SHARDED_STEPS:
+        return build_step(name.removeprefix("step-"), devices)
     if name in STEPS:
         return build_step(name.removeprefix("step-"))
     if name in LARGE:
@@ -158,10 +181,11 @@ def compiled(tmp_path_factory):
 
 
 def compile_topology(topology: str, stem: pathlib.Path) -> dict:
-    names = [*CASES] + ([*STEPS, *LARGE] if topology == TOPOLOGIES[0] else [])
+    names = [*CASES] + ([*STEPS, *SHARDED_STEPS, *LARGE] if topology == TOPOLOGIES[0] else [])
     lines, stderr = tpu_aot.run_in_child(
-        [{"name": name, "module": "test_kernels_tpu_compile", "function": "build"}
-         for name in names], stem.with_suffix(".cases.json"), libtpu=LIBTPU,
+        [{"name": name, "module": "test_kernels_tpu_compile", "function": "build",
+          "sharded": name in SHARDED_STEPS} for name in names],
+        stem.with_suffix(".cases.json"), libtpu=LIBTPU,
         topology=topology, pythonpath=[ROOT / "tests", ROOT], cwd=ROOT)
     assert lines, stderr[-3000:]
     return {line["name"]: line for line in lines}
@@ -183,6 +207,20 @@ def test_engine_step_compiles_for_tpu_and_updates_the_cache_in_place(case, compi
     result = compiled(TOPOLOGIES[0])[case]
     assert result["ok"], result.get("error")
     assert result["arg_copies"] == {}, result["arg_copies"]
+
+
+@pytest.mark.parametrize("case", SHARDED_STEPS)
+def test_tensor_parallel_step_compiles_for_a_v5e_slice(case, compiled):
+    """Split over the 4 chips of a v5e 2x2: each chip's program updates its shard of the
+    cache in place (aliased, no copy), and XLA joins the row-parallel matmuls with
+    all-reduces (the o and down projections of the scanned layer)."""
+    result = compiled(TOPOLOGIES[0])[case]
+    assert result["ok"], result.get("error")
+    assert result["devices"] == 4
+    assert result["arg_copies"] == {}, result["arg_copies"]
+    assert result["collectives"]["all-reduce"][0] >= 2, result["collectives"]
+    shard_gib = 2 * 4096 * 16 * 2 * 128 * (1 if "int8" in case else 2) / 2**30  # 1 head each
+    assert result["alias_gib"] >= shard_gib
 
 
 @pytest.mark.parametrize("case", LARGE)

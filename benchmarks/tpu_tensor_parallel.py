@@ -1,0 +1,148 @@
+"""The engine's tensor-parallel step compiled by libtpu for TPU slices, on a machine without
+TPUs: per-device memory and the collectives XLA inserted.
+
+Each case is the runner's whole jitted step (pagedjax.runner.step_fn: model with its layers
+scanned, KV writes, the TPU attention kernels under shard_map, sampler), its weights placed by
+pagedjax.sharding's rules and its KV cache split over KV heads, all abstract (nothing is
+allocated), compiled as one program for every chip of the topology (pallas_kernels.tpu_aot).
+
+- weights_gib / kv_gib: what one device holds of the weights and of the KV pool (its shards);
+- argument / alias / temp: XLA's memory analysis of the compiled program, per device; the
+  donated pool is aliased to the output (alias ~ kv_gib: updated in place);
+- hbm_use: (arguments + temporaries) over the chip's HBM;
+- collectives: {op: [count, MiB of results]} in the optimized program; the scan's body is one
+  layer, counted once, so a step runs `layers` times its all-reduces.
+
+The pool: --kv-gib-per-device of KV on each chip (bf16), the rest of HBM left to weights and
+temporaries. Decode at 256 sequences and an 8k-token prefill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import tempfile
+
+from common import ROOT, write_results
+
+HBM_GIB = {"v5e": 16, "v6e": 32, "v5p": 95}
+# name: (model, topology, tensor parallel size)
+CASES = {
+    "llama-3-8b TP1 v5e-1": ("llama-3-8b", "v5e:2x2", 1),  # one chip of the 2x2
+    "llama-3-8b TP4 v5e-4": ("llama-3-8b", "v5e:2x2", 4),
+    "llama-3-8b TP8 v5e-8": ("llama-3-8b", "v5e:2x4", 8),
+    "llama-3-8b TP8 v6e-8": ("llama-3-8b", "v6e:2x4", 8),
+    "llama-3-70b TP16 v6e-16": ("llama-3-70b", "v6e:4x4", 16),
+}
+KINDS = {"decode": (256, 256), "prefill": (8192, 256)}  # (T, B)
+KV_GIB_PER_DEVICE = 4.0
+BLOCK_SIZE = 16
+
+
+def build(name: str, devices):
+    """(the jitted step, abstract sharded args) of a case name "<case>|<kind>"."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from models import CONFIGS, LlamaForCausalLM, serving_form
+    from pagedjax.runner import padding_plan, step_fn
+    from pagedjax.sharding import AXIS, kv_cache_sharding, kv_head_repeats, weight_spec
+    from pallas_kernels import AttentionBackend, init_kv_cache, kv_cache_bytes_per_block
+
+    case, kind = name.split("|")
+    model_name, _, tp = CASES[case]
+    config = CONFIGS[model_name]
+    mesh = Mesh(np.array(devices[:tp]), (AXIS,))
+    repeats = kv_head_repeats(config.num_kv_heads, tp)
+    graph, weights = serving_form(nnx.eval_shape(lambda: LlamaForCausalLM(
+        config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)),
+        kv_head_repeats=repeats)
+    weights = jax.tree_util.tree_map_with_path(lambda path, leaf: jax.ShapeDtypeStruct(
+        leaf.shape, leaf.dtype,
+        sharding=NamedSharding(mesh, weight_spec(path, leaf, config.vocab_size, tp))), weights)
+    kv_heads = config.num_kv_heads * repeats
+    per_block = kv_cache_bytes_per_block(config.num_layers, BLOCK_SIZE, kv_heads,
+                                         config.head_dim, jnp.bfloat16, "tpu")
+    num_blocks = int(KV_GIB_PER_DEVICE * 2**30 * tp // per_block)
+    cache = jax.eval_shape(lambda: init_kv_cache(config.num_layers, num_blocks, BLOCK_SIZE,
+                                                 kv_heads, config.head_dim, jnp.bfloat16,
+                                                 "tpu"))
+    cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                        sharding=kv_cache_sharding(mesh)), cache)
+    num_tokens, num_seqs = KINDS[kind]
+    plan = padding_plan(kind, num_tokens, num_seqs, max_blocks_per_seq=8192 // BLOCK_SIZE)
+    replicated = NamedSharding(mesh, P())
+    plan = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
+                                                       sharding=replicated), plan)
+    backend = AttentionBackend("tpu", mesh=mesh)
+    step = jax.jit(functools.partial(step_fn, graph, backend, 0), donate_argnums=(1,))
+    return step, (weights, cache, plan)
+
+
+def shard_gib(case: str) -> tuple[float, float]:
+    """(weights, KV) GiB one device holds, from the shapes and specs (no compile)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+    import jax.numpy as jnp
+
+    from models import CONFIGS, LlamaForCausalLM, serving_form
+    from pagedjax.sharding import kv_head_repeats, weight_spec
+
+    model_name, _, tp = CASES[case]
+    config = CONFIGS[model_name]
+    _, weights = serving_form(nnx.eval_shape(lambda: LlamaForCausalLM(
+        config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)),
+        kv_head_repeats=kv_head_repeats(config.num_kv_heads, tp))
+    total = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(weights):
+        split = tp if any(axis is not None for axis in weight_spec(
+            path, leaf, config.vocab_size, tp)) else 1
+        total += int(np.prod(leaf.shape)) * 2 // split
+    return total / 2**30, KV_GIB_PER_DEVICE
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--libtpu", default=str(ROOT.parent / ".venv" / "libtpu"))
+    parser.add_argument("--cases", default=",".join(CASES))
+    args = parser.parse_args()
+    from pallas_kernels import tpu_aot
+
+    rows = []
+    for case in args.cases.split(","):
+        topology = CASES[case][1]
+        with tempfile.TemporaryDirectory() as tmp:
+            lines, stderr = tpu_aot.run_in_child(
+                [{"name": f"{case}|{kind}", "module": "tpu_tensor_parallel", "function": "build",
+                  "sharded": True} for kind in KINDS],
+                os.path.join(tmp, "cases.json"), libtpu=args.libtpu, topology=topology,
+                pythonpath=[ROOT, ROOT.parent], cwd=ROOT.parent, timeout=3600)
+        weights_gib, kv_gib = shard_gib(case)
+        hbm = HBM_GIB[topology.split(":")[0]]
+        for line in lines:
+            row = {"case": case, "step": line["name"].split("|")[1], "ok": line["ok"],
+                   "weights_gib": round(weights_gib, 2), "kv_gib": kv_gib}
+            if line["ok"]:
+                row.update(argument_gib=round(line["argument_gib"], 2),
+                           alias_gib=round(line["alias_gib"], 2),
+                           temp_gib=round(line["temp_gib"], 2),
+                           hbm_use=round((line["argument_gib"] + line["temp_gib"]) / hbm, 3),
+                           collectives=line["collectives"], compile_s=line["seconds"])
+            else:
+                row["error"] = line["error"][:300]
+            rows.append(row)
+            print(row, flush=True)
+    write_results("tpu_tensor_parallel", "Tensor-parallel steps compiled for TPU slices "
+                  "(libtpu AOT, no TPU): per-device memory and collectives", rows,
+                  {"kv_gib_per_device": KV_GIB_PER_DEVICE, "block_size": BLOCK_SIZE,
+                   "steps": KINDS}, __doc__.split("\n\n", 1)[1],
+                  reproduce="`.venv/bin/python benchmarks/tpu_tensor_parallel.py`")
+
+
+if __name__ == "__main__":
+    main()
