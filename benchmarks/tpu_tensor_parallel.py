@@ -84,26 +84,12 @@ def build(name: str, devices):
 
 
 def shard_gib(case: str) -> tuple[float, float]:
-    """(weights, KV) GiB one device holds, from the shapes and specs (no compile)."""
-    import jax
-    import numpy as np
-    from flax import nnx
-    import jax.numpy as jnp
-
-    from models import CONFIGS, LlamaForCausalLM, serving_form
-    from pagedjax.sharding import kv_head_repeats, weight_spec
+    """(weights, KV) GiB one device holds (pagedjax capacity's formula, no compile)."""
+    from models import CONFIGS
+    from pagedjax.sharding import weight_bytes_per_device
 
     model_name, _, tp = CASES[case]
-    config = CONFIGS[model_name]
-    _, weights = serving_form(nnx.eval_shape(lambda: LlamaForCausalLM(
-        config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)),
-        kv_head_repeats=kv_head_repeats(config.num_kv_heads, tp))
-    total = 0
-    for path, leaf in jax.tree_util.tree_leaves_with_path(weights):
-        split = tp if any(axis is not None for axis in weight_spec(
-            path, leaf, config.vocab_size, tp)) else 1
-        total += int(np.prod(leaf.shape)) * 2 // split
-    return total / 2**30, KV_GIB_PER_DEVICE
+    return weight_bytes_per_device(CONFIGS[model_name], tp, 2) / 2**30, KV_GIB_PER_DEVICE
 
 
 def main() -> None:

@@ -19,7 +19,11 @@ def capacity(argv) -> None:
     parser = argparse.ArgumentParser(prog="pagedjax capacity", description=capacity.__doc__)
     parser.add_argument("--model", default="llama-3-8b", choices=sorted(CONFIGS))
     parser.add_argument("--kv-memory-gib", type=float, required=True,
-                        help="device memory given to the KV cache")
+                        help="memory given to the KV cache on each device")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="devices one replica's weights and KV heads are split over")
+    parser.add_argument("--data-parallel-size", type=int, default=1,
+                        help="replicas, each with its own pool (the totals multiply)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--context", type=int, default=4096,
@@ -27,21 +31,34 @@ def capacity(argv) -> None:
     args = parser.parse_args(argv)
     if args.kv_memory_gib <= 0 or args.block_size < 1 or args.context < 1:
         parser.error("--kv-memory-gib, --block-size and --context must be positive")
+    if args.tensor_parallel_size < 1 or args.data_parallel_size < 1:
+        parser.error("--tensor-parallel-size and --data-parallel-size must be >= 1")
+    from pagedjax.sharding import (check_tensor_parallel, kv_bytes_per_block_per_device,
+                                   weight_bytes_per_device)
+
     config = get_config(args.model)
+    tp, dp = args.tensor_parallel_size, args.data_parallel_size
+    try:
+        check_tensor_parallel(config, tp, check_devices=False)  # a plan for other machines
+    except ValueError as e:
+        parser.exit(1, f"pagedjax capacity: {e}\n")
     itemsize = 2 if args.dtype == "bfloat16" else 4
-    per_block = kv_cache_bytes_per_block(config.num_layers, args.block_size,
-                                         config.num_kv_heads, config.head_dim,
-                                         "float32" if itemsize == 4 else "float16")
+    kv_dtype = "float32" if itemsize == 4 else "float16"
+    per_block = kv_bytes_per_block_per_device(config, args.block_size, tp, kv_dtype)
     num_blocks = int(args.kv_memory_gib * 2**30) // per_block
     tokens = (num_blocks - 1) * args.block_size
     blocks_per_seq = -(-args.context // args.block_size)
     print(f"model {args.model}: L={config.num_layers} K={config.num_kv_heads} "
-          f"H={config.head_dim}, KV {args.dtype}")
-    print(f"  bytes per token      {config.kv_bytes_per_token(itemsize):,}")
-    print(f"  bytes per block      {per_block:,} (block size {args.block_size})")
-    print(f"  blocks in {args.kv_memory_gib:g} GiB   {num_blocks:,} (one is the null block)")
-    print(f"  tokens held          {tokens:,}")
-    print(f"  sequences of {args.context} tokens  {(num_blocks - 1) // blocks_per_seq:,}")
+          f"H={config.head_dim}, KV {args.dtype}, TP {tp} x DP {dp}")
+    print(f"  bytes per token      {config.kv_bytes_per_token(itemsize):,} (all devices)")
+    print(f"  weights per device   {weight_bytes_per_device(config, tp, itemsize) / 2**30:.2f} "
+          f"GiB")
+    print(f"  bytes per block      {per_block:,} a device (block size {args.block_size})")
+    print(f"  blocks in {args.kv_memory_gib:g} GiB   {num_blocks:,} a replica (one is the null "
+          "block)")
+    print(f"  tokens held          {tokens:,} a replica, {tokens * dp:,} in all")
+    print(f"  sequences of {args.context} tokens  {(num_blocks - 1) // blocks_per_seq:,} a "
+          f"replica, {(num_blocks - 1) // blocks_per_seq * dp:,} in all")
 
 
 def inspect(argv) -> None:

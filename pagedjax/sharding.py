@@ -28,14 +28,16 @@ COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output featur
 ROW = ("o_proj", "down_proj")  # input features split
 
 
-def check_tensor_parallel(config: LlamaConfig, tensor_parallel_size: int) -> None:
-    """Raises ValueError naming the limit when the model or the machine cannot split tp ways."""
+def check_tensor_parallel(config: LlamaConfig, tensor_parallel_size: int,
+                          check_devices: bool = True) -> None:
+    """Raises ValueError naming the limit when the model (or, check_devices, this machine)
+    cannot split tp ways."""
     tp = tensor_parallel_size
     if tp < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
     if tp == 1:
         return
-    devices = len(jax.devices())
+    devices = len(jax.devices()) if check_devices else tp
     if tp > devices:
         raise ValueError(f"tensor_parallel_size ({tp}) exceeds the {devices} devices JAX sees")
     for name, value in (("num_heads", config.num_heads),
@@ -82,3 +84,32 @@ def shard_weights(weights, mesh: Mesh, vocab_size: int):
 def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
     """[2, K, L*NB, S, Hc] (and a quantized cache's scales [2, K, L*NB, Ss]): over K."""
     return NamedSharding(mesh, P(None, AXIS))
+
+
+def weight_bytes_per_device(config: LlamaConfig, tensor_parallel_size: int,
+                            itemsize: int) -> int:
+    """Bytes of weights one device holds under weight_spec (from the shapes: nothing built)."""
+    from flax import nnx
+
+    from models import LlamaForCausalLM, serving_form
+
+    tp = tensor_parallel_size
+    model = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
+    _, weights = serving_form(model, kv_head_repeats=kv_head_repeats(config.num_kv_heads, tp))
+    total = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(weights):
+        split = any(axis is not None for axis in weight_spec(path, leaf, config.vocab_size, tp))
+        total += int(np.prod(leaf.shape)) * itemsize // (tp if split else 1)
+    return total
+
+
+def kv_bytes_per_block_per_device(config: LlamaConfig, block_size: int,
+                                  tensor_parallel_size: int, dtype,
+                                  backend: str = "reference") -> int:
+    """One block's bytes (all layers) on one device: its share of the (repeated) KV heads."""
+    from pallas_kernels import kv_cache_bytes_per_block
+
+    tp = tensor_parallel_size
+    heads = config.num_kv_heads * kv_head_repeats(config.num_kv_heads, tp)
+    return kv_cache_bytes_per_block(config.num_layers, block_size, heads, config.head_dim,
+                                    dtype, backend) // tp

@@ -35,6 +35,7 @@ def child() -> None:
 
     from models import get_config, init_model
     from pagedjax import LLM, SamplingParams
+    from pagedjax.sharding import kv_bytes_per_block_per_device, weight_bytes_per_device
 
     model = init_model(get_config("debug-tiny"), seed=0)
     rng = np.random.default_rng(0)
@@ -52,6 +53,12 @@ def child() -> None:
             array = variable.get_value() if hasattr(variable, "get_value") else variable
             return [list(s.data.shape) for s in array.addressable_shards]
 
+        def device0_bytes(tree):
+            return sum(s.data.nbytes for leaf in jax.tree.leaves(tree)
+                       for s in leaf.addressable_shards if s.device == jax.devices()[0])
+
+        tp = fields["tensor_parallel_size"]
+
         report[name] = {
             "tokens": [o.output_token_ids for o in outputs],
             "preemptions": stats.num_preemptions, "prefix_hits": stats.num_prefix_hit_tokens,
@@ -62,6 +69,12 @@ def child() -> None:
             "down_proj": shard_shapes(layers["mlp"]["down_proj"]["kernel"]),
             "lm_head": shard_shapes(runner.params.lm_head["kernel"]),
             "kv_cache": shard_shapes(runner.kv_cache),
+            # what one device holds, against `pagedjax capacity`'s formulas
+            "weights_bytes": device0_bytes(runner.params),
+            "capacity_weights_bytes": weight_bytes_per_device(model.config, tp, 4),
+            "kv_bytes": device0_bytes(runner.kv_cache),
+            "capacity_kv_bytes": BASE["num_blocks"] * kv_bytes_per_block_per_device(
+                model.config, BASE["block_size"], tp, np.float32),
         }
     errors = {}
     for tp in (3, 16):
@@ -110,6 +123,15 @@ def test_weights_and_cache_are_split_not_replicated(report):
         # devices each head is repeated twice and each device still holds 1 (vLLM's rule).
         assert all(s[1] == 1 for s in run["kv_cache"]) and len(run["kv_cache"]) == tp
         assert all(s[-1] * tp == max(2, tp) // 2 * one["k_proj"][0][-1] for s in run["k_proj"])
+
+
+def test_capacity_formulas_match_what_each_device_holds(report):
+    for name in ("tp1", "tp2", "tp4"):
+        run = report[name]
+        assert run["weights_bytes"] == run["capacity_weights_bytes"], name
+        assert run["kv_bytes"] == run["capacity_kv_bytes"], name
+    assert report["tp2"]["kv_bytes"] * 2 == report["tp1"]["kv_bytes"]
+    assert report["tp4"]["kv_bytes"] == report["tp2"]["kv_bytes"]  # heads repeated past K
 
 
 def test_bad_tensor_parallel_sizes_name_the_limit(report):
