@@ -17,15 +17,19 @@ from pallas_kernels import AttentionBackend, AttentionMetadata, init_kv_cache
 CONFIG = get_config("debug-tiny")
 
 
-def paged_logits(model, kv_caches, token_ids, start, table, block_size):
-    """Runs one chunk [start, start + len) of a single sequence through the paged path."""
-    n = len(token_ids)
+def chunk_metadata(n, start, table, block_size):
+    """(positions, metadata) of one chunk [start, start + n) of a single sequence."""
     positions = np.arange(start, start + n, dtype=np.int32)
     slots = table[positions // block_size] * block_size + positions % block_size
-    metadata = AttentionMetadata(
+    return positions, AttentionMetadata(
         slot_mapping=jnp.asarray(slots, jnp.int32), block_tables=jnp.asarray(table[None]),
         kv_lens=jnp.array([start + n], jnp.int32), cu_q_lens=jnp.array([0, n], jnp.int32),
         num_seqs=jnp.int32(1), decode_only=False)
+
+
+def paged_logits(model, kv_caches, token_ids, start, table, block_size):
+    """Runs one chunk [start, start + len) of a single sequence through the paged path."""
+    positions, metadata = chunk_metadata(len(token_ids), start, table, block_size)
     hidden, kv_caches = model.forward_paged(kv_caches, jnp.asarray(token_ids, jnp.int32),
                                             jnp.asarray(positions), metadata)
     return model.logits(hidden), kv_caches
@@ -112,13 +116,7 @@ def test_bf16_paged_error_is_the_error_of_bf16_itself():
 
 def serving_logits(graph, weights, kv_cache, token_ids, start, table, block_size):
     """paged_logits on models.serving's form of the weights, jitted as the engine runs it."""
-    n = len(token_ids)
-    positions = np.arange(start, start + n, dtype=np.int32)
-    slots = table[positions // block_size] * block_size + positions % block_size
-    metadata = AttentionMetadata(
-        slot_mapping=jnp.asarray(slots, jnp.int32), block_tables=jnp.asarray(table[None]),
-        kv_lens=jnp.array([start + n], jnp.int32), cu_q_lens=jnp.array([0, n], jnp.int32),
-        num_seqs=jnp.int32(1), decode_only=False)
+    positions, metadata = chunk_metadata(len(token_ids), start, table, block_size)
 
     @jax.jit
     def run(weights, kv_cache, token_ids, positions, metadata):
