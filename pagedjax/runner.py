@@ -10,8 +10,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
-from models import LlamaForCausalLM, ServingGraph, ServingWeights, serving_form
-from models import serving
+from models import LlamaForCausalLM, ServingGraph, ServingWeights, serving, serving_form
 from pagedjax.sampler import sample
 from pallas_kernels import (AttentionBackend, AttentionMetadata, copy_blocks, gather_blocks,
                             init_kv_cache, layer_blocks, scatter_blocks)
