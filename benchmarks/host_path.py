@@ -26,6 +26,7 @@ from common import write_results
 
 import pagedjax.engine as engine_module
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
+from pagedjax.runner import PendingStep
 from models import get_config, init_model
 
 PHASES = ("schedule", "build_plan", "dispatch", "device", "fetch", "update", "total")
@@ -47,7 +48,7 @@ def instrument(engine: LLMEngine, times: dict) -> None:
     engine_module.build_plan = timed("build_plan", engine_module.build_plan)
     runner = engine.runner
 
-    def step(plan):
+    def dispatch(plan):
         program = runner.program(plan.kind, plan.padded_num_tokens, plan.padded_num_seqs,
                                  plan.block_tables.shape[1])
         start = time.perf_counter()
@@ -60,9 +61,9 @@ def instrument(engine: LLMEngine, times: dict) -> None:
         times["dispatch"][-1] += dispatched - start
         times["device"][-1] += ready - dispatched
         times["fetch"][-1] += time.perf_counter() - ready
-        return out
+        return PendingStep(out, num_seqs)  # fetch() has nothing left to wait for
 
-    runner.step = step
+    runner.dispatch = dispatch
 
 
 def measure(num_seqs: int, final_only: bool, *, steps: int, prompt_len: int, model) -> dict:

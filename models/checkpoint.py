@@ -68,9 +68,11 @@ def read_checkpoint_config(directory: str) -> tuple[LlamaConfig, dict[str, Any]]
     return LlamaConfig.from_dict(record["model_config"]), record
 
 
-def load_checkpoint(directory: str, dtype=jnp.float32, param_dtype=None) -> LlamaForCausalLM:
-    """The model saved by save_checkpoint. dtype is the activation dtype; param_dtype defaults to
-    the dtype the parameters were saved in."""
+def checked_checkpoint(directory: str, dtype=jnp.float32, param_dtype=None):
+    """(abstract model, the dtype the parameters were saved in, restore): restore(targets)
+    restores {model path: jax.ShapeDtypeStruct, sharding included} (a path per parameter, as
+    nnx.to_pure_dict's keys: ("layers", 0, "mlp", "up_proj", "kernel")) into {path: array},
+    each array read into its sharding. Nothing is read before restore."""
     import orbax.checkpoint as ocp
 
     directory = os.path.abspath(directory)
@@ -80,15 +82,39 @@ def load_checkpoint(directory: str, dtype=jnp.float32, param_dtype=None) -> Llam
     abstract = nnx.eval_shape(lambda: LlamaForCausalLM(
         config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype))
     params = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, saved_dtype), params)
     params_path = os.path.join(directory, PARAMS_DIR)
     if not os.path.isdir(params_path):
         raise ValueError(f"{directory}: parameter directory {PARAMS_DIR}/ is missing")
-    try:
-        restored = ocp.StandardCheckpointer().restore(params_path, target)
-    except Exception as e:  # orbax raises several types for a tree/shape mismatch or bad files
-        raise ValueError(f"{params_path}: cannot restore parameters for {config}: {e}") from e
-    restored = jax.tree.map(lambda x: jnp.asarray(x, param_dtype), restored)
+
+    def path_of(path):
+        return tuple(getattr(k, "key", k) for k in path)
+
+    def restore(targets: dict) -> dict:
+        target = jax.tree_util.tree_map_with_path(lambda p, _: targets[path_of(p)], params)
+        try:
+            restored = ocp.StandardCheckpointer().restore(params_path, target)
+        except Exception as e:  # orbax raises several types for a mismatch or bad files
+            raise ValueError(f"{params_path}: cannot restore parameters for {config}: "
+                             f"{e}") from e
+        return {path_of(p): x for p, x in jax.tree_util.tree_leaves_with_path(restored)}
+
+    return abstract, saved_dtype, restore
+
+
+def load_checkpoint(directory: str, dtype=jnp.float32, param_dtype=None) -> LlamaForCausalLM:
+    """The model saved by save_checkpoint, on jax.devices()[0]. dtype is the activation dtype;
+    param_dtype defaults to the dtype the parameters were saved in. (models.placed_weights
+    reads it straight into an engine's shardings.)"""
+    abstract, saved_dtype, restore = checked_checkpoint(directory, dtype, param_dtype)
+    param_dtype = jax.tree.leaves(nnx.state(abstract.embed_tokens))[0].dtype
+    params = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    targets = {tuple(getattr(k, "key", k) for k in p): jax.ShapeDtypeStruct(
+        x.shape, saved_dtype, sharding=device) for p, x in jax.tree_util.tree_leaves_with_path(params)}
+    flat = restore(targets)
+    restored = jax.tree_util.tree_map_with_path(
+        lambda p, _: jnp.asarray(flat[tuple(getattr(k, "key", k) for k in p)], param_dtype),
+        params)
     param_state = nnx.state(abstract, nnx.Param)
     nnx.replace_by_pure_dict(param_state, restored)
     nnx.update(abstract, param_state)

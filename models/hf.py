@@ -247,10 +247,10 @@ def _header(path: str) -> dict[str, tuple[tuple[int, ...], str]]:
         raise ValueError(f"cannot read weight file {path}: {e}") from None
 
 
-def load_hf_model(model_dir: str, dtype: str = "float32") -> LlamaForCausalLM:
-    """The model in a Hugging Face directory, parameters and activations in dtype."""
-    from safetensors import SafetensorError, safe_open
-
+def checked_hf_weights(model_dir: str, dtype: str = "float32"):
+    """(abstract model in dtype, [((HF name, transposed), shape) for each of its parameters in
+    tree order, with the tree's treedef], name -> safetensors file), once every file's header
+    was checked against the config (names, shapes): nothing read yet."""
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
     config = read_hf_config(model_dir)
@@ -281,7 +281,16 @@ def load_hf_model(model_dir: str, dtype: str = "float32") -> LlamaForCausalLM:
         if stored != tuple(expected):
             raise ValueError(f"{model_dir}: weight {name} has shape {stored}, the config "
                              f"implies {tuple(expected)}")
+    return abstract, (wanted, treedef), files
 
+
+def load_hf_model(model_dir: str, dtype: str = "float32") -> LlamaForCausalLM:
+    """The model in a Hugging Face directory, parameters and activations in dtype (on
+    jax.devices()[0]; models.placed_weights reads it straight into an engine's shardings)."""
+    from safetensors import SafetensorError, safe_open
+
+    abstract, (wanted, treedef), files = checked_hf_weights(model_dir, dtype)
+    jdtype = jnp.dtype(dtype)
     np_dtype = np.dtype(jdtype)
     device = jax.devices()[0]
     arrays: list[Any] = [None] * len(wanted)

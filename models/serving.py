@@ -75,12 +75,10 @@ def _repeat_kv_heads(model: LlamaForCausalLM, states: tuple, repeats: int):
     layer_def, _ = nnx.split(nnx.eval_shape(lambda: DecoderLayer(
         wide, rngs=nnx.Rngs(0), dtype=model.dtype, param_dtype=param_dtype)))
 
-    def repeat(x):  # [..., K * H] -> [..., K * repeats * H]
-        shape = x.shape[:-1] + (config.num_kv_heads, config.head_dim)
+    def repeat(x):
         if isinstance(x, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(x.shape[:-1] + (x.shape[-1] * repeats,), x.dtype)
-        return jnp.repeat(x.reshape(shape), repeats, axis=-2).reshape(
-            x.shape[:-1] + (-1,))
+        return repeat_kv_columns(x, config.num_kv_heads, repeats)
 
     def widen(state):
         state = jax.tree.map(lambda x: x, state)  # a copy of the mapping to edit
@@ -92,6 +90,14 @@ def _repeat_kv_heads(model: LlamaForCausalLM, states: tuple, repeats: int):
         return state
 
     return layer_def, tuple(widen(state) for state in states)
+
+
+def repeat_kv_columns(x: jax.Array, num_kv_heads: int, repeats: int) -> jax.Array:
+    """[..., K * H] -> [..., K * repeats * H]: each KV head's columns `repeats` times in place."""
+    if repeats == 1:
+        return x
+    shape = x.shape[:-1] + (num_kv_heads, x.shape[-1] // num_kv_heads)
+    return jnp.repeat(x.reshape(shape), repeats, axis=-2).reshape(x.shape[:-1] + (-1,))
 
 
 def _stack(*leaves):

@@ -147,8 +147,8 @@ def check_spec(engine: "LLMEngine", spec: PromptSpec) -> Admission:
             raise RequestError("request_id", f"request_id {spec.request_id!r} is already in use")
         sample_ids = ([spec.request_id] if params.num_samples == 1 else
                       [f"{spec.request_id}#{i}" for i in range(params.num_samples)])
-    check_admission(engine.scheduler.state, params.num_samples, len(ids), params.max_tokens,
-                    sample_ids)
+    for state in engine.scheduler_states():  # a data-parallel engine: every replica's ids
+        check_admission(state, params.num_samples, len(ids), params.max_tokens, sample_ids)
     return Admission(spec, ids, spec.request_id)
 
 

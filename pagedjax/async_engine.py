@@ -26,7 +26,7 @@ from typing import AsyncIterator, Callable, Sequence
 from pagedjax.admission import Admission, PromptSpec
 from pagedjax.engine import LLMEngine
 from pagedjax.outputs import RequestOutput
-from scheduler import Request, RequestStatus, SamplingParams
+from scheduler import Request, SamplingParams
 
 logger = logging.getLogger("pagedjax.engine")
 
@@ -57,8 +57,9 @@ class StepInfo:
     num_running: int
     num_waiting: int
     num_swapped: int
-    kv_usage: float  # used / usable blocks
+    kv_usage: float  # used / usable blocks (over all replicas)
     outstanding_tokens: int
+    replicas: tuple = ()  # metrics.ReplicaLoad of each engine replica (data parallelism)
 
 
 def remaining_tokens(samples: Sequence[Request]) -> int:
@@ -296,12 +297,12 @@ class AsyncLLMEngine:
     def _report(self, outputs: list[RequestOutput], step_time: float | None) -> None:
         if self.on_step is None:
             return
-        state = self.engine.scheduler.state
-        kv = state.kv_manager
+        replicas = tuple(self.engine.load())
         self.on_step(StepInfo(
-            outputs, step_time, len(state.running), len(state.waiting),
-            sum(r.status is RequestStatus.SWAPPED for r in state.waiting),
-            kv.num_used_blocks / max(1, kv.pool.num_usable_blocks), self._outstanding_tokens()))
+            outputs, step_time, sum(r.num_running for r in replicas),
+            sum(r.num_waiting for r in replicas), sum(r.num_swapped for r in replicas),
+            sum(r.used_blocks for r in replicas) / max(1, sum(r.usable_blocks for r in replicas)),
+            self._outstanding_tokens(), replicas))
 
     def _dead_reason(self) -> str:
         if self.error is not None:

@@ -132,6 +132,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int)
     group.add_argument("--tensor-parallel-size", type=int,
                        help="split the model over this many local devices (default 1)")
+    group.add_argument("--data-parallel-size", type=int,
+                       help="replicas of the (tensor-parallel) model on disjoint devices, each "
+                       "with its own KV pool and scheduler, behind one server (default 1)")
     group.add_argument("--step-programs", choices=["split", "ragged"],
                        help="decode programs beside the ragged ones (split, the default), or "
                        "every step on the ragged programs (ragged: half the programs)")
@@ -148,7 +151,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "max_model_len", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
         "policy", "dtype", "kv_cache_dtype", "attention_backend", "preemption_mode",
         "max_logprobs", "seed", "compilation_cache", "prefill_seqs",
-        "step_programs", "tensor_parallel_size") if getattr(args, name) is not None}
+        "step_programs", "tensor_parallel_size", "data_parallel_size")
+        if getattr(args, name) is not None}
     if args.kv_cache_memory_gib is not None:
         kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_memory_gib * 2**30)
     if args.swap_space_gib is not None:

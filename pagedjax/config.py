@@ -62,10 +62,16 @@ class EngineConfig:
     # Tensor parallelism over this many local devices (pagedjax.sharding): weights Megatron-
     # style, the KV cache over KV heads; 1 runs on jax.devices()[0].
     tensor_parallel_size: int = 1
+    # Replicas of the model on disjoint groups of tensor_parallel_size devices, each with its
+    # own KV pool and scheduler, behind one engine (pagedjax.data_parallel): requests placed by
+    # the router's prefix-affinity rule. The pool size (num_blocks, kv_cache_memory_bytes) is
+    # each replica's.
+    data_parallel_size: int = 1
 
     def __post_init__(self):
         for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                     "min_token_bucket", "min_seq_bucket", "tensor_parallel_size"):
+                     "min_token_bucket", "min_seq_bucket", "tensor_parallel_size",
+                     "data_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

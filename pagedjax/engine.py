@@ -7,13 +7,14 @@ import dataclasses
 import time
 from typing import Callable, Sequence
 
+import jax
 import numpy as np
 
 from models import LlamaForCausalLM
 from pagedjax.admission import Admission, PromptSpec, check_specs
 from pagedjax.compile_cache import enable_compilation_cache
 from pagedjax.config import EngineConfig
-from pagedjax.metrics import EngineStats
+from pagedjax.metrics import EngineStats, ReplicaLoad
 from pagedjax.outputs import RequestOutput
 from pagedjax.runner import ModelRunner
 from pagedjax.sharding import check_tensor_parallel, kv_head_repeats, make_mesh
@@ -97,12 +98,27 @@ class UsageSample:
     num_waiting: int
 
 
+@dataclasses.dataclass
+class _Started:
+    """A step begin_step dispatched: its schedule, when it began, the device step in flight
+    (or the error that stopped it before the device)."""
+
+    output: object
+    start: float
+    pending: object
+    error: Exception | None = None
+
+
 class LLMEngine:
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig | None = None, *,
-                 tokenizer=None, clock: Callable[[], float] = time.perf_counter):
+                 tokenizer=None, clock: Callable[[], float] = time.perf_counter,
+                 devices: Sequence | None = None, seed_rng: np.random.Generator | None = None):
         """tokenizer (optional: a pagedjax.tokenizer.Tokenizer or ByteTokenizer) adds text to
         the outputs and enables stop strings. (Its vocabulary may exceed the model's, as some
-        checkpoints' added tokens do: prompt ids are checked against the model's vocab_size.)"""
+        checkpoints' added tokens do: prompt ids are checked against the model's vocab_size.)
+        devices: where the model runs, its first tensor_parallel_size (default jax.devices();
+        a data-parallel engine gives each replica its own group). seed_rng draws the seeds of
+        requests that give none (default: seeded by config.seed)."""
         config = config or EngineConfig()
         model_config = model.config
         if config.max_model_len > model_config.max_position_embeddings:
@@ -113,11 +129,19 @@ class LLMEngine:
         self.compilation_cache_dir = enable_compilation_cache(config.compilation_cache)
         self.tokenizer = tokenizer
         self.clock = clock
+        if config.data_parallel_size > 1:
+            raise ValueError(f"data_parallel_size ({config.data_parallel_size}) needs "
+                             f"pagedjax.data_parallel.make_engine (one LLMEngine a replica)")
         check_tensor_parallel(model_config, config.tensor_parallel_size)
+        devices = jax.devices() if devices is None else list(devices)
+        if len(devices) < config.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size ({config.tensor_parallel_size}) exceeds "
+                             f"the {len(devices)} devices given")
+        self.devices = devices[:config.tensor_parallel_size]
         self.backend = resolve_backend(config.attention_backend, config.attention_interpret)
         if config.tensor_parallel_size > 1:
-            self.backend = dataclasses.replace(self.backend,
-                                               mesh=make_mesh(config.tensor_parallel_size))
+            self.backend = dataclasses.replace(
+                self.backend, mesh=make_mesh(config.tensor_parallel_size, self.devices))
         kv_heads = model_config.num_kv_heads * kv_head_repeats(model_config.num_kv_heads,
                                                                config.tensor_parallel_size)
         if self.backend.gpu_layout and config.block_size & (config.block_size - 1):
@@ -139,11 +163,11 @@ class LLMEngine:
                                   block_size=config.block_size, dtype=config.kv_np_dtype,
                                   backend=self.backend,
                                   num_top_logprobs=config.max_logprobs,
-                                  scan_layers=config.scan_layers)
+                                  scan_layers=config.scan_layers, device=self.devices[0])
         self.stats = EngineStats(num_blocks=self.num_blocks - 1, block_size=config.block_size)
         # The swap space: host arrays like the device cache, num_host_blocks a layer.
         self.host_pool = self.runner.init_host_pool(num_host_blocks)
-        self._seed_rng = np.random.default_rng(config.seed)
+        self._seed_rng = np.random.default_rng(config.seed) if seed_rng is None else seed_rng
         self._next_id = 0
         self._groups: dict[str, list[Request]] = {}  # request_id -> its samples, until finished
         self._texts: dict[str, _TextState] = {}  # sample request_id -> its text, with a tokenizer
@@ -167,6 +191,10 @@ class LLMEngine:
         admissions = check_specs(self, specs)
         if admit is not None:
             admit(admissions)
+        return self.queue_admitted(admissions)
+
+    def queue_admitted(self, admissions: Sequence[Admission]) -> list[str]:
+        """Builds and queues requests check_specs passed (and returns their ids)."""
         taken = {a.request_id for a in admissions}
         requests = [self._build(a, taken) for a in admissions]
         for request, admission in zip(requests, admissions):
@@ -174,6 +202,10 @@ class LLMEngine:
             if admission.spec.prompt_text is not None:
                 self._prompts[request.parent_id] = admission.spec.prompt_text
         return [r.parent_id for r in requests]
+
+    def scheduler_states(self) -> list:
+        """The scheduler state of each replica (one here) admission checks a request against."""
+        return [self.scheduler.state]
 
     def add_request(self, prompt_token_ids: Sequence[int],
                     sampling_params: SamplingParams | None = None,
@@ -243,6 +275,14 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def load(self) -> list[ReplicaLoad]:
+        """The queue and the KV pool now, one entry (a data-parallel engine: one a replica)."""
+        state = self.scheduler.state
+        kv = state.kv_manager
+        return [ReplicaLoad(len(state.running), len(state.waiting),
+                            sum(r.status is RequestStatus.SWAPPED for r in state.waiting),
+                            kv.num_used_blocks, kv.pool.num_usable_blocks)]
+
     # ---- the step ----------------------------------------------------------------------------
 
     def step(self, final_only: bool = False) -> list[RequestOutput]:
@@ -254,23 +294,42 @@ class LLMEngine:
         A request whose part of the step fails (its plan rows, its detokenization) is dropped
         alone: it finishes with finish_reason "error" and its error, its blocks are freed, and
         the others go on. Only a failure that loses the KV cache itself is raised."""
+        return self.finish_step(self.begin_step(), final_only)
+
+    def begin_step(self) -> "_Started | None":
+        """The first half of step(): schedules and dispatches the device step without waiting
+        for it (a data-parallel engine starts every replica's before finishing any). None when
+        nothing was scheduled."""
         output = self.scheduler.schedule(self.clock())
         if not output.scheduled:
             if self.has_unfinished():
                 raise RuntimeError("scheduler made no progress with requests pending")
-            return []
+            return None
         self.last_schedule = output  # what the step ran (profiling reads its shape)
         start = time.perf_counter()
         self.runner.swap(output.swap_out, output.swap_in, self.host_pool)
         try:
             plan = build_plan(output, self.scheduler.kv_manager, self.buckets)
-            sampled_ids, logprobs, top_ids, top_logprobs = self.runner.step(plan)
+            return _Started(output, start, self.runner.dispatch(plan))
+        except Exception as error:  # noqa: BLE001 - isolated in finish_step, or re-raised
+            return _Started(output, start, None, error)
+
+    def finish_step(self, started: "_Started | None",
+                    final_only: bool = False) -> list[RequestOutput]:
+        """The second half of step(): waits for the device step begin_step started and
+        advances its requests."""
+        if started is None:
+            return []
+        output = started.output
+        try:
+            if started.error is not None:
+                raise started.error
+            results = self.runner.fetch(started.pending)
         except Exception as error:  # noqa: BLE001 - isolated below, or re-raised
             return self._recover(output, error)
-        self.stats.step_time_s += time.perf_counter() - start
+        self.stats.step_time_s += time.perf_counter() - started.start
         advanced: list[Request] = []
-        outputs = self._postprocess(output, (sampled_ids, logprobs, top_ids, top_logprobs),
-                                    advanced, final_only)
+        outputs = self._postprocess(output, results, advanced, final_only)
         self._record(output, advanced)
         return outputs
 

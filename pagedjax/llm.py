@@ -9,10 +9,11 @@ import jax.numpy as jnp
 from tqdm.auto import tqdm
 
 from models import CONFIGS, DEFAULT_CHECKPOINT, LlamaForCausalLM, get_config, init_model
+from models.placed_weights import LazyModel
 from pagedjax.admission import PromptSpec, encode_text
 from pagedjax.beam_search import BeamSearchParams, BeamSequence, beam_search
 from pagedjax.config import EngineConfig
-from pagedjax.engine import LLMEngine
+from pagedjax.data_parallel import make_engine
 from pagedjax.outputs import RequestOutput
 from pagedjax.tokenizer import ByteTokenizer, Tokenizer
 from scheduler import RequestError, SamplingParams
@@ -27,8 +28,10 @@ def load_model(model: str | LlamaForCausalLM, seed: int = 0,
 
 
 def resolve_model(model: str | os.PathLike | LlamaForCausalLM, seed: int = 0,
-                  dtype: str = "float32"):
-    """(model, tokenizer or None) for what `model` names, by what it is:
+                  dtype: str = "float32", lazy: bool = False):
+    """(model, tokenizer or None) for what `model` names, by what it is (lazy: a checkpoint
+    comes back as a models.placed_weights.LazyModel, checked but not read, which an engine reads
+    straight into its devices' shardings):
 
     - a LlamaForCausalLM: used as is;
     - a directory with `pagedjax_config.json`: an orbax checkpoint from models.checkpoint (the
@@ -38,7 +41,7 @@ def resolve_model(model: str | os.PathLike | LlamaForCausalLM, seed: int = 0,
     - a name from models.CONFIGS: that config with seeded random weights (parameters in f32,
       activations in dtype), no tokenizer.
     """
-    if isinstance(model, LlamaForCausalLM):
+    if isinstance(model, (LlamaForCausalLM, LazyModel)):
         return model, None
     if not isinstance(model, (str, os.PathLike)):
         raise ValueError(f"model must be a model directory, a config name or a "
@@ -50,12 +53,19 @@ def resolve_model(model: str | os.PathLike | LlamaForCausalLM, seed: int = 0,
         has_tokenizer = os.path.isfile(os.path.join(path, "tokenizer.json"))
         tokenizer = Tokenizer.from_dir(path) if has_tokenizer else None
         if is_checkpoint(path):
-            loaded = load_checkpoint(path, dtype=compute_dtype)
+            if lazy:
+                from models.placed_weights import lazy_checkpoint
+                loaded = lazy_checkpoint(path, dtype=compute_dtype)
+            else:
+                loaded = load_checkpoint(path, dtype=compute_dtype)
             metadata = read_checkpoint_config(path)[1].get("metadata", {})
             if tokenizer is None and metadata.get("tokenizer") == "byte":
                 tokenizer = ByteTokenizer()
             return loaded, tokenizer
         if os.path.isfile(os.path.join(path, "config.json")):
+            if lazy:
+                from models.placed_weights import lazy_hf_model
+                return lazy_hf_model(path, dtype=dtype), tokenizer
             from models.hf import load_hf_model
             return load_hf_model(path, dtype=dtype), tokenizer
         raise ValueError(f"model directory {path} has neither pagedjax_config.json (an orbax "
@@ -89,9 +99,10 @@ class LLM:
     def __init__(self, model: str | os.PathLike | LlamaForCausalLM = DEFAULT_MODEL,
                  tokenizer: Any = None, **engine_kwargs):
         config = EngineConfig.from_kwargs(**engine_kwargs)
-        loaded, own_tokenizer = resolve_model(model, seed=config.seed, dtype=config.dtype)
+        loaded, own_tokenizer = resolve_model(model, seed=config.seed, dtype=config.dtype,
+                                              lazy=True)
         self.tokenizer = _load_tokenizer(tokenizer) or own_tokenizer
-        self.engine = LLMEngine(loaded, config, tokenizer=self.tokenizer)
+        self.engine = make_engine(loaded, config, tokenizer=self.tokenizer)
 
     def _token_ids(self, prompt) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):

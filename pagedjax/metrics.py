@@ -38,3 +38,18 @@ class EngineStats:
         """(allocated slots - held tokens) / allocated slots, at the block-usage peak."""
         allocated = self.peak_used_blocks * self.block_size
         return (allocated - self.peak_used_tokens) / allocated if allocated else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaLoad:
+    """One engine replica's queue and KV pool right now (a data-parallel engine has several)."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    used_blocks: int
+    usable_blocks: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.used_blocks / max(1, self.usable_blocks)

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from tqdm.auto import tqdm
 
 from models import LlamaForCausalLM, ServingGraph, ServingWeights, serving, serving_form
+from models.placed_weights import LazyModel
 from pagedjax.sampler import sample
 from pallas_kernels import (AttentionBackend, AttentionMetadata, copy_blocks, gather_blocks,
                             init_kv_cache, layer_blocks, scatter_blocks)
-from pagedjax.sharding import kv_cache_sharding, kv_head_repeats, shard_weights
+from pagedjax.sharding import kv_cache_sharding, kv_head_repeats, shard_weights, weight_sharding
 from pallas_kernels.attention import TP_AXIS
 from scheduler import ARRAY_FIELDS, DECODE, NULL_BLOCK, PREFILL, STATIC_FIELDS, BatchPlan
 
@@ -70,25 +72,34 @@ _step = jax.jit(step_fn, static_argnums=(0, 1, 2), donate_argnums=(4,))
 class ModelRunner:
     """Owns the model's parameters and the KV cache on device and runs steps from BatchPlans."""
 
-    def __init__(self, model: LlamaForCausalLM, *, num_blocks: int, block_size: int,
+    def __init__(self, model: LlamaForCausalLM | LazyModel, *, num_blocks: int, block_size: int,
                  dtype, backend: AttentionBackend = AttentionBackend(),
-                 num_top_logprobs: int = 0, scan_layers: bool = True):
-        """backend.mesh, when set, splits the model over its devices (pagedjax.sharding)."""
+                 num_top_logprobs: int = 0, scan_layers: bool = True,
+                 device: jax.Device | None = None):
+        """backend.mesh, when set, splits the model over its devices (pagedjax.sharding);
+        otherwise everything lives on device (jax.devices()[0] by default)."""
         config = model.config
         mesh = backend.mesh
         repeats = 1 if mesh is None else kv_head_repeats(config.num_kv_heads,
                                                          mesh.shape[TP_AXIS])
-        self.graph, params = serving_form(model, scan_layers, repeats)
+        lazy = isinstance(model, LazyModel)  # read from its checkpoint into place below
+        self.graph, params = serving_form(model.abstract if lazy else model, scan_layers,
+                                          repeats)
         self.num_blocks = num_blocks
         self.backend = backend
+        self.device = jax.devices()[0] if device is None else device
         self.num_top_logprobs = num_top_logprobs
         self._cache_spec = (config.num_layers, num_blocks, block_size,
                             config.num_kv_heads * repeats, config.head_dim, dtype, backend.name)
         # Parameters and caches committed to their devices, whatever their source (random init
         # is uncommitted, a checkpoint loader's device_put is committed): the step's outputs
         # are committed, so mixed inputs would compile every program a second time.
-        if mesh is None:
-            self.params = jax.device_put(params, jax.devices()[0])
+        if lazy:
+            placement = (weight_sharding(mesh, config.vocab_size) if mesh is not None else
+                         lambda path, leaf: SingleDeviceSharding(self.device))
+            self.params = model.place(params, placement)
+        elif mesh is None:
+            self.params = jax.device_put(params, self.device)
         else:
             self.params = shard_weights(params, mesh, config.vocab_size)
         self.kv_cache = self._new_kv_cache()
@@ -141,7 +152,7 @@ class ModelRunner:
     def _new_kv_cache(self):
         """A zeroed cache, on one device or split over the mesh's devices (allocated there)."""
         if self.backend.mesh is None:
-            return jax.device_put(init_kv_cache(*self._cache_spec), jax.devices()[0])
+            return jax.device_put(init_kv_cache(*self._cache_spec), self.device)
         return jax.jit(lambda: init_kv_cache(*self._cache_spec),
                        out_shardings=kv_cache_sharding(self.backend.mesh))()
 
@@ -181,12 +192,21 @@ class ModelRunner:
     def step(self, plan: BatchPlan) -> tuple[np.ndarray, ...]:
         """Runs one step; returns, for the first num_seqs rows, the sampled ids, their logprobs,
         and the num_top_logprobs most likely tokens with their logprobs."""
+        return self.fetch(self.dispatch(plan))
+
+    def dispatch(self, plan: BatchPlan) -> "PendingStep":
+        """Starts one step and returns at once (JAX's asynchronous dispatch): the device works
+        while the caller dispatches other replicas' steps; fetch() waits for its results."""
         program = self.program(plan.kind, plan.padded_num_tokens, plan.padded_num_seqs,
                                plan.block_tables.shape[1])
         sampled, self.kv_cache = program(self.params, self.kv_cache, plan)
         self.step_shapes.add((plan.kind, plan.padded_num_tokens, plan.padded_num_seqs))
-        num_seqs = int(plan.num_seqs)
-        return tuple(np.asarray(x)[:num_seqs] for x in sampled)
+        return PendingStep(sampled, int(plan.num_seqs))
+
+    @staticmethod
+    def fetch(pending: "PendingStep") -> tuple[np.ndarray, ...]:
+        """A dispatched step's results on the host (blocks until the device is done)."""
+        return tuple(np.asarray(x)[:pending.num_seqs] for x in pending.sampled)
 
     def warmup(self, buckets, progress: bool = False) -> int:
         """Compiles every program a plan from these buckets can need (without running any);
@@ -204,6 +224,14 @@ class ModelRunner:
         """warmup() in a background thread: steps meanwhile run with the programs there are
         (a shape not compiled yet compiles on first use, once, whichever thread comes first)."""
         return BackgroundWarmup(self, buckets, progress)
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingStep:
+    """A dispatched step: its device outputs (not waited for) and the rows that are real."""
+
+    sampled: tuple
+    num_seqs: int
 
 
 class BackgroundWarmup:

@@ -52,6 +52,21 @@ class ServerMetrics:
                                           "Preempted sequences whose KV is in the host pool.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc",
                                          "Fraction of usable KV blocks held (1 = full).")
+        def per_replica(name, doc):  # data parallelism: one series a replica
+            return prom.Gauge(f"pagedjax:replica_{name}", doc, names + ["replica"],
+                              registry=self.registry)
+
+        self.replica_gauges = {
+            "num_requests_running": per_replica("num_requests_running",
+                                                "Running sequences of one engine replica."),
+            "num_requests_waiting": per_replica("num_requests_waiting",
+                                                "Waiting sequences of one engine replica."),
+            "kv_cache_usage_perc": per_replica("kv_cache_usage_perc",
+                                               "Fraction of one replica's usable KV blocks "
+                                               "held."),
+            "kv_cache_usable_blocks": per_replica("kv_cache_usable_blocks",
+                                                  "Usable KV blocks in one replica's pool."),
+        }
         self.outstanding_tokens = gauge(
             "num_outstanding_tokens",
             "Tokens still to compute over unfinished requests (the admission budget's measure).")
@@ -102,6 +117,12 @@ class ServerMetrics:
         self.num_requests_swapped.set(info.num_swapped)
         self.kv_cache_usage_perc.set(info.kv_usage)
         self.outstanding_tokens.set(info.outstanding_tokens)
+        for index, load in enumerate(info.replicas):
+            for name, value in (("num_requests_running", load.num_running),
+                                ("num_requests_waiting", load.num_waiting),
+                                ("kv_cache_usage_perc", load.kv_usage),
+                                ("kv_cache_usable_blocks", load.usable_blocks)):
+                self.replica_gauges[name].labels(replica=str(index), **self.labels).set(value)
         if info.step_time_s is not None:
             self.step_time.observe(info.step_time_s)
         totals = self._totals()

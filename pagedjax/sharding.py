@@ -24,22 +24,26 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from models import LlamaConfig
 
 AXIS = "tp"
+DATA_AXIS = "dp"
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output features split
 ROW = ("o_proj", "down_proj")  # input features split
 
 
 def check_tensor_parallel(config: LlamaConfig, tensor_parallel_size: int,
-                          check_devices: bool = True) -> None:
+                          check_devices: bool = True, data_parallel_size: int = 1) -> None:
     """Raises ValueError naming the limit when the model (or, check_devices, this machine)
-    cannot split tp ways."""
-    tp = tensor_parallel_size
+    cannot split tp ways, data_parallel_size replicas of it."""
+    tp, dp = tensor_parallel_size, data_parallel_size
     if tp < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+    if dp < 1:
+        raise ValueError(f"data_parallel_size must be >= 1, got {dp}")
+    devices = len(jax.devices()) if check_devices else tp * dp
+    if tp * dp > devices:
+        raise ValueError(f"tensor_parallel_size ({tp}) x data_parallel_size ({dp}) = {tp * dp} "
+                         f"exceeds the {devices} devices JAX sees")
     if tp == 1:
         return
-    devices = len(jax.devices()) if check_devices else tp
-    if tp > devices:
-        raise ValueError(f"tensor_parallel_size ({tp}) exceeds the {devices} devices JAX sees")
     for name, value in (("num_heads", config.num_heads),
                         ("intermediate_size", config.intermediate_size)):
         if value % tp:
@@ -56,8 +60,22 @@ def kv_head_repeats(num_kv_heads: int, tensor_parallel_size: int) -> int:
     return max(1, tensor_parallel_size // num_kv_heads)
 
 
-def make_mesh(tensor_parallel_size: int) -> Mesh:
-    return Mesh(np.array(jax.devices()[:tensor_parallel_size]), (AXIS,))
+def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
+    """A "tp" mesh over the first tensor_parallel_size of devices (default: jax.devices())."""
+    devices = jax.devices() if devices is None else list(devices)
+    return Mesh(np.array(devices[:tensor_parallel_size]), (AXIS,))
+
+
+def make_data_parallel_mesh(data_parallel_size: int, tensor_parallel_size: int,
+                            devices=None) -> Mesh:
+    """A ("dp", "tp") mesh: row r is replica r's tensor-parallel group (disjoint devices)."""
+    devices = jax.devices() if devices is None else list(devices)
+    count = data_parallel_size * tensor_parallel_size
+    if count > len(devices):
+        raise ValueError(f"tensor_parallel_size ({tensor_parallel_size}) x data_parallel_size "
+                         f"({data_parallel_size}) = {count} exceeds the {len(devices)} devices")
+    grid = np.array(devices[:count]).reshape(data_parallel_size, tensor_parallel_size)
+    return Mesh(grid, (DATA_AXIS, AXIS))
 
 
 def weight_spec(path: tuple, leaf, vocab_size: int, tp: int) -> P:
@@ -73,12 +91,17 @@ def weight_spec(path: tuple, leaf, vocab_size: int, tp: int) -> P:
     return P()  # norms, embedding, row-parallel biases
 
 
+def weight_sharding(mesh: Mesh, vocab_size: int):
+    """(path, leaf) -> the NamedSharding weight_spec gives that serving-form weight."""
+    tp = mesh.shape[AXIS]
+    return lambda path, leaf: NamedSharding(mesh, weight_spec(path, leaf, vocab_size, tp))
+
+
 def shard_weights(weights, mesh: Mesh, vocab_size: int):
     """The weights placed on the mesh by weight_spec."""
-    tp = mesh.shape[AXIS]
+    sharding = weight_sharding(mesh, vocab_size)
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: jax.device_put(
-            leaf, NamedSharding(mesh, weight_spec(path, leaf, vocab_size, tp))), weights)
+        lambda path, leaf: jax.device_put(leaf, sharding(path, leaf)), weights)
 
 
 def kv_cache_sharding(mesh: Mesh) -> NamedSharding:

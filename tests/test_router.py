@@ -246,7 +246,7 @@ def broken_backend():
     def step(plan):
         raise RuntimeError("bad build")
 
-    llm.engine.runner.step = step
+    llm.engine.runner.dispatch = step
     with BackgroundServer(OpenAIServer(llm.engine, "tiny").build_app()) as url:
         yield url
 

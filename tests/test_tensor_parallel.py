@@ -1,4 +1,5 @@
-"""Tensor parallelism on 8 CPU devices: the same tokens as one device, the tensors really split.
+"""Tensor and data parallelism on 8 CPU devices: the same tokens as one device, the tensors
+really split, each replica on its own devices with its own pool (in the stats and /metrics).
 
 The devices exist only if XLA_FLAGS says so before JAX starts, so the engines run in one child
 process (this module's `child`), which reports what the tests check as JSON.
@@ -6,6 +7,7 @@ process (this module's `child`), which reports what the tests check as JSON.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -26,6 +28,10 @@ RUNS = {
     "tp4": dict(tensor_parallel_size=4),  # more devices than debug-tiny's 2 KV heads
     "tp2-gpu-kernels": dict(tensor_parallel_size=2, attention_backend="gpu",
                             attention_interpret=True),
+}
+DP_RUNS = {
+    "dp2": dict(data_parallel_size=2),
+    "tp2-dp2": dict(tensor_parallel_size=2, data_parallel_size=2),
 }
 
 
@@ -76,14 +82,123 @@ def child() -> None:
             "capacity_kv_bytes": BASE["num_blocks"] * kv_bytes_per_block_per_device(
                 model.config, BASE["block_size"], tp, np.float32),
         }
+    for name, fields in DP_RUNS.items():
+        llm = LLM(model, **BASE, **fields)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        replicas = llm.engine.replicas
+        report[name] = {
+            "tokens": [o.output_token_ids for o in outputs],
+            "replica_stats": [dataclasses.asdict(s) for s in llm.engine.replica_stats],
+            "stats": dataclasses.asdict(llm.engine.stats),
+            "devices": [sorted(d.id for leaf in jax.tree.leaves((r.runner.params,
+                                                                   r.runner.kv_cache))
+                               for d in leaf.devices()) for r in replicas],
+            "kv_cache": [[list(s.data.shape) for s in r.runner.kv_cache.addressable_shards]
+                         for r in replicas],
+        }
+    report["metrics"] = served_metrics(model, prompts)
+    report["placed"] = placed_loading(model)
     errors = {}
     for tp in (3, 16):
         try:
             LLM(model, **BASE, tensor_parallel_size=tp)
         except ValueError as e:
             errors[tp] = str(e)
+    try:
+        LLM(model, **BASE, tensor_parallel_size=4, data_parallel_size=4)
+    except ValueError as e:
+        errors["4x4"] = str(e)
     report["errors"] = errors
     print(json.dumps(report))
+
+
+PLACED_RUNS = {"tp1": {}, "tp2": dict(tensor_parallel_size=2),
+               "tp4": dict(tensor_parallel_size=4),  # k/v (and their biases) repeated
+               "tp2-dp2": dict(tensor_parallel_size=2, data_parallel_size=2),
+               "tp2-unrolled": dict(tensor_parallel_size=2, scan_layers=False)}
+
+
+def placed_loading(model) -> dict:
+    """Checkpoints read straight into the engine's shardings (models.placed_weights): an HF
+    directory (biases, tied embeddings) and an orbax one, at each parallelism; the tokens the
+    model loaded whole gives, and what device 0 holds once loaded (every live array's shard)."""
+    import tempfile
+
+    import jax
+    import numpy as np
+
+    from models.checkpoint import load_checkpoint, save_checkpoint
+    from models.hf import load_hf_model
+    from pagedjax import LLM, SamplingParams
+    from pagedjax.sharding import kv_bytes_per_block_per_device, weight_bytes_per_device
+    from test_models_hf import build_hf
+
+    import models.placed_weights as placed
+
+    read = placed.file_slice
+    elements_read = [0]
+
+    def counting_read(*args):  # what the HF reader takes from the files
+        part = read(*args)
+        elements_read[0] += part.size
+        return part
+
+    placed.file_slice = counting_read
+
+    directory = tempfile.mkdtemp()
+    build_hf("llama-bias-tied", f"{directory}/hf")
+    save_checkpoint(model, f"{directory}/orbax")
+    sources = {"hf": (f"{directory}/hf", load_hf_model),
+               "orbax": (f"{directory}/orbax", load_checkpoint)}
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 128, n).tolist() for n in (7, 30, 12)]
+    params = SamplingParams(max_tokens=6, temperature=0)
+    report = {}
+    for source, (path, load_whole) in sources.items():
+        whole = LLM(load_whole(path), **BASE).generate(prompts, params, use_tqdm=False)
+        report[source] = {"whole": [o.output_token_ids for o in whole]}
+        del whole
+        for name, fields in PLACED_RUNS.items():
+            elements_read[0] = 0
+            llm = LLM(path, **BASE, **fields)
+            engine = llm.engine
+            runners = [r.runner for r in getattr(engine, "replicas", [engine])]
+            config = engine.model_config
+            tp = fields.get("tensor_parallel_size", 1)
+            report[source][name] = {
+                "tokens": [o.output_token_ids for o in llm.generate(prompts, params,
+                                                                    use_tqdm=False)],
+                "device0_bytes": sum(s.data.nbytes for leaf in jax.tree.leaves(
+                    (runners[0].params, runners[0].kv_cache)) for s in leaf.addressable_shards
+                    if s.device == jax.devices()[0]),
+                "expected_bytes": weight_bytes_per_device(config, tp, 4) + BASE["num_blocks"]
+                * kv_bytes_per_block_per_device(config, BASE["block_size"], tp, np.float32),
+                "elements_read": elements_read[0],
+                "elements_placed": sum(  # a replicated part counts once (read once)
+                    sum({str(s.index): s.data.size for s in leaf.addressable_shards}.values())
+                    for r in runners for leaf in jax.tree.leaves(r.params))}
+            del llm
+    return report
+
+
+def served_metrics(model, prompts) -> dict:
+    """A DP 2 server's /metrics after the prompts, as {series: value} for the replica series."""
+    import httpx
+
+    from pagedjax.data_parallel import make_engine
+    from pagedjax.config import EngineConfig
+    from pagedjax.server import BackgroundServer, build_app
+
+    engine = make_engine(model, EngineConfig(**BASE, data_parallel_size=2))
+    with BackgroundServer(build_app(engine, "tiny")) as url, \
+            httpx.Client(base_url=url, timeout=300) as client:
+        for prompt in prompts:
+            response = client.post("/v1/completions", json=dict(
+                model="tiny", prompt=prompt, max_tokens=4, temperature=0))
+            assert response.status_code == 200, response.text
+        text = client.get("/metrics").text
+    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+            if line.startswith("pagedjax:replica_")}
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +252,49 @@ def test_capacity_formulas_match_what_each_device_holds(report):
 def test_bad_tensor_parallel_sizes_name_the_limit(report):
     assert "num_heads" in report["errors"]["3"]
     assert "exceeds the 8 devices" in report["errors"]["16"]
+    assert "data_parallel_size (4) = 16 exceeds the 8 devices" in report["errors"]["4x4"]
+
+
+@pytest.mark.parametrize("name", list(DP_RUNS))
+def test_data_parallel_greedy_tokens_equal_one_device(report, name):
+    """Each request runs whole on one replica, so its tokens are the single device's (as TP's,
+    bit for bit); both replicas took requests, each preempted and hit its prefix cache."""
+    run = report[name]
+    assert run["tokens"] == report["tp1"]["tokens"]
+    replicas = run["replica_stats"]
+    assert len(replicas) == 2
+    for stats in replicas:
+        assert stats["num_finished"] > 0 and stats["num_prefix_hit_tokens"] > 0
+        assert stats["num_preemptions"] > 0
+        assert stats["num_blocks"] == BASE["num_blocks"] - 1  # a whole pool each
+    assert run["stats"]["num_finished"] == len(run["tokens"])
+    assert run["stats"]["num_blocks"] == 2 * (BASE["num_blocks"] - 1)
+
+
+def test_data_parallel_replicas_on_disjoint_devices(report):
+    assert [sorted(set(d)) for d in report["dp2"]["devices"]] == [[0], [1]]
+    assert [sorted(set(d)) for d in report["tp2-dp2"]["devices"]] == [[0, 1], [2, 3]]
+    for shards in report["tp2-dp2"]["kv_cache"]:  # each replica's pool over its 2 devices
+        assert len(shards) == 2 and all(s[1] == 1 for s in shards)
+
+
+def test_data_parallel_pools_show_per_replica_in_metrics(report):
+    metrics = report["metrics"]
+    for replica in ("0", "1"):
+        key = (f'pagedjax:replica_kv_cache_usable_blocks{{model_name="tiny",'
+               f'replica="{replica}"}}')
+        assert metrics[key] == BASE["num_blocks"] - 1, metrics
+
+
+@pytest.mark.parametrize("source", ["hf", "orbax"])
+@pytest.mark.parametrize("name", list(PLACED_RUNS))
+def test_checkpoints_load_straight_into_their_shardings(report, source, name):
+    """The tokens of the model loaded whole (f32: the same arithmetic, as TP's); device 0 holds
+    its share (`pagedjax capacity`'s formula); and the HF reader took from the files exactly
+    the elements of the distinct shards the devices hold (a replicated one is read once): no
+    tensor read whole and then split (orbax reads its shards itself)."""
+    run = report["placed"][source][name]
+    assert run["tokens"] == report["placed"][source]["whole"]
+    assert run["device0_bytes"] == run["expected_bytes"]
+    if source == "hf":
+        assert run["elements_read"] == run["elements_placed"]

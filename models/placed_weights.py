@@ -1,0 +1,220 @@
+"""Weights read straight into the engine's placement: no whole model on one device or twice in
+one host's memory.
+
+`lazy_hf_model(dir)` and `lazy_checkpoint(dir)` check a checkpoint against its config (every
+name, shape and dtype) and return a LazyModel: the config and a shape-only model, nothing read.
+The engine's runner asks it for the serving form of the weights (models.serving: layers stacked
+on [L], KV heads repeated for tensor parallelism past the model's) with a sharding for each
+leaf, and each leaf is built where it lives:
+
+- Hugging Face safetensors: `jax.make_array_from_callback`; each device's shard is read from the
+  mapped file by `safe_open(...).get_slice` (only that shard's rows and columns, layer by
+  layer), cast, transposed and put on its device; the host holds one shard at a time.
+- Orbax: the per-layer arrays are restored with the shardings of their stacked leaves (orbax
+  reads each device's part), then stacked on the devices leaf by leaf, each layer's arrays freed
+  as they are stacked (a device peaks at its share of the model plus one stacked leaf). k/v
+  projections repeated past the KV heads are restored whole on each device, then repeated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.config import LlamaConfig
+from models.llama import LlamaForCausalLM
+from models.serving import repeat_kv_columns
+
+FIELDS = {"embed": "embed_tokens", "layers": "layers", "norm": "norm", "lm_head": "lm_head"}
+Placement = Callable[[tuple, jax.ShapeDtypeStruct], jax.sharding.Sharding]
+
+
+@dataclasses.dataclass(eq=False)
+class LazyModel:
+    """A checked checkpoint, not read: `config`, `abstract` (the model, shapes only) and
+    place(weights, placement) -> the serving-form weights, each leaf built in
+    placement(path, leaf)."""
+
+    config: LlamaConfig
+    abstract: LlamaForCausalLM
+    place: Callable
+    source: str
+
+    @property
+    def dtype(self):
+        return self.abstract.dtype
+
+
+def leaf_names(path: tuple) -> tuple[str, tuple]:
+    """(serving field, the model-level path of layer 0 with "{layer}" for the layer) of a
+    serving-form leaf: ("layers", ("layers", "{layer}", "self_attn", "q_proj", "kernel"))."""
+    keys = [getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))) for k in path]
+    if keys[-1] == "value":
+        keys = keys[:-1]
+    field = keys[0]
+    if field == "layers":
+        rest = keys[2:] if isinstance(keys[1], int) else keys[1:]
+        return field, ("layers", "{layer}", *rest)
+    return field, (FIELDS[field], *keys[1:])
+
+
+def _layers_of(path: tuple, num_layers: int) -> tuple[range, bool]:
+    """(the layers a leaf holds, whether they are stacked on its first axis); none for the
+    leaves outside the decoder layers."""
+    keys = [getattr(k, "name", getattr(k, "idx", None)) for k in path]
+    if keys[0] != "layers":
+        return range(0), False
+    if len(keys) > 1 and isinstance(keys[1], int):  # unrolled: layers[i]
+        return range(keys[1], keys[1] + 1), False
+    return range(num_layers), True
+
+
+def kv_columns(config: LlamaConfig, width: int) -> np.ndarray | None:
+    """For a k/v projection `width` columns wide: the model's column each one copies (head j of
+    the repeated projection is head j // repeats of the model's), or None when not repeated."""
+    native = config.num_kv_heads * config.head_dim
+    if width == native:
+        return None
+    repeats = width // native
+    heads = np.arange(config.num_kv_heads * repeats) // repeats
+    return (heads[:, None] * config.head_dim + np.arange(config.head_dim)).reshape(-1)
+
+
+def _is_kv(model_path: tuple) -> bool:
+    return any(name in ("k_proj", "v_proj") for name in model_path)
+
+
+# ---- Hugging Face safetensors ----------------------------------------------------------------
+
+def lazy_hf_model(model_dir: str, dtype: str = "float32") -> LazyModel:
+    from models.hf import _hf_name, checked_hf_weights
+
+    abstract, _, files = checked_hf_weights(model_dir, dtype)
+    config = abstract.config
+    np_dtype = np.dtype(jnp.dtype(dtype))
+
+    def place(weights, placement: Placement):
+        with contextlib.ExitStack() as files_open:
+            handles = {}
+
+            def tensor(name):
+                if files[name] not in handles:
+                    from safetensors import safe_open
+                    handles[files[name]] = files_open.enter_context(
+                        safe_open(files[name], framework="numpy"))
+                return handles[files[name]].get_slice(name)
+
+            def build(path, leaf):
+                field, model_path = leaf_names(path)
+                layers, stacked = _layers_of(path, config.num_layers)
+                columns = kv_columns(config, leaf.shape[-1]) if _is_kv(model_path) else None
+
+                def read(index):
+                    index = tuple(index)
+                    if field != "layers":
+                        return _read(tensor, _hf_name(model_path), index, columns, np_dtype)
+                    chosen = layers[index[0]] if stacked else layers
+                    inner = index[1:] if stacked else index
+                    parts = [_read(tensor, _hf_name(_at(model_path, layer)), inner, columns,
+                                   np_dtype) for layer in chosen]
+                    return np.stack(parts) if stacked else parts[0]
+
+                return jax.make_array_from_callback(leaf.shape, placement(path, leaf), read)
+
+            return jax.tree_util.tree_map_with_path(build, weights)
+
+    return LazyModel(config, abstract, place, model_dir)
+
+
+def _at(model_path: tuple, layer: int) -> tuple:
+    return tuple(layer if part == "{layer}" else part for part in model_path)
+
+
+def file_slice(stored, index: tuple) -> np.ndarray:
+    """The elements of a stored tensor (a safetensors slice) at index: the only read."""
+    return np.asarray(stored[index])
+
+
+def _read(tensor, name_and_transpose, index: tuple, columns, np_dtype) -> np.ndarray:
+    """One shard of a weight in the serving layout ([in, out] for a Linear kernel), read from
+    its HF tensor ([out, in]): only the shard's rows and columns (a column range spanning the
+    repeated KV heads' originals, when repeated)."""
+    name, transpose = name_and_transpose
+    last = index[-1]
+    take = None
+    if columns is not None:
+        wanted = columns[last]
+        lo, hi = int(wanted.min()), int(wanted.max()) + 1
+        last, take = slice(lo, hi), wanted - lo
+    index = index[:-1] + (last,)
+    part = file_slice(tensor(name), tuple(reversed(index)) if transpose else index)
+    if transpose:
+        part = part.T
+    if take is not None:
+        part = part[..., take]
+    return np.ascontiguousarray(part, dtype=np_dtype)
+
+
+# ---- orbax checkpoints -----------------------------------------------------------------------
+
+def lazy_checkpoint(directory: str, dtype=jnp.float32) -> LazyModel:
+    from models.checkpoint import checked_checkpoint
+
+    abstract, saved_dtype, restore = checked_checkpoint(directory, dtype)
+    config = abstract.config
+    param_dtype = jax.tree.leaves(nnx.state(abstract.embed_tokens))[0].dtype
+
+    def place(weights, placement: Placement):
+        targets, plans = {}, []  # model path -> restore target; (path, leaf, how to build)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(weights):
+            field, model_path = leaf_names(path)
+            layers, stacked = _layers_of(path, config.num_layers)
+            sharding = placement(path, leaf)
+            repeated = _is_kv(model_path) and kv_columns(config, leaf.shape[-1]) is not None
+            per_layer = _drop_leading(sharding, leaf) if stacked else sharding
+            if repeated:  # restored whole on each device, repeated there
+                per_layer = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+            shape = leaf.shape[1:] if stacked else leaf.shape
+            if repeated:
+                shape = shape[:-1] + (config.num_kv_heads * config.head_dim,)
+            names = ([_at(model_path, layer) for layer in layers] if field == "layers"
+                     else [model_path])
+            for name in names:
+                targets[name] = jax.ShapeDtypeStruct(shape, saved_dtype, sharding=per_layer)
+            plans.append((path, leaf, sharding, names, stacked, repeated))
+        restored = restore(targets)
+        built = {}
+        for path, leaf, sharding, names, stacked, repeated in plans:
+            parts = [restored.pop(name) for name in names]
+            built[path] = _assemble(parts, leaf, stacked, repeated, config, param_dtype,
+                                    sharding)
+            del parts
+        return jax.tree_util.tree_map_with_path(lambda path, _: built[path], weights)
+
+    return LazyModel(config, abstract, place, directory)
+
+
+def _drop_leading(sharding, leaf):
+    """The sharding of one layer of a stacked leaf (its spec without the [L] entry)."""
+    if not hasattr(sharding, "spec"):
+        return sharding
+    spec = tuple(sharding.spec) + (None,) * (len(leaf.shape) - len(sharding.spec))
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[1:]))
+
+
+def _assemble(parts, leaf, stacked: bool, repeated: bool, config: LlamaConfig, dtype,
+              sharding):
+    """A serving leaf from its restored per-layer arrays, built on its devices."""
+    repeats = leaf.shape[-1] // (config.num_kv_heads * config.head_dim) if repeated else 1
+
+    def build(*xs):
+        xs = [repeat_kv_columns(x.astype(dtype), config.num_kv_heads, repeats) for x in xs]
+        return jnp.stack(xs) if stacked else xs[0]
+
+    return jax.jit(build, out_shardings=sharding)(*parts)

@@ -1,0 +1,229 @@
+"""Data parallelism: replicas of the model on disjoint device groups, one engine in front.
+
+    engine = make_engine(model, EngineConfig(data_parallel_size=2, tensor_parallel_size=2))
+
+Each replica is an LLMEngine on its own tensor_parallel_size devices (row r of one ("dp", "tp")
+mesh over jax.devices()) with its own KV pool and its own scheduler, as vLLM's data-parallel
+engine cores are. A request lives on one replica: the one pagedjax.routing_policy's prefix-
+affinity rule picks (the router's rule, over the prompt's block-sized chunks: the replica whose
+prefix cache most likely holds the prompt's head, unless the replicas' loads are out of
+balance). A step begins every replica's device step before finishing any (JAX dispatches
+asynchronously), so the replicas' devices work at the same time; a replica whose step fails
+beyond one request fails its own requests and starts over, the others go on.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from pagedjax.admission import Admission, PromptSpec, check_specs
+from pagedjax.config import EngineConfig
+from pagedjax.engine import LLMEngine
+from pagedjax.metrics import EngineStats, ReplicaLoad
+from pagedjax.outputs import RequestOutput
+from pagedjax.routing_policy import Backend, RoutingPolicy, prompt_chunks
+from pagedjax.sharding import check_tensor_parallel, make_data_parallel_mesh
+from scheduler import SamplingParams
+
+# Summed over replicas; the peaks and max_running are the sums of each replica's (an upper
+# bound of the engine's: the replicas peak at different times).
+_SUMMED = [f.name for f in dataclasses.fields(EngineStats) if f.name != "block_size"]
+
+
+def make_engine(model, config: EngineConfig | None = None, **kwargs):
+    """An LLMEngine, or a DataParallelEngine when config.data_parallel_size > 1."""
+    config = config or EngineConfig()
+    if config.data_parallel_size > 1:
+        return DataParallelEngine(model, config, **kwargs)
+    return LLMEngine(model, config, **kwargs)
+
+
+class DataParallelEngine:
+    """LLMEngine's interface over config.data_parallel_size replicas (see the module doc)."""
+
+    def __init__(self, model, config: EngineConfig, *, tokenizer=None,
+                 clock: Callable[[], float] = time.perf_counter, devices: Sequence | None = None):
+        dp, tp = config.data_parallel_size, config.tensor_parallel_size
+        check_tensor_parallel(model.config, tp, data_parallel_size=dp)
+        self.mesh = make_data_parallel_mesh(dp, tp, devices)
+        self.config = config
+        self.model_config = model.config
+        self.tokenizer = tokenizer
+        self.clock = clock
+        one = dataclasses.replace(config, data_parallel_size=1)
+        seeds = np.random.SeedSequence(config.seed).spawn(dp)  # distinct sampling streams
+        self.replicas = [LLMEngine(model, one, tokenizer=tokenizer, clock=clock,
+                                   devices=list(self.mesh.devices[r]),
+                                   seed_rng=np.random.default_rng(seeds[r]))
+                         for r in range(dp)]
+        self._backends = [Backend(f"replica:{r}") for r in range(dp)]
+        self.policy = RoutingPolicy(self._backends, "kv_aware")
+        self._next_id = 0
+
+    # ---- what LLMEngine has ------------------------------------------------------------------
+
+    @property
+    def request_groups(self) -> collections.ChainMap:
+        """request_id -> its samples, for every unfinished request of every replica."""
+        return collections.ChainMap(*(r.request_groups for r in self.replicas))
+
+    def scheduler_states(self) -> list:
+        return [r.scheduler.state for r in self.replicas]
+
+    @property
+    def buckets(self):
+        return self.replicas[0].buckets
+
+    @property
+    def num_blocks(self) -> int:
+        """Physical blocks of each replica's pool (the null block included)."""
+        return self.replicas[0].num_blocks
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.replicas[0].bytes_per_block
+
+    @property
+    def compilation_cache_dir(self):
+        return self.replicas[0].compilation_cache_dir
+
+    @property
+    def stats(self) -> EngineStats:
+        """Every replica's counters summed (replica_stats has each)."""
+        total = EngineStats(block_size=self.config.block_size)
+        for stats in self.replica_stats:
+            for name in _SUMMED:
+                setattr(total, name, getattr(total, name) + getattr(stats, name))
+        return total
+
+    @property
+    def replica_stats(self) -> list[EngineStats]:
+        return [r.stats for r in self.replicas]
+
+    def load(self) -> list[ReplicaLoad]:
+        return [load for r in self.replicas for load in r.load()]
+
+    def has_unfinished(self) -> bool:
+        return any(r.has_unfinished() for r in self.replicas)
+
+    def add_requests(self, specs: Sequence[PromptSpec],
+                     admit: Callable[[list[Admission]], None] | None = None) -> list[str]:
+        """LLMEngine.add_requests: checked all or none, then each placed on a replica."""
+        admissions = check_specs(self, specs)
+        if admit is not None:
+            admit(admissions)
+        taken = {a.request_id for a in admissions}
+        groups: list[list[Admission]] = [[] for _ in self.replicas]
+        ids = []
+        for admission in admissions:
+            if admission.request_id is None:
+                admission = dataclasses.replace(admission, request_id=self._new_id(taken))
+            groups[self._place(admission, [len(g) for g in groups])].append(admission)
+            ids.append(admission.request_id)
+        for replica, group in zip(self.replicas, groups):
+            if group:
+                replica.queue_admitted(group)
+        return ids
+
+    def add_request(self, prompt_token_ids: Sequence[int],
+                    sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    cache_salt: str | None = None) -> str:
+        spec = PromptSpec(prompt_token_ids, sampling_params or SamplingParams(), request_id,
+                          cache_salt=cache_salt, arrival_time=arrival_time)
+        return self.add_requests([spec])[0]
+
+    def abort(self, request_id: str) -> None:
+        for replica in self.replicas:
+            if request_id in replica.request_groups:
+                replica.abort(request_id)
+
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """One step of every replica with work: all dispatched, then all finished. A replica
+        whose step fails beyond one request (LLMEngine.step raises) fails its requests alone
+        (LLMEngine.fail_all) and starts over."""
+        started = []
+        for replica in self.replicas:
+            try:
+                started.append(replica.begin_step() if replica.has_unfinished() else None)
+            except Exception as error:  # noqa: BLE001 - that replica alone
+                started.append(error)
+        outputs: list[RequestOutput] = []
+        for replica, begun in zip(self.replicas, started):
+            try:
+                if isinstance(begun, Exception):
+                    raise begun
+                outputs.extend(replica.finish_step(begun, final_only))
+            except Exception as error:  # noqa: BLE001 - that replica alone
+                outputs.extend(replica.fail_all(error))
+        return outputs
+
+    def fail_all(self, error: BaseException) -> list[RequestOutput]:
+        return [out for r in self.replicas for out in r.fail_all(error)]
+
+    def warmup(self, progress: bool = False) -> int:
+        """Every replica's step programs (a program is compiled for its replica's devices)."""
+        return sum(r.warmup(progress) for r in self.replicas)
+
+    def start_warmup(self, progress: bool = False) -> "_Warmups":
+        return _Warmups([r.start_warmup(progress) for r in self.replicas])
+
+    @property
+    def num_compiled_programs(self) -> int:
+        return sum(r.num_compiled_programs for r in self.replicas)
+
+    # ---- placement ---------------------------------------------------------------------------
+
+    def _place(self, admission: Admission, pending: list[int]) -> int:
+        """The replica for a request, by the prefix-affinity rule (loads: unfinished requests,
+        and pending[r] placed on replica r by this call already); its prompt's chunks are
+        recorded there. Chunks are KV blocks; a cache salt keys them apart, as the prefix cache
+        does."""
+        chunks = prompt_chunks(admission.prompt_token_ids, ids_chunk=self.config.block_size)
+        salt = admission.spec.cache_salt
+        if salt is not None:
+            chunks = [hash((salt, h)) for h in chunks]
+        for backend, replica, placed in zip(self._backends, self.replicas, pending):
+            backend.in_flight = len(replica.request_groups) + placed
+        backend, _ = self.policy.choose(chunks)
+        self.policy.record(backend, chunks)
+        return self._backends.index(backend)
+
+    def _new_id(self, taken: set) -> str:
+        groups = self.request_groups
+        while (request_id := str(self._next_id)) in groups or request_id in taken:
+            self._next_id += 1
+        self._next_id += 1
+        taken.add(request_id)
+        return request_id
+
+
+class _Warmups:
+    """Each replica's BackgroundWarmup, as one (done, wait, error, seconds, num_programs)."""
+
+    def __init__(self, warmups):
+        self._warmups = warmups
+        self.num_programs = sum(w.num_programs for w in warmups)
+
+    def done(self) -> bool:
+        return all(w.done() for w in self._warmups)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for w in self._warmups:
+            w.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return self.done()
+
+    @property
+    def error(self) -> BaseException | None:
+        return next((w.error for w in self._warmups if w.error is not None), None)
+
+    @property
+    def seconds(self) -> float | None:
+        times = [w.seconds for w in self._warmups]
+        return None if None in times else max(times)
