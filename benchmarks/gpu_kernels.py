@@ -19,7 +19,8 @@ first, recording what it skipped):
    against the bf16 tolerance; and the KV write against the XLA scatter.
 3. tuning: the decode kernel's launch parameters (pages per step, warps, stages, splits) at
    128 x 4k and 8 x 32k.
-4. engine: the engine's greedy tokens with the gpu backend against the reference backend.
+4. engine: the engine's greedy tokens with the gpu backend, tensor-parallel over every GPU
+   (TP 1 on one), against the reference backend on one device.
 
 Timing (METHOD: warm up, then many calls, median): `us` is the time per call of back-to-back
 calls with one synchronisation at the end (device time once a call outlasts its dispatch),
@@ -155,23 +156,49 @@ def check_write(args) -> dict:
         return {"check": name, "passed": False, "error": f"{type(e).__name__}: {e}"[:300]}
 
 
+def usable_tensor_parallel(config, devices: int) -> int:
+    """The largest tensor_parallel_size up to devices that the model splits into."""
+    from pagedjax.sharding import check_tensor_parallel
+    for tp in range(devices, 0, -1):
+        try:
+            check_tensor_parallel(config, tp)
+            return tp
+        except ValueError:
+            continue
+    return 1
+
+
 def check_engine(args, backends=("reference", "gpu"), dtype="float32") -> dict:
     """The engine's greedy tokens on two backends: f32 at the highest precision (reference vs
-    gpu), or bf16 (gpu vs mosaic_gpu: both round the same operands to bf16)."""
+    gpu), or bf16 (gpu vs mosaic_gpu: both round the same operands to bf16). The second runs
+    tensor-parallel over every GPU the model splits over (TP 1 on one GPU), and its device 0's
+    bytes of weights and KV are reported."""
     from pagedjax import EngineConfig, LLMEngine, SamplingParams, load_model
-    name = (f"engine greedy tokens, {backends[1]} backend == {backends[0]} ({dtype}"
-            f"{', highest precision' if dtype == 'float32' else ''})")
     try:
         model = load_model("demo-small")
+        tp = usable_tensor_parallel(model.config, len(jax.devices()))
+    except Exception as e:
+        traceback.print_exc()
+        return {"check": "engine greedy tokens", "passed": False,
+                "error": f"{type(e).__name__}: {e}"[:300]}
+    name = (f"engine greedy tokens, {backends[1]} backend at TP {tp} == {backends[0]} at TP 1 "
+            f"({dtype}{', highest precision' if dtype == 'float32' else ''})")
+    device0 = {}
+    try:
         rng = np.random.default_rng(0)
         prompts = [rng.integers(0, 512, n).tolist() for n in (3, 40, 1, 130, 17, 64)]
         outs = []
         with jax.default_matmul_precision("highest"):
-            for backend in backends:
+            for backend, size in zip(backends, (1, tp)):
                 engine = LLMEngine(model, EngineConfig(
                     max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, block_size=16,
-                    attention_backend=backend, dtype=dtype,
+                    attention_backend=backend, dtype=dtype, tensor_parallel_size=size,
                     attention_interpret=args.smoke and backend != "reference"))
+                runner = engine.runner
+                device0 = {f"device0_{what}_bytes": sum(
+                    s.data.nbytes for leaf in jax.tree.leaves(tree)
+                    for s in leaf.addressable_shards if s.device == jax.devices()[0])
+                    for what, tree in (("weight", runner.params), ("kv", runner.kv_cache))}
                 ids = [engine.add_request(p, SamplingParams(max_tokens=16, temperature=0))
                        for p in prompts]
                 done = {}
@@ -180,7 +207,8 @@ def check_engine(args, backends=("reference", "gpu"), dtype="float32") -> dict:
                                  if o.finished})
                 outs.append([done[i] for i in ids])
         same = sum(a == b for a, b in zip(*outs))
-        return {"check": name, "passed": outs[0] == outs[1],
+        return {"check": name, "passed": outs[0] == outs[1], "tensor_parallel_size": tp,
+                **device0,
                 "error": "" if same == len(prompts) else f"{same}/{len(prompts)} requests equal"}
     except Exception as e:
         traceback.print_exc()

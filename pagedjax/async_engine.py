@@ -153,6 +153,11 @@ class AsyncLLMEngine:
         self._wake.set()
 
     @property
+    def running(self) -> bool:
+        """The engine thread is alive (it may be finishing a step after shutdown)."""
+        return self._thread.is_alive()
+
+    @property
     def healthy(self) -> bool:
         return self.error is None and not self._stopped and self._thread.is_alive()
 

@@ -113,7 +113,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-blocks", type=int, help="KV blocks in the pool, the null block "
                        "included (default: max-num-seqs sequences of max-model-len tokens)")
     group.add_argument("--kv-cache-memory-gib", type=float,
-                       help="size the KV pool by memory instead of --num-blocks")
+                       help="size the KV pool by memory instead of --num-blocks (a device's "
+                       "share: each of the --tensor-parallel-size devices holds that much)")
     group.add_argument("--max-num-seqs", type=int)
     group.add_argument("--max-num-batched-tokens", type=int)
     group.add_argument("--policy", choices=list(POLICIES))
@@ -200,6 +201,8 @@ def serve(argv) -> None:
                         "simulate`")
     parser.add_argument("--log-level", default="info")
     add_engine_args(parser)
+    from pagedjax import multihost
+    multihost.add_args(parser)
     args = parser.parse_args(argv)
     if not 0 < args.port < 65536:
         parser.error(f"--port must be in 1..65535, got {args.port}")
@@ -208,14 +211,22 @@ def serve(argv) -> None:
     if args.max_request_bytes < 1:
         parser.error(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
 
+    import jax
+
     from pagedjax.llm import DEFAULT_MODEL, LLM
     from pagedjax.server import run_server
 
     model = args.model or DEFAULT_MODEL
     try:
+        follower = multihost.start_from_args(args)
         llm = LLM(model, tokenizer=args.tokenizer, **engine_kwargs(args))
     except ValueError as e:
         parser.exit(1, f"pagedjax serve: {e}\n")
+    if follower:  # the leader (process 0) serves; this process runs its steps' shards
+        print(f"process {jax.process_index()}: following process 0", flush=True)
+        steps = multihost.follow(llm.engine.runner)
+        print(f"process {jax.process_index()}: leader stopped after {steps} steps", flush=True)
+        return
     if args.warmup:
         start = time.perf_counter()
         num_programs = llm.engine.warmup(progress=True)
@@ -358,14 +369,26 @@ def simulate(argv) -> None:
     parser.add_argument("--policy", default="mixed", choices=list(POLICIES))
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="with --roofline: one replica over this many chips (a device's "
+                        "weights and KV; the all-reduces on the chip's link)")
+    parser.add_argument("--data-parallel-size", type=int, default=1,
+                        help="replicas, each with the pool; requests placed by the "
+                        "data-parallel engine's prefix-affinity rule, steps in lockstep")
     args = parser.parse_args(argv)
     if args.roofline and not args.model:
         parser.error("--roofline needs --model")
+    if args.tensor_parallel_size < 1 or args.data_parallel_size < 1:
+        parser.error("--tensor-parallel-size and --data-parallel-size must be >= 1")
+    if args.tensor_parallel_size > 1 and not args.roofline:
+        parser.error("--tensor-parallel-size needs --roofline (a fitted --cost is for the "
+                     "parallelism it was profiled at)")
     if args.kv_memory_gib and not args.roofline:
         parser.error("--kv-memory-gib needs --roofline --model (for KV bytes per token)")
 
     from pagedjax.config import EngineConfig
-    from scheduler.simulator import RooflineCost, StepCostModel, load_trace
+    from pagedjax.parallel_plan import prefix_affinity_placer, roofline_cost
+    from scheduler.simulator import StepCostModel, load_trace
     from scheduler.simulator import simulate as run
 
     try:
@@ -373,15 +396,12 @@ def simulate(argv) -> None:
         vocab = args.vocab_size
         if args.roofline:
             config = get_config(args.model)
-            kv_per_token = config.kv_bytes_per_token(2 if args.kv_dtype == "bfloat16" else 1)
-            cost = RooflineCost(CHIPS[args.roofline], config.num_params, 2 * config.num_params,
-                                kv_per_token,
-                                4 * config.num_layers * config.num_heads * config.head_dim,
-                                flops_util=args.flops_util, bw_util=args.bw_util,
-                                overhead_s=args.overhead_ms / 1e3)
+            cost = roofline_cost(config, CHIPS[args.roofline], args.tensor_parallel_size,
+                                 args.kv_dtype, flops_util=args.flops_util,
+                                 bw_util=args.bw_util, overhead_s=args.overhead_ms / 1e3)
             vocab = config.vocab_size
-            pools = args.num_blocks or [
-                1 + int(gib * 2**30) // (kv_per_token * args.block_size)
+            pools = args.num_blocks or [  # a device's budget: each holds 1/TP of a block
+                1 + int(gib * 2**30) // (cost.kv_bytes_per_token * args.block_size)
                 for gib in args.kv_memory_gib]
         else:
             with open(args.cost) as f:
@@ -396,15 +416,19 @@ def simulate(argv) -> None:
                         max_num_batched_tokens=max_tokens, block_size=args.block_size,
                         max_model_len=args.max_model_len, policy=args.policy,
                         enable_prefix_caching=not args.no_prefix_caching)
+                    dp = args.data_parallel_size
                     result = run(trace, config.scheduler_config(), num_blocks=num_blocks,
                                  block_size=args.block_size, buckets=config.buckets(),
-                                 cost=cost, vocab_size=vocab)
+                                 cost=cost, vocab_size=vocab, replicas=dp,
+                                 place=prefix_affinity_placer(dp, args.block_size))
                     rows.append({"num_blocks": num_blocks, "max_num_seqs": max_num_seqs,
                                  "max_num_batched_tokens": max_tokens, **result.summary()})
     except (ValueError, OSError, KeyError) as e:
         parser.exit(1, f"pagedjax simulate: {e}\n")
     if args.roofline:
-        print(f"roofline estimate: {args.model} on {args.roofline} (flops x {args.flops_util}, "
+        print(f"roofline estimate: {args.model} on {args.roofline} x TP "
+              f"{args.tensor_parallel_size} x DP {args.data_parallel_size} (flops x "
+              f"{args.flops_util}, "
               f"bandwidth x {args.bw_util}, {args.overhead_ms} ms a step); not a measurement")
     print(_table(rows))
 

@@ -21,7 +21,9 @@ class EngineConfig:
 
     block_size: int = 16
     num_blocks: int | None = None  # physical blocks, including the null block 0
-    kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_bytes: int | None = None  # a device's (vLLM's per-GPU meaning): under
+    # tensor parallelism each device holds 1/TP of every block, so the pool has TP times the
+    # blocks of one device's
     max_model_len: int = 512
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512

@@ -19,6 +19,7 @@ import dataclasses
 import time
 from typing import Callable, Sequence
 
+import jax
 import numpy as np
 
 from pagedjax.admission import Admission, PromptSpec, check_specs
@@ -50,6 +51,9 @@ class DataParallelEngine:
                  clock: Callable[[], float] = time.perf_counter, devices: Sequence | None = None):
         dp, tp = config.data_parallel_size, config.tensor_parallel_size
         check_tensor_parallel(model.config, tp, data_parallel_size=dp)
+        if jax.process_count() > 1:
+            raise ValueError(f"data_parallel_size ({dp}) in a multi-process run: run a "
+                             f"process group a replica, behind `pagedjax router`")
         self.mesh = make_data_parallel_mesh(dp, tp, devices)
         self.config = config
         self.model_config = model.config
@@ -137,6 +141,10 @@ class DataParallelEngine:
         spec = PromptSpec(prompt_token_ids, sampling_params or SamplingParams(), request_id,
                           cache_salt=cache_salt, arrival_time=arrival_time)
         return self.add_requests([spec])[0]
+
+    def close(self) -> None:
+        for replica in self.replicas:
+            replica.close()
 
     def abort(self, request_id: str) -> None:
         for replica in self.replicas:

@@ -13,6 +13,7 @@ import numpy as np
 from models import LlamaForCausalLM
 from pagedjax.admission import Admission, PromptSpec, check_specs
 from pagedjax.compile_cache import enable_compilation_cache
+from pagedjax import multihost
 from pagedjax.config import EngineConfig
 from pagedjax.metrics import EngineStats, ReplicaLoad
 from pagedjax.outputs import RequestOutput
@@ -133,11 +134,18 @@ class LLMEngine:
             raise ValueError(f"data_parallel_size ({config.data_parallel_size}) needs "
                              f"pagedjax.data_parallel.make_engine (one LLMEngine a replica)")
         check_tensor_parallel(model_config, config.tensor_parallel_size)
-        devices = jax.devices() if devices is None else list(devices)
-        if len(devices) < config.tensor_parallel_size:
-            raise ValueError(f"tensor_parallel_size ({config.tensor_parallel_size}) exceeds "
-                             f"the {len(devices)} devices given")
-        self.devices = devices[:config.tensor_parallel_size]
+        tp = config.tensor_parallel_size
+        if devices is None:  # this process's own, unless the model needs more (multi-host)
+            devices = jax.local_devices() if tp <= jax.local_device_count() else jax.devices()
+        devices = list(devices)
+        if len(devices) < tp:
+            raise ValueError(f"tensor_parallel_size ({tp}) exceeds the {len(devices)} devices "
+                             f"given")
+        self.devices = devices[:tp]
+        # Over several processes' devices: every process runs each step (pagedjax.multihost).
+        self.multihost = len({d.process_index for d in self.devices}) > 1
+        if self.multihost:
+            multihost.check_multihost(config, self.devices)
         self.backend = resolve_backend(config.attention_backend, config.attention_interpret)
         if config.tensor_parallel_size > 1:
             self.backend = dataclasses.replace(
@@ -150,7 +158,9 @@ class LLMEngine:
         self.bytes_per_block = kv_cache_bytes_per_block(  # over all devices
             model_config.num_layers, config.block_size, kv_heads,
             model_config.head_dim, config.kv_np_dtype, self.backend.name)
-        self.num_blocks = config.resolve_num_blocks(self.bytes_per_block)
+        # each device holds 1/TP of every block (its KV heads): the pool's budget is a device's
+        self.bytes_per_block_per_device = self.bytes_per_block // tp
+        self.num_blocks = config.resolve_num_blocks(self.bytes_per_block_per_device)
         check_num_slots(model_config.num_layers, self.num_blocks, config.block_size)
         self.buckets = config.buckets()
         num_host_blocks = config.swap_space_bytes // self.bytes_per_block
@@ -164,6 +174,8 @@ class LLMEngine:
                                   backend=self.backend,
                                   num_top_logprobs=config.max_logprobs,
                                   scan_layers=config.scan_layers, device=self.devices[0])
+        if self.multihost and jax.process_index() == 0:
+            self.runner.channel = multihost.LeaderChannel()  # process 0 leads (multihost.py)
         self.stats = EngineStats(num_blocks=self.num_blocks - 1, block_size=config.block_size)
         # The swap space: host arrays like the device cache, num_host_blocks a layer.
         self.host_pool = self.runner.init_host_pool(num_host_blocks)
@@ -274,6 +286,11 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def close(self) -> None:
+        """Done serving: a multi-host leader stops its followers' loops (at exit otherwise)."""
+        if self.runner.channel is not None:
+            self.runner.channel.stop()
 
     def load(self) -> list[ReplicaLoad]:
         """The queue and the KV pool now, one entry (a data-parallel engine: one a replica)."""

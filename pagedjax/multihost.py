@@ -60,23 +60,46 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
                                heartbeat_timeout_seconds=heartbeat_timeout_seconds)
 
 
-def is_multihost() -> bool:
-    return jax.process_count() > 1
-
-
-def check_multihost(config) -> None:
-    """Raises ValueError naming the limit when an engine config cannot span the processes."""
-    devices = jax.device_count()
-    if config.tensor_parallel_size * config.data_parallel_size != devices:
-        raise ValueError(f"multi-host serving needs tensor_parallel_size x data_parallel_size "
-                         f"= every process's devices ({devices}), got "
-                         f"{config.tensor_parallel_size} x {config.data_parallel_size}")
-    if config.data_parallel_size != 1:
-        raise ValueError("multi-host serving shards one model over all processes: "
-                         "data_parallel_size must be 1 (run one group a replica)")
+def check_multihost(config, devices) -> None:
+    """Raises ValueError naming the limit when an engine over these devices (of several
+    processes) cannot serve."""
+    processes = {d.process_index for d in devices}
+    if processes != set(range(jax.process_count())):
+        raise ValueError(f"a model over several processes must span all {jax.process_count()} "
+                         f"of them (every process runs each step); tensor_parallel_size "
+                         f"{config.tensor_parallel_size} covers processes {sorted(processes)}")
     if config.preemption_mode == "swap":
         raise ValueError("preemption_mode='swap' is single-host only (the host pool would be "
                          "split over the processes); use 'recompute'")
+
+
+def add_args(parser) -> None:
+    """`pagedjax serve`'s multi-host flags."""
+    group = parser.add_argument_group("multi-host (jax.distributed; process 0 serves)")
+    group.add_argument("--coordinator", metavar="HOST:PORT",
+                       help="process 0's address for jax.distributed (with --num-processes "
+                       "and --process-id)")
+    group.add_argument("--num-processes", type=int)
+    group.add_argument("--process-id", type=int)
+    group.add_argument("--distributed", action="store_true",
+                       help="jax.distributed.initialize() from the environment (Cloud TPU, "
+                       "SLURM), no flags")
+    group.add_argument("--heartbeat-timeout", type=int, default=100,
+                       help="seconds before JAX's coordination service gives up on a silent "
+                       "process (default 100)")
+
+
+def start_from_args(args) -> bool:
+    """Initializes jax.distributed when the flags ask; True when this process is a follower
+    (it then runs `follow` instead of serving)."""
+    flags = (args.coordinator, args.num_processes, args.process_id)
+    if args.distributed and any(f is not None for f in flags):
+        raise ValueError("--distributed reads the environment: give it without --coordinator "
+                         "/ --num-processes / --process-id")
+    if not args.distributed and all(f is None for f in flags):
+        return False
+    initialize(*flags, heartbeat_timeout_seconds=args.heartbeat_timeout)
+    return jax.process_index() != 0
 
 
 def _broadcast(tree):
@@ -92,35 +115,63 @@ def _header(command: int, kind: str = DECODE, num_tokens: int = 0, num_seqs: int
     return header
 
 
+class GroupLostError(RuntimeError):
+    """The processes are out of step (a follower died, or a step failed on some of them):
+    nothing more can run; the group must be restarted."""
+
+
 class LeaderChannel:
-    """The leader's side: what its runner tells the followers before running a program."""
+    """The leader's side: what its runner tells the followers before running a program. Any
+    failure once a step was announced breaks the group for good (the processes no longer run
+    the same programs): `error` is set and every later call raises it."""
 
     def __init__(self):
         self.stopped = False
+        self.error: GroupLostError | None = None
         atexit.register(self.stop)
 
+    def broken(self, cause: BaseException) -> GroupLostError:
+        """Records that the group is lost because of cause; returns the error to raise."""
+        if self.error is None:
+            self.error = GroupLostError(
+                f"the multi-host group is lost ({jax.process_count()} processes): a follower "
+                f"died or a step failed on some processes: {type(cause).__name__}: {cause}"[:2000])
+        return self.error
+
+    def _send(self, tree) -> None:
+        if self.error is not None:
+            raise self.error
+        try:
+            _broadcast(tree)
+        except Exception as cause:  # noqa: BLE001 - a peer is gone
+            raise self.broken(cause) from cause
+
     def step(self, plan) -> None:
-        _broadcast(_header(STEP, plan.kind, plan.padded_num_tokens, plan.padded_num_seqs,
+        self._send(_header(STEP, plan.kind, plan.padded_num_tokens, plan.padded_num_seqs,
                            plan.block_tables.shape[1]))
-        _broadcast({name: np.asarray(getattr(plan, name)) for name in ARRAY_FIELDS})
+        self._send({name: np.asarray(getattr(plan, name)) for name in ARRAY_FIELDS})
 
     def reset(self) -> None:
-        _broadcast(_header(RESET))
+        self._send(_header(RESET))
 
     def stop(self) -> None:
-        """Ends the followers' loops (once; at exit too)."""
-        if self.stopped:
+        """Ends the followers' loops and the group (once; at exit too): every process leaves
+        jax.distributed together, so none sees another vanish (which JAX's coordination
+        service answers by terminating it)."""
+        if self.stopped or self.error is not None:
             return
         self.stopped = True
         try:
             _broadcast(_header(STOP))
         except Exception as error:  # noqa: BLE001 - a follower already gone
             logger.warning("could not stop the followers: %s", error)
+            return
+        jax.distributed.shutdown()
 
 
 def follow(runner) -> int:
     """A follower's loop: runs every program the leader broadcasts, on this process's shards,
-    until the leader stops; returns the number of steps run."""
+    until the leader stops (then leaves jax.distributed with it); returns the steps run."""
     from pagedjax.runner import padding_plan
 
     steps = 0
@@ -128,6 +179,7 @@ def follow(runner) -> int:
         header = np.asarray(_broadcast(_header(0)))
         command, kind, num_tokens, num_seqs, max_blocks = (int(x) for x in header[:5])
         if command == STOP:
+            jax.distributed.shutdown()
             return steps
         if command == RESET:
             runner.reset_kv_cache()

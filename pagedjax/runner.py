@@ -104,6 +104,7 @@ class ModelRunner:
             self.params = shard_weights(params, mesh, config.vocab_size)
         self.kv_cache = self._new_kv_cache()
         self.step_shapes: set[tuple[str, int, int]] = set()  # the shapes steps have run
+        self.channel = None  # multi-host leader: a multihost.LeaderChannel
         # (kind, T, B) -> the compiled step program. A program is compiled ahead of time from
         # abstract arguments (nothing runs, no buffer is touched), so a warmup thread can
         # compile while the engine thread steps; each shape compiles once, under its lock.
@@ -158,10 +159,15 @@ class ModelRunner:
 
     def reset_kv_cache(self) -> None:
         """A fresh, zeroed KV cache (after a step that failed lost the donated one)."""
+        if self.channel is not None:
+            self.channel.reset()
         self.kv_cache = self._new_kv_cache()
 
     @property
     def kv_cache_lost(self) -> bool:
+        """Nothing can be retried: the donated cache is gone (or, multi-host, the group)."""
+        if self.channel is not None and self.channel.error is not None:
+            return True
         return any(leaf.is_deleted() for leaf in jax.tree.leaves(self.kv_cache))
 
     @property
@@ -199,14 +205,26 @@ class ModelRunner:
         while the caller dispatches other replicas' steps; fetch() waits for its results."""
         program = self.program(plan.kind, plan.padded_num_tokens, plan.padded_num_seqs,
                                plan.block_tables.shape[1])
-        sampled, self.kv_cache = program(self.params, self.kv_cache, plan)
+        if self.channel is None:
+            sampled, self.kv_cache = program(self.params, self.kv_cache, plan)
+        else:  # multi-host: the followers run it too (multihost.py); a failure is the group's
+            self.channel.step(plan)
+            try:
+                sampled, self.kv_cache = program(self.params, self.kv_cache, plan)
+            except Exception as error:
+                raise self.channel.broken(error) from error
         self.step_shapes.add((plan.kind, plan.padded_num_tokens, plan.padded_num_seqs))
         return PendingStep(sampled, int(plan.num_seqs))
 
-    @staticmethod
-    def fetch(pending: "PendingStep") -> tuple[np.ndarray, ...]:
+    def fetch(self, pending: "PendingStep") -> tuple[np.ndarray, ...]:
         """A dispatched step's results on the host (blocks until the device is done)."""
-        return tuple(np.asarray(x)[:pending.num_seqs] for x in pending.sampled)
+        try:  # replicated over the mesh; across processes only this process's copy is read
+            return tuple(np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
+                         [:pending.num_seqs] for x in pending.sampled)
+        except Exception as error:
+            if self.channel is not None:
+                raise self.channel.broken(error) from error
+            raise
 
     def warmup(self, buckets, progress: bool = False) -> int:
         """Compiles every program a plan from these buckets can need (without running any);

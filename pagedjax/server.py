@@ -391,6 +391,8 @@ class OpenAIServer:
                 yield
             finally:
                 self.async_engine.shutdown()
+                if not self.async_engine.running:
+                    self.async_engine.engine.close()  # a multi-host leader stops its followers
                 if self.trace is not None:
                     self.trace.close()
 

@@ -24,7 +24,7 @@ import dataclasses
 import hashlib
 import json
 import os
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -222,14 +222,15 @@ class Chip:
     name: str
     hbm_bytes_per_s: float
     flops_per_s: float  # dense bf16
+    link_bytes_per_s: float  # a chip's interconnect (NVLink, ICI; PCIe for L4), one direction
 
 
-# Datasheet peaks (dense bf16; HBM bandwidth).
+# Datasheet peaks (dense bf16; HBM bandwidth; NVLink / ICI per chip, one direction).
 CHIPS = {c.name: c for c in (
-    Chip("h200", 4.8e12, 989e12), Chip("h100", 3.35e12, 989e12),
-    Chip("a100-80gb", 2.039e12, 312e12), Chip("l4", 0.3e12, 121e12),
-    Chip("tpu-v5e", 0.819e12, 197e12), Chip("tpu-v5p", 2.765e12, 459e12),
-    Chip("tpu-v6e", 1.64e12, 918e12))}
+    Chip("h200", 4.8e12, 989e12, 450e9), Chip("h100", 3.35e12, 989e12, 450e9),
+    Chip("a100-80gb", 2.039e12, 312e12, 300e9), Chip("l4", 0.3e12, 121e12, 32e9),
+    Chip("tpu-v5e", 0.819e12, 197e12, 200e9), Chip("tpu-v5p", 2.765e12, 459e12, 600e9),
+    Chip("tpu-v6e", 1.64e12, 918e12, 448e9))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,7 +243,13 @@ class RooflineCost:
     tokens x KV bytes per token, the KV-cache formula 2 L K H itemsize) and the new tokens' KV
     written. The utilisations stand for what kernels reach of the peaks; the step overhead for
     host scheduling and launches. A first-order model: calibrate (StepCostModel.fit on
-    `pagedjax profile`) once the hardware is there."""
+    `pagedjax profile`) once the hardware is there.
+
+    Tensor parallel over tensor_parallel_size chips: weight_bytes and kv_bytes_per_token are a
+    device's (pagedjax.sharding's formulas), the FLOPs split TP ways, and the collectives are
+    added unoverlapped, as ring all-reduces (2 (TP - 1) / TP of the bytes) and all-gathers
+    ((TP - 1) / TP) over the chip's link: allreduce_bytes_per_token (two all-reduces a layer of the hidden state) for
+    every padded token, gather_bytes_per_seq (the vocab-split logits) for every sequence."""
 
     chip: Chip
     num_params: int
@@ -252,8 +259,14 @@ class RooflineCost:
     flops_util: float = 0.5
     bw_util: float = 0.7
     overhead_s: float = 0.002
+    tensor_parallel_size: int = 1
+    allreduce_bytes_per_token: int = 0
+    gather_bytes_per_seq: int = 0
 
     def __post_init__(self):
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got "
+                             f"{self.tensor_parallel_size!r}")
         for name in ("flops_util", "bw_util"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
@@ -261,11 +274,17 @@ class RooflineCost:
             raise ValueError(f"overhead_s must be >= 0, got {self.overhead_s!r}")
 
     def predict(self, kind: str, features: np.ndarray) -> float:
-        _, tokens, _, kv_tokens, pairs = features
-        flops = 2.0 * self.num_params * tokens + self.attn_flops_per_pair * pairs
+        _, tokens, seqs, kv_tokens, pairs = features
+        tp = self.tensor_parallel_size
+        flops = (2.0 * self.num_params * tokens + self.attn_flops_per_pair * pairs) / tp
         moved = self.weight_bytes + (kv_tokens + tokens) * self.kv_bytes_per_token
-        return self.overhead_s + max(flops / (self.chip.flops_per_s * self.flops_util),
+        step = self.overhead_s + max(flops / (self.chip.flops_per_s * self.flops_util),
                                      moved / (self.chip.hbm_bytes_per_s * self.bw_util))
+        if tp > 1:
+            sent = (2 * self.allreduce_bytes_per_token * tokens  # ring all-reduce: 2x
+                    + self.gather_bytes_per_seq * seqs)
+            step += (tp - 1) / tp * sent / self.chip.link_bytes_per_s
+        return step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,46 +329,64 @@ class SimResult:
 
 def simulate(trace: Sequence[TraceRequest], config: SchedulerConfig, *, num_blocks: int,
              block_size: int, buckets: ShapeBuckets, cost: StepCostModel | RooflineCost,
-             vocab_size: int = 32000, num_host_blocks: int = 0) -> SimResult:
+             vocab_size: int = 32000, num_host_blocks: int = 0, replicas: int = 1,
+             place: Callable[[Sequence[int], list[int]], int] | None = None) -> SimResult:
     """Runs the trace to completion on simulated time; raises ValueError for a request the
-    configuration can never serve (as the engine would reject it)."""
-    scheduler = Scheduler(config, num_blocks, block_size, num_host_blocks=num_host_blocks)
+    configuration can never serve (as the engine would reject it).
+
+    replicas > 1 simulates data parallelism as pagedjax.data_parallel runs it: a scheduler and a
+    pool of num_blocks each, stepped in lockstep (every replica with work runs a step; the
+    step takes the slowest one's time), each arrival placed by place(prompt token ids, each
+    replica's unfinished requests) -> replica index."""
+    if replicas > 1 and place is None:
+        raise ValueError("replicas > 1 needs a placement rule (place)")
+    schedulers = [Scheduler(config, num_blocks, block_size, num_host_blocks=num_host_blocks)
+                  for _ in range(replicas)]
     order = sorted(range(len(trace)), key=lambda i: trace[i].arrival_s)
     groups: list[list[Request]] = [[] for _ in trace]  # each request's samples
     now, next_arrival, steps, prefill_steps, peak, tokens = 0.0, 0, 0, 0, 0, 0
-    while next_arrival < len(order) or scheduler.has_unfinished():
+    while next_arrival < len(order) or any(s.has_unfinished() for s in schedulers):
         while next_arrival < len(order) and trace[order[next_arrival]].arrival_s <= now:
             i = order[next_arrival]
             r = trace[i]
             params = SamplingParams(max_tokens=r.output_len, n=r.n, temperature=0.0,
                                     ignore_eos=True)
-            request = make_samples(str(i), r.prompt_token_ids(i, vocab_size), params,
-                                   seed=i, arrival_time=r.arrival_s)
+            ids = r.prompt_token_ids(i, vocab_size)
+            request = make_samples(str(i), ids, params, seed=i, arrival_time=r.arrival_s)
+            target = 0 if replicas == 1 else place(
+                ids, [len(s.state.requests) for s in schedulers])
             try:
-                scheduler.add_request(request)
+                schedulers[target].add_request(request)
             except ValueError as e:
                 raise ValueError(f"trace request {i}: {e}") from None
             groups[i] = [request, *request.followers]
             next_arrival += 1
-        if not scheduler.has_unfinished():
+        busy = [s for s in schedulers if s.has_unfinished()]
+        if not busy:
             now = max(now, trace[order[next_arrival]].arrival_s)
             continue
-        output = scheduler.schedule(now)
-        if not output.scheduled:
-            raise RuntimeError("the scheduler made no progress with requests pending")
-        kind, features = step_features(output, buckets)
-        now += cost.predict(kind, features)
-        advanced = scheduler.update(output, np.ones(len(output.scheduled) + len(output.forks),
-                                                    np.int64), now)
+        outputs = [(s, s.schedule(now)) for s in busy]
+        costs = []
+        for scheduler, output in outputs:
+            if not output.scheduled:
+                raise RuntimeError("the scheduler made no progress with requests pending")
+            kind, features = step_features(output, buckets)
+            costs.append(cost.predict(kind, features))
+            prefill_steps += kind == PREFILL
+        now += max(costs)
+        for scheduler, output in outputs:
+            advanced = scheduler.update(
+                output, np.ones(len(output.scheduled) + len(output.forks), np.int64), now)
+            tokens += len(advanced)
+            peak = max(peak, scheduler.kv_manager.num_used_blocks)
         steps += 1
-        prefill_steps += kind == PREFILL
-        tokens += len(advanced)
-        peak = max(peak, scheduler.kv_manager.num_used_blocks)
-    state = scheduler.state
+    states = [s.state for s in schedulers]
     return SimResult.from_timings(
         [g[0].arrival_time for g in groups], [min(s.first_token_time for s in g) for g in groups],
         [max(s.finish_time for s in g) for g in groups],
         [max(len(s.output_token_ids) for s in g) for g in groups], num_steps=steps,
-        num_prefill_steps=prefill_steps, num_preemptions=state.num_preemptions,
+        num_prefill_steps=prefill_steps,
+        num_preemptions=sum(st.num_preemptions for st in states),
         output_tokens=tokens, peak_used_blocks=peak,
-        prefix_queried=state.num_prefix_query_tokens, prefix_hits=state.num_prefix_hit_tokens)
+        prefix_queried=sum(st.num_prefix_query_tokens for st in states),
+        prefix_hits=sum(st.num_prefix_hit_tokens for st in states))

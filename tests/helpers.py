@@ -62,3 +62,33 @@ def until_done(engine, max_steps: int = 10_000):
             return
         yield step
     raise AssertionError(f"still unfinished after {max_steps} steps")
+
+
+def wait_healthy(url: str, procs, timeout_s: float = 120) -> None:
+    """Waits (bounded) until a served /health answers ok; fails if a process exits first."""
+    import json
+    import time
+    import urllib.request
+
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                assert json.load(r) == {"status": "ok"}
+            return
+        except OSError:
+            exited = [p.returncode for p in procs if p.poll() is not None]
+            assert not exited and time.time() < deadline, f"not serving: exit codes {exited}"
+            time.sleep(0.5)
+
+
+def complete(url: str, body: dict, timeout_s: float = 120) -> dict:
+    """POST /v1/completions; the decoded answer."""
+    import json
+    import urllib.request
+
+    request = urllib.request.Request(f"{url}/v1/completions", method="POST",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as r:
+        return json.load(r)

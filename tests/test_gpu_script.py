@@ -77,3 +77,13 @@ def test_mosaic_kernel_check_runs(tmp_path):
     md = (tmp_path / "gpu_kernels_smoke.md").read_text()
     mosaic = [line for line in md.splitlines() if "mosaic decode" in line]
     assert len(mosaic) == 1 and mosaic[0].startswith("- PASS"), mosaic
+
+
+def test_engine_section_runs_tensor_parallel_over_the_devices(tmp_path):
+    """The engine check runs the gpu backend over every device the model splits over (here 2
+    CPU devices, the kernels interpreted under shard_map; one GPU on the lent H200 is TP 1)."""
+    run_script("--sections", "engine", "--out-dir", str(tmp_path), env={
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
+                     f"--xla_force_host_platform_device_count=2"})
+    md = (tmp_path / "gpu_kernels_smoke.md").read_text()
+    assert "- PASS engine greedy tokens, gpu backend at TP 2 == reference at TP 1" in md, md

@@ -22,6 +22,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from helpers import complete, wait_healthy
 from pagedjax import LLM, EngineConfig, LLMEngine, SamplingParams, load_model
 from pagedjax.llm import DEFAULT_MODEL
 from pagedjax.server import OpenAIServer
@@ -405,22 +406,9 @@ def test_pagedjax_serve_process():
         env={**os.environ, "JAX_PLATFORMS": "cpu"})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    assert json.load(r) == {"status": "ok"}
-                break
-            except OSError:
-                assert proc.poll() is None and time.time() < deadline, proc.stdout.read()
-                time.sleep(0.5)
-        request = urllib.request.Request(
-            f"{url}/v1/completions", method="POST",
-            data=json.dumps({"model": "tiny", "prompt": "rev:paged=", "max_tokens": 8,
-                             "temperature": 0}).encode(),
-            headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=60) as r:
-            data = json.load(r)
+        wait_healthy(url, [proc])
+        data = complete(url, {"model": "tiny", "prompt": "rev:paged=", "max_tokens": 8,
+                              "temperature": 0}, timeout_s=60)
         assert data["choices"][0]["text"] == "degap"  # the embedded model reverses strings
         with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as r:
             assert json.load(r)["data"][0]["id"] == "tiny"

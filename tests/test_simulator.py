@@ -173,3 +173,63 @@ def test_simulate_cli_plans_with_the_roofline(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["simulate", "--trace", str(trace), "--roofline", "h200", "--num-blocks", "64"])
     assert exit_info.value.code == 2 and "--model" in capsys.readouterr().err
+
+
+def test_tensor_parallel_roofline_splits_the_work_and_adds_the_collectives():
+    from models import get_config
+    from pagedjax.parallel_plan import roofline_cost
+    from pagedjax.sharding import kv_bytes_per_block_per_device, weight_bytes_per_device
+    from scheduler.simulator import CHIPS
+
+    config = get_config("llama-3-8b")
+    chip = CHIPS["tpu-v5e"]
+    one, four = roofline_cost(config, chip, 1), roofline_cost(config, chip, 4)
+    assert four.weight_bytes == weight_bytes_per_device(config, 4, 2) < one.weight_bytes / 3
+    assert four.kv_bytes_per_token == kv_bytes_per_block_per_device(config, 1, 4,
+                                                                    "bfloat16")
+    assert four.kv_bytes_per_token * 4 == one.kv_bytes_per_token == config.kv_bytes_per_token(2)
+    # Decode, 64 sequences of 2k tokens: a device's bytes, plus two ring all-reduces a layer of
+    # 64 bf16 hidden states and the logits' all-gather.
+    features = np.array([1.0, 64, 64, 64 * 2048, 64 * 2048])
+    moved = four.weight_bytes + (64 * 2048 + 64) * four.kv_bytes_per_token
+    sent = 2 * (2 * 32 * 4096 * 2) * 64 + config.vocab_size * 4 * 64
+    assert four.predict(DECODE, features) == pytest.approx(
+        0.002 + moved / (chip.hbm_bytes_per_s * 0.7) + 3 / 4 * sent / chip.link_bytes_per_s)
+    assert four.predict(DECODE, features) < one.predict(DECODE, features) / 2
+    with pytest.raises(ValueError, match="num_heads"):
+        roofline_cost(config, chip, 3)
+
+
+def test_data_parallel_simulation_places_by_prefix_affinity():
+    """Two replicas in lockstep with the engine's placement rule: every request served once,
+    the shared prefix's requests kept together (the hit rate of one replica), the load spread
+    (a shorter makespan than one replica with the same pool)."""
+    from pagedjax.parallel_plan import prefix_affinity_placer
+
+    trace = [TraceRequest(0.0, 70, 20, prefix_group=g % 2, prefix_len=64) for g in range(16)]
+    setup = _setup(num_blocks=60)
+    one = simulate(trace, **setup)
+    two = simulate(trace, **setup, replicas=2, place=prefix_affinity_placer(2, 16))
+    assert two.output_tokens == one.output_tokens == 16 * 20
+    assert two.prefix_hit_rate >= one.prefix_hit_rate > 0.5
+    assert two.makespan_s < 0.75 * one.makespan_s
+    with pytest.raises(ValueError, match="place"):
+        simulate(trace, **setup, replicas=2)
+
+
+def test_simulate_cli_with_parallelism(tmp_path, capsys):
+    from pagedjax.cli import main
+
+    trace = tmp_path / "trace.jsonl"
+    save_trace(trace, [TraceRequest(0.05 * i, 300 + 10 * i, 50) for i in range(20)])
+    main(["simulate", "--trace", str(trace), "--roofline", "tpu-v5e", "--model", "llama-3-8b",
+          "--kv-memory-gib", "1", "--max-model-len", "1024", "--tensor-parallel-size", "4",
+          "--data-parallel-size", "2"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("roofline estimate: llama-3-8b on tpu-v5e x TP 4 x DP 2")
+    # 1 GiB a device / (32 KiB a token a device x 16) = 2048 blocks, plus the null block.
+    assert out[2].split()[0] == "2049"
+    with pytest.raises(SystemExit):
+        main(["simulate", "--trace", str(trace), "--cost", "x.json", "--num-blocks", "64",
+              "--tensor-parallel-size", "2"])
+    assert "--tensor-parallel-size needs --roofline" in capsys.readouterr().err

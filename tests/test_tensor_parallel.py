@@ -98,6 +98,7 @@ def child() -> None:
         }
     report["metrics"] = served_metrics(model, prompts)
     report["placed"] = placed_loading(model)
+    report["kernels"] = kernels_under_shard_map()
     errors = {}
     for tp in (3, 16):
         try:
@@ -179,6 +180,45 @@ def placed_loading(model) -> dict:
                     for r in runners for leaf in jax.tree.leaves(r.params))}
             del llm
     return report
+
+
+def kernels_under_shard_map() -> dict:
+    """The Pallas GPU kernels (interpreted) per device under shard_map, 2 and 4 ways over the
+    heads (4 query / 2 KV heads: KV heads repeated past 2), against the reference on one device:
+    a ragged prefill and a decode over shuffled, NaN-padded pages; max abs error of each."""
+    import dataclasses
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pagedjax.sharding import make_mesh
+    from pallas_kernels import AttentionBackend, AttentionMetadata, paged_attention
+    from test_kernels_reference import build_case
+
+    errors = {}
+    for name, seqs, decode in (("ragged", [(9, 3), (37, 37), (17, 16), (50, 1)], False),
+                               ("decode", [(1, 1), (37, 1), (50, 1), (9, 1)], True)):
+        rng = np.random.default_rng(3)
+        case = build_case(rng, seqs, block_size=8, num_heads=4, num_kv_heads=2, head_dim=32,
+                          backend="gpu")
+        tokens = case["q"].shape[0]
+        zeros = jnp.zeros((tokens, 2, 32), jnp.float32)  # this step's K/V: to the null block
+        metadata = AttentionMetadata(jnp.zeros(tokens, jnp.int32), jnp.asarray(case["tables"]),
+                                     jnp.asarray(case["kv_lens"]),
+                                     jnp.asarray(case["cu_q_lens"]),
+                                     jnp.asarray(case["num_seqs"]), decode)
+        want, _ = paged_attention(jnp.asarray(case["q"]), zeros, zeros,
+                                  jnp.asarray(case["cache"]), metadata, scale=32 ** -0.5)
+        for tp in (2, 4):
+            repeats = max(1, tp // 2)
+            k = jnp.repeat(zeros, repeats, axis=1)
+            cache = jnp.repeat(jnp.asarray(case["cache"]), repeats, axis=1)
+            backend = dataclasses.replace(AttentionBackend("gpu", interpret=True),
+                                          mesh=make_mesh(tp))
+            got, _ = paged_attention(jnp.asarray(case["q"]), k, k, cache, metadata,
+                                     scale=32 ** -0.5, backend=backend)
+            errors[f"{name}-tp{tp}"] = float(np.abs(np.asarray(got) - np.asarray(want)).max())
+    return errors
 
 
 def served_metrics(model, prompts) -> dict:
@@ -298,3 +338,11 @@ def test_checkpoints_load_straight_into_their_shardings(report, source, name):
     assert run["device0_bytes"] == run["expected_bytes"]
     if source == "hf":
         assert run["elements_read"] == run["elements_placed"]
+
+
+def test_pallas_kernels_under_shard_map_equal_the_reference(report):
+    """f32 (tests/test_kernels_gpu.py's tolerance: accumulation order only); a NaN page that
+    leaked into any device's heads would show as NaN."""
+    assert set(report["kernels"]) == {"ragged-tp2", "ragged-tp4", "decode-tp2", "decode-tp4"}
+    for name, error in report["kernels"].items():
+        assert error < 2e-5, (name, error)

@@ -1,0 +1,49 @@
+"""Planning a parallel deployment without its chips: the roofline step-time model of a model
+split tensor-parallel (a device's weights and KV from pagedjax.sharding's formulas, the
+collectives on the chip's link), and the data-parallel engine's placement rule for the
+simulator's replicas (pagedjax.routing_policy, as the engine and the router use it)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from models import LlamaConfig
+from pagedjax.routing_policy import Backend, RoutingPolicy, prompt_chunks
+from pagedjax.sharding import (check_tensor_parallel, kv_bytes_per_block_per_device,
+                               weight_bytes_per_device)
+from scheduler.simulator import Chip, RooflineCost
+
+ACTIVATION_BYTES = 2  # bf16 hidden states all-reduced
+LOGIT_BYTES = 4  # f32 logits gathered for sampling
+
+
+def roofline_cost(config: LlamaConfig, chip: Chip, tensor_parallel_size: int = 1,
+                  kv_dtype: str = "bfloat16", **utilisation) -> RooflineCost:
+    """A RooflineCost for one replica of config over tensor_parallel_size chips (bf16 weights;
+    KV in kv_dtype); utilisation: flops_util, bw_util, overhead_s."""
+    tp = tensor_parallel_size
+    check_tensor_parallel(config, tp, check_devices=False)
+    return RooflineCost(
+        chip, config.num_params, weight_bytes_per_device(config, tp, 2),
+        kv_bytes_per_block_per_device(config, 1, tp, kv_dtype),
+        4 * config.num_layers * config.num_heads * config.head_dim,
+        tensor_parallel_size=tp,
+        allreduce_bytes_per_token=2 * config.num_layers * config.hidden_size * ACTIVATION_BYTES,
+        gather_bytes_per_seq=config.vocab_size * LOGIT_BYTES, **utilisation)
+
+
+def prefix_affinity_placer(replicas: int, block_size: int):
+    """place(prompt token ids, unfinished requests of each replica) -> replica, by the
+    data-parallel engine's rule (kv_aware over block-sized chunks)."""
+    backends = [Backend(f"replica:{r}") for r in range(replicas)]
+    policy = RoutingPolicy(backends, "kv_aware")
+
+    def place(prompt_token_ids: Sequence[int], loads: list[int]) -> int:
+        for backend, load in zip(backends, loads):
+            backend.in_flight = load
+        chunks = prompt_chunks(prompt_token_ids, ids_chunk=block_size)
+        backend, _ = policy.choose(chunks)
+        policy.record(backend, chunks)
+        return backends.index(backend)
+
+    return place
