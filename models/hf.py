@@ -322,44 +322,64 @@ def inspect_model_dir(model_dir: str, kv_dtype: str = "bfloat16", block_size: in
                       attention_backend: str = "reference") -> dict[str, Any]:
     """What `pagedjax inspect` prints: architecture, attention type, KV bytes (in the cache
     layout of attention_backend: the GPU pads the head dim, the TPU a quantized cache's scale
-    rows), support."""
+    rows), support. A `.gguf` file is inspected from its metadata (models.gguf_loader)."""
+    _check_inspect_args(kv_dtype, block_size, attention_backend)
+    from models.gguf_loader import inspect_gguf, is_gguf
+    if is_gguf(model_dir):
+        return inspect_gguf(model_dir, kv_dtype, block_size, attention_backend)
     raw = read_json(os.path.join(model_dir, "config.json"))
-    import ml_dtypes
+    report: dict[str, Any] = {"architecture": architecture_of(raw),
+                              "model_type": raw.get("model_type"),
+                              "checkpoint_dtype": checkpoint_dtype(raw)}
+    try:
+        config = read_hf_config(model_dir)
+    except UnsupportedModelError as e:
+        heads = raw.get("num_attention_heads")
+        kv_heads = raw.get("num_key_value_heads") or heads
+        if heads and kv_heads:
+            report["attention"] = attention_kind(heads, kv_heads)
+        report.update(supported=False, reason=str(e))
+        return report
+    return {**report, **config_report(config, kv_dtype, block_size, attention_backend)}
 
-    from pallas_kernels import IMPLEMENTATIONS, kv_cache_bytes_per_block
-    dtypes = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "int8": np.int8,
-              "fp8": ml_dtypes.float8_e4m3fn}
-    if kv_dtype not in dtypes:
-        raise ValueError(f"kv_dtype must be one of {sorted(dtypes)}, got {kv_dtype!r}")
+
+KV_DTYPES = ("float32", "bfloat16", "int8", "fp8")
+
+
+def _check_inspect_args(kv_dtype, block_size, attention_backend) -> None:
+    from pallas_kernels import IMPLEMENTATIONS
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
     if attention_backend not in IMPLEMENTATIONS:
         raise ValueError(f"attention_backend must be one of {sorted(IMPLEMENTATIONS)}, "
                          f"got {attention_backend!r}")
-    report: dict[str, Any] = {"architecture": architecture_of(raw),
-                              "model_type": raw.get("model_type"),
-                              "checkpoint_dtype": checkpoint_dtype(raw)}
-    heads = raw.get("num_attention_heads")
-    kv_heads = raw.get("num_key_value_heads") or heads
-    if heads and kv_heads:
-        report["attention"] = ("MHA" if kv_heads == heads else "MQA" if kv_heads == 1
-                               else f"GQA ({heads // kv_heads} query heads per KV head)")
-    try:
-        config = read_hf_config(model_dir)
-    except UnsupportedModelError as e:
-        report.update(supported=False, reason=str(e))
-        return report
+
+
+def attention_kind(heads: int, kv_heads: int) -> str:
+    return ("MHA" if kv_heads == heads else "MQA" if kv_heads == 1
+            else f"GQA ({heads // kv_heads} query heads per KV head)")
+
+
+def config_report(config: LlamaConfig, kv_dtype: str, block_size: int,
+                  attention_backend: str) -> dict[str, Any]:
+    """The served shape of a supported config: heads, RoPE, parameters, KV bytes."""
+    import ml_dtypes
+
+    from pallas_kernels import kv_cache_bytes_per_block
+    dtypes = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "int8": np.int8,
+              "fp8": ml_dtypes.float8_e4m3fn}
     # int8 / fp8 add an f32 scale per token and KV head (on the TPU, per 128-lane row slot)
     per_block = kv_cache_bytes_per_block(config.num_layers, block_size, config.num_kv_heads,
                                          config.head_dim, dtypes[kv_dtype], attention_backend)
-    per_token = per_block // block_size
-    report.update(
-        supported=True, num_layers=config.num_layers, num_heads=config.num_heads,
+    return dict(
+        supported=True, attention=attention_kind(config.num_heads, config.num_kv_heads),
+        num_layers=config.num_layers, num_heads=config.num_heads,
         num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
         sliding_window=config.sliding_window,
         rope=(config.rope_scaling.rope_type if config.rope_scaling else "default"),
         rope_theta=config.rope_theta, max_position_embeddings=config.max_position_embeddings,
         num_params=config.num_params, kv_dtype=kv_dtype, attention_backend=attention_backend,
-        kv_bytes_per_token=per_token, block_size=block_size,
+        kv_bytes_per_token=per_block // block_size, block_size=block_size,
         kv_bytes_per_block=per_block, eos_token_ids=list(config.eos_token_ids))
-    return report

@@ -93,23 +93,38 @@ def _is_kv(model_path: tuple) -> bool:
 # ---- Hugging Face safetensors ----------------------------------------------------------------
 
 def lazy_hf_model(model_dir: str, dtype: str = "float32") -> LazyModel:
-    from models.hf import _hf_name, checked_hf_weights
+    from models.hf import checked_hf_weights
 
     abstract, _, files = checked_hf_weights(model_dir, dtype)
-    config = abstract.config
-    np_dtype = np.dtype(jnp.dtype(dtype))
 
-    def place(weights, placement: Placement):
-        with contextlib.ExitStack() as files_open:
+    @contextlib.contextmanager
+    def opened():
+        from safetensors import safe_open
+
+        with contextlib.ExitStack() as stack:
             handles = {}
 
             def tensor(name):
                 if files[name] not in handles:
-                    from safetensors import safe_open
-                    handles[files[name]] = files_open.enter_context(
+                    handles[files[name]] = stack.enter_context(
                         safe_open(files[name], framework="numpy"))
                 return handles[files[name]].get_slice(name)
 
+            yield tensor
+
+    return lazy_from_tensors(abstract, opened, np.dtype(jnp.dtype(dtype)), model_dir)
+
+
+def lazy_from_tensors(abstract: LlamaForCausalLM, opened, np_dtype, source: str) -> LazyModel:
+    """A LazyModel reading HF-named tensors ([out, in] for a Linear, as HF stores them):
+    opened() is a context manager yielding tensor(name), anything indexable by a tuple of
+    slices (a safetensors slice; a numpy array)."""
+    config = abstract.config
+
+    def place(weights, placement: Placement):
+        from models.hf import _hf_name
+
+        with opened() as tensor:
             def build(path, leaf):
                 field, model_path = leaf_names(path)
                 layers, stacked = _layers_of(path, config.num_layers)
@@ -129,7 +144,7 @@ def lazy_hf_model(model_dir: str, dtype: str = "float32") -> LazyModel:
 
             return jax.tree_util.tree_map_with_path(build, weights)
 
-    return LazyModel(config, abstract, place, model_dir)
+    return LazyModel(config, abstract, place, source)
 
 
 def _at(model_path: tuple, layer: int) -> tuple:

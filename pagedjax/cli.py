@@ -62,8 +62,8 @@ def capacity(argv) -> None:
 
 
 def inspect(argv) -> None:
-    """What the engine makes of a Hugging Face model directory: architecture, attention type,
-    KV-cache bytes per token and per block, and whether it can be served."""
+    """What the engine makes of a Hugging Face model directory or a .gguf file: architecture,
+    attention type, KV-cache bytes per token and per block, and whether it can be served."""
     from models.hf import inspect_model_dir
 
     parser = argparse.ArgumentParser(prog="pagedjax inspect", description=inspect.__doc__)

@@ -38,6 +38,8 @@ def resolve_model(model: str | os.PathLike | LlamaForCausalLM, seed: int = 0,
       training-to-serving path); its tokenizer is the directory's tokenizer.json, or the byte
       vocabulary when the checkpoint's metadata says `"tokenizer": "byte"`;
     - a directory with `config.json`: a Hugging Face model (safetensors), with tokenizer.json;
+    - a `.gguf` file (llama.cpp's format; models.gguf_loader): the Llama family, dequantized to
+      dtype, with the tokenizer and chat template it embeds;
     - a name from models.CONFIGS: that config with seeded random weights (parameters in f32,
       activations in dtype), no tokenizer.
     """
@@ -48,6 +50,14 @@ def resolve_model(model: str | os.PathLike | LlamaForCausalLM, seed: int = 0,
                          f"LlamaForCausalLM, got {type(model).__name__}")
     path = os.fspath(model)
     compute_dtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
+    from models.gguf_loader import is_gguf
+    if is_gguf(path):
+        from models.gguf_loader import checked_gguf, lazy_gguf_model, load_gguf_model, metadata
+        from pagedjax.gguf_tokenizer import tokenizer_from_gguf
+        loaded = (lazy_gguf_model if lazy else load_gguf_model)(path, dtype=dtype)
+        import gguf
+        tokenizer = tokenizer_from_gguf(metadata(gguf.GGUFReader(path)), path)
+        return loaded, tokenizer
     if os.path.isdir(path):
         from models.checkpoint import is_checkpoint, load_checkpoint, read_checkpoint_config
         has_tokenizer = os.path.isfile(os.path.join(path, "tokenizer.json"))
@@ -107,18 +117,30 @@ class LLM:
     def _token_ids(self, prompt) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
             return encode_text(self.tokenizer, prompt), prompt
-        if isinstance(prompt, dict):
-            if set(prompt) != {"prompt_token_ids"}:
-                raise RequestError("prompt", f"a prompt dict must hold only prompt_token_ids, "
-                                   f"got {sorted(map(str, prompt))[:8]}")
-            return prompt["prompt_token_ids"], None
+        if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
+            keys = set(prompt)
+            if keys == {"prompt"}:
+                if not isinstance(prompt["prompt"], str):
+                    raise RequestError("prompt", f"prompt must be a string, got "
+                                       f"{type(prompt['prompt']).__name__}")
+                return encode_text(self.tokenizer, prompt["prompt"]), prompt["prompt"]
+            if keys in ({"prompt_token_ids"}, {"prompt_token_ids", "prompt"}):
+                text = prompt.get("prompt")
+                if text is not None and not isinstance(text, str):
+                    raise RequestError("prompt", f"prompt must be a string, got "
+                                       f"{type(text).__name__}")
+                return prompt["prompt_token_ids"], text
+            raise RequestError("prompt", f"a prompt dict holds prompt (text) or "
+                               f"prompt_token_ids (and optionally its prompt text), got "
+                               f"{sorted(map(str, prompt))[:8]}")
         return prompt, None  # token ids: check_specs checks them
 
     def generate(self, prompts: str | Sequence[Any],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generates for every prompt: a string (needs a tokenizer), a list of token ids, or
-        {"prompt_token_ids": [...]}; outputs come back in prompt order.
+        """Generates for every prompt, vLLM's forms mixed as they come: a string (needs a
+        tokenizer), a list of token ids, {"prompt": str} or {"prompt_token_ids": [...]} (with
+        an optional "prompt", its text); outputs come back in prompt order.
 
         Every request is validated before any is queued, so a bad one rejects the whole call and
         leaves the engine as it was.

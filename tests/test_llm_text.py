@@ -72,6 +72,24 @@ def test_directory_picks_hf_loader_and_tokenizer(llm, model_dir):
     assert same.output_token_ids == outs[0].output_token_ids and same.prompt is None
 
 
+def test_generate_takes_vllms_prompt_forms_mixed(llm):
+    """A string, {"prompt": str}, token ids, {"prompt_token_ids": [...]} (with and without its
+    text) in one call: each its own tokens, in order."""
+    ids = llm.tokenizer.encode(PROMPTS[1])
+    forms = [PROMPTS[0], {"prompt": PROMPTS[1]}, ids, {"prompt_token_ids": ids},
+             {"prompt_token_ids": ids, "prompt": PROMPTS[1]}]
+    outs = llm.generate(forms, GREEDY, use_tqdm=False)
+    alone = [llm.generate(p, GREEDY, use_tqdm=False)[0] for p in PROMPTS[:2]]
+    assert outs[0].output_token_ids == alone[0].output_token_ids
+    assert all(o.output_token_ids == alone[1].output_token_ids for o in outs[1:])
+    assert [o.prompt for o in outs] == [PROMPTS[0], PROMPTS[1], None, None, PROMPTS[1]]
+    for bad, words in (({"prompt": 3}, "prompt must be a string"),
+                       ({"text": "x"}, "a prompt dict holds prompt")):
+        with pytest.raises(ValueError, match=words):
+            llm.generate([PROMPTS[0], bad], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished()  # a rejected call queued nothing
+
+
 def long_text_output(llm):
     """A prompt whose greedy text is long enough to hold a stop string in its middle."""
     for prompt in PROMPTS:

@@ -1,0 +1,213 @@
+"""GGUF files (llama.cpp's format) -> LlamaConfig, weights and a tokenizer.
+
+Read with the `gguf` package, llama.cpp's own Python reader, which also dequantizes: tensors in
+F32, F16, BF16, Q8_0, Q4_0, Q4_1 (and the other block formats it dequantizes: Q5_0, Q5_1, the
+K-quants) become the engine's dtype, one tensor at a time; any other type is refused by name.
+llama.cpp's converter permutes the rows of the q and k projections (its RoPE pairs adjacent
+elements, HF's the two halves of a head): undone here, so the weights are HF's, and the model
+runs them as any HF checkpoint. The config comes from the `llama.*` metadata; only the Llama
+architecture is accepted (Mistral-style and Llama 3 checkpoints are written as `llama`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.config import LlamaConfig
+from models.llama import LlamaForCausalLM
+
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K",
+                   "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+LAYER_NAMES = {  # GGUF blk.{i}.<name> -> HF model.layers.{i}.<name>
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj"}
+TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+             "output": "lm_head"}
+
+
+def is_gguf(path) -> bool:
+    return os.path.isfile(path) and os.fspath(path).endswith(".gguf")
+
+
+def _reader(path: str):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises several types for a bad file
+        raise ValueError(f"{path}: not a readable GGUF file: {e}") from e
+
+
+def metadata(reader) -> dict:
+    """Every key-value field: scalars, strings, and lists."""
+    values = {}
+    for key, field in reader.fields.items():
+        try:
+            values[key] = field.contents()
+        except Exception:  # noqa: BLE001 - a field the reader cannot decode: left out
+            continue
+    return values
+
+
+def config_from_gguf(meta: dict, tensor_names: set[str], path: str = "") -> LlamaConfig:
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported: this engine "
+                         f"serves the Llama family (general.architecture 'llama'); for Qwen, "
+                         f"Mistral with its own key names and others use their HF checkpoints")
+
+    def get(key, default=None):
+        value = meta.get(f"llama.{key}", default)
+        if value is None:
+            raise ValueError(f"{path}: GGUF metadata llama.{key} is missing")
+        return value
+
+    scaling = meta.get("llama.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ValueError(f"{path}: RoPE scaling {scaling!r} in a GGUF is not supported")
+    heads, hidden = int(get("attention.head_count")), int(get("embedding_length"))
+    vocab = meta.get("llama.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    return LlamaConfig(
+        vocab_size=int(vocab), hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")), num_layers=int(get("block_count")),
+        num_heads=heads, num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(meta.get("llama.attention.key_length", hidden // heads)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        max_position_embeddings=int(get("context_length", 2048)),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=None if eos is None else int(eos), model_type="llama")
+
+
+def hf_name(gguf_name: str) -> str:
+    """The HF tensor name of a GGUF tensor name."""
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return f"{TOP_NAMES[parts[0]]}.{parts[1]}"
+
+
+def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's q/k row permutation undone: its rows (a head's pairs interleaved) back to
+    HF's (a head's two halves)."""
+    rows = weight.shape[0]
+    return (weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def checked_gguf(path: str, dtype: str = "float32"):
+    """(abstract model in dtype, opened) where opened() yields tensor(HF name) -> the tensor
+    dequantized to f32 in HF's layout; every tensor's name, type and shape checked first."""
+    reader = _reader(path)
+    meta = metadata(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    config = config_from_gguf(meta, set(tensors), path)
+    jdtype = jnp.dtype(dtype)
+    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0), dtype=jdtype,
+                                                       param_dtype=jdtype))
+    from models.hf import _hf_name
+
+    params = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
+    wanted = {_hf_name(p)[0]: (x.shape, _hf_name(p)[1])
+              for p, x in jax.tree_util.tree_leaves_with_path(params)}
+    by_hf = {}
+    for name, tensor in tensors.items():
+        try:
+            hf = hf_name(name)
+        except (KeyError, IndexError):
+            raise ValueError(f"{path}: tensor {name!r} is not part of a Llama model") from None
+        if tensor.tensor_type.name not in SUPPORTED_TYPES:
+            raise ValueError(f"{path}: tensor {name} is {tensor.tensor_type.name}, which is not "
+                             f"supported (supported: {', '.join(SUPPORTED_TYPES)})")
+        by_hf[hf] = tensor
+    missing = sorted(set(wanted) - set(by_hf))
+    if missing:
+        raise ValueError(f"{path}: tensors missing: {missing[:5]}")
+    for hf, (shape, transpose) in wanted.items():
+        stored = tuple(int(d) for d in reversed(by_hf[hf].shape))  # GGUF lists ne[0] first
+        if stored != tuple(shape[::-1] if transpose else shape):
+            raise ValueError(f"{path}: tensor {by_hf[hf].name} has shape {stored}, the "
+                             f"metadata implies {tuple(shape[::-1] if transpose else shape)}")
+    permuted = {"self_attn.q_proj": config.num_heads, "self_attn.k_proj": config.num_kv_heads}
+
+    @functools.lru_cache(maxsize=1)  # a tensor is asked for shard by shard, layer by layer
+    def tensor(name: str) -> np.ndarray:
+        import gguf
+
+        stored = by_hf[name]
+        shape = tuple(int(d) for d in reversed(stored.shape))
+        weight = gguf.quants.dequantize(stored.data, stored.tensor_type).astype(np.float32)
+        weight = weight.reshape(shape)
+        for module, heads in permuted.items():
+            if f".{module}.weight" in name:
+                weight = _unpermute(weight, heads)
+        return weight
+
+    @contextlib.contextmanager
+    def opened():
+        try:
+            yield tensor
+        finally:
+            tensor.cache_clear()
+
+    return abstract, opened, meta
+
+
+def lazy_gguf_model(path: str, dtype: str = "float32"):
+    """A models.placed_weights.LazyModel of a GGUF file: checked, nothing dequantized yet."""
+    from models.placed_weights import lazy_from_tensors
+
+    abstract, opened, _ = checked_gguf(path, dtype)
+    return lazy_from_tensors(abstract, opened, np.dtype(jnp.dtype(dtype)), path)
+
+
+def load_gguf_model(path: str, dtype: str = "float32") -> LlamaForCausalLM:
+    """The model of a GGUF file, on jax.devices()[0], parameters and activations in dtype."""
+    from models.hf import _hf_name
+
+    abstract, opened, _ = checked_gguf(path, dtype)
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    state = nnx.state(abstract, nnx.Param)
+    params = nnx.to_pure_dict(state)
+    with opened() as tensor:
+        def read(p, _):
+            name, transpose = _hf_name(p)
+            weight = tensor(name)
+            return jax.device_put(np.ascontiguousarray(weight.T if transpose else weight,
+                                                       np_dtype), jax.devices()[0])
+
+        loaded = jax.tree_util.tree_map_with_path(read, params)
+    nnx.replace_by_pure_dict(state, loaded)
+    nnx.update(abstract, state)
+    return abstract
+
+
+def inspect_gguf(path: str, kv_dtype: str, block_size: int, attention_backend: str) -> dict:
+    """models.hf.inspect_model_dir's report of a GGUF file, from its metadata and tensor
+    headers (nothing dequantized)."""
+    import collections
+
+    from models.hf import config_report
+
+    reader = _reader(path)
+    meta = metadata(reader)
+    types = collections.Counter(t.tensor_type.name for t in reader.tensors)
+    report = {"architecture": meta.get("general.architecture"), "model_type": "gguf",
+              "checkpoint_dtype": ", ".join(f"{k} x{n}" for k, n in types.most_common())}
+    try:
+        checked_gguf(path)
+        config = config_from_gguf(meta, {t.name for t in reader.tensors}, path)
+    except ValueError as e:
+        return {**report, "supported": False, "reason": str(e)}
+    return {**report, **config_report(config, kv_dtype, block_size, attention_backend)}
