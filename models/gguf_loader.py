@@ -38,6 +38,11 @@ def is_gguf(path) -> bool:
     return os.path.isfile(path) and os.fspath(path).endswith(".gguf")
 
 
+def open_gguf(path: str):
+    """The file's gguf.GGUFReader (a bad file raises ValueError naming it)."""
+    return _reader(path)
+
+
 def _reader(path: str):
     import gguf
 
@@ -106,10 +111,11 @@ def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def checked_gguf(path: str, dtype: str = "float32"):
-    """(abstract model in dtype, opened) where opened() yields tensor(HF name) -> the tensor
-    dequantized to f32 in HF's layout; every tensor's name, type and shape checked first."""
-    reader = _reader(path)
+def checked_gguf(path: str, dtype: str = "float32", reader=None):
+    """(abstract model in dtype, opened, metadata) where opened() yields tensor(HF name) -> the
+    tensor dequantized to f32 in HF's layout; every tensor's name, type and shape checked
+    first. reader: the file's gguf.GGUFReader when already open (parsing one takes seconds)."""
+    reader = _reader(path) if reader is None else reader
     meta = metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
     config = config_from_gguf(meta, set(tensors), path)
@@ -164,19 +170,19 @@ def checked_gguf(path: str, dtype: str = "float32"):
     return abstract, opened, meta
 
 
-def lazy_gguf_model(path: str, dtype: str = "float32"):
+def lazy_gguf_model(path: str, dtype: str = "float32", reader=None):
     """A models.placed_weights.LazyModel of a GGUF file: checked, nothing dequantized yet."""
     from models.placed_weights import lazy_from_tensors
 
-    abstract, opened, _ = checked_gguf(path, dtype)
+    abstract, opened, _ = checked_gguf(path, dtype, reader)
     return lazy_from_tensors(abstract, opened, np.dtype(jnp.dtype(dtype)), path)
 
 
-def load_gguf_model(path: str, dtype: str = "float32") -> LlamaForCausalLM:
+def load_gguf_model(path: str, dtype: str = "float32", reader=None) -> LlamaForCausalLM:
     """The model of a GGUF file, on jax.devices()[0], parameters and activations in dtype."""
     from models.hf import _hf_name
 
-    abstract, opened, _ = checked_gguf(path, dtype)
+    abstract, opened, _ = checked_gguf(path, dtype, reader)
     np_dtype = np.dtype(jnp.dtype(dtype))
     state = nnx.state(abstract, nnx.Param)
     params = nnx.to_pure_dict(state)
@@ -206,7 +212,7 @@ def inspect_gguf(path: str, kv_dtype: str, block_size: int, attention_backend: s
     report = {"architecture": meta.get("general.architecture"), "model_type": "gguf",
               "checkpoint_dtype": ", ".join(f"{k} x{n}" for k, n in types.most_common())}
     try:
-        checked_gguf(path)
+        checked_gguf(path, reader=reader)
         config = config_from_gguf(meta, {t.name for t in reader.tensors}, path)
     except ValueError as e:
         return {**report, "supported": False, "reason": str(e)}

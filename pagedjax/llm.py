@@ -52,12 +52,11 @@ def resolve_model(model: str | os.PathLike | LlamaForCausalLM, seed: int = 0,
     compute_dtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
     from models.gguf_loader import is_gguf
     if is_gguf(path):
-        from models.gguf_loader import checked_gguf, lazy_gguf_model, load_gguf_model, metadata
+        from models.gguf_loader import lazy_gguf_model, load_gguf_model, metadata, open_gguf
         from pagedjax.gguf_tokenizer import tokenizer_from_gguf
-        loaded = (lazy_gguf_model if lazy else load_gguf_model)(path, dtype=dtype)
-        import gguf
-        tokenizer = tokenizer_from_gguf(metadata(gguf.GGUFReader(path)), path)
-        return loaded, tokenizer
+        reader = open_gguf(path)
+        loaded = (lazy_gguf_model if lazy else load_gguf_model)(path, dtype, reader)
+        return loaded, tokenizer_from_gguf(metadata(reader), path)
     if os.path.isdir(path):
         from models.checkpoint import is_checkpoint, load_checkpoint, read_checkpoint_config
         has_tokenizer = os.path.isfile(os.path.join(path, "tokenizer.json"))
