@@ -117,8 +117,9 @@ class LLMEngine:
         """tokenizer (optional: a pagedjax.tokenizer.Tokenizer or ByteTokenizer) adds text to
         the outputs and enables stop strings. (Its vocabulary may exceed the model's, as some
         checkpoints' added tokens do: prompt ids are checked against the model's vocab_size.)
-        devices: where the model runs, its first tensor_parallel_size (default jax.devices();
-        a data-parallel engine gives each replica its own group). seed_rng draws the seeds of
+        devices: where the model runs, its first tensor_parallel_size (default: this process's
+        devices, or every process's when the model needs more, multi-host; a data-parallel
+        engine gives each replica its own group). seed_rng draws the seeds of
         requests that give none (default: seeded by config.seed)."""
         config = config or EngineConfig()
         model_config = model.config
