@@ -176,6 +176,8 @@ def serve(argv) -> None:
     parser = argparse.ArgumentParser(prog="pagedjax serve", description=serve.__doc__)
     parser.add_argument("model", nargs="?", default=None)
     parser.add_argument("--tokenizer", help="a tokenizer directory, or 'byte'")
+    parser.add_argument("--chat-template", help="a Jinja chat template, or a file holding one, "
+                        "for a model whose tokenizer has none (or to replace its own)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name",
@@ -210,6 +212,12 @@ def serve(argv) -> None:
         parser.error(f"--max-outstanding-tokens must be >= 1, got {args.max_outstanding_tokens}")
     if args.max_request_bytes < 1:
         parser.error(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    if args.chat_template is not None:
+        from pagedjax.tokenizer import read_chat_template
+        try:
+            args.chat_template = read_chat_template(args.chat_template)
+        except ValueError as e:
+            parser.error(str(e))
 
     import jax
 
@@ -240,7 +248,8 @@ def serve(argv) -> None:
     run_server(llm.engine, name, host=args.host, port=args.port,
                max_outstanding_tokens=args.max_outstanding_tokens, api_key=args.api_key,
                trace_out=args.trace_out, log_level=args.log_level,
-               max_request_bytes=args.max_request_bytes, public_metrics=args.public_metrics)
+               max_request_bytes=args.max_request_bytes, public_metrics=args.public_metrics,
+               chat_template=args.chat_template)
 
 
 def _report_warmup(warmup) -> None:

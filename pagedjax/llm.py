@@ -15,7 +15,7 @@ from pagedjax.beam_search import BeamSearchParams, BeamSequence, beam_search
 from pagedjax.config import EngineConfig
 from pagedjax.data_parallel import make_engine
 from pagedjax.outputs import RequestOutput
-from pagedjax.tokenizer import ByteTokenizer, Tokenizer
+from pagedjax.tokenizer import NO_CHAT_TEMPLATE, ByteTokenizer, Tokenizer, check_chat_template
 from scheduler import RequestError, SamplingParams
 
 DEFAULT_MODEL = DEFAULT_CHECKPOINT  # the embedded trained model
@@ -179,17 +179,22 @@ class LLM:
     def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              add_generation_prompt: bool = True, use_tqdm: bool = True,
-             **template_kwargs) -> list[RequestOutput]:
+             chat_template: str | None = None, **template_kwargs) -> list[RequestOutput]:
         """Generates replies to one conversation (a list of {"role", "content"} messages) or a
-        list of them, rendered with the tokenizer's chat template."""
+        list of them, rendered with chat_template, or else the tokenizer's own (a model without
+        one is refused, as vLLM does: a made-up template would feed it garbage)."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this model has none")
+        if chat_template is not None:
+            check_chat_template(chat_template)
+        elif getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError(NO_CHAT_TEMPLATE)
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of messages or conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(
             conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
-            **template_kwargs)} for conversation in conversations]
+            chat_template=chat_template, **template_kwargs)} for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(self, prompts: Sequence[Sequence[int]],

@@ -36,6 +36,7 @@ from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.protocol import (ChatCompletionRequest, CompletionRequest, _SamplingFields,
                                split_prompts)
 from pagedjax.server_metrics import ServerMetrics
+from pagedjax.tokenizer import NO_CHAT_TEMPLATE, check_chat_template
 from pagedjax.trace_recorder import TraceRecorder
 from scheduler import RequestError, SamplingParams
 
@@ -49,14 +50,20 @@ class OpenAIServer:
                  max_outstanding_tokens: int | None = None, api_key: str | None = None,
                  trace_out: str | None = None,
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                 public_metrics: bool = False):
+                 public_metrics: bool = False, chat_template: str | None = None):
         """api_key guards every route but /health (and /metrics with public_metrics, for a
-        scraper); bodies over max_request_bytes answer 413 unread."""
+        scraper); bodies over max_request_bytes answer 413 unread; chat_template replaces the
+        tokenizer's (a model with neither refuses chat requests, 400)."""
         if not isinstance(served_model_name, str) or not served_model_name:
             raise ValueError(f"served_model_name must be a non-empty string, "
                              f"got {served_model_name!r}")
         self.engine = engine
         self.tokenizer = engine.tokenizer
+        if chat_template is not None:
+            if self.tokenizer is None:
+                raise ValueError("chat_template needs a tokenizer; this engine has none")
+            check_chat_template(chat_template)
+        self.chat_template = chat_template or getattr(self.tokenizer, "chat_template", None)
         self.model_name = served_model_name
         if api_key is not None and (not isinstance(api_key, str) or not api_key):
             raise ValueError("api_key must be None or a non-empty string")
@@ -245,6 +252,8 @@ class OpenAIServer:
         if self.tokenizer is None or not hasattr(self.tokenizer, "apply_chat_template"):
             raise APIError(400, "chat needs a tokenizer with a chat template; this model has "
                            "none (use /v1/completions)", "messages")
+        if self.chat_template is None:
+            raise APIError(400, NO_CHAT_TEMPLATE, "messages")
         messages = []
         for i, message in enumerate(body.messages):
             content = message.content
@@ -261,7 +270,7 @@ class OpenAIServer:
         try:
             return list(self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=body.add_generation_prompt, tokenize=True,
-                **(body.chat_template_kwargs or {})))
+                chat_template=self.chat_template, **(body.chat_template_kwargs or {})))
         except Exception as e:  # noqa: BLE001 - a template error is the caller's input
             raise APIError(400, f"messages: the chat template failed: {str(e)[:200]}",
                            "messages") from None

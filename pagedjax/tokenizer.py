@@ -21,6 +21,29 @@ if TYPE_CHECKING:
 
 NUM_PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token (as vLLM)
 NO_TEMPLATE_VARS = {"tools": None, "documents": None}  # transformers always passes these
+NO_CHAT_TEMPLATE = (  # vLLM refuses too: a made-up default template gives a model garbage
+    "this model's tokenizer has no chat template (no chat_template in tokenizer_config.json, "
+    "no chat_template.jinja, no tokenizer.chat_template in the GGUF); pass one "
+    "(chat_template= / pagedjax serve --chat-template FILE) or send plain prompts "
+    "(LLM.generate, /v1/completions)")
+
+
+def check_chat_template(template: Any, field: str = "chat_template") -> str:
+    """A template string that compiles, or ValueError naming `field`."""
+    if not isinstance(template, str) or not template.strip():
+        raise ValueError(f"{field} must be a non-empty Jinja template string, got {template!r}")
+    _compile_chat_template(template)
+    return template
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template: a file holding the template, or the template itself (as vLLM)."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return check_chat_template(f.read(), f"--chat-template file {value}")
+    if not any(mark in value for mark in ("{{", "{%")):
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return check_chat_template(value, "--chat-template")
 
 
 @functools.lru_cache(maxsize=16)
@@ -78,8 +101,7 @@ def render_chat_template(template: str | None, messages: Sequence[dict],
     """Validate `messages` and render `template` with them; `variables` (bos_token, eos_token,
     tools, ...) are passed to the template as they are."""
     if template is None:
-        raise ValueError("this tokenizer has no chat template (no chat_template in "
-                         "tokenizer_config.json and no chat_template.jinja)")
+        raise ValueError(NO_CHAT_TEMPLATE)
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError(f"messages must be a non-empty list of dicts, got {messages!r}")
     for i, message in enumerate(messages):
@@ -219,13 +241,15 @@ class Tokenizer:
         return [self._tokenizer.id_to_token(i) for i in ids]
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                            tokenize: bool = False, **extra) -> str | list[int]:
+                            tokenize: bool = False, chat_template: str | None = None,
+                            **extra) -> str | list[int]:
         """The rendered conversation, or its token ids when tokenize (encoded without special
-        tokens: the template writes the BOS text itself)."""
+        tokens: the template writes the BOS text itself); chat_template overrides the
+        tokenizer's own (as transformers)."""
         specials = {k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token))
                     if v is not None}
-        text = render_chat_template(self.chat_template, messages, add_generation_prompt,
-                                    **{**specials, **extra})
+        text = render_chat_template(chat_template or self.chat_template, messages,
+                                    add_generation_prompt, **{**specials, **extra})
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
@@ -238,9 +262,7 @@ class ByteTokenizer:
     bos_token, eos_token = "<bos>", "<eos>"
     bos_token_id = 256
     eos_token_ids = (257,)
-    chat_template = ("{{ bos_token }}{% for message in messages %}"
-                     "{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
-                     "{% if add_generation_prompt %}assistant: {% endif %}")
+    chat_template = None  # it was trained on no conversations: chat needs one passed in
     SPECIALS = {256: "<bos>", 257: "<eos>", **{i: f"<reserved_{i}>" for i in range(258, 264)}}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -269,10 +291,11 @@ class ByteTokenizer:
                 else self.SPECIALS.get(i) for i in ids]
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                            tokenize: bool = False, **extra) -> str | list[int]:
+                            tokenize: bool = False, chat_template: str | None = None,
+                            **extra) -> str | list[int]:
         specials = {"bos_token": self.bos_token, "eos_token": self.eos_token}
-        text = render_chat_template(self.chat_template, messages, add_generation_prompt,
-                                    **{**specials, **extra})
+        text = render_chat_template(chat_template or self.chat_template, messages,
+                                    add_generation_prompt, **{**specials, **extra})
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 

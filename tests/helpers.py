@@ -8,6 +8,12 @@ import numpy as np
 
 from scheduler import NULL_BLOCK, KVCacheManager, Request, SamplingParams, Scheduler, build_plan
 
+# The embedded byte model has no chat template of its own (chat to it is refused); the server
+# tests pass this one, as a vLLM user passes --chat-template.
+ROLE_TEMPLATE = ("{{ bos_token }}{% for message in messages %}"
+                 "{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant: {% endif %}")
+
 
 def make_request(request_id, prompt_len, max_tokens, *, seed=0, arrival_time=0.0, token=1):
     return Request(str(request_id), [token] * prompt_len,

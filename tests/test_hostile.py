@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import ROLE_TEMPLATE
 from pagedjax import LLM, SamplingParams
 from pagedjax.server import BackgroundServer, OpenAIServer
 from scheduler import RequestError
@@ -31,7 +32,8 @@ def llm():
 
 @pytest.fixture(scope="module")
 def served(llm):
-    server = OpenAIServer(llm.engine, "tiny", max_request_bytes=MAX_REQUEST_BYTES)
+    server = OpenAIServer(llm.engine, "tiny", max_request_bytes=MAX_REQUEST_BYTES,
+                          chat_template=ROLE_TEMPLATE)
     with BackgroundServer(server.build_app()) as url:
         with httpx.Client(base_url=url, timeout=TIMEOUT_S) as client:
             yield server, client
@@ -224,7 +226,7 @@ def test_disconnecting_clients_are_aborted_at_once():
     # program, compiled first: no step compiles while the clients go away.
     llm = LLM(**ENGINE, min_token_bucket=128, min_seq_bucket=8)
     assert llm.engine.warmup() == 2
-    server = OpenAIServer(llm.engine, "tiny")
+    server = OpenAIServer(llm.engine, "tiny", chat_template=ROLE_TEMPLATE)
     body = {"prompt": "copy:abc=", "max_tokens": 100, "ignore_eos": True, "temperature": 1}
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100,
             "ignore_eos": True}

@@ -4,7 +4,7 @@ path. Token-level references come from transformers on the same weights."""
 
 from __future__ import annotations
 
-from helpers import until_done
+from helpers import ROLE_TEMPLATE, until_done
 import json
 import shutil
 
@@ -156,6 +156,10 @@ def test_chat_renders_the_template_like_transformers(llm, model_dir):
     assert out.output_token_ids == hf_greedy(model_dir, expected_ids, GREEDY.max_tokens)
     batch = llm.chat([messages, messages[1:]], GREEDY, use_tqdm=False)
     assert batch[0].output_token_ids == out.output_token_ids and len(batch) == 2
+    own = llm.chat(messages, GREEDY, use_tqdm=False, chat_template=ROLE_TEMPLATE)[0]
+    assert own.prompt_token_ids == hf_tok.encode(hf_tok.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, chat_template=ROLE_TEMPLATE),
+        add_special_tokens=False)
 
 
 def test_text_input_errors_leave_the_engine_serving(llm):

@@ -12,6 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from helpers import ROLE_TEMPLATE
 from pagedjax import LLM
 from pagedjax.router import (Backend, RolloutGuard, Router, RoutingPolicy, prompt_chunks,
                              routing_key)
@@ -121,7 +122,7 @@ def _prefix(name: str) -> str:
 @pytest.fixture(scope="module")
 def backends():
     llms = [LLM(**ENGINE), LLM(**ENGINE)]
-    servers = [OpenAIServer(llm.engine, "tiny") for llm in llms]
+    servers = [OpenAIServer(llm.engine, "tiny", chat_template=ROLE_TEMPLATE) for llm in llms]
     with BackgroundServer(servers[0].build_app()) as a, \
             BackgroundServer(servers[1].build_app()) as b:
         yield llms, [a, b]

@@ -22,7 +22,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import complete, wait_healthy
+from helpers import ROLE_TEMPLATE, complete, wait_healthy
 from pagedjax import LLM, EngineConfig, LLMEngine, SamplingParams, load_model
 from pagedjax.llm import DEFAULT_MODEL
 from pagedjax.server import OpenAIServer
@@ -54,7 +54,8 @@ def trace_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(llm, reference, trace_path):
-    server = OpenAIServer(llm.engine, "tiny", trace_out=str(trace_path))
+    server = OpenAIServer(llm.engine, "tiny", trace_out=str(trace_path),
+                          chat_template=ROLE_TEMPLATE)
     with TestClient(server.build_app()) as client:
         yield server, client
 
@@ -150,7 +151,7 @@ def test_chat_completions(server, llm):
     whole = client.post("/v1/chat/completions", json=body).json()
     flat = [messages[0], {"role": "user", "content": "copy:abc="}]
     prompt_ids = llm.tokenizer.apply_chat_template(flat, add_generation_prompt=True,
-                                                   tokenize=True)
+                                                   tokenize=True, chat_template=ROLE_TEMPLATE)
     assert whole["object"] == "chat.completion"
     assert whole["usage"]["prompt_tokens"] == len(prompt_ids)
     choice, = whole["choices"]
@@ -381,6 +382,40 @@ def test_internal_errors_answer_500_with_a_request_id_and_the_engine_serves_on(c
                                                      "temperature": 0})
         assert again.status_code == 200 and again.json()["choices"][0]["text"] == expected
         assert llm.engine.scheduler.kv_manager.num_used_blocks == 0
+
+
+def test_chat_without_a_chat_template_is_refused_and_changes_nothing():
+    """The embedded model's tokenizer has no chat template: chat answers 400 (vLLM does the
+    same) instead of rendering a made-up one; a template passed to the server is used."""
+    llm = LLM(**ENGINE)
+    assert llm.tokenizer.chat_template is None
+    server = OpenAIServer(llm.engine, "tiny")
+    with TestClient(server.build_app()) as client:
+        response = client.post("/v1/chat/completions",
+                               json={"messages": [{"role": "user", "content": "hi"}]})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "messages" and "no chat template" in error["message"]
+        assert "--chat-template" in error["message"]
+    assert not llm.engine.has_unfinished() and llm.engine.stats.num_finished == 0
+    with pytest.raises(ValueError, match="chat_template does not compile"):
+        OpenAIServer(llm.engine, "tiny", chat_template="{% if %}")
+    with pytest.raises(ValueError, match="no chat template"):
+        llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False)
+    ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
+                                            chat_template=ROLE_TEMPLATE, tokenize=True)
+    assert llm.tokenizer.decode(ids) == "user: hi\nassistant: "
+
+
+def test_chat_template_flag_reads_a_file_or_a_template(tmp_path):
+    from pagedjax.tokenizer import read_chat_template
+    path = tmp_path / "t.jinja"
+    path.write_text(ROLE_TEMPLATE)
+    assert read_chat_template(str(path)) == ROLE_TEMPLATE == read_chat_template(ROLE_TEMPLATE)
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="does not compile"):
+        read_chat_template("{{ messages[ }}")
 
 
 def test_shut_down_engine_answers_503():

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from helpers import ROLE_TEMPLATE
 from pagedjax.tokenizer import (ByteTokenizer, IncrementalDetokenizer, StopStringMatcher, Tokenizer,
                                 render_chat_template)
 from tokenizer_builders import (LLAMA3_SPECIALS, LLAMA3_TEMPLATE, WORDS, corpus, train_byte_level,
@@ -229,10 +230,13 @@ def test_byte_tokenizer():
     with pytest.raises(ValueError, match="token id 264 is outside the vocabulary"):
         tok.decode([264])
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi 😀"}]
-    text = tok.apply_chat_template(messages)
+    with pytest.raises(ValueError, match="no chat template"):  # none made up for it
+        tok.apply_chat_template(messages)
+    text = tok.apply_chat_template(messages, chat_template=ROLE_TEMPLATE)
     assert text == "<bos>system: be brief\nuser: hi 😀\nassistant: "
-    assert tok.apply_chat_template(messages, False) == text.removesuffix("assistant: ")
-    ids = tok.apply_chat_template(messages, tokenize=True)
+    assert tok.apply_chat_template(messages, False, chat_template=ROLE_TEMPLATE) \
+        == text.removesuffix("assistant: ")
+    ids = tok.apply_chat_template(messages, tokenize=True, chat_template=ROLE_TEMPLATE)
     assert ids[0] == 256 and ids.count(256) == 1 and tok.decode(ids, False) == text
 
 
