@@ -81,6 +81,7 @@ bench: $(TEST_STAMP)
 	$(PY) benchmarks/tpu_schedule.py
 	$(PY) benchmarks/tpu_tensor_parallel.py
 	$(PY) benchmarks/tensor_parallel_memory.py
+	$(PY) benchmarks/real_model.py
 
 # The GPU device script rehearsed without a GPU: its programs compiled by XLA for an H200.
 bench-gpu-image: $(GPU_IMAGE_STAMP)
