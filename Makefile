@@ -46,7 +46,7 @@ $(DEMO_STAMP): $(STAMP) requirements/models.txt
 	touch $(DEMO_STAMP)
 
 demo: $(DEMO_STAMP)
-	$(PY) -m pagedjax.demo
+	$(PY) -m pagedjax.tools.demo
 
 test: $(TEST_STAMP)
 	$(PY) -m pytest -n 2 -q tests

@@ -15,7 +15,7 @@ import numpy as np
 from common import write_results
 
 from pagedjax import load_model
-from pagedjax.runner import ModelRunner, step_fn
+from pagedjax.engine.runner import ModelRunner, step_fn
 from pallas_kernels import kv_cache_bytes_per_block
 from scheduler import DECODE, BatchPlan
 

@@ -158,7 +158,7 @@ def check_write(args) -> dict:
 
 def usable_tensor_parallel(config, devices: int) -> int:
     """The largest tensor_parallel_size up to devices that the model splits into."""
-    from pagedjax.sharding import check_tensor_parallel
+    from pagedjax.parallel.sharding import check_tensor_parallel
     for tp in range(devices, 0, -1):
         try:
             check_tensor_parallel(config, tp)

@@ -24,9 +24,9 @@ import jax
 import numpy as np
 from common import write_results
 
-import pagedjax.engine as engine_module
+import pagedjax.engine.llm_engine as engine_module
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
-from pagedjax.runner import PendingStep
+from pagedjax.engine.runner import PendingStep
 from models import get_config, init_model
 
 PHASES = ("schedule", "build_plan", "dispatch", "device", "fetch", "update", "total")

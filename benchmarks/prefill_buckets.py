@@ -31,7 +31,7 @@ CHILD = textwrap.dedent('''
     import numpy as np
     from common import lognormal_workload
     from pagedjax import LLM, SamplingParams
-    from pagedjax.runner import num_step_traces
+    from pagedjax.engine.runner import num_step_traces
     args = json.loads(sys.argv[1])
     llm = LLM(args["model"], max_model_len=args["max_model_len"],
               prefill_seqs=args["prefill_seqs"], compilation_cache="off")

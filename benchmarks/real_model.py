@@ -147,7 +147,7 @@ def main() -> None:
     import transformers
 
     from pagedjax import LLM
-    from pagedjax.chat_demo import smollm2_path
+    from pagedjax.tools.chat_demo import smollm2_path
 
     path = args.model or smollm2_path()
     if path is None:

@@ -23,8 +23,8 @@ from common import stream_completion, write_results
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedjax import LLM
-from pagedjax.router import POLICIES, Router
-from pagedjax.server import BackgroundServer, OpenAIServer
+from pagedjax.serving.router import POLICIES, Router
+from pagedjax.serving.app import BackgroundServer, OpenAIServer
 
 
 def counters(url: str) -> dict[str, float]:

@@ -18,7 +18,7 @@ from donation import decode_plan, interleaved_medians
 
 from models import CONFIGS, DEFAULT_CHECKPOINT, init_model
 from pagedjax import load_model
-from pagedjax.runner import ModelRunner
+from pagedjax.engine.runner import ModelRunner
 
 
 def main() -> None:

@@ -34,7 +34,7 @@ import numpy as np
 from common import lognormal_workload, stream_completion, write_results
 
 from pagedjax import EngineConfig, LLMEngine, load_model
-from pagedjax.server import BackgroundServer, OpenAIServer
+from pagedjax.serving.app import BackgroundServer, OpenAIServer
 from scheduler import SamplingParams
 
 

@@ -5,7 +5,7 @@ padded token count T, padded sequence count B and KV tokens attended, plus each 
 shape's mean residual) is fitted to the steps of two runs of the engine (demo-small, log-normal
 workloads of 96 requests: one arriving at once, one as a Poisson stream at 70% of the first's
 rate, so that large and small batches are both in the fit).
-Then each validation workload runs twice: on the engine (pagedjax.profiling.run_trace, real
+Then each validation workload runs twice: on the engine (pagedjax.tools.profiling.run_trace, real
 time) and in the simulator (the same scheduler code on predicted time), and the table sets
 them side by side:
 
@@ -26,7 +26,7 @@ import numpy as np
 from common import lognormal_workload, write_results
 
 from pagedjax import EngineConfig, LLMEngine, load_model
-from pagedjax.profiling import run_trace
+from pagedjax.tools.profiling import run_trace
 from scheduler.simulator import StepCostModel, TraceRequest, simulate
 
 

@@ -23,7 +23,7 @@ import numpy as np
 from common import stream_completion, write_results
 
 from pagedjax import EngineConfig, LLMEngine, load_model
-from pagedjax.server import BackgroundServer, OpenAIServer
+from pagedjax.serving.app import BackgroundServer, OpenAIServer
 
 
 async def client_loop(client, url, rng, prompt_len, output_len, count, first_index, vocab):

@@ -6,7 +6,7 @@ Two tables in one run:
 1. measured: a 4-layer Llama (hidden 1024, 16 query / 8 KV heads, vocab 32000, f32) built by
    the engine at each TP with kv_cache_memory_bytes = the same per-device budget; device 0's
    bytes of weights and KV summed from its addressable shards, against `pagedjax capacity`'s
-   formulas (pagedjax.sharding) and against TP 1;
+   formulas (pagedjax.parallel.sharding) and against TP 1;
 2. planned: Llama-3-8B (bf16) on a 16 GiB chip (v5e) and an 80 GiB GPU from the same formulas:
    the weights a device holds, the KV pool left under a 90% memory utilisation, and the 8k-token
    sequences that pool holds per replica (TP 1 on 16 GiB holds none: the weights alone exceed
@@ -35,7 +35,7 @@ CHILD = textwrap.dedent('''
     import numpy as np
     from models import LlamaConfig, init_model
     from pagedjax import LLMEngine, EngineConfig
-    from pagedjax.sharding import kv_bytes_per_block_per_device, weight_bytes_per_device
+    from pagedjax.parallel.sharding import kv_bytes_per_block_per_device, weight_bytes_per_device
     args = json.loads(sys.argv[1])
     config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
                          num_layers=4, num_heads=16, num_kv_heads=8, max_position_embeddings=4096)
@@ -85,7 +85,7 @@ def measured() -> list[dict]:
 
 def planned() -> list[dict]:
     from models import get_config
-    from pagedjax.sharding import kv_bytes_per_block_per_device, weight_bytes_per_device
+    from pagedjax.parallel.sharding import kv_bytes_per_block_per_device, weight_bytes_per_device
 
     config = get_config("llama-3-8b")
     rows = []
@@ -108,12 +108,12 @@ def main() -> None:
     write_results("tensor_parallel_memory", "Per-device bytes under tensor parallelism "
                   "(measured on 8 CPU devices)", rows, params,
                   notes="device_bytes = weights + KV pool on device 0, summed from the engine's "
-                  "addressable shards; formula_* from pagedjax.sharding (what `pagedjax "
+                  "addressable shards; formula_* from pagedjax.parallel.sharding (what `pagedjax "
                   "capacity --tensor-parallel-size` prints). Replicated: embedding and norms "
                   "(the weights never shrink below them). The per-device KV budget is fixed, so "
                   "the pool's blocks (and sequences a replica holds) grow TP-fold while K >= TP.")
     write_results("tensor_parallel_plan", "Llama-3-8B bf16 per device under tensor "
-                  "parallelism (pagedjax.sharding's formulas, 90% of HBM)", planned(),
+                  "parallelism (pagedjax.parallel.sharding's formulas, 90% of HBM)", planned(),
                   {"model": "llama-3-8b", "dtype": "bfloat16", "block_size": 16,
                    "memory_utilization": 0.9},
                   reproduce=".venv/bin/python benchmarks/tensor_parallel_memory.py")

@@ -1,9 +1,9 @@
 """The engine's tensor-parallel step compiled by libtpu for TPU slices, on a machine without
 TPUs: per-device memory and the collectives XLA inserted.
 
-Each case is the runner's whole jitted step (pagedjax.runner.step_fn: model with its layers
+Each case is the runner's whole jitted step (pagedjax.engine.runner.step_fn: model with its layers
 scanned, KV writes, the TPU attention kernels under shard_map, sampler), its weights placed by
-pagedjax.sharding's rules and its KV cache split over KV heads, all abstract (nothing is
+pagedjax.parallel.sharding's rules and its KV cache split over KV heads, all abstract (nothing is
 allocated), compiled as one program for every chip of the topology (pallas_kernels.tpu_aot).
 
 - weights_gib / kv_gib: what one device holds of the weights and of the KV pool (its shards);
@@ -49,8 +49,8 @@ def build(name: str, devices):
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from models import CONFIGS, LlamaForCausalLM, serving_form
-    from pagedjax.runner import padding_plan, step_fn
-    from pagedjax.sharding import AXIS, kv_cache_sharding, kv_head_repeats, weight_spec
+    from pagedjax.engine.runner import padding_plan, step_fn
+    from pagedjax.parallel.sharding import AXIS, kv_cache_sharding, kv_head_repeats, weight_spec
     from pallas_kernels import AttentionBackend, init_kv_cache, kv_cache_bytes_per_block
 
     case, kind = name.split("|")
@@ -86,7 +86,7 @@ def build(name: str, devices):
 def shard_gib(case: str) -> tuple[float, float]:
     """(weights, KV) GiB one device holds (pagedjax capacity's formula, no compile)."""
     from models import CONFIGS
-    from pagedjax.sharding import weight_bytes_per_device
+    from pagedjax.parallel.sharding import weight_bytes_per_device
 
     model_name, _, tp = CASES[case]
     return weight_bytes_per_device(CONFIGS[model_name], tp, 2) / 2**30, KV_GIB_PER_DEVICE

@@ -48,7 +48,7 @@ def serving_form(model: LlamaForCausalLM, scan_layers: bool = True,
     """Splits a model into (static graph, weights); scan_layers stacks the layers' weights (a
     copy: the model's own arrays stay as they are, freed with the model). kv_head_repeats > 1
     repeats each KV head that many times in the k/v projections (tensor parallelism past the
-    model's KV heads, pagedjax.sharding). Works on an abstract model (nnx.eval_shape) too,
+    model's KV heads, pagedjax.parallel.sharding). Works on an abstract model (nnx.eval_shape) too,
     stacking shapes."""
     embed_def, embed = nnx.split(model.embed_tokens)
     norm_def, norm = nnx.split(model.norm)

@@ -249,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     command = "python -m models.train " + " ".join(shlex.quote(a) for a in
                                                    (argv if argv is not None else sys.argv[1:]))
     metadata = {
-        "tokenizer": "byte",  # pagedjax.tokenizer.ByteTokenizer: LLM(dir) picks it from this
+        "tokenizer": "byte",  # pagedjax.text.tokenizer.ByteTokenizer: LLM(dir) picks it from this
         "accuracy": accuracy, "eval_per_task": args.eval_per_task, "eval_seed": EVAL_SEED,
         "steps": args.steps, "seed": args.seed, "batch_size": args.batch_size,
         "seq_len": args.seq_len, "lr": args.lr, "warmup_steps": args.warmup_steps,

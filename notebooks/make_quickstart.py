@@ -56,7 +56,7 @@ chat template rebuilt from the file. Every `EngineConfig` field can be given her
 is deliberately small (24 blocks of 16 tokens, plus the null block) so the pictures below are readable."""),
     ("code", """\
 from pagedjax import LLM, SamplingParams
-from pagedjax.chat_demo import SYSTEM, smollm2_path
+from pagedjax.tools.chat_demo import SYSTEM, smollm2_path
 
 llm = LLM(smollm2_path(), num_blocks=25, block_size=16, max_model_len=512, max_num_seqs=16,
           max_num_batched_tokens=256, min_token_bucket=16, min_seq_bucket=4)
@@ -92,8 +92,8 @@ several requests (the label says how many); the bar height is how full a block i
 the null block that padding points at."""),
     ("code", """\
 import matplotlib.pyplot as plt
-from pagedjax.chat_demo import QUESTIONS
-from pagedjax.plotting import plot_block_map, plot_kv_usage
+from pagedjax.tools.chat_demo import QUESTIONS
+from pagedjax.tools.plotting import plot_block_map, plot_kv_usage
 
 engine, tok = llm.engine, llm.tokenizer
 prompt_of = {}
@@ -144,7 +144,7 @@ line), here in a background thread: any OpenAI client can talk to it, with strea
 `/metrics` has the Prometheus counters."""),
     ("code", """\
 import json, urllib.request
-from pagedjax.server import BackgroundServer, build_app
+from pagedjax.serving.app import BackgroundServer, build_app
 
 with BackgroundServer(build_app(llm.engine, "smollm2")) as url:
     body = {"model": "smollm2", "messages": conversation("Name a primary color."),

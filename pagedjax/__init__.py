@@ -1,10 +1,10 @@
 """pagedjax: an LLM inference engine in JAX built on PagedAttention."""
 
-from pagedjax.beam_search import BeamSearchParams, BeamSequence
-from pagedjax.config import EngineConfig
-from pagedjax.engine import LLMEngine
+from pagedjax.engine.beam_search import BeamSearchParams, BeamSequence
+from pagedjax.engine.config import EngineConfig
+from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.llm import LLM, load_model
-from pagedjax.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedjax.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from scheduler import SamplingParams
 
 __all__ = ["BeamSearchParams", "BeamSequence", "EngineConfig", "LLMEngine", "LLM", "load_model", "CompletionOutput",

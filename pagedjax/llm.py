@@ -10,12 +10,12 @@ from tqdm.auto import tqdm
 
 from models import CONFIGS, DEFAULT_CHECKPOINT, LlamaForCausalLM, get_config, init_model
 from models.placed_weights import LazyModel
-from pagedjax.admission import PromptSpec, encode_text
-from pagedjax.beam_search import BeamSearchParams, BeamSequence, beam_search
-from pagedjax.config import EngineConfig
-from pagedjax.data_parallel import make_engine
-from pagedjax.outputs import RequestOutput
-from pagedjax.tokenizer import NO_CHAT_TEMPLATE, ByteTokenizer, Tokenizer, check_chat_template
+from pagedjax.engine.admission import PromptSpec, encode_text
+from pagedjax.engine.beam_search import BeamSearchParams, BeamSequence, beam_search
+from pagedjax.engine.config import EngineConfig
+from pagedjax.parallel.data_parallel import make_engine
+from pagedjax.engine.outputs import RequestOutput
+from pagedjax.text.tokenizer import NO_CHAT_TEMPLATE, ByteTokenizer, Tokenizer, check_chat_template
 from scheduler import RequestError, SamplingParams
 
 DEFAULT_MODEL = DEFAULT_CHECKPOINT  # the embedded trained model
@@ -53,7 +53,7 @@ def resolve_model(model: str | os.PathLike | LlamaForCausalLM, seed: int = 0,
     from models.gguf_loader import is_gguf
     if is_gguf(path):
         from models.gguf_loader import lazy_gguf_model, load_gguf_model, metadata, open_gguf
-        from pagedjax.gguf_tokenizer import tokenizer_from_gguf
+        from pagedjax.text.gguf_tokenizer import tokenizer_from_gguf
         reader = open_gguf(path)
         loaded = (lazy_gguf_model if lazy else load_gguf_model)(path, dtype, reader)
         return loaded, tokenizer_from_gguf(metadata(reader), path)

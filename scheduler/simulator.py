@@ -7,7 +7,7 @@ The scheduler is the engine's own (`schedule` / `update` are pure functions of t
 arguments), fed requests of the trace's lengths whose outputs are forced to their recorded length
 (ignore_eos). Only the step's duration is modelled: StepCostModel predicts it from the step's
 kind and its shape, the padded token count T and sequence count B the jit program runs, and the
-KV tokens the step attends; `pagedjax.profiling.calibrate` fits it to an engine's measured
+KV tokens the step attends; `pagedjax.tools.profiling.calibrate` fits it to an engine's measured
 steps. Given the same arrivals relative to the steps (e.g. all at once), the simulated schedule
 is the engine's, step for step.
 
@@ -246,7 +246,7 @@ class RooflineCost:
     `pagedjax profile`) once the hardware is there.
 
     Tensor parallel over tensor_parallel_size chips: weight_bytes and kv_bytes_per_token are a
-    device's (pagedjax.sharding's formulas), the FLOPs split TP ways, and the collectives are
+    device's (pagedjax.parallel.sharding's formulas), the FLOPs split TP ways, and the collectives are
     added unoverlapped, as ring all-reduces (2 (TP - 1) / TP of the bytes) and all-gathers
     ((TP - 1) / TP) over the chip's link: allreduce_bytes_per_token (two all-reduces a layer of the hidden state) for
     every padded token, gather_bytes_per_seq (the vocab-split logits) for every sequence."""
@@ -334,7 +334,7 @@ def simulate(trace: Sequence[TraceRequest], config: SchedulerConfig, *, num_bloc
     """Runs the trace to completion on simulated time; raises ValueError for a request the
     configuration can never serve (as the engine would reject it).
 
-    replicas > 1 simulates data parallelism as pagedjax.data_parallel runs it: a scheduler and a
+    replicas > 1 simulates data parallelism as pagedjax.parallel.data_parallel runs it: a scheduler and a
     pool of num_blocks each, stepped in lockstep (every replica with work runs a step; the
     step takes the slowest one's time), each arrival placed by place(prompt token ids, each
     replica's unfinished requests) -> replica index."""

@@ -11,7 +11,7 @@ import textwrap
 
 import jax
 
-from pagedjax.compile_cache import enable_compilation_cache, resolve_cache_dir
+from pagedjax.engine.compile_cache import enable_compilation_cache, resolve_cache_dir
 
 CHILD = textwrap.dedent('''
     import json, sys

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from models import DEFAULT_CHECKPOINT
-from pagedjax import demo
+from pagedjax.tools import demo
 
 
 def table_value(out: str, key: str) -> str:

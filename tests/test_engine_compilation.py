@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pagedjax import LLM, EngineConfig, LLMEngine, SamplingParams
-from pagedjax.runner import _step, num_step_compiles, num_step_traces, padding_plan
+from pagedjax.engine.runner import _step, num_step_compiles, num_step_traces, padding_plan
 from pallas_kernels.tpu_aot import whole_copies
 from scheduler import DECODE
 

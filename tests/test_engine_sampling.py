@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
-from pagedjax.sampler import _filter_top_k_top_p, sample
+from pagedjax.engine.sampler import _filter_top_k_top_p, sample
 
 CONFIG = dict(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32, min_seq_bucket=8,
               block_size=4)

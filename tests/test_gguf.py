@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 from models.gguf_loader import checked_gguf, load_gguf_model  # noqa: E402
 from models.hf import load_hf_model  # noqa: E402
 from pagedjax import LLM, SamplingParams  # noqa: E402
-from pagedjax.gguf_tokenizer import tokenizer_from_gguf  # noqa: E402
+from pagedjax.text.gguf_tokenizer import tokenizer_from_gguf  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TEXTS = ["hello world", "The quick brown fox jumps over the lazy dog.", "  spaces   and\ttabs\n",

@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 from models import LlamaConfig, LlamaForCausalLM, serving_form
-from pagedjax.runner import _step, padding_plan
+from pagedjax.engine.runner import _step, padding_plan
 from pallas_kernels import (AttentionBackend, gpu_aot, init_kv_cache,
                             paged_decode_attention_gpu, paged_decode_attention_tpu,
                             ragged_paged_attention_gpu, ragged_paged_attention_tpu,
@@ -136,7 +136,7 @@ def abstract_step(config, kind, *, num_tokens, num_seqs, num_blocks, max_blocks_
                   cache_dtype, backend="gpu", param_dtype=jnp.bfloat16, block_size=16):
     """(the engine's jitted step for `backend`, its caches donated, and abstract (params,
     caches, plan)) for a model config, at one bucket: nothing is allocated."""
-    from pagedjax.runner import step_fn
+    from pagedjax.engine.runner import step_fn
     graph, params = serving_form(nnx.eval_shape(lambda: LlamaForCausalLM(config,
                                                                          rngs=nnx.Rngs(0))))
     if param_dtype is not None:

@@ -67,15 +67,15 @@ SHARDED_STEPS = ["step-prefill-tp4", "step-decode-int8-tp4"]
 def build_step(name, devices=None):
     """The runner's step program (model, KV writes, attention, sampler) at a bucket shape:
     "prefill" or "decode", and "-int8" for a quantized cache; with devices, split over them
-    (pagedjax.sharding), the tensors' shardings in the abstract arguments."""
+    (pagedjax.parallel.sharding), the tensors' shardings in the abstract arguments."""
     import jax
     import numpy as np
     from flax import nnx
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from models import LlamaConfig, LlamaForCausalLM, serving_form
-    from pagedjax import sharding
-    from pagedjax.runner import padding_plan, step_fn
+    from pagedjax.parallel import sharding
+    from pagedjax.engine.runner import padding_plan, step_fn
     from pallas_kernels import AttentionBackend, init_kv_cache
 
     kind, _, dtype = name.removesuffix("-tp4").partition("-")
@@ -107,7 +107,7 @@ def build_step(name, devices=None):
             a.shape, a.dtype, sharding=sharding.kv_cache_sharding(mesh)), caches)
         plan = jax.tree.map(lambda a: jax.ShapeDtypeStruct(
             a.shape, a.dtype, sharding=NamedSharding(mesh, P())), plan)
-    # Donated, as the runner's step does (pagedjax.runner._step).
+    # Donated, as the runner's step does (pagedjax.engine.runner._step).
     return (jax.jit(functools.partial(step_fn, graph, backend, 0), donate_argnums=(1,)),
             (params, caches, plan))
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from pagedjax import LLM, SamplingParams
-from pagedjax.cli import main as cli_main
+from pagedjax.tools.cli import main as cli_main
 
 SMALL = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, min_seq_bucket=4,
              block_size=8)

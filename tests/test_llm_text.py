@@ -18,7 +18,7 @@ from models import get_config, init_model  # noqa: E402
 from models.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from models.hf import load_hf_model  # noqa: E402
 from pagedjax import LLM, SamplingParams  # noqa: E402
-from pagedjax.tokenizer import Tokenizer  # noqa: E402
+from pagedjax.text.tokenizer import Tokenizer  # noqa: E402
 from tokenizer_builders import LLAMA3_SPECIALS, LLAMA3_TEMPLATE, train_byte_level  # noqa: E402
 
 PROMPTS = ["the quick brown fox", "café 東京 😀 and", "a"]
@@ -224,7 +224,7 @@ def test_checkpoint_errors(tmp_path):
 def test_a_loaded_checkpoint_compiles_each_program_once(model_dir):
     """Loaded weights are committed to a device (random init is not): the runner commits
     everything, so the second pass over the same shapes compiles nothing."""
-    from pagedjax.runner import _step
+    from pagedjax.engine.runner import _step
     llm = LLM(str(model_dir), **ENGINE, enable_prefix_caching=False)
     rng = np.random.default_rng(0)
     llm.generate(rng.integers(3, 200, (3, 8)).tolist(), GREEDY, use_tqdm=False)

@@ -257,7 +257,7 @@ def test_inspect_reports_attention_and_kv_bytes(tmp_path, capsys):
     assert report["attention"].startswith("GQA") and report["sliding_window"] == 8
     assert report["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 2  # 2 (K,V) * L * K * H * bf16
     assert report["kv_bytes_per_block"] == 16 * report["kv_bytes_per_token"]
-    from pagedjax.cli import main
+    from pagedjax.tools.cli import main
     main(["inspect", str(tmp_path), "--kv-dtype", "int8"])
     printed = capsys.readouterr().out
     assert "MistralForCausalLM" in printed and "supported" in printed

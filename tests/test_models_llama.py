@@ -11,7 +11,7 @@ from flax import nnx
 
 from models import LlamaConfig, get_config, init_model, serving
 from models.llama import rope
-from pagedjax.runner import padding_plan, step_fn
+from pagedjax.engine.runner import padding_plan, step_fn
 from pallas_kernels import AttentionBackend, AttentionMetadata, init_kv_cache
 
 CONFIG = get_config("debug-tiny")

@@ -32,7 +32,8 @@ def worker(process_id: int, port: int, die_after: int | None) -> None:
     import numpy as np
 
     from models import get_config, init_model
-    from pagedjax import LLM, SamplingParams, multihost
+    from pagedjax import LLM, SamplingParams
+    from pagedjax.parallel import multihost
 
     multihost.initialize(f"127.0.0.1:{port}", 2, process_id,
                          heartbeat_timeout_seconds=HEARTBEAT_S)
@@ -151,7 +152,7 @@ def test_pagedjax_serve_over_two_processes():
            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
                         f"--xla_force_host_platform_device_count=2"}
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "pagedjax.cli", "serve", "--port", str(http_port),
+        [sys.executable, "-m", "pagedjax.tools.cli", "serve", "--port", str(http_port),
          "--max-model-len", "128", "--max-num-batched-tokens", "128",
          "--tensor-parallel-size", "4", "--served-model-name", "tiny",
          "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],

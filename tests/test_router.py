@@ -14,9 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from helpers import ROLE_TEMPLATE
 from pagedjax import LLM
-from pagedjax.router import (Backend, RolloutGuard, Router, RoutingPolicy, prompt_chunks,
+from pagedjax.serving.router import (Backend, RolloutGuard, Router, RoutingPolicy, prompt_chunks,
                              routing_key)
-from pagedjax.server import BackgroundServer, OpenAIServer
+from pagedjax.serving.app import BackgroundServer, OpenAIServer
 
 # ---- the policy -------------------------------------------------------------------------------
 

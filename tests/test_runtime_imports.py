@@ -9,7 +9,7 @@ import sys
 import textwrap
 
 # Import packages whose distributions are optional extras; their modules are named here.
-OPTIONAL = {"pagedjax.plotting": "notebook"}
+OPTIONAL = {"pagedjax.tools.plotting": "notebook"}
 
 CHILD = textwrap.dedent('''
     import importlib, importlib.metadata as md, pkgutil, re, sys
@@ -56,7 +56,7 @@ CHILD = textwrap.dedent('''
             except ImportError as e:
                 failures.append(f"{info.name}: {e}")
     import contextlib, io
-    from pagedjax import cli
+    from pagedjax.tools import cli
     for command in ("demo", "serve", "router", "capacity", "inspect", "profile", "simulate"):
         try:
             with contextlib.redirect_stdout(io.StringIO()):

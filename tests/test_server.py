@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from helpers import ROLE_TEMPLATE, complete, wait_healthy
 from pagedjax import LLM, EngineConfig, LLMEngine, SamplingParams, load_model
 from pagedjax.llm import DEFAULT_MODEL
-from pagedjax.server import OpenAIServer
+from pagedjax.serving.app import OpenAIServer
 from scheduler import SchedulerConfig, ShapeBuckets
 from scheduler.simulator import StepCostModel, load_trace, prefix_hashes, simulate
 
@@ -408,7 +408,7 @@ def test_chat_without_a_chat_template_is_refused_and_changes_nothing():
 
 
 def test_chat_template_flag_reads_a_file_or_a_template(tmp_path):
-    from pagedjax.tokenizer import read_chat_template
+    from pagedjax.text.tokenizer import read_chat_template
     path = tmp_path / "t.jinja"
     path.write_text(ROLE_TEMPLATE)
     assert read_chat_template(str(path)) == ROLE_TEMPLATE == read_chat_template(ROLE_TEMPLATE)
@@ -434,7 +434,7 @@ def test_pagedjax_serve_process():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedjax.cli", "serve", "--port", str(port),
+        [sys.executable, "-m", "pagedjax.tools.cli", "serve", "--port", str(port),
          "--max-model-len", "128", "--max-num-batched-tokens", "128",
          "--served-model-name", "tiny", "--max-outstanding-tokens", "4096"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

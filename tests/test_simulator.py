@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pagedjax import LLM
-from pagedjax.profiling import run_trace
+from pagedjax.tools.profiling import run_trace
 from scheduler import DECODE, PREFILL, SchedulerConfig, ShapeBuckets
 from scheduler.simulator import (StepCostModel, TraceRequest, load_trace, save_trace,
                                  simulate)
@@ -118,7 +118,7 @@ def test_simulated_schedule_is_the_engines(num_blocks):
 
 
 def test_simulate_cli_sweeps_configs(tmp_path, capsys):
-    from pagedjax.cli import main
+    from pagedjax.tools.cli import main
 
     trace = tmp_path / "trace.jsonl"
     save_trace(trace, [TraceRequest(0.0, 30 + i, 40) for i in range(12)])
@@ -160,7 +160,7 @@ def test_roofline_estimate_matches_the_formula():
 
 
 def test_simulate_cli_plans_with_the_roofline(tmp_path, capsys):
-    from pagedjax.cli import main
+    from pagedjax.tools.cli import main
 
     trace = tmp_path / "trace.jsonl"
     save_trace(trace, [TraceRequest(0.05 * i, 300 + 10 * i, 50) for i in range(20)])
@@ -177,8 +177,8 @@ def test_simulate_cli_plans_with_the_roofline(tmp_path, capsys):
 
 def test_tensor_parallel_roofline_splits_the_work_and_adds_the_collectives():
     from models import get_config
-    from pagedjax.parallel_plan import roofline_cost
-    from pagedjax.sharding import kv_bytes_per_block_per_device, weight_bytes_per_device
+    from pagedjax.parallel.plan import roofline_cost
+    from pagedjax.parallel.sharding import kv_bytes_per_block_per_device, weight_bytes_per_device
     from scheduler.simulator import CHIPS
 
     config = get_config("llama-3-8b")
@@ -204,7 +204,7 @@ def test_data_parallel_simulation_places_by_prefix_affinity():
     """Two replicas in lockstep with the engine's placement rule: every request served once,
     the shared prefix's requests kept together (the hit rate of one replica), the load spread
     (a shorter makespan than one replica with the same pool)."""
-    from pagedjax.parallel_plan import prefix_affinity_placer
+    from pagedjax.parallel.plan import prefix_affinity_placer
 
     trace = [TraceRequest(0.0, 70, 20, prefix_group=g % 2, prefix_len=64) for g in range(16)]
     setup = _setup(num_blocks=60)
@@ -218,7 +218,7 @@ def test_data_parallel_simulation_places_by_prefix_affinity():
 
 
 def test_simulate_cli_with_parallelism(tmp_path, capsys):
-    from pagedjax.cli import main
+    from pagedjax.tools.cli import main
 
     trace = tmp_path / "trace.jsonl"
     save_trace(trace, [TraceRequest(0.05 * i, 300 + 10 * i, 50) for i in range(20)])

@@ -41,7 +41,7 @@ def child() -> None:
 
     from models import get_config, init_model
     from pagedjax import LLM, SamplingParams
-    from pagedjax.sharding import kv_bytes_per_block_per_device, weight_bytes_per_device
+    from pagedjax.parallel.sharding import kv_bytes_per_block_per_device, weight_bytes_per_device
 
     model = init_model(get_config("debug-tiny"), seed=0)
     rng = np.random.default_rng(0)
@@ -131,7 +131,7 @@ def placed_loading(model) -> dict:
     from models.checkpoint import load_checkpoint, save_checkpoint
     from models.hf import load_hf_model
     from pagedjax import LLM, SamplingParams
-    from pagedjax.sharding import kv_bytes_per_block_per_device, weight_bytes_per_device
+    from pagedjax.parallel.sharding import kv_bytes_per_block_per_device, weight_bytes_per_device
     from test_models_hf import build_hf
 
     import models.placed_weights as placed
@@ -191,7 +191,7 @@ def kernels_under_shard_map() -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from pagedjax.sharding import make_mesh
+    from pagedjax.parallel.sharding import make_mesh
     from pallas_kernels import AttentionBackend, AttentionMetadata, paged_attention
     from test_kernels_reference import build_case
 
@@ -225,9 +225,9 @@ def served_metrics(model, prompts) -> dict:
     """A DP 2 server's /metrics after the prompts, as {series: value} for the replica series."""
     import httpx
 
-    from pagedjax.data_parallel import make_engine
-    from pagedjax.config import EngineConfig
-    from pagedjax.server import BackgroundServer, build_app
+    from pagedjax.parallel.data_parallel import make_engine
+    from pagedjax.engine.config import EngineConfig
+    from pagedjax.serving.app import BackgroundServer, build_app
 
     engine = make_engine(model, EngineConfig(**BASE, data_parallel_size=2))
     with BackgroundServer(build_app(engine, "tiny")) as url, \

@@ -1,4 +1,4 @@
-"""pagedjax.tokenizer: loading, chat templates (against transformers' own rendering), streaming
+"""pagedjax.text.tokenizer: loading, chat templates (against transformers' own rendering), streaming
 detokenization and stop strings. Tokenizers are trained here in memory; nothing is downloaded."""
 
 import json
@@ -7,7 +7,7 @@ import random
 import pytest
 
 from helpers import ROLE_TEMPLATE
-from pagedjax.tokenizer import (ByteTokenizer, IncrementalDetokenizer, StopStringMatcher, Tokenizer,
+from pagedjax.text.tokenizer import (ByteTokenizer, IncrementalDetokenizer, StopStringMatcher, Tokenizer,
                                 render_chat_template)
 from tokenizer_builders import (LLAMA3_SPECIALS, LLAMA3_TEMPLATE, WORDS, corpus, train_byte_level,
                                 write_dir)

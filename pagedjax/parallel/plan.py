@@ -1,15 +1,15 @@
 """Planning a parallel deployment without its chips: the roofline step-time model of a model
-split tensor-parallel (a device's weights and KV from pagedjax.sharding's formulas, the
+split tensor-parallel (a device's weights and KV from pagedjax.parallel.sharding's formulas, the
 collectives on the chip's link), and the data-parallel engine's placement rule for the
-simulator's replicas (pagedjax.routing_policy, as the engine and the router use it)."""
+simulator's replicas (pagedjax.parallel.routing_policy, as the engine and the router use it)."""
 
 from __future__ import annotations
 
 from typing import Sequence
 
 from models import LlamaConfig
-from pagedjax.routing_policy import Backend, RoutingPolicy, prompt_chunks
-from pagedjax.sharding import (check_tensor_parallel, kv_bytes_per_block_per_device,
+from pagedjax.parallel.routing_policy import Backend, RoutingPolicy, prompt_chunks
+from pagedjax.parallel.sharding import (check_tensor_parallel, kv_bytes_per_block_per_device,
                                weight_bytes_per_device)
 from scheduler.simulator import Chip, RooflineCost
 

@@ -10,7 +10,7 @@ vocabularies are refused by name.
 
 from __future__ import annotations
 
-from pagedjax.tokenizer import Tokenizer
+from pagedjax.text.tokenizer import Tokenizer
 
 CONTROL, USER_DEFINED = 3, 4
 # Text splits of llama.cpp's pre-tokenizers (llama-vocab.cpp), as tokenizers' pre-tokenizers.

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pagedjax.engine import LLMEngine
+from pagedjax.engine.llm_engine import LLMEngine
 from scheduler import SamplingParams
 from scheduler.simulator import SimResult, TraceRequest, step_features
 

@@ -18,7 +18,7 @@ from scheduler import RequestError, SamplingParams, check_admission
 from scheduler.errors import check_float
 
 if TYPE_CHECKING:
-    from pagedjax.engine import LLMEngine
+    from pagedjax.engine.llm_engine import LLMEngine
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_CACHE_SALT_CHARS = 1024

@@ -23,9 +23,9 @@ import threading
 import time
 from typing import AsyncIterator, Callable, Sequence
 
-from pagedjax.admission import Admission, PromptSpec
-from pagedjax.engine import LLMEngine
-from pagedjax.outputs import RequestOutput
+from pagedjax.engine.admission import Admission, PromptSpec
+from pagedjax.engine.llm_engine import LLMEngine
+from pagedjax.engine.outputs import RequestOutput
 from scheduler import Request, SamplingParams
 
 logger = logging.getLogger("pagedjax.engine")

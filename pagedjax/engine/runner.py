@@ -13,10 +13,10 @@ from tqdm.auto import tqdm
 
 from models import LlamaForCausalLM, ServingGraph, ServingWeights, serving, serving_form
 from models.placed_weights import LazyModel
-from pagedjax.sampler import sample
+from pagedjax.engine.sampler import sample
 from pallas_kernels import (AttentionBackend, AttentionMetadata, copy_blocks, gather_blocks,
                             init_kv_cache, layer_blocks, scatter_blocks)
-from pagedjax.sharding import kv_cache_sharding, kv_head_repeats, shard_weights, weight_sharding
+from pagedjax.parallel.sharding import kv_cache_sharding, kv_head_repeats, shard_weights, weight_sharding
 from pallas_kernels.attention import TP_AXIS
 from scheduler import ARRAY_FIELDS, DECODE, NULL_BLOCK, PREFILL, STATIC_FIELDS, BatchPlan
 
@@ -76,7 +76,7 @@ class ModelRunner:
                  dtype, backend: AttentionBackend = AttentionBackend(),
                  num_top_logprobs: int = 0, scan_layers: bool = True,
                  device: jax.Device | None = None):
-        """backend.mesh, when set, splits the model over its devices (pagedjax.sharding);
+        """backend.mesh, when set, splits the model over its devices (pagedjax.parallel.sharding);
         otherwise everything lives on device (jax.devices()[0] by default)."""
         config = model.config
         mesh = backend.mesh

@@ -7,7 +7,7 @@ what the engine does with chat traffic, through the public API.
   prompt's blocks),
 - then a burst of more questions than the KV pool holds at once (preemption, chunked prefill),
 
-followed by the answers and the engine's table (pagedjax.demo.print_table).
+followed by the answers and the engine's table (pagedjax.tools.demo.print_table).
 """
 
 from __future__ import annotations

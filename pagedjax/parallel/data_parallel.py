@@ -4,7 +4,7 @@
 
 Each replica is an LLMEngine on its own tensor_parallel_size devices (row r of one ("dp", "tp")
 mesh over jax.devices()) with its own KV pool and its own scheduler, as vLLM's data-parallel
-engine cores are. A request lives on one replica: the one pagedjax.routing_policy's prefix-
+engine cores are. A request lives on one replica: the one pagedjax.parallel.routing_policy's prefix-
 affinity rule picks (the router's rule, over the prompt's block-sized chunks: the replica whose
 prefix cache most likely holds the prompt's head, unless the replicas' loads are out of
 balance). A step begins every replica's device step before finishing any (JAX dispatches
@@ -22,13 +22,13 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from pagedjax.admission import Admission, PromptSpec, check_specs
-from pagedjax.config import EngineConfig
-from pagedjax.engine import LLMEngine
-from pagedjax.metrics import EngineStats, ReplicaLoad
-from pagedjax.outputs import RequestOutput
-from pagedjax.routing_policy import Backend, RoutingPolicy, prompt_chunks
-from pagedjax.sharding import check_tensor_parallel, make_data_parallel_mesh
+from pagedjax.engine.admission import Admission, PromptSpec, check_specs
+from pagedjax.engine.config import EngineConfig
+from pagedjax.engine.llm_engine import LLMEngine
+from pagedjax.engine.stats import EngineStats, ReplicaLoad
+from pagedjax.engine.outputs import RequestOutput
+from pagedjax.parallel.routing_policy import Backend, RoutingPolicy, prompt_chunks
+from pagedjax.parallel.sharding import check_tensor_parallel, make_data_parallel_mesh
 from scheduler import SamplingParams
 
 # Summed over replicas; the peaks and max_running are the sums of each replica's (an upper

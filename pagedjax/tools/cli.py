@@ -33,7 +33,7 @@ def capacity(argv) -> None:
         parser.error("--kv-memory-gib, --block-size and --context must be positive")
     if args.tensor_parallel_size < 1 or args.data_parallel_size < 1:
         parser.error("--tensor-parallel-size and --data-parallel-size must be >= 1")
-    from pagedjax.sharding import (check_tensor_parallel, kv_bytes_per_block_per_device,
+    from pagedjax.parallel.sharding import (check_tensor_parallel, kv_bytes_per_block_per_device,
                                    weight_bytes_per_device)
 
     config = get_config(args.model)
@@ -203,7 +203,7 @@ def serve(argv) -> None:
                         "simulate`")
     parser.add_argument("--log-level", default="info")
     add_engine_args(parser)
-    from pagedjax import multihost
+    from pagedjax.parallel import multihost
     multihost.add_args(parser)
     args = parser.parse_args(argv)
     if not 0 < args.port < 65536:
@@ -213,7 +213,7 @@ def serve(argv) -> None:
     if args.max_request_bytes < 1:
         parser.error(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     if args.chat_template is not None:
-        from pagedjax.tokenizer import read_chat_template
+        from pagedjax.text.tokenizer import read_chat_template
         try:
             args.chat_template = read_chat_template(args.chat_template)
         except ValueError as e:
@@ -222,7 +222,7 @@ def serve(argv) -> None:
     import jax
 
     from pagedjax.llm import DEFAULT_MODEL, LLM
-    from pagedjax.server import run_server
+    from pagedjax.serving.app import run_server
 
     model = args.model or DEFAULT_MODEL
     try:
@@ -263,10 +263,10 @@ def _report_warmup(warmup) -> None:
 
 def router(argv) -> None:
     """An OpenAI-compatible proxy routing each request to the `pagedjax serve` instance most
-    likely to hold its prompt's prefix in its KV cache (see pagedjax.router)."""
+    likely to hold its prompt's prefix in its KV cache (see pagedjax.serving.router)."""
     import os
 
-    from pagedjax.router import POLICIES, run_router
+    from pagedjax.serving.router import POLICIES, run_router
 
     parser = argparse.ArgumentParser(prog="pagedjax router", description=router.__doc__)
     parser.add_argument("--backend", action="append", required=True,
@@ -328,7 +328,7 @@ def profile(argv) -> None:
     args = parser.parse_args(argv)
 
     from pagedjax.llm import DEFAULT_MODEL, LLM
-    from pagedjax.profiling import run_trace
+    from pagedjax.tools.profiling import run_trace
     from scheduler.simulator import StepCostModel, load_trace
 
     try:
@@ -395,8 +395,8 @@ def simulate(argv) -> None:
     if args.kv_memory_gib and not args.roofline:
         parser.error("--kv-memory-gib needs --roofline --model (for KV bytes per token)")
 
-    from pagedjax.config import EngineConfig
-    from pagedjax.parallel_plan import prefix_affinity_placer, roofline_cost
+    from pagedjax.engine.config import EngineConfig
+    from pagedjax.parallel.plan import prefix_affinity_placer, roofline_cost
     from scheduler.simulator import StepCostModel, load_trace
     from scheduler.simulator import simulate as run
 
@@ -460,7 +460,7 @@ def main(argv=None) -> None:
         print(f"usage: pagedjax {{{','.join(commands)}}} [options]", file=sys.stderr)
         raise SystemExit(2)
     if argv[0] == "demo":
-        from pagedjax.demo import main as demo_main
+        from pagedjax.tools.demo import main as demo_main
         demo_main(argv[1:])
     else:
         commands[argv[0]](argv[1:])

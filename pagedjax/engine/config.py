@@ -56,16 +56,16 @@ class EngineConfig:
     step_programs: str = "split"
     seed: int = 0
     # JAX's persistent compilation cache: "auto" (~/.cache/pagedjax/jax_cache, or
-    # $PAGEDJAX_COMPILATION_CACHE), "off", or a directory (pagedjax.compile_cache).
+    # $PAGEDJAX_COMPILATION_CACHE), "off", or a directory (pagedjax.engine.compile_cache).
     compilation_cache: str = "auto"
     # The decoder layers under one jax.lax.scan (models.serving): a step program compiles one
     # layer whatever the depth. False unrolls them (L copies of the layer in every program).
     scan_layers: bool = True
-    # Tensor parallelism over this many local devices (pagedjax.sharding): weights Megatron-
+    # Tensor parallelism over this many local devices (pagedjax.parallel.sharding): weights Megatron-
     # style, the KV cache over KV heads; 1 runs on jax.devices()[0].
     tensor_parallel_size: int = 1
     # Replicas of the model on disjoint groups of tensor_parallel_size devices, each with its
-    # own KV pool and scheduler, behind one engine (pagedjax.data_parallel): requests placed by
+    # own KV pool and scheduler, behind one engine (pagedjax.parallel.data_parallel): requests placed by
     # the router's prefix-affinity rule. The pool size (num_blocks, kv_cache_memory_bytes) is
     # each replica's.
     data_parallel_size: int = 1

@@ -26,18 +26,18 @@ from typing import Any
 import fastapi
 from fastapi import responses
 
-from pagedjax.admission import encode_text
-from pagedjax.async_engine import (AsyncLLMEngine, EngineDeadError, OverloadedError,
+from pagedjax.engine.admission import encode_text
+from pagedjax.serving.async_engine import (AsyncLLMEngine, EngineDeadError, OverloadedError,
                                    PromptSpec, RequestFailedError, RequestGroup)
-from pagedjax.engine import LLMEngine
-from pagedjax.http_common import (DEFAULT_MAX_REQUEST_BYTES, APIError, GuardMiddleware,
+from pagedjax.engine.llm_engine import LLMEngine
+from pagedjax.serving.http_common import (DEFAULT_MAX_REQUEST_BYTES, APIError, GuardMiddleware,
                                   error_body, install_error_handlers, parse_body)
-from pagedjax.outputs import CompletionOutput, RequestOutput
-from pagedjax.protocol import (ChatCompletionRequest, CompletionRequest, _SamplingFields,
+from pagedjax.engine.outputs import CompletionOutput, RequestOutput
+from pagedjax.serving.protocol import (ChatCompletionRequest, CompletionRequest, _SamplingFields,
                                split_prompts)
-from pagedjax.server_metrics import ServerMetrics
-from pagedjax.tokenizer import NO_CHAT_TEMPLATE, check_chat_template
-from pagedjax.trace_recorder import TraceRecorder
+from pagedjax.serving.metrics import ServerMetrics
+from pagedjax.text.tokenizer import NO_CHAT_TEMPLATE, check_chat_template
+from pagedjax.serving.trace_recorder import TraceRecorder
 from scheduler import RequestError, SamplingParams
 
 REJECTED = {400: "invalid", 404: "invalid", 413: "invalid", 429: "overloaded"}  # -> reason

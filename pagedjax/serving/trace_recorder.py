@@ -8,7 +8,7 @@ import json
 import os
 import secrets
 
-from pagedjax.outputs import RequestOutput
+from pagedjax.engine.outputs import RequestOutput
 from scheduler.simulator import prefix_hashes
 
 

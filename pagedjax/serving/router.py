@@ -4,7 +4,7 @@ instances' loads are out of balance.
 
     pagedjax router --backend http://10.0.0.1:8000 --backend http://10.0.0.2:8000 --port 8080
 
-Placement is pagedjax.routing_policy's prefix-affinity rule (`kv_aware` by default: the
+Placement is pagedjax.parallel.routing_policy's prefix-affinity rule (`kv_aware` by default: the
 longest cached-prefix match unless loads are out of balance; the router's picture of each
 instance is the chunk hashes of the prompts it sent there: 64 characters of text, or 16 token
 ids, a chunk). A request whose instance cannot be reached before any byte was returned is sent
@@ -34,9 +34,9 @@ import numpy as np
 import prometheus_client as prom
 from fastapi import responses
 
-from pagedjax.http_common import (DEFAULT_MAX_REQUEST_BYTES, GuardMiddleware, error_response,
+from pagedjax.serving.http_common import (DEFAULT_MAX_REQUEST_BYTES, GuardMiddleware, error_response,
                                   install_error_handlers, key_matches, parse_json_object)
-from pagedjax.routing_policy import POLICIES, Backend, RoutingPolicy, prompt_chunks
+from pagedjax.parallel.routing_policy import POLICIES, Backend, RoutingPolicy, prompt_chunks
 
 __all__ = ["POLICIES", "Backend", "RolloutGuard", "Router", "RoutingPolicy", "prompt_chunks",
            "routing_key", "run_router"]

@@ -1,0 +1,1 @@
+"""Parallelism: tensor-parallel shardings, data-parallel replicas, multi-host groups, the parallel plan, request placement."""

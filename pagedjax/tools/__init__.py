@@ -1,0 +1,1 @@
+"""Tools over the engine: the `pagedjax` CLI, the demos, workload profiling, plotting."""
