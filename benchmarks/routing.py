@@ -24,7 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedjax import LLM
 from pagedjax.serving.router import POLICIES, Router
-from pagedjax.serving.app import BackgroundServer, OpenAIServer
+from pagedjax.serving.app import OpenAIServer
+from pagedjax.serving.background import BackgroundServer
 
 
 def counters(url: str) -> dict[str, float]:

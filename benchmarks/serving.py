@@ -34,7 +34,8 @@ import numpy as np
 from common import lognormal_workload, stream_completion, write_results
 
 from pagedjax import EngineConfig, LLMEngine, load_model
-from pagedjax.serving.app import BackgroundServer, OpenAIServer
+from pagedjax.serving.app import OpenAIServer
+from pagedjax.serving.background import BackgroundServer
 from scheduler import SamplingParams
 
 

@@ -23,7 +23,8 @@ import numpy as np
 from common import stream_completion, write_results
 
 from pagedjax import EngineConfig, LLMEngine, load_model
-from pagedjax.serving.app import BackgroundServer, OpenAIServer
+from pagedjax.serving.app import OpenAIServer
+from pagedjax.serving.background import BackgroundServer
 
 
 async def client_loop(client, url, rng, prompt_len, output_len, count, first_index, vocab):

@@ -144,7 +144,8 @@ line), here in a background thread: any OpenAI client can talk to it, with strea
 `/metrics` has the Prometheus counters."""),
     ("code", """\
 import json, urllib.request
-from pagedjax.serving.app import BackgroundServer, build_app
+from pagedjax.serving.app import build_app
+from pagedjax.serving.background import BackgroundServer
 
 with BackgroundServer(build_app(llm.engine, "smollm2")) as url:
     body = {"model": "smollm2", "messages": conversation("Name a primary color."),

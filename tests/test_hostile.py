@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from helpers import ROLE_TEMPLATE
 from pagedjax import LLM, SamplingParams
-from pagedjax.serving.app import BackgroundServer, OpenAIServer
+from pagedjax.serving.app import OpenAIServer
+from pagedjax.serving.background import BackgroundServer
 from scheduler import RequestError
 
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=128)

@@ -16,7 +16,8 @@ from helpers import ROLE_TEMPLATE
 from pagedjax import LLM
 from pagedjax.serving.router import (Backend, RolloutGuard, Router, RoutingPolicy, prompt_chunks,
                              routing_key)
-from pagedjax.serving.app import BackgroundServer, OpenAIServer
+from pagedjax.serving.app import OpenAIServer
+from pagedjax.serving.background import BackgroundServer
 
 # ---- the policy -------------------------------------------------------------------------------
 

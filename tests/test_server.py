@@ -365,7 +365,7 @@ def test_internal_errors_answer_500_with_a_request_id_and_the_engine_serves_on(c
         def broken_template(body):
             raise KeyError("a bug")
 
-        server._chat_prompt = broken_template
+        server.chat_prompt = broken_template
         with caplog.at_level("ERROR", logger="pagedjax.http"):
             response = client.post("/v1/chat/completions",
                                    json={"messages": [{"role": "user", "content": "hi"}]})

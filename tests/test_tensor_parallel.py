@@ -227,7 +227,8 @@ def served_metrics(model, prompts) -> dict:
 
     from pagedjax.parallel.data_parallel import make_engine
     from pagedjax.engine.config import EngineConfig
-    from pagedjax.serving.app import BackgroundServer, build_app
+    from pagedjax.serving.app import build_app
+    from pagedjax.serving.background import BackgroundServer
 
     engine = make_engine(model, EngineConfig(**BASE, data_parallel_size=2))
     with BackgroundServer(build_app(engine, "tiny")) as url, \

@@ -16,10 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import secrets
-import socket
-import threading
 import time
 from typing import Any
 
@@ -27,17 +23,17 @@ import fastapi
 from fastapi import responses
 
 from pagedjax.engine.admission import encode_text
-from pagedjax.serving.async_engine import (AsyncLLMEngine, EngineDeadError, OverloadedError,
-                                   PromptSpec, RequestFailedError, RequestGroup)
 from pagedjax.engine.llm_engine import LLMEngine
+from pagedjax.engine.outputs import RequestOutput
+from pagedjax.serving import chat, completions
+from pagedjax.serving.async_engine import (AsyncLLMEngine, EngineDeadError, OverloadedError,
+                                           PromptSpec, RequestFailedError, RequestGroup)
 from pagedjax.serving.http_common import (DEFAULT_MAX_REQUEST_BYTES, APIError, GuardMiddleware,
-                                  error_body, install_error_handlers, parse_body)
-from pagedjax.engine.outputs import CompletionOutput, RequestOutput
-from pagedjax.serving.protocol import (ChatCompletionRequest, CompletionRequest, _SamplingFields,
-                               split_prompts)
+                                          error_body, install_error_handlers)
 from pagedjax.serving.metrics import ServerMetrics
-from pagedjax.text.tokenizer import NO_CHAT_TEMPLATE, check_chat_template
+from pagedjax.serving.protocol import ChatCompletionRequest, _SamplingFields
 from pagedjax.serving.trace_recorder import TraceRecorder
+from pagedjax.text.tokenizer import check_chat_template
 from scheduler import RequestError, SamplingParams
 
 REJECTED = {400: "invalid", 404: "invalid", 413: "invalid", 429: "overloaded"}  # -> reason
@@ -86,14 +82,14 @@ class OpenAIServer:
 
     # ---- helpers ---------------------------------------------------------------------------
 
-    def _check_model(self, body: _SamplingFields) -> None:
+    def check_model(self, body: _SamplingFields) -> None:
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves "
                            f"{self.model_name!r}", "model", code="model_not_found")
         for param, why in body.unsupported():
             raise APIError(400, why, param)
 
-    def _sampling(self, body: _SamplingFields, max_tokens: int, logprobs: int | None,
+    def sampling(self, body: _SamplingFields, max_tokens: int, logprobs: int | None,
                   best_of: int | None, params_of: dict[str, str]) -> SamplingParams:
         kwargs: dict[str, Any] = dict(max_tokens=max_tokens, n=body.n, best_of=best_of,
                                       seed=body.seed, ignore_eos=body.ignore_eos,
@@ -112,7 +108,7 @@ class OpenAIServer:
         except RequestError as e:
             raise _rejected(e, params_of) from None
 
-    async def _encode(self, prompt: str | list, field: str) -> tuple[list, str | None]:
+    async def encode(self, prompt: str | list, field: str) -> tuple[list, str | None]:
         """Token ids of a text prompt (tokenized off the event loop) or the ids as given (the
         engine checks them)."""
         if not isinstance(prompt, str):
@@ -124,12 +120,12 @@ class OpenAIServer:
         except RequestError as e:
             raise APIError(400, str(e), field) from None
 
-    def _token_text(self, token_id: int) -> str:
+    def token_text(self, token_id: int) -> str:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    async def _add(self, specs: list[PromptSpec], params_of: dict[str, str]) -> RequestGroup:
+    async def add(self, specs: list[PromptSpec], params_of: dict[str, str]) -> RequestGroup:
         try:
             return await self.async_engine.add_requests(specs)
         except OverloadedError as e:
@@ -141,226 +137,28 @@ class OpenAIServer:
             raise APIError(503, str(e), None, "server_error", "engine_dead") from None
 
     @staticmethod
-    def _usage(outputs: dict[str, RequestOutput]) -> dict:
+    def usage(outputs: dict[str, RequestOutput]) -> dict:
         prompt = sum(len(o.prompt_token_ids) for o in outputs.values())
         completion = sum(len(c.token_ids) for o in outputs.values() for c in o.outputs)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
 
-    # ---- completions -----------------------------------------------------------------------
+    def gone(self) -> responses.Response:
+        return responses.Response(status_code=499)  # nobody reads it: the client has gone
 
-    def _completion_logprobs(self, choice: CompletionOutput, start: int, offset: int) -> dict:
-        tokens, token_logprobs, tops, offsets = [], [], [], []
-        for token_id, top in zip(choice.token_ids[start:], (choice.logprobs or [])[start:]):
-            text = self._token_text(token_id)
-            tokens.append(text)
-            token_logprobs.append(top.get(token_id))
-            tops.append({self._token_text(t): lp for t, lp in top.items()})
-            offsets.append(offset)
-            offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
-                "text_offset": offsets}
+    # ---- the endpoints (pagedjax.serving.completions, .chat) -------------------------------
 
     async def completions(self, request: fastapi.Request):
-        body = parse_body(await request.body(), CompletionRequest)
-        self._check_model(body)
-        try:
-            prompts = split_prompts(body.prompt)
-        except ValueError as e:
-            raise APIError(400, str(e), "prompt") from None
-        params_of = {"prompt_token_ids": "prompt", "prompts": "prompt"}
-        max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        params = self._sampling(body, max_tokens, body.logprobs, body.best_of, params_of)
-        encoded = [await self._encode(p, "prompt") for p in prompts]
-        request_id = f"cmpl-{secrets.token_hex(12)}"
-        specs = [PromptSpec(ids, params, f"{request_id}-{i}", text, body.cache_salt)
-                 for i, (ids, text) in enumerate(encoded)]
-        index_of = {spec.request_id: i for i, spec in enumerate(specs)}
-        group = await self._add(specs, params_of)
-        echo = [(text if text is not None else self.tokenizer.decode(list(ids)))
-                if body.echo and self.tokenizer is not None else "" for ids, text in encoded]
-        created = int(time.time())
-        n = body.n
+        return await completions.completions(self, request)
 
-        def choice_dict(out: RequestOutput, choice: CompletionOutput, text: str, start: int,
-                        finish: str | None, offset: int) -> dict:
-            d = {"index": index_of[out.request_id] * n + choice.index, "text": text,
-                 "logprobs": (self._completion_logprobs(choice, start, offset)
-                              if body.logprobs is not None else None),
-                 "finish_reason": finish}
-            if body.return_token_ids or self.tokenizer is None:  # no text without one
-                d["token_ids"] = choice.token_ids[start:]
-                if start == 0:
-                    d["prompt_token_ids"] = out.prompt_token_ids
-            return d
-
-        base = {"id": request_id, "object": "text_completion", "created": created,
-                "model": self.model_name}
-        if not body.stream:
-            final = await self._collect(group, request)
-            if final is None:
-                return _gone()
-            choices = []
-            for rid in (s.request_id for s in specs):
-                out = final[rid]
-                prefix = echo[index_of[rid]]
-                for choice in out.outputs:
-                    choices.append(choice_dict(out, choice, prefix + (choice.text or ""), 0,
-                                               choice.finish_reason, len(prefix)))
-            return {**base, "choices": choices, "usage": self._usage(final)}
-
-        # Without a tokenizer there is no text: every token is news.
-        per_token = body.logprobs is not None or body.return_token_ids or self.tokenizer is None
-
-        async def events():
-            sent: dict[tuple[str, int], tuple[int, int]] = {}  # (rid, index) -> (chars, tokens)
-            final: dict[str, RequestOutput] = {}
-            for i, prefix in enumerate(echo):
-                for j in range(n):
-                    if prefix:
-                        yield _sse({**base, "choices": [{"index": i * n + j, "text": prefix,
-                                                         "logprobs": None,
-                                                         "finish_reason": None}]})
-            async with group:
-                async for out in group:
-                    choices = []
-                    for choice in out.outputs:
-                        key = (out.request_id, choice.index)
-                        chars, tokens = sent.get(key, (0, 0))
-                        text = choice.text or ""
-                        if choice.finish_reason is None and (
-                                len(choice.token_ids) == tokens or len(text) == chars
-                                and not per_token):
-                            continue  # nothing new a client asked for (a held-back byte)
-                        choices.append(choice_dict(out, choice, text[chars:], tokens,
-                                                   choice.finish_reason,
-                                                   len(echo[index_of[out.request_id]]) + chars))
-                        sent[key] = (len(text), len(choice.token_ids))
-                    if out.finished:
-                        final[out.request_id] = out
-                    if choices:
-                        yield _sse({**base, "choices": choices})
-            if body.stream_options is not None and body.stream_options.include_usage:
-                yield _sse({**base, "choices": [], "usage": self._usage(final)})
-            yield "data: [DONE]\n\n"
-
-        return responses.StreamingResponse(_guard(events()), media_type="text/event-stream")
-
-    # ---- chat ------------------------------------------------------------------------------
-
-    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        if self.tokenizer is None or not hasattr(self.tokenizer, "apply_chat_template"):
-            raise APIError(400, "chat needs a tokenizer with a chat template; this model has "
-                           "none (use /v1/completions)", "messages")
-        if self.chat_template is None:
-            raise APIError(400, NO_CHAT_TEMPLATE, "messages")
-        messages = []
-        for i, message in enumerate(body.messages):
-            content = message.content
-            if isinstance(content, list):
-                texts = []
-                for part in content:
-                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise APIError(400, f"messages[{i}].content: only text parts "
-                                       "({'type': 'text', 'text': str}) are supported",
-                                       "messages")
-                    texts.append(part["text"])
-                content = "".join(texts)
-            messages.append({**message.model_dump(exclude_none=True), "content": content or ""})
-        try:
-            return list(self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=body.add_generation_prompt, tokenize=True,
-                chat_template=self.chat_template, **(body.chat_template_kwargs or {})))
-        except Exception as e:  # noqa: BLE001 - a template error is the caller's input
-            raise APIError(400, f"messages: the chat template failed: {str(e)[:200]}",
-                           "messages") from None
-
-    def _chat_logprobs(self, choice: CompletionOutput, start: int, top_n: int) -> dict:
-        content = []
-        for token_id, top in zip(choice.token_ids[start:], (choice.logprobs or [])[start:]):
-            text = self._token_text(token_id)
-            ranked = sorted(top.items(), key=lambda kv: -kv[1])[:top_n]
-            content.append({
-                "token": text, "logprob": top.get(token_id), "bytes": list(text.encode()),
-                "top_logprobs": [{"token": (t := self._token_text(i)), "logprob": lp,
-                                  "bytes": list(t.encode())} for i, lp in ranked]})
-        return {"content": content}
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        return chat.render_prompt(self, body)
 
     async def chat_completions(self, request: fastapi.Request):
-        body = parse_body(await request.body(), ChatCompletionRequest)
-        self._check_model(body)
-        ids = await asyncio.to_thread(self._chat_prompt, body)
-        max_tokens = body.max_completion_tokens
-        if max_tokens is None:
-            max_tokens = body.max_tokens
-        if max_tokens is None:  # as vLLM: whatever the context leaves
-            max_tokens = max(1, self.engine.config.max_model_len - len(ids))
-        top_n = body.top_logprobs or 0
-        params_of = {"prompt_token_ids": "messages", "prompts": "messages",
-                     "logprobs": "top_logprobs",
-                     "max_tokens": ("max_completion_tokens"
-                                    if body.max_completion_tokens is not None else "max_tokens")}
-        params = self._sampling(body, max_tokens, top_n if body.logprobs else None, None,
-                                params_of)
-        request_id = f"chatcmpl-{secrets.token_hex(12)}"
-        group = await self._add([PromptSpec(ids, params, request_id, None, body.cache_salt)],
-                                params_of)
-        base = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
-                "model": self.model_name}
+        return await chat.chat_completions(self, request)
 
-        def extra(out: RequestOutput, choice: CompletionOutput, start: int) -> dict:
-            d = {}
-            if body.logprobs:
-                d["logprobs"] = self._chat_logprobs(choice, start, top_n)
-            if body.return_token_ids:
-                d["token_ids"] = choice.token_ids[start:]
-            return d
-
-        if not body.stream:
-            final = await self._collect(group, request)
-            if final is None:
-                return _gone()
-            out = final[request_id]
-            choices = [{"index": c.index,
-                        "message": {"role": "assistant", "content": c.text or ""},
-                        "logprobs": None, **extra(out, c, 0), "finish_reason": c.finish_reason}
-                       for c in out.outputs]
-            return {**base, "choices": choices, "usage": self._usage({request_id: out})}
-
-        chunk = {**base, "object": "chat.completion.chunk"}
-        per_token = body.logprobs or body.return_token_ids or self.tokenizer is None
-
-        async def events():
-            yield _sse({**chunk, "choices": [
-                {"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                 "finish_reason": None} for j in range(body.n)]})
-            sent: dict[int, tuple[int, int]] = {}
-            final = None
-            async with group:
-                async for out in group:
-                    choices = []
-                    for c in out.outputs:
-                        chars, tokens = sent.get(c.index, (0, 0))
-                        text = c.text or ""
-                        if c.finish_reason is None and (
-                                len(c.token_ids) == tokens or len(text) == chars
-                                and not per_token):
-                            continue  # nothing new a client asked for (a held-back byte)
-                        delta = {"content": text[chars:]} if len(text) > chars else {}
-                        choices.append({"index": c.index, "delta": delta, "logprobs": None,
-                                        **extra(out, c, tokens), "finish_reason": c.finish_reason})
-                        sent[c.index] = (len(text), len(c.token_ids))
-                    final = out if out.finished else final
-                    if choices:
-                        yield _sse({**chunk, "choices": choices})
-            if body.stream_options is not None and body.stream_options.include_usage:
-                yield _sse({**chunk, "choices": [], "usage": self._usage({request_id: final})})
-            yield "data: [DONE]\n\n"
-
-        return responses.StreamingResponse(_guard(events()), media_type="text/event-stream")
-
-    async def _collect(self, group: RequestGroup, request: fastapi.Request
-                       ) -> dict[str, RequestOutput] | None:
+    async def collect(self, group: RequestGroup, request: fastapi.Request
+                      ) -> dict[str, RequestOutput] | None:
         """Every request's finished output, or None when the client disconnected first (its
         requests are aborted and their blocks freed at once)."""
         final: dict[str, RequestOutput] = {}
@@ -454,29 +252,6 @@ async def _disconnected(request: fastapi.Request) -> None:
         pass
 
 
-def _gone() -> responses.Response:
-    return responses.Response(status_code=499)  # nobody reads it: the client has gone
-
-
-async def _guard(events):
-    """A stream whose engine dies mid-way ends with an error event, then [DONE]."""
-    try:
-        async for event in events:
-            yield event
-    except EngineDeadError as e:
-        yield _sse(error_body(str(e), "server_error", None, "engine_dead"))
-        yield "data: [DONE]\n\n"
-    except RequestFailedError as e:
-        yield _sse(error_body(str(e), "server_error", None, "request_failed"))
-        yield "data: [DONE]\n\n"
-    finally:
-        await events.aclose()  # a client that went away: abort its requests now
-
-
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
 def build_app(engine: LLMEngine, served_model_name: str = "pagedjax",
               **server_kwargs) -> fastapi.FastAPI:
     """The FastAPI app serving `engine` (its engine thread starts with the app's lifespan);
@@ -493,36 +268,3 @@ def run_server(engine: LLMEngine, served_model_name: str = "pagedjax", *, host: 
     app = OpenAIServer(engine, served_model_name, **server_kwargs).build_app()
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises SIGINT once shut down
         uvicorn.run(app, host=host, port=port, log_level=log_level)
-
-
-class BackgroundServer:
-    """An ASGI app under uvicorn in a background thread (a notebook, a benchmark, a test):
-
-        with BackgroundServer(build_app(engine)) as url:   # http://127.0.0.1:PORT
-            ...
-
-    port 0 picks a free one."""
-
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        import uvicorn
-
-        if port == 0:
-            with socket.socket() as s:
-                s.bind((host, 0))
-                port = s.getsockname()[1]
-        self.url = f"http://{host}:{port}"
-        self.uvicorn = uvicorn.Server(uvicorn.Config(app, host=host, port=port,
-                                                     log_level=log_level))
-        self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        while not self.uvicorn.started:
-            if not self.thread.is_alive():
-                raise RuntimeError(f"the server at {self.url} did not start")
-            time.sleep(0.01)
-        return self.url
-
-    def __exit__(self, *exc) -> None:
-        self.uvicorn.should_exit = True
-        self.thread.join(60)

@@ -1,0 +1,125 @@
+"""POST /v1/completions: prompts (text, token ids, or lists of either) in, choices out, whole or
+streamed."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import TYPE_CHECKING
+
+import fastapi
+from fastapi import responses
+
+from pagedjax.engine.outputs import CompletionOutput, RequestOutput
+from pagedjax.serving.async_engine import PromptSpec
+from pagedjax.serving.http_common import APIError, parse_body
+from pagedjax.serving.protocol import CompletionRequest, split_prompts
+from pagedjax.serving.streaming import DONE, DeltaTracker, guard, sse
+
+if TYPE_CHECKING:
+    from pagedjax.serving.app import OpenAIServer
+
+PARAMS_OF = {"prompt_token_ids": "prompt", "prompts": "prompt"}  # engine field -> body field
+
+
+def logprobs_of(server: OpenAIServer, choice: CompletionOutput, start: int, offset: int) -> dict:
+    """OpenAI's completion logprobs (tokens, token_logprobs, top_logprobs, text_offset)."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for token_id, top in zip(choice.token_ids[start:], (choice.logprobs or [])[start:]):
+        text = server.token_text(token_id)
+        tokens.append(text)
+        token_logprobs.append(top.get(token_id))
+        tops.append({server.token_text(t): lp for t, lp in top.items()})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+class _Choices:
+    """Builds the choice dicts of one completion request (its prompts, their echo, n)."""
+
+    def __init__(self, server: OpenAIServer, body: CompletionRequest, specs, echo: list[str]):
+        self.server, self.body, self.echo = server, body, echo
+        self.index_of = {spec.request_id: i for i, spec in enumerate(specs)}
+
+    def choice(self, out: RequestOutput, choice: CompletionOutput, text: str, start: int,
+               offset: int) -> dict:
+        body = self.body
+        d = {"index": self.index_of[out.request_id] * body.n + choice.index, "text": text,
+             "logprobs": (logprobs_of(self.server, choice, start, offset)
+                          if body.logprobs is not None else None),
+             "finish_reason": choice.finish_reason}
+        if body.return_token_ids or self.server.tokenizer is None:  # no text without one
+            d["token_ids"] = choice.token_ids[start:]
+            if start == 0:
+                d["prompt_token_ids"] = out.prompt_token_ids
+        return d
+
+    def whole(self, final: dict[str, RequestOutput]) -> list[dict]:
+        choices = []
+        for rid in self.index_of:
+            out, prefix = final[rid], self.echo[self.index_of[rid]]
+            for choice in out.outputs:
+                choices.append(self.choice(out, choice, prefix + (choice.text or ""), 0,
+                                           len(prefix)))
+        return choices
+
+
+async def completions(server: OpenAIServer, request: fastapi.Request):
+    body = parse_body(await request.body(), CompletionRequest)
+    server.check_model(body)
+    try:
+        prompts = split_prompts(body.prompt)
+    except ValueError as e:
+        raise APIError(400, str(e), "prompt") from None
+    max_tokens = 16 if body.max_tokens is None else body.max_tokens
+    params = server.sampling(body, max_tokens, body.logprobs, body.best_of, PARAMS_OF)
+    encoded = [await server.encode(p, "prompt") for p in prompts]
+    request_id = f"cmpl-{secrets.token_hex(12)}"
+    specs = [PromptSpec(ids, params, f"{request_id}-{i}", text, body.cache_salt)
+             for i, (ids, text) in enumerate(encoded)]
+    group = await server.add(specs, PARAMS_OF)
+    tokenizer = server.tokenizer
+    echo = [(text if text is not None else tokenizer.decode(list(ids)))
+            if body.echo and tokenizer is not None else "" for ids, text in encoded]
+    choices = _Choices(server, body, specs, echo)
+    base = {"id": request_id, "object": "text_completion", "created": int(time.time()),
+            "model": server.model_name}
+    if not body.stream:
+        final = await server.collect(group, request)
+        if final is None:
+            return server.gone()
+        return {**base, "choices": choices.whole(final), "usage": server.usage(final)}
+    return responses.StreamingResponse(guard(_events(server, body, group, choices, base)),
+                                       media_type="text/event-stream")
+
+
+async def _events(server: OpenAIServer, body: CompletionRequest, group, choices: _Choices,
+                  base: dict):
+    # Without a tokenizer there is no text: every token is news.
+    tracker = DeltaTracker(body.logprobs is not None or body.return_token_ids
+                           or server.tokenizer is None)
+    final: dict[str, RequestOutput] = {}
+    for i, prefix in enumerate(choices.echo):
+        for j in range(body.n):
+            if prefix:
+                yield sse({**base, "choices": [{"index": i * body.n + j, "text": prefix,
+                                                "logprobs": None, "finish_reason": None}]})
+    async with group:
+        async for out in group:
+            sent = []
+            for choice in out.outputs:
+                delta = tracker.advance((out.request_id, choice.index), choice)
+                if delta is None:
+                    continue  # nothing new a client asked for (a held-back byte)
+                text, chars, tokens = delta
+                offset = len(choices.echo[choices.index_of[out.request_id]]) + chars
+                sent.append(choices.choice(out, choice, text, tokens, offset))
+            if out.finished:
+                final[out.request_id] = out
+            if sent:
+                yield sse({**base, "choices": sent})
+    if body.stream_options is not None and body.stream_options.include_usage:
+        yield sse({**base, "choices": [], "usage": server.usage(final)})
+    yield DONE
