@@ -1,0 +1,70 @@
+"""EngineConfig's fields as command-line flags, shared by `pagedjax serve`, `pagedjax profile`
+and the benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+
+from scheduler import POLICIES
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """EngineConfig's fields as flags (defaults: EngineConfig's own)."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--max-model-len", type=int)
+    group.add_argument("--block-size", type=int)
+    group.add_argument("--num-blocks", type=int, help="KV blocks in the pool, the null block "
+                       "included (default: max-num-seqs sequences of max-model-len tokens)")
+    group.add_argument("--kv-cache-memory-gib", type=float,
+                       help="size the KV pool by memory instead of --num-blocks (a device's "
+                       "share: each of the --tensor-parallel-size devices holds that much)")
+    group.add_argument("--max-num-seqs", type=int)
+    group.add_argument("--max-num-batched-tokens", type=int)
+    group.add_argument("--policy", choices=list(POLICIES))
+    group.add_argument("--dtype", choices=["float32", "bfloat16"])
+    group.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8"])
+    group.add_argument("--attention-backend",
+                       choices=["auto", "reference", "gpu", "mosaic_gpu", "tpu"])
+    group.add_argument("--preemption-mode", choices=["recompute", "swap"])
+    group.add_argument("--swap-space-gib", type=float, help="host pool for --preemption-mode swap")
+    group.add_argument("--no-prefix-caching", action="store_true")
+    group.add_argument("--no-chunked-prefill", action="store_true")
+    group.add_argument("--no-scan-layers", action="store_true",
+                       help="unroll the decoder layers in every step program (compiles L "
+                       "copies of the layer) instead of one jax.lax.scan")
+    group.add_argument("--max-logprobs", type=int)
+    group.add_argument("--seed", type=int)
+    group.add_argument("--tensor-parallel-size", type=int,
+                       help="split the model over this many local devices (default 1)")
+    group.add_argument("--data-parallel-size", type=int,
+                       help="replicas of the (tensor-parallel) model on disjoint devices, each "
+                       "with its own KV pool and scheduler, behind one server (default 1)")
+    group.add_argument("--step-programs", choices=["split", "ragged"],
+                       help="decode programs beside the ragged ones (split, the default), or "
+                       "every step on the ragged programs (ragged: half the programs)")
+    group.add_argument("--prefill-seqs", choices=["per_token_bucket", "bucketed"],
+                       help="prefill programs: one per token bucket, or one per (T, B)")
+    group.add_argument("--compilation-cache", metavar="DIR|auto|off",
+                       help="JAX's persistent compilation cache: a second start compiles "
+                       "nothing (default auto: ~/.cache/pagedjax/jax_cache)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields the flags of add_engine_args set."""
+    kwargs = {name: getattr(args, name) for name in (
+        "max_model_len", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
+        "policy", "dtype", "kv_cache_dtype", "attention_backend", "preemption_mode",
+        "max_logprobs", "seed", "compilation_cache", "prefill_seqs",
+        "step_programs", "tensor_parallel_size", "data_parallel_size")
+        if getattr(args, name) is not None}
+    if args.kv_cache_memory_gib is not None:
+        kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_memory_gib * 2**30)
+    if args.swap_space_gib is not None:
+        kwargs["swap_space_bytes"] = int(args.swap_space_gib * 2**30)
+    if args.no_prefix_caching:
+        kwargs["enable_prefix_caching"] = False
+    if args.no_chunked_prefill:
+        kwargs["enable_chunked_prefill"] = False
+    if args.no_scan_layers:
+        kwargs["scan_layers"] = False
+    return kwargs

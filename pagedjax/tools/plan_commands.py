@@ -1,0 +1,253 @@
+"""The planning commands: `pagedjax capacity` (the KV-cache formula), `pagedjax inspect` (what
+the engine makes of a model), `pagedjax profile` (fit the step-time model to an engine) and
+`pagedjax simulate` (a trace through the real scheduler on that model)."""
+
+from __future__ import annotations
+
+import argparse
+
+from models import CONFIGS, get_config
+from pagedjax.tools.engine_args import add_engine_args, engine_kwargs
+from scheduler import POLICIES
+
+
+def capacity(argv) -> None:
+    """KV-cache capacity from the formula 2 * L * K * H * itemsize bytes per token."""
+    parser = argparse.ArgumentParser(prog="pagedjax capacity", description=capacity.__doc__)
+    parser.add_argument("--model", default="llama-3-8b", choices=sorted(CONFIGS))
+    parser.add_argument("--kv-memory-gib", type=float, required=True,
+                        help="memory given to the KV cache on each device")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="devices one replica's weights and KV heads are split over")
+    parser.add_argument("--data-parallel-size", type=int, default=1,
+                        help="replicas, each with its own pool (the totals multiply)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--context", type=int, default=4096,
+                        help="average tokens per sequence (prompt + output)")
+    args = parser.parse_args(argv)
+    if args.kv_memory_gib <= 0 or args.block_size < 1 or args.context < 1:
+        parser.error("--kv-memory-gib, --block-size and --context must be positive")
+    if args.tensor_parallel_size < 1 or args.data_parallel_size < 1:
+        parser.error("--tensor-parallel-size and --data-parallel-size must be >= 1")
+    from pagedjax.parallel.sharding import (check_tensor_parallel, kv_bytes_per_block_per_device,
+                                   weight_bytes_per_device)
+
+    config = get_config(args.model)
+    tp, dp = args.tensor_parallel_size, args.data_parallel_size
+    try:
+        check_tensor_parallel(config, tp, check_devices=False)  # a plan for other machines
+    except ValueError as e:
+        parser.exit(1, f"pagedjax capacity: {e}\n")
+    itemsize = 2 if args.dtype == "bfloat16" else 4
+    kv_dtype = "float32" if itemsize == 4 else "float16"
+    per_block = kv_bytes_per_block_per_device(config, args.block_size, tp, kv_dtype)
+    num_blocks = int(args.kv_memory_gib * 2**30) // per_block
+    tokens = (num_blocks - 1) * args.block_size
+    blocks_per_seq = -(-args.context // args.block_size)
+    print(f"model {args.model}: L={config.num_layers} K={config.num_kv_heads} "
+          f"H={config.head_dim}, KV {args.dtype}, TP {tp} x DP {dp}")
+    print(f"  bytes per token      {config.kv_bytes_per_token(itemsize):,} (all devices)")
+    print(f"  weights per device   {weight_bytes_per_device(config, tp, itemsize) / 2**30:.2f} "
+          f"GiB")
+    print(f"  bytes per block      {per_block:,} a device (block size {args.block_size})")
+    print(f"  blocks in {args.kv_memory_gib:g} GiB   {num_blocks:,} a replica (one is the null "
+          "block)")
+    print(f"  tokens held          {tokens:,} a replica, {tokens * dp:,} in all")
+    print(f"  sequences of {args.context} tokens  {(num_blocks - 1) // blocks_per_seq:,} a "
+          f"replica, {(num_blocks - 1) // blocks_per_seq * dp:,} in all")
+
+
+def inspect(argv) -> None:
+    """What the engine makes of a Hugging Face model directory or a .gguf file: architecture,
+    attention type, KV-cache bytes per token and per block, and whether it can be served."""
+    from models.hf import inspect_model_dir
+
+    parser = argparse.ArgumentParser(prog="pagedjax inspect", description=inspect.__doc__)
+    parser.add_argument("model_dir")
+    parser.add_argument("--kv-dtype", default="bfloat16",
+                        choices=["float32", "bfloat16", "int8", "fp8"])
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--attention-backend", default="reference",
+                        choices=["reference", "gpu", "mosaic_gpu", "tpu"],
+                        help="whose cache layout to count bytes in")
+    args = parser.parse_args(argv)
+    if args.block_size < 1:
+        parser.error("--block-size must be >= 1")
+    try:
+        report = inspect_model_dir(args.model_dir, args.kv_dtype, args.block_size,
+                                   args.attention_backend)
+    except ValueError as e:
+        parser.exit(1, f"pagedjax inspect: {e}\n")
+    print(f"{args.model_dir}")
+    print(f"  architecture         {report['architecture']} "
+          f"(model_type {report['model_type']}, weights {report['checkpoint_dtype']})")
+    if "attention" in report:
+        window = report.get("sliding_window")
+        print(f"  attention            {report['attention']}"
+              + (f", sliding window {window}" if window else ""))
+    if not report["supported"]:
+        print(f"  supported            no: {report['reason']}")
+        raise SystemExit(1)
+    print(f"  layers / heads / kv  {report['num_layers']} / {report['num_heads']} / "
+          f"{report['num_kv_heads']}, head_dim {report['head_dim']}")
+    print(f"  rope                 {report['rope']} (theta {report['rope_theta']:g}), "
+          f"max positions {report['max_position_embeddings']:,}")
+    print(f"  parameters           {report['num_params']:,}")
+    print(f"  KV bytes per token   {report['kv_bytes_per_token']:,} "
+          f"({report['kv_dtype']}, {report['attention_backend']} layout)")
+    print(f"  KV bytes per block   {report['kv_bytes_per_block']:,} "
+          f"(block size {report['block_size']})")
+    print(f"  eos token ids        {report['eos_token_ids']}")
+    print("  supported            yes")
+
+
+def profile(argv) -> None:
+    """Serves a trace (JSON lines: arrival_s, prompt_len, output_len[, n, prefix_group,
+    prefix_len]) on the engine in real time and fits the simulator's step-time model to its
+    steps (written as JSON for `pagedjax simulate`)."""
+    parser = argparse.ArgumentParser(prog="pagedjax profile", description=profile.__doc__)
+    parser.add_argument("model", nargs="?", default=None)
+    parser.add_argument("--trace", required=True)
+    parser.add_argument("--out", required=True, help="where to write the cost model (JSON)")
+    add_engine_args(parser)
+    args = parser.parse_args(argv)
+
+    from pagedjax.llm import DEFAULT_MODEL, LLM
+    from pagedjax.tools.profiling import run_trace
+    from scheduler.simulator import StepCostModel, load_trace
+
+    try:
+        trace = load_trace(args.trace)
+        llm = LLM(args.model or DEFAULT_MODEL, **engine_kwargs(args))
+    except (ValueError, OSError) as e:
+        parser.exit(1, f"pagedjax profile: {e}\n")
+    print(f"warmup: {llm.engine.warmup(progress=True)} step programs ready", flush=True)
+    result, samples = run_trace(llm.engine, trace)
+    cost = StepCostModel.fit(samples)
+    with open(args.out, "w") as f:
+        f.write(cost.to_json() + "\n")
+    print(_table([{"run": "engine", **result.summary()}]))
+    print(f"cost model from {len(samples)} steps -> {args.out}")
+
+
+def simulate(argv) -> None:
+    """Predicts a trace's TTFT, TPOT, throughput, preemptions and KV use under each combination
+    of the given pool sizes and batch limits, with the real scheduler on a step-time model:
+    fitted to an engine (`--cost`, from `pagedjax profile`) or a roofline estimate for a model
+    on a chip not at hand (`--roofline CHIP --model NAME`). No model runs, no device."""
+    from scheduler.simulator import load_trace
+
+    parser = _simulate_parser()
+    args = parser.parse_args(argv)
+    if args.roofline and not args.model:
+        parser.error("--roofline needs --model")
+    if args.tensor_parallel_size < 1 or args.data_parallel_size < 1:
+        parser.error("--tensor-parallel-size and --data-parallel-size must be >= 1")
+    if args.tensor_parallel_size > 1 and not args.roofline:
+        parser.error("--tensor-parallel-size needs --roofline (a fitted --cost is for the "
+                     "parallelism it was profiled at)")
+    if args.kv_memory_gib and not args.roofline:
+        parser.error("--kv-memory-gib needs --roofline --model (for KV bytes per token)")
+    try:
+        rows = _simulate_rows(args, load_trace(args.trace))
+    except (ValueError, OSError, KeyError) as e:
+        parser.exit(1, f"pagedjax simulate: {e}\n")
+    if args.roofline:
+        print(f"roofline estimate: {args.model} on {args.roofline} x TP "
+              f"{args.tensor_parallel_size} x DP {args.data_parallel_size} (flops x "
+              f"{args.flops_util}, "
+              f"bandwidth x {args.bw_util}, {args.overhead_ms} ms a step); not a measurement")
+    print(_table(rows))
+
+
+def _simulate_parser() -> argparse.ArgumentParser:
+    from scheduler.simulator import CHIPS
+
+    parser = argparse.ArgumentParser(prog="pagedjax simulate", description=simulate.__doc__)
+    parser.add_argument("--trace", required=True)
+    model_source = parser.add_mutually_exclusive_group(required=True)
+    model_source.add_argument("--cost", help="a fitted cost model from `pagedjax profile`")
+    model_source.add_argument("--roofline", choices=sorted(CHIPS),
+                              help="estimate step times for --model on this chip")
+    parser.add_argument("--model", choices=sorted(CONFIGS), help="with --roofline")
+    parser.add_argument("--flops-util", type=float, default=0.5)
+    parser.add_argument("--bw-util", type=float, default=0.7)
+    parser.add_argument("--overhead-ms", type=float, default=2.0)
+    parser.add_argument("--kv-dtype", default="bfloat16", choices=["bfloat16", "int8"],
+                        help="with --roofline: KV bytes per element 2 or 1 (weights bf16)")
+    ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
+    floats = lambda text: [float(v) for v in text.split(",")]  # noqa: E731
+    pool = parser.add_mutually_exclusive_group(required=True)
+    pool.add_argument("--num-blocks", type=ints,
+                      help="pool sizes to try, comma-separated (the null block included)")
+    pool.add_argument("--kv-memory-gib", type=floats,
+                      help="with --roofline: KV memory budgets to try, comma-separated")
+    parser.add_argument("--max-num-seqs", type=ints, default=[32])
+    parser.add_argument("--max-num-batched-tokens", type=ints, default=[512])
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--policy", default="mixed", choices=list(POLICIES))
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="with --roofline: one replica over this many chips (a device's "
+                        "weights and KV; the all-reduces on the chip's link)")
+    parser.add_argument("--data-parallel-size", type=int, default=1,
+                        help="replicas, each with the pool; requests placed by the "
+                        "data-parallel engine's prefix-affinity rule, steps in lockstep")
+    return parser
+
+
+def _cost_and_pools(args):
+    """The step-time model, the pool sizes to try and the vocabulary size."""
+    from pagedjax.parallel.plan import roofline_cost
+    from scheduler.simulator import CHIPS, StepCostModel
+
+    if not args.roofline:
+        with open(args.cost) as f:
+            return StepCostModel.from_json(f.read()), args.num_blocks, args.vocab_size
+    config = get_config(args.model)
+    cost = roofline_cost(config, CHIPS[args.roofline], args.tensor_parallel_size,
+                         args.kv_dtype, flops_util=args.flops_util,
+                         bw_util=args.bw_util, overhead_s=args.overhead_ms / 1e3)
+    pools = args.num_blocks or [  # a device's budget: each holds 1/TP of a block
+        1 + int(gib * 2**30) // (cost.kv_bytes_per_token * args.block_size)
+        for gib in args.kv_memory_gib]
+    return cost, pools, config.vocab_size
+
+
+def _simulate_rows(args, trace) -> list[dict]:
+    """One row a combination of pool size, max_num_seqs and max_num_batched_tokens."""
+    from pagedjax.engine.config import EngineConfig
+    from pagedjax.parallel.plan import prefix_affinity_placer
+    from scheduler.simulator import simulate as run
+
+    cost, pools, vocab = _cost_and_pools(args)
+    dp = args.data_parallel_size
+    rows = []
+    for num_blocks in pools:
+        for max_num_seqs in args.max_num_seqs:
+            for max_tokens in args.max_num_batched_tokens:
+                config = EngineConfig(
+                    num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max_tokens, block_size=args.block_size,
+                    max_model_len=args.max_model_len, policy=args.policy,
+                    enable_prefix_caching=not args.no_prefix_caching)
+                result = run(trace, config.scheduler_config(), num_blocks=num_blocks,
+                             block_size=args.block_size, buckets=config.buckets(),
+                             cost=cost, vocab_size=vocab, replicas=dp,
+                             place=prefix_affinity_placer(dp, args.block_size))
+                rows.append({"num_blocks": num_blocks, "max_num_seqs": max_num_seqs,
+                             "max_num_batched_tokens": max_tokens, **result.summary()})
+    return rows
+
+
+def _table(rows: list[dict]) -> str:
+    keys = list(rows[0])
+    cells = [[f"{v:.4g}" if isinstance(v, float) else str(v) for v in row.values()]
+             for row in rows]
+    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
+    lines = ["  ".join(k.rjust(w) for k, w in zip(keys, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)

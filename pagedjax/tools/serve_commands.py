@@ -1,0 +1,168 @@
+"""`pagedjax serve` (an engine behind the OpenAI-compatible server) and `pagedjax router` (the
+KV-aware proxy over several)."""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+
+from pagedjax.tools.engine_args import add_engine_args, engine_kwargs
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    import os
+
+    parser = argparse.ArgumentParser(prog="pagedjax serve", description=serve.__doc__)
+    parser.add_argument("model", nargs="?", default=None)
+    parser.add_argument("--tokenizer", help="a tokenizer directory, or 'byte'")
+    parser.add_argument("--chat-template", help="a Jinja chat template, or a file holding one, "
+                        "for a model whose tokenizer has none (or to replace its own)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name",
+                        help="the name clients send as `model` (default: the model's)")
+    parser.add_argument("--max-outstanding-tokens", type=int,
+                        help="admission control: refuse (HTTP 429) a request that would raise "
+                        "the tokens still to compute over all requests above this")
+    parser.add_argument("--api-key", default=os.environ.get("PAGEDJAX_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(or PAGEDJAX_API_KEY)")
+    parser.add_argument("--public-metrics", action="store_true",
+                        help="with --api-key, leave /metrics open (a Prometheus scraper)")
+    parser.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
+                        help="answer 413 to a larger request body, unread (default 4 MiB)")
+    warmup = parser.add_mutually_exclusive_group()
+    warmup.add_argument("--warmup", action="store_true",
+                        help="compile every step program before accepting requests")
+    warmup.add_argument("--warmup-background", action="store_true",
+                        help="accept requests at once and compile every step program in a "
+                        "background thread (a shape not compiled yet compiles on first use)")
+    parser.add_argument("--trace-out", help="append every finished request to this JSON-lines "
+                        "trace (lengths, arrival, prefix hashes; no text) for `pagedjax "
+                        "simulate`")
+    parser.add_argument("--log-level", default="info")
+    add_engine_args(parser)
+    from pagedjax.parallel import multihost
+    multihost.add_args(parser)
+    return parser
+
+
+def serve(argv) -> None:
+    """An OpenAI-compatible server (/v1/completions, /v1/chat/completions, streaming; /metrics,
+    /health) for MODEL: a Hugging Face or orbax directory, a .gguf file, or a config name
+    (default: the embedded trained model)."""
+    import os
+
+    from pagedjax.parallel import multihost
+
+    parser = _serve_parser()
+    args = parser.parse_args(argv)
+    if not 0 < args.port < 65536:
+        parser.error(f"--port must be in 1..65535, got {args.port}")
+    if args.max_outstanding_tokens is not None and args.max_outstanding_tokens < 1:
+        parser.error(f"--max-outstanding-tokens must be >= 1, got {args.max_outstanding_tokens}")
+    if args.max_request_bytes < 1:
+        parser.error(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    if args.chat_template is not None:
+        from pagedjax.text.tokenizer import read_chat_template
+        try:
+            args.chat_template = read_chat_template(args.chat_template)
+        except ValueError as e:
+            parser.error(str(e))
+
+    import jax
+
+    from pagedjax.llm import DEFAULT_MODEL, LLM
+    from pagedjax.serving.app import run_server
+
+    model = args.model or DEFAULT_MODEL
+    try:
+        follower = multihost.start_from_args(args)
+        llm = LLM(model, tokenizer=args.tokenizer, **engine_kwargs(args))
+    except ValueError as e:
+        parser.exit(1, f"pagedjax serve: {e}\n")
+    if follower:  # the leader (process 0) serves; this process runs its steps' shards
+        print(f"process {jax.process_index()}: following process 0", flush=True)
+        steps = multihost.follow(llm.engine.runner)
+        print(f"process {jax.process_index()}: leader stopped after {steps} steps", flush=True)
+        return
+    if args.warmup:
+        start = time.perf_counter()
+        num_programs = llm.engine.warmup(progress=True)
+        print(f"warmup: {num_programs} step programs ready in "
+              f"{time.perf_counter() - start:.1f} s (compilation cache: "
+              f"{llm.engine.compilation_cache_dir or 'off'})", flush=True)
+    if args.warmup_background:
+        threading.Thread(target=_report_warmup, args=(llm.engine.start_warmup(progress=True),),
+                         daemon=True).start()
+    name = args.served_model_name or os.path.basename(os.path.normpath(str(model)))
+    run_server(llm.engine, name, host=args.host, port=args.port,
+               max_outstanding_tokens=args.max_outstanding_tokens, api_key=args.api_key,
+               trace_out=args.trace_out, log_level=args.log_level,
+               max_request_bytes=args.max_request_bytes, public_metrics=args.public_metrics,
+               chat_template=args.chat_template)
+
+
+def _report_warmup(warmup) -> None:
+    warmup.wait()
+    if warmup.error is not None:
+        print(f"warmup stopped ({warmup.error!r}); the rest compile on first use", flush=True)
+    else:
+        print(f"warmup: {warmup.num_programs} step programs ready in the background in "
+              f"{warmup.seconds:.1f} s", flush=True)
+
+
+def router(argv) -> None:
+    """An OpenAI-compatible proxy routing each request to the `pagedjax serve` instance most
+    likely to hold its prompt's prefix in its KV cache (see pagedjax.serving.router)."""
+    import os
+
+    from pagedjax.serving.router import POLICIES, run_router
+
+    parser = argparse.ArgumentParser(prog="pagedjax router", description=router.__doc__)
+    parser.add_argument("--backend", action="append", required=True,
+                        help="a server's base URL (repeat for each)")
+    parser.add_argument("--policy", default="kv_aware", choices=POLICIES)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--balance-abs", type=int, default=8,
+                        help="in-flight difference beyond which load wins over cache affinity")
+    parser.add_argument("--balance-rel", type=float, default=1.5)
+    parser.add_argument("--min-match", type=float, default=0.25,
+                        help="least fraction of a prompt's chunks matched to follow affinity")
+    rollout = parser.add_argument_group("safe rollout")
+    rollout.add_argument("--canary", action="append", default=[],
+                         help="a canary instance's base URL (repeat for each)")
+    rollout.add_argument("--canary-weight", type=float, default=0.0,
+                         help="the canary group's share of the traffic, in [0, 1]")
+    rollout.add_argument("--rollback-window", type=int, default=200,
+                         help="outcomes per group the comparison looks at")
+    rollout.add_argument("--rollback-min-requests", type=int, default=20,
+                         help="canary outcomes needed before it can be judged")
+    rollout.add_argument("--rollback-max-error-delta", type=float, default=0.05,
+                         help="roll back when the canary's error rate exceeds the stable "
+                         "group's by more than this")
+    rollout.add_argument("--rollback-max-latency-ratio", type=float, default=2.0,
+                         help="roll back when the canary's median latency exceeds this times "
+                         "the stable group's")
+    rollout.add_argument("--admin-key", default=os.environ.get("PAGEDJAX_ADMIN_KEY"),
+                         help="serve the /router/* admin endpoints, behind 'Authorization: "
+                         "Bearer KEY' (or PAGEDJAX_ADMIN_KEY); without a key they do not exist")
+    parser.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
+                        help="answer 413 to a larger request body, unread (default 4 MiB)")
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    if not 0 < args.port < 65536:
+        parser.error(f"--port must be in 1..65535, got {args.port}")
+    guard = dict(window=args.rollback_window, min_requests=args.rollback_min_requests,
+                 max_error_delta=args.rollback_max_error_delta,
+                 max_latency_ratio=args.rollback_max_latency_ratio)
+    try:
+        run_router(args.backend, args.policy, host=args.host, port=args.port,
+                   log_level=args.log_level, canary=args.canary,
+                   canary_weight=args.canary_weight, guard=guard, admin_key=args.admin_key,
+                   balance_abs=args.balance_abs, balance_rel=args.balance_rel,
+                   min_match=args.min_match, max_request_bytes=args.max_request_bytes)
+    except ValueError as e:
+        parser.exit(1, f"pagedjax router: {e}\n")
