@@ -227,3 +227,8 @@ class KVCacheManager:
     @property
     def num_used_blocks(self) -> int:
         return self.pool.num_used_blocks
+
+    @property
+    def num_evictions(self) -> int:
+        """Cached blocks the pool has reused for other content so far."""
+        return self.pool.num_evictions

@@ -13,90 +13,28 @@ import numpy as np
 from models import LlamaForCausalLM
 from pagedjax.engine.admission import Admission, PromptSpec, check_specs
 from pagedjax.engine.compile_cache import enable_compilation_cache
-from pagedjax.parallel import multihost
 from pagedjax.engine.config import EngineConfig
-from pagedjax.engine.stats import EngineStats, ReplicaLoad
+from pagedjax.engine.kv_snapshot import KVSnapshot, UsageSample, kv_snapshot, tokens_stored
+from pagedjax.engine.output_processor import TextState
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.runner import ModelRunner
-from pagedjax.parallel.sharding import check_tensor_parallel, kv_head_repeats, make_mesh
-from pallas_kernels import check_num_slots, kv_cache_bytes_per_block, resolve_backend
-from pagedjax.text.tokenizer import IncrementalDetokenizer, StopStringMatcher
-from scheduler import (DECODE, NULL_BLOCK, Request, RequestStatus, SamplingParams, Scheduler,
-                       build_plan, make_samples)
+from pagedjax.engine.stats import EngineStats, ReplicaLoad
+from pagedjax.parallel import multihost
+from pagedjax.parallel.placement import place
+from pagedjax.parallel.sharding import kv_head_repeats
+from pallas_kernels import check_num_slots, kv_cache_bytes_per_block
+from scheduler import (DECODE, Request, RequestStatus, SamplingParams, Scheduler, build_plan,
+                       make_samples)
 
 
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"[:500]
 
 
-class _TextState:
-    """One sample's detokenized output: incremental, cut at the first stop string."""
-
-    __slots__ = ("detokenizer", "matcher", "text", "num_tokens")
-
-    def __init__(self, tokenizer, request: Request):
-        params = request.sampling_params
-        self.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids,
-                                                  params.skip_special_tokens)
-        self.matcher = (StopStringMatcher(params.stop, params.include_stop_str_in_output)
-                        if params.stop else None)
-        self.text = ""
-        self.num_tokens = 0
-
-    def advance(self, request: Request) -> bool:
-        """Detokenizes request's new tokens; True when a stop string ended the text."""
-        new = request.output_token_ids[self.num_tokens:]
-        self.num_tokens += len(new)
-        delta = self.detokenizer.push(new)
-        if request.status.finished:
-            delta += self.detokenizer.finish()
-        self.text += delta
-        if self.matcher is None:
-            return False
-        cut = self.matcher.check(self.text, len(delta))
-        if cut is None:
-            return False
-        self.text = self.text[:cut]
-        return True
-
-    def visible_text(self, finished: bool) -> str:
-        """The text a client may see now: a tail that could still become a stop string is
-        withheld until the request moves past it or finishes."""
-        if finished or self.matcher is None:
-            return self.text
-        return self.text[:len(self.text) - self.matcher.holdback(self.text)]
-
-
 def model_cache_key(model: LlamaForCausalLM, config: EngineConfig) -> bytes:
     """Names what a cached block's KV depends on besides its tokens: the model's architecture and
     weights (by object identity within this process) and the KV dtype."""
     return repr((model.config, id(model), config.dtype)).encode()
-
-
-@dataclasses.dataclass(frozen=True)
-class KVSnapshot:
-    """Who holds which physical KV block right now (block 0, the null block, is never held).
-
-    owners[b]: the running requests whose block tables point at block b (several = shared, by a
-    common prefix or parallel samples); tokens[b]: token slots of b holding computed KV;
-    cached_free: free blocks that still hold a prefix-cached block (reusable until evicted)."""
-
-    num_blocks: int
-    block_size: int
-    owners: dict[int, list[str]]
-    tokens: dict[int, int]
-    cached_free: list[int]
-
-
-@dataclasses.dataclass(frozen=True)
-class UsageSample:
-    """One step's KV usage (EngineStats keeps the peak; this is the time series)."""
-
-    step: int
-    time: float
-    used_blocks: int
-    num_running: int
-    num_waiting: int
 
 
 @dataclasses.dataclass
@@ -134,30 +72,11 @@ class LLMEngine:
         if config.data_parallel_size > 1:
             raise ValueError(f"data_parallel_size ({config.data_parallel_size}) needs "
                              f"pagedjax.parallel.data_parallel.make_engine (one LLMEngine a replica)")
-        check_tensor_parallel(model_config, config.tensor_parallel_size)
         tp = config.tensor_parallel_size
-        if devices is None:  # this process's own, unless the model needs more (multi-host)
-            devices = jax.local_devices() if tp <= jax.local_device_count() else jax.devices()
-        devices = list(devices)
-        if len(devices) < tp:
-            raise ValueError(f"tensor_parallel_size ({tp}) exceeds the {len(devices)} devices "
-                             f"given")
-        self.devices = devices[:tp]
-        # Over several processes' devices: every process runs each step (pagedjax.parallel.multihost).
-        self.multihost = len({d.process_index for d in self.devices}) > 1
-        if self.multihost:
-            multihost.check_multihost(config, self.devices)
-        self.backend = resolve_backend(config.attention_backend, config.attention_interpret)
-        if config.tensor_parallel_size > 1:
-            self.backend = dataclasses.replace(
-                self.backend, mesh=make_mesh(config.tensor_parallel_size, self.devices))
-        kv_heads = model_config.num_kv_heads * kv_head_repeats(model_config.num_kv_heads,
-                                                               config.tensor_parallel_size)
-        if self.backend.gpu_layout and config.block_size & (config.block_size - 1):
-            raise ValueError(f"block_size must be a power of two for the {self.backend.name} "
-                             f"attention backend, got {config.block_size}")
+        self.devices, self.multihost, self.backend = place(model_config, config, devices)
         self.bytes_per_block = kv_cache_bytes_per_block(  # over all devices
-            model_config.num_layers, config.block_size, kv_heads,
+            model_config.num_layers, config.block_size,
+            model_config.num_kv_heads * kv_head_repeats(model_config.num_kv_heads, tp),
             model_config.head_dim, config.kv_np_dtype, self.backend.name)
         # each device holds 1/TP of every block (its KV heads): the pool's budget is a device's
         self.bytes_per_block_per_device = self.bytes_per_block // tp
@@ -183,7 +102,7 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(config.seed) if seed_rng is None else seed_rng
         self._next_id = 0
         self._groups: dict[str, list[Request]] = {}  # request_id -> its samples, until finished
-        self._texts: dict[str, _TextState] = {}  # sample request_id -> its text, with a tokenizer
+        self._texts: dict[str, TextState] = {}  # sample request_id -> its text, with a tokenizer
         self._prompts: dict[str, str] = {}  # request_id -> prompt text, when given as text
         self.usage_history: collections.deque[UsageSample] = collections.deque(maxlen=100_000)
         self.last_schedule = None
@@ -265,7 +184,7 @@ class LLMEngine:
         self._groups[request.parent_id] = samples
         if self.tokenizer is not None:
             for sample in samples:
-                self._texts[sample.request_id] = _TextState(self.tokenizer, sample)
+                self._texts[sample.request_id] = TextState(self.tokenizer, sample)
 
     def set_prompt_text(self, request_id: str, prompt: str) -> None:
         """Records the text a queued request's prompt came from (returned in its outputs)."""
@@ -446,59 +365,19 @@ class LLMEngine:
         return outputs
 
     def _record(self, output, advanced) -> None:
-        stats = self.stats
-        stats.num_steps += 1
-        if output.kind == DECODE:
-            stats.num_decode_steps += 1
-        else:
-            stats.num_prefill_steps += 1
-        stats.num_scheduled_tokens += output.num_scheduled_tokens
-        stats.num_generated_tokens += len(advanced)
-        stats.num_finished += sum(r.status.finished and r.sample_index == 0 for r in advanced)
         state = self.scheduler.state
-        stats.num_preemptions = state.num_preemptions
-        stats.num_prefix_query_tokens = state.num_prefix_query_tokens
-        stats.num_prefix_hit_tokens = state.num_prefix_hit_tokens
-        stats.num_evictions = state.kv_manager.pool.num_evictions
-        stats.num_swap_outs = state.num_swap_outs
-        stats.num_recomputed_tokens = state.num_recomputed_tokens
-        stats.max_running = max(stats.max_running, len(state.running))
+        self.stats.record_step(output.kind == DECODE, output.num_scheduled_tokens, advanced,
+                               state)
         used_blocks = state.kv_manager.num_used_blocks
-        self.usage_history.append(UsageSample(stats.num_steps, self.clock(), used_blocks,
+        self.usage_history.append(UsageSample(self.stats.num_steps, self.clock(), used_blocks,
                                               len(state.running), len(state.waiting)))
-        if used_blocks > stats.peak_used_blocks:  # rare once warm: the scan below is O(blocks)
-            stats.peak_used_blocks = used_blocks
-            stats.peak_used_tokens = self._tokens_stored()
+        if used_blocks > self.stats.peak_used_blocks:  # rare once warm: tokens_stored is O(blocks)
+            self.stats.peak_used_blocks = used_blocks
+            self.stats.peak_used_tokens = tokens_stored(self.scheduler)
 
     def kv_snapshot(self) -> KVSnapshot:
         """The block map of the live requests (for inspection and pictures; O(blocks))."""
-        kv = self.scheduler.kv_manager
-        owners: dict[int, list[str]] = collections.defaultdict(list)
-        tokens: dict[int, int] = {}
-        for request in self.scheduler.state.running:
-            table = kv.get_block_table(request.request_id)
-            for index, block in enumerate(table):
-                if block == NULL_BLOCK:
-                    continue
-                owners[block].append(request.request_id)
-                filled = min(kv.block_size, request.num_computed_tokens - index * kv.block_size)
-                tokens[block] = max(tokens.get(block, 0), max(filled, 0))
-        pool = kv.pool
-        cached_free = [b for b in pool.free_block_ids() if pool.block_hashes[b] is not None]
-        return KVSnapshot(pool.num_blocks, kv.block_size, dict(owners), tokens, cached_free)
-
-    def _tokens_stored(self) -> int:
-        """Token slots filled in the pool right after a step, a shared block counted once: every
-        running request has exactly its computed tokens in its blocks."""
-        kv = self.scheduler.kv_manager
-        block_size = kv.block_size
-        full_blocks, partial = set(), 0
-        for request in self.scheduler.state.running:
-            num_full, rest = divmod(request.num_computed_tokens, block_size)
-            full_blocks.update(kv.get_block_table(request.request_id)[:num_full])
-            partial += rest
-        full_blocks.discard(NULL_BLOCK)  # slots of blocks freed outside a sliding window
-        return len(full_blocks) * block_size + partial
+        return kv_snapshot(self.scheduler)
 
     def warmup(self, progress: bool = False) -> int:
         """Compiles every step program the buckets allow (loaded from the persistent

@@ -28,6 +28,25 @@ class EngineStats:
     num_swap_outs: int = 0  # preemptions that moved KV to the host pool
     num_recomputed_tokens: int = 0  # computed tokens thrown away by recompute preemption
 
+    def record_step(self, decode: bool, num_scheduled_tokens: int, advanced, state) -> None:
+        """Counts one step: its kind and tokens, the samples it advanced (Requests), and the
+        scheduler state's running totals after it (preemptions, prefix hits, swaps, ...)."""
+        self.num_steps += 1
+        if decode:
+            self.num_decode_steps += 1
+        else:
+            self.num_prefill_steps += 1
+        self.num_scheduled_tokens += num_scheduled_tokens
+        self.num_generated_tokens += len(advanced)
+        self.num_finished += sum(r.status.finished and r.sample_index == 0 for r in advanced)
+        self.num_preemptions = state.num_preemptions
+        self.num_prefix_query_tokens = state.num_prefix_query_tokens
+        self.num_prefix_hit_tokens = state.num_prefix_hit_tokens
+        self.num_evictions = state.kv_manager.num_evictions
+        self.num_swap_outs = state.num_swap_outs
+        self.num_recomputed_tokens = state.num_recomputed_tokens
+        self.max_running = max(self.max_running, len(state.running))
+
     @property
     def prefix_hit_rate(self) -> float:
         queried = self.num_prefix_query_tokens

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from pagedjax.engine.llm_engine import KVSnapshot, UsageSample
+from pagedjax.engine.kv_snapshot import KVSnapshot, UsageSample
 
 
 def plot_block_map(snapshot: KVSnapshot, ax=None, columns: int = 16, legend: bool = True):

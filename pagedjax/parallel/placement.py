@@ -1,0 +1,39 @@
+"""Where one engine runs: its devices (this process's, or every process's for a multi-host
+model), whether that spans processes, and its attention backend over them."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+
+from pagedjax.parallel import multihost
+from pagedjax.parallel.sharding import check_tensor_parallel, make_mesh
+from pallas_kernels import AttentionBackend, resolve_backend
+
+
+def place(model_config, config, devices: Sequence | None = None
+          ) -> tuple[list, bool, AttentionBackend]:
+    """(the first tensor_parallel_size devices, multi-host or not, the attention backend: on a
+    mesh of them past one device). devices default to this process's own, unless the model
+    needs more than it has (multi-host: every process's)."""
+    tp = config.tensor_parallel_size
+    check_tensor_parallel(model_config, tp)
+    if devices is None:
+        devices = jax.local_devices() if tp <= jax.local_device_count() else jax.devices()
+    devices = list(devices)
+    if len(devices) < tp:
+        raise ValueError(f"tensor_parallel_size ({tp}) exceeds the {len(devices)} devices given")
+    devices = devices[:tp]
+    # Over several processes' devices: every process runs each step (pagedjax.parallel.multihost).
+    spans_processes = len({d.process_index for d in devices}) > 1
+    if spans_processes:
+        multihost.check_multihost(config, devices)
+    backend = resolve_backend(config.attention_backend, config.attention_interpret)
+    if tp > 1:
+        backend = dataclasses.replace(backend, mesh=make_mesh(tp, devices))
+    if backend.gpu_layout and config.block_size & (config.block_size - 1):
+        raise ValueError(f"block_size must be a power of two for the {backend.name} "
+                         f"attention backend, got {config.block_size}")
+    return devices, spans_processes, backend
