@@ -13,8 +13,8 @@ from models.placed_weights import LazyModel
 from pagedjax.engine.admission import PromptSpec, encode_text
 from pagedjax.engine.beam_search import BeamSearchParams, BeamSequence, beam_search
 from pagedjax.engine.config import EngineConfig
-from pagedjax.parallel.data_parallel import make_engine
 from pagedjax.engine.outputs import RequestOutput
+from pagedjax.parallel.data_parallel import make_engine
 from pagedjax.text.tokenizer import NO_CHAT_TEMPLATE, ByteTokenizer, Tokenizer, check_chat_template
 from scheduler import RequestError, SamplingParams
 

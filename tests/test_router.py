@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from helpers import ROLE_TEMPLATE
 from pagedjax import LLM
 from pagedjax.serving.router import (Backend, RolloutGuard, Router, RoutingPolicy, prompt_chunks,
-                             routing_key)
+                                     routing_key)
 from pagedjax.serving.app import OpenAIServer
 from pagedjax.serving.background import BackgroundServer
 

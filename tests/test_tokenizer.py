@@ -7,8 +7,8 @@ import random
 import pytest
 
 from helpers import ROLE_TEMPLATE
-from pagedjax.text.tokenizer import (ByteTokenizer, IncrementalDetokenizer, StopStringMatcher, Tokenizer,
-                                render_chat_template)
+from pagedjax.text.tokenizer import (ByteTokenizer, IncrementalDetokenizer, StopStringMatcher,
+                                     Tokenizer, render_chat_template)
 from tokenizer_builders import (LLAMA3_SPECIALS, LLAMA3_TEMPLATE, WORDS, corpus, train_byte_level,
                                 write_dir)
 

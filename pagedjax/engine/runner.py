@@ -14,9 +14,10 @@ from tqdm.auto import tqdm
 from models import LlamaForCausalLM, ServingGraph, ServingWeights, serving, serving_form
 from models.placed_weights import LazyModel
 from pagedjax.engine.sampler import sample
+from pagedjax.parallel.sharding import (kv_cache_sharding, kv_head_repeats, shard_weights,
+                                        weight_sharding)
 from pallas_kernels import (AttentionBackend, AttentionMetadata, copy_blocks, gather_blocks,
                             init_kv_cache, layer_blocks, scatter_blocks)
-from pagedjax.parallel.sharding import kv_cache_sharding, kv_head_repeats, shard_weights, weight_sharding
 from pallas_kernels.attention import TP_AXIS
 from scheduler import ARRAY_FIELDS, DECODE, NULL_BLOCK, PREFILL, STATIC_FIELDS, BatchPlan
 

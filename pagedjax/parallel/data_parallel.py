@@ -25,8 +25,8 @@ import numpy as np
 from pagedjax.engine.admission import Admission, PromptSpec, check_specs
 from pagedjax.engine.config import EngineConfig
 from pagedjax.engine.llm_engine import LLMEngine
-from pagedjax.engine.stats import EngineStats, ReplicaLoad
 from pagedjax.engine.outputs import RequestOutput
+from pagedjax.engine.stats import EngineStats, ReplicaLoad
 from pagedjax.parallel.routing_policy import Backend, RoutingPolicy, prompt_chunks
 from pagedjax.parallel.sharding import check_tensor_parallel, make_data_parallel_mesh
 from scheduler import SamplingParams

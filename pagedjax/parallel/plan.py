@@ -10,7 +10,7 @@ from typing import Sequence
 from models import LlamaConfig
 from pagedjax.parallel.routing_policy import Backend, RoutingPolicy, prompt_chunks
 from pagedjax.parallel.sharding import (check_tensor_parallel, kv_bytes_per_block_per_device,
-                               weight_bytes_per_device)
+                                        weight_bytes_per_device)
 from scheduler.simulator import Chip, RooflineCost
 
 ACTIVATION_BYTES = 2  # bf16 hidden states all-reduced

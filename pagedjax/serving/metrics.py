@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import prometheus_client as prom
 
-from pagedjax.serving.async_engine import StepInfo
 from pagedjax.engine.llm_engine import LLMEngine
+from pagedjax.serving.async_engine import StepInfo
 
 # The `_created` timestamp series double every counter and histogram; vLLM turns them off too
 # (a process-wide switch of prometheus_client).

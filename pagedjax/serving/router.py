@@ -31,10 +31,10 @@ import httpx
 import prometheus_client as prom
 from fastapi import responses
 
+from pagedjax.parallel.routing_policy import POLICIES, Backend, RoutingPolicy, prompt_chunks
 from pagedjax.serving.http_common import (DEFAULT_MAX_REQUEST_BYTES, GuardMiddleware,
                                           error_response, install_error_handlers, key_matches,
                                           parse_json_object)
-from pagedjax.parallel.routing_policy import POLICIES, Backend, RoutingPolicy, prompt_chunks
 from pagedjax.serving.rollout import RolloutGuard
 
 __all__ = ["POLICIES", "Backend", "RolloutGuard", "Router", "RoutingPolicy", "prompt_chunks",

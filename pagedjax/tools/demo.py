@@ -20,9 +20,9 @@ import time
 import numpy as np
 
 from models.tasks import Example, make_examples
-from pagedjax.tools import chat_demo
 from pagedjax.llm import DEFAULT_MODEL, LLM
 from pagedjax.text.tokenizer import ByteTokenizer
+from pagedjax.tools import chat_demo
 from scheduler import SamplingParams
 
 

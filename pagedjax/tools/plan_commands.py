@@ -31,7 +31,7 @@ def capacity(argv) -> None:
     if args.tensor_parallel_size < 1 or args.data_parallel_size < 1:
         parser.error("--tensor-parallel-size and --data-parallel-size must be >= 1")
     from pagedjax.parallel.sharding import (check_tensor_parallel, kv_bytes_per_block_per_device,
-                                   weight_bytes_per_device)
+                                            weight_bytes_per_device)
 
     config = get_config(args.model)
     tp, dp = args.tensor_parallel_size, args.data_parallel_size
