@@ -20,9 +20,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.common import MASK_VALUE, dot_precision
 from pallas_kernels.quant import QuantizedKV
 
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: no inf - inf in the softmax
 MIN_DOT_SIZE = 16  # Triton's tl.dot needs every dimension >= 16
 
 # Opt-in shared memory per thread block, by compute capability (CUDA C programming guide).
@@ -105,22 +105,6 @@ def fit_pipeline(pages_per_step: int | None, num_stages: int | None, *, preferre
         if fits(pages, stages):
             break
     return pages, stages
-
-
-def dot_precision(dtype) -> jax.lax.Precision | None:
-    """The precision of the kernels' dots, as XLA picks it for the model's other matmuls.
-
-    Triton takes f32 operands as TF32 (a 10-bit mantissa, ~1e-3 relative) unless asked for
-    IEEE f32, and so does XLA on a GPU under JAX's default matmul precision. With
-    `jax.default_matmul_precision("highest")` (or "float32") an f32 cache gets IEEE f32 products,
-    as XLA's f32 matmuls then do; they cost registers (about 255 a thread, spilling) where TF32
-    does not. 16-bit and quantized caches multiply 16-bit operands either way."""
-    if jnp.dtype(dtype) != jnp.float32:
-        return None
-    setting = jax.config.jax_default_matmul_precision
-    if setting in ("highest", "float32", "F32_F32_F32", jax.lax.Precision.HIGHEST):
-        return jax.lax.Precision.HIGHEST
-    return None
 
 
 def online_softmax_step(q, k, v, visible, carry, *, scale: float, soft_cap: float | None):

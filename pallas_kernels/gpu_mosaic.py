@@ -41,9 +41,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.gpu_decode import (MASK_VALUE, choose_num_splits, combine_splits,
-                                       next_power_of_2, shared_memory_limit)
-from pallas_kernels.gpu_prefill import tile_layout
+from pallas_kernels.common import MASK_VALUE, tile_layout
+from pallas_kernels.gpu_decode import (choose_num_splits, combine_splits, next_power_of_2,
+                                       shared_memory_limit)
 from pallas_kernels.quant import QuantizedKV
 
 ROWS = 64  # one warpgroup's WGMMA tile height: a query-head group is padded to a multiple

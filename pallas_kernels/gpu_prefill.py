@@ -20,9 +20,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gpu_decode import (MASK_VALUE, MIN_DOT_SIZE, check_triton_shapes,
-                                       fit_pipeline, load_pages, next_power_of_2,
-                                       online_softmax_step, split_cache)
+from pallas_kernels.common import MASK_VALUE, tile_layout
+from pallas_kernels.gpu_decode import (MIN_DOT_SIZE, check_triton_shapes, fit_pipeline,
+                                       load_pages, next_power_of_2, online_softmax_step,
+                                       split_cache)
 
 
 def _ragged_kernel(
@@ -82,31 +83,6 @@ def _ragged_kernel(
     o, _, l = jax.lax.fori_loop(0, num_steps, body, init)
     o = jnp.where(l[:, None] > 0, o / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
     o_ref[...] = o.reshape(tile_q, group, head_dim)
-
-
-def tile_layout(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int, tile_q: int):
-    """Cuts each sequence's tokens into tiles of tile_q, starting at its first token.
-
-    Returns (tile_seq i32[NT] with -1 for spare tiles, tile_start i32[NT], and for each token its
-    tile and row: token_tile i32[T], token_row i32[T]); NT = cdiv(T, tile_q) + B.
-    """
-    num_rows = cu_q_lens.shape[0] - 1
-    num_tiles = pl.cdiv(num_tokens, tile_q) + num_rows
-    q_lens = jnp.where(jnp.arange(num_rows) < num_seqs, cu_q_lens[1:] - cu_q_lens[:-1], 0)
-    tiles_per_seq = (q_lens + tile_q - 1) // tile_q
-    cu_tiles = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(tiles_per_seq)])
-    t = jnp.arange(num_tiles, dtype=jnp.int32)
-    seq = jnp.searchsorted(cu_tiles[1:], t, side="right").astype(jnp.int32)
-    live = t < cu_tiles[-1]
-    seq_c = jnp.minimum(seq, num_rows - 1)
-    tile_start = cu_q_lens[seq_c] + (t - cu_tiles[seq_c]) * tile_q
-    tile_seq = jnp.where(live, seq_c, -1)
-    tile_start = jnp.where(live, tile_start, 0)
-    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
-    token_seq = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], tokens, side="right"), num_rows - 1)
-    local = tokens - cu_q_lens[token_seq]
-    token_tile = jnp.minimum(cu_tiles[token_seq] + local // tile_q, num_tiles - 1)
-    return tile_seq, tile_start.astype(jnp.int32), token_tile, local % tile_q
 
 
 # Rows x head dim of one program's query tile: 16 tokens x a GQA group of 4 x 128, the shape

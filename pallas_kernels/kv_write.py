@@ -17,10 +17,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.common import tpu_interpret_params
 from pallas_kernels.gpu_decode import check_triton_shapes
 from pallas_kernels.layout import LANES, NULL_BLOCK, write_kv_reference
 from pallas_kernels.quant import QuantizedKV, quantize
-from pallas_kernels.tpu_decode import interpret_params
 
 
 def _write_kernel_gpu(slots_ref, k_ref, v_ref, _cache_in_ref, cache_ref, *, block_size: int):
@@ -261,7 +261,7 @@ def write_pages_tpu(
         # Operand 6 on: the cache's arrays, after the four scalar-prefetch operands and K, V.
         input_output_aliases={6 + i: i for i in range(len(arrays))},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
-        interpret=interpret_params(interpret),
+        interpret=tpu_interpret_params(interpret),
         name="write_kv_tpu",
     )(num_pages.reshape(1), first, counts, slots, head_major(k), head_major(v), *arrays)
     return QuantizedKV(*out) if quantized else out[0]
@@ -316,7 +316,7 @@ def copy_blocks_tpu(
         ),
         out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays],
         input_output_aliases={3 + i: i for i in range(len(arrays))},
-        interpret=interpret_params(interpret),
+        interpret=tpu_interpret_params(interpret),
         name="copy_blocks_tpu",
     )(src.astype(jnp.int32), dst.astype(jnp.int32), num_copies.astype(jnp.int32).reshape(1),
       *arrays)

@@ -23,16 +23,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.gpu_decode import dot_precision
+from pallas_kernels.common import MASK_VALUE, dot_precision, tpu_interpret_params
 from pallas_kernels.quant import QuantizedKV
 
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 SUBLANES = 8
-
-
-def interpret_params(interpret: bool):
-    """The TPU interpreter (DMAs and semaphores simulated; out-of-bounds reads raise)."""
-    return pltpu.InterpretParams(out_of_bounds_reads="raise") if interpret else False
 
 
 TABLE_ALIGN = 128  # block-table rows padded to whole lane tiles, so each row DMA is aligned
@@ -85,7 +79,7 @@ def compiler_params():
     Bounds checks are off in compiled kernels: Mosaic checks every DMA's source and
     destination with a chain of scalar compares that took 2/3 of the decode loop
     (tpu_schedule.md). Page ids come from the scheduler's block tables (tested against the
-    pool); interpret mode still raises on any out-of-bounds read (interpret_params)."""
+    pool); interpret mode still raises on any out-of-bounds read (tpu_interpret_params)."""
     return pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                 disable_bounds_checks=True)
 
@@ -381,7 +375,7 @@ def paged_decode_attention_tpu(
         ),
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
         compiler_params=compiler_params(),
-        interpret=interpret_params(interpret),
+        interpret=tpu_interpret_params(interpret),
         name="paged_decode_attention_tpu",
     )(lens, qg, flat_tables(block_tables, padded_width), data, *quant_operands)
     return out[:, :, :group].reshape(batch, num_heads, head_dim)

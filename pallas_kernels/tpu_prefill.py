@@ -19,12 +19,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.gpu_prefill import tile_layout
-from pallas_kernels.tpu_decode import (MASK_VALUE, SUBLANES, PagePipeline, attend_blocks,
-                                       attend_chunk, compiler_params, compute_dtype,
-                                       default_pages_per_step, fetch_table_row, flat_tables,
-                                       interpret_params, page_scratch, split_quantized,
-                                       table_width)
+from pallas_kernels.common import MASK_VALUE, tile_layout, tpu_interpret_params
+from pallas_kernels.tpu_decode import (SUBLANES, PagePipeline, attend_blocks, attend_chunk,
+                                       compiler_params, compute_dtype, default_pages_per_step,
+                                       fetch_table_row, flat_tables, page_scratch,
+                                       split_quantized, table_width)
 
 
 def _ragged_kernel(
@@ -159,7 +158,7 @@ def ragged_paged_attention_tpu(
         out_shape=jax.ShapeDtypeStruct(
             (num_tiles, tile_q, num_kv_heads, padded_group, head_dim), jnp.float32),
         compiler_params=compiler_params(),
-        interpret=interpret_params(interpret),
+        interpret=tpu_interpret_params(interpret),
         name="ragged_paged_attention_tpu",
     )(tile_seq, tile_start, cu_q_lens, kv_lens.astype(jnp.int32),
       flat_tables(block_tables, padded_width), qg, data, *quant_operands)

@@ -1,0 +1,58 @@
+"""What the attention kernels of every backend share: the finite mask value of their online
+softmax, the precision of their dots, the ragged tiling of query tokens, and the TPU
+interpreter's parameters."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: no inf - inf in the softmax
+
+
+def dot_precision(dtype) -> jax.lax.Precision | None:
+    """The precision of the kernels' dots, as XLA picks it for the model's other matmuls.
+
+    Triton takes f32 operands as TF32 (a 10-bit mantissa, ~1e-3 relative) unless asked for
+    IEEE f32, and so does XLA on a GPU under JAX's default matmul precision. With
+    `jax.default_matmul_precision("highest")` (or "float32") an f32 cache gets IEEE f32 products,
+    as XLA's f32 matmuls then do; they cost registers (about 255 a thread, spilling) where TF32
+    does not. 16-bit and quantized caches multiply 16-bit operands either way."""
+    if jnp.dtype(dtype) != jnp.float32:
+        return None
+    setting = jax.config.jax_default_matmul_precision
+    if setting in ("highest", "float32", "F32_F32_F32", jax.lax.Precision.HIGHEST):
+        return jax.lax.Precision.HIGHEST
+    return None
+
+
+def tpu_interpret_params(interpret: bool):
+    """The TPU interpreter (DMAs and semaphores simulated; out-of-bounds reads raise)."""
+    return pltpu.InterpretParams(out_of_bounds_reads="raise") if interpret else False
+
+
+def tile_layout(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int, tile_q: int):
+    """Cuts each sequence's tokens into tiles of tile_q, starting at its first token.
+
+    Returns (tile_seq i32[NT] with -1 for spare tiles, tile_start i32[NT], and for each token its
+    tile and row: token_tile i32[T], token_row i32[T]); NT = cdiv(T, tile_q) + B.
+    """
+    num_rows = cu_q_lens.shape[0] - 1
+    num_tiles = pl.cdiv(num_tokens, tile_q) + num_rows
+    q_lens = jnp.where(jnp.arange(num_rows) < num_seqs, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+    tiles_per_seq = (q_lens + tile_q - 1) // tile_q
+    cu_tiles = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(tiles_per_seq)])
+    t = jnp.arange(num_tiles, dtype=jnp.int32)
+    seq = jnp.searchsorted(cu_tiles[1:], t, side="right").astype(jnp.int32)
+    live = t < cu_tiles[-1]
+    seq_c = jnp.minimum(seq, num_rows - 1)
+    tile_start = cu_q_lens[seq_c] + (t - cu_tiles[seq_c]) * tile_q
+    tile_seq = jnp.where(live, seq_c, -1)
+    tile_start = jnp.where(live, tile_start, 0)
+    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
+    token_seq = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], tokens, side="right"), num_rows - 1)
+    local = tokens - cu_q_lens[token_seq]
+    token_tile = jnp.minimum(cu_tiles[token_seq] + local // tile_q, num_tiles - 1)
+    return tile_seq, tile_start.astype(jnp.int32), token_tile, local % tile_q
