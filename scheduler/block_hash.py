@@ -1,13 +1,29 @@
-"""Content hashes of full KV blocks, chained so that a block's hash names its whole prefix."""
+"""Chained hashes: each whole piece of a sequence hashed with its parent's hash, so a piece's
+hash names its whole prefix. The KV blocks' (here), a trace's prompt pieces (simulator) and the
+router's prompt chunks (pagedjax.parallel.routing_policy) all chain this way."""
 
 from __future__ import annotations
 
 import array
 import hashlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
 if TYPE_CHECKING:
     from scheduler.request import Request
+
+
+H = TypeVar("H")
+
+
+def chained_hashes(items: Sequence, size: int, combine: Callable[[H, Sequence], H],
+                   root: H) -> list[H]:
+    """combine(parent, piece) over the whole size-long pieces of items, in order, each result
+    the parent of the next (root that of the first); a partial last piece is left out."""
+    hashes, parent = [], root
+    for start in range(0, len(items) - size + 1, size):
+        parent = combine(parent, items[start:start + size])
+        hashes.append(parent)
+    return hashes
 
 
 def root_hash(cache_key: bytes, cache_salt: str | None) -> bytes:

@@ -28,6 +28,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from scheduler.block_hash import chained_hashes
 from scheduler.buckets import ShapeBuckets
 from scheduler.plan import DECODE, PREFILL
 from scheduler.request import Request, SamplingParams, make_samples
@@ -42,12 +43,11 @@ def prefix_hashes(prompt_token_ids: Sequence[int], key: bytes = b"") -> tuple[st
     """Chained hashes of a prompt's whole CHUNK-token pieces, for a trace: equal lists mean
     equal prefixes, and the tokens cannot be read back from them. With a secret key (at most 64
     bytes; a served trace's is random per file) nobody can confirm a guessed piece either."""
-    hashes, parent = [], b""
-    for start in range(0, len(prompt_token_ids) - CHUNK + 1, CHUNK):
-        piece = np.asarray(prompt_token_ids[start:start + CHUNK], np.int64).tobytes()
-        parent = hashlib.blake2b(parent + piece, digest_size=8, key=key).digest()
-        hashes.append(parent.hex())
-    return tuple(hashes)
+    def combine(parent: bytes, piece) -> bytes:
+        data = parent + np.asarray(piece, np.int64).tobytes()
+        return hashlib.blake2b(data, digest_size=8, key=key).digest()
+
+    return tuple(h.hex() for h in chained_hashes(prompt_token_ids, CHUNK, combine, b""))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,8 @@ import dataclasses
 import time
 from typing import Sequence
 
+from scheduler.block_hash import chained_hashes
+
 POLICIES = ("kv_aware", "round_robin", "least_loaded")
 
 
@@ -47,11 +49,7 @@ def prompt_chunks(prompt: str | Sequence[int], text_chunk: int = 64,
         size, items = text_chunk, prompt
     else:
         size, items = ids_chunk, tuple(prompt)
-    hashes, parent = [], 0
-    for start in range(0, len(items) - size + 1, size):
-        parent = hash((parent, items[start:start + size]))
-        hashes.append(parent)
-    return hashes
+    return chained_hashes(items, size, lambda parent, piece: hash((parent, piece)), 0)
 
 
 class RoutingPolicy:
