@@ -2,7 +2,7 @@
 
 Each kernel is lowered for CUDA at the decode benchmark's shape (bf16, 32 query / 8 KV heads,
 head dim 128, block 16, 4k context) as its wrapper sizes it for the chip, compiled to a cubin
-with the triton package (pallas_kernels/gpu_aot.py), and its resources are read from the cubin:
+with the triton package (benchmarks/aot/triton_gpu.py), and its resources are read from the cubin:
 shared memory per block, registers and spills per thread. Beside it, JAX's shipped
 `pallas.ops.gpu.paged_attention` at its defaults, built the same way.
 
@@ -30,23 +30,23 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 from common import write_results  # noqa: E402
 from jax.experimental.pallas.ops.gpu import paged_attention as jax_gpu_op  # noqa: E402
 
-from pallas_kernels import gpu_aot, gpu_decode  # noqa: E402
+from benchmarks.aot import triton_gpu  # noqa: E402
+from pallas_kernels.gpu import common as gpu_common  # noqa: E402
+from scheduler.chips import CHIPS, GpuLimits  # noqa: E402
 from test_kernels_lowering import KERNELS, kernel_args  # noqa: E402
 
-# Per SM: registers, shared memory, threads (CUDA C programming guide, compute capabilities).
-SM_LIMITS = {(9, 0): (65536, 228 * 1024, 2048), (8, 0): (65536, 164 * 1024, 2048),
-             (8, 9): (65536, 100 * 1024, 1536)}
-CHIPS = {(9, 0): "sm_90 (H100/H200)", (8, 0): "sm_80 (A100)", (8, 9): "sm_89 (L4)"}
+# The chips built for (scheduler.chips), one per compute capability, and their rows' labels.
+BUILD_CHIPS = {"h200": "sm_90 (H100/H200)", "a100-80gb": "sm_80 (A100)", "l4": "sm_89 (L4)"}
 WIDTH = 4096 // 16  # pages of a 4k context
 FINDINGS = """
 What these builds changed in the kernels (2026-11-29, before any GPU run):
 
 - An f32 cache at block 32 asked for 264 KB of shared memory (8 pages a step), more than any
   chip has: the wrappers now size pages per step, then pipeline stages, to the chip
-  (gpu_decode.fit_pipeline).
+  (gpu.triton.fit_pipeline).
 - The ragged kernel at head dim 256 with a GQA group of 8 (16 tokens = 128 rows a program)
   spilled registers on every chip: it now takes fewer tokens a program when rows x head dim
-  exceeds 64 x 128 (gpu_prefill.choose_tile_q). A sweep over block sizes 8/16/32, head dims
+  exceeds 64 x 128 (gpu.triton.choose_tile_q). A sweep over block sizes 8/16/32, head dims
   64/80/128/256, MHA/GQA/MQA and f32/bf16/int8/fp8 on sm_90/sm_80/sm_89 then leaves one build
   with a spill (8 bytes: int8, block 32, head dim 256, on an L4) and none over its chip's
   shared memory.
@@ -58,14 +58,14 @@ What these builds changed in the kernels (2026-11-29, before any GPU run):
 - fp8 (e4m3) caches do not build below sm_89: the wrappers refuse them there by name.
 
 2026-12-01: jax 0.11's Triton lowering (the GPU image's) is told the target chip's compute
-capability (gpu_aot.cuda_target); built from it (`.venv-gpu-image/bin/python
+capability (triton_gpu.cuda_target); built from it (`.venv-gpu-image/bin/python
 benchmarks/gpu_compile.py`, the table below) and from jax 0.10.2's lowering, every figure in this
 table is the same.
 """
 
 
-def resident_warps(kernel: gpu_aot.CompiledKernel) -> int:
-    registers, shared, threads = SM_LIMITS[kernel.capability]
+def resident_warps(kernel: triton_gpu.CompiledKernel, gpu: GpuLimits) -> int:
+    registers, shared, threads = gpu.registers_per_sm, gpu.shared_per_sm, gpu.threads_per_sm
     per_warp = -(-kernel.registers // 8) * 8 * 32
     by_registers = registers // per_warp // kernel.num_warps
     by_shared = shared // max(kernel.shared_bytes, 1)
@@ -103,17 +103,19 @@ KERNELS_TO_BUILD = {
 
 def main() -> None:
     rows = []
-    for capability, chip in CHIPS.items():
-        gpu_decode.target_compute_capability = lambda capability=capability: capability
+    for chip_name, chip in BUILD_CHIPS.items():
+        gpu = CHIPS[chip_name].gpu
+        capability = gpu.capability
+        gpu_common.target_compute_capability = lambda capability=capability: capability
         jax.clear_caches()
         for name, trace in KERNELS_TO_BUILD.items():
             try:
-                kernels = gpu_aot.compile_lowered(gpu_aot.lower_cuda(trace, capability),
+                kernels = triton_gpu.compile_lowered(triton_gpu.lower_cuda(trace, capability),
                                                   capability)
             except Exception as e:  # a refusal (fp8 below sm_89) is a row too
                 rows.append({"chip": chip, "kernel": name, "warps": "", "stages": "",
                              "grid": "", "shared_kib": float("nan"),
-                             "limit_kib": gpu_decode.shared_memory_limit(capability) / 1024,
+                             "limit_kib": gpu_common.shared_memory_limit(capability) / 1024,
                              "registers": "", "spill_bytes": "",
                              "resident_warps_per_sm": f"not built: {str(e).splitlines()[0]}",
                              "global_loads": ""})
@@ -126,7 +128,7 @@ def main() -> None:
                     "shared_kib": kernel.shared_bytes / 1024,
                     "limit_kib": kernel.shared_limit / 1024, "registers": kernel.registers,
                     "spill_bytes": kernel.spill_bytes,
-                    "resident_warps_per_sm": resident_warps(kernel),
+                    "resident_warps_per_sm": resident_warps(kernel, gpu),
                     "global_loads": ", ".join(f"{k} x{n}"
                                               for k, n in kernel.global_loads.items())})
                 print(rows[-1], flush=True)

@@ -272,7 +272,7 @@ def bench_decode(args, bandwidth: float, budget: Budget) -> list[dict]:
 
 def bench_tuning(args, bandwidth: float, budget: Budget) -> list[dict]:
     """The decode kernels' launch parameters at a large batch and at a long context, then the
-    number of context splits around the default (gpu_decode.choose_num_splits): the Triton
+    number of context splits around the default (gpu.common.choose_num_splits): the Triton
     kernel's, then the Mosaic GPU kernel's (4 warps: one warpgroup)."""
     rows = []
     shapes = [(2, 128)] if args.smoke else TUNING_SHAPES

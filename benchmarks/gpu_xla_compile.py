@@ -2,7 +2,7 @@
 
 benchmarks/gpu_programs.py runs on a GPU lent for minutes; a program that fails to compile there
 costs the lease. This compiles the programs it runs, at its shapes, with the GPU image's jax
-(0.11) and XLA's own GPU compiler for a compile-only H200 (pallas_kernels/gpu_xla_aot.py): the
+(0.11) and XLA's own GPU compiler for a compile-only H200 (benchmarks/aot/xla_gpu.py): the
 decode benchmark's implementations (four with jax >= 0.11's Mosaic GPU kernel) at every
 batch x context, the launch-parameter sweep,
 the kernel checks, and the engine's prefill and decode steps on the gpu backend. Each row gives
@@ -34,7 +34,8 @@ import gpu_programs  # noqa: E402
 from common import write_results  # noqa: E402
 from test_kernels_lowering import abstract_step  # noqa: E402
 
-from pallas_kernels import gpu_xla_aot  # noqa: E402
+from benchmarks.aot import xla_gpu  # noqa: E402
+from scheduler.chips import CHIPS  # noqa: E402
 
 def abstract(tree):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)
@@ -43,7 +44,7 @@ def abstract(tree):
 def row_for(section: str, program: str, fn, args, chip: str) -> dict:
     row = {"section": section, "program": program}
     try:
-        build = gpu_xla_aot.compile_for(fn, args, chip)
+        build = xla_gpu.compile_for(fn, args, chip)
     except Exception as e:  # a program that does not compile is the finding
         traceback.print_exc()
         return {**row, "compiled": False, "error": f"{type(e).__name__}: {e}"[:300]}
@@ -143,13 +144,13 @@ def production_rows(chip: str) -> list[dict]:
 
 
 def main() -> None:
-    if problem := gpu_xla_aot.available():
+    if problem := xla_gpu.available():
         sys.exit(problem)
     chip = "h200"
     rows = (decode_rows(chip) + tuning_rows(chip) + check_rows(chip) + engine_rows(chip)
             + production_rows(chip))
     failed = [row for row in rows if not row["compiled"]]
-    params = {"chip": chip, "target": str(gpu_xla_aot.CHIPS[chip]),
+    params = {"chip": chip, "target": str(CHIPS[chip]),
               "programs": len(rows), "compiled": len(rows) - len(failed)}
     write_results("gpu_xla_compile", "The GPU device script's programs compiled by XLA for an "
                   "H200, without a GPU", rows, params, notes=__doc__.split("\n\n", 1)[1],

@@ -1,6 +1,6 @@
 """What the TPU kernels cost a TensorCore, read from libtpu's compiled schedule (no TPU needed).
 
-Each kernel is compiled ahead of time for a TPU topology (pallas_kernels/tpu_aot.py) with
+Each kernel is compiled ahead of time for a TPU topology (benchmarks/aot/xla_tpu.py) with
 libtpu's LLO dumps on (`--xla_jf_dump_to`), and its final VLIW schedule is read back: a bundle
 is one instruction word, issued at most one a cycle. The kernel's innermost loop (one compute
 block of keys: C pages x S tokens of one sequence and KV head) is what decode attention spends
@@ -36,7 +36,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 from common import write_results  # noqa: E402
 
-from pallas_kernels import tpu_aot  # noqa: E402
+from benchmarks.aot import xla_tpu  # noqa: E402
 
 LIBTPU = pathlib.Path(os.environ.get("PAGEDJAX_LIBTPU", ROOT / ".venv" / "libtpu"))
 TOPOLOGIES = {"v5e:2x2": dict(clock_ghz=1.5, hbm_gbs=819), "v6e:2x2": {}}
@@ -91,7 +91,7 @@ CASES = {
 
 
 def build(name):
-    """(fn, abstract args) of one case: what tpu_aot's child process compiles."""
+    """(fn, abstract args) of one case: what xla_tpu's child process compiles."""
     builder, kind, dtype, *_ = CASES[name]
     return builder(kind, dtype)
 
@@ -149,7 +149,7 @@ def kernel_schedule(dump: pathlib.Path) -> dict:
 
 def compile_case(name: str, topology: str, workdir: pathlib.Path) -> dict:
     dump = workdir / re.sub(r"\W+", "_", f"{topology}_{name}")
-    lines, stderr = tpu_aot.run_in_child(
+    lines, stderr = xla_tpu.run_in_child(
         [{"name": name, "module": "tpu_schedule", "function": "build"}],
         dump.with_suffix(".json"), libtpu=LIBTPU, topology=topology,
         pythonpath=[ROOT / "benchmarks", ROOT / "tests", ROOT], cwd=ROOT,
@@ -215,7 +215,7 @@ iteration: decode bf16 / decode int8 / ragged bf16; JAX's shipped op 631 through
 
 - Start: 375 / 737 / 476. Each page DMA was preceded by two bounds checks (source in HBM,
   destination in VMEM), each a serial chain of scalar compares ending in `shalt.err`: two
-  thirds of the decode loop. Compiled kernels now turn them off (tpu_decode.compiler_params;
+  thirds of the decode loop. Compiled kernels now turn them off (tpu.pipeline.compiler_params;
   interpret mode still raises on any out-of-bounds read): 150 / 316 / 350.
 - K and V were widened to f32 and multiplied in f32 (32 unpacks and 32 MXU pushes a block in
   decode). The dots now take the cache's 16-bit type with f32 accumulation, as the GPU kernels
@@ -232,7 +232,7 @@ iteration: decode bf16 / decode int8 / ragged bf16; JAX's shipped op 631 through
 - Each program starts the next KV head's first compute block once its own loop is done
   (PagePipeline.prefetch_next_head; same sequence, same pages), so only a sequence's first
   program waits for a cold DMA: 46 more fixed bundles, not counted against the loop.
-- Compute blocks are 128 keys in both kernels (tpu_decode.default_pages_per_step; the
+- Compute blocks are 128 keys in both kernels (tpu.pipeline.default_pages_per_step; the
   ragged kernel took 4 pages of 16): per query row x key its loop takes 21.6 bundles per
   thousand instead of 38.9 (16 tokens a tile; 256 keys: 16.0, 32 tokens and 128 keys: 17.0).
   Decode at 256 keys issues for 136% of HBM but fetches up to 255 keys of a sequence's last

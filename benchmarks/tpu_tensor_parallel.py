@@ -4,7 +4,7 @@ TPUs: per-device memory and the collectives XLA inserted.
 Each case is the runner's whole jitted step (pagedjax.engine.runner.step_fn: model with its layers
 scanned, KV writes, the TPU attention kernels under shard_map, sampler), its weights placed by
 pagedjax.parallel.sharding's rules and its KV cache split over KV heads, all abstract (nothing is
-allocated), compiled as one program for every chip of the topology (pallas_kernels.tpu_aot).
+allocated), compiled as one program for every chip of the topology (benchmarks.aot.xla_tpu).
 
 - weights_gib / kv_gib: what one device holds of the weights and of the KV pool (its shards);
 - argument / alias / temp: XLA's memory analysis of the compiled program, per device; the
@@ -97,13 +97,13 @@ def main() -> None:
     parser.add_argument("--libtpu", default=str(ROOT.parent / ".venv" / "libtpu"))
     parser.add_argument("--cases", default=",".join(CASES))
     args = parser.parse_args()
-    from pallas_kernels import tpu_aot
+    from benchmarks.aot import xla_tpu
 
     rows = []
     for case in args.cases.split(","):
         topology = CASES[case][1]
         with tempfile.TemporaryDirectory() as tmp:
-            lines, stderr = tpu_aot.run_in_child(
+            lines, stderr = xla_tpu.run_in_child(
                 [{"name": f"{case}|{kind}", "module": "tpu_tensor_parallel", "function": "build",
                   "sharded": True} for kind in KINDS],
                 os.path.join(tmp, "cases.json"), libtpu=args.libtpu, topology=topology,

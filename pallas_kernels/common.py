@@ -1,5 +1,5 @@
-"""What the attention kernels of every backend share: the finite mask value of their online
-softmax, the precision of their dots, the ragged tiling of query tokens, and the TPU
+"""What the attention kernels of every backend share: the online softmax step and its finite
+mask value, the precision of their dots, the ragged tiling of query tokens, and the TPU
 interpreter's parameters."""
 
 from __future__ import annotations
@@ -26,6 +26,41 @@ def dot_precision(dtype) -> jax.lax.Precision | None:
     if setting in ("highest", "float32", "F32_F32_F32", jax.lax.Precision.HIGHEST):
         return jax.lax.Precision.HIGHEST
     return None
+
+
+def online_softmax_step(q, k, v, visible, carry, *, scale: float, soft_cap: float | None,
+                        k_scales=None, v_scales=None):
+    """One flash-attention update of the carry (o [R, H], m, l) with a block of keys, shared by
+    the Triton and TPU kernels: q [R, H], k and v [T, H] in the dots' operand type, V zeroed
+    where it may hold garbage (garbage in K only reaches scores that `visible` masks), visible
+    broadcastable to [R, T], scores and accumulators in f32. m and l are [R] (Triton) or [R, 1]
+    columns (TPU: Mosaic's vectors are 2-D), and stay so. Masked scores take a finite MASK_VALUE
+    and a zero weight, so no inf - inf and no NaN can arise. For a quantized cache read
+    unscaled (TPU), the per-key scales [1, T] (zeroed where not visible) multiply the scores
+    and the probabilities: q.(s k) = s (q.k)."""
+    o, m, l = carry
+    columns = m.ndim == 2
+
+    def per_row(x):  # m- or l-shaped -> broadcastable against [R, T] and [R, H]
+        return x if columns else x[:, None]
+
+    precision = dot_precision(k.dtype)
+    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32) * scale
+    if k_scales is not None:
+        s = s * k_scales
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    s = jnp.where(visible, s, MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=columns))
+    correction = jnp.exp(m - m_new)
+    p = jnp.where(visible, jnp.exp(s - per_row(m_new)), 0.0)
+    l = l * correction + jnp.sum(p, axis=1, keepdims=columns)
+    if v_scales is not None:
+        p = p * v_scales
+    o = o * per_row(correction) + jnp.dot(p.astype(v.dtype), v, precision=precision,
+                                          preferred_element_type=jnp.float32)
+    return o, m_new, l
 
 
 def tpu_interpret_params(interpret: bool):

@@ -3,7 +3,7 @@ import os
 # Before anything starts a JAX backend: the tests' programs are small and mostly compiled once,
 # so LLVM's optimisation passes cost the CPU more than they save (the suite: ~30% less time on
 # 2 cores). Float semantics do not change (XLA's CPU backend uses no fast-math). TPU compiles in
-# child processes (pallas_kernels.tpu_aot) drop the flag; benchmarks never see it.
+# child processes (benchmarks.aot.xla_tpu) drop the flag; benchmarks never see it.
 TEST_XLA_FLAG = "--xla_backend_optimization_level=0"
 if TEST_XLA_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAG}".strip()

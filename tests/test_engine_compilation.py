@@ -10,7 +10,7 @@ import pytest
 
 from pagedjax import LLM, EngineConfig, LLMEngine, SamplingParams
 from pagedjax.engine.runner import _step, num_step_compiles, num_step_traces, padding_plan
-from pallas_kernels.tpu_aot import whole_copies
+from benchmarks.aot.xla_tpu import whole_copies
 from scheduler import DECODE
 
 

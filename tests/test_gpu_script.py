@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from pallas_kernels import gpu_mosaic
+from pallas_kernels.gpu import mosaic
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_kernels.py"
@@ -36,7 +36,7 @@ def test_decode_slice_compares_the_implementations(tmp_path):
     # The Mosaic GPU kernel where jax has its interpreter (>= 0.11, as on the device).
     assert set(rows) == {"reference (XLA)", "pagedjax gpu kernel",
                          "jax pallas.ops.gpu.paged_attention"} | (
-        {"pagedjax mosaic_gpu kernel"} if gpu_mosaic.problem() is None else set())
+        {"pagedjax mosaic_gpu kernel"} if mosaic.problem() is None else set())
     for row in rows.values():
         assert "error" not in row, row
         assert row["us"] > 0 and row["pct_of_copy_bw"] > 0
@@ -67,8 +67,8 @@ def test_spent_budget_still_writes_every_file(tmp_path):
     assert "FAIL engine greedy tokens skipped: time budget" in md
 
 
-@pytest.mark.skipif(gpu_mosaic.problem() is not None,
-                    reason=str(gpu_mosaic.problem()))
+@pytest.mark.skipif(mosaic.problem() is not None,
+                    reason=str(mosaic.problem()))
 def test_mosaic_kernel_check_runs(tmp_path):
     """One of the script's Mosaic GPU checks end to end (the cases themselves are
     tests/test_kernels_mosaic_gpu.py's)."""

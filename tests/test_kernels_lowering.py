@@ -2,7 +2,7 @@
 
 Interpret mode runs a kernel's semantics but not its lowering: a kernel can pass every interpret
 test and still be rejected by the Triton lowering. Cross-platform lowering
-(`gpu_aot.lower_cuda`, which names an H200 to jax >= 0.11's lowering) runs Pallas -> Triton IR
+(`triton_gpu.lower_cuda`, which names an H200 to jax >= 0.11's lowering) runs Pallas -> Triton IR
 without a device;
 tests/test_kernels_triton_compile.py then builds that IR for real chips. The TPU kernels are
 compiled whole, Mosaic and libtpu included, by tests/test_kernels_tpu_compile.py (their lowering
@@ -21,7 +21,8 @@ from flax import nnx
 
 from models import LlamaConfig, LlamaForCausalLM, serving_form
 from pagedjax.engine.runner import _step, padding_plan
-from pallas_kernels import (AttentionBackend, gpu_aot, init_kv_cache,
+from benchmarks.aot import triton_gpu
+from pallas_kernels import (AttentionBackend, init_kv_cache,
                             paged_decode_attention_gpu, paged_decode_attention_tpu,
                             ragged_paged_attention_gpu, ragged_paged_attention_tpu,
                             write_kv_gpu, write_kv_tpu)
@@ -43,7 +44,7 @@ i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
 def lower(trace, backend):
     """trace() lowered for the backend's platform (`trace` makes the jax.jit(...).trace)."""
     if backend == "gpu":
-        return gpu_aot.lower_cuda(trace)
+        return triton_gpu.lower_cuda(trace)
     return trace().lower(lowering_platforms=(PLATFORM[backend],))
 
 
@@ -119,13 +120,13 @@ ESTIMATE_CASES = [
 
 
 def estimate_case(case, pages_per_step, rows):
-    """(kernel fn at pages_per_step, abstract args, gpu_decode.shared_memory_bytes for it)."""
-    from pallas_kernels import gpu_decode
+    """(kernel fn at pages_per_step, abstract args, gpu.triton.shared_memory_bytes for it)."""
+    from pallas_kernels.gpu import triton
     kind, head_dim, dtype, block_size, width, _ = GPU_CASES[case]
     fn = KERNELS["gpu"][0 if kind == "decode" else 1]
     args = kernel_args(kind, "gpu", head_dim, dtype, block_size=block_size, width=width)
     cache_itemsize = jnp.dtype(dtype).itemsize
-    estimate = gpu_decode.shared_memory_bytes(
+    estimate = triton.shared_memory_bytes(
         rows=rows, keys=pages_per_step * block_size, head_dim=128,
         cache_itemsize=cache_itemsize, compute_itemsize=2 if dtype == "int8" else cache_itemsize,
         num_stages=2, quantized=dtype == "int8")
@@ -214,9 +215,9 @@ def test_gpu_dot_precision_follows_jax_matmul_precision(kind):
 
     def dots(dtype, precision):
         with jax.default_matmul_precision(precision):
-            lowered = gpu_aot.lower_cuda(lambda: jax.jit(functools.partial(fn, scale=0.1)).trace(
+            lowered = triton_gpu.lower_cuda(lambda: jax.jit(functools.partial(fn, scale=0.1)).trace(
                 *kernel_args(kind, "gpu", 128, dtype)))
-        [module] = gpu_aot.triton_modules(lowered)
+        [module] = triton_gpu.triton_modules(lowered)
         found = [line for line in module.ttir.splitlines() if "tt.dot" in line]
         assert len(found) == 2, found  # q.k and p.v
         return found

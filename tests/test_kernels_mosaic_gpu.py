@@ -1,8 +1,8 @@
-"""The Mosaic GPU kernels (pallas_kernels/gpu_mosaic.py): decode, ragged prefill, KV write.
+"""The Mosaic GPU kernels (pallas_kernels/gpu/mosaic/): decode, ragged prefill, KV write.
 
 Through the Mosaic GPU interpreter (it simulates shared memory, TMA copies, barriers and WGMMA on
 the CPU) against the reference and the Triton kernel, and built by XLA for an H200 that is not
-there (pallas_kernels/gpu_xla_aot.py). Both need jax >= 0.11: these tests run in
+there (benchmarks/aot/xla_gpu.py). Both need jax >= 0.11: these tests run in
 `make test-gpu-image` and are skipped under the main environment's jax.
 """
 
@@ -13,20 +13,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import gpu_mosaic, gpu_xla_aot
-from pallas_kernels.gpu_decode import paged_decode_attention_gpu
-from pallas_kernels.gpu_mosaic import (paged_decode_attention_mosaic_gpu,
+from benchmarks.aot import xla_gpu
+from scheduler.chips import CHIPS
+from pallas_kernels.gpu import mosaic
+from pallas_kernels.gpu.mosaic import (paged_decode_attention_mosaic_gpu,
                                        ragged_paged_attention_mosaic_gpu, write_kv_mosaic_gpu)
+from pallas_kernels.gpu.triton import paged_decode_attention_gpu, ragged_paged_attention_gpu
 from pallas_kernels.layout import write_kv_reference
-from pallas_kernels.gpu_prefill import ragged_paged_attention_gpu
 from pallas_kernels.quant import QuantizedKV
 from pallas_kernels.reference import (paged_decode_attention_reference,
                                       ragged_paged_attention_reference)
 from test_kernels_gpu import assert_same_write, ragged_seqs, reference_layout, write_case
 from test_kernels_reference import build_case
 
-pytestmark = pytest.mark.skipif(gpu_mosaic.problem() is not None,
-                                reason=str(gpu_mosaic.problem()))
+pytestmark = pytest.mark.skipif(mosaic.problem() is not None,
+                                reason=str(mosaic.problem()))
 
 # Block sizes 8 / 16 / 32, MHA / GQA 4 / GQA 8 / MQA, head dims 64, 128 and 80 (the GPU layout
 # pads it to 128), bf16 and f16, 64 and 128 keys a step (neither divides every sequence), one to
@@ -222,7 +223,7 @@ H200_SHAPES = [
 ]
 
 
-@pytest.mark.skipif(gpu_xla_aot.available() is not None, reason=str(gpu_xla_aot.available()))
+@pytest.mark.skipif(xla_gpu.available() is not None, reason=str(xla_gpu.available()))
 @pytest.mark.parametrize("batch, num_heads, num_kv_heads, head_dim, block_size, width",
                          H200_SHAPES)
 def test_builds_for_h200(batch, num_heads, num_kv_heads, head_dim, block_size, width):
@@ -231,22 +232,22 @@ def test_builds_for_h200(batch, num_heads, num_kv_heads, head_dim, block_size, w
             jax.ShapeDtypeStruct((batch,), jnp.int32),
             jax.ShapeDtypeStruct((batch, width), jnp.int32),
             jax.ShapeDtypeStruct((), jnp.int32))
-    build = gpu_xla_aot.compile_for(
+    build = xla_gpu.compile_for(
         functools.partial(paged_decode_attention_mosaic_gpu, scale=head_dim ** -0.5), args)
     [kernel] = build.mosaic
     assert kernel.name.startswith("paged_decode_attention_mosaic_gpu")
     assert kernel.arch == "sm_90a"  # TMA and WGMMA: Hopper's arch-specific target
     assert kernel.spill_bytes == 0 and kernel.registers <= 255
     group = num_heads // num_kv_heads
-    rows = -(-group // gpu_mosaic.ROWS) * gpu_mosaic.ROWS
-    pages, stages = gpu_mosaic.fit_pipeline(None, None, rows=rows, block_size=block_size,
+    rows = -(-group // mosaic.ROWS) * mosaic.ROWS
+    pages, stages = mosaic.fit_pipeline(None, None, rows=rows, block_size=block_size,
                                                    head_dim=head_dim, itemsize=2)
-    assert kernel.shared_bytes == gpu_mosaic.shared_memory_bytes(
+    assert kernel.shared_bytes == mosaic.shared_memory_bytes(
         rows=rows, keys=pages * block_size, head_dim=head_dim, itemsize=2, num_stages=stages)
-    assert kernel.shared_bytes <= gpu_xla_aot.CHIPS["h200"].shared_per_block
+    assert kernel.shared_bytes <= CHIPS["h200"].gpu.shared_per_block
 
 
-@pytest.mark.skipif(gpu_xla_aot.available() is not None, reason=str(gpu_xla_aot.available()))
+@pytest.mark.skipif(xla_gpu.available() is not None, reason=str(xla_gpu.available()))
 @pytest.mark.parametrize("kind", ["decode", "ragged"])
 @pytest.mark.parametrize("block_size, num_heads, num_kv_heads, head_dim, dtype, tunables", CASES)
 def test_cases_build_for_h200(kind, block_size, num_heads, num_kv_heads, head_dim, dtype,
@@ -257,19 +258,19 @@ def test_cases_build_for_h200(kind, block_size, num_heads, num_kv_heads, head_di
     args, _ = make_args(np.random.default_rng(0), block_size, num_heads, num_kv_heads, head_dim,
                         dtype, ragged=kind == "ragged")
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
-    build = gpu_xla_aot.compile_for(functools.partial(
+    build = xla_gpu.compile_for(functools.partial(
         KERNELS[kind], scale=0.1, **kernel_options(kind, tunables)), abstract)
     [kernel] = build.mosaic
     assert kernel.name.startswith(KERNELS[kind].__name__)
     assert kernel.spill_bytes == 0
-    assert kernel.shared_bytes <= gpu_xla_aot.CHIPS["h200"].shared_per_block
+    assert kernel.shared_bytes <= CHIPS["h200"].gpu.shared_per_block
 
 
-@pytest.mark.skipif(gpu_xla_aot.available() is not None, reason=str(gpu_xla_aot.available()))
+@pytest.mark.skipif(xla_gpu.available() is not None, reason=str(xla_gpu.available()))
 def test_write_kv_builds_for_h200_in_place():
     cache = jax.ShapeDtypeStruct((2, 8, 4096, 16, 128), jnp.bfloat16)
     rows = jax.ShapeDtypeStruct((512, 8, 128), jnp.bfloat16)
-    build = gpu_xla_aot.compile_for(write_kv_mosaic_gpu, (
+    build = xla_gpu.compile_for(write_kv_mosaic_gpu, (
         cache, rows, rows, jax.ShapeDtypeStruct((512,), jnp.int32)))
     [kernel] = build.mosaic
     assert kernel.name.startswith("write_kv_mosaic_gpu") and kernel.spill_bytes == 0
@@ -277,21 +278,21 @@ def test_write_kv_builds_for_h200_in_place():
     assert build.alias_bytes >= cache_bytes and build.temp_bytes < cache_bytes / 100
 
 
-@pytest.mark.skipif(gpu_xla_aot.available() is not None, reason=str(gpu_xla_aot.available()))
+@pytest.mark.skipif(xla_gpu.available() is not None, reason=str(xla_gpu.available()))
 def test_fit_pipeline_keeps_to_the_chip():
     """Four stages of 128 keys overflow an H200's 227 KiB: the wrapper halves the step instead
     of failing at launch, and the build fits."""
     kwargs = dict(rows=64, head_dim=128, itemsize=2)
-    limit = gpu_xla_aot.CHIPS["h200"].shared_per_block
-    pages, stages = gpu_mosaic.fit_pipeline(None, 4, limit=limit, block_size=16,
+    limit = CHIPS["h200"].gpu.shared_per_block
+    pages, stages = mosaic.fit_pipeline(None, 4, limit=limit, block_size=16,
                                                    **kwargs)
     assert (pages, stages) == (4, 4)
-    assert gpu_mosaic.shared_memory_bytes(keys=pages * 16, num_stages=stages,
+    assert mosaic.shared_memory_bytes(keys=pages * 16, num_stages=stages,
                                                  **kwargs) <= limit
-    assert gpu_mosaic.shared_memory_bytes(keys=128, num_stages=4, **kwargs) > limit
+    assert mosaic.shared_memory_bytes(keys=128, num_stages=4, **kwargs) > limit
 
 
-@pytest.mark.skipif(gpu_xla_aot.available() is not None, reason=str(gpu_xla_aot.available()))
+@pytest.mark.skipif(xla_gpu.available() is not None, reason=str(xla_gpu.available()))
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
 def test_engine_step_builds_for_h200_in_place(kind):
     """The engine's steps on the mosaic_gpu backend (Mosaic GPU KV writes and attention in every
@@ -305,7 +306,7 @@ def test_engine_step_builds_for_h200_in_place(kind):
     step, args = abstract_step(config, kind, num_tokens=8 if kind == "decode" else 64,
                                num_seqs=8, num_blocks=4096, max_blocks_per_seq=32,
                                cache_dtype=jnp.bfloat16, backend="mosaic_gpu")
-    build = gpu_xla_aot.compile_for(step, args, "h200")
+    build = xla_gpu.compile_for(step, args, "h200")
     assert build.kernels == ()  # no Triton kernel
     # The layers' identical kernels are built once each.
     names = sorted(k.name.split("_mosaic_gpu")[0] for k in build.mosaic)

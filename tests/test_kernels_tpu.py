@@ -160,7 +160,7 @@ def test_write_kv_tpu_quantized_matches_scatter(dtype, pattern):
 def test_copy_blocks_tpu_matches_scatter(dtype):
     """Copy-on-write by DMA, every array of the cache, only the first num_copies pairs."""
     from pallas_kernels import init_kv_cache
-    from pallas_kernels.kv_write import copy_blocks_tpu
+    from pallas_kernels.tpu.write import copy_blocks_tpu
     from pallas_kernels.layout import copy_blocks
     rng = np.random.default_rng(6)
     cache = jax.tree.map(
@@ -203,7 +203,7 @@ def test_pages_freed_out_of_the_window_are_never_read(backend):
     """With a sliding window the scheduler frees the pages no query can see any more and leaves
     the null block in their table slots (KVCacheManager.free_out_of_window); here that block
     holds NaN. The kernels skip whole compute blocks before the window and must zero V in the
-    one the window starts in (tpu_decode.attend_blocks)."""
+    one the window starts in (tpu.pipeline.attend_blocks)."""
     impl = IMPLEMENTATIONS[backend]
     window, block_size = 12, 8
     rng = np.random.default_rng(6)

@@ -1,4 +1,4 @@
-"""The TPU kernels compile for real TPUs, checked here without one (pallas_kernels/tpu_aot.py).
+"""The TPU kernels compile for real TPUs, checked here without one (benchmarks/aot/xla_tpu.py).
 
 libtpu compiles each kernel for a described topology (TPU v5e, v6e) through Mosaic's whole
 pipeline: the layout and alignment rules that interpret mode and the CPU-side lowering never
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 from test_kernels_lowering import KERNELS, cache_struct, kernel_args
-from pallas_kernels import tpu_aot
+from benchmarks.aot import xla_tpu
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LIBTPU = pathlib.Path(os.environ.get("PAGEDJAX_LIBTPU", ROOT / ".venv" / "libtpu"))
@@ -60,7 +60,7 @@ LARGE = {
 # The engine's whole jitted step, tpu backend: on v5e only, like LARGE (10 s a topology).
 STEPS = ["step-prefill", "step-decode", "step-prefill-int8", "step-decode-int8"]
 # The same split over the 4 chips of a v5e 2x2 by tensor parallelism (4 > the 2 KV heads, so
-# each head is repeated twice): one program for all chips (tpu_aot's sharded cases).
+# each head is repeated twice): one program for all chips (xla_tpu's sharded cases).
 SHARDED_STEPS = ["step-prefill-tp4", "step-decode-int8-tp4"]
 
 
@@ -122,7 +122,7 @@ def build(name, devices=None):
         kind, sizes = LARGE[name]
         args = kernel_args(kind, "tpu", 128, jnp.bfloat16, **sizes)
         if kind == "write":  # the kernel alone: XLA's sort of 64k slots takes 20 s to build
-            from pallas_kernels.kv_write import write_pages_tpu
+            from pallas_kernels.tpu.write import write_pages_tpu
             i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
             tokens = sizes["tokens"]
             return write_pages_tpu, (*args[:3], i32(()), i32((tokens,)), i32((tokens,)),
@@ -133,7 +133,7 @@ def build(name, devices=None):
     block_size, (num_heads, num_kv_heads) = shape or (16, (32, 8))
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
     if kind == "copy":
-        from pallas_kernels.kv_write import copy_blocks_tpu
+        from pallas_kernels.tpu.write import copy_blocks_tpu
         return copy_blocks_tpu, (cache_struct("tpu", head_dim, dtype), i32((8,)), i32((8,)),
                                  i32(()))
     if kind == "swap":
@@ -182,7 +182,7 @@ def compiled(tmp_path_factory):
 
 def compile_topology(topology: str, stem: pathlib.Path) -> dict:
     names = [*CASES] + ([*STEPS, *SHARDED_STEPS, *LARGE] if topology == TOPOLOGIES[0] else [])
-    lines, stderr = tpu_aot.run_in_child(
+    lines, stderr = xla_tpu.run_in_child(
         [{"name": name, "module": "test_kernels_tpu_compile", "function": "build",
           "sharded": name in SHARDED_STEPS} for name in names],
         stem.with_suffix(".cases.json"), libtpu=LIBTPU,
@@ -231,7 +231,7 @@ def test_kernel_compiles_for_tpu_at_production_sizes(case, compiled):
 
 
 def test_kv_write_refuses_more_tokens_than_smem_holds():
-    from pallas_kernels.kv_write import MAX_WRITE_TOKENS
+    from pallas_kernels.tpu.write import MAX_WRITE_TOKENS
     args = kernel_args("write", "tpu", 128, jnp.bfloat16, tokens=MAX_WRITE_TOKENS + 1)
     with pytest.raises(ValueError, match=f"at most {MAX_WRITE_TOKENS} tokens a step"):
         jax.eval_shape(KERNELS["tpu"][2], *args)
@@ -240,12 +240,12 @@ def test_kv_write_refuses_more_tokens_than_smem_holds():
 def test_libtpu_must_be_the_one_jax_pins(tmp_path):
     """Another libtpu cannot read this jax's Mosaic bytecode ("unknown attribute code"): the
     compile child refuses it up front, naming both versions."""
-    assert tpu_aot.libtpu_mismatch(LIBTPU) is None  # what `make test` installed
+    assert xla_tpu.libtpu_mismatch(LIBTPU) is None  # what `make test` installed
     info = tmp_path / "libtpu-0.0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: libtpu\nVersion: 0.0.1\n")
-    problem = tpu_aot.libtpu_mismatch(tmp_path)
+    problem = xla_tpu.libtpu_mismatch(tmp_path)
     assert f"libtpu 0.0.1 in {tmp_path} does not match jax {jax.__version__}" in problem
     with pytest.raises(RuntimeError, match="does not match jax"):
-        tpu_aot.run_in_child([], tmp_path / "cases.json", libtpu=tmp_path, topology="v5e:2x2",
+        xla_tpu.run_in_child([], tmp_path / "cases.json", libtpu=tmp_path, topology="v5e:2x2",
                              pythonpath=[ROOT], cwd=ROOT)

@@ -1,4 +1,4 @@
-"""The GPU kernels build for real chips, checked here without one (pallas_kernels/gpu_aot.py).
+"""The GPU kernels build for real chips, checked here without one (benchmarks/aot/triton_gpu.py).
 
 Each kernel is lowered for CUDA as the wrapper sizes it for the target chip, its Triton IR is
 compiled to a cubin by the triton package, and the cubin's resources are checked: the shared
@@ -15,7 +15,8 @@ import pytest
 
 pytest.importorskip("triton", reason="a test dependency: requirements/test.txt")
 
-from pallas_kernels import gpu_aot, gpu_decode  # noqa: E402
+from benchmarks.aot import triton_gpu  # noqa: E402
+from pallas_kernels.gpu import common as gpu_common  # noqa: E402
 from test_kernels_lowering import GPU_CASES as CASES  # noqa: E402
 from test_kernels_lowering import ESTIMATE_CASES, KERNELS, estimate_case  # noqa: E402
 from test_kernels_lowering import abstract_step, gpu_case, kernel_args  # noqa: E402
@@ -29,7 +30,7 @@ SERVING_DTYPES = ("bfloat16", "int8", "float8_e4m3fn")
 def target(monkeypatch):
     """Sizes kernels for a chosen chip: what the wrappers would pick on that GPU."""
     def use(capability):
-        monkeypatch.setattr(gpu_decode, "target_compute_capability", lambda: capability)
+        monkeypatch.setattr(gpu_common, "target_compute_capability", lambda: capability)
         jax.clear_caches()  # a cached trace would keep the previous chip's sizing
     yield use
     jax.clear_caches()
@@ -37,8 +38,8 @@ def target(monkeypatch):
 
 def build(case, capability):
     fn, args = gpu_case(case)
-    lowered = gpu_aot.lower_cuda(lambda: jax.jit(fn).trace(*args), capability)
-    [kernel] = gpu_aot.compile_lowered(lowered, capability)
+    lowered = triton_gpu.lower_cuda(lambda: jax.jit(fn).trace(*args), capability)
+    [kernel] = triton_gpu.compile_lowered(lowered, capability)
     return kernel, jnp.dtype(CASES[case][2]).name
 
 
@@ -87,18 +88,18 @@ def test_ieee_f32_fits(case, capability, target):
 def test_oversized_tiles_are_caught():
     """The check can fail: 8 pages of 32 f32 keys, double-buffered, do not fit an H200."""
     args = kernel_args("decode", "gpu", 128, jnp.float32, block_size=32, width=8)
-    lowered = gpu_aot.lower_cuda(lambda: jax.jit(functools.partial(
+    lowered = triton_gpu.lower_cuda(lambda: jax.jit(functools.partial(
         KERNELS["gpu"][0], scale=0.1, pages_per_step=8, num_stages=2)).trace(*args))
-    [kernel] = gpu_aot.compile_lowered(lowered, H200)
+    [kernel] = triton_gpu.compile_lowered(lowered, H200)
     assert not kernel.fits and kernel.shared_bytes > kernel.shared_limit
 
 
 @pytest.mark.parametrize("case, pages_per_step, rows", ESTIMATE_CASES)
 def test_shared_memory_estimate_bounds_the_build(case, pages_per_step, rows):
-    """The wrappers size tiles with gpu_decode.shared_memory_bytes: it must never undercount
+    """The wrappers size tiles with gpu.triton.shared_memory_bytes: it must never undercount
     (a tile sized by it would then fail to launch)."""
     fn, args, estimate = estimate_case(case, pages_per_step, rows)
-    [kernel] = gpu_aot.compile_lowered(gpu_aot.lower_cuda(lambda: jax.jit(fn).trace(*args)),
+    [kernel] = triton_gpu.compile_lowered(triton_gpu.lower_cuda(lambda: jax.jit(fn).trace(*args)),
                                        H200)
     assert kernel.shared_bytes <= estimate + 1024  # + the 1 KB sm_90 reserves per block
 
@@ -123,8 +124,8 @@ def test_engine_step_kernels_build_for_h200(kind, target):
     step, args = abstract_step(config, kind, num_tokens=64 if kind == "prefill" else 8,
                                num_seqs=8, num_blocks=64, max_blocks_per_seq=32,
                                cache_dtype=jnp.bfloat16)
-    lowered = gpu_aot.lower_cuda(lambda: step.trace(*args))
-    kernels = gpu_aot.compile_lowered(lowered, H200)
+    lowered = triton_gpu.lower_cuda(lambda: step.trace(*args))
+    kernels = triton_gpu.compile_lowered(lowered, H200)
     attention = {"prefill": "ragged_paged_attention_gpu", "decode": "paged_decode_attention_gpu"}
     assert sorted(k.name for k in kernels) == sorted([attention[kind], "write_kv_gpu"])
     for kernel in kernels:

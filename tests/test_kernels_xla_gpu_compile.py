@@ -1,6 +1,6 @@
 """XLA's own GPU compile of the kernels and the engine's step, for chips this machine lacks.
 
-pallas_kernels/gpu_xla_aot.py compiles for a compile-only H200 (and A100, L4) with the GPU
+benchmarks/aot/xla_gpu.py compiles for a compile-only H200 (and A100, L4) with the GPU
 image's jax and XLA's GPU pipeline whole: XLA's Triton fork builds each Pallas kernel and ptxas
 its cubin, which tests/test_kernels_triton_compile.py only estimates with the triton package.
 These need jax >= 0.11 with the CUDA plugin: they run in `make test-gpu-image`
@@ -13,9 +13,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import gpu_xla_aot
+from benchmarks.aot import xla_gpu
+from scheduler.chips import CHIPS
 
-if (problem := gpu_xla_aot.available()) is not None:
+if (problem := xla_gpu.available()) is not None:
     pytest.skip(problem, allow_module_level=True)
 
 from test_kernels_lowering import ESTIMATE_CASES, GPU_CASES, KERNELS, estimate_case  # noqa
@@ -38,27 +39,27 @@ def test_kernel_compiles_for_h200(case):
     fn, args = gpu_case(case, num_blocks=4096)
     cache = args[0] if kind == "write" else args[1]
     jitted = jax.jit(fn, donate_argnums=(0,)) if kind == "write" else fn
-    build = gpu_xla_aot.compile_for(jitted, args, "h200")
+    build = xla_gpu.compile_for(jitted, args, "h200")
     [launch] = build.kernels
     assert launch.name == KERNEL_NAMES[kind]
-    assert 0 <= launch.shared_bytes <= gpu_xla_aot.CHIPS["h200"].shared_per_block
+    assert 0 <= launch.shared_bytes <= CHIPS["h200"].gpu.shared_per_block
     assert build.temp_bytes < nbytes(cache) / 2, (build.temp_bytes, nbytes(cache))
     if kind == "write":
         assert build.alias_bytes >= nbytes(cache)
 
 
-@pytest.mark.parametrize("chip", ["a100", "l4"])
+@pytest.mark.parametrize("chip", ["a100-80gb", "l4"])
 @pytest.mark.parametrize("case", ["decode-bf16", "ragged-bf16", "decode-f32-h80-block32",
                                   "decode-f32-h256-block32"])
 def test_kernel_sized_for_the_chip_compiles(case, chip):
-    """The wrappers size tiles for the default device's chip (gpu_decode.
+    """The wrappers size tiles for the default device's chip (gpu.common.
     target_compute_capability): compiled for an A100 or an L4 (Colab's), each fits it."""
     fn, args = gpu_case(case)
-    with jax.default_device(gpu_xla_aot.device(chip)):
+    with jax.default_device(xla_gpu.device(chip)):
         jax.clear_caches()  # a trace sized for another chip must not be reused
-        build = gpu_xla_aot.compile_for(fn, args, chip)
+        build = xla_gpu.compile_for(fn, args, chip)
     [launch] = build.kernels
-    assert launch.shared_bytes <= gpu_xla_aot.CHIPS[chip].shared_per_block
+    assert launch.shared_bytes <= CHIPS[chip].gpu.shared_per_block
 
 
 @pytest.mark.parametrize("case", ["decode-f32-h80-block32", "ragged-f32-h80-block32"])
@@ -67,7 +68,7 @@ def test_ieee_f32_compiles(case):
     memory and registers than TF32, and still a build."""
     fn, args = gpu_case(case)
     with jax.default_matmul_precision("highest"):
-        build = gpu_xla_aot.compile_for(fn, args, "h200")
+        build = xla_gpu.compile_for(fn, args, "h200")
     assert len(build.kernels) == 1
 
 
@@ -77,16 +78,16 @@ def test_oversized_tiles_fail_to_compile():
     args = kernel_args("decode", "gpu", 128, jnp.float32, block_size=32, width=8)
     fn = functools.partial(KERNELS["gpu"][0], scale=0.1, pages_per_step=8, num_stages=2)
     with pytest.raises(Exception, match="Shared memory size limit exceeded"):
-        gpu_xla_aot.compile_for(fn, args, "h200")
+        xla_gpu.compile_for(fn, args, "h200")
 
 
 @pytest.mark.parametrize("case, pages_per_step, rows", ESTIMATE_CASES)
 def test_shared_memory_estimate_bounds_xla_build(case, pages_per_step, rows):
-    """gpu_decode.shared_memory_bytes, with which the wrappers size tiles for a chip, never
+    """gpu.triton.shared_memory_bytes, with which the wrappers size tiles for a chip, never
     undercounts what XLA's build of the kernel asks (else a tile it sized would fail to
     launch)."""
     fn, args, estimate = estimate_case(case, pages_per_step, rows)
-    [launch] = gpu_xla_aot.compile_for(fn, args, "h200").kernels
+    [launch] = xla_gpu.compile_for(fn, args, "h200").kernels
     assert launch.shared_bytes <= estimate, (launch.shared_bytes, estimate)
 
 
@@ -106,7 +107,7 @@ def test_engine_step_compiles_for_h200(kind, dtype):
                                num_seqs=8, num_blocks=4096, max_blocks_per_seq=32,
                                cache_dtype=dtype)
     caches = args[1]
-    build = gpu_xla_aot.compile_for(step, args, "h200")
+    build = xla_gpu.compile_for(step, args, "h200")
     attention = KERNEL_NAMES["ragged" if kind == "prefill" else "decode"]
     # A quantized cache is written by XLA's scatter, which quantizes as it writes.
     writes = ["write_kv_gpu"] if dtype == "bfloat16" else []

@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from pallas_kernels import BACKEND_NAMES
+from pallas_kernels import BACKEND_NAMES, check_backend
 from scheduler import SchedulerConfig, ShapeBuckets, cdiv
 
 DTYPES = ("float32", "bfloat16")
@@ -112,8 +112,9 @@ class EngineConfig:
         if self.attention_backend not in BACKEND_NAMES:
             raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, "
                              f"got {self.attention_backend!r}")
-        if self.attention_backend == "mosaic_gpu":
-            self.check_mosaic_gpu()
+        if self.attention_backend != "auto":  # 'auto' is checked once resolved (placement)
+            check_backend(self.attention_backend, block_size=self.block_size, dtype=self.dtype,
+                          kv_cache_dtype=self.kv_cache_dtype)
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(f"max_num_seqs ({self.max_num_seqs}) must be <= "
                              f"max_num_batched_tokens ({self.max_num_batched_tokens})")
@@ -122,20 +123,6 @@ class EngineConfig:
                              f"got {self.step_programs!r}")
         self.buckets()  # ShapeBuckets validates prefill_seqs
         self.scheduler_config()  # SchedulerConfig validates the scheduler's fields (policy, ...)
-
-    def check_mosaic_gpu(self) -> None:
-        from pallas_kernels import gpu_mosaic
-
-        if (reason := gpu_mosaic.problem()) is not None:
-            raise ValueError(f"attention_backend='mosaic_gpu': {reason}")
-        kv_dtype = self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
-        if kv_dtype not in gpu_mosaic.DTYPES:
-            raise ValueError(f"attention_backend='mosaic_gpu' reads a bfloat16 KV cache, got "
-                             f"dtype={self.dtype!r}, kv_cache_dtype={self.kv_cache_dtype!r}: use "
-                             "dtype='bfloat16' or attention_backend='gpu'")
-        if self.block_size % 8:
-            raise ValueError(f"block_size must be a multiple of 8 for attention_backend="
-                             f"'mosaic_gpu', got {self.block_size}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

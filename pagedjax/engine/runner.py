@@ -18,7 +18,7 @@ from pagedjax.parallel.sharding import (kv_cache_sharding, kv_head_repeats, shar
                                         weight_sharding)
 from pallas_kernels import (AttentionBackend, AttentionMetadata, copy_blocks, gather_blocks,
                             init_kv_cache, layer_blocks, scatter_blocks)
-from pallas_kernels.attention import TP_AXIS
+from pallas_kernels.dispatch import TP_AXIS
 from scheduler import ARRAY_FIELDS, DECODE, NULL_BLOCK, PREFILL, STATIC_FIELDS, BatchPlan
 
 jax.tree_util.register_dataclass(BatchPlan, data_fields=list(ARRAY_FIELDS),

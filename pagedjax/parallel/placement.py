@@ -10,7 +10,7 @@ import jax
 
 from pagedjax.parallel import multihost
 from pagedjax.parallel.sharding import check_tensor_parallel, make_mesh
-from pallas_kernels import AttentionBackend, resolve_backend
+from pallas_kernels import AttentionBackend, check_backend, resolve_backend
 
 
 def place(model_config, config, devices: Sequence | None = None
@@ -33,7 +33,6 @@ def place(model_config, config, devices: Sequence | None = None
     backend = resolve_backend(config.attention_backend, config.attention_interpret)
     if tp > 1:
         backend = dataclasses.replace(backend, mesh=make_mesh(tp, devices))
-    if backend.gpu_layout and config.block_size & (config.block_size - 1):
-        raise ValueError(f"block_size must be a power of two for the {backend.name} "
-                         f"attention backend, got {config.block_size}")
+    check_backend(backend.name, block_size=config.block_size, dtype=config.dtype,
+                  kv_cache_dtype=config.kv_cache_dtype)
     return devices, spans_processes, backend

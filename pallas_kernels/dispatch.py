@@ -10,18 +10,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.gpu_decode import paged_decode_attention_gpu
-from pallas_kernels.gpu_mosaic import (paged_decode_attention_mosaic_gpu,
-                                       ragged_paged_attention_mosaic_gpu, write_kv_mosaic_gpu)
-from pallas_kernels.gpu_prefill import ragged_paged_attention_gpu
 from pallas_kernels import layout
-from pallas_kernels.kv_write import copy_blocks_tpu, write_kv_gpu, write_kv_tpu
+from pallas_kernels.gpu import mosaic, triton
 from pallas_kernels.layout import write_kv_reference
 from pallas_kernels.quant import QuantizedKV
 from pallas_kernels.reference import (paged_decode_attention_reference,
                                       ragged_paged_attention_reference)
-from pallas_kernels.tpu_decode import paged_decode_attention_tpu
-from pallas_kernels.tpu_prefill import ragged_paged_attention_tpu
+from pallas_kernels.tpu import (copy_blocks_tpu, paged_decode_attention_tpu,
+                                ragged_paged_attention_tpu, write_kv_tpu)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,16 +76,21 @@ class Implementation(NamedTuple):
     decode: Callable  # (q, kv_cache, kv_lens, block_tables, num_seqs, **opts)
     write_kv: Callable  # (kv_cache, k, v, slot_mapping) -> kv_cache
     pallas: bool  # every callable takes interpret=
+    # check_config(block_size=, dtype=, kv_cache_dtype=): the engine settings (EngineConfig's
+    # fields of those names) the backend cannot serve, refused by name (ValueError) before
+    # anything is built; None where it serves them all.
+    check_config: Callable | None = None
 
 
 IMPLEMENTATIONS: dict[str, Implementation] = {
     "reference": Implementation(ragged_paged_attention_reference,
                                 paged_decode_attention_reference, write_kv_reference, False),
-    "gpu": Implementation(ragged_paged_attention_gpu, paged_decode_attention_gpu, write_kv_gpu,
-                          True),
+    "gpu": Implementation(triton.ragged_paged_attention_gpu, triton.paged_decode_attention_gpu,
+                          triton.write_kv_gpu, True, triton.check_config),
     # The Mosaic GPU kernels (Hopper, 16-bit caches, jax >= 0.11), on the "gpu" cache layout.
-    "mosaic_gpu": Implementation(ragged_paged_attention_mosaic_gpu,
-                                 paged_decode_attention_mosaic_gpu, write_kv_mosaic_gpu, True),
+    "mosaic_gpu": Implementation(mosaic.ragged_paged_attention_mosaic_gpu,
+                                 mosaic.paged_decode_attention_mosaic_gpu,
+                                 mosaic.write_kv_mosaic_gpu, True, mosaic.check_config),
     "tpu": Implementation(ragged_paged_attention_tpu, paged_decode_attention_tpu, write_kv_tpu,
                           True),
 }
@@ -107,6 +108,15 @@ def resolve_backend(name: str, interpret: bool = False) -> AttentionBackend:
     if interpret and not IMPLEMENTATIONS[name].pallas:
         raise ValueError(f"attention_interpret applies to Pallas backends, not {name!r}")
     return AttentionBackend(name, interpret)
+
+
+def check_backend(name: str, *, block_size: int, dtype: str, kv_cache_dtype: str) -> None:
+    """Backend `name`'s own constraints on an engine's block size, dtype and KV cache dtype
+    (its Implementation.check_config), refused by name; 'auto' is checked once resolved."""
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(f"attention backend must be one of {BACKEND_NAMES}, got {name!r}")
+    if (check := IMPLEMENTATIONS[name].check_config) is not None:
+        check(block_size=block_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
 
 
 def paged_attention(

@@ -8,7 +8,7 @@ offset not aligned to the memory tiling. libtpu is a test dependency installed o
 virtual environment's site-packages (`make test` puts it in .venv/libtpu), so that importing
 jax elsewhere never tries to start a TPU; this module is run as its own process:
 
-    python -m pallas_kernels.tpu_aot --libtpu .venv/libtpu --topology v5e:2x2 CASES.json
+    python -m benchmarks.aot.xla_tpu --libtpu .venv/libtpu --topology v5e:2x2 CASES.json
 
 CASES.json lists {"name", "module", "function", "args"} entries, where "args" names a function
 of that module returning (fn, abstract args); each case prints one JSON line with its outcome.
@@ -136,11 +136,11 @@ def run_in_child(cases: list[dict], cases_file, *, libtpu, topology: str, python
         flag for flag in child_env.get("XLA_FLAGS", "").split()
         if not flag.startswith("--xla_backend_optimization_level"))
     run = subprocess.run(
-        [sys.executable, "-m", "pallas_kernels.tpu_aot", str(cases_file), "--libtpu",
+        [sys.executable, "-m", "benchmarks.aot.xla_tpu", str(cases_file), "--libtpu",
          str(libtpu), "--topology", topology],
         capture_output=True, text=True, env=child_env, cwd=cwd, timeout=timeout)
     if run.returncode:
-        raise RuntimeError(f"tpu_aot child exited with {run.returncode}:\n{run.stderr[-3000:]}")
+        raise RuntimeError(f"xla_tpu child exited with {run.returncode}:\n{run.stderr[-3000:]}")
     return ([json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")],
             run.stderr)
 
@@ -178,7 +178,7 @@ def main() -> None:
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
     if problem := libtpu_mismatch(args.libtpu):
-        sys.exit(f"tpu_aot: {problem}")
+        sys.exit(f"xla_tpu: {problem}")
     sys.path.insert(0, os.path.abspath(args.libtpu))
     with open(args.cases) as f:
         cases = json.load(f)

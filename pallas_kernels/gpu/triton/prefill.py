@@ -1,6 +1,6 @@
 """Ragged paged attention for GPU (chunked prefill and mixed batches): Pallas, Triton lowering.
 
-Axis letters as in gpu_decode; T tokens, BQ query tokens per tile, NT tiles.
+Axis letters as in decode.py; T tokens, BQ query tokens per tile, NT tiles.
 
 Each sequence's query tokens (cu_q_lens) are cut into tiles of BQ tokens, starting at the
 sequence's first token, so a tile never spans two sequences. Grid (NT, K) with
@@ -20,10 +20,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import MASK_VALUE, tile_layout
-from pallas_kernels.gpu_decode import (MIN_DOT_SIZE, check_triton_shapes, fit_pipeline,
-                                       load_pages, next_power_of_2, online_softmax_step,
-                                       split_cache)
+from pallas_kernels.common import MASK_VALUE, online_softmax_step, tile_layout
+from pallas_kernels.gpu.common import next_power_of_2
+from pallas_kernels.gpu.triton.tiling import (MIN_DOT_SIZE, check_triton_shapes, fit_pipeline,
+                                              load_pages, split_cache)
 
 
 def _ragged_kernel(
@@ -70,7 +70,7 @@ def _ragged_kernel(
         v = load_pages(kv_ref, scales_ref, 1, head, blocks, q.dtype)
         kv_pos = page * block_size + jnp.arange(block_k, dtype=jnp.int32)
         col_live = kv_pos <= last_pos
-        v = jnp.where(col_live[:, None], v, jnp.zeros_like(v))  # K: see gpu_decode
+        v = jnp.where(col_live[:, None], v, jnp.zeros_like(v))  # K: see decode.py
         visible = (kv_pos[None, :] <= q_pos[:, None]) & row_live[:, None]
         if sliding_window is not None:
             visible &= kv_pos[None, :] > q_pos[:, None] - sliding_window
@@ -118,7 +118,7 @@ def ragged_paged_attention_gpu(
     """tile_q None: up to 16 query tokens a program, fewer when the GQA group and head dim
     make the rows x head dim tile larger than MAX_TILE_ELEMENTS (see choose_tile_q).
     pages_per_step / num_stages None: up to 4 pages per loop step and 2 stages, as many as fit
-    the GPU's shared memory (see gpu_decode.fit_pipeline); an explicit value is taken as given.
+    the GPU's shared memory (see gpu.triton.fit_pipeline); an explicit value is taken as given.
     8 warps: with 4, a tile of 16 tokens x a GQA group of 4 needs 223 registers a thread on
     sm_90 and spills on sm_80 (benchmarks/results/gpu_compile.md)."""
     num_tokens, num_heads, head_dim = q.shape

@@ -1,6 +1,6 @@
 """XLA's own GPU compile of a program, for a described GPU, on a machine without one.
 
-pallas_kernels/gpu_aot.py builds each kernel's Triton IR with the `triton` package, an estimate
+benchmarks/aot/triton_gpu.py builds each kernel's Triton IR with the `triton` package, an estimate
 of what the GPU's compile does. This module runs the compile itself: jax >= 0.11's CUDA plugin
 (requirements/gpu-image.txt: jax-cuda13-plugin, and ptxas from nvidia-cuda-nvcc) creates a
 compile-only device from a GPU target description (XLA's GpuTargetConfigProto, written here from
@@ -29,55 +29,30 @@ import re
 import tempfile
 import time
 
-
-@dataclasses.dataclass(frozen=True)
-class Chip:
-    """What XLA's GPU compiler needs to know of a chip (NVIDIA's datasheets and the CUDA
-    programming guide's per-compute-capability limits)."""
-    device_kind: str  # as the device reports it (jax's Pallas lowering looks the SM up by it)
-    capability: tuple[int, int]
-    sms: int
-    shared_per_sm: int  # bytes
-    shared_per_block: int  # opt-in maximum of one block, bytes
-    threads_per_sm: int
-    memory_bytes: int
-    bandwidth: float  # HBM/GDDR bytes per second
-    l2_bytes: int
-    clock_ghz: float
-
-
-CHIPS = {
-    "h200": Chip("NVIDIA H200", (9, 0), sms=132, shared_per_sm=228 << 10,
-                 shared_per_block=227 << 10, threads_per_sm=2048, memory_bytes=143771 << 20,
-                 bandwidth=4.8e12, l2_bytes=50 << 20, clock_ghz=1.98),
-    "a100": Chip("NVIDIA A100-SXM4-80GB", (8, 0), sms=108, shared_per_sm=164 << 10,
-                 shared_per_block=163 << 10, threads_per_sm=2048, memory_bytes=81920 << 20,
-                 bandwidth=2.039e12, l2_bytes=40 << 20, clock_ghz=1.41),
-    "l4": Chip("NVIDIA L4", (8, 9), sms=58, shared_per_sm=100 << 10, shared_per_block=99 << 10,
-               threads_per_sm=1536, memory_bytes=23034 << 20, bandwidth=3.0e11,
-               l2_bytes=48 << 20, clock_ghz=2.04),
-}
+from scheduler.chips import Chip, gpu_chip
 
 
 def target_config(chip: Chip) -> str:
-    """The chip as an XLA GpuTargetConfigProto, in protobuf text format."""
-    major, minor = chip.capability
+    """The chip (a GPU of scheduler.chips) as an XLA GpuTargetConfigProto, in protobuf text
+    format."""
+    gpu = chip.gpu
+    major, minor = gpu.capability
     return f"""gpu_device_info {{
   threads_per_block_limit: 1024
   threads_per_warp: 32
   shared_memory_per_block: 49152
-  shared_memory_per_core: {chip.shared_per_sm}
-  shared_memory_per_block_optin: {chip.shared_per_block}
-  threads_per_core_limit: {chip.threads_per_sm}
-  core_count: {chip.sms}
+  shared_memory_per_core: {gpu.shared_per_sm}
+  shared_memory_per_block_optin: {gpu.shared_per_block}
+  threads_per_core_limit: {gpu.threads_per_sm}
+  core_count: {gpu.sms}
   fpus_per_core: 128
   block_dim_limit_x: 2147483647
   block_dim_limit_y: 65535
   block_dim_limit_z: 65535
-  memory_bandwidth: {int(chip.bandwidth)}
-  l2_cache_size: {chip.l2_bytes}
-  clock_rate_ghz: {chip.clock_ghz}
-  device_memory_size: {chip.memory_bytes}
+  memory_bandwidth: {int(chip.hbm_bytes_per_s)}
+  l2_cache_size: {gpu.l2_bytes}
+  clock_rate_ghz: {gpu.clock_ghz}
+  device_memory_size: {gpu.memory_bytes}
   cuda_compute_capability {{ major: {major} minor: {minor} }}
   registers_per_core_limit: 65536
   registers_per_block_limit: 65536
@@ -85,11 +60,11 @@ def target_config(chip: Chip) -> str:
   thread_dim_limit_y: 1024
   thread_dim_limit_z: 64
   device_vendor: "NVIDIA Corporation"
-  name: "{chip.device_kind}"
+  name: "{gpu.device_kind}"
 }}
 platform_name: "CUDA"
 dnn_version_info {{ major: 9 minor: 10 patch: 0 }}
-device_description_str: "{chip.device_kind}"
+device_description_str: "{gpu.device_kind}"
 """
 
 
@@ -106,13 +81,12 @@ def available() -> str | None:
 
 @functools.cache
 def device(chip: str = "h200"):
-    """A compile-only device of `chip` (one of CHIPS)."""
-    if chip not in CHIPS:
-        raise ValueError(f"chip must be one of {sorted(CHIPS)}, got {chip!r}")
+    """A compile-only device of `chip` (a GPU of scheduler.chips.CHIPS)."""
+    target = gpu_chip(chip)
     if problem := available():
         raise RuntimeError(problem)
     from jax.experimental import topologies
-    return topologies.get_topology_desc(chip, "cuda", target_config=target_config(CHIPS[chip]),
+    return topologies.get_topology_desc(chip, "cuda", target_config=target_config(target),
                                         topology="1x1x1").devices[0]
 
 

@@ -1,11 +1,11 @@
 """Ragged paged attention for TPU (chunked prefill and mixed batches): Pallas, Mosaic lowering.
 
-Axis letters as in tpu_decode; T tokens, BQ query tokens per tile, NT tiles.
+Axis letters as in tpu/decode.py; T tokens, BQ query tokens per tile, NT tiles.
 
-The tiling is the GPU kernel's (gpu_prefill.tile_layout): each sequence's query tokens are cut
+The tiling is the GPU kernel's (common.tile_layout): each sequence's query tokens are cut
 into tiles of BQ starting at its first token; grid (NT, K). The tile table, cu_q_lens and kv_lens
 are scalar-prefetched; a program copies its sequence's block-table row from HBM into SMEM
-(tpu_decode.fetch_table_row) and DMAs its BQ query rows from HBM, then walks the
+(tpu.pipeline.fetch_table_row) and DMAs its BQ query rows from HBM, then walks the
 sequence's pages up to the tile's last position, C pages per compute block with double-buffered
 DMAs, and writes its own output tile.
 """
@@ -19,11 +19,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.common import MASK_VALUE, tile_layout, tpu_interpret_params
-from pallas_kernels.tpu_decode import (SUBLANES, PagePipeline, attend_blocks, attend_chunk,
-                                       compiler_params, compute_dtype, default_pages_per_step,
-                                       fetch_table_row, flat_tables, page_scratch,
-                                       split_quantized, table_width)
+from pallas_kernels.common import tile_layout, tpu_interpret_params
+from pallas_kernels.tpu.pipeline import (SUBLANES, PagePipeline, attend_sequence, compiler_params,
+                                         compute_dtype, default_pages_per_step, fetch_table_row,
+                                         flat_tables, page_scratch, split_quantized, table_width)
 
 
 def _ragged_kernel(
@@ -57,7 +56,7 @@ def _ragged_kernel(
     if sliding_window is not None:
         # The first key the tile's first query sees: pages before it may be back in the pool.
         first_key = offset + start - q_first - sliding_window + 1
-        first_block = jax.lax.div(  # non-negative: see tpu_decode on floor division
+        first_block = jax.lax.div(  # non-negative: see tpu/decode.py on floor division
             jnp.maximum(first_key, 0), block_k)
     num_blocks = jnp.where(live, pl.cdiv(last_pos + 1, block_k), 0)
     fetch_table_row(tables_hbm_ref, seq, table_row, table_sem, head)
@@ -85,18 +84,9 @@ def _ragged_kernel(
             seen &= pos > q_pos - sliding_window
         return seen
 
-    def body(block, carry, zero_v, prefetch):
-        chunk = pipeline.fetch(block, first_block, num_blocks, dtype, prefetch=prefetch)
-        return attend_chunk(q, chunk, block * block_k, carry, key_live=key_live,
-                            visible=visible, scale=scale, soft_cap=soft_cap, zero_v=zero_v)
-
-    init = (jnp.zeros((num_rows, head_dim), jnp.float32),
-            jnp.full((num_rows, 1), MASK_VALUE, jnp.float32),
-            jnp.zeros((num_rows, 1), jnp.float32))
-    o, _, l = attend_blocks(body, first_block, num_blocks, init,
-                            edge_first=sliding_window is not None)
-    pipeline.prefetch_next_head(first_block, num_blocks, pl.num_programs(1))
-    o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)
+    o = attend_sequence(pipeline, q, first_block, num_blocks, block_k, dtype, key_live=key_live,
+                        visible=visible, scale=scale, soft_cap=soft_cap,
+                        sliding_window=sliding_window)
     o_ref[...] = o.reshape(tile_q, group, head_dim)
 
 

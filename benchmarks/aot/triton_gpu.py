@@ -26,13 +26,15 @@ import jax
 from jax.sharding import AbstractDevice, AbstractMesh
 from jaxlib.mlir import ir
 
-from pallas_kernels.gpu_decode import shared_memory_limit
+from pallas_kernels.gpu.common import shared_memory_limit
+from scheduler.chips import GPU_CHIPS
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
-# A device kind of each compute capability that jax's Triton lowering knows (jax >= 0.11 looks
-# the capability up by kind: jax/_src/pallas/triton/gpu_info.py).
-DEVICE_KIND = {(9, 0): "NVIDIA H200", (8, 0): "NVIDIA A100", (8, 6): "NVIDIA A10",
-               (8, 9): "NVIDIA L4", (10, 0): "NVIDIA B200"}
+# A device kind of each compute capability in the chip table, as jax's Triton lowering knows it
+# (jax >= 0.11 looks the capability up by kind: jax/_src/pallas/triton/gpu_info.py).
+# The first chip of a capability names it (the H200 for sm_90).
+DEVICE_KIND = {chip.gpu.capability: chip.gpu.device_kind
+               for chip in reversed(list(GPU_CHIPS.values()))}
 
 
 @contextlib.contextmanager

@@ -1,0 +1,55 @@
+"""What both GPU backends (Triton and Mosaic GPU) size their kernels by and share: the target's
+compute capability and shared memory, and split-K decoding (choosing the splits, merging them)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Opt-in shared memory per thread block, by compute capability (CUDA C programming guide).
+SHARED_MEMORY_LIMIT = {
+    (7, 0): 96 * 1024, (7, 5): 64 * 1024, (8, 0): 163 * 1024, (8, 6): 99 * 1024,
+    (8, 7): 163 * 1024, (8, 9): 99 * 1024, (9, 0): 227 * 1024, (10, 0): 227 * 1024,
+    (12, 0): 99 * 1024,
+}
+DEFAULT_TARGET = (9, 0)  # H100 / H200: what a kernel is sized for when no GPU is visible
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def target_compute_capability() -> tuple[int, int]:
+    """The compute capability kernels are sized for: the default device's when that is a GPU
+    (`jax.default_device(d)`, a compile-only device included: benchmarks/aot/xla_gpu.py),
+    else the first visible GPU's; DEFAULT_TARGET on a machine without one."""
+    device = jax.config.jax_default_device
+    if getattr(device, "platform", None) != "gpu":
+        if jax.default_backend() != "gpu":
+            return DEFAULT_TARGET
+        device = jax.devices()[0]
+    major, minor = str(device.compute_capability).split(".")[:2]
+    return int(major), int(minor)
+
+
+def shared_memory_limit(capability: tuple[int, int] | None = None) -> int:
+    capability = capability or target_compute_capability()
+    known = [c for c in SHARED_MEMORY_LIMIT if c <= capability]
+    return SHARED_MEMORY_LIMIT[max(known)] if known else min(SHARED_MEMORY_LIMIT.values())
+
+
+def combine_splits(o, l, m):
+    """Merges per-split partial softmaxes: o f32[X, ..., Hp], l and m f32[X, ...]."""
+    m_max = jnp.max(m, axis=0)
+    weight = jnp.exp(m - m_max[None])
+    denom = jnp.sum(l * weight, axis=0)
+    out = jnp.sum(o * weight[..., None], axis=0)
+    return jnp.where(denom[..., None] > 0, out / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
+
+
+def choose_num_splits(num_programs: int, max_pages: int, pages_per_step: int,
+                      target_programs: int = 512) -> int:
+    """Splits the context only when batch x KV heads alone leaves the GPU underfilled."""
+    splits = max(1, target_programs // max(num_programs, 1))
+    splits = min(splits, max(1, max_pages // pages_per_step))
+    return 1 << (splits.bit_length() - 1)  # a power of two, <= splits
