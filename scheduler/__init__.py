@@ -5,15 +5,16 @@ Pure Python and NumPy: nothing here imports jax, so it can be tested, replayed a
 
 from scheduler.block_pool import NULL_BLOCK, BlockPool
 from scheduler.buckets import ShapeBuckets, pad_to_bucket, power_of_two_buckets
-from scheduler.kv_cache_manager import KVCacheManager, cdiv
-from scheduler.plan import ARRAY_FIELDS, DECODE, PREFILL, STATIC_FIELDS, BatchPlan, build_plan
-from scheduler.request import Request, RequestStatus, SamplingParams, fold_seed, make_samples
 from scheduler.errors import RequestError
-from scheduler.lifecycle import (Scheduler, abort_request, add_request, check_admission,
-                                 check_request, update)
-from scheduler.scheduler import (DECODE_FIRST, MIXED, POLICIES, PREFILL_FIRST, VICTIM_POLICIES,
-                                 ScheduledSeq, SchedulerConfig, SchedulerOutput, SchedulerState,
-                                 schedule)
+from scheduler.kv_cache_manager import KVCacheManager, cdiv
+from scheduler.lifecycle import abort_request, add_request, check_admission, check_request, update
+from scheduler.plan import ARRAY_FIELDS, STATIC_FIELDS, BatchPlan, build_plan
+from scheduler.request import Request, RequestStatus, SamplingParams, fold_seed, make_samples
+from scheduler.schedule import schedule
+from scheduler.scheduler import Scheduler
+from scheduler.state import (DECODE, DECODE_FIRST, MIXED, POLICIES, PREFILL, PREFILL_FIRST,
+                             VICTIM_POLICIES, ScheduledSeq, SchedulerConfig, SchedulerOutput,
+                             SchedulerState)
 
 __all__ = [
     "NULL_BLOCK", "BlockPool", "ShapeBuckets", "pad_to_bucket", "power_of_two_buckets",

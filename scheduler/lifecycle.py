@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from scheduler.errors import RequestError
-from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.request import Request, RequestStatus
-from scheduler.scheduler import SchedulerConfig, SchedulerOutput, SchedulerState, schedule
+from scheduler.state import SchedulerOutput, SchedulerState
 
 
 def update(state: SchedulerState, output: SchedulerOutput, sampled_ids: Sequence[int],
@@ -157,50 +156,3 @@ def requeue(state: SchedulerState, request: Request) -> None:
     state.running.remove(request)
     state.num_followers -= len(request.followers)
     state.waiting.appendleft(request)
-
-
-class Scheduler:
-    """Convenience object holding a SchedulerState; every method is one of the free functions."""
-
-    def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
-                 cache_key: bytes = b"", num_host_blocks: int = 0,
-                 sliding_window: int | None = None):
-        kv_manager = KVCacheManager(num_blocks, block_size, cache_key=cache_key,
-                                    enable_prefix_caching=config.enable_prefix_caching,
-                                    num_host_blocks=num_host_blocks,
-                                    sliding_window=sliding_window)
-        self.state = SchedulerState(config, kv_manager)
-
-    @property
-    def config(self) -> SchedulerConfig:
-        return self.state.config
-
-    @property
-    def kv_manager(self) -> KVCacheManager:
-        return self.state.kv_manager
-
-    def check_request(self, request: Request) -> None:
-        check_request(self.state, request)
-
-    def add_request(self, request: Request) -> None:
-        add_request(self.state, request)
-
-    def schedule(self, now: float) -> SchedulerOutput:
-        self.state, output = schedule(self.state, now)
-        return output
-
-    def update(self, output: SchedulerOutput, sampled_ids: Sequence[int], now: float,
-               sampled_logprobs: Sequence[float] | None = None, top_ids=None,
-               top_logprobs=None) -> list[Request]:
-        return update(self.state, output, sampled_ids, now, sampled_logprobs, top_ids,
-                      top_logprobs)
-
-    def abort(self, request_id: str, now: float,
-              status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Request | None:
-        return abort_request(self.state, request_id, now, status)
-
-    def requeue(self, request: Request) -> None:
-        requeue(self.state, request)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.state.requests)

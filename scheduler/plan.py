@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from scheduler.block_pool import NULL_BLOCK
 from scheduler.buckets import ShapeBuckets
-
-if TYPE_CHECKING:
-    from scheduler.kv_cache_manager import KVCacheManager
-    from scheduler.scheduler import SchedulerOutput
-
-PREFILL = "prefill"  # ragged: each sequence brings 1..n query tokens (decodes may ride along)
-DECODE = "decode"  # every sequence brings exactly one query token
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.state import DECODE, PREFILL, SchedulerOutput
 
 ARRAY_FIELDS = ("token_ids", "positions", "slot_mapping", "block_tables", "kv_lens", "cu_q_lens",
                 "logits_indices", "num_seqs", "temperature", "top_k", "top_p", "seeds",
@@ -51,7 +45,65 @@ class BatchPlan:
     padded_num_seqs: int  # B
 
 
-def build_plan(output: "SchedulerOutput", kv_manager: "KVCacheManager",
+def _padded_shape(output: SchedulerOutput, buckets: ShapeBuckets,
+                  num_seqs: int) -> tuple[str, int, int]:
+    """(the program kind, T, B): without decode programs a decode step runs the ragged family,
+    padded like a prefill."""
+    kind = output.kind if buckets.decode_programs else PREFILL
+    if kind == DECODE:
+        padded_seqs = buckets.padded_num_seqs(num_seqs)
+        return kind, padded_seqs, padded_seqs
+    padded_tokens = buckets.padded_num_tokens(output.num_scheduled_tokens)
+    return kind, padded_tokens, buckets.padded_prefill_seqs(num_seqs, padded_tokens)
+
+
+def _rows(scheduled, kv_manager: KVCacheManager, block_tables: np.ndarray):
+    """Each row's query tokens (back to back), its block table (into block_tables), and its
+    start, query length and sampling settings as lists."""
+    tokens: list[int] = []
+    columns = {name: [] for name in ("start", "q_len", "temperature", "top_k", "top_p", "seed")}
+    for i, (request, start, n) in enumerate(scheduled):
+        if n == 1:
+            tokens.append(request.token_id_at(start))
+        else:
+            tokens.extend(request.token_ids_slice(start, start + n))
+        if n:
+            table = kv_manager.get_block_table(request.request_id)
+            block_tables[i, :len(table)] = table
+        params = request.sampling_params
+        for name, value in (("start", start), ("q_len", n), ("temperature", params.temperature),
+                            ("top_k", params.top_k), ("top_p", params.top_p),
+                            ("seed", request.seed)):
+            columns[name].append(value)
+    return tokens, columns
+
+
+def _positions(output: SchedulerOutput, starts, q_lens, kv_lens, seq_of_token,
+               padded_tokens: int) -> np.ndarray:
+    """Each token's absolute position: a decode's is its row's start; in a chunk, the start of
+    its sequence plus its offset inside the chunk."""
+    num_tokens = output.num_scheduled_tokens
+    positions = np.zeros(padded_tokens, np.int32)
+    if output.kind == DECODE:
+        positions[:num_tokens] = starts
+    else:
+        first_token = np.cumsum(q_lens) - q_lens
+        positions[:num_tokens] = (kv_lens - q_lens)[seq_of_token] + (
+            np.arange(num_tokens, dtype=np.int32) - first_token[seq_of_token])
+    return positions
+
+
+def _logits_indices(output: SchedulerOutput, cu_q_lens: np.ndarray) -> np.ndarray:
+    """Each row's last query token; a fork follower samples from its leader's."""
+    logits_indices = np.maximum(cu_q_lens[1:] - 1, 0).astype(np.int32)
+    if output.forks:
+        leader_row = {id(s.request): i for i, s in enumerate(output.scheduled)}
+        for k, (leader, _) in enumerate(output.forks):
+            logits_indices[len(output.scheduled) + k] = logits_indices[leader_row[id(leader)]]
+    return logits_indices
+
+
+def build_plan(output: SchedulerOutput, kv_manager: KVCacheManager,
                buckets: ShapeBuckets) -> BatchPlan:
     """Lays out the scheduled sequences back to back and pads every array to its bucket.
 
@@ -63,78 +115,38 @@ def build_plan(output: "SchedulerOutput", kv_manager: "KVCacheManager",
     if num_seqs == 0:
         raise ValueError("cannot build a plan for an empty schedule")
     num_tokens = output.num_scheduled_tokens
-    # Without decode programs a decode step runs the ragged family, padded like a prefill.
-    kind = output.kind if buckets.decode_programs else PREFILL
-    if kind == DECODE:
-        padded_seqs = buckets.padded_num_seqs(num_seqs)
-        padded_tokens = padded_seqs
-    else:
-        padded_tokens = buckets.padded_num_tokens(num_tokens)
-        padded_seqs = buckets.padded_prefill_seqs(num_seqs, padded_tokens)
-    block_size = kv_manager.block_size
-
-    token_ids = np.zeros(padded_tokens, np.int32)
-    positions = np.zeros(padded_tokens, np.int32)
+    kind, padded_tokens, padded_seqs = _padded_shape(output, buckets, num_seqs)
     block_tables = np.full((padded_seqs, buckets.max_blocks_per_seq), NULL_BLOCK, np.int32)
-    tokens: list[int] = []
-    starts, q_lens_list, temps, top_ks, top_ps, seed_list = [], [], [], [], [], []
-    for i, (request, start, n) in enumerate(scheduled):
-        if n == 1:
-            tokens.append(request.token_id_at(start))
-        else:
-            tokens.extend(request.token_ids_slice(start, start + n))
-        if n:
-            table = kv_manager.get_block_table(request.request_id)
-            block_tables[i, :len(table)] = table
-        starts.append(start)
-        q_lens_list.append(n)
-        params = request.sampling_params
-        temps.append(params.temperature)
-        top_ks.append(params.top_k)
-        top_ps.append(params.top_p)
-        seed_list.append(request.seed)
+    tokens, rows = _rows(scheduled, kv_manager, block_tables)
 
-    def padded(values, fill, dtype):
+    def padded(name, fill, dtype):
         out = np.full(padded_seqs, fill, dtype)
-        out[:num_seqs] = values
+        out[:num_seqs] = rows[name]
         return out
 
-    q_lens = padded(q_lens_list, 0, np.int32)
-    kv_lens = padded(starts, 0, np.int32) + q_lens
-    temperature = padded(temps, 0.0, np.float32)
-    top_k = padded(top_ks, -1, np.int32)
-    top_p = padded(top_ps, 1.0, np.float32)
-    seeds = padded(seed_list, 0, np.uint32)
+    q_lens = padded("q_len", 0, np.int32)
+    kv_lens = padded("start", 0, np.int32) + q_lens
+    token_ids = np.zeros(padded_tokens, np.int32)
     token_ids[:num_tokens] = tokens
     seq_of_token = np.repeat(np.arange(padded_seqs, dtype=np.int32), q_lens)
-    if output.kind == DECODE:
-        positions[:num_tokens] = starts
-    else:
-        # position of token t = start of its sequence + its offset inside the sequence's chunk
-        first_token = np.cumsum(q_lens) - q_lens
-        positions[:num_tokens] = (kv_lens - q_lens)[seq_of_token] + (
-            np.arange(num_tokens, dtype=np.int32) - first_token[seq_of_token])
-
+    positions = _positions(output, rows["start"], q_lens, kv_lens, seq_of_token, padded_tokens)
     cu_q_lens = np.zeros(padded_seqs + 1, np.int32)
     np.cumsum(q_lens, out=cu_q_lens[1:])
-    logits_indices = np.maximum(cu_q_lens[1:] - 1, 0).astype(np.int32)
-    if output.forks:
-        leader_row = {id(s.request): i for i, s in enumerate(output.scheduled)}
-        for k, (leader, _) in enumerate(output.forks):
-            logits_indices[len(output.scheduled) + k] = logits_indices[leader_row[id(leader)]]
     copy_src = np.zeros(padded_seqs, np.int32)
     copy_dst = np.zeros(padded_seqs, np.int32)
     if output.copies:
         copy_src[:len(output.copies)], copy_dst[:len(output.copies)] = zip(*output.copies)
     # Slots of real tokens; padding tokens keep slot 0, which lies in the null block.
-    pos = positions[:num_tokens]
+    pos, block_size = positions[:num_tokens], kv_manager.block_size
     slot_mapping = np.zeros(padded_tokens, np.int32)
     slot_mapping[:num_tokens] = (block_tables[seq_of_token, pos // block_size] * block_size
                                  + pos % block_size)
     return BatchPlan(
         token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
         block_tables=block_tables, kv_lens=kv_lens, cu_q_lens=cu_q_lens,
-        logits_indices=logits_indices, num_seqs=np.asarray(num_seqs, np.int32),
-        temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, copy_src=copy_src,
-        copy_dst=copy_dst, num_copies=np.asarray(len(output.copies), np.int32), kind=kind,
+        logits_indices=_logits_indices(output, cu_q_lens),
+        num_seqs=np.asarray(num_seqs, np.int32), temperature=padded("temperature", 0.0, np.float32),
+        top_k=padded("top_k", -1, np.int32), top_p=padded("top_p", 1.0, np.float32),
+        seeds=padded("seed", 0, np.uint32), copy_src=copy_src, copy_dst=copy_dst,
+        num_copies=np.asarray(len(output.copies), np.int32), kind=kind,
         padded_num_tokens=padded_tokens, padded_num_seqs=padded_seqs)

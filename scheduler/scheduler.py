@@ -1,258 +1,59 @@
-"""Continuous batching under a token budget: which requests run in the next step, and how much.
-
-`schedule(state, now)` reads only its arguments, does no I/O and no device work, and returns the
-state it advanced together with a SchedulerOutput that lists everything that changed. The same
-function drives the engine, replays a recorded trace and runs inside a simulator.
-"""
+"""Scheduler: one object holding a SchedulerState, for callers that want methods (the engine, the
+simulator); every method is one of the free functions of schedule.py and lifecycle.py."""
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-from typing import Callable, NamedTuple, Sequence
+from typing import Sequence
 
 from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.plan import DECODE, PREFILL
+from scheduler.lifecycle import abort_request, add_request, check_request, requeue, update
 from scheduler.request import Request, RequestStatus
-
-MIXED = "mixed"  # decodes first in the budget, prefill chunks fill the rest (vLLM V1)
-PREFILL_FIRST = "prefill_first"  # a step with prefill work runs no decodes (best TTFT)
-DECODE_FIRST = "decode_first"  # a step with decode work runs no prefills (best TPOT)
-POLICIES = (MIXED, PREFILL_FIRST, DECODE_FIRST)
-PREEMPTION_MODES = ("recompute", "swap")
-
-VictimPolicy = Callable[[Sequence[Request]], Request]
+from scheduler.schedule import schedule
+from scheduler.state import SchedulerConfig, SchedulerOutput, SchedulerState
 
 
-def lifo_victim(candidates: Sequence[Request]) -> Request:
-    """The most recently admitted request (the tail of the running queue)."""
-    return candidates[-1]
+class Scheduler:
+    """Convenience object holding a SchedulerState; every method is one of the free functions."""
 
-
-def fewest_computed_victim(candidates: Sequence[Request]) -> Request:
-    """The request that loses the least work; the latest admitted among equals."""
-    return min(reversed(candidates), key=lambda r: r.num_computed_tokens)
-
-
-VICTIM_POLICIES: dict[str, VictimPolicy] = {"lifo": lifo_victim,
-                                           "fewest_computed": fewest_computed_victim}
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    policy: str = MIXED
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    victim_policy: str = "lifo"
-    preemption_mode: str = "recompute"  # swap falls back to recompute when the host pool is full
-    # New requests are admitted only while this fraction of blocks stays free, so that running
-    # requests can grow without an immediate preemption (ignored when nothing runs).
-    watermark: float = 0.01
-
-    def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.victim_policy not in VICTIM_POLICIES:
-            raise ValueError(f"victim_policy must be one of {tuple(VICTIM_POLICIES)}, "
-                             f"got {self.victim_policy!r}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
-                             f"got {self.preemption_mode!r}")
-        if not 0.0 <= self.watermark < 1.0:
-            raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
-                f"must be >= max_model_len ({self.max_model_len}), or a long prompt never fits")
-
-
-class ScheduledSeq(NamedTuple):
-    request: Request
-    start: int  # position of the first token computed this step (= num_computed_tokens)
-    num_new_tokens: int
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq]
-    preempted: list[Request]
-    kind: str  # DECODE when every scheduled sequence brings one token, else PREFILL
-    num_scheduled_tokens: int
-    now: float
-    # (leader, follower): parallel samples that take their first token from the leader's
-    # prompt logits in this step, then fork the leader's blocks.
-    forks: list[tuple[Request, Request]] = ()
-    copies: list[tuple[int, int]] = ()  # copy-on-write (src, dst) blocks, before the KV writes
-    # Swaps run at the start of the step, outs before ins: (device, host) and (host, device).
-    swap_out: list[tuple[int, int]] = ()
-    swap_in: list[tuple[int, int]] = ()
-
-
-@dataclasses.dataclass
-class SchedulerState:
-    config: SchedulerConfig
-    kv_manager: KVCacheManager
-    waiting: collections.deque = dataclasses.field(default_factory=collections.deque)
-    running: list = dataclasses.field(default_factory=list)
-    requests: dict = dataclasses.field(default_factory=dict)  # request_id -> unfinished Request
-    num_preemptions: int = 0
-    # Prefix-cache lookups at first admission only: a request readmitted after preemption finds
-    # its own blocks again, which would overstate the hit rate.
-    num_prefix_query_tokens: int = 0
-    num_prefix_hit_tokens: int = 0
-    num_followers: int = 0  # parallel samples not forked yet (they count against max_num_seqs)
-    num_swap_outs: int = 0
-    num_recomputed_tokens: int = 0  # computed tokens thrown away by recompute preemption
+    def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
+                 cache_key: bytes = b"", num_host_blocks: int = 0,
+                 sliding_window: int | None = None):
+        kv_manager = KVCacheManager(num_blocks, block_size, cache_key=cache_key,
+                                    enable_prefix_caching=config.enable_prefix_caching,
+                                    num_host_blocks=num_host_blocks,
+                                    sliding_window=sliding_window)
+        self.state = SchedulerState(config, kv_manager)
 
     @property
-    def num_seqs(self) -> int:
-        return len(self.running) + self.num_followers
+    def config(self) -> SchedulerConfig:
+        return self.state.config
 
+    @property
+    def kv_manager(self) -> KVCacheManager:
+        return self.state.kv_manager
 
-def _is_decode(request: Request) -> bool:
-    return request.num_tokens - request.num_computed_tokens == 1
+    def check_request(self, request: Request) -> None:
+        check_request(self.state, request)
 
+    def add_request(self, request: Request) -> None:
+        add_request(self.state, request)
 
-class _StepBuilder:
-    """Accumulates one step: scheduled sequences, the remaining budget, preemptions."""
+    def schedule(self, now: float) -> SchedulerOutput:
+        self.state, output = schedule(self.state, now)
+        return output
 
-    def __init__(self, state: SchedulerState):
-        self.state = state
-        self.budget = state.config.max_num_batched_tokens
-        self.scheduled: list[ScheduledSeq] = []
-        self.scheduled_ids: set[str] = set()
-        self.preempted: list[Request] = []
+    def update(self, output: SchedulerOutput, sampled_ids: Sequence[int], now: float,
+               sampled_logprobs: Sequence[float] | None = None, top_ids=None,
+               top_logprobs=None) -> list[Request]:
+        return update(self.state, output, sampled_ids, now, sampled_logprobs, top_ids,
+                      top_logprobs)
 
-    def add(self, request: Request, num_new_tokens: int) -> None:
-        self.scheduled.append(ScheduledSeq(request, request.num_computed_tokens, num_new_tokens))
-        self.scheduled_ids.add(request.request_id)
-        self.budget -= num_new_tokens
+    def abort(self, request_id: str, now: float,
+              status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Request | None:
+        return abort_request(self.state, request_id, now, status)
 
-    def preempt(self, victim: Request) -> None:
-        state = self.state
-        if state.config.preemption_mode == "swap" and state.kv_manager.swap_out(victim):
-            victim.status = RequestStatus.SWAPPED  # keeps num_computed_tokens
-            state.num_swap_outs += 1
-        else:
-            state.kv_manager.free(victim)
-            state.num_recomputed_tokens += victim.num_computed_tokens
-            victim.status = RequestStatus.PREEMPTED
-            victim.num_computed_tokens = 0
-        state.running.remove(victim)
-        state.num_followers -= len(victim.followers)
-        victim.num_preemptions += 1
-        state.num_preemptions += 1
-        state.waiting.appendleft(victim)
-        self.preempted.append(victim)
+    def requeue(self, request: Request) -> None:
+        requeue(self.state, request)
 
-    def schedule_running(self, want_decode: bool | None) -> None:
-        """Schedules running requests in order; want_decode None takes both phases."""
-        state = self.state
-        config = state.config
-        choose_victim = VICTIM_POLICIES[config.victim_policy]
-        i = 0
-        while i < len(state.running) and self.budget > 0:
-            request = state.running[i]
-            i += 1
-            if want_decode is not None and _is_decode(request) != want_decode:
-                continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, self.budget)
-            while state.kv_manager.allocate_slots(request, num_new) is None:
-                candidates = [r for r in state.running if r.request_id not in self.scheduled_ids]
-                victim = choose_victim(candidates)
-                if state.running.index(victim) < i:
-                    i -= 1
-                self.preempt(victim)
-                if victim is request:
-                    break
-            else:
-                self.add(request, num_new)
-
-    def schedule_waiting(self, now: float) -> None:
-        state = self.state
-        config = state.config
-        kv = state.kv_manager
-        watermark_blocks = int(config.watermark * kv.pool.num_usable_blocks)
-        while state.waiting and self.budget > 0:
-            request = state.waiting[0]
-            if state.num_seqs + 1 + len(request.followers) > config.max_num_seqs:
-                break
-            swapped = request.status == RequestStatus.SWAPPED
-            cached_blocks = [] if swapped else kv.find_cached_prefix(request)
-            num_cached = (request.num_computed_tokens if swapped
-                          else len(cached_blocks) * kv.block_size)
-            num_new = request.num_tokens - num_cached
-            if num_new > self.budget:
-                if not config.enable_chunked_prefill:
-                    break
-                num_new = self.budget
-            needed = (kv.num_blocks_for(num_cached + num_new) if swapped
-                      else kv.num_new_blocks(request, num_new, cached_blocks))
-            margin = watermark_blocks
-            if request.num_preemptions:
-                # Anti-thrash: a preempted request comes back only when all it has to
-                # recompute fits, with a block of headroom for each running sequence.
-                needed = max(needed, kv.num_blocks_for(request.num_tokens) - len(cached_blocks))
-                margin = max(margin, len(state.running))
-            if state.running and needed + margin > kv.num_free_blocks:
-                break
-            if swapped:
-                if kv.swap_in(request, num_new) is None:
-                    break
-            elif kv.allocate_slots(request, num_new, cached_blocks) is None:
-                break
-            request.num_computed_tokens = num_cached
-            if request.num_preemptions == 0:
-                request.num_cached_tokens = num_cached
-                state.num_prefix_query_tokens += request.num_tokens
-                state.num_prefix_hit_tokens += num_cached
-            state.waiting.popleft()
-            state.running.append(request)
-            state.num_followers += len(request.followers)
-            request.status = RequestStatus.RUNNING
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
-            self.add(request, num_new)
-
-    def output(self, now: float) -> SchedulerOutput:
-        num_tokens = sum(s.num_new_tokens for s in self.scheduled)
-        forks = [(s.request, follower) for s in self.scheduled if s.request.followers
-                 and s.start + s.num_new_tokens == s.request.num_tokens
-                 for follower in s.request.followers]
-        kind = DECODE if num_tokens == len(self.scheduled) and not forks else PREFILL
-        copies = self.state.kv_manager.take_pending_copies()
-        swap_out, swap_in = self.state.kv_manager.take_pending_swaps()
-        return SchedulerOutput(self.scheduled, self.preempted, kind, num_tokens, now, forks,
-                               copies, swap_out, swap_in)
-
-
-def schedule(state: SchedulerState, now: float) -> tuple[SchedulerState, SchedulerOutput]:
-    """Chooses the next step's work under the token budget and the configured policy."""
-    state.kv_manager.release_host_blocks()  # the previous step has run its swap-ins
-    step = _StepBuilder(state)
-    policy = state.config.policy
-    if policy == MIXED:
-        step.schedule_running(want_decode=None)
-        if not step.preempted:
-            step.schedule_waiting(now)
-    elif policy == PREFILL_FIRST:
-        step.schedule_running(want_decode=False)
-        if not step.preempted:
-            step.schedule_waiting(now)
-        if not step.scheduled:
-            step.schedule_running(want_decode=True)
-    else:  # DECODE_FIRST
-        if any(_is_decode(r) for r in state.running):
-            step.schedule_running(want_decode=True)
-        else:
-            step.schedule_running(want_decode=False)
-            if not step.preempted:
-                step.schedule_waiting(now)
-    return state, step.output(now)
+    def has_unfinished(self) -> bool:
+        return bool(self.state.requests)

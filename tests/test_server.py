@@ -27,7 +27,9 @@ from pagedjax import LLM, EngineConfig, LLMEngine, SamplingParams, load_model
 from pagedjax.llm import DEFAULT_MODEL
 from pagedjax.serving.app import OpenAIServer
 from scheduler import SchedulerConfig, ShapeBuckets
-from scheduler.simulator import StepCostModel, load_trace, prefix_hashes, simulate
+from scheduler.cost_model import StepCostModel
+from scheduler.simulator import simulate
+from scheduler.trace import load_trace, prefix_hashes
 
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=128)
 PROMPTS = ["copy:hello=", "rev:paged=", "copy:kv cache=", "rev:block table="]

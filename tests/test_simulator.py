@@ -12,8 +12,9 @@ import pytest
 from pagedjax import LLM
 from pagedjax.tools.profiling import run_trace
 from scheduler import DECODE, PREFILL, SchedulerConfig, ShapeBuckets
-from scheduler.simulator import (StepCostModel, TraceRequest, load_trace, save_trace,
-                                 simulate)
+from scheduler.cost_model import StepCostModel
+from scheduler.simulator import simulate
+from scheduler.trace import TraceRequest, load_trace, save_trace
 
 
 def test_trace_requests_validate_and_round_trip(tmp_path):
@@ -140,7 +141,8 @@ def test_simulate_cli_sweeps_configs(tmp_path, capsys):
 
 def test_roofline_estimate_matches_the_formula():
     from models import get_config
-    from scheduler.simulator import CHIPS, RooflineCost
+    from scheduler.chips import CHIPS
+    from scheduler.cost_model import RooflineCost
 
     config = get_config("llama-3-8b")
     kv_per_token = config.kv_bytes_per_token(2)
@@ -179,7 +181,7 @@ def test_tensor_parallel_roofline_splits_the_work_and_adds_the_collectives():
     from models import get_config
     from pagedjax.parallel.plan import roofline_cost
     from pagedjax.parallel.sharding import kv_bytes_per_block_per_device, weight_bytes_per_device
-    from scheduler.simulator import CHIPS
+    from scheduler.chips import CHIPS
 
     config = get_config("llama-3-8b")
     chip = CHIPS["tpu-v5e"]

@@ -11,7 +11,8 @@ from models import LlamaConfig
 from pagedjax.parallel.routing_policy import Backend, RoutingPolicy, prompt_chunks
 from pagedjax.parallel.sharding import (check_tensor_parallel, kv_bytes_per_block_per_device,
                                         weight_bytes_per_device)
-from scheduler.simulator import Chip, RooflineCost
+from scheduler.chips import Chip
+from scheduler.cost_model import RooflineCost
 
 ACTIVATION_BYTES = 2  # bf16 hidden states all-reduced
 LOGIT_BYTES = 4  # f32 logits gathered for sampling

@@ -9,7 +9,7 @@ import os
 import secrets
 
 from pagedjax.engine.outputs import RequestOutput
-from scheduler.simulator import prefix_hashes
+from scheduler.trace import prefix_hashes
 
 
 class TraceRecorder:

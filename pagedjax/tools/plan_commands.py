@@ -115,7 +115,8 @@ def profile(argv) -> None:
 
     from pagedjax.llm import DEFAULT_MODEL, LLM
     from pagedjax.tools.profiling import run_trace
-    from scheduler.simulator import StepCostModel, load_trace
+    from scheduler.cost_model import StepCostModel
+    from scheduler.trace import load_trace
 
     try:
         trace = load_trace(args.trace)
@@ -136,7 +137,7 @@ def simulate(argv) -> None:
     of the given pool sizes and batch limits, with the real scheduler on a step-time model:
     fitted to an engine (`--cost`, from `pagedjax profile`) or a roofline estimate for a model
     on a chip not at hand (`--roofline CHIP --model NAME`). No model runs, no device."""
-    from scheduler.simulator import load_trace
+    from scheduler.trace import load_trace
 
     parser = _simulate_parser()
     args = parser.parse_args(argv)
@@ -162,7 +163,7 @@ def simulate(argv) -> None:
 
 
 def _simulate_parser() -> argparse.ArgumentParser:
-    from scheduler.simulator import CHIPS
+    from scheduler.chips import CHIPS
 
     parser = argparse.ArgumentParser(prog="pagedjax simulate", description=simulate.__doc__)
     parser.add_argument("--trace", required=True)
@@ -202,7 +203,8 @@ def _simulate_parser() -> argparse.ArgumentParser:
 def _cost_and_pools(args):
     """The step-time model, the pool sizes to try and the vocabulary size."""
     from pagedjax.parallel.plan import roofline_cost
-    from scheduler.simulator import CHIPS, StepCostModel
+    from scheduler.chips import CHIPS
+    from scheduler.cost_model import StepCostModel
 
     if not args.roofline:
         with open(args.cost) as f:

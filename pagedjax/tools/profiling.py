@@ -16,7 +16,9 @@ import numpy as np
 
 from pagedjax.engine.llm_engine import LLMEngine
 from scheduler import SamplingParams
-from scheduler.simulator import SimResult, TraceRequest, step_features
+from scheduler.cost_model import step_features
+from scheduler.simulator import SimResult
+from scheduler.trace import TraceRequest
 
 
 def run_trace(engine: LLMEngine, trace: Sequence[TraceRequest]
