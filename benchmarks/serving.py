@@ -31,9 +31,10 @@ import time
 
 import httpx
 import numpy as np
-from common import lognormal_workload, stream_completion, write_results
+from common import (add_engine_flags, engine_config, lognormal_workload, recorded_args,
+                    stream_completion, write_results)
 
-from pagedjax import EngineConfig, LLMEngine, load_model
+from pagedjax import LLMEngine, load_model
 from pagedjax.serving.app import OpenAIServer
 from pagedjax.serving.background import BackgroundServer
 from scheduler import SamplingParams
@@ -104,17 +105,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="demo-small")
     parser.add_argument("--num-requests", type=int, default=96)
-    parser.add_argument("--num-blocks", type=int, default=257)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-model-len", type=int, default=512)
-    parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
+    add_engine_flags(parser, num_blocks=257, block_size=16, max_model_len=512, max_num_seqs=32,
+                     max_num_batched_tokens=256, seed=0)
     args = parser.parse_args()
 
-    config = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks,
-                          max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)
+    config = engine_config(args)
     engine = LLMEngine(load_model(args.model, seed=args.seed), config)
     engine.warmup()
     rng = np.random.default_rng(args.seed)
@@ -148,7 +143,7 @@ def main() -> None:
                      "model_step_s": engine.stats.step_time_s - step_time})
         assert not engine.has_unfinished()
 
-    params = {**vars(args), "kv_pool_tokens": pool_tokens,
+    params = {**recorded_args(args), "kv_pool_tokens": pool_tokens,
               "offline_requests_per_s": capacity_rps,
               "admission_max_outstanding_tokens": pool_tokens,
               "workload_output_tokens": sum(o for _, o in workload)}

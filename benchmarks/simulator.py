@@ -23,11 +23,14 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from common import lognormal_workload, write_results
+from common import (add_engine_flags, engine_config, lognormal_workload, recorded_args,
+                    write_results)
 
-from pagedjax import EngineConfig, LLMEngine, load_model
+from pagedjax import LLMEngine, load_model
 from pagedjax.tools.profiling import run_trace
-from scheduler.simulator import StepCostModel, TraceRequest, simulate
+from scheduler.cost_model import StepCostModel
+from scheduler.simulator import simulate
+from scheduler.trace import TraceRequest
 
 
 def trace_of(pairs, arrivals=None) -> list[TraceRequest]:
@@ -35,26 +38,40 @@ def trace_of(pairs, arrivals=None) -> list[TraceRequest]:
     return [TraceRequest(float(a), p, o) for (p, o), a in zip(pairs, arrivals)]
 
 
+def compare_rows(name: str, real, sim) -> list[dict]:
+    """The engine's run and the simulator's of one workload, with the simulator's errors."""
+    rows = []
+    for source, result in (("engine", real), ("simulator", sim)):
+        s = result.summary()
+        row = {"workload": name, "run": source, "steps": s["steps"],
+               "prefill_steps": s["prefill_steps"], "preemptions": s["preemptions"],
+               "prefix_hit_rate": s["prefix_hit_rate"], "makespan_s": s["makespan_s"],
+               "ttft_p50_ms": s["ttft_p50_s"] * 1e3, "ttft_p99_ms": s["ttft_p99_s"] * 1e3,
+               "tpot_p50_ms": s["tpot_p50_s"] * 1e3}
+        if source == "simulator":
+            r = real.summary()
+            row["makespan_err"] = s["makespan_s"] / r["makespan_s"] - 1
+            row["ttft_p50_err"] = s["ttft_p50_s"] / r["ttft_p50_s"] - 1
+            row["tpot_p50_err"] = s["tpot_p50_s"] / r["tpot_p50_s"] - 1
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="demo-small")
     parser.add_argument("--num-requests", type=int, default=96)
-    parser.add_argument("--num-blocks", type=int, default=257)
     parser.add_argument("--small-num-blocks", type=int, default=86)
-    parser.add_argument("--max-model-len", type=int, default=512)
-    parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
+    add_engine_flags(parser, num_blocks=257, block_size=16, max_model_len=512, max_num_seqs=32,
+                     max_num_batched_tokens=256, seed=0)
     args = parser.parse_args()
 
     model = load_model(args.model, seed=args.seed)
-    base = dict(block_size=16, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)
     engines = {}
 
     def engine_for(num_blocks: int) -> LLMEngine:
         if num_blocks not in engines:
-            engine = LLMEngine(model, EngineConfig(num_blocks=num_blocks, **base))
+            engine = LLMEngine(model, engine_config(args, num_blocks=num_blocks))
             engine.warmup()
             engines[num_blocks] = engine
         return engines[num_blocks]
@@ -88,23 +105,11 @@ def main() -> None:
         engine = engine_for(num_blocks)
         real = fitted.get(id(trace)) or run_trace(engine, trace)[0]
         sim = simulate(trace, engine.config.scheduler_config(), num_blocks=num_blocks,
-                       block_size=16, buckets=engine.buckets, cost=cost,
+                       block_size=args.block_size, buckets=engine.buckets, cost=cost,
                        vocab_size=engine.model_config.vocab_size)
-        for source, result in (("engine", real), ("simulator", sim)):
-            s = result.summary()
-            row = {"workload": name, "run": source, "steps": s["steps"],
-                   "prefill_steps": s["prefill_steps"], "preemptions": s["preemptions"],
-                   "prefix_hit_rate": s["prefix_hit_rate"], "makespan_s": s["makespan_s"],
-                   "ttft_p50_ms": s["ttft_p50_s"] * 1e3, "ttft_p99_ms": s["ttft_p99_s"] * 1e3,
-                   "tpot_p50_ms": s["tpot_p50_s"] * 1e3}
-            if source == "simulator":
-                r = real.summary()
-                row["makespan_err"] = s["makespan_s"] / r["makespan_s"] - 1
-                row["ttft_p50_err"] = s["ttft_p50_s"] / r["ttft_p50_s"] - 1
-                row["tpot_p50_err"] = s["tpot_p50_s"] / r["tpot_p50_s"] - 1
-            rows.append(row)
+        rows += compare_rows(name, real, sim)
     write_results("simulator", "Scheduler simulator vs the engine (fit once, predict the rest)",
-                  rows, {**vars(args), "cost_model": cost.coef,
+                  rows, {**recorded_args(args), "cost_model": cost.coef,
                          "fit_steps": len(samples)}, __doc__.split("\n", 2)[2])
 
 

@@ -20,9 +20,9 @@ import time
 
 import httpx
 import numpy as np
-from common import stream_completion, write_results
+from common import add_engine_flags, engine_config, recorded_args, stream_completion, write_results
 
-from pagedjax import EngineConfig, LLMEngine, load_model
+from pagedjax import LLMEngine, load_model
 from pagedjax.serving.app import OpenAIServer
 from pagedjax.serving.background import BackgroundServer
 
@@ -53,6 +53,37 @@ def client_main(*args):
     return asyncio.run(run_cell(*args))
 
 
+def cell_row(engine, programs: int, before: tuple[int, int], results: list[dict],
+             seconds: float, cell: dict) -> dict:
+    """One cell's figures (p50/p99 over its served requests) and its check: the engine idle,
+    every block back, nothing compiled after warmup, no error and no short output."""
+    served = [r for r in results if r["status"] == 200 and not r["abandoned"]]
+    errors = sum(r["status"] != 200 for r in results)
+    ttft = [(r["stamps"][0] - r["sent"]) * 1e3 for r in served if r["stamps"]]
+    tpot = [(r["stamps"][-1] - r["stamps"][0]) / (len(r["stamps"]) - 1) * 1e3
+            for r in served if len(r["stamps"]) > 1]
+    tokens = sum(r["tokens"] for r in results)
+    problems = []
+    if engine.has_unfinished():
+        problems.append("engine not idle")
+    if engine.scheduler.kv_manager.num_used_blocks:
+        problems.append(f"{engine.scheduler.kv_manager.num_used_blocks} blocks held")
+    if engine.num_compiled_programs != programs:
+        problems.append("compiled after warmup")
+    short = sum(r["tokens"] != cell["output_len"] for r in served)
+    if errors or short:
+        problems.append(f"{errors} errors, {short} short outputs")
+    return {**cell, "served": len(served), "aborted": engine.stats.num_aborted - before[1],
+            "errors": errors, "output_tokens_per_s": tokens / seconds,
+            "ttft_p50_ms": float(np.percentile(ttft, 50)),
+            "ttft_p99_ms": float(np.percentile(ttft, 99)),
+            "tpot_p50_ms": float(np.percentile(tpot, 50)),
+            "tpot_p99_ms": float(np.percentile(tpot, 99)),
+            "preemptions": engine.stats.num_preemptions - before[0],
+            "peak_kv_blocks": engine.stats.peak_used_blocks,
+            "check": "PASS" if not problems else "FAIL: " + ", ".join(problems)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="demo-small")
@@ -60,12 +91,11 @@ def main() -> None:
     parser.add_argument("--prompt-lens", default="32,384")
     parser.add_argument("--output-lens", default="16,128")
     parser.add_argument("--requests", type=int, default=64, help="per cell")
-    parser.add_argument("--num-blocks", type=int, default=513)
-    parser.add_argument("--seed", type=int, default=0)
+    add_engine_flags(parser, num_blocks=513, block_size=16, max_model_len=512, max_num_seqs=32,
+                     max_num_batched_tokens=512, seed=0)
     args = parser.parse_args()
 
-    config = EngineConfig(block_size=16, num_blocks=args.num_blocks, max_model_len=512,
-                          max_num_seqs=32, max_num_batched_tokens=512, seed=args.seed)
+    config = engine_config(args)
     engine = LLMEngine(load_model(args.model, seed=args.seed), config)
     engine.warmup()
     programs = engine.num_compiled_programs
@@ -85,38 +115,12 @@ def main() -> None:
                     deadline = time.time() + 30  # aborts land before the engine's next step
                     while engine.has_unfinished() and time.time() < deadline:
                         time.sleep(0.05)
-                    served = [r for r in results if r["status"] == 200 and not r["abandoned"]]
-                    errors = sum(r["status"] != 200 for r in results)
-                    ttft = [(r["stamps"][0] - r["sent"]) * 1e3 for r in served if r["stamps"]]
-                    tpot = [(r["stamps"][-1] - r["stamps"][0]) / (len(r["stamps"]) - 1) * 1e3
-                            for r in served if len(r["stamps"]) > 1]
-                    tokens = sum(r["tokens"] for r in results)
-                    problems = []
-                    if engine.has_unfinished():
-                        problems.append("engine not idle")
-                    if engine.scheduler.kv_manager.num_used_blocks:
-                        problems.append(f"{engine.scheduler.kv_manager.num_used_blocks} "
-                                        "blocks held")
-                    if engine.num_compiled_programs != programs:
-                        problems.append("compiled after warmup")
-                    short = sum(r["tokens"] != output_len for r in served)
-                    if errors or short:
-                        problems.append(f"{errors} errors, {short} short outputs")
-                    rows.append({
+                    rows.append(cell_row(engine, programs, before, results, seconds, {
                         "concurrency": concurrency, "prompt_len": prompt_len,
-                        "output_len": output_len, "served": len(served),
-                        "aborted": engine.stats.num_aborted - before[1], "errors": errors,
-                        "output_tokens_per_s": tokens / seconds,
-                        "ttft_p50_ms": float(np.percentile(ttft, 50)),
-                        "ttft_p99_ms": float(np.percentile(ttft, 99)),
-                        "tpot_p50_ms": float(np.percentile(tpot, 50)),
-                        "tpot_p99_ms": float(np.percentile(tpot, 99)),
-                        "preemptions": engine.stats.num_preemptions - before[0],
-                        "peak_kv_blocks": engine.stats.peak_used_blocks,
-                        "check": "PASS" if not problems else "FAIL: " + ", ".join(problems)})
+                        "output_len": output_len}))
                     print(rows[-1], flush=True)
     write_results("stress_matrix", "Stress-test matrix: the server under closed-loop load",
-                  rows, {**vars(args), "kv_pool_blocks": args.num_blocks - 1,
+                  rows, {**recorded_args(args), "kv_pool_blocks": args.num_blocks - 1,
                          "step_programs": programs}, __doc__.split("\n", 2)[2])
     failed = [r for r in rows if r["check"] != "PASS"]
     if failed:

@@ -19,9 +19,10 @@ import argparse
 import time
 
 import numpy as np
-from common import lognormal_workload, write_results
+from common import (add_engine_flags, engine_config, lognormal_workload, recorded_args,
+                    write_results)
 
-from pagedjax import EngineConfig, LLMEngine, load_model
+from pagedjax import LLMEngine, load_model
 from scheduler import (DECODE, PREFILL, SamplingParams, ScheduledSeq, SchedulerOutput,
                        build_plan, update)
 
@@ -87,12 +88,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="demo-small")
     parser.add_argument("--num-requests", type=int, default=96)
-    parser.add_argument("--num-blocks", type=int, default=129)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-model-len", type=int, default=512)
-    parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
+    add_engine_flags(parser, num_blocks=129, block_size=16, max_model_len=512, max_num_seqs=32,
+                     max_num_batched_tokens=256, seed=0)
     args = parser.parse_args()
 
     workload = lognormal_workload(args.num_requests, seed=args.seed,
@@ -103,10 +100,7 @@ def main() -> None:
     vocab = model.config.vocab_size
     prompts = [rng.integers(0, vocab, p).tolist() for p, _ in workload]
     params = [SamplingParams(max_tokens=o, temperature=0.0) for _, o in workload]
-    config = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks,
-                          max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens,
-                          min_token_bucket=16, min_seq_bucket=4)
+    config = engine_config(args, min_token_bucket=16, min_seq_bucket=4)
     engine = LLMEngine(model, config)
     static_engine = LLMEngine(model, config)
     engine.warmup()  # the same programs serve both sides: nothing compiles while timed
@@ -126,7 +120,8 @@ def main() -> None:
          "steps": static_steps, "preemptions": 0, "ratio_vs_static": 1.0},
     ]
     write_results("throughput", "Offline throughput: continuous batching vs static batching",
-                  rows, dict(vars(args), output_tokens=num_output, static_batches=num_batches,
+                  rows, dict(recorded_args(args), output_tokens=num_output,
+                             static_batches=num_batches,
                              kv_budget_tokens=(args.num_blocks - 1) * args.block_size),
                   notes=__doc__.split("\n\n", 1)[1])
 

@@ -25,6 +25,23 @@ import numpy as np
 from common import add_llama_args, random_hf_llama, write_results
 
 
+def timed_runs(runs: dict, warmup_batches, timed_batches, num_output: int):
+    """(rows, outputs): each run warmed up untimed (compiles), then timed on other prompts;
+    ratios against the last run (transformers)."""
+    rows, results = [], {}
+    for name, run in runs.items():
+        run(warmup_batches)
+        start = time.perf_counter()
+        results[name] = run(timed_batches)
+        seconds = time.perf_counter() - start
+        rows.append({"system": name, "seconds": seconds,
+                     "output_tokens_per_s": num_output / seconds})
+    base = rows[-1]["output_tokens_per_s"]
+    for row in rows:
+        row["ratio_vs_transformers"] = row["output_tokens_per_s"] / base
+    return rows, results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_llama_args(parser, hidden=512, intermediate=1408, layers=6, heads=8, kv_heads=2,
@@ -75,17 +92,8 @@ def main() -> None:
                                                                use_tqdm=False)]
         return outs
 
-    rows, results = [], {}
-    for name, run in (("pagedjax engine", run_engine), ("transformers generate", run_hf)):
-        run(warmup_batches)  # untimed: compile / warm up
-        start = time.perf_counter()
-        results[name] = run(timed_batches)
-        seconds = time.perf_counter() - start
-        rows.append({"system": name, "seconds": seconds,
-                     "output_tokens_per_s": num_output / seconds})
-    base = rows[1]["output_tokens_per_s"]
-    for row in rows:
-        row["ratio_vs_transformers"] = row["output_tokens_per_s"] / base
+    rows, results = timed_runs({"pagedjax engine": run_engine, "transformers generate": run_hf},
+                               warmup_batches, timed_batches, num_output)
     same = np.mean([a == b for a, b in zip(*results.values())])
     write_results("vs_transformers", "Engine vs transformers generate (same weights, greedy)",
                   rows, dict(vars(args), output_tokens=num_output,

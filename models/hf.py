@@ -124,10 +124,8 @@ def _eos_ids(value) -> tuple[int, ...]:
     return tuple(int(v) for v in (value if isinstance(value, list) else [value]))
 
 
-def config_from_hf(raw: dict[str, Any],
-                   generation_config: dict[str, Any] | None = None) -> LlamaConfig:
-    """The LlamaConfig for a parsed config.json, or UnsupportedModelError naming what is not."""
-    architecture = architecture_of(raw)
+def _check_supported(raw: dict[str, Any], architecture: str) -> str:
+    """The Llama-family model_type of a config.json, or UnsupportedModelError naming why not."""
     model_type = ARCHITECTURES.get(architecture)
     if model_type is None:
         reason = KNOWN_UNSUPPORTED.get(str(raw.get("model_type")),
@@ -143,11 +141,13 @@ def config_from_hf(raw: dict[str, Any],
         raise _refuse(architecture, f"hidden_act {raw['hidden_act']!r}")
     if raw.get("alibi") or raw.get("position_embedding_type", "rope") != "rope":
         raise _refuse(architecture, "a non-RoPE position encoding")
-    num_layers = raw["num_hidden_layers"]
-    theta, scaling = _rope(raw, architecture)
+    return model_type
 
-    # Attention window: one per model. Qwen2/3 give layer_types (or use_sliding_window with
-    # max_window_layers in the transformers 4 format); Mistral gives sliding_window alone.
+
+def _attention_window(raw: dict[str, Any], architecture: str, model_type: str,
+                      num_layers: int) -> int | None:
+    """The attention window: one per model. Qwen2/3 give layer_types (or use_sliding_window
+    with max_window_layers in the transformers 4 format); Mistral gives sliding_window alone."""
     window = raw.get("sliding_window")
     if model_type in ("qwen2", "qwen3"):
         layer_types = raw.get("layer_types")
@@ -167,7 +167,17 @@ def config_from_hf(raw: dict[str, Any],
         window = None
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ValueError(f"sliding_window must be an integer >= 1, got {window!r}")
+    return window
 
+
+def config_from_hf(raw: dict[str, Any],
+                   generation_config: dict[str, Any] | None = None) -> LlamaConfig:
+    """The LlamaConfig for a parsed config.json, or UnsupportedModelError naming what is not."""
+    architecture = architecture_of(raw)
+    model_type = _check_supported(raw, architecture)
+    num_layers = raw["num_hidden_layers"]
+    theta, scaling = _rope(raw, architecture)
+    window = _attention_window(raw, architecture, model_type, num_layers)
     bias = bool(raw.get("attention_bias", False))
     eos = _eos_ids(raw.get("eos_token_id"))
     for token_id in _eos_ids((generation_config or {}).get("eos_token_id")):

@@ -23,84 +23,99 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
 
+class _Factory:
+    """Metrics named pagedjax:<name> in one registry, labelled with the served model's name."""
+
+    def __init__(self, registry: prom.CollectorRegistry, model_name: str):
+        self.registry = registry
+        self.labels, self.names = {"model_name": model_name}, ["model_name"]
+
+    def gauge(self, name, doc):
+        return prom.Gauge(f"pagedjax:{name}", doc, self.names,
+                          registry=self.registry).labels(**self.labels)
+
+    def counter(self, name, doc, extra=()):
+        metric = prom.Counter(f"pagedjax:{name}", doc, self.names + list(extra),
+                              registry=self.registry)
+        return metric if extra else metric.labels(**self.labels)
+
+    def histogram(self, name, doc, buckets):
+        return prom.Histogram(f"pagedjax:{name}", doc, self.names, buckets=buckets,
+                              registry=self.registry).labels(**self.labels)
+
+    def per_replica(self, name, doc):  # data parallelism: one series a replica
+        return prom.Gauge(f"pagedjax:replica_{name}", doc, self.names + ["replica"],
+                          registry=self.registry)
+
+
 class ServerMetrics:
     def __init__(self, engine: LLMEngine, model_name: str):
         self.engine = engine
         self.registry = prom.CollectorRegistry()
-        labels = {"model_name": model_name}
-        names = ["model_name"]
-
-        def gauge(name, doc):
-            return prom.Gauge(f"pagedjax:{name}", doc, names, registry=self.registry).labels(
-                **labels)
-
-        def counter(name, doc, extra=()):
-            metric = prom.Counter(f"pagedjax:{name}", doc, names + list(extra),
-                                  registry=self.registry)
-            return metric if extra else metric.labels(**labels)
-
-        def histogram(name, doc, buckets):
-            return prom.Histogram(f"pagedjax:{name}", doc, names, buckets=buckets,
-                                  registry=self.registry).labels(**labels)
-
-        self.labels = labels
-        self.num_requests_running = gauge("num_requests_running",
-                                          "Sequences holding KV blocks in the running batch.")
-        self.num_requests_waiting = gauge("num_requests_waiting",
-                                          "Sequences waiting (queued, preempted or swapped).")
-        self.num_requests_swapped = gauge("num_requests_swapped",
-                                          "Preempted sequences whose KV is in the host pool.")
-        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc",
-                                         "Fraction of usable KV blocks held (1 = full).")
-        def per_replica(name, doc):  # data parallelism: one series a replica
-            return prom.Gauge(f"pagedjax:replica_{name}", doc, names + ["replica"],
-                              registry=self.registry)
-
-        self.replica_gauges = {
-            "num_requests_running": per_replica("num_requests_running",
-                                                "Running sequences of one engine replica."),
-            "num_requests_waiting": per_replica("num_requests_waiting",
-                                                "Waiting sequences of one engine replica."),
-            "kv_cache_usage_perc": per_replica("kv_cache_usage_perc",
-                                               "Fraction of one replica's usable KV blocks "
-                                               "held."),
-            "kv_cache_usable_blocks": per_replica("kv_cache_usable_blocks",
-                                                  "Usable KV blocks in one replica's pool."),
-        }
-        self.outstanding_tokens = gauge(
-            "num_outstanding_tokens",
-            "Tokens still to compute over unfinished requests (the admission budget's measure).")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that produced "
-                                     "their first token.")
-        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.num_preemptions = counter("num_preemptions", "Sequences preempted.")
-        self.prefix_cache_queries = counter("prefix_cache_queries",
-                                            "Prompt tokens looked up in the prefix cache.")
-        self.prefix_cache_hits = counter("prefix_cache_hits",
-                                         "Prompt tokens found in the prefix cache.")
-        self._request_success = counter("request_success", "Finished requests by reason.",
-                                        ["finished_reason"])
-        self._requests_rejected = counter("requests_rejected",
-                                          "Requests refused before queueing, by reason.",
-                                          ["reason"])
-        self.ttft = histogram("time_to_first_token_seconds",
-                              "Arrival to first token.", LATENCY_BUCKETS)
-        self.tpot = histogram("time_per_output_token_seconds",
-                              "Mean time between a request's output tokens.", LATENCY_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.",
-                             LATENCY_BUCKETS)
-        self.queue_time = histogram("request_queue_time_seconds",
-                                    "Arrival to first scheduled.", LATENCY_BUCKETS)
-        self.step_time = histogram("engine_step_seconds", "Wall time of one engine step.",
-                                   LATENCY_BUCKETS)
-        self.request_prompt_tokens = histogram("request_prompt_tokens",
-                                               "Prompt length of finished requests.",
-                                               TOKEN_BUCKETS)
-        self.request_generation_tokens = histogram(
-            "request_generation_tokens", "Tokens generated by finished requests (all samples).",
-            TOKEN_BUCKETS)
+        factory = _Factory(self.registry, model_name)
+        self.labels = factory.labels
+        self._define_gauges(factory)
+        self._define_counters(factory)
+        self._define_histograms(factory)
         self._seen_first_token: set[str] = set()
         self._last = self._totals()
+
+    def _define_gauges(self, f: _Factory) -> None:
+        self.num_requests_running = f.gauge("num_requests_running",
+                                            "Sequences holding KV blocks in the running batch.")
+        self.num_requests_waiting = f.gauge("num_requests_waiting",
+                                            "Sequences waiting (queued, preempted or swapped).")
+        self.num_requests_swapped = f.gauge("num_requests_swapped",
+                                            "Preempted sequences whose KV is in the host pool.")
+        self.kv_cache_usage_perc = f.gauge("kv_cache_usage_perc",
+                                           "Fraction of usable KV blocks held (1 = full).")
+        self.replica_gauges = {
+            "num_requests_running": f.per_replica("num_requests_running",
+                                                  "Running sequences of one engine replica."),
+            "num_requests_waiting": f.per_replica("num_requests_waiting",
+                                                  "Waiting sequences of one engine replica."),
+            "kv_cache_usage_perc": f.per_replica("kv_cache_usage_perc",
+                                                 "Fraction of one replica's usable KV blocks "
+                                                 "held."),
+            "kv_cache_usable_blocks": f.per_replica("kv_cache_usable_blocks",
+                                                    "Usable KV blocks in one replica's pool."),
+        }
+        self.outstanding_tokens = f.gauge(
+            "num_outstanding_tokens",
+            "Tokens still to compute over unfinished requests (the admission budget's measure).")
+
+    def _define_counters(self, f: _Factory) -> None:
+        self.prompt_tokens = f.counter("prompt_tokens", "Prompt tokens of requests that "
+                                       "produced their first token.")
+        self.generation_tokens = f.counter("generation_tokens", "Tokens generated.")
+        self.num_preemptions = f.counter("num_preemptions", "Sequences preempted.")
+        self.prefix_cache_queries = f.counter("prefix_cache_queries",
+                                              "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = f.counter("prefix_cache_hits",
+                                           "Prompt tokens found in the prefix cache.")
+        self._request_success = f.counter("request_success", "Finished requests by reason.",
+                                          ["finished_reason"])
+        self._requests_rejected = f.counter("requests_rejected",
+                                            "Requests refused before queueing, by reason.",
+                                            ["reason"])
+
+    def _define_histograms(self, f: _Factory) -> None:
+        self.ttft = f.histogram("time_to_first_token_seconds",
+                                "Arrival to first token.", LATENCY_BUCKETS)
+        self.tpot = f.histogram("time_per_output_token_seconds",
+                                "Mean time between a request's output tokens.", LATENCY_BUCKETS)
+        self.e2e = f.histogram("e2e_request_latency_seconds", "Arrival to finish.",
+                               LATENCY_BUCKETS)
+        self.queue_time = f.histogram("request_queue_time_seconds",
+                                      "Arrival to first scheduled.", LATENCY_BUCKETS)
+        self.step_time = f.histogram("engine_step_seconds", "Wall time of one engine step.",
+                                     LATENCY_BUCKETS)
+        self.request_prompt_tokens = f.histogram("request_prompt_tokens",
+                                                 "Prompt length of finished requests.",
+                                                 TOKEN_BUCKETS)
+        self.request_generation_tokens = f.histogram(
+            "request_generation_tokens", "Tokens generated by finished requests (all samples).",
+            TOKEN_BUCKETS)
 
     def _totals(self) -> tuple[int, int, int, int]:
         stats = self.engine.stats
