@@ -87,7 +87,8 @@ def check_prompt_token_ids(prompt_token_ids, vocab_size: int, max_len: int) -> l
     return ids.tolist()
 
 
-def encode_text(tokenizer, text, field: str = "prompt") -> list[int]:
+def encode_text(tokenizer, text, field: str = "prompt", add_special_tokens: bool = True
+                ) -> list[int]:
     """text's token ids; RequestError naming field when the text is not a string or not valid
     Unicode (a lone surrogate cannot be encoded as UTF-8)."""
     if not isinstance(text, str):
@@ -100,7 +101,7 @@ def encode_text(tokenizer, text, field: str = "prompt") -> list[int]:
     except UnicodeEncodeError as e:
         raise RequestError(field, f"{field} is not valid Unicode: {e.reason} at character "
                            f"{e.start}") from None
-    return list(tokenizer.encode(text))
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def check_spec(engine: "LLMEngine", spec: PromptSpec) -> Admission:

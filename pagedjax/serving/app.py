@@ -1,5 +1,6 @@
 """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (both streaming),
-/v1/models, /health, /metrics (Prometheus).
+/v1/models (and /v1/models/{id}), vLLM's /tokenize, /detokenize and /version, /health, /metrics
+(Prometheus).
 
     pagedjax serve [MODEL] --port 8000 --max-outstanding-tokens 65536
     curl localhost:8000/v1/completions -d '{"prompt": "copy:hello=", "max_tokens": 8}'
@@ -22,10 +23,11 @@ from typing import Any
 import fastapi
 from fastapi import responses
 
+from pagedjax import __version__
 from pagedjax.engine.admission import encode_text
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.outputs import RequestOutput
-from pagedjax.serving import chat, completions
+from pagedjax.serving import chat, completions, tokenization
 from pagedjax.serving.async_engine import (AsyncLLMEngine, EngineDeadError, OverloadedError,
                                            PromptSpec, RequestFailedError, RequestGroup)
 from pagedjax.serving.http_common import (DEFAULT_MAX_REQUEST_BYTES, APIError, GuardMiddleware,
@@ -82,10 +84,14 @@ class OpenAIServer:
 
     # ---- helpers ---------------------------------------------------------------------------
 
+    def check_model_name(self, model: str | None, param: str | None = "model") -> None:
+        """404 unless `model` is None or the served model's name."""
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves "
+                           f"{self.model_name!r}", param, code="model_not_found")
+
     def check_model(self, body: _SamplingFields) -> None:
-        if body.model is not None and body.model != self.model_name:
-            raise APIError(404, f"model {body.model!r} does not exist; this server serves "
-                           f"{self.model_name!r}", "model", code="model_not_found")
+        self.check_model_name(body.model)
         for param, why in body.unsupported():
             raise APIError(400, why, param)
 
@@ -146,7 +152,19 @@ class OpenAIServer:
     def gone(self) -> responses.Response:
         return responses.Response(status_code=499)  # nobody reads it: the client has gone
 
-    # ---- the endpoints (pagedjax.serving.completions, .chat) -------------------------------
+    def model_card(self) -> dict:
+        """The served model as /v1/models lists it."""
+        return {"id": self.model_name, "object": "model", "created": self.created,
+                "owned_by": "pagedjax", "root": self.model_name, "parent": None,
+                "max_model_len": self.engine.config.max_model_len}
+
+    # ---- the endpoints (pagedjax.serving.completions, .chat, .tokenization) ----------------
+
+    async def tokenize(self, request: fastapi.Request):
+        return await tokenization.tokenize(self, request)
+
+    async def detokenize(self, request: fastapi.Request):
+        return await tokenization.detokenize(self, request)
 
     async def completions(self, request: fastapi.Request):
         return await completions.completions(self, request)
@@ -224,9 +242,16 @@ class OpenAIServer:
 
         @app.get("/v1/models")
         async def models():
-            return {"object": "list", "data": [{
-                "id": self.model_name, "object": "model", "created": self.created,
-                "owned_by": "pagedjax", "max_model_len": self.engine.config.max_model_len}]}
+            return {"object": "list", "data": [self.model_card()]}
+
+        @app.get("/v1/models/{model:path}")
+        async def model(model: str):
+            self.check_model_name(model, param=None)
+            return self.model_card()
+
+        @app.get("/version")
+        async def version():
+            return {"version": __version__}
 
         @app.get("/metrics")
         async def metrics():
@@ -235,6 +260,8 @@ class OpenAIServer:
 
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
+        app.post("/tokenize")(self.tokenize)
+        app.post("/detokenize")(self.detokenize)
         return app
 
 

@@ -113,6 +113,34 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 
+class TokenizeCompletionRequest(BaseModel):
+    """POST /tokenize of a text (vLLM's TokenizeCompletionRequest)."""
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """POST /tokenize of a conversation through the chat template (vLLM's TokenizeChatRequest)."""
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
+
 
 def split_prompts(prompt: str | list) -> list[str | list]:
     """A completion request's prompts: each a string or a token-id list; raises ValueError."""
