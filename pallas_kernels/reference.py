@@ -4,9 +4,10 @@ Axis letters: T query tokens, B sequences, P blocks per sequence, S block size, 
 K KV heads, G = N // K query heads per KV head, H head dim, NB physical blocks.
 
 The loop runs over logical blocks up to the longest live context, a few blocks per iteration
-(C = KV_TOKENS_PER_ITER // S), reading each sequence's blocks through its block table, with an online softmax in f32. It never touches blocks past a sequence's
-kv_len, so NaN in unused pages cannot reach the output, and its cost follows the attended tokens,
-not the size of the pool or the table width.
+(C = KV_TOKENS_PER_ITER // S), reading each sequence's blocks through its block table, with an
+online softmax in f32. It never touches blocks past a sequence's kv_len, so NaN in unused pages
+cannot reach the output, and its cost follows the attended tokens, not the size of the pool or
+the table width.
 """
 
 from __future__ import annotations

@@ -181,6 +181,20 @@ def split_quantized(kv_cache):
     return kv_cache, None
 
 
+def check_operands(q, kv_cache):
+    """(cache data, its scales or None, the GQA group) of what the TPU kernels read for q
+    [.., N, H]; refused by name where the heads do not divide or the head dims differ (the TPU
+    layout pads none)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    data, scales = split_quantized(kv_cache)
+    num_kv_heads, cache_head_dim = data.shape[1], data.shape[4]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
+    if cache_head_dim != head_dim:
+        raise ValueError(f"cache head dim {cache_head_dim} != query head dim {head_dim}")
+    return data, scales, num_heads // num_kv_heads
+
+
 def page_scratch(pages_per_step: int, block_size: int, head_dim: int, data, scales) -> list:
     """VMEM double buffers for PagePipeline: [slot, K/V, C, S, H] pages (and [slot, K/V, C, Ss]
     scale rows)."""

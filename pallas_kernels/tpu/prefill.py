@@ -20,9 +20,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.common import tile_layout, tpu_interpret_params
-from pallas_kernels.tpu.pipeline import (SUBLANES, PagePipeline, attend_sequence, compiler_params,
-                                         compute_dtype, default_pages_per_step, fetch_table_row,
-                                         flat_tables, page_scratch, split_quantized, table_width)
+from pallas_kernels.tpu.pipeline import (SUBLANES, PagePipeline, attend_sequence, check_operands,
+                                         compiler_params, compute_dtype, default_pages_per_step,
+                                         fetch_table_row, flat_tables, page_scratch, table_width)
 
 
 def _ragged_kernel(
@@ -103,13 +103,8 @@ def ragged_paged_attention_tpu(
     tile_q: int = 16, pages_per_step: int | None = None, interpret: bool = False,
 ) -> jax.Array:  # [T, N, H]; 0 for padding tokens
     num_tokens, num_heads, head_dim = q.shape
-    data, scales = split_quantized(kv_cache)
-    _, num_kv_heads, _, block_size, cache_head_dim = data.shape
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
-    if cache_head_dim != head_dim:
-        raise ValueError(f"cache head dim {cache_head_dim} != query head dim {head_dim}")
-    group = num_heads // num_kv_heads
+    data, scales, group = check_operands(q, kv_cache)
+    _, num_kv_heads, _, block_size, _ = data.shape
     padded_group = pl.cdiv(group, SUBLANES) * SUBLANES if group > 1 else 1
     width = block_tables.shape[1]
     pages_per_step = min(pages_per_step or default_pages_per_step(block_size), width)
@@ -122,8 +117,8 @@ def ragged_paged_attention_tpu(
     num_tiles = tile_seq.shape[0]
 
     kernel = functools.partial(
-        _ragged_kernel, tile_q=tile_q, pages_per_step=pages_per_step, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        quantized=scales is not None)
+        _ragged_kernel, tile_q=tile_q, pages_per_step=pages_per_step, scale=scale,
+        sliding_window=sliding_window, soft_cap=soft_cap, quantized=scales is not None)
     quant_operands = [] if scales is None else [scales]
     tiles = pl.pallas_call(
         kernel,

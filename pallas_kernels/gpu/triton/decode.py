@@ -21,8 +21,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import MASK_VALUE, online_softmax_step
 from pallas_kernels.gpu.common import choose_num_splits, combine_splits, next_power_of_2
-from pallas_kernels.gpu.triton.tiling import (MIN_DOT_SIZE, check_triton_shapes, fit_pipeline,
-                                              load_pages, split_cache)
+from pallas_kernels.gpu.triton.tiling import MIN_DOT_SIZE, check_operands, fit_pipeline, load_pages
 
 
 def _decode_kernel(
@@ -75,6 +74,19 @@ def _decode_kernel(
     m_ref[...] = m
 
 
+def _split_outputs(num_splits: int, batch: int, num_kv_heads: int, rows: int,
+                   head_dim: int) -> dict:
+    """out_specs and out_shape of the split programs' partial softmaxes: o f32[X, B, K, Gp, Hp],
+    l and m f32[X, B, K, Gp], one block a program (combine_splits merges them)."""
+    row_spec = pl.BlockSpec((None, None, None, rows), lambda b, h, s: (s, b, h, 0))
+    stats = jax.ShapeDtypeStruct((num_splits, batch, num_kv_heads, rows), jnp.float32)
+    return dict(
+        out_specs=[pl.BlockSpec((None, None, None, rows, head_dim),
+                                lambda b, h, s: (s, b, h, 0, 0)), row_spec, row_spec],
+        out_shape=[jax.ShapeDtypeStruct((num_splits, batch, num_kv_heads, rows, head_dim),
+                                        jnp.float32), stats, stats])
+
+
 @functools.partial(jax.jit, static_argnames=(
     "scale", "sliding_window", "soft_cap", "pages_per_step", "num_splits", "num_warps",
     "num_stages", "interpret"))
@@ -96,15 +108,9 @@ def paged_decode_attention_gpu(
     (benchmarks/results/gpu_compile.md). f32 dots follow jax.default_matmul_precision
     (dot_precision). The cache has the GPU layout: head dim and block size powers of two."""
     batch, num_heads, head_dim = q.shape
-    data, scales, dtype = split_cache(kv_cache, q.dtype, interpret)
+    data, scales, dtype, group = check_operands(q, kv_cache, interpret,
+                                                pages_per_step=pages_per_step)
     _, num_kv_heads, _, block_size, padded_head_dim = data.shape
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
-    if padded_head_dim < head_dim:
-        raise ValueError(f"cache head dim {padded_head_dim} < query head dim {head_dim}")
-    check_triton_shapes(block_size=block_size, head_dim=padded_head_dim,
-                        pages_per_step=pages_per_step)
-    group = num_heads // num_kv_heads
     padded_group = max(MIN_DOT_SIZE, next_power_of_2(group))
     width = block_tables.shape[1]
     pages_per_step, num_stages = fit_pipeline(
@@ -139,18 +145,7 @@ def paged_decode_attention_gpu(
                          lambda b, h, s: (b, h, 0, 0)),  # q
             any_spec,  # kv_cache
         ] + [any_spec] * len(quant_operands),  # scales of a quantized cache
-        out_specs=[
-            pl.BlockSpec((None, None, None, padded_group, padded_head_dim),
-                         lambda b, h, s: (s, b, h, 0, 0)),  # o
-            pl.BlockSpec((None, None, None, padded_group), lambda b, h, s: (s, b, h, 0)),  # l
-            pl.BlockSpec((None, None, None, padded_group), lambda b, h, s: (s, b, h, 0)),  # m
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((num_splits, batch, num_kv_heads, padded_group,
-                                  padded_head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((num_splits, batch, num_kv_heads, padded_group), jnp.float32),
-            jax.ShapeDtypeStruct((num_splits, batch, num_kv_heads, padded_group), jnp.float32),
-        ],
+        **_split_outputs(num_splits, batch, num_kv_heads, padded_group, padded_head_dim),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="paged_decode_attention_gpu",

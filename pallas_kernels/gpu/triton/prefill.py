@@ -22,8 +22,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import MASK_VALUE, online_softmax_step, tile_layout
 from pallas_kernels.gpu.common import next_power_of_2
-from pallas_kernels.gpu.triton.tiling import (MIN_DOT_SIZE, check_triton_shapes, fit_pipeline,
-                                              load_pages, split_cache)
+from pallas_kernels.gpu.triton.tiling import MIN_DOT_SIZE, check_operands, fit_pipeline, load_pages
 
 
 def _ragged_kernel(
@@ -122,15 +121,9 @@ def ragged_paged_attention_gpu(
     8 warps: with 4, a tile of 16 tokens x a GQA group of 4 needs 223 registers a thread on
     sm_90 and spills on sm_80 (benchmarks/results/gpu_compile.md)."""
     num_tokens, num_heads, head_dim = q.shape
-    data, scales, dtype = split_cache(kv_cache, q.dtype, interpret)
+    data, scales, dtype, group = check_operands(q, kv_cache, interpret, tile_q=tile_q,
+                                                pages_per_step=pages_per_step)
     _, num_kv_heads, _, block_size, padded_head_dim = data.shape
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
-    if padded_head_dim < head_dim:
-        raise ValueError(f"cache head dim {padded_head_dim} < query head dim {head_dim}")
-    check_triton_shapes(block_size=block_size, head_dim=padded_head_dim, tile_q=tile_q,
-                        pages_per_step=pages_per_step)
-    group = num_heads // num_kv_heads
     padded_group = next_power_of_2(group)
     width = block_tables.shape[1]
     if tile_q is None:

@@ -91,6 +91,21 @@ def split_cache(kv_cache, q_dtype, interpret: bool = False):
     return kv_cache.data, kv_cache.scales, q_dtype
 
 
+def check_operands(q, kv_cache, interpret: bool, **tunables: int | None):
+    """(cache data, its scales or None, the compute dtype, the GQA group) of what the Triton
+    kernels read for q [.., N, H] (split_cache), refused by name where the heads do not divide,
+    the cache's head dim is short, or a shape or tunable is no power of two."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    data, scales, dtype = split_cache(kv_cache, q.dtype, interpret)
+    _, num_kv_heads, _, block_size, padded_head_dim = data.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
+    if padded_head_dim < head_dim:
+        raise ValueError(f"cache head dim {padded_head_dim} < query head dim {head_dim}")
+    check_triton_shapes(block_size=block_size, head_dim=padded_head_dim, **tunables)
+    return data, scales, dtype, num_heads // num_kv_heads
+
+
 def check_config(*, block_size: int, dtype: str, kv_cache_dtype: str) -> None:
     """What backend 'gpu' refuses of an engine's settings, by name, before anything is built:
     Triton's tiles have power-of-two dims. Every KV dtype is read (an fp8 one needs sm_89+,
