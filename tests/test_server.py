@@ -119,6 +119,20 @@ def test_parallel_samples_and_seeds_equal_offline(server, reference):
     got = [(c["index"], c["token_ids"]) for c in data["choices"]]
     want = [(2 * i + c.index, c.token_ids) for i, r in enumerate(sampled) for c in r.outputs]
     assert got == want
+    # Streamed, each chunk carries one choice (as vLLM streams n > 1), and each choice's
+    # chunks add up to its tokens.
+    body = {"prompt": PROMPTS[:2], "max_tokens": 6, "temperature": 0.8, "n": 2, "seed": 7,
+            "return_token_ids": True}
+    chunks = _stream(client, "/v1/completions", body)
+    assert chunks and all(len(c["choices"]) == 1 for c in chunks)
+    streamed = {}
+    for c in chunks:
+        streamed.setdefault(c["choices"][0]["index"], []).extend(c["choices"][0]["token_ids"])
+    assert sorted(streamed.items()) == want
+    chat = _stream(client, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "n": 2})
+    assert all(len(c["choices"]) == 1 for c in chat)
+    assert {c["choices"][0]["index"] for c in chat} == {0, 1}
 
 
 def test_streaming_equals_non_streaming(server, reference):
@@ -237,7 +251,17 @@ def test_metrics_count_what_was_served(server):
     assert delta("pagedjax:request_success_total", (("finished_reason", "length"),)) == 3
     assert delta("pagedjax:time_to_first_token_seconds_count") == 3
     assert delta("pagedjax:e2e_request_latency_seconds_count") == 3
-    assert delta("pagedjax:time_per_output_token_seconds_count") == 3
+    # Per token, as vLLM V1 observes them: 4 intervals after each request's first token.
+    assert delta("pagedjax:inter_token_latency_seconds_count") == 12
+    assert delta("pagedjax:time_per_output_token_seconds_count") == 12
+    for name in ("request_time_per_output_token", "request_prefill_time",
+                 "request_decode_time", "request_inference_time"):
+        assert delta(f"pagedjax:{name}_seconds_count") == 3, name
+    # One request at a time: a prefill step and 4 decode steps each, computing its prompt
+    # (less what the prefix cache held) and 4 generated tokens.
+    assert delta("pagedjax:iteration_tokens_total_count") == 15
+    assert 12 < delta("pagedjax:iteration_tokens_total_sum") <= sum(
+        u["prompt_tokens"] for u in usage) + 12
     assert delta("pagedjax:request_generation_tokens_sum") == 15
     assert after["pagedjax:num_requests_running", ()] == 0
     assert after["pagedjax:kv_cache_usage_perc", ()] == 0

@@ -113,9 +113,10 @@ async def chat_completions(server: OpenAIServer, request: fastapi.Request):
 
 async def _events(server: OpenAIServer, body: ChatCompletionRequest, group, chunk: dict, extra):
     tracker = DeltaTracker(body.logprobs or body.return_token_ids or server.tokenizer is None)
-    yield sse({**chunk, "choices": [
-        {"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-         "finish_reason": None} for j in range(body.n)]})
+    for j in range(body.n):  # one choice a chunk, as vLLM streams n > 1
+        yield sse({**chunk, "choices": [{"index": j, "delta": {"role": "assistant",
+                                                                "content": ""},
+                                         "logprobs": None, "finish_reason": None}]})
     final: RequestOutput | None = None
     async with group:
         async for out in group:
@@ -129,8 +130,8 @@ async def _events(server: OpenAIServer, body: ChatCompletionRequest, group, chun
                                 "logprobs": None, **extra(c, tokens),
                                 "finish_reason": c.finish_reason})
             final = out if out.finished else final
-            if choices:
-                yield sse({**chunk, "choices": choices})
+            for choice in choices:
+                yield sse({**chunk, "choices": [choice]})
     if body.stream_options is not None and body.stream_options.include_usage:
         yield sse({**chunk, "choices": [], "usage": server.usage({chunk["id"]: final})})
     yield DONE

@@ -118,8 +118,8 @@ async def _events(server: OpenAIServer, body: CompletionRequest, group, choices:
                 sent.append(choices.choice(out, choice, text, tokens, offset))
             if out.finished:
                 final[out.request_id] = out
-            if sent:
-                yield sse({**base, "choices": sent})
+            for sent_choice in sent:  # one choice a chunk, as vLLM streams n > 1
+                yield sse({**base, "choices": [sent_choice]})
     if body.stream_options is not None and body.stream_options.include_usage:
         yield sse({**base, "choices": [], "usage": server.usage(final)})
     yield DONE
