@@ -1,0 +1,88 @@
+"""The official openai client against a real `pagedjax` server (uvicorn on 127.0.0.1): completions,
+chat, streaming with n=2 (a choice a chunk), logprobs, models, an error body the client raises
+as its own exception, and the tokenize round trip (httpx: the client has no such call)."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from helpers import ROLE_TEMPLATE
+from pagedjax import LLM, SamplingParams
+from pagedjax.serving.app import OpenAIServer
+from pagedjax.serving.background import BackgroundServer
+from test_server import ENGINE, PROMPTS
+
+
+@pytest.fixture(scope="module")
+def served():
+    llm = LLM(**ENGINE)
+    # The offline reference first: once serving, the engine belongs to the server's thread.
+    llm.reference = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0,
+                                                              logprobs=2), use_tqdm=False)[0]
+    server = OpenAIServer(llm.engine, "tiny", chat_template=ROLE_TEMPLATE)
+    with BackgroundServer(server.build_app()) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60,
+                               max_retries=0)
+        yield llm, client, url
+
+
+def test_completions_and_logprobs_equal_offline(served):
+    llm, client, _ = served
+    want = llm.reference
+    got = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8,
+                                    temperature=0, logprobs=2)
+    choice = got.choices[0]
+    assert choice.text == want.outputs[0].text
+    assert choice.finish_reason == want.outputs[0].finish_reason
+    assert len(choice.logprobs.tokens) == len(want.outputs[0].token_ids)
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_streaming_n2_sends_a_choice_a_chunk(served):
+    _, client, _ = served
+    whole = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=6, n=2,
+                                      temperature=0.8, seed=3)
+    stream = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=6, n=2,
+                                       temperature=0.8, seed=3, stream=True)
+    texts = {0: "", 1: ""}
+    for chunk in stream:
+        assert len(chunk.choices) == 1
+        texts[chunk.choices[0].index] += chunk.choices[0].text
+    assert texts == {c.index: c.text for c in whole.choices}
+
+
+def test_chat_whole_and_streamed(served):
+    _, client, _ = served
+    messages = [{"role": "user", "content": "copy:abc="}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
+                                           temperature=0)
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in
+                       client.chat.completions.create(model="tiny", messages=messages,
+                                                      max_tokens=6, temperature=0,
+                                                      stream=True)
+                       if chunk.choices)
+    assert streamed == whole.choices[0].message.content
+    assert whole.choices[0].message.role == "assistant"
+
+
+def test_refusals_reach_the_client_as_its_errors(served):
+    _, client, _ = served
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=10 ** 6)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="other", prompt="x", max_tokens=2)
+
+
+def test_tokenize_round_trip(served):
+    llm, client, url = served
+    text = "rev:paged attention="
+    tokens = httpx.post(f"{url}/tokenize", json={"prompt": text}).json()["tokens"]
+    assert tokens == llm.tokenizer.encode(text)
+    got = client.completions.create(model="tiny", prompt=tokens, max_tokens=4, temperature=0)
+    assert got.usage.prompt_tokens == len(tokens)
+    bare = httpx.post(f"{url}/tokenize", json={"prompt": text,
+                                               "add_special_tokens": False}).json()["tokens"]
+    assert httpx.post(f"{url}/detokenize", json={"tokens": bare}).json() == {"prompt": text}
