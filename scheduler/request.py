@@ -129,7 +129,7 @@ class Request:
                  "seed", "eos_token_ids", "num_computed_tokens", "status", "arrival_time",
                  "first_scheduled_time", "first_token_time", "finish_time", "num_preemptions",
                  "cache_salt", "block_hashes", "num_cached_tokens", "parent_id",
-                 "sample_index", "followers", "cumulative_logprob", "logprobs")
+                 "sample_index", "followers", "cumulative_logprob", "logprobs", "stop_reason")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, *, seed: int, arrival_time: float,
@@ -147,6 +147,9 @@ class Request:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.num_preemptions = 0
+        # What stopped it, as vLLM reports it: a stop token id or stop string; None for EOS,
+        # the length limit, or while it runs.
+        self.stop_reason: int | str | None = None
         self.cache_salt = cache_salt  # requests share cached blocks only under the same salt
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks, filled lazily
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
@@ -194,6 +197,7 @@ class Request:
         if not params.ignore_eos and token_id in self.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if token_id in params.stop_token_ids:
+            self.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
         if len(self.output_token_ids) >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH

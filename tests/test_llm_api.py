@@ -59,8 +59,11 @@ def test_cli_capacity_uses_the_kv_formula(capsys):
     assert "2,097,152" in out  # bytes per 16-token block
     with pytest.raises(SystemExit):
         cli_main(["capacity", "--kv-memory-gib", "-1"])
-    with pytest.raises(SystemExit):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
         cli_main(["serve-everything"])
+    assert exit_info.value.code == 2
+    assert "unknown command 'serve-everything'" in capsys.readouterr().err
 
 
 def test_final_only_steps_return_each_request_once_when_it_finishes(tiny_model):

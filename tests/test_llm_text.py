@@ -111,6 +111,17 @@ def test_stop_string_cuts_text_and_stops_early(llm, include):
     assert out.text == full.text[:start + (len(stop) if include else 0)]
     assert len(out.output_token_ids) < len(full.output_token_ids)
     assert out.output_token_ids == full.output_token_ids[:len(out.output_token_ids)]
+    assert out.outputs[0].stop_reason == stop  # vLLM's stop_reason: the string that matched
+    assert full.outputs[0].stop_reason is None  # the length limit
+
+
+def test_stop_token_id_is_the_stop_reason(llm):
+    prompt, full = long_text_output(llm)
+    token = full.output_token_ids[3]
+    params = SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=[token])
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason == token
+    assert out.output_token_ids == full.output_token_ids[:full.output_token_ids.index(token) + 1]
 
 
 def test_streamed_text_never_shows_a_stop_string(llm):

@@ -39,6 +39,11 @@ def test_completions_and_logprobs_equal_offline(served):
     assert len(choice.logprobs.tokens) == len(want.outputs[0].token_ids)
     assert got.usage.prompt_tokens == len(want.prompt_token_ids)
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert choice.model_extra["stop_reason"] is None  # the length limit or EOS
+    stop = want.outputs[0].text[2:4]
+    stopped = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8,
+                                        temperature=0, stop=[stop]).choices[0]
+    assert stopped.finish_reason == "stop" and stopped.model_extra["stop_reason"] == stop
 
 
 def test_streaming_n2_sends_a_choice_a_chunk(served):

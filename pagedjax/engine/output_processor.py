@@ -22,7 +22,8 @@ class TextState:
         self.num_tokens = 0
 
     def advance(self, request: Request) -> bool:
-        """Detokenizes request's new tokens; True when a stop string ended the text."""
+        """Detokenizes request's new tokens; True when a stop string ended the text (then
+        the request's stop_reason is that string)."""
         new = request.output_token_ids[self.num_tokens:]
         self.num_tokens += len(new)
         delta = self.detokenizer.push(new)
@@ -35,6 +36,8 @@ class TextState:
         if cut is None:
             return False
         self.text = self.text[:cut]
+        if not request.status.finished:  # a stop token that came first keeps its reason
+            request.stop_reason = self.matcher.matched
         return True
 
     def visible_text(self, finished: bool) -> str:

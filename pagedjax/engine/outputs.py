@@ -36,6 +36,9 @@ class CompletionOutput:
     # Detokenized output when the engine has a tokenizer (cut at a stop string; while a request
     # runs, a tail that could still grow into a stop string is held back).
     text: str | None = None
+    # What stopped it (vLLM's stop_reason): the stop token id or stop string; None for EOS,
+    # the length limit, or while it runs.
+    stop_reason: int | str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +81,8 @@ class RequestOutput:
                                     cumulative_logprob=s.cumulative_logprob,
                                     logprobs=(list(s.logprobs) if s.sampling_params.logprobs
                                               is not None else None),
-                                    text=texts.get(s.request_id))
+                                    text=texts.get(s.request_id),
+                                    stop_reason=s.stop_reason if s.status.finished else None)
                    for i, s in enumerate(chosen)]
         first_tokens = [s.first_token_time for s in samples if s.first_token_time is not None]
         finishes = [s.finish_time for s in samples if s.finish_time is not None]

@@ -103,7 +103,8 @@ async def chat_completions(server: OpenAIServer, request: fastapi.Request):
             return server.gone()
         out = final[request_id]
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text or ""},
-                    "logprobs": None, **extra(c, 0), "finish_reason": c.finish_reason}
+                    "logprobs": None, **extra(c, 0), "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason}
                    for c in out.outputs]
         return {**base, "choices": choices, "usage": server.usage({request_id: out})}
     chunk = {**base, "object": "chat.completion.chunk"}
@@ -128,7 +129,8 @@ async def _events(server: OpenAIServer, body: ChatCompletionRequest, group, chun
                 text, _, tokens = delta
                 choices.append({"index": c.index, "delta": {"content": text} if text else {},
                                 "logprobs": None, **extra(c, tokens),
-                                "finish_reason": c.finish_reason})
+                                "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason})
             final = out if out.finished else final
             for choice in choices:
                 yield sse({**chunk, "choices": [choice]})

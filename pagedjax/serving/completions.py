@@ -49,7 +49,7 @@ class _Choices:
         d = {"index": self.index_of[out.request_id] * body.n + choice.index, "text": text,
              "logprobs": (logprobs_of(self.server, choice, start, offset)
                           if body.logprobs is not None else None),
-             "finish_reason": choice.finish_reason}
+             "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
         if body.return_token_ids or self.server.tokenizer is None:  # no text without one
             d["token_ids"] = choice.token_ids[start:]
             if start == 0:

@@ -368,6 +368,7 @@ class StopStringMatcher:
             raise ValueError(f"stop must be a list of non-empty strings, got {stop!r}")
         self.stop = tuple(stop)
         self.include_stop_str_in_output = include_stop_str_in_output
+        self.matched: str | None = None  # the stop string check() last found
 
     def check(self, text: str, new_len: int) -> int | None:
         """The length to truncate `text` to when a stop string ends in its last `new_len` chars,
@@ -376,11 +377,11 @@ class StopStringMatcher:
         if not 0 <= new_len <= len(text):
             raise ValueError(f"new_len must be in [0, len(text)={len(text)}], got {new_len}")
         old_len = len(text) - new_len
-        matches = [(start + len(s), start) for s in self.stop  # a match must end past old_len
+        matches = [(start + len(s), start, s) for s in self.stop  # must end past old_len
                    if (start := text.find(s, max(old_len - len(s) + 1, 0))) >= 0]
         if not matches:
             return None
-        end, start = min(matches)
+        end, start, self.matched = min(matches)
         return end if self.include_stop_str_in_output else start
 
     def holdback(self, text: str) -> int:

@@ -43,6 +43,9 @@ def main(argv=None) -> None:
         return
     if not argv or argv[0] not in COMMANDS:
         print(usage(), file=sys.stderr)
+        if argv:
+            print(f"\npagedjax: error: unknown command {argv[0]!r} (choose from "
+                  f"{', '.join(COMMANDS)})", file=sys.stderr)
         raise SystemExit(2)
     COMMANDS[argv[0]][0](argv[1:])
 
