@@ -36,7 +36,7 @@ def decode_plan(num_seqs: int, context: int, block_size: int, table_width: int) 
         logits_indices=np.arange(num_seqs, dtype=np.int32),
         num_seqs=np.asarray(num_seqs, np.int32), temperature=np.zeros(num_seqs, np.float32),
         top_k=np.full(num_seqs, -1, np.int32), top_p=np.ones(num_seqs, np.float32),
-        seeds=np.zeros(num_seqs, np.uint32), copy_src=np.zeros(num_seqs, np.int32),
+        min_p=np.zeros(num_seqs, np.float32), seeds=np.zeros(num_seqs, np.uint32), copy_src=np.zeros(num_seqs, np.int32),
         copy_dst=np.zeros(num_seqs, np.int32), num_copies=np.asarray(0, np.int32),
         kind=DECODE, padded_num_tokens=num_seqs,
         padded_num_seqs=num_seqs)

@@ -12,7 +12,7 @@ from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.state import DECODE, PREFILL, SchedulerOutput
 
 ARRAY_FIELDS = ("token_ids", "positions", "slot_mapping", "block_tables", "kv_lens", "cu_q_lens",
-                "logits_indices", "num_seqs", "temperature", "top_k", "top_p", "seeds",
+                "logits_indices", "num_seqs", "temperature", "top_k", "top_p", "min_p", "seeds",
                 "copy_src", "copy_dst", "num_copies")
 STATIC_FIELDS = ("kind", "padded_num_tokens", "padded_num_seqs")
 
@@ -36,6 +36,7 @@ class BatchPlan:
     temperature: np.ndarray  # f32[B] 0 means greedy
     top_k: np.ndarray  # i32[B] -1 means disabled
     top_p: np.ndarray  # f32[B]
+    min_p: np.ndarray  # f32[B] 0 means disabled
     seeds: np.ndarray  # u32[B] per-request seed; the sample at position p uses fold_in(seed, p)
     copy_src: np.ndarray  # i32[B] copy-on-write: block copy_src[i] -> copy_dst[i] before writes
     copy_dst: np.ndarray  # i32[B] (padding pairs copy the null block onto itself)
@@ -61,7 +62,8 @@ def _rows(scheduled, kv_manager: KVCacheManager, block_tables: np.ndarray):
     """Each row's query tokens (back to back), its block table (into block_tables), and its
     start, query length and sampling settings as lists."""
     tokens: list[int] = []
-    columns = {name: [] for name in ("start", "q_len", "temperature", "top_k", "top_p", "seed")}
+    columns = {name: [] for name in ("start", "q_len", "temperature", "top_k", "top_p", "min_p",
+                                     "seed")}
     for i, (request, start, n) in enumerate(scheduled):
         if n == 1:
             tokens.append(request.token_id_at(start))
@@ -73,7 +75,7 @@ def _rows(scheduled, kv_manager: KVCacheManager, block_tables: np.ndarray):
         params = request.sampling_params
         for name, value in (("start", start), ("q_len", n), ("temperature", params.temperature),
                             ("top_k", params.top_k), ("top_p", params.top_p),
-                            ("seed", request.seed)):
+                            ("min_p", params.min_p), ("seed", request.seed)):
             columns[name].append(value)
     return tokens, columns
 
@@ -147,6 +149,7 @@ def build_plan(output: SchedulerOutput, kv_manager: KVCacheManager,
         logits_indices=_logits_indices(output, cu_q_lens),
         num_seqs=np.asarray(num_seqs, np.int32), temperature=padded("temperature", 0.0, np.float32),
         top_k=padded("top_k", -1, np.int32), top_p=padded("top_p", 1.0, np.float32),
+        min_p=padded("min_p", 0.0, np.float32),
         seeds=padded("seed", 0, np.uint32), copy_src=copy_src, copy_dst=copy_dst,
         num_copies=np.asarray(len(output.copies), np.int32), kind=kind,
         padded_num_tokens=padded_tokens, padded_num_seqs=padded_seqs)

@@ -19,7 +19,9 @@ MAX_STOP_TOKEN_IDS = 1024
 class SamplingParams:
     """How one request is sampled and when it stops.
 
-    temperature == 0 means greedy. top_k == -1 disables top-k; top_p == 1 disables top-p.
+    temperature == 0 means greedy. top_k == -1 disables top-k; top_p == 1 disables top-p;
+    min_p == 0 disables min-p (vLLM's: a token whose probability, after temperature, is below
+    min_p times the most likely token's is never sampled).
     seed makes a request's samples reproducible whatever else is in the batch; with no seed the
     engine draws one from its own seeded generator. n samples share the prompt's KV blocks;
     best_of >= n samples are drawn and the n with the highest cumulative logprob returned.
@@ -33,6 +35,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -70,6 +73,7 @@ class SamplingParams:
         check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         check_int("top_k", self.top_k, 1, INT32_MAX, allow=(-1,))
         check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        check_float("min_p", self.min_p, 0.0, 1.0)
         if self.logprobs is not None:
             check_int("logprobs", self.logprobs, 0, INT32_MAX)
         if self.seed is not None:

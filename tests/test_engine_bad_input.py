@@ -53,6 +53,8 @@ def test_bad_request_changes_nothing(tiny_model, prompt, params, field):
     (dict(temperature=float("nan")), "temperature"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
+    (dict(min_p=-0.1), "min_p"),
+    (dict(min_p=1.5), "min_p"),
     (dict(top_k=0), "top_k"),
     (dict(top_k=-2), "top_k"),
     (dict(seed=-1), "seed"),

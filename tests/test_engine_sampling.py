@@ -1,11 +1,11 @@
-"""Sampling on device: seeded reproducibility and the top-k / top-p filters."""
+"""Sampling on device: seeded reproducibility and the top-k / top-p / min-p filters."""
 
 from helpers import until_done
 import jax.numpy as jnp
 import numpy as np
 
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
-from pagedjax.engine.sampler import _filter_top_k_top_p, sample
+from pagedjax.engine.sampler import _filter_min_p, _filter_top_k_top_p, sample
 
 CONFIG = dict(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32, min_seq_bucket=8,
               block_size=4)
@@ -80,3 +80,41 @@ def test_temperature_reshapes_the_sampled_distribution():
         freq = np.bincount(np.asarray(ids), minlength=3) / n
         # Standard error at most 0.008 per frequency; 4 sigma, far below the T=1 gaps (>= 0.09).
         np.testing.assert_allclose(freq, expected, atol=0.032)
+
+
+def test_min_p_keeps_what_the_numpy_definition_keeps():
+    """vLLM's min-p on a fixed row, against its definition in NumPy: a token stays when its
+    probability (after temperature) is at least min_p x the largest."""
+    rng = np.random.default_rng(0)
+    row = rng.normal(size=64).astype(np.float32) * 3
+    for min_p, temperature in ((0.0, 1.0), (0.05, 1.0), (0.3, 0.7), (0.9, 2.0), (1.0, 1.0)):
+        scaled = row / temperature
+        probs = np.exp(scaled - scaled.max())
+        want = probs >= min_p * probs.max()
+        got = np.isfinite(np.asarray(_filter_min_p(jnp.asarray(scaled)[None],
+                                                   jnp.asarray([min_p], jnp.float32))))[0]
+        np.testing.assert_array_equal(got, want, err_msg=f"min_p={min_p}")
+
+
+def test_min_p_sampling_draws_from_the_renormalised_survivors():
+    probs = np.array([0.5, 0.3, 0.15, 0.05])  # min_p 0.25: 0.125 is the bar, 0.05 drops
+    n = 4000
+    logits = jnp.log(jnp.asarray(np.tile(probs, (n, 1)), jnp.float32))
+    ids, _, _, _ = sample(logits, jnp.ones(n), jnp.full(n, -1), jnp.ones(n),
+                          jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32),
+                          min_p=jnp.full(n, 0.25, jnp.float32))
+    freq = np.bincount(np.asarray(ids), minlength=4) / n
+    expected = np.array([0.5, 0.3, 0.15, 0.0]) / 0.95
+    np.testing.assert_allclose(freq, expected, atol=0.032)  # 4 sigma, as above
+    assert freq[3] == 0
+
+
+def test_min_p_1_is_greedy_through_the_engine(tiny_model):
+    prompt = list(range(40, 60))
+    greedy = generate(tiny_model, [(prompt, SamplingParams(max_tokens=8, temperature=0.0))])[0]
+    only_top = generate(tiny_model, [(prompt, SamplingParams(max_tokens=8, temperature=1.5,
+                                                             min_p=1.0, seed=5))])[0]
+    free = generate(tiny_model, [(prompt, SamplingParams(max_tokens=8, temperature=1.5,
+                                                         seed=5))])[0]
+    assert only_top == greedy
+    assert free != greedy  # the seed samples something else without min_p

@@ -44,6 +44,13 @@ def test_completions_and_logprobs_equal_offline(served):
     stopped = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8,
                                         temperature=0, stop=[stop]).choices[0]
     assert stopped.finish_reason == "stop" and stopped.model_extra["stop_reason"] == stop
+    # vLLM's min_p (extra_body, as the client sends vLLM's fields): 1.0 keeps only the top token.
+    top_only = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8,
+                                         temperature=1.5, seed=5, extra_body={"min_p": 1.0})
+    assert top_only.choices[0].text == choice.text
+    with pytest.raises(openai.BadRequestError, match="min_p"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=2,
+                                  extra_body={"min_p": 2.0})
 
 
 def test_streaming_n2_sends_a_choice_a_chunk(served):

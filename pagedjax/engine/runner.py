@@ -62,7 +62,7 @@ def step_fn(graph: ServingGraph, backend: AttentionBackend, num_top_logprobs: in
         # rows (left to XLA, the sampler's sorts re-partitioned the rows with all-to-alls)
         logits = jax.lax.with_sharding_constraint(logits, NamedSharding(backend.mesh, P()))
     sampled = sample(logits, plan.temperature, plan.top_k, plan.top_p, plan.seeds, plan.kv_lens,
-                     num_top_logprobs)
+                     num_top_logprobs, min_p=plan.min_p)
     return sampled, kv_cache
 
 
@@ -297,7 +297,8 @@ def padding_plan(kind: str, num_tokens: int, num_seqs: int, max_blocks_per_seq: 
         kv_lens=np.zeros(num_seqs, np.int32), cu_q_lens=np.zeros(num_seqs + 1, np.int32),
         logits_indices=np.zeros(num_seqs, np.int32), num_seqs=np.asarray(0, np.int32),
         temperature=np.zeros(num_seqs, np.float32), top_k=np.full(num_seqs, -1, np.int32),
-        top_p=np.ones(num_seqs, np.float32), seeds=np.zeros(num_seqs, np.uint32),
+        top_p=np.ones(num_seqs, np.float32), min_p=np.zeros(num_seqs, np.float32),
+        seeds=np.zeros(num_seqs, np.uint32),
         copy_src=np.zeros(num_seqs, np.int32), copy_dst=np.zeros(num_seqs, np.int32),
         num_copies=np.asarray(0, np.int32), kind=kind,
         padded_num_tokens=num_tokens, padded_num_seqs=num_seqs)

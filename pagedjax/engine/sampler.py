@@ -6,6 +6,16 @@ import jax
 import jax.numpy as jnp
 
 
+def _filter_min_p(
+    logits: jax.Array,  # f32[B, V], already divided by temperature
+    min_p: jax.Array,  # f32[B] 0 disables
+) -> jax.Array:  # f32[B, V] with filtered entries at -inf
+    """vLLM's min-p: a token whose probability is below min_p x the most likely token's is
+    dropped. p_i / p_max = exp(l_i - l_max), so the test needs no softmax."""
+    threshold = jnp.max(logits, axis=-1, keepdims=True) + jnp.log(min_p)[:, None]  # -inf at 0
+    return jnp.where(logits < threshold, -jnp.inf, logits)
+
+
 def _filter_top_k_top_p(
     logits: jax.Array,  # f32[B, V], already divided by temperature
     top_k: jax.Array,  # i32[B] -1 disables
@@ -32,6 +42,7 @@ def sample(
     seeds: jax.Array,  # u32[B]
     positions: jax.Array,  # i32[B] position of the token being sampled
     num_top_logprobs: int = 0,  # static: K most likely tokens returned per row
+    min_p: jax.Array | None = None,  # f32[B] 0 disables; None: none of the rows uses it
 ) -> tuple[jax.Array, ...]:
     """Greedy rows take the argmax; the others sample with key fold_in(key(seed), position), so a
     request's tokens depend only on its seed and its context, not on its batch neighbours.
@@ -39,18 +50,20 @@ def sample(
     Returns ids i32[B], their logprobs f32[B] under the model (raw logits, before temperature
     and filtering), and the K most likely tokens of each row: i32[B, K], f32[B, K].
     """
-    ids = _sample_ids(logits, temperature, top_k, top_p, seeds, positions)
+    ids = _sample_ids(logits, temperature, top_k, top_p, seeds, positions, min_p)
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(log_probs, ids[:, None], axis=-1)[:, 0]
     top_logprobs, top_ids = jax.lax.top_k(log_probs, num_top_logprobs)
     return ids, chosen, top_ids.astype(jnp.int32), top_logprobs
 
 
-def _sample_ids(logits, temperature, top_k, top_p, seeds, positions) -> jax.Array:
+def _sample_ids(logits, temperature, top_k, top_p, seeds, positions, min_p) -> jax.Array:
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def sampled(_):
         scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+        if min_p is not None:  # before top-k / top-p, in vLLM's order
+            scaled = _filter_min_p(scaled, min_p)
         filtered = _filter_top_k_top_p(scaled, top_k, top_p)
         keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
         ids = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)

@@ -109,6 +109,8 @@ class OpenAIServer:
             kwargs["top_p"] = body.top_p
         if body.top_k is not None:
             kwargs["top_k"] = -1 if body.top_k == 0 else body.top_k
+        if body.min_p is not None:
+            kwargs["min_p"] = body.min_p
         try:
             return SamplingParams(**kwargs)
         except RequestError as e:

@@ -32,6 +32,7 @@ class _SamplingFields(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     n: int = 1
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
