@@ -18,6 +18,7 @@ from pagedjax import load_model
 from pagedjax.engine.runner import ModelRunner, step_fn
 from pallas_kernels import kv_cache_bytes_per_block
 from scheduler import DECODE, BatchPlan
+from scheduler.plan import logit_bias_slots
 
 _undonated_step = jax.jit(step_fn, static_argnums=(0, 1, 2))
 
@@ -28,6 +29,7 @@ def decode_plan(num_seqs: int, context: int, block_size: int, table_width: int) 
     tables[:, :blocks_per_seq] = 1 + np.arange(num_seqs * blocks_per_seq).reshape(num_seqs, -1)
     positions = np.full(num_seqs, context - 1, np.int32)
     slots = tables[:, (context - 1) // block_size] * block_size + (context - 1) % block_size
+    bias_ids, bias_values = logit_bias_slots([()] * num_seqs, num_seqs)
     return BatchPlan(
         token_ids=np.arange(num_seqs, dtype=np.int32), positions=positions,
         slot_mapping=slots.astype(np.int32), block_tables=tables,
@@ -36,7 +38,8 @@ def decode_plan(num_seqs: int, context: int, block_size: int, table_width: int) 
         logits_indices=np.arange(num_seqs, dtype=np.int32),
         num_seqs=np.asarray(num_seqs, np.int32), temperature=np.zeros(num_seqs, np.float32),
         top_k=np.full(num_seqs, -1, np.int32), top_p=np.ones(num_seqs, np.float32),
-        min_p=np.zeros(num_seqs, np.float32), seeds=np.zeros(num_seqs, np.uint32), copy_src=np.zeros(num_seqs, np.int32),
+        min_p=np.zeros(num_seqs, np.float32), bias_ids=bias_ids, bias_values=bias_values,
+        seeds=np.zeros(num_seqs, np.uint32), copy_src=np.zeros(num_seqs, np.int32),
         copy_dst=np.zeros(num_seqs, np.int32), num_copies=np.asarray(0, np.int32),
         kind=DECODE, padded_num_tokens=num_seqs,
         padded_num_seqs=num_seqs)

@@ -9,11 +9,12 @@ import numpy as np
 from scheduler.block_pool import NULL_BLOCK
 from scheduler.buckets import ShapeBuckets
 from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.request import MAX_LOGIT_BIAS
 from scheduler.state import DECODE, PREFILL, SchedulerOutput
 
 ARRAY_FIELDS = ("token_ids", "positions", "slot_mapping", "block_tables", "kv_lens", "cu_q_lens",
                 "logits_indices", "num_seqs", "temperature", "top_k", "top_p", "min_p", "seeds",
-                "copy_src", "copy_dst", "num_copies")
+                "bias_ids", "bias_values", "copy_src", "copy_dst", "num_copies")
 STATIC_FIELDS = ("kind", "padded_num_tokens", "padded_num_seqs")
 
 
@@ -37,6 +38,10 @@ class BatchPlan:
     top_k: np.ndarray  # i32[B] -1 means disabled
     top_p: np.ndarray  # f32[B]
     min_p: np.ndarray  # f32[B] 0 means disabled
+    # logit_bias, MAX_LOGIT_BIAS slots a row: bias_values[b, j] is added to the logit of token
+    # bias_ids[b, j] before sampling; unused slots add 0 to token 0.
+    bias_ids: np.ndarray  # i32[B, MAX_LOGIT_BIAS]
+    bias_values: np.ndarray  # f32[B, MAX_LOGIT_BIAS]
     seeds: np.ndarray  # u32[B] per-request seed; the sample at position p uses fold_in(seed, p)
     copy_src: np.ndarray  # i32[B] copy-on-write: block copy_src[i] -> copy_dst[i] before writes
     copy_dst: np.ndarray  # i32[B] (padding pairs copy the null block onto itself)
@@ -63,7 +68,7 @@ def _rows(scheduled, kv_manager: KVCacheManager, block_tables: np.ndarray):
     start, query length and sampling settings as lists."""
     tokens: list[int] = []
     columns = {name: [] for name in ("start", "q_len", "temperature", "top_k", "top_p", "min_p",
-                                     "seed")}
+                                     "seed", "logit_bias")}
     for i, (request, start, n) in enumerate(scheduled):
         if n == 1:
             tokens.append(request.token_id_at(start))
@@ -75,9 +80,20 @@ def _rows(scheduled, kv_manager: KVCacheManager, block_tables: np.ndarray):
         params = request.sampling_params
         for name, value in (("start", start), ("q_len", n), ("temperature", params.temperature),
                             ("top_k", params.top_k), ("top_p", params.top_p),
-                            ("min_p", params.min_p), ("seed", request.seed)):
+                            ("min_p", params.min_p), ("seed", request.seed),
+                            ("logit_bias", params.logit_bias)):
             columns[name].append(value)
     return tokens, columns
+
+
+def logit_bias_slots(rows, padded_seqs: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's logit_bias pairs in its MAX_LOGIT_BIAS slots: (ids i32[B, L], biases f32)."""
+    ids = np.zeros((padded_seqs, MAX_LOGIT_BIAS), np.int32)
+    values = np.zeros((padded_seqs, MAX_LOGIT_BIAS), np.float32)
+    for i, pairs in enumerate(rows):
+        if pairs:
+            ids[i, :len(pairs)], values[i, :len(pairs)] = zip(*pairs)
+    return ids, values
 
 
 def _positions(output: SchedulerOutput, starts, q_lens, kv_lens, seq_of_token,
@@ -134,6 +150,7 @@ def build_plan(output: SchedulerOutput, kv_manager: KVCacheManager,
     positions = _positions(output, rows["start"], q_lens, kv_lens, seq_of_token, padded_tokens)
     cu_q_lens = np.zeros(padded_seqs + 1, np.int32)
     np.cumsum(q_lens, out=cu_q_lens[1:])
+    bias_ids, bias_values = logit_bias_slots(rows["logit_bias"], padded_seqs)
     copy_src = np.zeros(padded_seqs, np.int32)
     copy_dst = np.zeros(padded_seqs, np.int32)
     if output.copies:
@@ -149,7 +166,7 @@ def build_plan(output: SchedulerOutput, kv_manager: KVCacheManager,
         logits_indices=_logits_indices(output, cu_q_lens),
         num_seqs=np.asarray(num_seqs, np.int32), temperature=padded("temperature", 0.0, np.float32),
         top_k=padded("top_k", -1, np.int32), top_p=padded("top_p", 1.0, np.float32),
-        min_p=padded("min_p", 0.0, np.float32),
+        min_p=padded("min_p", 0.0, np.float32), bias_ids=bias_ids, bias_values=bias_values,
         seeds=padded("seed", 0, np.uint32), copy_src=copy_src, copy_dst=copy_dst,
         num_copies=np.asarray(len(output.copies), np.int32), kind=kind,
         padded_num_tokens=padded_tokens, padded_num_seqs=padded_seqs)

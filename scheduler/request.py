@@ -13,6 +13,8 @@ MAX_TEMPERATURE = 1e4
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 64  # biased tokens a request may name: the BatchPlan's slots a row
+MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range for a bias
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +47,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True  # in the detokenized text
+    # OpenAI's logit_bias: {token id: bias in [-100, 100]} added to the logits before sampling
+    # (greedy too); kept as sorted (id, bias) pairs. Logprobs stay the model's.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         object.__setattr__(self, "stop_token_ids", _int_tuple("stop_token_ids",
                                                               self.stop_token_ids))
         stop = self.stop
@@ -93,6 +99,15 @@ class SamplingParams:
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise RequestError("stop_token_ids", f"stop_token_ids holds "
                                f"{len(self.stop_token_ids)} ids, more than {MAX_STOP_TOKEN_IDS}")
+        self._check_logit_bias()
+
+    def _check_logit_bias(self) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise RequestError("logit_bias", f"logit_bias holds {len(self.logit_bias)} tokens, "
+                               f"more than {MAX_LOGIT_BIAS}")
+        for token_id, bias in self.logit_bias:
+            check_int("logit_bias", token_id, 0, INT32_MAX)
+            check_float("logit_bias", bias, -MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS)
 
     @property
     def greedy(self) -> bool:
@@ -235,6 +250,28 @@ def fold_seed(seed: int) -> int:
     """A 64-bit seed folded into the u32 the sampler keys on; seeds below 2**32 are themselves."""
     seed %= 2**64
     return (seed & 0xFFFFFFFF) ^ (seed >> 32)
+
+
+def _bias_pairs(value) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (id, bias) pairs, from a mapping or a sequence of pairs."""
+    if value is None:
+        return ()
+    if isinstance(value, dict):
+        value = value.items()
+    elif isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise RequestError("logit_bias", f"logit_bias must map token ids to biases, got "
+                           f"{type(value).__name__}")
+    pairs = []
+    for pair in value:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise RequestError("logit_bias", "logit_bias must map token ids to biases")
+        pairs.append(tuple(pair))
+    if len({token_id for token_id, _ in pairs}) != len(pairs):
+        raise RequestError("logit_bias", "logit_bias names a token id twice")
+    try:
+        return tuple(sorted(pairs))
+    except TypeError:
+        raise RequestError("logit_bias", "logit_bias's token ids must be integers") from None
 
 
 def _int_tuple(field: str, values) -> tuple[int, ...]:

@@ -1,4 +1,5 @@
-"""Sampling on device: seeded reproducibility and the top-k / top-p / min-p filters."""
+"""Sampling on device: seeded reproducibility, the top-k / top-p / min-p filters and
+logit_bias."""
 
 from helpers import until_done
 import jax.numpy as jnp
@@ -118,3 +119,47 @@ def test_min_p_1_is_greedy_through_the_engine(tiny_model):
                                                          seed=5))])[0]
     assert only_top == greedy
     assert free != greedy  # the seed samples something else without min_p
+
+
+def test_logit_bias_shifts_exactly_the_named_logits():
+    """Greedy rows take argmax(logits + bias) as NumPy computes it; the sampled frequencies
+    follow softmax(logits + bias); the logprobs stay the model's."""
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(3, 32)).astype(np.float32)
+    ids = np.zeros((3, 4), np.int32)
+    values = np.zeros((3, 4), np.float32)
+    ids[0, :2], values[0, :2] = [5, 9], [8.0, -100.0]
+    ids[1, :1], values[1, :1] = [int(np.argmax(logits[1]))], [-100.0]  # ban the argmax
+    biased = logits.copy()
+    for row in range(3):
+        np.add.at(biased[row], ids[row], values[row])  # unused slots add 0 to token 0
+    n = 3
+    got, logprobs, _, _ = sample(jnp.asarray(logits), jnp.zeros(n), jnp.full(n, -1),
+                                 jnp.ones(n), jnp.zeros(n, jnp.uint32), jnp.zeros(n, jnp.int32),
+                                 logit_bias=(jnp.asarray(ids), jnp.asarray(values)))
+    np.testing.assert_array_equal(np.asarray(got), np.argmax(biased, axis=-1))
+    raw = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(logprobs), raw[np.arange(n), np.asarray(got)],
+                               rtol=1e-5, atol=1e-6)
+    probs = np.array([0.6, 0.3, 0.1])
+    draws = 4000
+    tiled = jnp.log(jnp.asarray(np.tile(probs, (draws, 1)), jnp.float32))
+    bias = (jnp.zeros((draws, 1), jnp.int32) + 2, jnp.full((draws, 1), np.log(6.0), jnp.float32))
+    ids, _, _, _ = sample(tiled, jnp.ones(draws), jnp.full(draws, -1), jnp.ones(draws),
+                          jnp.arange(draws, dtype=jnp.uint32), jnp.zeros(draws, jnp.int32),
+                          logit_bias=bias)
+    freq = np.bincount(np.asarray(ids), minlength=3) / draws
+    expected = np.array([0.6, 0.3, 0.6]) / 1.5  # token 2's weight x 6
+    np.testing.assert_allclose(freq, expected, atol=0.032)  # 4 sigma
+
+
+def test_logit_bias_forces_a_token_through_the_engine(tiny_model):
+    prompt = list(range(40, 60))
+    greedy = generate(tiny_model, [(prompt, SamplingParams(max_tokens=6, temperature=0.0))])[0]
+    token = next(t for t in range(3, 200) if t not in greedy)
+    forced = generate(tiny_model, [(prompt, SamplingParams(
+        max_tokens=6, temperature=0.0, ignore_eos=True, logit_bias={token: 100.0}))])[0]
+    assert forced == [token] * 6
+    banned = generate(tiny_model, [(prompt, SamplingParams(
+        max_tokens=6, temperature=0.0, logit_bias={greedy[0]: -100.0}))])[0]
+    assert banned[0] != greedy[0]

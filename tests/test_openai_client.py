@@ -48,6 +48,10 @@ def test_completions_and_logprobs_equal_offline(served):
     top_only = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8,
                                          temperature=1.5, seed=5, extra_body={"min_p": 1.0})
     assert top_only.choices[0].text == choice.text
+    [z] = llm.tokenizer.encode("z", add_special_tokens=False)
+    forced = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4,
+                                       temperature=0, logit_bias={str(z): 100})
+    assert forced.choices[0].text == "zzzz"  # OpenAI's logit_bias, greedy rows included
     with pytest.raises(openai.BadRequestError, match="min_p"):
         client.completions.create(model="tiny", prompt="x", max_tokens=2,
                                   extra_body={"min_p": 2.0})

@@ -193,7 +193,7 @@ BAD = [
     ({"prompt": "x", "seed": -1}, "seed"),
     ({"prompt": "x", "logprobs": 21}, "logprobs"),  # max_logprobs is 20
     ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-    ({"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),  # past the vocabulary
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "n": 1, "best_of": 2, "stream": True}, "best_of"),
     ({"prompt": "x", "stop_token_ids": [9999]}, "stop_token_ids"),

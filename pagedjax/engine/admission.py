@@ -130,10 +130,12 @@ def check_spec(engine: "LLMEngine", spec: PromptSpec) -> Admission:
     if params.stop and engine.tokenizer is None:
         raise RequestError("stop", "stop strings need a tokenizer; this engine has none (pass "
                            "stop_token_ids, or give the engine a tokenizer)")
-    for token_id in params.stop_token_ids:
-        if token_id >= vocab:
-            raise RequestError("stop_token_ids", f"stop_token_ids must be in [0, vocab_size="
-                               f"{vocab}), got {token_id}")
+    for field, ids in (("stop_token_ids", params.stop_token_ids),
+                       ("logit_bias", [token_id for token_id, _ in params.logit_bias])):
+        for token_id in ids:
+            if token_id >= vocab:
+                raise RequestError(field, f"{field} must hold token ids in [0, vocab_size="
+                                   f"{vocab}), got {token_id}")
     _check_text("request_id", spec.request_id, MAX_REQUEST_ID_CHARS)
     _check_text("cache_salt", spec.cache_salt, MAX_CACHE_SALT_CHARS)
     if spec.arrival_time is not None:

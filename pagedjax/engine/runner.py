@@ -20,6 +20,7 @@ from pallas_kernels import (AttentionBackend, AttentionMetadata, copy_blocks, ga
                             init_kv_cache, layer_blocks, scatter_blocks)
 from pallas_kernels.dispatch import TP_AXIS
 from scheduler import ARRAY_FIELDS, DECODE, NULL_BLOCK, PREFILL, STATIC_FIELDS, BatchPlan
+from scheduler.plan import logit_bias_slots
 
 jax.tree_util.register_dataclass(BatchPlan, data_fields=list(ARRAY_FIELDS),
                                  meta_fields=list(STATIC_FIELDS))
@@ -62,7 +63,8 @@ def step_fn(graph: ServingGraph, backend: AttentionBackend, num_top_logprobs: in
         # rows (left to XLA, the sampler's sorts re-partitioned the rows with all-to-alls)
         logits = jax.lax.with_sharding_constraint(logits, NamedSharding(backend.mesh, P()))
     sampled = sample(logits, plan.temperature, plan.top_k, plan.top_p, plan.seeds, plan.kv_lens,
-                     num_top_logprobs, min_p=plan.min_p)
+                     num_top_logprobs, min_p=plan.min_p,
+                     logit_bias=(plan.bias_ids, plan.bias_values))
     return sampled, kv_cache
 
 
@@ -288,6 +290,11 @@ def warmup_shapes(buckets) -> list[tuple[str, int, int]]:
     return shapes + [(PREFILL, t, b) for t, b in buckets.prefill_shapes()]
 
 
+def _no_logit_bias(num_seqs: int) -> dict:
+    bias_ids, bias_values = logit_bias_slots([()] * num_seqs, num_seqs)
+    return dict(bias_ids=bias_ids, bias_values=bias_values)
+
+
 def padding_plan(kind: str, num_tokens: int, num_seqs: int, max_blocks_per_seq: int) -> BatchPlan:
     """A plan of nothing but padding (num_seqs = 0): every write lands in the null block."""
     zeros_t = np.zeros(num_tokens, np.int32)
@@ -298,7 +305,7 @@ def padding_plan(kind: str, num_tokens: int, num_seqs: int, max_blocks_per_seq: 
         logits_indices=np.zeros(num_seqs, np.int32), num_seqs=np.asarray(0, np.int32),
         temperature=np.zeros(num_seqs, np.float32), top_k=np.full(num_seqs, -1, np.int32),
         top_p=np.ones(num_seqs, np.float32), min_p=np.zeros(num_seqs, np.float32),
-        seeds=np.zeros(num_seqs, np.uint32),
+        seeds=np.zeros(num_seqs, np.uint32), **_no_logit_bias(num_seqs),
         copy_src=np.zeros(num_seqs, np.int32), copy_dst=np.zeros(num_seqs, np.int32),
         num_copies=np.asarray(0, np.int32), kind=kind,
         padded_num_tokens=num_tokens, padded_num_seqs=num_seqs)

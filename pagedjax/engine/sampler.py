@@ -43,14 +43,23 @@ def sample(
     positions: jax.Array,  # i32[B] position of the token being sampled
     num_top_logprobs: int = 0,  # static: K most likely tokens returned per row
     min_p: jax.Array | None = None,  # f32[B] 0 disables; None: none of the rows uses it
+    logit_bias: tuple[jax.Array, jax.Array] | None = None,  # (ids i32[B, L], biases f32[B, L])
 ) -> tuple[jax.Array, ...]:
     """Greedy rows take the argmax; the others sample with key fold_in(key(seed), position), so a
     request's tokens depend only on its seed and its context, not on its batch neighbours.
 
-    Returns ids i32[B], their logprobs f32[B] under the model (raw logits, before temperature
-    and filtering), and the K most likely tokens of each row: i32[B, K], f32[B, K].
+    logit_bias is added to the logits every row samples from, greedy ones too (OpenAI's); unused
+    slots add 0 to token 0.
+
+    Returns ids i32[B], their logprobs f32[B] under the model (raw logits, before the bias,
+    temperature and filtering), and the K most likely tokens of each row: i32[B, K], f32[B, K].
     """
-    ids = _sample_ids(logits, temperature, top_k, top_p, seeds, positions, min_p)
+    biased = logits
+    if logit_bias is not None:
+        bias_ids, bias_values = logit_bias
+        rows = jnp.arange(logits.shape[0])[:, None]
+        biased = logits.at[rows, bias_ids].add(bias_values.astype(logits.dtype))
+    ids = _sample_ids(biased, temperature, top_k, top_p, seeds, positions, min_p)
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(log_probs, ids[:, None], axis=-1)[:, 0]
     top_logprobs, top_ids = jax.lax.top_k(log_probs, num_top_logprobs)

@@ -111,6 +111,8 @@ class OpenAIServer:
             kwargs["top_k"] = -1 if body.top_k == 0 else body.top_k
         if body.min_p is not None:
             kwargs["min_p"] = body.min_p
+        if body.logit_bias:
+            kwargs["logit_bias"] = _bias_ids(body.logit_bias)
         try:
             return SamplingParams(**kwargs)
         except RequestError as e:
@@ -265,6 +267,15 @@ class OpenAIServer:
         app.post("/tokenize")(self.tokenize)
         app.post("/detokenize")(self.detokenize)
         return app
+
+
+def _bias_ids(logit_bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias (JSON keys are strings) keyed by token id; 400 naming logit_bias."""
+    try:
+        return {int(token_id): bias for token_id, bias in logit_bias.items()}
+    except ValueError:
+        raise APIError(400, "logit_bias's keys must be token ids (integers as strings)",
+                       "logit_bias") from None
 
 
 def _rejected(error: RequestError, params_of: dict[str, str]) -> APIError:

@@ -55,8 +55,6 @@ class _SamplingFields(BaseModel):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 found.append((name, f"{name} is not supported (only 0)"))
-        if self.logit_bias:
-            found.append(("logit_bias", "logit_bias is not supported"))
         return found
 
 
