@@ -54,12 +54,18 @@ def sample(
     Returns ids i32[B], their logprobs f32[B] under the model (raw logits, before the bias,
     temperature and filtering), and the K most likely tokens of each row: i32[B, K], f32[B, K].
     """
-    biased = logits
-    if logit_bias is not None:
+    def pick(lg):
+        return _sample_ids(lg, temperature, top_k, top_p, seeds, positions, min_p)
+
+    if logit_bias is None:
+        ids = pick(logits)
+    else:  # a step where no row biases runs the sampler on the logits as they are
         bias_ids, bias_values = logit_bias
         rows = jnp.arange(logits.shape[0])[:, None]
-        biased = logits.at[rows, bias_ids].add(bias_values.astype(logits.dtype))
-    ids = _sample_ids(biased, temperature, top_k, top_p, seeds, positions, min_p)
+        ids = jax.lax.cond(
+            jnp.any(bias_values != 0),
+            lambda lg: pick(lg.at[rows, bias_ids].add(bias_values.astype(lg.dtype))),
+            pick, logits)
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(log_probs, ids[:, None], axis=-1)[:, 0]
     top_logprobs, top_ids = jax.lax.top_k(log_probs, num_top_logprobs)
