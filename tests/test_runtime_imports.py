@@ -41,7 +41,9 @@ CHILD = textwrap.dedent('''
             dists = {d.lower().replace("_", "-") for d in owners.get(top, ())}
             if top in first_party or not dists or dists & allowed:
                 return None
-            raise ImportError(f"{fullname} comes from {sorted(dists)}, not a runtime dependency")
+            # What a missing module raises, so an optional import (anyio's of sniffio) falls back
+            raise ModuleNotFoundError(f"{fullname} comes from {sorted(dists)}, not a runtime "
+                                      "dependency")
 
     sys.meta_path.insert(0, Refuse())
     optional = set(sys.argv[1].split(",")) if sys.argv[1] else set()
