@@ -8,20 +8,22 @@ from scheduler.buckets import ShapeBuckets, pad_to_bucket, power_of_two_buckets
 from scheduler.errors import RequestError
 from scheduler.kv_cache_manager import KVCacheManager, cdiv
 from scheduler.lifecycle import abort_request, add_request, check_admission, check_request, update
-from scheduler.plan import ARRAY_FIELDS, STATIC_FIELDS, BatchPlan, build_plan
+from scheduler.plan import (ARRAY_FIELDS, FORWARD_FIELDS, SAMPLING_FIELDS, STATIC_FIELDS, BatchPlan,
+                            build_plan)
 from scheduler.request import Request, RequestStatus, SamplingParams, fold_seed, make_samples
 from scheduler.schedule import schedule
 from scheduler.scheduler import Scheduler
+from scheduler.structured_outputs import StructuredOutputs
 from scheduler.state import (DECODE, DECODE_FIRST, MIXED, POLICIES, PREFILL, PREFILL_FIRST,
                              VICTIM_POLICIES, ScheduledSeq, SchedulerConfig, SchedulerOutput,
                              SchedulerState)
 
 __all__ = [
     "NULL_BLOCK", "BlockPool", "ShapeBuckets", "pad_to_bucket", "power_of_two_buckets",
-    "KVCacheManager", "cdiv", "ARRAY_FIELDS", "DECODE", "PREFILL", "STATIC_FIELDS", "BatchPlan",
+    "KVCacheManager", "cdiv", "ARRAY_FIELDS", "FORWARD_FIELDS", "SAMPLING_FIELDS", "DECODE", "PREFILL", "STATIC_FIELDS", "BatchPlan",
     "build_plan", "Request", "RequestStatus", "SamplingParams", "DECODE_FIRST", "MIXED",
     "POLICIES", "PREFILL_FIRST", "VICTIM_POLICIES", "ScheduledSeq", "Scheduler",
     "SchedulerConfig", "SchedulerOutput", "SchedulerState", "abort_request", "add_request",
     "check_admission", "check_request", "RequestError", "fold_seed",
-    "schedule", "update", "make_samples",
+    "schedule", "update", "make_samples", "StructuredOutputs",
 ]

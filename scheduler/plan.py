@@ -12,9 +12,13 @@ from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.request import MAX_LOGIT_BIAS
 from scheduler.state import DECODE, PREFILL, SchedulerOutput
 
-ARRAY_FIELDS = ("token_ids", "positions", "slot_mapping", "block_tables", "kv_lens", "cu_q_lens",
-                "logits_indices", "num_seqs", "temperature", "top_k", "top_p", "min_p", "seeds",
-                "bias_ids", "bias_values", "copy_src", "copy_dst", "num_copies")
+# What the model's forward reads, and what the sampler reads (kv_lens: the sampled position).
+FORWARD_FIELDS = ("token_ids", "positions", "slot_mapping", "block_tables", "kv_lens",
+                  "cu_q_lens", "logits_indices", "num_seqs", "copy_src", "copy_dst", "num_copies")
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seeds", "kv_lens", "bias_ids",
+                   "bias_values", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                   "penalty_tokens", "penalty_prompt_lens")
+ARRAY_FIELDS = FORWARD_FIELDS + tuple(f for f in SAMPLING_FIELDS if f not in FORWARD_FIELDS)
 STATIC_FIELDS = ("kind", "padded_num_tokens", "padded_num_seqs")
 
 
@@ -43,6 +47,14 @@ class BatchPlan:
     bias_ids: np.ndarray  # i32[B, MAX_LOGIT_BIAS]
     bias_values: np.ndarray  # f32[B, MAX_LOGIT_BIAS]
     seeds: np.ndarray  # u32[B] per-request seed; the sample at position p uses fold_in(seed, p)
+    # vLLM's penalties (SamplingParams); their tokens only when a row of the step uses them:
+    # penalty_tokens[b] is row b's prompt then output tokens, -1 padded to H = the block
+    # table's capacity (H = 0 when no row is penalized, so the sampler skips the work).
+    presence_penalty: np.ndarray  # f32[B] 0 disables
+    frequency_penalty: np.ndarray  # f32[B] 0 disables
+    repetition_penalty: np.ndarray  # f32[B] 1 disables
+    penalty_tokens: np.ndarray  # i32[B, H]
+    penalty_prompt_lens: np.ndarray  # i32[B] how many of penalty_tokens[b] are the prompt's
     copy_src: np.ndarray  # i32[B] copy-on-write: block copy_src[i] -> copy_dst[i] before writes
     copy_dst: np.ndarray  # i32[B] (padding pairs copy the null block onto itself)
     num_copies: np.ndarray  # i32[]
@@ -63,12 +75,16 @@ def _padded_shape(output: SchedulerOutput, buckets: ShapeBuckets,
     return kind, padded_tokens, buckets.padded_prefill_seqs(num_seqs, padded_tokens)
 
 
+# The SamplingParams fields a plan carries a column of, as they are.
+_PARAM_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "logit_bias", "presence_penalty",
+                  "frequency_penalty", "repetition_penalty")
+
+
 def _rows(scheduled, kv_manager: KVCacheManager, block_tables: np.ndarray):
     """Each row's query tokens (back to back), its block table (into block_tables), and its
     start, query length and sampling settings as lists."""
     tokens: list[int] = []
-    columns = {name: [] for name in ("start", "q_len", "temperature", "top_k", "top_p", "min_p",
-                                     "seed", "logit_bias")}
+    columns = {name: [] for name in ("start", "q_len", "seed", *_PARAM_COLUMNS)}
     for i, (request, start, n) in enumerate(scheduled):
         if n == 1:
             tokens.append(request.token_id_at(start))
@@ -78,11 +94,10 @@ def _rows(scheduled, kv_manager: KVCacheManager, block_tables: np.ndarray):
             table = kv_manager.get_block_table(request.request_id)
             block_tables[i, :len(table)] = table
         params = request.sampling_params
-        for name, value in (("start", start), ("q_len", n), ("temperature", params.temperature),
-                            ("top_k", params.top_k), ("top_p", params.top_p),
-                            ("min_p", params.min_p), ("seed", request.seed),
-                            ("logit_bias", params.logit_bias)):
+        for name, value in (("start", start), ("q_len", n), ("seed", request.seed)):
             columns[name].append(value)
+        for name in _PARAM_COLUMNS:
+            columns[name].append(getattr(params, name))
     return tokens, columns
 
 
@@ -94,6 +109,22 @@ def logit_bias_slots(rows, padded_seqs: int) -> tuple[np.ndarray, np.ndarray]:
         if pairs:
             ids[i, :len(pairs)], values[i, :len(pairs)] = zip(*pairs)
     return ids, values
+
+
+def penalty_tokens(requests, padded_seqs: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens i32[B, H], prompt lengths i32[B]) of the rows whose requests use penalties; H is
+    0 when none does (requests: one a row, None for none)."""
+    if not any(r is not None and r.sampling_params.uses_penalties for r in requests):
+        width = 0
+    tokens = np.full((padded_seqs, width), -1, np.int32)
+    prompt_lens = np.zeros(padded_seqs, np.int32)
+    for i, request in enumerate(requests):
+        if width and request is not None and request.sampling_params.uses_penalties:
+            n, p = request.num_tokens, request.num_prompt_tokens
+            tokens[i, :p] = request.prompt_token_ids
+            tokens[i, p:n] = request.output_token_ids
+            prompt_lens[i] = p
+    return tokens, prompt_lens
 
 
 def _positions(output: SchedulerOutput, starts, q_lens, kv_lens, seq_of_token,
@@ -151,6 +182,9 @@ def build_plan(output: SchedulerOutput, kv_manager: KVCacheManager,
     cu_q_lens = np.zeros(padded_seqs + 1, np.int32)
     np.cumsum(q_lens, out=cu_q_lens[1:])
     bias_ids, bias_values = logit_bias_slots(rows["logit_bias"], padded_seqs)
+    pen_tokens, pen_prompt_lens = penalty_tokens(
+        [r for r, _, _ in scheduled], padded_seqs,
+        buckets.max_blocks_per_seq * kv_manager.block_size)
     copy_src = np.zeros(padded_seqs, np.int32)
     copy_dst = np.zeros(padded_seqs, np.int32)
     if output.copies:
@@ -167,6 +201,10 @@ def build_plan(output: SchedulerOutput, kv_manager: KVCacheManager,
         num_seqs=np.asarray(num_seqs, np.int32), temperature=padded("temperature", 0.0, np.float32),
         top_k=padded("top_k", -1, np.int32), top_p=padded("top_p", 1.0, np.float32),
         min_p=padded("min_p", 0.0, np.float32), bias_ids=bias_ids, bias_values=bias_values,
+        presence_penalty=padded("presence_penalty", 0.0, np.float32),
+        frequency_penalty=padded("frequency_penalty", 0.0, np.float32),
+        repetition_penalty=padded("repetition_penalty", 1.0, np.float32),
+        penalty_tokens=pen_tokens, penalty_prompt_lens=pen_prompt_lens,
         seeds=padded("seed", 0, np.uint32), copy_src=copy_src, copy_dst=copy_dst,
         num_copies=np.asarray(len(output.copies), np.int32), kind=kind,
         padded_num_tokens=padded_tokens, padded_num_seqs=padded_seqs)

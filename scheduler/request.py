@@ -7,6 +7,7 @@ import enum
 from typing import Sequence
 
 from scheduler.errors import RequestError, check_bool, check_float, check_int
+from scheduler.structured_outputs import StructuredOutputs
 
 INT32_MAX = 2**31 - 1  # integer fields are packed into i32 plan arrays
 MAX_TEMPERATURE = 1e4
@@ -15,6 +16,9 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 64  # biased tokens a request may name: the BatchPlan's slots a row
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range for a bias
+MAX_ABS_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty
+MAX_REPETITION_PENALTY = 100.0
+MAX_BAD_WORDS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,9 +54,26 @@ class SamplingParams:
     # OpenAI's logit_bias: {token id: bias in [-100, 100]} added to the logits before sampling
     # (greedy too); kept as sorted (id, bias) pairs. Logprobs stay the model's.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's penalties: presence and frequency over the output tokens (subtracted once for a
+    # token that occurred, and once per occurrence); repetition over prompt and output tokens
+    # (a seen token's logit divided by it when positive, multiplied when not: transformers').
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0  # EOS and stop_token_ids (and stop strings) wait this many tokens
+    allowed_token_ids: tuple[int, ...] | None = None  # sample only among these
+    bad_words: tuple[str, ...] = ()  # never emitted (as vLLM: with and without a leading space)
+    structured_outputs: StructuredOutputs | None = None  # a grammar the output must match
 
     def __post_init__(self):
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", _int_tuple("allowed_token_ids",
+                                                                     self.allowed_token_ids))
+        object.__setattr__(self, "bad_words", _str_tuple("bad_words", self.bad_words))
+        if isinstance(self.structured_outputs, dict):
+            object.__setattr__(self, "structured_outputs",
+                               StructuredOutputs(**self.structured_outputs))
         object.__setattr__(self, "stop_token_ids", _int_tuple("stop_token_ids",
                                                               self.stop_token_ids))
         stop = self.stop
@@ -100,6 +121,34 @@ class SamplingParams:
             raise RequestError("stop_token_ids", f"stop_token_ids holds "
                                f"{len(self.stop_token_ids)} ids, more than {MAX_STOP_TOKEN_IDS}")
         self._check_logit_bias()
+        self._check_constraints()
+
+    def _check_constraints(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            check_float(name, getattr(self, name), -MAX_ABS_PENALTY, MAX_ABS_PENALTY)
+        check_float("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY,
+                    low_open=True)
+        check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise RequestError("allowed_token_ids", "allowed_token_ids must name at least one "
+                               "token (or be None)")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise RequestError("bad_words", f"bad_words holds {len(self.bad_words)} words, more "
+                               f"than {MAX_BAD_WORDS}")
+        for word in self.bad_words:
+            if not word.strip() or len(word) > MAX_STOP_STRING_CHARS:
+                raise RequestError("bad_words", f"bad_words must hold non-blank words of at "
+                                   f"most {MAX_STOP_STRING_CHARS} characters")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputs):
+            raise RequestError("structured_outputs", "structured_outputs must be a "
+                               "StructuredOutputs (or a dict of its fields), got "
+                               f"{type(self.structured_outputs).__name__}")
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
     def _check_logit_bias(self) -> None:
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
@@ -272,6 +321,16 @@ def _bias_pairs(value) -> tuple[tuple[int, float], ...]:
         return tuple(sorted(pairs))
     except TypeError:
         raise RequestError("logit_bias", "logit_bias's token ids must be integers") from None
+
+
+def _str_tuple(field: str, values) -> tuple[str, ...]:
+    if values is None:
+        return ()
+    if isinstance(values, str):
+        values = (values,)
+    if not isinstance(values, (list, tuple)) or not all(isinstance(v, str) for v in values):
+        raise RequestError(field, f"{field} must be a list of strings")
+    return tuple(values)
 
 
 def _int_tuple(field: str, values) -> tuple[int, ...]:

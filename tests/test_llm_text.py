@@ -235,10 +235,11 @@ def test_checkpoint_errors(tmp_path):
 def test_a_loaded_checkpoint_compiles_each_program_once(model_dir):
     """Loaded weights are committed to a device (random init is not): the runner commits
     everything, so the second pass over the same shapes compiles nothing."""
-    from pagedjax.engine.runner import _step
+    from pagedjax.engine.runner import num_step_traces
+    from pagedjax.engine.sampling_step import num_sampler_compiles
     llm = LLM(str(model_dir), **ENGINE, enable_prefix_caching=False)
     rng = np.random.default_rng(0)
     llm.generate(rng.integers(3, 200, (3, 8)).tolist(), GREEDY, use_tqdm=False)
-    before = _step._cache_size()  # compiled executables, one per distinct input signature
+    before = num_step_traces(), num_sampler_compiles()
     llm.generate(rng.integers(3, 200, (3, 8)).tolist(), GREEDY, use_tqdm=False)
-    assert _step._cache_size() == before
+    assert (num_step_traces(), num_sampler_compiles()) == before

@@ -44,6 +44,7 @@ class Admission:
     spec: PromptSpec
     prompt_token_ids: list[int]
     request_id: str | None  # None: the engine numbers it when it builds the request
+    constraints: object = None  # token_masks.Constraints, or None
 
     @property
     def num_tokens(self) -> int:
@@ -152,7 +153,7 @@ def check_spec(engine: "LLMEngine", spec: PromptSpec) -> Admission:
                       [f"{spec.request_id}#{i}" for i in range(params.num_samples)])
     for state in engine.scheduler_states():  # a data-parallel engine: every replica's ids
         check_admission(state, params.num_samples, len(ids), params.max_tokens, sample_ids)
-    return Admission(spec, ids, spec.request_id)
+    return Admission(spec, ids, spec.request_id, engine.token_masks.constraints(params))
 
 
 def check_specs(engine: "LLMEngine", specs: Sequence[PromptSpec]) -> list[Admission]:

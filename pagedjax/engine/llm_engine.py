@@ -19,6 +19,7 @@ from pagedjax.engine.output_processor import TextState
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.runner import ModelRunner
 from pagedjax.engine.stats import EngineStats, ReplicaLoad
+from pagedjax.engine.token_masks import TokenMasks, step_rows
 from pagedjax.parallel import multihost
 from pagedjax.parallel.placement import place
 from pagedjax.parallel.sharding import kv_head_repeats
@@ -103,6 +104,9 @@ class LLMEngine:
         self._next_id = 0
         self._groups: dict[str, list[Request]] = {}  # request_id -> its samples, until finished
         self._texts: dict[str, TextState] = {}  # sample request_id -> its text, with a tokenizer
+        # allowed_token_ids, bad_words, min_tokens, structured outputs: one state a sample
+        self.token_masks = TokenMasks(tokenizer, model_config.vocab_size,
+                                      model_config.eos_token_ids)
         self._prompts: dict[str, str] = {}  # request_id -> prompt text, when given as text
         self.usage_history: collections.deque[UsageSample] = collections.deque(maxlen=100_000)
         self.last_schedule = None
@@ -130,7 +134,7 @@ class LLMEngine:
         taken = {a.request_id for a in admissions}
         requests = [self._build(a, taken) for a in admissions]
         for request, admission in zip(requests, admissions):
-            self.queue(request)
+            self.queue(request, admission.constraints or False)
             if admission.spec.prompt_text is not None:
                 self._prompts[request.parent_id] = admission.spec.prompt_text
         return [r.parent_id for r in requests]
@@ -177,10 +181,14 @@ class LLMEngine:
                             arrival_time=arrival_time, cache_salt=spec.cache_salt,
                             eos_token_ids=self.model_config.eos_token_ids)
 
-    def queue(self, request: Request) -> None:
-        """Queues a request from make_request (with its parallel samples)."""
+    def queue(self, request: Request, constraints=None) -> None:
+        """Queues a request from make_request (with its parallel samples). constraints: its
+        token_masks.Constraints from admission (False: it has none; None: built here)."""
+        if constraints is None:
+            constraints = self.token_masks.constraints(request.sampling_params)
         self.scheduler.add_request(request)
         samples = [request, *request.followers]
+        self.token_masks.add(samples, constraints or None)
         self._groups[request.parent_id] = samples
         if self.tokenizer is not None:
             for sample in samples:
@@ -201,6 +209,7 @@ class LLMEngine:
         for sample in samples:
             self.scheduler.abort(sample.request_id, now)
             self._texts.pop(sample.request_id, None)
+            self.token_masks.drop(sample.request_id)
         self._prompts.pop(request_id, None)
         self.stats.num_aborted += 1
 
@@ -246,10 +255,17 @@ class LLMEngine:
         start = time.perf_counter()
         self.runner.swap(output.swap_out, output.swap_in, self.host_pool)
         try:
-            plan = build_plan(output, self.scheduler.kv_manager, self.buckets)
-            return _Started(output, start, self.runner.dispatch(plan))
+            return _Started(output, start, self._dispatch(output))
         except Exception as error:  # noqa: BLE001 - isolated in finish_step, or re-raised
             return _Started(output, start, None, error)
+
+    def _dispatch(self, output):
+        """Dispatches a schedule's forward, builds its token masks on the host meanwhile, then
+        dispatches its sampler (runner.PendingStep)."""
+        plan = build_plan(output, self.scheduler.kv_manager, self.buckets)
+        logits = self.runner.dispatch_forward(plan)
+        mask = self.token_masks.build(step_rows(output), plan.padded_num_seqs)
+        return self.runner.dispatch_sample(plan, logits, mask)
 
     def finish_step(self, started: "_Started | None",
                     final_only: bool = False) -> list[RequestOutput]:
@@ -280,15 +296,16 @@ class LLMEngine:
         new = self.scheduler.update(output, sampled_ids, now, logprobs, top_ids, top_logprobs)
         advanced.extend(new)
         failed: dict[str, str] = {}
-        if self.tokenizer is not None:
-            for sample in new:
-                try:
-                    stopped = self._texts[sample.request_id].advance(sample)
-                except Exception as error:  # noqa: BLE001 - this request fails alone
-                    failed[sample.parent_id] = _describe(error)
-                    continue
-                if stopped and not sample.status.finished:
-                    self.scheduler.abort(sample.request_id, now, RequestStatus.FINISHED_STOPPED)
+        for sample in new:
+            try:
+                stopped = self.token_masks.advance(sample)  # a grammar complete
+                if self.tokenizer is not None:
+                    stopped = self._texts[sample.request_id].advance(sample) or stopped
+            except Exception as error:  # noqa: BLE001 - this request fails alone
+                failed[sample.parent_id] = _describe(error)
+                continue
+            if stopped and not sample.status.finished:
+                self.scheduler.abort(sample.request_id, now, RequestStatus.FINISHED_STOPPED)
         for parent_id, message in failed.items():
             self._fail(parent_id, message, now)
         parents = dict.fromkeys(r.parent_id for r in new)
@@ -307,6 +324,7 @@ class LLMEngine:
             self._fail(parent_id, message, now)
         outputs = [self._output(parent_id, message) for parent_id in failed]
         self.scheduler = self._make_scheduler()
+        self.token_masks.clear()
         if self.runner.kv_cache_lost:
             self.runner.reset_kv_cache()
         return outputs
@@ -324,6 +342,7 @@ class LLMEngine:
             self._prompts.pop(parent_id, None)
             for sample in samples:
                 self._texts.pop(sample.request_id, None)
+                self.token_masks.drop(sample.request_id)
         return out
 
     def _fail(self, parent_id: str, message: str, now: float) -> None:
@@ -347,8 +366,7 @@ class LLMEngine:
             try:
                 if len(output.scheduled) == 1:
                     raise error
-                results = self.runner.step(build_plan(alone, self.scheduler.kv_manager,
-                                                      self.buckets))
+                results = self.runner.fetch(self._dispatch(alone))
             except Exception as row_error:  # noqa: BLE001 - this request fails alone
                 if self.runner.kv_cache_lost:
                     raise

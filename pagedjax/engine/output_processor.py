@@ -30,8 +30,8 @@ class TextState:
         if request.status.finished:
             delta += self.detokenizer.finish()
         self.text += delta
-        if self.matcher is None:
-            return False
+        if self.matcher is None or self.num_tokens <= request.sampling_params.min_tokens:
+            return False  # as vLLM: no stop string before min_tokens
         cut = self.matcher.check(self.text, len(delta))
         if cut is None:
             return False

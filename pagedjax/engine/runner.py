@@ -13,14 +13,15 @@ from tqdm.auto import tqdm
 
 from models import LlamaForCausalLM, ServingGraph, ServingWeights, serving, serving_form
 from models.placed_weights import LazyModel
-from pagedjax.engine.sampler import sample
+from pagedjax.engine import sampling_step
 from pagedjax.parallel.sharding import (kv_cache_sharding, kv_head_repeats, shard_weights,
                                         weight_sharding)
 from pallas_kernels import (AttentionBackend, AttentionMetadata, copy_blocks, gather_blocks,
                             init_kv_cache, layer_blocks, scatter_blocks)
 from pallas_kernels.dispatch import TP_AXIS
-from scheduler import ARRAY_FIELDS, DECODE, NULL_BLOCK, PREFILL, STATIC_FIELDS, BatchPlan
-from scheduler.plan import logit_bias_slots
+from scheduler import (ARRAY_FIELDS, DECODE, FORWARD_FIELDS, NULL_BLOCK, PREFILL, STATIC_FIELDS,
+                       BatchPlan)
+from scheduler.plan import logit_bias_slots, penalty_tokens
 
 jax.tree_util.register_dataclass(BatchPlan, data_fields=list(ARRAY_FIELDS),
                                  meta_fields=list(STATIC_FIELDS))
@@ -44,31 +45,47 @@ def _count_compile() -> None:
     _num_compiles += 1
 
 
-def step_fn(graph: ServingGraph, backend: AttentionBackend, num_top_logprobs: int,
-            params: ServingWeights, kv_cache, plan: BatchPlan):
-    """One engine step as a pure function: returns (sampled, kv_cache) where sampled is
-    (ids i32[B], logprobs f32[B], top ids i32[B, K], top logprobs f32[B, K])."""
+def forward_fn(graph: ServingGraph, backend: AttentionBackend, kind: str,
+               params: ServingWeights, kv_cache, inputs: dict):
+    """The model's part of a step as a pure function: returns (logits f32[B, V], kv_cache).
+    inputs: the plan's FORWARD_FIELDS (kind is static: DECODE runs the decode kernels)."""
     global _num_traces
     _num_traces += 1  # runs at trace time only
     blocks_per_layer = kv_cache.shape[2] // graph.num_layers
-    kv_cache = copy_blocks(kv_cache, plan.copy_src, plan.copy_dst, plan.num_copies, backend,
-                           num_blocks=blocks_per_layer)
+    kv_cache = copy_blocks(kv_cache, inputs["copy_src"], inputs["copy_dst"],
+                           inputs["num_copies"], backend, num_blocks=blocks_per_layer)
     metadata = AttentionMetadata(
-        slot_mapping=plan.slot_mapping, block_tables=plan.block_tables, kv_lens=plan.kv_lens,
-        cu_q_lens=plan.cu_q_lens, num_seqs=plan.num_seqs, decode_only=plan.kind == DECODE)
-    hidden, kv_cache = serving.forward_paged(graph, params, kv_cache, plan.token_ids,
-                                             plan.positions, metadata, backend)
-    logits = serving.logits(graph, params, hidden[plan.logits_indices])  # f32[B, V]
-    if backend.mesh is not None:  # vocab-split: one all-gather, then each device samples whole
-        # rows (left to XLA, the sampler's sorts re-partitioned the rows with all-to-alls)
+        slot_mapping=inputs["slot_mapping"], block_tables=inputs["block_tables"],
+        kv_lens=inputs["kv_lens"], cu_q_lens=inputs["cu_q_lens"], num_seqs=inputs["num_seqs"],
+        decode_only=kind == DECODE)
+    hidden, kv_cache = serving.forward_paged(graph, params, kv_cache, inputs["token_ids"],
+                                             inputs["positions"], metadata, backend)
+    logits = serving.logits(graph, params, hidden[inputs["logits_indices"]])  # f32[B, V]
+    if backend.mesh is not None:  # vocab-split: one all-gather, so every device holds whole
+        # rows for the sampler
         logits = jax.lax.with_sharding_constraint(logits, NamedSharding(backend.mesh, P()))
-    sampled = sample(logits, plan.temperature, plan.top_k, plan.top_p, plan.seeds, plan.kv_lens,
-                     num_top_logprobs, min_p=plan.min_p,
-                     logit_bias=(plan.bias_ids, plan.bias_values))
+    return logits, kv_cache
+
+
+def forward_inputs(plan: BatchPlan) -> dict:
+    return {name: getattr(plan, name) for name in FORWARD_FIELDS}
+
+
+def step_fn(graph: ServingGraph, backend: AttentionBackend, num_top_logprobs: int,
+            params: ServingWeights, kv_cache, plan: BatchPlan):
+    """One whole engine step as one pure function (the runner runs it as two programs, forward
+    and sampler; ahead-of-time analyses compile it whole): returns (sampled, kv_cache) where
+    sampled is (ids i32[B], logprobs f32[B], top ids i32[B, K], top logprobs f32[B, K])."""
+    logits, kv_cache = forward_fn(graph, backend, plan.kind, params, kv_cache,
+                                  forward_inputs(plan))
+    sampled = sampling_step.sample_fn(num_top_logprobs, logits,
+                                      sampling_step.sampling_inputs(plan),
+                                      sampling_step.no_token_mask(logits.shape[0]))
     return sampled, kv_cache
 
 
-# graph and backend are static; the KV cache is donated so XLA updates it in place.
+# graph, backend and kind are static; the KV cache is donated so XLA updates it in place.
+_forward = jax.jit(forward_fn, static_argnums=(0, 1, 2), donate_argnums=(4,))
 _step = jax.jit(step_fn, static_argnums=(0, 1, 2), donate_argnums=(4,))
 
 
@@ -112,6 +129,7 @@ class ModelRunner:
         # abstract arguments (nothing runs, no buffer is touched), so a warmup thread can
         # compile while the engine thread steps; each shape compiles once, under its lock.
         self._programs: dict[tuple[str, int, int], jax.stages.Compiled] = {}
+        self._logits_shape: dict[int, jax.ShapeDtypeStruct] = {}  # B -> the forward's logits
         self._program_locks: dict[tuple[str, int, int], threading.Lock] = {}
         self._locks_lock = threading.Lock()
         self._abstract_args = jax.tree.map(
@@ -180,8 +198,9 @@ class ModelRunner:
 
     def program(self, kind: str, num_tokens: int, num_seqs: int,
                 max_blocks_per_seq: int) -> jax.stages.Compiled:
-        """The step program of a shape, compiled on first use (from the persistent compilation
-        cache when an earlier process compiled it); thread-safe, one compile per shape."""
+        """The forward program of a shape, compiled on first use (from the persistent
+        compilation cache when an earlier process compiled it), with its plain sampler;
+        thread-safe, one compile per shape."""
         key = (kind, num_tokens, num_seqs)
         program = self._programs.get(key)
         if program is not None:
@@ -192,38 +211,64 @@ class ModelRunner:
             if key not in self._programs:
                 _count_compile()
                 plan = padding_plan(kind, num_tokens, num_seqs, max_blocks_per_seq)
-                plan = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), plan)
-                self._programs[key] = _step.lower(
-                    self.graph, self.backend, self.num_top_logprobs, *self._abstract_args,
-                    plan).compile()
+                inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
+                                      forward_inputs(plan))
+                lowered = _forward.lower(self.graph, self.backend, kind, *self._abstract_args,
+                                         inputs)
+                self._logits_shape[num_seqs] = lowered.out_info[0]
+                self._sampler(plan, sampling_step.no_token_mask(num_seqs))
+                self._programs[key] = lowered.compile()
         return self._programs[key]
 
-    def step(self, plan: BatchPlan) -> tuple[np.ndarray, ...]:
+    def _sampler(self, plan: BatchPlan, token_mask: np.ndarray) -> jax.stages.Compiled:
+        return sampling_step.program(self.num_top_logprobs,
+                                     self._logits_shape[plan.padded_num_seqs],
+                                     sampling_step.sampling_inputs(plan), token_mask,
+                                     self.device)
+
+    def step(self, plan: BatchPlan, token_mask: np.ndarray | None = None) -> tuple:
         """Runs one step; returns, for the first num_seqs rows, the sampled ids, their logprobs,
         and the num_top_logprobs most likely tokens with their logprobs."""
-        return self.fetch(self.dispatch(plan))
+        return self.fetch(self.dispatch(plan, token_mask))
 
-    def dispatch(self, plan: BatchPlan) -> "PendingStep":
+    def dispatch(self, plan: BatchPlan, token_mask: np.ndarray | None = None) -> "PendingStep":
         """Starts one step and returns at once (JAX's asynchronous dispatch): the device works
         while the caller dispatches other replicas' steps; fetch() waits for its results."""
+        return self.dispatch_sample(plan, self.dispatch_forward(plan), token_mask)
+
+    def dispatch_forward(self, plan: BatchPlan) -> jax.Array:
+        """Starts a step's forward; returns its logits (on device, not waited for)."""
         program = self.program(plan.kind, plan.padded_num_tokens, plan.padded_num_seqs,
                                plan.block_tables.shape[1])
+        inputs = forward_inputs(plan)
         if self.channel is None:
-            sampled, self.kv_cache = program(self.params, self.kv_cache, plan)
+            logits, self.kv_cache = program(self.params, self.kv_cache, inputs)
         else:  # multi-host: the followers run it too (multihost.py); a failure is the group's
             self.channel.step(plan)
             try:
-                sampled, self.kv_cache = program(self.params, self.kv_cache, plan)
+                logits, self.kv_cache = program(self.params, self.kv_cache, inputs)
             except Exception as error:
                 raise self.channel.broken(error) from error
         self.step_shapes.add((plan.kind, plan.padded_num_tokens, plan.padded_num_seqs))
+        return logits
+
+    def dispatch_sample(self, plan: BatchPlan, logits: jax.Array,
+                        token_mask: np.ndarray | None = None) -> "PendingStep":
+        """Starts the sampler on a dispatched forward's logits, on this runner's device (over a
+        mesh the logits are replicated: its copy there), token_mask (i32[B, W], W = ceil(V / 32),
+        or None) limiting what each row may sample."""
+        if token_mask is None:
+            token_mask = sampling_step.no_token_mask(plan.padded_num_seqs)
+        if not logits.is_fully_addressable or len(logits.devices()) > 1:
+            logits = next(s.data for s in logits.addressable_shards if s.device == self.device)
+        program = self._sampler(plan, token_mask)
+        sampled = program(logits, sampling_step.sampling_inputs(plan), token_mask)
         return PendingStep(sampled, int(plan.num_seqs))
 
     def fetch(self, pending: "PendingStep") -> tuple[np.ndarray, ...]:
         """A dispatched step's results on the host (blocks until the device is done)."""
-        try:  # replicated over the mesh; across processes only this process's copy is read
-            return tuple(np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
-                         [:pending.num_seqs] for x in pending.sampled)
+        try:
+            return tuple(np.asarray(x)[:pending.num_seqs] for x in pending.sampled)
         except Exception as error:
             if self.channel is not None:
                 raise self.channel.broken(error) from error
@@ -292,7 +337,12 @@ def warmup_shapes(buckets) -> list[tuple[str, int, int]]:
 
 def _no_logit_bias(num_seqs: int) -> dict:
     bias_ids, bias_values = logit_bias_slots([()] * num_seqs, num_seqs)
-    return dict(bias_ids=bias_ids, bias_values=bias_values)
+    tokens, prompt_lens = penalty_tokens([None] * num_seqs, num_seqs, 0)
+    return dict(bias_ids=bias_ids, bias_values=bias_values,
+                presence_penalty=np.zeros(num_seqs, np.float32),
+                frequency_penalty=np.zeros(num_seqs, np.float32),
+                repetition_penalty=np.ones(num_seqs, np.float32), penalty_tokens=tokens,
+                penalty_prompt_lens=prompt_lens)
 
 
 def padding_plan(kind: str, num_tokens: int, num_seqs: int, max_blocks_per_seq: int) -> BatchPlan:

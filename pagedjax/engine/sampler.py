@@ -16,6 +16,43 @@ def _filter_min_p(
     return jnp.where(logits < threshold, -jnp.inf, logits)
 
 
+def apply_token_mask(
+    logits: jax.Array,  # f32[B, V]
+    token_mask: jax.Array,  # i32[B, W] bit j of word w: token 32 w + j may be sampled
+) -> jax.Array:  # f32[B, V] with masked-out tokens at -inf
+    """The bitmask of allowed_token_ids, bad_words, min_tokens and grammars (llguidance's
+    layout: W = ceil(V / 32) words a row, little-endian bits)."""
+    vocab = logits.shape[-1]
+    bits = (token_mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
+    allowed = bits.reshape(bits.shape[0], -1)[:, :vocab].astype(bool)
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
+def apply_penalties(
+    logits: jax.Array,  # f32[B, V]
+    tokens: jax.Array,  # i32[B, H] each row's prompt then output tokens; -1 pads
+    prompt_lens: jax.Array,  # i32[B] how many of a row's tokens are its prompt's
+    presence: jax.Array,  # f32[B] 0 disables
+    frequency: jax.Array,  # f32[B] 0 disables
+    repetition: jax.Array,  # f32[B] 1 disables
+) -> jax.Array:
+    """vLLM's penalties: repetition over the tokens of prompt and output (a seen token's logit
+    is divided by the penalty when positive, multiplied when not); frequency times each output
+    token's count and presence once for each output token that occurred are subtracted. The
+    counts are rebuilt from the tokens each step (a scatter into [B, V])."""
+    batch, vocab = logits.shape
+    rows = jnp.arange(batch)[:, None]
+    valid = tokens >= 0
+    ids = jnp.where(valid, tokens, vocab)  # out of range: dropped by the scatters
+    is_output = valid & (jnp.arange(tokens.shape[1])[None, :] >= prompt_lens[:, None])
+    counts = jnp.zeros((batch, vocab), jnp.float32).at[rows, ids].add(
+        is_output.astype(jnp.float32), mode="drop")
+    seen = jnp.zeros((batch, vocab), bool).at[rows, ids].set(True, mode="drop")
+    rep = repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+
+
 def _filter_top_k_top_p(
     logits: jax.Array,  # f32[B, V], already divided by temperature
     top_k: jax.Array,  # i32[B] -1 disables
@@ -44,28 +81,35 @@ def sample(
     num_top_logprobs: int = 0,  # static: K most likely tokens returned per row
     min_p: jax.Array | None = None,  # f32[B] 0 disables; None: none of the rows uses it
     logit_bias: tuple[jax.Array, jax.Array] | None = None,  # (ids i32[B, L], biases f32[B, L])
+    penalties: tuple[jax.Array, ...] | None = None,  # apply_penalties' arguments after logits
+    token_mask: jax.Array | None = None,  # i32[B, W] (apply_token_mask)
 ) -> tuple[jax.Array, ...]:
     """Greedy rows take the argmax; the others sample with key fold_in(key(seed), position), so a
     request's tokens depend only on its seed and its context, not on its batch neighbours.
 
-    logit_bias is added to the logits every row samples from, greedy ones too (OpenAI's); unused
-    slots add 0 to token 0.
+    What every row samples from, greedy ones too, in vLLM's order: the token mask, logit_bias
+    (OpenAI's; unused slots add 0 to token 0), the penalties; then temperature, min-p, top-k and
+    top-p for the sampled rows. penalties and token_mask are None when no row of the step uses
+    them (the program has none of their work).
 
     Returns ids i32[B], their logprobs f32[B] under the model (raw logits, before the bias,
     temperature and filtering), and the K most likely tokens of each row: i32[B, K], f32[B, K].
     """
     def pick(lg):
+        if penalties is not None:
+            lg = apply_penalties(lg, *penalties)
         return _sample_ids(lg, temperature, top_k, top_p, seeds, positions, min_p)
 
+    processed = logits if token_mask is None else apply_token_mask(logits, token_mask)
     if logit_bias is None:
-        ids = pick(logits)
+        ids = pick(processed)
     else:  # a step where no row biases runs the sampler on the logits as they are
         bias_ids, bias_values = logit_bias
         rows = jnp.arange(logits.shape[0])[:, None]
         ids = jax.lax.cond(
             jnp.any(bias_values != 0),
             lambda lg: pick(lg.at[rows, bias_ids].add(bias_values.astype(lg.dtype))),
-            pick, logits)
+            pick, processed)
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(log_probs, ids[:, None], axis=-1)[:, 0]
     top_logprobs, top_ids = jax.lax.top_k(log_probs, num_top_logprobs)

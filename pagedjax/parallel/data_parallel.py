@@ -80,6 +80,12 @@ class DataParallelEngine:
         return [r.scheduler.state for r in self.replicas]
 
     @property
+    def token_masks(self):
+        """Where admission checks and compiles constraints (the same for every replica; each
+        keeps its own samples' states)."""
+        return self.replicas[0].token_masks
+
+    @property
     def buckets(self):
         return self.replicas[0].buckets
 

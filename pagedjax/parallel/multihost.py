@@ -35,7 +35,7 @@ import logging
 import jax
 import numpy as np
 
-from scheduler import ARRAY_FIELDS, DECODE, PREFILL
+from scheduler import DECODE, FORWARD_FIELDS, PREFILL
 
 logger = logging.getLogger("pagedjax.parallel.multihost")
 
@@ -149,7 +149,7 @@ class LeaderChannel:
     def step(self, plan) -> None:
         self._send(_header(STEP, plan.kind, plan.padded_num_tokens, plan.padded_num_seqs,
                            plan.block_tables.shape[1]))
-        self._send({name: np.asarray(getattr(plan, name)) for name in ARRAY_FIELDS})
+        self._send({name: np.asarray(getattr(plan, name)) for name in FORWARD_FIELDS})
 
     def reset(self) -> None:
         self._send(_header(RESET))
@@ -187,7 +187,7 @@ def follow(runner) -> int:
         if command != STEP:
             raise RuntimeError(f"follower got an unknown command {command} from the leader")
         template = padding_plan(KINDS[kind], num_tokens, num_seqs, max_blocks)
-        arrays = _broadcast({name: getattr(template, name) for name in ARRAY_FIELDS})
+        arrays = _broadcast({name: getattr(template, name) for name in FORWARD_FIELDS})
         plan = dataclasses.replace(template, **{k: np.asarray(v) for k, v in arrays.items()})
-        runner.fetch(runner.dispatch(plan))
+        runner.dispatch_forward(plan).block_until_ready()  # the leader alone samples
         steps += 1

@@ -233,6 +233,10 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def to_json(self) -> str:
+        """The tokenizer.json text (what grammar libraries build their token tables from)."""
+        return self._tokenizer.to_str()
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
@@ -264,6 +268,11 @@ class ByteTokenizer:
     eos_token_ids = (257,)
     chat_template = None  # it was trained on no conversations: chat needs one passed in
     SPECIALS = {256: "<bos>", 257: "<eos>", **{i: f"<reserved_{i}>" for i in range(258, 264)}}
+
+    def token_bytes(self) -> list[bytes]:
+        """Each id's bytes (a special's its name), for grammar libraries' token tables."""
+        return [bytes([i]) for i in range(256)] + [self.SPECIALS[i].encode()
+                                                   for i in range(256, self.vocab_size)]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = [self.bos_token_id] if add_special_tokens else []

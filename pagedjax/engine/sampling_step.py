@@ -1,0 +1,82 @@
+"""The sampler as its own program: the step's logits in, its sampled tokens out.
+
+The model's forward and the sampler are two programs so that what only some steps need
+(penalties' token counts, a token bitmask) changes the small program, never the model's: a
+penalized or masked step compiles a sampler variant (seconds at most), and the host computes a
+step's grammar masks while the device runs its forward (vLLM's overlap). The logits stay on
+device between the two. Programs are compiled ahead of time and shared by every runner of the
+process (keyed by shapes, the device and K).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import numpy as np
+from jax.sharding import SingleDeviceSharding
+
+from pagedjax.engine.sampler import sample
+from scheduler import SAMPLING_FIELDS, BatchPlan
+
+_programs: dict[tuple, jax.stages.Compiled] = {}
+_locks: dict[tuple, threading.Lock] = {}
+_locks_lock = threading.Lock()
+_num_compiles = 0
+
+
+def num_sampler_compiles() -> int:
+    """How many sampler programs this process has compiled."""
+    return _num_compiles
+
+
+def sample_fn(num_top_logprobs: int, logits: jax.Array, inputs: dict,
+              token_mask: jax.Array) -> tuple[jax.Array, ...]:
+    """sample() on a plan's sampling fields; an empty penalty_tokens (H = 0) or token_mask
+    (W = 0) leaves their work out of the program."""
+    penalties = None
+    if inputs["penalty_tokens"].shape[1]:
+        penalties = (inputs["penalty_tokens"], inputs["penalty_prompt_lens"],
+                     inputs["presence_penalty"], inputs["frequency_penalty"],
+                     inputs["repetition_penalty"])
+    return sample(logits, inputs["temperature"], inputs["top_k"], inputs["top_p"],
+                  inputs["seeds"], inputs["kv_lens"], num_top_logprobs, min_p=inputs["min_p"],
+                  logit_bias=(inputs["bias_ids"], inputs["bias_values"]), penalties=penalties,
+                  token_mask=token_mask if token_mask.shape[1] else None)
+
+
+_sample = jax.jit(sample_fn, static_argnums=(0,))
+
+
+def sampling_inputs(plan: BatchPlan) -> dict:
+    return {name: getattr(plan, name) for name in SAMPLING_FIELDS}
+
+
+def no_token_mask(num_seqs: int) -> np.ndarray:
+    return np.zeros((num_seqs, 0), np.int32)
+
+
+def program(num_top_logprobs: int, logits: jax.ShapeDtypeStruct, inputs: dict,
+            token_mask: np.ndarray, device: jax.Device) -> jax.stages.Compiled:
+    """The sampler program for these shapes on device (compiled once per process)."""
+    signature = tuple((k, np.shape(v), np.asarray(v).dtype.str) for k, v in inputs.items())
+    key = (num_top_logprobs, logits.shape, device, signature, token_mask.shape)
+    compiled = _programs.get(key)
+    if compiled is not None:
+        return compiled
+    with _locks_lock:
+        lock = _locks.setdefault(key, threading.Lock())
+    with lock:
+        if key not in _programs:
+            global _num_compiles
+            _num_compiles += 1
+            sharding = SingleDeviceSharding(device)
+
+            def abstract(x):
+                return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=sharding)
+
+            _programs[key] = _sample.lower(
+                num_top_logprobs, jax.ShapeDtypeStruct(logits.shape, logits.dtype,
+                                                       sharding=sharding),
+                jax.tree.map(abstract, inputs), abstract(token_mask)).compile()
+    return _programs[key]
