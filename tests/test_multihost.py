@@ -68,7 +68,7 @@ def worker(process_id: int, port: int, die_after: int | None) -> None:
     else:
         runner = engine.runner
         if die_after is not None:  # a follower that crashes mid-generation
-            dispatch = runner.dispatch
+            dispatch = runner.dispatch_forward
 
             def dying(plan, count=[0]):
                 count[0] += 1
@@ -76,7 +76,7 @@ def worker(process_id: int, port: int, die_after: int | None) -> None:
                     os._exit(17)
                 return dispatch(plan)
 
-            runner.dispatch = dying
+            runner.dispatch_forward = dying
         report["steps"] = multihost.follow(runner)
     print(json.dumps(report), flush=True)
 

@@ -248,7 +248,7 @@ def broken_backend():
     def step(plan):
         raise RuntimeError("bad build")
 
-    llm.engine.runner.dispatch = step
+    llm.engine.runner.dispatch_forward = step
     with BackgroundServer(OpenAIServer(llm.engine, "tiny").build_app()) as url:
         yield url
 

@@ -192,7 +192,15 @@ BAD = [
     ({"prompt": "x", "n": 2, "best_of": 1}, "best_of"),
     ({"prompt": "x", "seed": -1}, "seed"),
     ({"prompt": "x", "logprobs": 21}, "logprobs"),  # max_logprobs is 20
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ({"prompt": "x", "allowed_token_ids": [99999]}, "allowed_token_ids"),
+    ({"prompt": "x", "bad_words": [" "]}, "bad_words"),
+    ({"prompt": "x", "guided_regex": "a(b"}, "guided_regex"),
+    ({"prompt": "x", "structured_outputs": {"json": {"type": "nope"}}}, "structured_outputs"),
+    ({"prompt": "x", "guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
+    ({"prompt": "x", "response_format": {"type": "json_schema"}}, "response_format"),
     ({"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),  # past the vocabulary
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "n": 1, "best_of": 2, "stream": True}, "best_of"),

@@ -22,7 +22,7 @@ def test_request_failing_inside_a_step_fails_alone():
     """A step that raises for one request's rows: that request answers 500 with its error, the
     one batched with it is served as if alone, the engine keeps serving and frees every block."""
     llm = LLM(**ENGINE)
-    step = llm.engine.runner.dispatch  # where every step's plan reaches the device
+    step = llm.engine.runner.dispatch_forward  # where every step's plan reaches the device
     poison = 7  # the tokenizer's id for the BEL byte, which no other prompt holds
 
     def flaky(plan):
@@ -32,7 +32,7 @@ def test_request_failing_inside_a_step_fails_alone():
 
     expected = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0),
                             use_tqdm=False)[0].text
-    llm.engine.runner.dispatch = flaky
+    llm.engine.runner.dispatch_forward = flaky
     server = OpenAIServer(llm.engine, "tiny")
     with TestClient(server.build_app()) as client:
         server.async_engine.pause()  # both requests land in the same first step
@@ -62,7 +62,7 @@ def test_internal_errors_answer_500_with_a_request_id_and_the_engine_serves_on(c
     expected = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=8, temperature=0),
                             use_tqdm=False)[0].text
     server = OpenAIServer(llm.engine, "tiny")
-    step = llm.engine.runner.dispatch
+    step = llm.engine.runner.dispatch_forward
     lost = []
 
     def loses_the_cache(plan):
@@ -86,7 +86,7 @@ def test_internal_errors_answer_500_with_a_request_id_and_the_engine_serves_on(c
         assert request_id in response.json()["error"]["message"]
         assert "a bug" not in response.text  # the traceback goes to the log only
         assert any(request_id in r.getMessage() and r.exc_info for r in caplog.records)
-        llm.engine.runner.dispatch = loses_the_cache
+        llm.engine.runner.dispatch_forward = loses_the_cache
         failed = client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4})
         assert failed.status_code == 500 and "device reset" in failed.json()["error"]["message"]
         assert client.get("/health").status_code == 200

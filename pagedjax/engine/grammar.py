@@ -81,9 +81,11 @@ def check_grammar(grammar: str, tokenizer, kind: str) -> None:
     """RequestError naming the field when llguidance cannot compile the grammar."""
     from llguidance import LLMatcher
     error = LLMatcher.validate_grammar(grammar, tokenizer)
-    if error:
-        raise RequestError(f"{FIELD}.{kind}", f"{FIELD}.{kind} does not compile: "
-                           f"{error.strip()[:1000]}")
+    if error:  # the reason without the grammar's text (errors never echo a client's input)
+        reasons = [line.strip() for line in error.splitlines()
+                   if line.strip().startswith("error:")]
+        reason = f" ({reasons[0][:200]})" if reasons else ""
+        raise RequestError(f"{FIELD}.{kind}", f"{FIELD}.{kind} does not compile{reason}")
 
 
 class GrammarState:

@@ -34,9 +34,13 @@ from pagedjax.serving.http_common import (DEFAULT_MAX_REQUEST_BYTES, APIError, G
                                           error_body, install_error_handlers)
 from pagedjax.serving.metrics import ServerMetrics
 from pagedjax.serving.protocol import ChatCompletionRequest, _SamplingFields
+from pagedjax.serving.structured import structured_outputs
 from pagedjax.serving.trace_recorder import TraceRecorder
 from pagedjax.text.tokenizer import check_chat_template
 from scheduler import RequestError, SamplingParams
+from scheduler.structured_outputs import KINDS
+
+STRUCTURED_FIELDS = ("structured_outputs", *(f"structured_outputs.{kind}" for kind in KINDS))
 
 REJECTED = {400: "invalid", 404: "invalid", 413: "invalid", 429: "overloaded"}  # -> reason
 
@@ -113,6 +117,14 @@ class OpenAIServer:
             kwargs["min_p"] = body.min_p
         if body.logit_bias:
             kwargs["logit_bias"] = _bias_ids(body.logit_bias)
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "allowed_token_ids", "bad_words"):
+            if getattr(body, name) is not None:
+                kwargs[name] = getattr(body, name)
+        kwargs["min_tokens"] = body.min_tokens
+        kwargs["structured_outputs"], field = structured_outputs(body)
+        if field is not None:  # the engine's errors name the body's field
+            params_of.update({name: field for name in STRUCTURED_FIELDS})
         try:
             return SamplingParams(**kwargs)
         except RequestError as e:
@@ -282,7 +294,10 @@ def _rejected(error: RequestError, params_of: dict[str, str]) -> APIError:
     """The engine's RequestError as HTTP 400, its field spelled as the endpoint's body does."""
     field = error.field
     param = params_of.get(field, field) if field not in ("sampling_params", "request_id") else None
-    return APIError(400, str(error), param)
+    message = str(error)
+    if param is not None and field and message.startswith(field):
+        message = param + message[len(field):]
+    return APIError(400, message, param)
 
 
 async def _disconnected(request: fastapi.Request) -> None:

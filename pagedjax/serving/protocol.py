@@ -42,19 +42,36 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     cache_salt: str | None = None
     return_token_ids: bool = False
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs object and its
+    # older guided_* fields (pagedjax.serving.structured turns them into one StructuredOutputs).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for fields with values this engine does not implement."""
         found = []
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                found.append((name, f"{name} is not supported (only 0)"))
+        if self.guided_decoding_backend not in (None, "auto", "guidance", "llguidance"):
+            found.append(("guided_decoding_backend", "guided_decoding_backend must be 'auto' or "
+                          "'guidance' (this server's structured outputs use llguidance)"))
+        if self.guided_whitespace_pattern is not None:
+            found.append(("guided_whitespace_pattern", "guided_whitespace_pattern is not "
+                          "supported (use structured_outputs.disable_any_whitespace)"))
         return found
 
 
@@ -97,15 +114,11 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
 
     def unsupported(self):
         found = super().unsupported()
         if self.tools:
             found.append(("tools", "tool calling is not supported"))
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            found.append(("response_format", "only response_format {'type': 'text'} is "
-                          "supported (no guided decoding)"))
         if self.top_logprobs is not None and not self.logprobs:
             found.append(("top_logprobs", "top_logprobs needs logprobs: true"))
         return found
