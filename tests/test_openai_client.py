@@ -102,3 +102,41 @@ def test_tokenize_round_trip(served):
     bare = httpx.post(f"{url}/tokenize", json={"prompt": text,
                                                "add_special_tokens": False}).json()["tokens"]
     assert httpx.post(f"{url}/detokenize", json={"tokens": bare}).json() == {"prompt": text}
+
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "rooms"],
+          "properties": {"city": {"type": "string", "enum": ["oslo", "rome", "lima"]},
+                         "rooms": {"type": "integer", "minimum": 1, "maximum": 9}}}
+
+
+def test_structured_output_with_a_json_schema_parses_and_validates(served):
+    """OpenAI's response_format (json_schema) on chat (with vLLM's disable_any_whitespace: the
+    embedded model writes newlines when it may), vLLM's structured_outputs and guided_*
+    fields on completions (extra_body, as the client sends vLLM's fields): sampled outputs
+    parse and validate against the schema; a choice is one of the choices."""
+    import json
+
+    import jsonschema
+    _, client, _ = served
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "a hotel as JSON"}],
+        max_tokens=64, temperature=1.0, seed=2, n=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "hotel",
+                                                                "schema": SCHEMA}},
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}})  # vLLM's option
+    for choice in chat.choices:
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+        assert choice.finish_reason == "stop"
+    completion = client.completions.create(
+        model="tiny", prompt="hotel:", max_tokens=64, temperature=1.0, seed=3,
+        extra_body={"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}})
+    text = completion.choices[0].text
+    jsonschema.validate(json.loads(text), SCHEMA)
+    assert " " not in text
+    picked = client.completions.create(model="tiny", prompt="pick:", max_tokens=8,
+                                       temperature=1.0, seed=4,
+                                       extra_body={"guided_choice": ["left", "right"]})
+    assert picked.choices[0].text in ("left", "right")
+    with pytest.raises(openai.BadRequestError, match="guided_regex"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=2,
+                                  extra_body={"guided_regex": "a(b"})

@@ -2,6 +2,8 @@
 `response_format` (json_object, json_schema), vLLM's `structured_outputs` object and its older
 `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` fields. At most one of them
 may constrain a request; a second, or a shape this server does not serve, is a 400 naming it.
+As in vLLM, a `structured_outputs` object holding options only (disable_any_whitespace) applies
+them to the kind another field gives (response_format's schema, a guided_* field).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from scheduler import RequestError, StructuredOutputs
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
 # vLLM's StructuredOutputsParams fields this server refuses by name (the rest are served).
+_OPTIONS = ("disable_any_whitespace",)
 _REFUSED = {"structural_tag": "structural_tag is not supported",
             "whitespace_pattern": "whitespace_pattern is not supported (use "
                                   "disable_any_whitespace)",
@@ -48,24 +51,31 @@ def structured_outputs(body) -> tuple[StructuredOutputs | None, str | None]:
     """(the StructuredOutputs of a body's fields, the field it came from), or (None, None);
     APIError 400 naming the field."""
     given: list[tuple[str, dict]] = []
+    options: dict = {}
     if body.response_format is not None:
         spec = _from_response_format(body.response_format)
         if spec is not None:
             given.append(("response_format", spec))
     if body.structured_outputs is not None:
-        given.append(("structured_outputs", _from_structured_outputs(body.structured_outputs)))
+        spec = _from_structured_outputs(body.structured_outputs)
+        options = {k: spec.pop(k) for k in _OPTIONS if k in spec}
+        if spec:
+            given.append(("structured_outputs", spec))
     for field, kind in _GUIDED.items():
         value = getattr(body, field)
         if value is not None:
             given.append((field, {kind: value}))
     if not given:
+        if options:
+            raise APIError(400, "structured_outputs holds options but no json, regex, choice, "
+                           "grammar or json_object", "structured_outputs")
         return None, None
     if len(given) > 1:
         raise APIError(400, f"{given[0][0]} and {given[1][0]} both constrain the output: send "
                        f"one", given[1][0])
     field, spec = given[0]
     try:
-        return StructuredOutputs(**spec), field
+        return StructuredOutputs(**spec, **options), field
     except TypeError as error:  # an unknown key of structured_outputs
         raise APIError(400, f"{field}: {str(error)[:200]}", field) from None
     except RequestError as error:

@@ -1,0 +1,122 @@
+"""Structured outputs through llguidance: sampled (not greedy) outputs of a random model under a
+JSON schema, a regex, a choice and an EBNF grammar always match it; under preemption and
+chunked prefill too; a grammar that does not compile is refused by name and queues nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import jsonschema
+import pytest
+
+from helpers import until_done
+from models import get_config, init_model
+from pagedjax import EngineConfig, LLMEngine, SamplingParams
+from pagedjax.text.tokenizer import ByteTokenizer
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string", "enum": ["ann", "bob", "cy"]},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "tags": {"type": "array", "maxItems": 2,
+                                  "items": {"type": "string", "pattern": "^[a-z]{1,4}$"}}}}
+REGEX = r"[A-Z][a-z]{2,5}-[0-9]{3}"
+GRAMMAR = """
+start: term (op term)? (op term)?
+term: NUMBER | "(" NUMBER op NUMBER ")"
+op: "+" | "-"
+NUMBER: /[1-9][0-9]?/
+"""  # finite, so a random model's samples end well inside max_tokens
+ARITH = re.compile(r"[0-9+\-()]+")
+
+
+@pytest.fixture(scope="module")
+def byte_model():
+    config = dataclasses.replace(get_config("debug-tiny"), vocab_size=264, eos_token_id=257)
+    return init_model(config, seed=5)
+
+
+def run(engine, requests):
+    ids = [engine.add_request(p, sp) for p, sp in requests]
+    done = {}
+    for _ in until_done(engine, max_steps=2000):
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return [done[i] for i in ids]
+
+
+def check(kind: str, text: str) -> None:
+    if kind == "json":
+        jsonschema.validate(json.loads(text), SCHEMA)
+    elif kind == "regex":
+        assert re.fullmatch(REGEX, text), text
+    elif kind == "choice":
+        assert text in ("red", "green", "blue"), text
+    else:
+        assert ARITH.fullmatch(text) and eval(text) is not None, text  # noqa: S307 - digits, + - ( )
+
+
+SPECS = {"json": dict(json=SCHEMA, disable_any_whitespace=True), "regex": dict(regex=REGEX),
+         "choice": dict(choice=["red", "green", "blue"]), "grammar": dict(grammar=GRAMMAR)}
+
+
+def requests(tok, seeds, max_tokens=96):
+    out = []
+    for kind, spec in SPECS.items():
+        for seed in seeds:
+            prompt = tok.encode(f"{kind} number {seed}: ")
+            out.append((kind, prompt, SamplingParams(max_tokens=max_tokens, temperature=1.0,
+                                                     seed=seed, structured_outputs=spec)))
+    return out
+
+
+def test_every_sampled_output_matches_its_grammar(byte_model):
+    tok = ByteTokenizer()
+    engine = LLMEngine(byte_model, EngineConfig(max_model_len=160, max_num_seqs=8,
+                                                block_size=8), tokenizer=tok)
+    cases = requests(tok, seeds=(1, 2))
+    unconstrained = run(engine, [(p, dataclasses.replace(sp, structured_outputs=None))
+                                 for _, p, sp in cases[:2]])
+    with pytest.raises(Exception):  # the random model alone writes no JSON
+        check("json", unconstrained[0].outputs[0].text)
+    outs = run(engine, [(p, sp) for _, p, sp in cases])
+    for (kind, _, _), out in zip(cases, outs):
+        assert out.outputs[0].finish_reason == "stop", (kind, out.outputs[0].text)
+        check(kind, out.outputs[0].text)
+    # n > 1: each sample its own matcher
+    many = run(engine, [(cases[0][1], dataclasses.replace(cases[0][2], n=3))])[0]
+    assert len({o.text for o in many.outputs}) > 1
+    for sample in many.outputs:
+        check("json", sample.text)
+
+
+def test_grammars_hold_under_preemption_and_chunked_prefill(byte_model):
+    """A pool too small for the batch (requests are preempted and recomputed) and a token
+    budget that chunks every prompt: the matchers keep their state across both."""
+    tok = ByteTokenizer()
+    engine = LLMEngine(byte_model, EngineConfig(
+        max_model_len=160, max_num_seqs=8, block_size=8, num_blocks=24,
+        max_num_batched_tokens=16, enable_chunked_prefill=True, enable_prefix_caching=False),
+        tokenizer=tok)
+    cases = requests(tok, seeds=(3, 4), max_tokens=64)
+    long = [(kind, tok.encode(chr(97 + i) * 40) + p, sp) for i, (kind, p, sp) in enumerate(cases)]
+    outs = run(engine, [(p, sp) for _, p, sp in long])
+    assert engine.stats.num_preemptions > 0
+    for (kind, _, _), out in zip(long, outs):
+        assert out.outputs[0].finish_reason == "stop", (kind, out.outputs[0].text)
+        check(kind, out.outputs[0].text)
+
+
+@pytest.mark.parametrize("spec, field", [
+    (dict(regex="a(b"), "structured_outputs.regex"),
+    (dict(json={"type": "object", "properties": 5}), "structured_outputs.json"),
+    (dict(grammar="start: missing_rule"), "structured_outputs.grammar"),
+    (dict(regex="a", choice=["b"]), "structured_outputs"),
+])
+def test_a_grammar_that_does_not_compile_is_refused_by_name(byte_model, spec, field):
+    engine = LLMEngine(byte_model, EngineConfig(max_model_len=64, max_num_seqs=2,
+                                                block_size=8), tokenizer=ByteTokenizer())
+    with pytest.raises(ValueError) as error:
+        engine.add_request([1, 2, 3], SamplingParams(structured_outputs=spec))
+    assert error.value.field == field and field in str(error.value)
+    assert not engine.has_unfinished() and not engine.token_masks._states
