@@ -16,7 +16,7 @@ GPU_IMAGE_TESTS := tests/test_gpu_script.py tests/test_kernels_gpu.py \
 	tests/test_kernels_xla_gpu_compile.py tests/test_kernels_mosaic_gpu.py \
 	tests/test_engine_equivalence.py
 
-.PHONY: demo test test-gpu-image gpu-image-python bench bench-gpu-image clean
+.PHONY: demo test test-slow test-gpu-image gpu-image-python bench bench-gpu-image clean
 
 $(STAMP): pyproject.toml requirements/cpu.txt
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -49,7 +49,11 @@ demo: $(DEMO_STAMP)
 	$(PY) -m pagedjax.tools.demo
 
 test: $(TEST_STAMP)
-	$(PY) -m pytest -n 2 -q tests
+	$(PY) -m pytest -n 2 -q -m "not slow" tests
+
+# Tensor and data parallel over eight host devices, and multi-host over several processes.
+test-slow: $(TEST_STAMP)
+	$(PY) -m pytest -n 2 -q -m slow tests
 
 test-gpu-image: $(GPU_IMAGE_STAMP)
 	JAX_PLATFORMS=cpu $(GPU_IMAGE_VENV)/bin/python -m pytest -n 2 -q $(GPU_IMAGE_TESTS) -k "not tpu"

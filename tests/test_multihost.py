@@ -21,6 +21,10 @@ import pytest
 
 from helpers import complete, wait_healthy
 
+# The slow suite (make test-slow, run by .ci/run beside make test): several processes under
+# jax.distributed.
+pytestmark = pytest.mark.slow
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BASE = dict(max_model_len=96, max_num_seqs=4, max_num_batched_tokens=32, block_size=4,
             num_blocks=26, compilation_cache="off")

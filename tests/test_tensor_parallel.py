@@ -16,6 +16,10 @@ import sys
 
 import pytest
 
+# The slow suite (make test-slow, run by .ci/run beside make test): eight host devices in
+# child processes.
+pytestmark = pytest.mark.slow
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEVICES = 8
 # (name, EngineConfig fields): chunked prefill (32-token steps), preemption (a 26-block pool)

@@ -1,0 +1,116 @@
+"""Every field of OpenAI's request schemas (read from the installed `openai` package's types) and
+of vLLM's extensions is either served (a request setting it to a non-default value answers 200)
+or refused by name (400 whose `param` is the field): none is dropped. The server's own body
+models hold nothing outside these lists, so a field added there must be declared here."""
+
+from __future__ import annotations
+
+import typing
+
+import pytest
+from fastapi.testclient import TestClient
+
+from helpers import ROLE_TEMPLATE
+from pagedjax import LLM
+from pagedjax.serving.app import OpenAIServer
+from pagedjax.serving.protocol import ChatCompletionRequest, CompletionRequest
+from test_server import ENGINE
+
+openai_types = pytest.importorskip("openai.types")
+
+# A non-default value for each served field (both endpoints unless the endpoint overrides).
+SERVED = {
+    "model": "tiny", "max_tokens": 3, "n": 2, "temperature": 0.5, "top_p": 0.9, "top_k": 5,
+    "min_p": 0.1, "seed": 3, "stop": ["zz"], "stop_token_ids": [7], "stream": True,
+    "stream_options": {"include_usage": True}, "ignore_eos": True, "skip_special_tokens": False,
+    "include_stop_str_in_output": True, "presence_penalty": 0.5, "frequency_penalty": 0.5,
+    "repetition_penalty": 1.2, "min_tokens": 1, "allowed_token_ids": [97, 98, 99],
+    "bad_words": ["q"], "logit_bias": {"97": 1.0}, "user": "u1", "cache_salt": "s",
+    "return_token_ids": True, "response_format": {"type": "json_object"},
+    "structured_outputs": {"regex": "[ab]{2}"}, "guided_json": {"type": "object"},
+    "guided_regex": "[ab]{2}", "guided_choice": ["a", "b"], "guided_grammar": 'start: "ab"',
+    "guided_decoding_backend": "guidance",
+}
+COMPLETION_SERVED = {**SERVED, "prompt": "copy:ab=", "best_of": 2, "logprobs": 2, "echo": True}
+CHAT_SERVED = {**SERVED, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+               "top_logprobs": 2, "max_completion_tokens": 3, "add_generation_prompt": False,
+               "chat_template_kwargs": {"x": 1}}
+# Refused by name whatever their value (or with the value given here).
+REFUSED = {
+    "suffix": "x", "tools": [{"type": "function", "function": {"name": "f"}}],
+    "guided_whitespace_pattern": " ", "audio": {"voice": "x"}, "function_call": "auto",
+    "functions": [{"name": "f"}], "metadata": {"a": "b"}, "modalities": ["text"],
+    "moderation": {}, "parallel_tool_calls": True, "prediction": {"type": "content"},
+    "prompt_cache_key": "k", "prompt_cache_options": {}, "prompt_cache_retention": "24h",
+    "reasoning_effort": "low", "safety_identifier": "x", "service_tier": "auto",
+    "store": True, "tool_choice": "auto", "verbosity": "low", "web_search_options": {},
+    # vLLM's extensions this server does not implement
+    "use_beam_search": True, "length_penalty": 2.0, "prompt_logprobs": 1,
+    "truncate_prompt_tokens": 4, "spaces_between_special_tokens": False,
+    "add_special_tokens": False, "structural_tag": "x", "priority": 1, "request_id": "r",
+    "logits_processors": ["x"], "return_tokens_as_token_ids": True, "kv_transfer_params": {},
+    "vllm_xargs": {}, "prompt_embeds": "x", "continue_final_message": True, "documents": [],
+    "chat_template": "x", "mm_processor_kwargs": {}, "include_reasoning": False,
+}
+# Each endpoint's fields the other does not have are refused there by name.
+REFUSED.update({"echo": True, "add_generation_prompt": False, "chat_template_kwargs": {"x": 1},
+                "top_logprobs": 2, "max_completion_tokens": 3, "best_of": 2, "prompt": "x"})
+# vLLM's extensions (its CompletionRequest / ChatCompletionRequest beyond OpenAI's fields).
+VLLM_FIELDS = {
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids",
+    "include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "allowed_token_ids",
+    "bad_words", "response_format", "structured_outputs", "guided_json", "guided_regex",
+    "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern",
+    "cache_salt", "return_token_ids", "use_beam_search", "length_penalty", "prompt_logprobs",
+    "truncate_prompt_tokens", "spaces_between_special_tokens", "add_special_tokens",
+    "structural_tag", "priority", "request_id", "logits_processors",
+    "return_tokens_as_token_ids", "kv_transfer_params", "vllm_xargs", "prompt_embeds"}
+VLLM_CHAT_FIELDS = {"echo", "add_generation_prompt", "continue_final_message", "documents",
+                    "chat_template", "chat_template_kwargs", "mm_processor_kwargs",
+                    "include_reasoning"}
+
+
+def openai_fields(module) -> set[str]:
+    return set(typing.get_type_hints(module.CompletionCreateParamsBase)) | {"stream"}
+
+
+ENDPOINTS = {
+    "/v1/completions": (COMPLETION_SERVED, CompletionRequest,
+                        openai_fields(openai_types.completion_create_params) | VLLM_FIELDS),
+    "/v1/chat/completions": (CHAT_SERVED, ChatCompletionRequest,
+                             openai_fields(openai_types.chat.completion_create_params)
+                             | VLLM_FIELDS | VLLM_CHAT_FIELDS),
+}
+
+
+@pytest.fixture(scope="module")
+def client():
+    server = OpenAIServer(LLM(**ENGINE).engine, "tiny", chat_template=ROLE_TEMPLATE)
+    with TestClient(server.build_app()) as client:
+        yield client
+
+
+def base_body(path: str) -> dict:
+    if path == "/v1/completions":
+        return {"prompt": "copy:ab=", "max_tokens": 2}
+    return {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize("path", sorted(ENDPOINTS))
+def test_every_schema_field_is_served_or_refused_by_name(client, path):
+    served, model, names = ENDPOINTS[path]
+    undeclared = names - set(served) - set(REFUSED)
+    assert not undeclared, f"fields neither served nor refused: {sorted(undeclared)}"
+    assert set(model.model_fields) <= set(served) | set(REFUSED), \
+        sorted(set(model.model_fields) - set(served) - set(REFUSED))
+    for name in sorted(names):
+        if name in served:
+            body = {**base_body(path), name: served[name]}
+            if name in ("best_of",):
+                body["n"] = 1
+            response = client.post(path, json=body)
+            assert response.status_code == 200, (name, response.text)
+        else:
+            response = client.post(path, json={**base_body(path), name: REFUSED[name]})
+            assert response.status_code == 400, (name, response.text)
+            assert response.json()["error"]["param"] == name, (name, response.json())
