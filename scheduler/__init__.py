@@ -20,7 +20,8 @@ from scheduler.state import (DECODE, DECODE_FIRST, MIXED, POLICIES, PREFILL, PRE
 
 __all__ = [
     "NULL_BLOCK", "BlockPool", "ShapeBuckets", "pad_to_bucket", "power_of_two_buckets",
-    "KVCacheManager", "cdiv", "ARRAY_FIELDS", "FORWARD_FIELDS", "SAMPLING_FIELDS", "DECODE", "PREFILL", "STATIC_FIELDS", "BatchPlan",
+    "KVCacheManager", "cdiv", "ARRAY_FIELDS", "FORWARD_FIELDS", "SAMPLING_FIELDS", "DECODE",
+    "PREFILL", "STATIC_FIELDS", "BatchPlan",
     "build_plan", "Request", "RequestStatus", "SamplingParams", "DECODE_FIRST", "MIXED",
     "POLICIES", "PREFILL_FIRST", "VICTIM_POLICIES", "ScheduledSeq", "Scheduler",
     "SchedulerConfig", "SchedulerOutput", "SchedulerState", "abort_request", "add_request",

@@ -5,21 +5,23 @@ from __future__ import annotations
 from typing import Sequence
 
 from scheduler.errors import RequestError
-from scheduler.request import Request, RequestStatus
+from scheduler.request import Logprob, Request, RequestStatus
 from scheduler.state import SchedulerOutput, SchedulerState
 
 
 def update(state: SchedulerState, output: SchedulerOutput, sampled_ids: Sequence[int],
            now: float, sampled_logprobs: Sequence[float] | None = None,
            top_ids: Sequence[Sequence[int]] | None = None,
-           top_logprobs: Sequence[Sequence[float]] | None = None) -> list[Request]:
+           top_logprobs: Sequence[Sequence[float]] | None = None,
+           sampled_ranks: Sequence[int] | None = None) -> list[Request]:
     """Advances the scheduled requests by the step's result; returns the requests that received
     a new token (finished ones among them, with a finished status and their blocks freed).
 
     Row i of sampled_ids belongs to output.scheduled[i], then one row per fork follower. A
     scheduled row's token is kept only when its sequence has caught up with all its tokens (the
     last chunk of a prefill, or a decode). top_ids / top_logprobs (rows x K, most likely first)
-    feed the requests that asked for logprobs.
+    and sampled_ranks (each sampled token's rank, 1 = the most likely) feed the requests that
+    asked for logprobs: one {token id: Logprob} a token, its top ones and the sampled one.
     """
     kv = state.kv_manager
     num_scheduled = len(output.scheduled)
@@ -49,9 +51,11 @@ def update(state: SchedulerState, output: SchedulerOutput, sampled_ids: Sequence
             request.cumulative_logprob += float(sampled_logprobs[row])
             num_top = request.sampling_params.logprobs
             if num_top is not None:
-                top = {int(t): float(lp) for t, lp in zip(top_ids[row][:num_top],
-                                                         top_logprobs[row][:num_top])}
-                top[token_id] = float(sampled_logprobs[row])
+                top = {int(t): Logprob(float(lp), rank) for rank, (t, lp) in enumerate(
+                    zip(top_ids[row][:num_top], top_logprobs[row][:num_top]), start=1)}
+                if token_id not in top:
+                    top[token_id] = Logprob(float(sampled_logprobs[row]), None if
+                                            sampled_ranks is None else int(sampled_ranks[row]))
                 request.logprobs.append(top)
         status = request.append_output_token(token_id)
         if status is None and request.num_tokens >= state.config.max_model_len:

@@ -168,6 +168,16 @@ class SamplingParams:
         return self.best_of or self.n
 
 
+@dataclasses.dataclass(slots=True)
+class Logprob:
+    """vLLM's Logprob: a token's logprob under the model, its rank in the step's distribution
+    (1 = the most likely) and, with a tokenizer, its text on its own."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -227,7 +237,7 @@ class Request:
         # the same logits in the step that completes the prompt, then forks its blocks.
         self.followers: list[Request] = []
         self.cumulative_logprob = 0.0
-        self.logprobs: list[dict[int, float]] = []  # per output token, when asked for
+        self.logprobs: list[dict[int, Logprob]] = []  # per output token, when asked for
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -26,20 +26,25 @@ def dense_log_probs(model, tokens):
 
 
 def test_top_logprobs_match_the_dense_model(tiny_model):
+    """vLLM's Logprob objects: each top token's and the sampled one's logprob and rank (1 =
+    the most likely) equal the dense model's; sampled hot, so tokens outside the top 2 come
+    up and their ranks are the device's count."""
     llm = LLM(tiny_model, **CONFIG)
     prompt = list(range(5, 22))
-    out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, logprobs=5),
-                       use_tqdm=False)[0].outputs[0]
-    assert len(out.logprobs) == 4
-    context = list(prompt)
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=3.0, seed=1,
+                                                logprobs=2), use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 8
+    context, outside = list(prompt), 0
     for token, top in zip(out.token_ids, out.logprobs):
         expected = dense_log_probs(tiny_model, context)
-        best5 = np.argsort(-expected)[:5]
-        assert set(top) == set(best5.tolist()) | {token}
+        assert set(top) == set(np.argsort(-expected)[:2].tolist()) | {token}
         for t, lp in top.items():
-            assert lp == pytest.approx(float(expected[t]), abs=1e-4)  # f32, two orderings
+            assert lp.logprob == pytest.approx(float(expected[t]), abs=1e-4)  # f32, two orders
+            assert lp.rank == 1 + int(np.sum(expected > expected[t]))
+        outside += top[token].rank > 2
         context.append(token)
-    np.testing.assert_allclose(out.cumulative_logprob, sum(t[k] for t, k in
+    assert outside  # a sampled token outside the top 2 was ranked
+    np.testing.assert_allclose(out.cumulative_logprob, sum(t[k].logprob for t, k in
                                                            zip(out.logprobs, out.token_ids)),
                                rtol=1e-5)
 
@@ -59,13 +64,14 @@ def dense_beam_search(model, prompt, width, steps):
 
 
 def test_beam_search_equals_dense_reference(tiny_model):
-    llm = LLM(tiny_model, **CONFIG)
+    llm = LLM(tiny_model, tokenizer="byte", **CONFIG)
     prompts = [list(range(30, 43)), [7, 8]]
     results = llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=5,
                                                         length_penalty=0.0))
     for prompt, beams in zip(prompts, results):
         expected = dense_beam_search(tiny_model, prompt, 3, 5)
         assert [b.token_ids for b in beams] == [tokens for tokens, _ in expected]
+        assert [b.text for b in beams] == [llm.tokenizer.decode(t) for t, _ in expected]
         np.testing.assert_allclose([b.cumulative_logprob for b in beams],
                                    [c for _, c in expected], atol=1e-4)
     # Beams share their prompt blocks through the prefix cache.

@@ -95,6 +95,21 @@ def engine_greedy(model, token_prompts, max_tokens, **config):
     return [done[i].output_token_ids for i in ids], engine
 
 
+def test_dtype_auto_takes_the_checkpoint_dtype(tmp_path):
+    """vLLM's dtype="auto": a float32 checkpoint runs in float32, a 16-bit one in bfloat16."""
+    from pagedjax import LLM
+    from pagedjax.llm import checkpoint_dtype
+    build_hf("qwen2", tmp_path)
+    assert LLM(str(tmp_path), dtype="auto", max_model_len=64).engine.config.dtype == "float32"
+    config_file = tmp_path / "config.json"
+    raw = json.loads(config_file.read_text())
+    for stored in ("bfloat16", "float16"):
+        raw["dtype"] = stored
+        config_file.write_text(json.dumps(raw))
+        assert checkpoint_dtype(str(tmp_path)) == "bfloat16"
+    assert checkpoint_dtype("debug-tiny") == "float32"
+
+
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_paged_engine_greedy_equals_transformers_generate(arch, tmp_path):
     """Mixed-length prompts (1 to 40 tokens, two sharing a 20-token prefix), block size 16,

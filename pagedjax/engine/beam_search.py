@@ -35,6 +35,7 @@ class BeamSequence:
     token_ids: list[int]  # generated tokens
     cumulative_logprob: float
     finished: bool = False  # ended with EOS
+    text: str | None = None  # the tokens detokenized, when the engine has a tokenizer
 
     def score(self, length_penalty: float) -> float:
         return self.cumulative_logprob / max(len(self.token_ids), 1) ** length_penalty
@@ -69,7 +70,7 @@ def beam_search(engine, prompts: Sequence[Sequence[int]],
                     top[out.request_id] = out.outputs[0].logprobs[0]
         for p, beams in enumerate(live):
             candidates = sorted(
-                ((beam.cumulative_logprob + lp, beam, token)
+                ((beam.cumulative_logprob + lp.logprob, beam, token)
                  for b, beam in enumerate(beams) for token, lp in top[ids[p, b]].items()),
                 key=lambda c: -c[0])
             live[p] = []
@@ -86,5 +87,11 @@ def beam_search(engine, prompts: Sequence[Sequence[int]],
     for p in range(len(prompts)):
         pool = completed[p] + live[p]
         pool.sort(key=lambda s: -s.score(params.length_penalty))
-        results.append(pool[:width])
+        results.append([_with_text(engine.tokenizer, s) for s in pool[:width]])
     return results
+
+
+def _with_text(tokenizer, sequence: BeamSequence) -> BeamSequence:
+    if tokenizer is None:
+        return sequence
+    return dataclasses.replace(sequence, text=tokenizer.decode(sequence.token_ids))

@@ -292,8 +292,9 @@ class LLMEngine:
         output per request that got a token. A request whose detokenization fails is dropped
         alone."""
         now = self.clock()
-        sampled_ids, logprobs, top_ids, top_logprobs = results
-        new = self.scheduler.update(output, sampled_ids, now, logprobs, top_ids, top_logprobs)
+        sampled_ids, logprobs, top_ids, top_logprobs, ranks = results
+        new = self.scheduler.update(output, sampled_ids, now, logprobs, top_ids, top_logprobs,
+                                    ranks)
         advanced.extend(new)
         failed: dict[str, str] = {}
         for sample in new:
@@ -301,6 +302,10 @@ class LLMEngine:
                 stopped = self.token_masks.advance(sample)  # a grammar complete
                 if self.tokenizer is not None:
                     stopped = self._texts[sample.request_id].advance(sample) or stopped
+                    if sample.logprobs:  # this step's entry: each token's text
+                        for token_id, logprob in sample.logprobs[-1].items():
+                            logprob.decoded_token = self.tokenizer.decode(
+                                [token_id], skip_special_tokens=False)
             except Exception as error:  # noqa: BLE001 - this request fails alone
                 failed[sample.parent_id] = _describe(error)
                 continue

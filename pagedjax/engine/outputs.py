@@ -6,6 +6,7 @@ import dataclasses
 from typing import Sequence
 
 from scheduler import Request
+from scheduler.request import Logprob
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,8 +32,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort" or "error" once finished
     cumulative_logprob: float  # sum of the model's logprobs of token_ids
-    # Per token, when asked for: {token id: logprob} of the most likely tokens and the chosen one.
-    logprobs: list[dict[int, float]] | None = None
+    # Per token, when asked for: {token id: Logprob} of the most likely tokens and the chosen one.
+    logprobs: list[dict[int, Logprob]] | None = None
     # Detokenized output when the engine has a tokenizer (cut at a stop string; while a request
     # runs, a tail that could still grow into a stop string is held back).
     text: str | None = None

@@ -75,7 +75,8 @@ def step_fn(graph: ServingGraph, backend: AttentionBackend, num_top_logprobs: in
             params: ServingWeights, kv_cache, plan: BatchPlan):
     """One whole engine step as one pure function (the runner runs it as two programs, forward
     and sampler; ahead-of-time analyses compile it whole): returns (sampled, kv_cache) where
-    sampled is (ids i32[B], logprobs f32[B], top ids i32[B, K], top logprobs f32[B, K])."""
+    sampled is (ids i32[B], logprobs f32[B], top ids i32[B, K], top logprobs f32[B, K],
+    ranks i32[B])."""
     logits, kv_cache = forward_fn(graph, backend, plan.kind, params, kv_cache,
                                   forward_inputs(plan))
     sampled = sampling_step.sample_fn(num_top_logprobs, logits,
@@ -228,7 +229,8 @@ class ModelRunner:
 
     def step(self, plan: BatchPlan, token_mask: np.ndarray | None = None) -> tuple:
         """Runs one step; returns, for the first num_seqs rows, the sampled ids, their logprobs,
-        and the num_top_logprobs most likely tokens with their logprobs."""
+        the num_top_logprobs most likely tokens with their logprobs, and the sampled ids'
+        ranks."""
         return self.fetch(self.dispatch(plan, token_mask))
 
     def dispatch(self, plan: BatchPlan, token_mask: np.ndarray | None = None) -> "PendingStep":

@@ -123,7 +123,11 @@ def _sample_ids(logits, temperature, top_k, top_p, seeds, positions, min_p) -> j
         scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
         if min_p is not None:  # before top-k / top-p, in vLLM's order
             scaled = _filter_min_p(scaled, min_p)
-        filtered = _filter_top_k_top_p(scaled, top_k, top_p)
+        # The sort top-k / top-p need is most of the sampler's time: a step where no row
+        # filters (vLLM's default top_k -1, top_p 1) samples without it.
+        filtered = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1.0)),
+                                lambda x: _filter_top_k_top_p(x, top_k, top_p), lambda x: x,
+                                scaled)
         keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
         ids = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
         return jnp.where(temperature > 0, ids, greedy_ids)

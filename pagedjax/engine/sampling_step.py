@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
@@ -33,16 +34,23 @@ def num_sampler_compiles() -> int:
 def sample_fn(num_top_logprobs: int, logits: jax.Array, inputs: dict,
               token_mask: jax.Array) -> tuple[jax.Array, ...]:
     """sample() on a plan's sampling fields; an empty penalty_tokens (H = 0) or token_mask
-    (W = 0) leaves their work out of the program."""
+    (W = 0) leaves their work out of the program. Returns sample()'s four arrays and the
+    sampled tokens' ranks i32[B] (1 = the most likely; vLLM's Logprob.rank)."""
     penalties = None
     if inputs["penalty_tokens"].shape[1]:
         penalties = (inputs["penalty_tokens"], inputs["penalty_prompt_lens"],
                      inputs["presence_penalty"], inputs["frequency_penalty"],
                      inputs["repetition_penalty"])
-    return sample(logits, inputs["temperature"], inputs["top_k"], inputs["top_p"],
-                  inputs["seeds"], inputs["kv_lens"], num_top_logprobs, min_p=inputs["min_p"],
-                  logit_bias=(inputs["bias_ids"], inputs["bias_values"]), penalties=penalties,
-                  token_mask=token_mask if token_mask.shape[1] else None)
+    ids, chosen, top_ids, top_logprobs = sample(
+        logits, inputs["temperature"], inputs["top_k"], inputs["top_p"], inputs["seeds"],
+        inputs["kv_lens"], num_top_logprobs, min_p=inputs["min_p"],
+        logit_bias=(inputs["bias_ids"], inputs["bias_values"]), penalties=penalties,
+        token_mask=token_mask if token_mask.shape[1] else None)
+    if not num_top_logprobs:  # no request can ask for logprobs: no rank work
+        return ids, chosen, top_ids, top_logprobs, jnp.zeros_like(ids)
+    log_probs = jax.nn.log_softmax(logits, axis=-1)  # the sampler's own, deduplicated by XLA
+    rank = 1 + jnp.sum(log_probs > chosen[:, None], axis=-1, dtype=jnp.int32)
+    return ids, chosen, top_ids, top_logprobs, rank
 
 
 _sample = jax.jit(sample_fn, static_argnums=(0,))

@@ -56,10 +56,10 @@ def logprobs_of(server: OpenAIServer, choice: CompletionOutput, start: int, top_
     content = []
     for token_id, top in zip(choice.token_ids[start:], (choice.logprobs or [])[start:]):
         text = server.token_text(token_id)
-        ranked = sorted(top.items(), key=lambda kv: -kv[1])[:top_n]
+        ranked = sorted(top.items(), key=lambda kv: -kv[1].logprob)[:top_n]
         content.append({
-            "token": text, "logprob": top.get(token_id), "bytes": list(text.encode()),
-            "top_logprobs": [{"token": (t := server.token_text(i)), "logprob": lp,
+            "token": text, "logprob": top[token_id].logprob, "bytes": list(text.encode()),
+            "top_logprobs": [{"token": (t := server.token_text(i)), "logprob": lp.logprob,
                               "bytes": list(t.encode())} for i, lp in ranked]})
     return {"content": content}
 

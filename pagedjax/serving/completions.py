@@ -28,8 +28,8 @@ def logprobs_of(server: OpenAIServer, choice: CompletionOutput, start: int, offs
     for token_id, top in zip(choice.token_ids[start:], (choice.logprobs or [])[start:]):
         text = server.token_text(token_id)
         tokens.append(text)
-        token_logprobs.append(top.get(token_id))
-        tops.append({server.token_text(t): lp for t, lp in top.items()})
+        token_logprobs.append(top[token_id].logprob)
+        tops.append({server.token_text(t): lp.logprob for t, lp in top.items()})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,

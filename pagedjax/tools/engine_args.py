@@ -5,35 +5,61 @@ from __future__ import annotations
 
 import argparse
 
+from pagedjax.engine.config import EngineConfig
 from scheduler import POLICIES
+
+
+def _default(name: str) -> str:
+    """EngineConfig's default of a field, for a flag's help."""
+    return f"default {getattr(EngineConfig, name)}"
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """EngineConfig's fields as flags (defaults: EngineConfig's own)."""
     group = parser.add_argument_group("engine")
-    group.add_argument("--max-model-len", type=int)
-    group.add_argument("--block-size", type=int)
+    group.add_argument("--max-model-len", type=int,
+                       help="longest prompt + output a request may hold "
+                       f"({_default('max_model_len')})")
+    group.add_argument("--block-size", type=int,
+                       help=f"tokens a KV block holds ({_default('block_size')})")
     group.add_argument("--num-blocks", type=int, help="KV blocks in the pool, the null block "
                        "included (default: max-num-seqs sequences of max-model-len tokens)")
     group.add_argument("--kv-cache-memory-gib", type=float,
                        help="size the KV pool by memory instead of --num-blocks (a device's "
                        "share: each of the --tensor-parallel-size devices holds that much)")
-    group.add_argument("--max-num-seqs", type=int)
-    group.add_argument("--max-num-batched-tokens", type=int)
-    group.add_argument("--policy", choices=list(POLICIES))
-    group.add_argument("--dtype", choices=["float32", "bfloat16"])
-    group.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8"])
+    group.add_argument("--max-num-seqs", type=int,
+                       help=f"sequences a step runs at most ({_default('max_num_seqs')})")
+    group.add_argument("--max-num-batched-tokens", type=int,
+                       help=f"the token budget of a step ({_default('max_num_batched_tokens')})")
+    group.add_argument("--policy", choices=list(POLICIES),
+                       help=f"what a step schedules first ({_default('policy')})")
+    group.add_argument("--dtype", choices=["auto", "float32", "bfloat16"],
+                       help="activations (and the KV cache): auto takes the checkpoint's "
+                       "(bfloat16 for a 16-bit Hugging Face checkpoint, else float32; default "
+                       "float32)")
+    group.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8"],
+                       help="the KV cache's dtype: auto is --dtype's; int8 / fp8 (e4m3) with "
+                       f"per-token scales ({_default('kv_cache_dtype')})")
     group.add_argument("--attention-backend",
-                       choices=["auto", "reference", "gpu", "mosaic_gpu", "tpu"])
-    group.add_argument("--preemption-mode", choices=["recompute", "swap"])
+                       choices=["auto", "reference", "gpu", "mosaic_gpu", "tpu"],
+                       help="the paged attention kernels: auto picks by the platform "
+                       f"({_default('attention_backend')})")
+    group.add_argument("--preemption-mode", choices=["recompute", "swap"],
+                       help=f"what a preempted request loses ({_default('preemption_mode')})")
     group.add_argument("--swap-space-gib", type=float, help="host pool for --preemption-mode swap")
-    group.add_argument("--no-prefix-caching", action="store_true")
-    group.add_argument("--no-chunked-prefill", action="store_true")
+    group.add_argument("--no-prefix-caching", action="store_true",
+                       help="turn automatic prefix caching off (default on)")
+    group.add_argument("--no-chunked-prefill", action="store_true",
+                       help="prefill each prompt in one step (default: chunked)")
     group.add_argument("--no-scan-layers", action="store_true",
                        help="unroll the decoder layers in every step program (compiles L "
                        "copies of the layer) instead of one jax.lax.scan")
-    group.add_argument("--max-logprobs", type=int)
-    group.add_argument("--seed", type=int)
+    group.add_argument("--max-logprobs", type=int,
+                       help="the most logprobs a request may ask for "
+                       f"({_default('max_logprobs')})")
+    group.add_argument("--seed", type=int,
+                       help="draws the seeds of requests that give none "
+                       f"({_default('seed')})")
     group.add_argument("--tensor-parallel-size", type=int,
                        help="split the model over this many local devices (default 1)")
     group.add_argument("--data-parallel-size", type=int,
