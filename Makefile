@@ -51,7 +51,8 @@ demo: $(DEMO_STAMP)
 test: $(TEST_STAMP)
 	$(PY) -m pytest -n 2 -q -m "not slow" tests
 
-# Tensor and data parallel over eight host devices, and multi-host over several processes.
+# Tensor and data parallel over eight host devices, multi-host over several processes, the
+# notebook run top to bottom.
 test-slow: $(TEST_STAMP)
 	$(PY) -m pytest -n 2 -q -m slow tests
 

@@ -51,6 +51,7 @@ def test_committed_notebook_was_run_with_its_outputs():
 
 
 @needs_smollm
+@pytest.mark.slow  # ~1-2 minutes on 2 cores: in make test-slow (CI runs it after make test)
 def test_notebook_runs_top_to_bottom(tmp_path):
     pytest.importorskip("matplotlib")
     code = "\n\n".join("".join(c["source"]) for c in committed() if c["cell_type"] == "code")
