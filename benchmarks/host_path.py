@@ -4,8 +4,10 @@ by phase on a small model (so that the host path is visible beside the device ti
 Phases of LLMEngine.step (each timed around the engine's own call):
 - schedule: Scheduler.schedule;
 - build_plan: the padded BatchPlan (NumPy);
-- dispatch: the compiled step's call until it returns (argument transfer, launch; async);
-- device: block_until_ready on its outputs (the step's compute; on the CPU the XLA program);
+- dispatch: the forward's and the sampler's compiled calls until they return (argument
+  transfer, launch; async);
+- device: block_until_ready on each one's outputs (the step's compute; on the CPU the XLA
+  programs);
 - fetch: the sampled arrays to NumPy;
 - update: Scheduler.update and the request outputs (the rest of LLMEngine.step): an output
   for every request each step (outputs "every step", what streaming reads), or only for those
@@ -48,22 +50,30 @@ def instrument(engine: LLMEngine, times: dict) -> None:
     engine_module.build_plan = timed("build_plan", engine_module.build_plan)
     runner = engine.runner
 
-    def dispatch(plan):
-        program = runner.program(plan.kind, plan.padded_num_tokens, plan.padded_num_seqs,
-                                 plan.block_tables.shape[1])
+    forward, sampler = runner.dispatch_forward, runner.dispatch_sample
+
+    def dispatch_forward(plan):
         start = time.perf_counter()
-        sampled, runner.kv_cache = program(runner.params, runner.kv_cache, plan)
+        logits = forward(plan)
         dispatched = time.perf_counter()
-        jax.block_until_ready(sampled)
+        jax.block_until_ready(logits)
+        times["dispatch"][-1] += dispatched - start
+        times["device"][-1] += time.perf_counter() - dispatched
+        return logits
+
+    def dispatch_sample(plan, logits, token_mask=None):
+        start = time.perf_counter()
+        pending = sampler(plan, logits, token_mask)
+        dispatched = time.perf_counter()
+        jax.block_until_ready(pending.sampled)
         ready = time.perf_counter()
-        num_seqs = int(plan.num_seqs)
-        out = tuple(np.asarray(x)[:num_seqs] for x in sampled)
+        out = tuple(np.asarray(x)[:pending.num_seqs] for x in pending.sampled)
         times["dispatch"][-1] += dispatched - start
         times["device"][-1] += ready - dispatched
         times["fetch"][-1] += time.perf_counter() - ready
-        return PendingStep(out, num_seqs)  # fetch() has nothing left to wait for
+        return PendingStep(out, pending.num_seqs)  # fetch() has nothing left to wait for
 
-    runner.dispatch = dispatch
+    runner.dispatch_forward, runner.dispatch_sample = dispatch_forward, dispatch_sample
 
 
 def measure(num_seqs: int, final_only: bool, *, steps: int, prompt_len: int, model) -> dict:

@@ -9,8 +9,8 @@ seeded log-normal workload (greedy, every request queued at once, as `LLM.genera
 - warmup: `warmup()` afterwards compiles the rest of the bucket set (the full count is reported);
 - warm run: the same workload again, nothing left to compile.
 
-prefill_step_s sums the runner's time in prefill steps of the warm run: what padding the rows of
-a prefill step costs. Ratios are against "bucketed" in the same invocation.
+prefill_step_s sums the runner's forward time in prefill steps of the warm run (the sampler
+after it is not counted): what padding the rows of a prefill step costs. Ratios are against "bucketed" in the same invocation.
 """
 
 from __future__ import annotations
@@ -49,19 +49,19 @@ CHILD = textwrap.dedent('''
         prefill_time = [0.0]
         runner = engine.runner
 
-        def counting(plan):  # the step, waited for: the engine's fetch finds it done
+        def counting(plan):  # the step's forward, waited for (the sampler comes after it)
             start = time.perf_counter()
-            pending = type(runner).dispatch(runner, plan)
-            jax.block_until_ready(pending.sampled)
+            logits = type(runner).dispatch_forward(runner, plan)
+            jax.block_until_ready(logits)
             if plan.kind == "prefill":
                 prefill_time[0] += time.perf_counter() - start
-            return pending
+            return logits
 
-        runner.dispatch = counting
+        runner.dispatch_forward = counting
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
-        del runner.dispatch  # the class's again
+        del runner.dispatch_forward  # the class's again
         tokens = sum(len(o.output_token_ids) for o in outputs)
         return elapsed, tokens, prefill_time[0], [o.output_token_ids for o in outputs]
 
