@@ -55,8 +55,10 @@ class KVCacheManager:
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """The published blocks matching request's leading full blocks (at most num_tokens - 1
-        tokens' worth); empty without prefix caching."""
-        if not self.enable_prefix_caching:
+        tokens' worth); empty without prefix caching, and for a request that asks for prompt
+        logprobs (every prompt position must be computed to have them, as vLLM does)."""
+        if (not self.enable_prefix_caching
+                or request.sampling_params.prompt_logprobs is not None):
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits = []

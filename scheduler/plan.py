@@ -14,7 +14,8 @@ from scheduler.state import DECODE, PREFILL, SchedulerOutput
 
 # What the model's forward reads, and what the sampler reads (kv_lens: the sampled position).
 FORWARD_FIELDS = ("token_ids", "positions", "slot_mapping", "block_tables", "kv_lens",
-                  "cu_q_lens", "logits_indices", "num_seqs", "copy_src", "copy_dst", "num_copies")
+                  "cu_q_lens", "logits_indices", "num_seqs", "copy_src", "copy_dst", "num_copies",
+                  "prompt_targets")
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seeds", "kv_lens", "bias_ids",
                    "bias_values", "presence_penalty", "frequency_penalty", "repetition_penalty",
                    "penalty_tokens", "penalty_prompt_lens")
@@ -55,6 +56,10 @@ class BatchPlan:
     repetition_penalty: np.ndarray  # f32[B] 1 disables
     penalty_tokens: np.ndarray  # i32[B, H]
     penalty_prompt_lens: np.ndarray  # i32[B] how many of penalty_tokens[b] are the prompt's
+    # prompt_logprobs: prompt_targets[t] is the prompt token following query token t when its
+    # request asks for prompt logprobs and has not recorded that position yet, else -1; [0]
+    # when no token of the step has one (the forward then projects only the sampled tokens).
+    prompt_targets: np.ndarray  # i32[T] or i32[0]
     copy_src: np.ndarray  # i32[B] copy-on-write: block copy_src[i] -> copy_dst[i] before writes
     copy_dst: np.ndarray  # i32[B] (padding pairs copy the null block onto itself)
     num_copies: np.ndarray  # i32[]
@@ -125,6 +130,25 @@ def penalty_tokens(requests, padded_seqs: int, width: int) -> tuple[np.ndarray, 
             tokens[i, p:n] = request.output_token_ids
             prompt_lens[i] = p
     return tokens, prompt_lens
+
+
+def prompt_targets(scheduled, padded_tokens: int) -> np.ndarray:
+    """The plan's prompt_targets (see BatchPlan) for rows laid out back to back: a query token at
+    position p targets prompt token p + 1 when its request asks for prompt logprobs and has no
+    entry for p + 1 yet."""
+    targets = None
+    offset = 0
+    for request, start, num_new in scheduled:
+        if request.sampling_params.prompt_logprobs is not None:
+            first = max(start, len(request.prompt_logprobs) - 1)
+            last = min(start + num_new, request.num_prompt_tokens - 1)
+            if first < last:
+                if targets is None:
+                    targets = np.full(padded_tokens, -1, np.int32)
+                targets[offset + first - start:offset + last - start] = \
+                    request.prompt_token_ids[first + 1:last + 1]
+        offset += num_new
+    return np.zeros(0, np.int32) if targets is None else targets
 
 
 def _positions(output: SchedulerOutput, starts, q_lens, kv_lens, seq_of_token,
@@ -205,6 +229,7 @@ def build_plan(output: SchedulerOutput, kv_manager: KVCacheManager,
         frequency_penalty=padded("frequency_penalty", 0.0, np.float32),
         repetition_penalty=padded("repetition_penalty", 1.0, np.float32),
         penalty_tokens=pen_tokens, penalty_prompt_lens=pen_prompt_lens,
+        prompt_targets=prompt_targets(output.scheduled, padded_tokens),
         seeds=padded("seed", 0, np.uint32), copy_src=copy_src, copy_dst=copy_dst,
         num_copies=np.asarray(len(output.copies), np.int32), kind=kind,
         padded_num_tokens=padded_tokens, padded_num_seqs=padded_seqs)

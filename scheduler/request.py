@@ -46,6 +46,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # return this many most likely tokens (and the chosen one)
+    # vLLM's prompt_logprobs: for each prompt token after the first, its logprob given the
+    # tokens before it and this many most likely tokens there (the prompt is computed whole:
+    # such a request reads nothing from the prefix cache, as in vLLM).
+    prompt_logprobs: int | None = None
     # Text-level stops (need the engine's tokenizer): the output ends at the first occurrence,
     # which is cut from the text unless include_stop_str_in_output.
     stop: tuple[str, ...] = ()
@@ -101,8 +105,9 @@ class SamplingParams:
         check_int("top_k", self.top_k, 1, INT32_MAX, allow=(-1,))
         check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
         check_float("min_p", self.min_p, 0.0, 1.0)
-        if self.logprobs is not None:
-            check_int("logprobs", self.logprobs, 0, INT32_MAX)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 0, INT32_MAX)
         if self.seed is not None:
             check_int("seed", self.seed, 0, 2**64 - 1)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
@@ -207,7 +212,8 @@ class Request:
                  "seed", "eos_token_ids", "num_computed_tokens", "status", "arrival_time",
                  "first_scheduled_time", "first_token_time", "finish_time", "num_preemptions",
                  "cache_salt", "block_hashes", "num_cached_tokens", "parent_id",
-                 "sample_index", "followers", "cumulative_logprob", "logprobs", "stop_reason")
+                 "sample_index", "followers", "cumulative_logprob", "logprobs", "stop_reason",
+                 "prompt_logprobs")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, *, seed: int, arrival_time: float,
@@ -238,6 +244,10 @@ class Request:
         self.followers: list[Request] = []
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, Logprob]] = []  # per output token, when asked for
+        # Per prompt token, when asked for: None for the first, then {token id: Logprob} of the
+        # prompt's token and the most likely ones at its position (filled as chunks compute).
+        self.prompt_logprobs: list[dict[int, Logprob] | None] = (
+            [None] if sampling_params.prompt_logprobs is not None else [])
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -74,7 +74,7 @@ def test_bad_sampling_params(kwargs, field):
     (dict(policy="round_robin"), "policy"),
     (dict(dtype="float8"), "dtype"),
     (dict(num_blocks=1), "num_blocks"),
-    (dict(num_blocks=10, kv_cache_memory_bytes=10**6), "num_blocks or kv_cache_memory_bytes"),
+    (dict(num_blocks=10, kv_cache_memory_bytes=10**6), "not num_blocks and kv_cache_memory_bytes"),
     (dict(max_num_seqs=64, max_num_batched_tokens=32), "max_num_seqs"),
     (dict(victim_policy="oldest"), "victim_policy"),
     (dict(num_blocks=True), "num_blocks"),

@@ -90,3 +90,58 @@ def test_beam_search_validates(tiny_model):
     with pytest.raises(ValueError, match="logprobs"):
         llm.generate([[1, 2]], SamplingParams(logprobs=50), use_tqdm=False)
     assert not llm.engine.has_unfinished()
+
+
+def dense_prompt_log_probs(model, tokens):
+    """log-probabilities at every position of one dense forward over tokens."""
+    ids = np.zeros((1, DENSE_LEN), np.int32)
+    ids[0, :len(tokens)] = tokens
+    return np.asarray(jax.nn.log_softmax(_dense_forward(model, jnp.asarray(ids))[0]))
+
+
+def check_prompt_logprobs(entries, model, prompt, num_top):
+    """vLLM's layout: None, then per prompt token {its id and the num_top most likely: Logprob}
+    with the dense model's logprobs and ranks (f32 over two orders of magnitude: 1e-4)."""
+    expected = dense_prompt_log_probs(model, prompt)
+    assert len(entries) == len(prompt) and entries[0] is None
+    for position, entry in enumerate(entries[1:], start=1):
+        row, token = expected[position - 1], prompt[position]
+        assert set(entry) == set(np.argsort(-row)[:num_top].tolist()) | {token}
+        for t, lp in entry.items():
+            assert lp.logprob == pytest.approx(float(row[t]), abs=1e-4)
+            assert lp.rank == 1 + int(np.sum(row > row[t]))
+
+
+def test_prompt_logprobs_match_the_dense_model_through_chunks_and_preemption(tiny_model):
+    """prompt_logprobs over a prompt prefilled in chunks of at most 8 tokens (the prefix cache
+    holds it already: a request asking for prompt logprobs computes it whole), beside a request
+    that does not ask, and again after a preemption recomputed it (no position twice)."""
+    config = dict(CONFIG, max_num_batched_tokens=8, max_num_seqs=4, min_seq_bucket=4)
+    llm = LLM(tiny_model, tokenizer="byte", **config)
+    prompt = list(range(40, 63))  # 23 tokens: three chunks
+    llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)  # now cached
+    outs = llm.generate([prompt, prompt[:9]], [
+        SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=3),
+        SamplingParams(max_tokens=3, temperature=0)], use_tqdm=False)
+    check_prompt_logprobs(outs[0].prompt_logprobs, tiny_model, prompt, 3)
+    assert outs[1].prompt_logprobs is None
+    assert outs[0].metrics.num_cached_tokens == 0  # computed whole
+    assert outs[1].metrics.num_cached_tokens == 8  # the other read the cache
+    entry = outs[0].prompt_logprobs[1]
+    assert entry[prompt[1]].decoded_token == llm.tokenizer.decode([prompt[1]])
+
+    # A pool of 12 blocks of 4 tokens: four 23-token prompts preempt each other.
+    small = LLM(tiny_model, tokenizer="byte", **dict(config, num_blocks=13))
+    prompts = [[p + i for p in prompt] for i in range(4)]
+    outs = small.generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
+                                                  prompt_logprobs=1), use_tqdm=False)
+    assert small.engine.stats.num_preemptions > 0
+    for out, p in zip(outs, prompts):
+        check_prompt_logprobs(out.prompt_logprobs, tiny_model, p, 1)
+
+
+def test_prompt_logprobs_is_refused_past_max_logprobs(tiny_model):
+    llm = LLM(tiny_model, **dict(CONFIG, max_logprobs=4))
+    with pytest.raises(ValueError, match="prompt_logprobs .5. exceeds max_logprobs .4."):
+        llm.generate([[1, 2, 3]], SamplingParams(prompt_logprobs=5), use_tqdm=False)
+    assert not llm.engine.has_unfinished()

@@ -45,12 +45,19 @@ def worker(process_id: int, port: int, die_after: int | None) -> None:
     rng = np.random.default_rng(0)
     head = rng.integers(0, 256, 16).tolist()
     prompts = [head + rng.integers(0, 256, n).tolist() for n in (5, 23, 40, 60, 9, 30)]
-    params = SamplingParams(max_tokens=10, temperature=0)
+    # the last asks for prompt logprobs: the followers run the forward's prompt variant too
+    params = [SamplingParams(max_tokens=10, temperature=0)] * 5 + [
+        SamplingParams(max_tokens=10, temperature=0, prompt_logprobs=2)]
+
+    def prompt_logprobs(out):  # each prompt token's logprob
+        return [entry[t].logprob for t, entry in zip(out.prompt_token_ids[1:],
+                                                     out.prompt_logprobs[1:])]
     report = {"process": jax.process_index(), "devices": jax.device_count(),
               "local_devices": jax.local_device_count()}
     if process_id == 0:  # the single-device reference: this process's own first device
         one = LLM(model, **BASE).generate(prompts, params, use_tqdm=False)
         report["reference"] = [o.output_token_ids for o in one]
+        report["reference_prompt_logprobs"] = prompt_logprobs(one[-1])
     llm = LLM(model, **BASE, tensor_parallel_size=4)
     engine = llm.engine
     shards = engine.runner.params.layers["self_attn"]["q_proj"]["kernel"].get_value()
@@ -62,6 +69,7 @@ def worker(process_id: int, port: int, die_after: int | None) -> None:
         try:
             outputs = llm.generate(prompts, params, use_tqdm=False)
             report["tokens"] = [o.output_token_ids for o in outputs]
+            report["prompt_logprobs"] = prompt_logprobs(outputs[-1])
             report["preemptions"] = engine.stats.num_preemptions
             report["prefix_hits"] = engine.stats.num_prefix_hit_tokens
         except Exception as error:  # noqa: BLE001 - reported: the follower died
@@ -130,6 +138,9 @@ def test_two_processes_serve_the_single_device_tokens(group):
     assert "tokens" in leader, leader
     assert leader["devices"] == 4 and leader["local_devices"] == 2
     assert leader["tokens"] == leader["reference"]
+    assert len(leader["prompt_logprobs"]) == 16 + 30 - 1
+    assert leader["prompt_logprobs"] == pytest.approx(leader["reference_prompt_logprobs"],
+                                                      abs=1e-4)  # f32, sums reordered
     assert leader["preemptions"] > 0 and leader["prefix_hits"] > 0
     assert follower["steps"] > 6  # it ran every step's program on its shards
     # each process holds only its own devices' shards of the weights

@@ -21,6 +21,8 @@ def served():
     # The offline reference first: once serving, the engine belongs to the server's thread.
     llm.reference = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0,
                                                               logprobs=2), use_tqdm=False)[0]
+    llm.prompt_reference = llm.generate([PROMPTS[2]], SamplingParams(
+        max_tokens=3, temperature=0, logprobs=1, prompt_logprobs=2), use_tqdm=False)[0]
     server = OpenAIServer(llm.engine, "tiny", chat_template=ROLE_TEMPLATE)
     with BackgroundServer(server.build_app()) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60,
@@ -140,3 +142,45 @@ def test_structured_output_with_a_json_schema_parses_and_validates(served):
     with pytest.raises(openai.BadRequestError, match="guided_regex"):
         client.completions.create(model="tiny", prompt="x", max_tokens=2,
                                   extra_body={"guided_regex": "a(b"})
+
+
+def test_prompt_logprobs_and_echo_with_logprobs(served):
+    """vLLM's prompt_logprobs (per completion choice, beside the chat choices) and OpenAI's echo
+    with logprobs (the prompt's tokens lead the logprobs, the first without one), whole and
+    streamed, equal the offline engine's; with stream, prompt_logprobs is refused by name."""
+    llm, client, _ = served
+    want = llm.prompt_reference
+    wire = [None] + [{str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                               "decoded_token": lp.decoded_token} for t, lp in entry.items()}
+                     for entry in want.prompt_logprobs[1:]]
+    got = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=3,
+                                    temperature=0, extra_body={"prompt_logprobs": 2})
+    assert got.choices[0].model_extra["prompt_logprobs"] == wire
+    assert len(wire) == len(want.prompt_token_ids)
+    echoed = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=3,
+                                       temperature=0, echo=True, logprobs=1).choices[0]
+    num_prompt = len(want.prompt_token_ids)
+    assert echoed.text == PROMPTS[2] + want.outputs[0].text
+    assert echoed.logprobs.tokens[:num_prompt] == [llm.tokenizer.decode([t], False) for t in
+                                                   want.prompt_token_ids]
+    assert echoed.logprobs.token_logprobs[0] is None and echoed.logprobs.top_logprobs[0] is None
+    assert echoed.logprobs.token_logprobs[1:num_prompt] == [
+        entry[t].logprob for t, entry in zip(want.prompt_token_ids[1:], want.prompt_logprobs[1:])]
+    assert echoed.logprobs.token_logprobs[num_prompt:] == [
+        entry[t].logprob for t, entry in zip(want.outputs[0].token_ids, want.outputs[0].logprobs)]
+    assert all(len(top) <= 2 for top in echoed.logprobs.top_logprobs[1:])  # logprobs=1: + itself
+    first, *rest = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=3,
+                                             temperature=0, echo=True, logprobs=1, stream=True)
+    assert first.choices[0].text == PROMPTS[2]
+    assert first.choices[0].logprobs.token_logprobs == echoed.logprobs.token_logprobs[:num_prompt]
+    assert "".join(c.choices[0].text for c in rest) == want.outputs[0].text
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user",
+                                                                   "content": "copy:ab="}],
+                                          max_tokens=2, extra_body={"prompt_logprobs": 0})
+    entries = chat.model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == chat.usage.prompt_tokens
+    assert all(len(entry) == 1 and next(iter(entry.values()))["rank"] >= 1
+               for entry in entries[1:])  # prompt_logprobs=0: the token itself only
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, stream=True,
+                                  extra_body={"prompt_logprobs": 1})

@@ -29,7 +29,7 @@ SERVED = {
     "return_token_ids": True, "response_format": {"type": "json_object"},
     "structured_outputs": {"regex": "[ab]{2}"}, "guided_json": {"type": "object"},
     "guided_regex": "[ab]{2}", "guided_choice": ["a", "b"], "guided_grammar": 'start: "ab"',
-    "guided_decoding_backend": "guidance",
+    "guided_decoding_backend": "guidance", "prompt_logprobs": 1,
 }
 COMPLETION_SERVED = {**SERVED, "prompt": "copy:ab=", "best_of": 2, "logprobs": 2, "echo": True}
 CHAT_SERVED = {**SERVED, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
@@ -45,7 +45,7 @@ REFUSED = {
     "reasoning_effort": "low", "safety_identifier": "x", "service_tier": "auto",
     "store": True, "tool_choice": "auto", "verbosity": "low", "web_search_options": {},
     # vLLM's extensions this server does not implement
-    "use_beam_search": True, "length_penalty": 2.0, "prompt_logprobs": 1,
+    "use_beam_search": True, "length_penalty": 2.0,
     "truncate_prompt_tokens": 4, "spaces_between_special_tokens": False,
     "add_special_tokens": False, "structural_tag": "x", "priority": 1, "request_id": "r",
     "logits_processors": ["x"], "return_tokens_as_token_ids": True, "kv_transfer_params": {},

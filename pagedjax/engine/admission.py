@@ -125,9 +125,10 @@ def check_spec(engine: "LLMEngine", spec: PromptSpec) -> Admission:
     if params.top_k > vocab:
         raise RequestError("top_k", f"top_k ({params.top_k}) exceeds the vocabulary "
                            f"({vocab}); -1 disables it")
-    if (params.logprobs or 0) > config.max_logprobs:
-        raise RequestError("logprobs", f"logprobs ({params.logprobs}) exceeds max_logprobs "
-                           f"({config.max_logprobs})")
+    for field in ("logprobs", "prompt_logprobs"):
+        if (getattr(params, field) or 0) > config.max_logprobs:
+            raise RequestError(field, f"{field} ({getattr(params, field)}) exceeds "
+                               f"max_logprobs ({config.max_logprobs})")
     if params.stop and engine.tokenizer is None:
         raise RequestError("stop", "stop strings need a tokenizer; this engine has none (pass "
                            "stop_token_ids, or give the engine a tokenizer)")

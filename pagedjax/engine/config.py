@@ -16,14 +16,18 @@ STEP_PROGRAMS = ("split", "ragged")
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Engine settings. Give the KV pool as num_blocks or as kv_cache_memory_bytes (not both);
-    with neither, the pool holds max_num_seqs sequences of max_model_len tokens."""
+    """Engine settings. Give the KV pool as num_blocks, kv_cache_memory_bytes or
+    gpu_memory_utilization (one of them); with none, the pool holds max_num_seqs sequences of
+    max_model_len tokens."""
 
     block_size: int = 16
     num_blocks: int | None = None  # physical blocks, including the null block 0
     kv_cache_memory_bytes: int | None = None  # a device's (vLLM's per-GPU meaning): under
     # tensor parallelism each device holds 1/TP of every block, so the pool has TP times the
     # blocks of one device's
+    # vLLM's: the fraction of a device's memory the engine may fill (weights, activations and
+    # the KV pool, which takes what is left: pagedjax.engine.memory_budget), in (0, 1].
+    gpu_memory_utilization: float | None = None
     max_model_len: int = 512
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
@@ -89,8 +93,16 @@ class EngineConfig:
                                  f"{type(getattr(self, name)).__name__}")
         if self.max_logprobs is None or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
-        if self.num_blocks is not None and self.kv_cache_memory_bytes is not None:
-            raise ValueError("give num_blocks or kv_cache_memory_bytes, not both")
+        sizes = [name for name in ("num_blocks", "kv_cache_memory_bytes",
+                                   "gpu_memory_utilization") if getattr(self, name) is not None]
+        if len(sizes) > 1:
+            raise ValueError(f"give one of num_blocks, kv_cache_memory_bytes and "
+                             f"gpu_memory_utilization, not {' and '.join(sizes)}")
+        utilization = self.gpu_memory_utilization
+        if utilization is not None and (isinstance(utilization, bool) or not isinstance(
+                utilization, (int, float)) or not 0.0 < utilization <= 1.0):
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], "
+                             f"got {utilization!r}")
         if self.num_blocks is not None and (not isinstance(self.num_blocks, int)
                                             or self.num_blocks < 2):
             raise ValueError(f"num_blocks must be an integer >= 2 (block 0 is the null block), "
@@ -149,7 +161,10 @@ class EngineConfig:
         return cdiv(self.max_model_len, self.block_size)
 
     def resolve_num_blocks(self, bytes_per_block: int) -> int:
-        """Physical blocks in the pool (including the null block)."""
+        """Physical blocks in the pool (including the null block); with gpu_memory_utilization
+        a provisional 2 (the engine measures the device's memory once the weights are placed)."""
+        if self.gpu_memory_utilization is not None:
+            return 2
         if self.num_blocks is not None:
             return self.num_blocks
         if self.kv_cache_memory_bytes is not None:

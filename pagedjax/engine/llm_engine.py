@@ -16,6 +16,7 @@ from pagedjax.engine.compile_cache import enable_compilation_cache
 from pagedjax.engine.config import EngineConfig
 from pagedjax.engine.kv_snapshot import KVSnapshot, UsageSample, kv_snapshot, tokens_stored
 from pagedjax.engine.output_processor import TextState
+from pagedjax.engine import memory_budget, prompt_logprobs
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.runner import ModelRunner
 from pagedjax.engine.stats import EngineStats, ReplicaLoad
@@ -84,17 +85,24 @@ class LLMEngine:
         self.num_blocks = config.resolve_num_blocks(self.bytes_per_block_per_device)
         check_num_slots(model_config.num_layers, self.num_blocks, config.block_size)
         self.buckets = config.buckets()
+        self.runner = ModelRunner(model, num_blocks=self.num_blocks,
+                                  block_size=config.block_size, dtype=config.kv_np_dtype,
+                                  backend=self.backend,
+                                  num_top_logprobs=config.max_logprobs,
+                                  scan_layers=config.scan_layers, device=self.devices[0])
+        self.memory_budget = None  # how gpu_memory_utilization sized the pool
+        if config.gpu_memory_utilization is not None:
+            self.memory_budget = memory_budget.measure(self.runner, config, self.buckets,
+                                                       self.bytes_per_block_per_device)
+            self.num_blocks = self.memory_budget.num_blocks
+            check_num_slots(model_config.num_layers, self.num_blocks, config.block_size)
+            self.runner.resize_kv_cache(self.num_blocks)
         num_host_blocks = config.swap_space_bytes // self.bytes_per_block
         self._make_scheduler = lambda: Scheduler(
             config.scheduler_config(), self.num_blocks, config.block_size,
             cache_key=model_cache_key(model, config), num_host_blocks=num_host_blocks,
             sliding_window=model_config.sliding_window)
         self.scheduler = self._make_scheduler()
-        self.runner = ModelRunner(model, num_blocks=self.num_blocks,
-                                  block_size=config.block_size, dtype=config.kv_np_dtype,
-                                  backend=self.backend,
-                                  num_top_logprobs=config.max_logprobs,
-                                  scan_layers=config.scan_layers, device=self.devices[0])
         if self.multihost and jax.process_index() == 0:
             self.runner.channel = multihost.LeaderChannel()  # process 0 leads (multihost.py)
         self.stats = EngineStats(num_blocks=self.num_blocks - 1, block_size=config.block_size)
@@ -263,9 +271,9 @@ class LLMEngine:
         """Dispatches a schedule's forward, builds its token masks on the host meanwhile, then
         dispatches its sampler (runner.PendingStep)."""
         plan = build_plan(output, self.scheduler.kv_manager, self.buckets)
-        logits = self.runner.dispatch_forward(plan)
+        forward = self.runner.dispatch_forward(plan)
         mask = self.token_masks.build(step_rows(output), plan.padded_num_seqs)
-        return self.runner.dispatch_sample(plan, logits, mask)
+        return self.runner.dispatch_sample(plan, forward, mask)
 
     def finish_step(self, started: "_Started | None",
                     final_only: bool = False) -> list[RequestOutput]:
@@ -292,7 +300,8 @@ class LLMEngine:
         output per request that got a token. A request whose detokenization fails is dropped
         alone."""
         now = self.clock()
-        sampled_ids, logprobs, top_ids, top_logprobs, ranks = results
+        sampled_ids, logprobs, top_ids, top_logprobs, ranks, prompt = results
+        prompt_logprobs.record(output, prompt, self.tokenizer)
         new = self.scheduler.update(output, sampled_ids, now, logprobs, top_ids, top_logprobs,
                                     ranks)
         advanced.extend(new)

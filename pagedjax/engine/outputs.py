@@ -52,6 +52,10 @@ class RequestOutput:
     prompt: str | None = None
     error: str | None = None  # why it failed inside a step (finish_reason "error")
     cache_salt: str | None = None  # the request's, as given
+    # vLLM's prompt_logprobs, when asked for: None for the first prompt token, then per token
+    # {token id: Logprob} of the token itself and the most likely ones at its position (the
+    # positions computed so far while a long prompt is still being prefilled).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def text(self) -> str | None:
@@ -94,4 +98,6 @@ class RequestOutput:
             sum(s.num_preemptions for s in samples), leader.num_cached_tokens)
         return cls(request_id=leader.parent_id, prompt_token_ids=list(leader.prompt_token_ids),
                    outputs=outputs, finished=finished, metrics=metrics, prompt=prompt,
-                   error=error, cache_salt=leader.cache_salt)
+                   error=error, cache_salt=leader.cache_salt,
+                   prompt_logprobs=(list(leader.prompt_logprobs) if
+                                    leader.sampling_params.prompt_logprobs is not None else None))

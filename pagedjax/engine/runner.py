@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from models import LlamaForCausalLM, ServingGraph, ServingWeights, serving, serving_form
 from models.placed_weights import LazyModel
-from pagedjax.engine import sampling_step
+from pagedjax.engine import prompt_logprobs, sampling_step
 from pagedjax.parallel.sharding import (kv_cache_sharding, kv_head_repeats, shard_weights,
                                         weight_sharding)
 from pallas_kernels import (AttentionBackend, AttentionMetadata, copy_blocks, gather_blocks,
@@ -45,10 +45,12 @@ def _count_compile() -> None:
     _num_compiles += 1
 
 
-def forward_fn(graph: ServingGraph, backend: AttentionBackend, kind: str,
+def forward_fn(graph: ServingGraph, backend: AttentionBackend, kind: str, num_top_logprobs: int,
                params: ServingWeights, kv_cache, inputs: dict):
-    """The model's part of a step as a pure function: returns (logits f32[B, V], kv_cache).
-    inputs: the plan's FORWARD_FIELDS (kind is static: DECODE runs the decode kernels)."""
+    """The model's part of a step as a pure function: returns (logits f32[B, V], prompt,
+    kv_cache). inputs: the plan's FORWARD_FIELDS (kind is static: DECODE runs the decode
+    kernels); prompt is () or, when the plan has prompt_targets, prompt_logprobs.compute's
+    arrays for every query token (num_top_logprobs of them a token)."""
     global _num_traces
     _num_traces += 1  # runs at trace time only
     blocks_per_layer = kv_cache.shape[2] // graph.num_layers
@@ -64,7 +66,11 @@ def forward_fn(graph: ServingGraph, backend: AttentionBackend, kind: str,
     if backend.mesh is not None:  # vocab-split: one all-gather, so every device holds whole
         # rows for the sampler
         logits = jax.lax.with_sharding_constraint(logits, NamedSharding(backend.mesh, P()))
-    return logits, kv_cache
+    prompt = ()
+    if inputs["prompt_targets"].shape[0]:
+        prompt = prompt_logprobs.compute(graph, params, hidden, inputs["prompt_targets"],
+                                         num_top_logprobs, backend.mesh)
+    return logits, prompt, kv_cache
 
 
 def forward_inputs(plan: BatchPlan) -> dict:
@@ -77,16 +83,16 @@ def step_fn(graph: ServingGraph, backend: AttentionBackend, num_top_logprobs: in
     and sampler; ahead-of-time analyses compile it whole): returns (sampled, kv_cache) where
     sampled is (ids i32[B], logprobs f32[B], top ids i32[B, K], top logprobs f32[B, K],
     ranks i32[B])."""
-    logits, kv_cache = forward_fn(graph, backend, plan.kind, params, kv_cache,
-                                  forward_inputs(plan))
+    logits, _, kv_cache = forward_fn(graph, backend, plan.kind, num_top_logprobs, params,
+                                     kv_cache, forward_inputs(plan))
     sampled = sampling_step.sample_fn(num_top_logprobs, logits,
                                       sampling_step.sampling_inputs(plan),
                                       sampling_step.no_token_mask(logits.shape[0]))
     return sampled, kv_cache
 
 
-# graph, backend and kind are static; the KV cache is donated so XLA updates it in place.
-_forward = jax.jit(forward_fn, static_argnums=(0, 1, 2), donate_argnums=(4,))
+# graph, backend, kind and K are static; the KV cache is donated so XLA updates it in place.
+_forward = jax.jit(forward_fn, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
 _step = jax.jit(step_fn, static_argnums=(0, 1, 2), donate_argnums=(4,))
 
 
@@ -124,18 +130,34 @@ class ModelRunner:
         else:
             self.params = shard_weights(params, mesh, config.vocab_size)
         self.kv_cache = self._new_kv_cache()
+        self._abstract_args = self._abstract()
         self.step_shapes: set[tuple[str, int, int]] = set()  # the shapes steps have run
         self.channel = None  # multi-host leader: a multihost.LeaderChannel
-        # (kind, T, B) -> the compiled step program. A program is compiled ahead of time from
-        # abstract arguments (nothing runs, no buffer is touched), so a warmup thread can
-        # compile while the engine thread steps; each shape compiles once, under its lock.
-        self._programs: dict[tuple[str, int, int], jax.stages.Compiled] = {}
+        # (kind, T, B, with prompt logprobs) -> the compiled forward program. A program is
+        # compiled ahead of time from abstract arguments (nothing runs, no buffer is touched),
+        # so a warmup thread can compile while the engine thread steps; each shape compiles
+        # once, under its lock.
+        self._programs: dict[tuple[str, int, int, bool], jax.stages.Compiled] = {}
         self._logits_shape: dict[int, jax.ShapeDtypeStruct] = {}  # B -> the forward's logits
-        self._program_locks: dict[tuple[str, int, int], threading.Lock] = {}
+        self._program_locks: dict[tuple[str, int, int, bool], threading.Lock] = {}
         self._locks_lock = threading.Lock()
-        self._abstract_args = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-            (self.params, self.kv_cache))
+
+    def _abstract(self):
+        """The parameters' and the cache's shapes, dtypes and shardings (programs compile from
+        them)."""
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                            (self.params, self.kv_cache))
+
+    def resize_kv_cache(self, num_blocks: int) -> None:
+        """Replaces the pool with one of num_blocks blocks, before any step program is compiled
+        (memory_budget sizes it once the weights are placed)."""
+        if self._programs:
+            raise RuntimeError("the KV pool cannot be resized once step programs are compiled")
+        self.num_blocks = num_blocks
+        self._cache_spec = (self._cache_spec[0], num_blocks) + self._cache_spec[2:]
+        self.kv_cache = None  # freed before the new one is allocated
+        self.kv_cache = self._new_kv_cache()
+        self._abstract_args = self._abstract()
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
              host_pool) -> None:
@@ -197,12 +219,13 @@ class ModelRunner:
         """Step programs compiled so far."""
         return len(self._programs)
 
-    def program(self, kind: str, num_tokens: int, num_seqs: int,
-                max_blocks_per_seq: int) -> jax.stages.Compiled:
+    def program(self, kind: str, num_tokens: int, num_seqs: int, max_blocks_per_seq: int,
+                with_prompt_logprobs: bool = False) -> jax.stages.Compiled:
         """The forward program of a shape, compiled on first use (from the persistent
         compilation cache when an earlier process compiled it), with its plain sampler;
-        thread-safe, one compile per shape."""
-        key = (kind, num_tokens, num_seqs)
+        thread-safe, one compile per shape. with_prompt_logprobs: the variant that also
+        returns every query token's prompt logprobs (compiled only when a step needs it)."""
+        key = (kind, num_tokens, num_seqs, with_prompt_logprobs)
         program = self._programs.get(key)
         if program is not None:
             return program
@@ -211,11 +234,12 @@ class ModelRunner:
         with lock:
             if key not in self._programs:
                 _count_compile()
-                plan = padding_plan(kind, num_tokens, num_seqs, max_blocks_per_seq)
+                plan = padding_plan(kind, num_tokens, num_seqs, max_blocks_per_seq,
+                                    with_prompt_logprobs)
                 inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
                                       forward_inputs(plan))
-                lowered = _forward.lower(self.graph, self.backend, kind, *self._abstract_args,
-                                         inputs)
+                lowered = _forward.lower(self.graph, self.backend, kind, self.num_top_logprobs,
+                                         *self._abstract_args, inputs)
                 self._logits_shape[num_seqs] = lowered.out_info[0]
                 self._sampler(plan, sampling_step.no_token_mask(num_seqs))
                 self._programs[key] = lowered.compile()
@@ -230,7 +254,8 @@ class ModelRunner:
     def step(self, plan: BatchPlan, token_mask: np.ndarray | None = None) -> tuple:
         """Runs one step; returns, for the first num_seqs rows, the sampled ids, their logprobs,
         the num_top_logprobs most likely tokens with their logprobs, and the sampled ids'
-        ranks."""
+        ranks; then the prompt logprobs of every query token (None when the plan has no
+        prompt_targets)."""
         return self.fetch(self.dispatch(plan, token_mask))
 
     def dispatch(self, plan: BatchPlan, token_mask: np.ndarray | None = None) -> "PendingStep":
@@ -238,39 +263,44 @@ class ModelRunner:
         while the caller dispatches other replicas' steps; fetch() waits for its results."""
         return self.dispatch_sample(plan, self.dispatch_forward(plan), token_mask)
 
-    def dispatch_forward(self, plan: BatchPlan) -> jax.Array:
-        """Starts a step's forward; returns its logits (on device, not waited for)."""
+    def dispatch_forward(self, plan: BatchPlan) -> tuple[jax.Array, tuple]:
+        """Starts a step's forward; returns its (logits, prompt logprob arrays or ()), on
+        device, not waited for."""
         program = self.program(plan.kind, plan.padded_num_tokens, plan.padded_num_seqs,
-                               plan.block_tables.shape[1])
+                               plan.block_tables.shape[1], bool(plan.prompt_targets.shape[0]))
         inputs = forward_inputs(plan)
         if self.channel is None:
-            logits, self.kv_cache = program(self.params, self.kv_cache, inputs)
+            logits, prompt, self.kv_cache = program(self.params, self.kv_cache, inputs)
         else:  # multi-host: the followers run it too (multihost.py); a failure is the group's
             self.channel.step(plan)
             try:
-                logits, self.kv_cache = program(self.params, self.kv_cache, inputs)
+                logits, prompt, self.kv_cache = program(self.params, self.kv_cache, inputs)
             except Exception as error:
                 raise self.channel.broken(error) from error
         self.step_shapes.add((plan.kind, plan.padded_num_tokens, plan.padded_num_seqs))
-        return logits
+        return logits, prompt
 
-    def dispatch_sample(self, plan: BatchPlan, logits: jax.Array,
+    def dispatch_sample(self, plan: BatchPlan, forward: tuple[jax.Array, tuple],
                         token_mask: np.ndarray | None = None) -> "PendingStep":
         """Starts the sampler on a dispatched forward's logits, on this runner's device (over a
         mesh the logits are replicated: its copy there), token_mask (i32[B, W], W = ceil(V / 32),
         or None) limiting what each row may sample."""
+        logits, prompt = forward
         if token_mask is None:
             token_mask = sampling_step.no_token_mask(plan.padded_num_seqs)
         if not logits.is_fully_addressable or len(logits.devices()) > 1:
             logits = next(s.data for s in logits.addressable_shards if s.device == self.device)
         program = self._sampler(plan, token_mask)
         sampled = program(logits, sampling_step.sampling_inputs(plan), token_mask)
-        return PendingStep(sampled, int(plan.num_seqs))
+        return PendingStep(sampled, int(plan.num_seqs), prompt)
 
-    def fetch(self, pending: "PendingStep") -> tuple[np.ndarray, ...]:
-        """A dispatched step's results on the host (blocks until the device is done)."""
+    def fetch(self, pending: "PendingStep") -> tuple:
+        """A dispatched step's results on the host (blocks until the device is done): the
+        sampler's five arrays for the real rows, then the prompt logprob arrays (or None)."""
         try:
-            return tuple(np.asarray(x)[:pending.num_seqs] for x in pending.sampled)
+            sampled = tuple(np.asarray(x)[:pending.num_seqs] for x in pending.sampled)
+            prompt = tuple(np.asarray(x) for x in pending.prompt) or None
+            return sampled + (prompt,)
         except Exception as error:
             if self.channel is not None:
                 raise self.channel.broken(error) from error
@@ -296,10 +326,12 @@ class ModelRunner:
 
 @dataclasses.dataclass(frozen=True)
 class PendingStep:
-    """A dispatched step: its device outputs (not waited for) and the rows that are real."""
+    """A dispatched step: its device outputs (not waited for), the rows that are real, and the
+    forward's prompt logprob arrays (empty when the step has none)."""
 
     sampled: tuple
     num_seqs: int
+    prompt: tuple = ()
 
 
 class BackgroundWarmup:
@@ -347,8 +379,10 @@ def _no_logit_bias(num_seqs: int) -> dict:
                 penalty_prompt_lens=prompt_lens)
 
 
-def padding_plan(kind: str, num_tokens: int, num_seqs: int, max_blocks_per_seq: int) -> BatchPlan:
-    """A plan of nothing but padding (num_seqs = 0): every write lands in the null block."""
+def padding_plan(kind: str, num_tokens: int, num_seqs: int, max_blocks_per_seq: int,
+                 with_prompt_logprobs: bool = False) -> BatchPlan:
+    """A plan of nothing but padding (num_seqs = 0): every write lands in the null block.
+    with_prompt_logprobs gives it prompt_targets (all -1) for the forward's prompt variant."""
     zeros_t = np.zeros(num_tokens, np.int32)
     return BatchPlan(
         token_ids=zeros_t, positions=zeros_t, slot_mapping=zeros_t,
@@ -358,6 +392,7 @@ def padding_plan(kind: str, num_tokens: int, num_seqs: int, max_blocks_per_seq: 
         temperature=np.zeros(num_seqs, np.float32), top_k=np.full(num_seqs, -1, np.int32),
         top_p=np.ones(num_seqs, np.float32), min_p=np.zeros(num_seqs, np.float32),
         seeds=np.zeros(num_seqs, np.uint32), **_no_logit_bias(num_seqs),
+        prompt_targets=np.full(num_tokens if with_prompt_logprobs else 0, -1, np.int32),
         copy_src=np.zeros(num_seqs, np.int32), copy_dst=np.zeros(num_seqs, np.int32),
         num_copies=np.asarray(0, np.int32), kind=kind,
         padded_num_tokens=num_tokens, padded_num_seqs=num_seqs)

@@ -41,7 +41,7 @@ logger = logging.getLogger("pagedjax.parallel.multihost")
 
 STEP, RESET, STOP = 1, 2, 3
 KINDS = (DECODE, PREFILL)
-HEADER = 8  # int32s: command, kind, T, B, max blocks per sequence, unused
+HEADER = 8  # int32s: command, kind, T, B, max blocks per sequence, prompt targets, unused
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
@@ -68,6 +68,9 @@ def check_multihost(config, devices) -> None:
         raise ValueError(f"a model over several processes must span all {jax.process_count()} "
                          f"of them (every process runs each step); tensor_parallel_size "
                          f"{config.tensor_parallel_size} covers processes {sorted(processes)}")
+    if config.gpu_memory_utilization is not None:
+        raise ValueError("gpu_memory_utilization is single-host only (each process would size "
+                         "its own pool); give num_blocks or kv_cache_memory_bytes")
     if config.preemption_mode == "swap":
         raise ValueError("preemption_mode='swap' is single-host only (the host pool would be "
                          "split over the processes); use 'recompute'")
@@ -79,14 +82,16 @@ def add_args(parser) -> None:
     group.add_argument("--coordinator", metavar="HOST:PORT",
                        help="process 0's address for jax.distributed (with --num-processes "
                        "and --process-id)")
-    group.add_argument("--num-processes", type=int)
-    group.add_argument("--process-id", type=int)
+    group.add_argument("--num-processes", type=int,
+                       help="how many processes serve the model together")
+    group.add_argument("--process-id", type=int,
+                       help="this process's index, 0 (the leader, which serves) to N - 1")
     group.add_argument("--distributed", action="store_true",
                        help="jax.distributed.initialize() from the environment (Cloud TPU, "
                        "SLURM), no flags")
     group.add_argument("--heartbeat-timeout", type=int, default=100,
                        help="seconds before JAX's coordination service gives up on a silent "
-                       "process (default 100)")
+                       "process")
 
 
 def start_from_args(args) -> bool:
@@ -109,9 +114,9 @@ def _broadcast(tree):
 
 
 def _header(command: int, kind: str = DECODE, num_tokens: int = 0, num_seqs: int = 0,
-            max_blocks: int = 0) -> np.ndarray:
+            max_blocks: int = 0, prompt_targets: int = 0) -> np.ndarray:
     header = np.zeros(HEADER, np.int32)
-    header[:5] = command, KINDS.index(kind), num_tokens, num_seqs, max_blocks
+    header[:6] = command, KINDS.index(kind), num_tokens, num_seqs, max_blocks, prompt_targets
     return header
 
 
@@ -148,7 +153,7 @@ class LeaderChannel:
 
     def step(self, plan) -> None:
         self._send(_header(STEP, plan.kind, plan.padded_num_tokens, plan.padded_num_seqs,
-                           plan.block_tables.shape[1]))
+                           plan.block_tables.shape[1], plan.prompt_targets.shape[0]))
         self._send({name: np.asarray(getattr(plan, name)) for name in FORWARD_FIELDS})
 
     def reset(self) -> None:
@@ -177,7 +182,7 @@ def follow(runner) -> int:
     steps = 0
     while True:
         header = np.asarray(_broadcast(_header(0)))
-        command, kind, num_tokens, num_seqs, max_blocks = (int(x) for x in header[:5])
+        command, kind, num_tokens, num_seqs, max_blocks, targets = (int(x) for x in header[:6])
         if command == STOP:
             jax.distributed.shutdown()
             return steps
@@ -186,8 +191,8 @@ def follow(runner) -> int:
             continue
         if command != STEP:
             raise RuntimeError(f"follower got an unknown command {command} from the leader")
-        template = padding_plan(KINDS[kind], num_tokens, num_seqs, max_blocks)
+        template = padding_plan(KINDS[kind], num_tokens, num_seqs, max_blocks, targets > 0)
         arrays = _broadcast({name: getattr(template, name) for name in FORWARD_FIELDS})
         plan = dataclasses.replace(template, **{k: np.asarray(v) for k, v in arrays.items()})
-        runner.dispatch_forward(plan).block_until_ready()  # the leader alone samples
+        jax.block_until_ready(runner.dispatch_forward(plan))  # the leader alone samples
         steps += 1

@@ -100,8 +100,10 @@ class OpenAIServer:
             raise APIError(400, why, param)
 
     def sampling(self, body: _SamplingFields, max_tokens: int, logprobs: int | None,
-                  best_of: int | None, params_of: dict[str, str]) -> SamplingParams:
+                 best_of: int | None, params_of: dict[str, str],
+                 prompt_logprobs: int | None = None) -> SamplingParams:
         kwargs: dict[str, Any] = dict(max_tokens=max_tokens, n=body.n, best_of=best_of,
+                                      prompt_logprobs=prompt_logprobs,
                                       seed=body.seed, ignore_eos=body.ignore_eos,
                                       skip_special_tokens=body.skip_special_tokens,
                                       include_stop_str_in_output=body.include_stop_str_in_output,

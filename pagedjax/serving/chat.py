@@ -14,7 +14,7 @@ from fastapi import responses
 from pagedjax.engine.outputs import CompletionOutput, RequestOutput
 from pagedjax.serving.async_engine import PromptSpec
 from pagedjax.serving.http_common import APIError, parse_body
-from pagedjax.serving.protocol import ChatCompletionRequest
+from pagedjax.serving.protocol import ChatCompletionRequest, prompt_logprobs_json
 from pagedjax.serving.streaming import DONE, DeltaTracker, guard, sse
 from pagedjax.text.tokenizer import NO_CHAT_TEMPLATE
 
@@ -82,7 +82,8 @@ async def chat_completions(server: OpenAIServer, request: fastapi.Request):
                  "max_tokens": ("max_completion_tokens"
                                 if body.max_completion_tokens is not None else "max_tokens")}
     params = server.sampling(body, _max_tokens(server, body, len(ids)),
-                             top_n if body.logprobs else None, None, params_of)
+                             top_n if body.logprobs else None, None, params_of,
+                             body.prompt_logprobs)
     request_id = f"chatcmpl-{secrets.token_hex(12)}"
     group = await server.add([PromptSpec(ids, params, request_id, None, body.cache_salt)],
                              params_of)
@@ -106,7 +107,11 @@ async def chat_completions(server: OpenAIServer, request: fastapi.Request):
                     "logprobs": None, **extra(c, 0), "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason}
                    for c in out.outputs]
-        return {**base, "choices": choices, "usage": server.usage({request_id: out})}
+        response = {**base, "choices": choices, "usage": server.usage({request_id: out})}
+        if body.prompt_logprobs is not None:  # vLLM: beside the choices
+            response["prompt_logprobs"] = prompt_logprobs_json(
+                out.prompt_logprobs, out.prompt_token_ids, body.prompt_logprobs)
+        return response
     chunk = {**base, "object": "chat.completion.chunk"}
     return responses.StreamingResponse(guard(_events(server, body, group, chunk, extra)),
                                        media_type="text/event-stream")

@@ -13,7 +13,7 @@ from fastapi import responses
 from pagedjax.engine.outputs import CompletionOutput, RequestOutput
 from pagedjax.serving.async_engine import PromptSpec
 from pagedjax.serving.http_common import APIError, parse_body
-from pagedjax.serving.protocol import CompletionRequest, split_prompts
+from pagedjax.serving.protocol import CompletionRequest, prompt_logprobs_json, split_prompts
 from pagedjax.serving.streaming import DONE, DeltaTracker, guard, sse
 
 if TYPE_CHECKING:
@@ -22,18 +22,27 @@ if TYPE_CHECKING:
 PARAMS_OF = {"prompt_token_ids": "prompt", "prompts": "prompt"}  # engine field -> body field
 
 
-def logprobs_of(server: OpenAIServer, choice: CompletionOutput, start: int, offset: int) -> dict:
-    """OpenAI's completion logprobs (tokens, token_logprobs, top_logprobs, text_offset)."""
+def logprobs_of(server: OpenAIServer, token_ids, entries, offset: int,
+                num_top: int | None = None) -> dict:
+    """OpenAI's completion logprobs (tokens, token_logprobs, top_logprobs, text_offset) of
+    token_ids, entries their engine logprobs (None for an echoed prompt's first token); num_top
+    trims an entry to the token and its num_top most likely."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
-    for token_id, top in zip(choice.token_ids[start:], (choice.logprobs or [])[start:]):
+    for token_id, top in zip(token_ids, entries):
         text = server.token_text(token_id)
         tokens.append(text)
-        token_logprobs.append(top[token_id].logprob)
-        tops.append({server.token_text(t): lp.logprob for t, lp in top.items()})
+        token_logprobs.append(None if top is None else top[token_id].logprob)
+        tops.append(None if top is None else {
+            server.token_text(t): lp.logprob for t, lp in top.items()
+            if num_top is None or t == token_id or lp.rank is not None and lp.rank <= num_top})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
             "text_offset": offsets}
+
+
+def _joined(first: dict, second: dict) -> dict:
+    return {key: first[key] + second[key] for key in first}
 
 
 class _Choices:
@@ -46,23 +55,41 @@ class _Choices:
     def choice(self, out: RequestOutput, choice: CompletionOutput, text: str, start: int,
                offset: int) -> dict:
         body = self.body
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = logprobs_of(self.server, choice.token_ids[start:],
+                                   (choice.logprobs or [])[start:], offset)
         d = {"index": self.index_of[out.request_id] * body.n + choice.index, "text": text,
-             "logprobs": (logprobs_of(self.server, choice, start, offset)
-                          if body.logprobs is not None else None),
-             "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+             "logprobs": logprobs, "finish_reason": choice.finish_reason,
+             "stop_reason": choice.stop_reason}
         if body.return_token_ids or self.server.tokenizer is None:  # no text without one
             d["token_ids"] = choice.token_ids[start:]
             if start == 0:
                 d["prompt_token_ids"] = out.prompt_token_ids
+        if body.prompt_logprobs is not None and start == 0:
+            d["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs,
+                                                        out.prompt_token_ids,
+                                                        body.prompt_logprobs)
         return d
+
+    def echoed_logprobs(self, out: RequestOutput) -> dict | None:
+        """echo with logprobs: the prompt's tokens as OpenAI lists them (the first without a
+        logprob), from the engine's prompt logprobs."""
+        if not (self.body.echo and self.body.logprobs is not None):
+            return None
+        return logprobs_of(self.server, out.prompt_token_ids, out.prompt_logprobs, 0,
+                           self.body.logprobs)
 
     def whole(self, final: dict[str, RequestOutput]) -> list[dict]:
         choices = []
         for rid in self.index_of:
             out, prefix = final[rid], self.echo[self.index_of[rid]]
+            echoed = self.echoed_logprobs(out)
             for choice in out.outputs:
-                choices.append(self.choice(out, choice, prefix + (choice.text or ""), 0,
-                                           len(prefix)))
+                d = self.choice(out, choice, prefix + (choice.text or ""), 0, len(prefix))
+                if echoed is not None:
+                    d["logprobs"] = _joined(echoed, d["logprobs"])
+                choices.append(d)
         return choices
 
 
@@ -74,7 +101,11 @@ async def completions(server: OpenAIServer, request: fastapi.Request):
     except ValueError as e:
         raise APIError(400, str(e), "prompt") from None
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
-    params = server.sampling(body, max_tokens, body.logprobs, body.best_of, PARAMS_OF)
+    prompt_logprobs = body.prompt_logprobs
+    if body.echo and body.logprobs is not None:  # the echoed prompt's logprobs
+        prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
+    params = server.sampling(body, max_tokens, body.logprobs, body.best_of, PARAMS_OF,
+                             prompt_logprobs)
     encoded = [await server.encode(p, "prompt") for p in prompts]
     request_id = f"cmpl-{secrets.token_hex(12)}"
     specs = [PromptSpec(ids, params, f"{request_id}-{i}", text, body.cache_salt)
@@ -101,13 +132,24 @@ async def _events(server: OpenAIServer, body: CompletionRequest, group, choices:
     tracker = DeltaTracker(body.logprobs is not None or body.return_token_ids
                            or server.tokenizer is None)
     final: dict[str, RequestOutput] = {}
+    # The echo goes first; with logprobs it waits for the request's first output (which
+    # carries the prompt's logprobs).
+    deferred = body.logprobs is not None
     for i, prefix in enumerate(choices.echo):
         for j in range(body.n):
-            if prefix:
+            if prefix and not deferred:
                 yield sse({**base, "choices": [{"index": i * body.n + j, "text": prefix,
                                                 "logprobs": None, "finish_reason": None}]})
+    echoed: set[str] = set()
     async with group:
         async for out in group:
+            i = choices.index_of[out.request_id]
+            if deferred and choices.echo[i] and out.request_id not in echoed:
+                echoed.add(out.request_id)
+                for j in range(body.n):
+                    yield sse({**base, "choices": [{
+                        "index": i * body.n + j, "text": choices.echo[i],
+                        "logprobs": choices.echoed_logprobs(out), "finish_reason": None}]})
             sent = []
             for choice in out.outputs:
                 delta = tracker.advance((out.request_id, choice.index), choice)

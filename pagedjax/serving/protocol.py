@@ -52,6 +52,7 @@ class _SamplingFields(BaseModel):
     user: str | None = None
     cache_salt: str | None = None
     return_token_ids: bool = False
+    prompt_logprobs: int | None = None  # vLLM's: per prompt token, its logprob and the top ones
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs object and its
     # older guided_* fields (pagedjax.serving.structured turns them into one StructuredOutputs).
     response_format: dict[str, Any] | None = None
@@ -69,6 +70,9 @@ class _SamplingFields(BaseModel):
         if self.guided_decoding_backend not in (None, "auto", "guidance", "llguidance"):
             found.append(("guided_decoding_backend", "guided_decoding_backend must be 'auto' or "
                           "'guidance' (this server's structured outputs use llguidance)"))
+        if self.prompt_logprobs is not None and self.stream:
+            found.append(("prompt_logprobs", "prompt_logprobs are not available when stream is "
+                          "true (as in vLLM)"))
         if self.guided_whitespace_pattern is not None:
             found.append(("guided_whitespace_pattern", "guided_whitespace_pattern is not "
                           "supported (use structured_outputs.disable_any_whitespace)"))
@@ -90,8 +94,6 @@ class CompletionRequest(_SamplingFields):
         found = super().unsupported()
         if self.suffix:
             found.append(("suffix", "suffix is not supported"))
-        if self.echo and self.logprobs is not None:
-            found.append(("echo", "echo with logprobs (prompt logprobs) is not supported"))
         if self.stream and self.best_of is not None and self.best_of > self.n:
             found.append(("best_of", "best_of > n cannot stream (the best n are known only at "
                           "the end)"))
@@ -152,6 +154,19 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[int]
+
+
+def prompt_logprobs_json(entries, prompt_token_ids, num_top: int) -> list | None:
+    """vLLM's prompt_logprobs on the wire: None for the first prompt token, then per token
+    {token id: {"logprob", "rank", "decoded_token"}} of the token itself and the num_top most
+    likely (the engine may hold more, when echo with logprobs asked for more)."""
+    if entries is None:
+        return None
+    return [None if entry is None else {
+        token_id: {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+        for token_id, lp in entry.items()
+        if token_id == prompt_token_ids[position] or lp.rank is not None and lp.rank <= num_top}
+        for position, entry in enumerate(entries)]
 
 
 def split_prompts(prompt: str | list) -> list[str | list]:

@@ -27,6 +27,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-memory-gib", type=float,
                        help="size the KV pool by memory instead of --num-blocks (a device's "
                        "share: each of the --tensor-parallel-size devices holds that much)")
+    group.add_argument("--gpu-memory-utilization", type=float, metavar="FRACTION",
+                       help="size the KV pool from the device's memory instead: the fraction "
+                       "of it weights, activations and the pool may fill, as vLLM's (the pool "
+                       "takes what the weights and the largest step programs leave)")
     group.add_argument("--max-num-seqs", type=int,
                        help=f"sequences a step runs at most ({_default('max_num_seqs')})")
     group.add_argument("--max-num-batched-tokens", type=int,
@@ -81,7 +85,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "max_model_len", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
         "policy", "dtype", "kv_cache_dtype", "attention_backend", "preemption_mode",
         "max_logprobs", "seed", "compilation_cache", "prefill_seqs",
-        "step_programs", "tensor_parallel_size", "data_parallel_size")
+        "step_programs", "tensor_parallel_size", "data_parallel_size", "gpu_memory_utilization")
         if getattr(args, name) is not None}
     if args.kv_cache_memory_gib is not None:
         kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_memory_gib * 2**30)

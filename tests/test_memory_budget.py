@@ -1,0 +1,74 @@
+"""gpu_memory_utilization (vLLM's): the KV pool takes what the device's memory leaves after the
+weights and the largest step programs' activations, measured by XLA's memory analysis."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import jax
+import pytest
+
+from pagedjax import LLM, SamplingParams
+from pagedjax.engine.memory_budget import device_memory
+from pagedjax.tools.engine_args import add_engine_args, engine_kwargs
+
+SMALL = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=128)
+
+
+def _utilization_for(extra_bytes: int, **config) -> tuple[float, LLM]:
+    """A utilization leaving about extra_bytes beyond the weights (the CPU reports no memory
+    statistics: the limit is the host's memory), and an engine sized by num_blocks to compare."""
+    reference = LLM(**config, num_blocks=64)
+    limit, _, _ = device_memory(reference.engine.runner.device, reference.engine.runner.params)
+    weights = sum(x.nbytes for x in jax.tree.leaves(reference.engine.runner.params))
+    return (weights + extra_bytes) / limit, reference
+
+
+def test_pool_is_what_the_weights_and_activations_leave():
+    utilization, reference = _utilization_for(40 * 2**20, **SMALL)
+    llm = LLM(**SMALL, gpu_memory_utilization=utilization)
+    budget, engine = llm.engine.memory_budget, llm.engine
+    weights = sum(x.nbytes for x in jax.tree.leaves(engine.runner.params))
+    assert budget.source == "host memory" and budget.in_use_bytes == weights
+    assert budget.activation_bytes > 0
+    left = int(utilization * budget.limit_bytes) - weights - budget.activation_bytes
+    assert engine.num_blocks == left // engine.bytes_per_block_per_device == budget.num_blocks
+    assert sum(x.nbytes for x in jax.tree.leaves(engine.runner.kv_cache)) == \
+        engine.num_blocks * engine.bytes_per_block_per_device  # the pool itself, reallocated
+    assert engine.scheduler.kv_manager.pool.num_usable_blocks == engine.num_blocks - 1
+    params = SamplingParams(max_tokens=8, temperature=0)
+    prompts = ["copy:hello=", "rev:paged="]
+    assert [o.text for o in llm.generate(prompts, params, use_tqdm=False)] == \
+        [o.text for o in reference.generate(prompts, params, use_tqdm=False)]
+    # Measured from the programs: four times the token budget reserves more.
+    bigger = LLM(**dict(SMALL, max_num_batched_tokens=512), gpu_memory_utilization=utilization)
+    assert bigger.engine.memory_budget.activation_bytes > budget.activation_bytes
+    assert bigger.engine.num_blocks < engine.num_blocks
+
+
+def test_too_little_memory_and_two_pool_sizes_are_refused_by_name():
+    utilization, _ = _utilization_for(0, **SMALL)
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization .* not two KV blocks"):
+        LLM(**SMALL, gpu_memory_utilization=utilization)
+    with pytest.raises(ValueError, match="not num_blocks and gpu_memory_utilization"):
+        LLM(**SMALL, num_blocks=10, gpu_memory_utilization=0.5)
+    for bad in (0, 1.5, -0.1, True, "0.9"):
+        with pytest.raises(ValueError, match="gpu_memory_utilization must be a number in"):
+            LLM(**SMALL, gpu_memory_utilization=bad)
+
+
+def test_backend_memory_statistics_are_used_where_reported():
+    @dataclasses.dataclass
+    class Device:  # what a GPU or TPU device answers
+        def memory_stats(self):
+            return {"bytes_limit": 80 * 2**30, "bytes_in_use": 3 * 2**30}
+
+    assert device_memory(Device(), params={}) == (80 * 2**30, 3 * 2**30, "memory_stats")
+
+
+def test_flag():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--gpu-memory-utilization", "0.85"])
+    assert engine_kwargs(args)["gpu_memory_utilization"] == 0.85
