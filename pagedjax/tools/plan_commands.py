@@ -11,21 +11,24 @@ from pagedjax.tools.engine_args import add_engine_args, engine_kwargs
 from scheduler import POLICIES
 
 
-def capacity(argv) -> None:
-    """KV-cache capacity from the formula 2 * L * K * H * itemsize bytes per token."""
-    parser = argparse.ArgumentParser(prog="pagedjax capacity", description=capacity.__doc__)
-    parser.add_argument("--model", default="llama-3-8b", choices=sorted(CONFIGS))
+def capacity_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="llama-3-8b", choices=sorted(CONFIGS),
+                        help="a named model configuration")
     parser.add_argument("--kv-memory-gib", type=float, required=True,
                         help="memory given to the KV cache on each device")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="devices one replica's weights and KV heads are split over")
     parser.add_argument("--data-parallel-size", type=int, default=1,
                         help="replicas, each with its own pool (the totals multiply)")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--block-size", type=int, default=16, help="tokens a KV block holds")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="the KV cache's element type")
     parser.add_argument("--context", type=int, default=4096,
                         help="average tokens per sequence (prompt + output)")
-    args = parser.parse_args(argv)
+
+
+def capacity(args, parser: argparse.ArgumentParser) -> None:
+    """KV-cache capacity from the formula 2 * L * K * H * itemsize bytes per token."""
     if args.kv_memory_gib <= 0 or args.block_size < 1 or args.context < 1:
         parser.error("--kv-memory-gib, --block-size and --context must be positive")
     if args.tensor_parallel_size < 1 or args.data_parallel_size < 1:
@@ -58,20 +61,22 @@ def capacity(argv) -> None:
           f"replica, {(num_blocks - 1) // blocks_per_seq * dp:,} in all")
 
 
-def inspect(argv) -> None:
+def inspect_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", help="a Hugging Face model directory or a .gguf file")
+    parser.add_argument("--kv-dtype", default="bfloat16",
+                        choices=["float32", "bfloat16", "int8", "fp8"],
+                        help="the KV cache's element type")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens a KV block holds")
+    parser.add_argument("--attention-backend", default="reference",
+                        choices=["reference", "gpu", "mosaic_gpu", "tpu"],
+                        help="whose cache layout to count bytes in")
+
+
+def inspect(args, parser: argparse.ArgumentParser) -> None:
     """What the engine makes of a Hugging Face model directory or a .gguf file: architecture,
     attention type, KV-cache bytes per token and per block, and whether it can be served."""
     from models.hf import inspect_model_dir
 
-    parser = argparse.ArgumentParser(prog="pagedjax inspect", description=inspect.__doc__)
-    parser.add_argument("model_dir")
-    parser.add_argument("--kv-dtype", default="bfloat16",
-                        choices=["float32", "bfloat16", "int8", "fp8"])
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--attention-backend", default="reference",
-                        choices=["reference", "gpu", "mosaic_gpu", "tpu"],
-                        help="whose cache layout to count bytes in")
-    args = parser.parse_args(argv)
     if args.block_size < 1:
         parser.error("--block-size must be >= 1")
     try:
@@ -102,16 +107,19 @@ def inspect(argv) -> None:
     print("  supported            yes")
 
 
-def profile(argv) -> None:
+def profile_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None,
+                        help="a model directory, .gguf file or config name (default: the "
+                        "embedded trained model)")
+    parser.add_argument("--trace", required=True, help="the trace to serve (JSON lines)")
+    parser.add_argument("--out", required=True, help="where to write the cost model (JSON)")
+    add_engine_args(parser)
+
+
+def profile(args, parser: argparse.ArgumentParser) -> None:
     """Serves a trace (JSON lines: arrival_s, prompt_len, output_len[, n, prefix_group,
     prefix_len]) on the engine in real time and fits the simulator's step-time model to its
     steps (written as JSON for `pagedjax simulate`)."""
-    parser = argparse.ArgumentParser(prog="pagedjax profile", description=profile.__doc__)
-    parser.add_argument("model", nargs="?", default=None)
-    parser.add_argument("--trace", required=True)
-    parser.add_argument("--out", required=True, help="where to write the cost model (JSON)")
-    add_engine_args(parser)
-    args = parser.parse_args(argv)
 
     from pagedjax.llm import DEFAULT_MODEL, LLM
     from pagedjax.tools.profiling import run_trace
@@ -132,15 +140,13 @@ def profile(argv) -> None:
     print(f"cost model from {len(samples)} steps -> {args.out}")
 
 
-def simulate(argv) -> None:
+def simulate(args, parser: argparse.ArgumentParser) -> None:
     """Predicts a trace's TTFT, TPOT, throughput, preemptions and KV use under each combination
     of the given pool sizes and batch limits, with the real scheduler on a step-time model:
     fitted to an engine (`--cost`, from `pagedjax profile`) or a roofline estimate for a model
     on a chip not at hand (`--roofline CHIP --model NAME`). No model runs, no device."""
     from scheduler.trace import load_trace
 
-    parser = _simulate_parser()
-    args = parser.parse_args(argv)
     if args.roofline and not args.model:
         parser.error("--roofline needs --model")
     if args.tensor_parallel_size < 1 or args.data_parallel_size < 1:
@@ -162,19 +168,21 @@ def simulate(argv) -> None:
     print(_table(rows))
 
 
-def _simulate_parser() -> argparse.ArgumentParser:
+def simulate_args(parser: argparse.ArgumentParser) -> None:
     from scheduler.chips import CHIPS
 
-    parser = argparse.ArgumentParser(prog="pagedjax simulate", description=simulate.__doc__)
-    parser.add_argument("--trace", required=True)
+    parser.add_argument("--trace", required=True, help="the trace to replay (JSON lines)")
     model_source = parser.add_mutually_exclusive_group(required=True)
     model_source.add_argument("--cost", help="a fitted cost model from `pagedjax profile`")
     model_source.add_argument("--roofline", choices=sorted(CHIPS),
                               help="estimate step times for --model on this chip")
     parser.add_argument("--model", choices=sorted(CONFIGS), help="with --roofline")
-    parser.add_argument("--flops-util", type=float, default=0.5)
-    parser.add_argument("--bw-util", type=float, default=0.7)
-    parser.add_argument("--overhead-ms", type=float, default=2.0)
+    parser.add_argument("--flops-util", type=float, default=0.5,
+                        help="with --roofline: the share of the chip's peak FLOPs reached")
+    parser.add_argument("--bw-util", type=float, default=0.7,
+                        help="with --roofline: the share of the chip's memory bandwidth reached")
+    parser.add_argument("--overhead-ms", type=float, default=2.0,
+                        help="with --roofline: fixed host time a step")
     parser.add_argument("--kv-dtype", default="bfloat16", choices=["bfloat16", "int8"],
                         help="with --roofline: KV bytes per element 2 or 1 (weights bf16)")
     ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
@@ -184,20 +192,25 @@ def _simulate_parser() -> argparse.ArgumentParser:
                       help="pool sizes to try, comma-separated (the null block included)")
     pool.add_argument("--kv-memory-gib", type=floats,
                       help="with --roofline: KV memory budgets to try, comma-separated")
-    parser.add_argument("--max-num-seqs", type=ints, default=[32])
-    parser.add_argument("--max-num-batched-tokens", type=ints, default=[512])
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-model-len", type=int, default=512)
-    parser.add_argument("--policy", default="mixed", choices=list(POLICIES))
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument("--max-num-seqs", type=ints, default=[32],
+                        help="sequence limits to try, comma-separated")
+    parser.add_argument("--max-num-batched-tokens", type=ints, default=[512],
+                        help="token budgets to try, comma-separated")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens a KV block holds")
+    parser.add_argument("--max-model-len", type=int, default=512,
+                        help="longest prompt + output a request may hold")
+    parser.add_argument("--policy", default="mixed", choices=list(POLICIES),
+                        help="what a step schedules first")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="turn automatic prefix caching off")
+    parser.add_argument("--vocab-size", type=int, default=32000,
+                        help="the vocabulary (the sampler's cost in a fitted model)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="with --roofline: one replica over this many chips (a device's "
                         "weights and KV; the all-reduces on the chip's link)")
     parser.add_argument("--data-parallel-size", type=int, default=1,
                         help="replicas, each with the pool; requests placed by the "
                         "data-parallel engine's prefix-affinity rule, steps in lockstep")
-    return parser
 
 
 def _cost_and_pools(args):

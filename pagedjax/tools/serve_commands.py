@@ -10,16 +10,17 @@ import time
 from pagedjax.tools.engine_args import add_engine_args, engine_kwargs
 
 
-def _serve_parser() -> argparse.ArgumentParser:
+def serve_args(parser: argparse.ArgumentParser) -> None:
     import os
 
-    parser = argparse.ArgumentParser(prog="pagedjax serve", description=serve.__doc__)
-    parser.add_argument("model", nargs="?", default=None)
+    parser.add_argument("model", nargs="?", default=None,
+                        help="a Hugging Face or orbax directory, a .gguf file, or a config name "
+                        "(default: the embedded trained model)")
     parser.add_argument("--tokenizer", help="a tokenizer directory, or 'byte'")
     parser.add_argument("--chat-template", help="a Jinja chat template, or a file holding one, "
                         "for a model whose tokenizer has none (or to replace its own)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="the port to listen on")
     parser.add_argument("--served-model-name",
                         help="the name clients send as `model` (default: the model's)")
     parser.add_argument("--max-outstanding-tokens", type=int,
@@ -41,14 +42,15 @@ def _serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--trace-out", help="append every finished request to this JSON-lines "
                         "trace (lengths, arrival, prefix hashes; no text) for `pagedjax "
                         "simulate`")
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"],
+                        help="uvicorn's log level")
     add_engine_args(parser)
     from pagedjax.parallel import multihost
     multihost.add_args(parser)
-    return parser
 
 
-def serve(argv) -> None:
+def serve(args, parser: argparse.ArgumentParser) -> None:
     """An OpenAI-compatible server (/v1/completions, /v1/chat/completions, streaming; /metrics,
     /health) for MODEL: a Hugging Face or orbax directory, a .gguf file, or a config name
     (default: the embedded trained model)."""
@@ -56,8 +58,6 @@ def serve(argv) -> None:
 
     from pagedjax.parallel import multihost
 
-    parser = _serve_parser()
-    args = parser.parse_args(argv)
     if not 0 < args.port < 65536:
         parser.error(f"--port must be in 1..65535, got {args.port}")
     if args.max_outstanding_tokens is not None and args.max_outstanding_tokens < 1:
@@ -82,6 +82,9 @@ def serve(argv) -> None:
         llm = LLM(model, tokenizer=args.tokenizer, **engine_kwargs(args))
     except ValueError as e:
         parser.exit(1, f"pagedjax serve: {e}\n")
+    budget = getattr(llm.engine, "memory_budget", None)  # --gpu-memory-utilization
+    if budget is not None:
+        print(budget.describe(), flush=True)
     if follower:  # the leader (process 0) serves; this process runs its steps' shards
         print(f"process {jax.process_index()}: following process 0", flush=True)
         steps = multihost.follow(llm.engine.runner)
@@ -113,22 +116,21 @@ def _report_warmup(warmup) -> None:
               f"{warmup.seconds:.1f} s", flush=True)
 
 
-def router(argv) -> None:
-    """An OpenAI-compatible proxy routing each request to the `pagedjax serve` instance most
-    likely to hold its prompt's prefix in its KV cache (see pagedjax.serving.router)."""
+def router_args(parser: argparse.ArgumentParser) -> None:
     import os
 
-    from pagedjax.serving.router import POLICIES, run_router
+    from pagedjax.parallel.routing_policy import POLICIES
 
-    parser = argparse.ArgumentParser(prog="pagedjax router", description=router.__doc__)
     parser.add_argument("--backend", action="append", required=True,
                         help="a server's base URL (repeat for each)")
-    parser.add_argument("--policy", default="kv_aware", choices=POLICIES)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--policy", default="kv_aware", choices=POLICIES,
+                        help="how a request picks its instance")
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    parser.add_argument("--port", type=int, default=8080, help="the port to listen on")
     parser.add_argument("--balance-abs", type=int, default=8,
                         help="in-flight difference beyond which load wins over cache affinity")
-    parser.add_argument("--balance-rel", type=float, default=1.5)
+    parser.add_argument("--balance-rel", type=float, default=1.5,
+                        help="in-flight ratio beyond which load wins over cache affinity")
     parser.add_argument("--min-match", type=float, default=0.25,
                         help="least fraction of a prompt's chunks matched to follow affinity")
     rollout = parser.add_argument_group("safe rollout")
@@ -151,8 +153,16 @@ def router(argv) -> None:
                          "Bearer KEY' (or PAGEDJAX_ADMIN_KEY); without a key they do not exist")
     parser.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
                         help="answer 413 to a larger request body, unread (default 4 MiB)")
-    parser.add_argument("--log-level", default="info")
-    args = parser.parse_args(argv)
+    parser.add_argument("--log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"],
+                        help="uvicorn's log level")
+
+
+def router(args, parser: argparse.ArgumentParser) -> None:
+    """An OpenAI-compatible proxy routing each request to the `pagedjax serve` instance most
+    likely to hold its prompt's prefix in its KV cache (see pagedjax.serving.router)."""
+    from pagedjax.serving.router import run_router
+
     if not 0 < args.port < 65536:
         parser.error(f"--port must be in 1..65535, got {args.port}")
     guard = dict(window=args.rollback_window, min_requests=args.rollback_min_requests,

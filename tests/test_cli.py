@@ -1,0 +1,53 @@
+"""`pagedjax`: argparse subcommands, each with its own --help; every flag says what it does and
+its default; an unknown command is named."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from pagedjax.tools.cli import COMMANDS, build_parser, main
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    action, = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(action.choices)
+
+
+def test_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for name, (_, _, summary) in COMMANDS.items():
+        assert name in out and summary.split(":")[0] in out
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_flag_has_help_and_its_default(command, capsys):
+    sub = _subparsers(build_parser())[command]
+    for action in sub._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        name = "/".join(action.option_strings) or action.dest
+        assert action.help, f"pagedjax {command} {name} has no help text"
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for action in sub._actions:
+        default = action.default
+        if action.option_strings and default not in (None, False, argparse.SUPPRESS):
+            shown = ",".join(map(str, default)) if isinstance(default, list) else str(default)
+            assert f"(default: {shown})" in text or "default" in action.help, \
+                f"pagedjax {command} {action.option_strings[0]}: its default is not shown"
+
+
+def test_unknown_command_and_missing_command_are_named(capsys):
+    for argv, message in ((["bogus"], "unknown command 'bogus'"),
+                          ([], "required: COMMAND")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
