@@ -5,6 +5,13 @@ optionally "n" (parallel samples), and either "prefix_group" and "prefix_len" (r
 group share their first prefix_len prompt tokens) or "prefix_hashes" (chained hashes of the
 prompt's 16-token pieces, as `pagedjax serve --trace-out` records them), so that the prefix
 cache sees the requests as it would.
+
+What a served trace also records of each request, for the workload profile
+(scheduler.workload; the simulator ignores them): "session" (a keyed hash of the conversation id
+the client sent: the X-Session-ID header, metadata.session_id, or the `user` field), "turns"
+(chat: the assistant messages before the reply, i.e. earlier turns of its conversation in the
+prompt), "stream" (whether it was streamed) and "workload" (the client's metadata.workload tag,
+e.g. "rag"; a chat request carrying vLLM's `documents` is "rag" too).
 """
 
 from __future__ import annotations
@@ -44,6 +51,11 @@ class TraceRequest:
     # Chained hashes of the prompt's leading CHUNK-token pieces (hex; what a served trace
     # records): prompts whose lists start alike share those tokens.
     prefix_hashes: tuple[str, ...] = ()
+    # The workload profile's markers (None: not recorded); see the module's docstring.
+    session: str | None = None
+    turns: int | None = None
+    stream: bool | None = None
+    workload: str | None = None
 
     def __post_init__(self):
         for name in ("prompt_len", "output_len", "n"):
@@ -61,6 +73,13 @@ class TraceRequest:
         object.__setattr__(self, "prefix_hashes", tuple(self.prefix_hashes))
         if self.prefix_hashes and self.prefix_len:
             raise ValueError("give prefix_hashes or prefix_group/prefix_len, not both")
+        for name, kind in (("session", str), ("workload", str), ("stream", bool)):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, kind):
+                raise ValueError(f"{name} must be a {kind.__name__} or absent, got {value!r}")
+        if self.turns is not None and (not isinstance(self.turns, int)
+                                       or isinstance(self.turns, bool) or self.turns < 0):
+            raise ValueError(f"turns must be an integer >= 0 or absent, got {self.turns!r}")
         if len(self.prefix_hashes) * CHUNK > self.prompt_len:
             raise ValueError(f"prefix_hashes cover {len(self.prefix_hashes)} x {CHUNK} tokens, "
                              f"more than prompt_len={self.prompt_len}")

@@ -19,9 +19,9 @@ def test_help_lists_every_command(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
     assert exit_info.value.code == 0
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # wrapped help, whitespace folded
     for name, (_, _, summary) in COMMANDS.items():
-        assert name in out and summary.split(":")[0] in out
+        assert f"{name} {summary}" in out
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))

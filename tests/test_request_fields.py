@@ -10,7 +10,7 @@ import typing
 import pytest
 from fastapi.testclient import TestClient
 
-from helpers import ROLE_TEMPLATE
+from helpers import RAG_TEMPLATE
 from pagedjax import LLM
 from pagedjax.serving.app import OpenAIServer
 from pagedjax.serving.protocol import ChatCompletionRequest, CompletionRequest
@@ -29,17 +29,17 @@ SERVED = {
     "return_token_ids": True, "response_format": {"type": "json_object"},
     "structured_outputs": {"regex": "[ab]{2}"}, "guided_json": {"type": "object"},
     "guided_regex": "[ab]{2}", "guided_choice": ["a", "b"], "guided_grammar": 'start: "ab"',
-    "guided_decoding_backend": "guidance", "prompt_logprobs": 1,
+    "guided_decoding_backend": "guidance", "prompt_logprobs": 1, "metadata": {"a": "b"},
 }
 COMPLETION_SERVED = {**SERVED, "prompt": "copy:ab=", "best_of": 2, "logprobs": 2, "echo": True}
 CHAT_SERVED = {**SERVED, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
                "top_logprobs": 2, "max_completion_tokens": 3, "add_generation_prompt": False,
-               "chat_template_kwargs": {"x": 1}}
+               "chat_template_kwargs": {"x": 1}, "documents": [{"text": "d"}]}
 # Refused by name whatever their value (or with the value given here).
 REFUSED = {
     "suffix": "x", "tools": [{"type": "function", "function": {"name": "f"}}],
     "guided_whitespace_pattern": " ", "audio": {"voice": "x"}, "function_call": "auto",
-    "functions": [{"name": "f"}], "metadata": {"a": "b"}, "modalities": ["text"],
+    "functions": [{"name": "f"}], "modalities": ["text"],
     "moderation": {}, "parallel_tool_calls": True, "prediction": {"type": "content"},
     "prompt_cache_key": "k", "prompt_cache_options": {}, "prompt_cache_retention": "24h",
     "reasoning_effort": "low", "safety_identifier": "x", "service_tier": "auto",
@@ -49,11 +49,12 @@ REFUSED = {
     "truncate_prompt_tokens": 4, "spaces_between_special_tokens": False,
     "add_special_tokens": False, "structural_tag": "x", "priority": 1, "request_id": "r",
     "logits_processors": ["x"], "return_tokens_as_token_ids": True, "kv_transfer_params": {},
-    "vllm_xargs": {}, "prompt_embeds": "x", "continue_final_message": True, "documents": [],
+    "vllm_xargs": {}, "prompt_embeds": "x", "continue_final_message": True,
     "chat_template": "x", "mm_processor_kwargs": {}, "include_reasoning": False,
 }
 # Each endpoint's fields the other does not have are refused there by name.
 REFUSED.update({"echo": True, "add_generation_prompt": False, "chat_template_kwargs": {"x": 1},
+                "documents": [{"text": "d"}],
                 "top_logprobs": 2, "max_completion_tokens": 3, "best_of": 2, "prompt": "x"})
 # vLLM's extensions (its CompletionRequest / ChatCompletionRequest beyond OpenAI's fields).
 VLLM_FIELDS = {
@@ -88,7 +89,7 @@ ENDPOINTS = {
 
 @pytest.fixture(scope="module")
 def client():
-    server = OpenAIServer(LLM(**ENGINE).engine, "tiny", chat_template=ROLE_TEMPLATE)
+    server = OpenAIServer(LLM(**ENGINE).engine, "tiny", chat_template=RAG_TEMPLATE)
     with TestClient(server.build_app()) as client:
         yield client
 

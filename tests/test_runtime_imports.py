@@ -9,7 +9,7 @@ import sys
 import textwrap
 
 # Import packages whose distributions are optional extras; their modules are named here.
-OPTIONAL = {"pagedjax.tools.plotting": "notebook"}
+OPTIONAL: dict[str, str] = {}  # module -> its extra (none now: matplotlib is a runtime dependency)
 
 CHILD = textwrap.dedent('''
     import importlib, importlib.metadata as md, pkgutil, re, sys
@@ -59,7 +59,8 @@ CHILD = textwrap.dedent('''
                 failures.append(f"{info.name}: {e}")
     import contextlib, io
     from pagedjax.tools import cli
-    for command in ("demo", "serve", "router", "capacity", "inspect", "profile", "simulate"):
+    for command in ("demo", "serve", "router", "capacity", "inspect", "profile", "simulate",
+                    "profile-workload"):
         try:
             with contextlib.redirect_stdout(io.StringIO()):
                 cli.main([command, "--help"])

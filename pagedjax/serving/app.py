@@ -79,7 +79,7 @@ class OpenAIServer:
         self.metrics = ServerMetrics(engine, served_model_name)
         self.trace = TraceRecorder(trace_out, engine.clock()) if trace_out else None
         self.async_engine = AsyncLLMEngine(engine, max_outstanding_tokens=max_outstanding_tokens,
-                                           on_step=self._on_step, on_abort=self.metrics.forget)
+                                           on_step=self._on_step, on_abort=self._on_abort)
 
     def _on_step(self, info) -> None:  # the engine thread, after every step
         self.metrics.on_step(info)
@@ -149,16 +149,35 @@ class OpenAIServer:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    async def add(self, specs: list[PromptSpec], params_of: dict[str, str]) -> RequestGroup:
+    async def add(self, specs: list[PromptSpec], params_of: dict[str, str],
+                  body: _SamplingFields | None = None, request: fastapi.Request | None = None,
+                  turns: int | None = None) -> RequestGroup:
+        """Queues specs (all or none); with a trace, notes what the trace records of them
+        from body and request (session, stream, workload; turns: chat's earlier turns)."""
+        noted = self.trace is not None and body is not None
+        if noted:
+            note = trace_note(body, request, turns)
+            for spec in specs:
+                self.trace.annotate(spec.request_id, **note)
         try:
             return await self.async_engine.add_requests(specs)
-        except OverloadedError as e:
-            raise APIError(429, str(e), None, "rate_limit_error", "server_overloaded",
-                           {"Retry-After": "1"}) from None
-        except RequestError as e:
-            raise _rejected(e, params_of) from None
-        except EngineDeadError as e:
-            raise APIError(503, str(e), None, "server_error", "engine_dead") from None
+        except BaseException as e:
+            if noted:
+                for spec in specs:
+                    self.trace.forget(spec.request_id)
+            if isinstance(e, OverloadedError):
+                raise APIError(429, str(e), None, "rate_limit_error", "server_overloaded",
+                               {"Retry-After": "1"}) from None
+            if isinstance(e, RequestError):
+                raise _rejected(e, params_of) from None
+            if isinstance(e, EngineDeadError):
+                raise APIError(503, str(e), None, "server_error", "engine_dead") from None
+            raise
+
+    def _on_abort(self, request_id: str) -> None:  # a client went away before it finished
+        self.metrics.forget(request_id)
+        if self.trace is not None:
+            self.trace.forget(request_id)
 
     @staticmethod
     def usage(outputs: dict[str, RequestOutput]) -> dict:
@@ -281,6 +300,20 @@ class OpenAIServer:
         app.post("/tokenize")(self.tokenize)
         app.post("/detokenize")(self.detokenize)
         return app
+
+
+def trace_note(body: _SamplingFields, request: fastapi.Request | None,
+               turns: int | None) -> dict:
+    """What --trace-out records of a request beside its output: the session (the X-Session-ID
+    header, metadata.session_id, or `user`), the stream flag, the workload tag (metadata.workload,
+    or "rag" for a chat request with documents) and chat's earlier turns."""
+    metadata = body.metadata or {}
+    header = request.headers.get("x-session-id") if request is not None else None
+    workload = metadata.get("workload")
+    if workload is None and getattr(body, "documents", None):
+        workload = "rag"
+    return {"stream": body.stream, "session": header or metadata.get("session_id") or body.user,
+            "turns": turns, "workload": workload}
 
 
 def _bias_ids(logit_bias: dict[str, float]) -> dict[int, float]:

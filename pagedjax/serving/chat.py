@@ -42,13 +42,21 @@ def render_prompt(server: OpenAIServer, body: ChatCompletionRequest) -> list[int
                 texts.append(part["text"])
             content = "".join(texts)
         messages.append({**message.model_dump(exclude_none=True), "content": content or ""})
+    kwargs = {"add_generation_prompt": body.add_generation_prompt, "tokenize": True,
+              "chat_template": server.chat_template, **(body.chat_template_kwargs or {})}
     try:
-        return list(tokenizer.apply_chat_template(
-            messages, add_generation_prompt=body.add_generation_prompt, tokenize=True,
-            chat_template=server.chat_template, **(body.chat_template_kwargs or {})))
+        ids = list(tokenizer.apply_chat_template(messages, **kwargs,
+                                                 **({"documents": body.documents}
+                                                    if body.documents else {})))
+        if body.documents and ids == list(tokenizer.apply_chat_template(messages, **kwargs)):
+            raise APIError(400, "documents: this model's chat template does not use documents",
+                           "documents")
+    except APIError:
+        raise
     except Exception as e:  # noqa: BLE001 - a template error is the caller's input
         raise APIError(400, f"messages: the chat template failed: {str(e)[:200]}",
                        "messages") from None
+    return ids
 
 
 def logprobs_of(server: OpenAIServer, choice: CompletionOutput, start: int, top_n: int) -> dict:
@@ -85,8 +93,9 @@ async def chat_completions(server: OpenAIServer, request: fastapi.Request):
                              top_n if body.logprobs else None, None, params_of,
                              body.prompt_logprobs)
     request_id = f"chatcmpl-{secrets.token_hex(12)}"
+    turns = sum(m.role == "assistant" for m in body.messages)  # earlier turns in the prompt
     group = await server.add([PromptSpec(ids, params, request_id, None, body.cache_salt)],
-                             params_of)
+                             params_of, body, request, turns)
     base = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
             "model": server.model_name}
 

@@ -110,7 +110,7 @@ async def completions(server: OpenAIServer, request: fastapi.Request):
     request_id = f"cmpl-{secrets.token_hex(12)}"
     specs = [PromptSpec(ids, params, f"{request_id}-{i}", text, body.cache_salt)
              for i, (ids, text) in enumerate(encoded)]
-    group = await server.add(specs, PARAMS_OF)
+    group = await server.add(specs, PARAMS_OF, body, request)
     tokenizer = server.tokenizer
     echo = [(text if text is not None else tokenizer.decode(list(ids)))
             if body.echo and tokenizer is not None else "" for ids, text in encoded]

@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_PROMPTS = 1024  # prompts in one /v1/completions request
+MAX_METADATA_PAIRS = 16
 
 
 # ---- request bodies ------------------------------------------------------------------------------
@@ -53,6 +54,9 @@ class _SamplingFields(BaseModel):
     cache_salt: str | None = None
     return_token_ids: bool = False
     prompt_logprobs: int | None = None  # vLLM's: per prompt token, its logprob and the top ones
+    # OpenAI's: up to 16 string pairs about the request. No effect on generation; --trace-out
+    # records two of them for the workload profile: session_id and workload (e.g. "rag").
+    metadata: dict[str, str] | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs object and its
     # older guided_* fields (pagedjax.serving.structured turns them into one StructuredOutputs).
     response_format: dict[str, Any] | None = None
@@ -70,6 +74,12 @@ class _SamplingFields(BaseModel):
         if self.guided_decoding_backend not in (None, "auto", "guidance", "llguidance"):
             found.append(("guided_decoding_backend", "guided_decoding_backend must be 'auto' or "
                           "'guidance' (this server's structured outputs use llguidance)"))
+        if self.metadata is not None and (
+                len(self.metadata) > MAX_METADATA_PAIRS
+                or any(len(k) > 64 or len(v) > 512 for k, v in self.metadata.items())):
+            found.append(("metadata", f"metadata holds at most {MAX_METADATA_PAIRS} pairs, keys "
+                          "of at most 64 characters and values of at most 512 (OpenAI's "
+                          "limits)"))
         if self.prompt_logprobs is not None and self.stream:
             found.append(("prompt_logprobs", "prompt_logprobs are not available when stream is "
                           "true (as in vLLM)"))
@@ -115,6 +125,9 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: documents a RAG model's chat template renders (each a dict of strings, e.g. title
+    # and text); refused when the template does not use them.
+    documents: list[dict[str, str]] | None = None
     tools: list[dict[str, Any]] | None = None
 
     def unsupported(self):

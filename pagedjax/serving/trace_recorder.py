@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import secrets
+import threading
 
 from pagedjax.engine.outputs import RequestOutput
 from scheduler.trace import prefix_hashes
@@ -14,8 +15,9 @@ from scheduler.trace import prefix_hashes
 
 class TraceRecorder:
     """Appends each finished request to a JSON-lines trace: arrival (seconds since the server
-    started), prompt and output lengths, samples, and the chained hashes of the prompt's
-    16-token pieces (which requests share a prefix).
+    started), prompt and output lengths, samples, the chained hashes of the prompt's 16-token
+    pieces (which requests share a prefix), and what the endpoint noted of it (annotate: its
+    session, hashed like the pieces, earlier turns, stream flag, workload tag).
 
     The hashes are keyed by a random secret drawn for this recorder and never written, with the
     request's cache_salt mixed in: within one file equal prefixes (under equal salts) hash alike,
@@ -28,6 +30,28 @@ class TraceRecorder:
         self.file = os.fdopen(fd, "a", buffering=1)
         self.start = start
         self._key = secrets.token_bytes(32)
+        self._notes: dict[str, dict] = {}  # request id -> its markers, until it finishes
+        self._lock = threading.Lock()  # annotate: the event loop; record: the engine thread
+
+    def annotate(self, request_id: str, *, stream: bool, session: str | None = None,
+                 turns: int | None = None, workload: str | None = None) -> None:
+        """What the endpoint knows of a request the trace cannot see in its output (before it
+        is queued)."""
+        note = {"stream": stream}
+        if session is not None:
+            note["session"] = hashlib.blake2b(session.encode("utf-8", "replace"),
+                                              digest_size=8, key=self._key).hexdigest()
+        if turns is not None:
+            note["turns"] = turns
+        if workload is not None:
+            note["workload"] = workload
+        with self._lock:
+            self._notes[request_id] = note
+
+    def forget(self, request_id: str) -> None:
+        """A request that ends unrecorded (refused, or aborted by its client)."""
+        with self._lock:
+            self._notes.pop(request_id, None)
 
     def _key_for(self, cache_salt: str | None) -> bytes:
         if cache_salt is None:
@@ -46,6 +70,8 @@ class TraceRecorder:
                 record["n"] = len(out.outputs)
             if hashes := prefix_hashes(out.prompt_token_ids, self._key_for(out.cache_salt)):
                 record["prefix_hashes"] = list(hashes)
+            with self._lock:
+                record.update(self._notes.pop(out.request_id, {}))
             self.file.write(json.dumps(record) + "\n")
 
     def close(self) -> None:

@@ -1,7 +1,7 @@
 """`pagedjax` command line: argparse subcommands, one per job, each with its own --help.
 
     pagedjax demo | serve [MODEL] | router --backend URL ... | capacity | inspect MODEL |
-             profile | simulate
+             profile | simulate | profile-workload TRACE
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagedjax.tools import demo, plan_commands, serve_commands
+from pagedjax.tools import demo, plan_commands, serve_commands, workload_commands
 
 COMMANDS = {  # name -> (its flags, what runs it, what it does)
     "demo": (demo.demo_args, demo.run,
@@ -26,6 +26,9 @@ COMMANDS = {  # name -> (its flags, what runs it, what it does)
                 "fit the simulator's step-time model to an engine"),
     "simulate": (plan_commands.simulate_args, plan_commands.simulate,
                  "a trace through the real scheduler, no device"),
+    "profile-workload": (workload_commands.profile_workload_args,
+                         workload_commands.profile_workload,
+                         "a trace's token percentiles, request shares and arrival rate"),
 }
 
 

@@ -88,3 +88,43 @@ def plot_kv_usage(history: Sequence[UsageSample], num_blocks: int, ax=None):
     more = right.get_legend_handles_labels()
     ax.legend(lines[0] + more[0], lines[1] + more[1], loc="upper right", fontsize=8)
     return ax
+
+
+def plot_workload(trace, profile: dict, path: str) -> None:
+    """A trace's workload profile as one picture (written to path): prompt and output token
+    histograms with p50/p95/p99 marked, the four shares, and arrivals per second over time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for ax, name, values in ((axes[0, 0], "prompt_tokens", [r.prompt_len for r in trace]),
+                             (axes[0, 1], "output_tokens", [r.output_len for r in trace])):
+        ax.hist(values, bins=40, color="tab:blue", alpha=0.7)
+        for p, style in (("p50", "-"), ("p95", "--"), ("p99", ":")):
+            ax.axvline(profile[name][p], color="black", linestyle=style,
+                       label=f"{p} {profile[name][p]:.0f}")
+        ax.set_xlabel(name.replace("_", " "))
+        ax.set_ylabel("requests")
+        ax.legend(fontsize=8)
+    names = ("multi_turn", "rag", "shared_system_prompt", "streamed")
+    shares = [profile[n]["share"] for n in names]
+    bars = axes[1, 0].bar([n.replace("_", "\n") for n in names],
+                          [100 * s if s is not None else 0 for s in shares], color="tab:green")
+    for bar, share in zip(bars, shares):
+        axes[1, 0].text(bar.get_x() + bar.get_width() / 2, bar.get_height() + 1,
+                        "n/a" if share is None else f"{100 * share:.0f}%", ha="center",
+                        fontsize=8)
+    axes[1, 0].set_ylim(0, 110)
+    axes[1, 0].set_ylabel("% of requests")
+    arrivals = profile["arrivals"]
+    rates = arrivals["requests_per_s"]
+    axes[1, 1].step(arrivals["start_s"] + [arrivals["start_s"][-1] + arrivals["bin_s"]],
+                    rates + rates[-1:], where="post")
+    axes[1, 1].set_xlabel("seconds since the first arrival")
+    axes[1, 1].set_ylabel(f"arrivals / s ({arrivals['bin_s']:g} s bins)")
+    fig.suptitle(f"workload: {profile['requests']} requests over {profile['duration_s']:.0f} s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
