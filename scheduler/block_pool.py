@@ -89,6 +89,11 @@ class BlockPool:
             self.block_hashes[block] = block_hash
             self.cached[block_hash] = block
 
+    def drop_cached(self) -> None:
+        """Forgets every block's content hash (not counted as evictions)."""
+        self.block_hashes = [None] * self.num_blocks
+        self.cached.clear()
+
     def is_free(self, block: int) -> bool:
         return block in self._free
 

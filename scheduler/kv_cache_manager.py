@@ -46,6 +46,7 @@ class KVCacheManager:
         self.pending_swap_out: list[tuple[int, int]] = []  # (device, host), run first in a step
         self.pending_swap_in: list[tuple[int, int]] = []  # (host, device), run after swap-outs
         self._host_to_release: list[int] = []  # read by this step's swap-ins, free after it
+        self.num_allocation_failures = 0  # allocate_slots calls the free blocks could not meet
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -94,6 +95,7 @@ class KVCacheManager:
             shared = (num_computed % self.block_size != 0 and num_new_tokens > 0
                       and self.pool.ref_counts[table[num_computed // self.block_size]] > 1)
             if num_new + shared > self.pool.num_free_blocks:
+                self.num_allocation_failures += 1
                 return None
             if shared:
                 self._copy_on_write(table, num_computed // self.block_size)
@@ -103,6 +105,7 @@ class KVCacheManager:
             table.extend(blocks)
             return blocks
         if self.num_new_blocks(request, num_new_tokens, cached_blocks) > self.pool.num_free_blocks:
+            self.num_allocation_failures += 1
             return None
         table = self.block_tables[request.request_id] = []
         if cached_blocks:
@@ -229,6 +232,12 @@ class KVCacheManager:
     @property
     def num_used_blocks(self) -> int:
         return self.pool.num_used_blocks
+
+    def drop_cached_content(self) -> None:
+        """Forgets every block's published content: the device cache was lost (a fresh one holds
+        zeros), so no block may be found by its hash any more."""
+        self.pool.drop_cached()
+        self._num_published.clear()
 
     @property
     def num_evictions(self) -> int:

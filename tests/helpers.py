@@ -99,6 +99,7 @@ def complete(url: str, body: dict, timeout_s: float = 120) -> dict:
     with urllib.request.urlopen(request, timeout=timeout_s) as r:
         return json.load(r)
 
+
 # A template that renders vLLM's `documents` (as a RAG model's does), for chat requests with them.
 RAG_TEMPLATE = ("{{ bos_token }}{% if documents %}{% for d in documents %}"
                 "document {{ loop.index }}: {{ d['text'] }}\n{% endfor %}{% endif %}"

@@ -53,3 +53,14 @@ def test_the_vllm_latency_histograms_are_on_the_dashboard():
                  "e2e_request_latency_seconds", "request_prefill_time_seconds",
                  "request_decode_time_seconds", "iteration_tokens_total"):
         assert f"pagedjax:{name}_bucket" in queried, name
+
+
+def test_the_checklist_metrics_are_on_the_dashboard():
+    """The production checklist's monitoring list: memory, OOMs, allocation failures, evictions,
+    computed prefill tokens, cancellations."""
+    queried = queried_series(json.loads(DASHBOARD.read_text()))
+    for name in ("device_memory_used_bytes", "device_memory_limit_bytes", "oom_errors_total",
+                 "kv_allocation_failures_total", "prefix_cache_evictions_total",
+                 "prompt_tokens_computed_total", "requests_cancelled_total",
+                 "num_preemptions_total", "kv_cache_usage_perc"):
+        assert f"pagedjax:{name}" in queried, name

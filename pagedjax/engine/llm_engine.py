@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import time
 from typing import Callable, Sequence
 
@@ -28,9 +29,21 @@ from pallas_kernels import check_num_slots, kv_cache_bytes_per_block
 from scheduler import (DECODE, Request, RequestStatus, SamplingParams, Scheduler, build_plan,
                        make_samples)
 
+logger = logging.getLogger("pagedjax.engine")
+
+
+MAX_OOM_RETRIES = 2  # device OOMs a request may be recomputed after before it fails
+
 
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"[:500]
+
+
+def is_device_oom(error: BaseException) -> bool:
+    """Whether error is the device running out of memory (XLA's RESOURCE_EXHAUSTED)."""
+    text = str(error)
+    return isinstance(error, MemoryError) or "RESOURCE_EXHAUSTED" in text or \
+        "out of memory" in text.lower()
 
 
 def model_cache_key(model: LlamaForCausalLM, config: EngineConfig) -> bytes:
@@ -116,6 +129,7 @@ class LLMEngine:
         self.token_masks = TokenMasks(tokenizer, model_config.vocab_size,
                                       model_config.eos_token_ids)
         self._prompts: dict[str, str] = {}  # request_id -> prompt text, when given as text
+        self._oom_retries: collections.Counter[str] = collections.Counter()  # by request id
         self.usage_history: collections.deque[UsageSample] = collections.deque(maxlen=100_000)
         self.last_schedule = None
 
@@ -219,6 +233,7 @@ class LLMEngine:
             self._texts.pop(sample.request_id, None)
             self.token_masks.drop(sample.request_id)
         self._prompts.pop(request_id, None)
+        self._oom_retries.pop(request_id, None)
         self.stats.num_aborted += 1
 
     def has_unfinished(self) -> bool:
@@ -339,6 +354,7 @@ class LLMEngine:
         outputs = [self._output(parent_id, message) for parent_id in failed]
         self.scheduler = self._make_scheduler()
         self.token_masks.clear()
+        self._oom_retries.clear()
         if self.runner.kv_cache_lost:
             self.runner.reset_kv_cache()
         return outputs
@@ -354,6 +370,7 @@ class LLMEngine:
         if out.finished:
             del self._groups[parent_id]
             self._prompts.pop(parent_id, None)
+            self._oom_retries.pop(parent_id, None)
             for sample in samples:
                 self._texts.pop(sample.request_id, None)
                 self.token_masks.drop(sample.request_id)
@@ -368,9 +385,15 @@ class LLMEngine:
     def _recover(self, output, error: Exception) -> list[RequestOutput]:
         """A step raised before any result: each of its sequences runs again alone (its blocks
         are still allocated); the requests that fail alone too are dropped with their error,
-        the others get their tokens, and the engine goes on. Raises when the step lost the KV
-        cache (a donated buffer was consumed): nothing can be retried then."""
+        the others get their tokens, and the engine goes on. A step that lost the KV cache (a
+        donated buffer was consumed) to a device OOM has every running request recomputed in a
+        fresh cache (_recompute_after_oom); any other loss is raised: nothing can be retried."""
+        oom = is_device_oom(error)
+        if oom:
+            self.stats.num_oom += 1
         if self.runner.kv_cache_lost:
+            if oom:
+                return self._recompute_after_oom(output, error)
             raise error
         outputs, copies, advanced = [], output.copies, []
         for seq in output.scheduled:
@@ -396,10 +419,35 @@ class LLMEngine:
         self._record(output, advanced)
         return outputs
 
+    def _recompute_after_oom(self, output, error: Exception) -> list[RequestOutput]:
+        """A device OOM consumed the KV cache: a fresh cache, the prefix cache forgotten, and
+        every running request back at the head of the queue to recompute its KV (requests that
+        hit MAX_OOM_RETRIES OOMs fail instead, alone)."""
+        logger.warning("device OOM lost the KV cache; recomputing the running requests: %s",
+                       _describe(error))
+        self.runner.reset_kv_cache()
+        state = self.scheduler.state
+        for request in reversed(list(state.running)):  # requeued to the head, in order
+            request.num_preemptions += 1  # preempted by recompute, as far as it can tell
+            state.num_preemptions += 1
+            self.scheduler.requeue(request)
+        self.scheduler.kv_manager.drop_cached_content()
+        outputs, now = [], self.clock()
+        for parent_id in dict.fromkeys(s.request.parent_id for s in output.scheduled):
+            self._oom_retries[parent_id] += 1
+            if self._oom_retries[parent_id] > MAX_OOM_RETRIES and parent_id in self._groups:
+                message = (f"out of device memory {self._oom_retries[parent_id]} times: "
+                           f"{_describe(error)}")
+                self._fail(parent_id, message, now)
+                outputs.append(self._output(parent_id, message))
+        return outputs
+
     def _record(self, output, advanced) -> None:
         state = self.scheduler.state
         self.stats.record_step(output.kind == DECODE, output.num_scheduled_tokens, advanced,
-                               state)
+                               state, sum(max(0, min(s.start + s.num_new_tokens,
+                                                     s.request.num_prompt_tokens) - s.start)
+                                          for s in output.scheduled))
         used_blocks = state.kv_manager.num_used_blocks
         self.usage_history.append(UsageSample(self.stats.num_steps, self.clock(), used_blocks,
                                               len(state.running), len(state.waiting)))

@@ -111,3 +111,21 @@ def measure(runner, config, buckets, bytes_per_block: int) -> MemoryBudget:
             f"bytes; raise it, or give num_blocks / kv_cache_memory_bytes")
     return MemoryBudget(utilization, limit, in_use, reserve, num_blocks * bytes_per_block,
                         num_blocks, source)
+
+
+def memory_in_use(engine) -> tuple[int, int | None, str]:
+    """(bytes in use, limit or None, source) over an engine's devices (a data-parallel
+    engine's replicas summed): the backend's memory_stats where it reports them, else what the
+    engine itself holds there (the weights and the KV pool)."""
+    replicas = getattr(engine, "replicas", [engine])
+    stats = [d.memory_stats() if hasattr(d, "memory_stats") else None
+             for r in replicas for d in r.devices]
+    if stats and all(s and "bytes_in_use" in s for s in stats):
+        limits = [s.get("bytes_limit") for s in stats]
+        return (sum(int(s["bytes_in_use"]) for s in stats),
+                sum(limits) if all(limits) else None, "memory_stats")
+    held = 0
+    for r in replicas:
+        arrays = jax.tree.leaves((r.runner.params, r.runner.kv_cache))
+        held += sum(a.nbytes for a in arrays if not a.is_deleted())
+    return held, None, "engine"

@@ -27,16 +27,24 @@ class EngineStats:
     num_evictions: int = 0  # cached blocks reused for other content
     num_swap_outs: int = 0  # preemptions that moved KV to the host pool
     num_recomputed_tokens: int = 0  # computed tokens thrown away by recompute preemption
+    # Prompt tokens computed by steps (prefix-cache hits excluded, recomputation included).
+    num_prompt_tokens_computed: int = 0
+    num_allocation_failures: int = 0  # KV block allocations the free blocks could not meet
+    num_oom: int = 0  # steps that ran out of device memory
 
-    def record_step(self, decode: bool, num_scheduled_tokens: int, advanced, state) -> None:
-        """Counts one step: its kind and tokens, the samples it advanced (Requests), and the
-        scheduler state's running totals after it (preemptions, prefix hits, swaps, ...)."""
+    def record_step(self, decode: bool, num_scheduled_tokens: int, advanced, state,
+                    num_prompt_tokens: int = 0) -> None:
+        """Counts one step: its kind and tokens (num_prompt_tokens of them at prompt positions),
+        the samples it advanced (Requests), and the scheduler state's running totals after it
+        (preemptions, prefix hits, swaps, ...)."""
         self.num_steps += 1
         if decode:
             self.num_decode_steps += 1
         else:
             self.num_prefill_steps += 1
         self.num_scheduled_tokens += num_scheduled_tokens
+        self.num_prompt_tokens_computed += num_prompt_tokens
+        self.num_allocation_failures = state.kv_manager.num_allocation_failures
         self.num_generated_tokens += len(advanced)
         self.num_finished += sum(r.status.finished and r.sample_index == 0 for r in advanced)
         self.num_preemptions = state.num_preemptions
