@@ -335,7 +335,7 @@ def test_admission_control_api_key_and_token_ids_without_tokenizer(llm, referenc
         assert [t for e in events for t in e["choices"][0]["token_ids"]] \
             == data["choices"][0]["token_ids"][:5]
         rejected = _metrics(client, auth)["pagedjax:requests_rejected_total",
-                                    (("reason", "overloaded"),)]
+                                    (("reason", "token_budget"),)]
         assert rejected == 1
 
 

@@ -28,6 +28,7 @@ from pagedjax.engine.admission import encode_text
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.serving import chat, completions, tokenization
+from pagedjax.serving.admission_control import AdmissionLimits
 from pagedjax.serving.async_engine import (AsyncLLMEngine, EngineDeadError, OverloadedError,
                                            PromptSpec, RequestFailedError, RequestGroup)
 from pagedjax.serving.http_common import (DEFAULT_MAX_REQUEST_BYTES, APIError, GuardMiddleware,
@@ -43,6 +44,7 @@ from scheduler.structured_outputs import KINDS
 STRUCTURED_FIELDS = ("structured_outputs", *(f"structured_outputs.{kind}" for kind in KINDS))
 
 REJECTED = {400: "invalid", 404: "invalid", 413: "invalid", 429: "overloaded"}  # -> reason
+# (admission control's 429s carry their own: pagedjax.serving.admission_control.REASONS)
 
 
 class OpenAIServer:
@@ -52,10 +54,12 @@ class OpenAIServer:
                  max_outstanding_tokens: int | None = None, api_key: str | None = None,
                  trace_out: str | None = None,
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                 public_metrics: bool = False, chat_template: str | None = None):
+                 public_metrics: bool = False, chat_template: str | None = None,
+                 admission: AdmissionLimits | None = None):
         """api_key guards every route but /health (and /metrics with public_metrics, for a
         scraper); bodies over max_request_bytes answer 413 unread; chat_template replaces the
-        tokenizer's (a model with neither refuses chat requests, 400)."""
+        tokenizer's (a model with neither refuses chat requests, 400); admission: admission
+        control's rules (max_outstanding_tokens alone is the token budget's shorthand)."""
         if not isinstance(served_model_name, str) or not served_model_name:
             raise ValueError(f"served_model_name must be a non-empty string, "
                              f"got {served_model_name!r}")
@@ -79,7 +83,8 @@ class OpenAIServer:
         self.metrics = ServerMetrics(engine, served_model_name)
         self.trace = TraceRecorder(trace_out, engine.clock()) if trace_out else None
         self.async_engine = AsyncLLMEngine(engine, max_outstanding_tokens=max_outstanding_tokens,
-                                           on_step=self._on_step, on_abort=self._on_abort)
+                                           limits=admission, on_step=self._on_step,
+                                           on_abort=self._on_abort)
 
     def _on_step(self, info) -> None:  # the engine thread, after every step
         self.metrics.on_step(info)
@@ -160,14 +165,15 @@ class OpenAIServer:
             for spec in specs:
                 self.trace.annotate(spec.request_id, **note)
         try:
-            return await self.async_engine.add_requests(specs)
+            return await self.async_engine.add_requests(
+                specs, streamed=True if body is None else bool(body.stream))
         except BaseException as e:
             if noted:
                 for spec in specs:
                     self.trace.forget(spec.request_id)
             if isinstance(e, OverloadedError):
                 raise APIError(429, str(e), None, "rate_limit_error", "server_overloaded",
-                               {"Retry-After": "1"}) from None
+                               {"Retry-After": "1"}, reason=e.reason) from None
             if isinstance(e, RequestError):
                 raise _rejected(e, params_of) from None
             if isinstance(e, EngineDeadError):
@@ -261,9 +267,10 @@ class OpenAIServer:
         app = fastapi.FastAPI(title="pagedjax", lifespan=lifespan)
         app.state.server = self
 
-        def on_error(status: int) -> None:
-            if status in REJECTED:
-                self.metrics.rejected(REJECTED[status])
+        def on_error(error: APIError) -> None:
+            reason = error.reason or REJECTED.get(error.status)
+            if reason is not None:
+                self.metrics.rejected(reason)
 
         install_error_handlers(app, on_error)
         app.add_middleware(GuardMiddleware, max_request_bytes=self.max_request_bytes,

@@ -5,11 +5,9 @@ inspections are closures queued to that thread and run between steps; outputs go
 request's asyncio queue through its event loop. A step blocks in JAX for milliseconds to seconds;
 the event loop keeps accepting and streaming meanwhile.
 
-Admission control is a token budget: a request is admitted while the work outstanding (tokens
-still to compute, prompt and output, over all unfinished samples, the new request's included)
-stays within `max_outstanding_tokens`; otherwise it is refused at once with OverloadedError (the
-server's HTTP 429) instead of queueing behind minutes of work. An idle engine admits any request
-that can fit at all, so a budget smaller than one request never starves it.
+Admission control (pagedjax.serving.admission_control) runs on the engine thread against the
+live requests: a refused request gets OverloadedError at once (the server's HTTP 429, with its
+reason) instead of queueing behind minutes of work.
 """
 
 from __future__ import annotations
@@ -26,16 +24,14 @@ from typing import AsyncIterator, Callable, Sequence
 from pagedjax.engine.admission import Admission, PromptSpec
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.outputs import RequestOutput
+from pagedjax.serving import admission_control
+from pagedjax.serving.admission_control import AdmissionLimits, Live, OverloadedError
 from scheduler import Request, SamplingParams
 
 logger = logging.getLogger("pagedjax.engine")
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "OverloadedError", "PromptSpec",
            "RequestFailedError", "RequestGroup", "StepInfo"]
-
-
-class OverloadedError(RuntimeError):
-    """Admission control refused a request: the engine's outstanding work is at its budget."""
 
 
 class RequestFailedError(RuntimeError):
@@ -108,15 +104,18 @@ class RequestGroup:
 
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, *, max_outstanding_tokens: int | None = None,
+                 limits: AdmissionLimits | None = None,
                  on_step: Callable[[StepInfo], None] | None = None,
                  on_abort: Callable[[str], None] | None = None,
                  idle_wait_s: float = 0.05):
-        if max_outstanding_tokens is not None and (
-                not isinstance(max_outstanding_tokens, int) or max_outstanding_tokens < 1):
-            raise ValueError(f"max_outstanding_tokens must be None or an integer >= 1, "
-                             f"got {max_outstanding_tokens!r}")
+        """limits: admission control's rules (max_outstanding_tokens alone is the token
+        budget's shorthand); they may be replaced while serving (degradation does)."""
+        if limits is None:
+            limits = AdmissionLimits(max_outstanding_tokens=max_outstanding_tokens)
+        elif max_outstanding_tokens is not None:
+            raise ValueError("give max_outstanding_tokens inside limits, not beside it")
         self.engine = engine
-        self.max_outstanding_tokens = max_outstanding_tokens
+        self.limits = limits
         self.on_step = on_step
         self.on_abort = on_abort
         self.idle_wait_s = idle_wait_s
@@ -127,6 +126,7 @@ class AsyncLLMEngine:
         self._paused = False
         # Engine-thread state: request id -> (its samples, the loop and queue its outputs go to).
         self._live: dict[str, tuple[list[Request], asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._admitted: dict[str, Live] = {}  # request id -> what admission control counts
         self._thread = threading.Thread(target=self._run, name="pagedjax-engine", daemon=True)
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -173,29 +173,28 @@ class AsyncLLMEngine:
         self._wake.set()
         return await asyncio.wrap_future(future)
 
-    async def add_requests(self, prompts: Sequence[PromptSpec]) -> "RequestGroup":
+    async def add_requests(self, prompts: Sequence[PromptSpec],
+                           streamed: bool = True) -> "RequestGroup":
         """Queues several requests at once, all or none: each is validated (ValueError naming
-        the field) and the budget checked for their sum (OverloadedError) before any is queued.
-        Their outputs arrive, interleaved, through the returned group."""
+        the field) and admission control checks them together (OverloadedError) before any is
+        queued; streamed: whether their client streams (the non-streamed cap counts the
+        others). Their outputs arrive, interleaved, through the returned group."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
+        long_after = self.limits.long_context_threshold
 
         def admit(admissions: list[Admission]) -> None:
-            budget = self.max_outstanding_tokens
-            if budget is None or not self._live:
-                return
-            outstanding = self._outstanding_tokens()
-            needed = sum(a.num_tokens for a in admissions)
-            if outstanding + needed > budget:
-                raise OverloadedError(
-                    f"the engine has {outstanding} tokens of work outstanding and this request "
-                    f"adds {needed} (prompt + max_tokens per sample), over "
-                    f"max_outstanding_tokens ({budget}): retry later")
+            admission_control.check(self.limits, list(self._admitted.values()), admissions,
+                                    streamed, self.engine.load(), self.engine.config.block_size,
+                                    self._outstanding_tokens())
 
         def add(engine: LLMEngine) -> list[str]:
             ids = engine.add_requests(prompts, admit)
-            for request_id in ids:
-                self._live[request_id] = (engine.request_groups[request_id], loop, outputs)
+            for request_id, spec in zip(ids, prompts):
+                samples = engine.request_groups[request_id]
+                self._live[request_id] = (samples, loop, outputs)
+                self._admitted[request_id] = Live(samples, streamed, long_after is not None and
+                                                  samples[0].num_prompt_tokens > long_after)
             return ids
 
         return RequestGroup(self, await self.call(add), outputs)
@@ -223,6 +222,7 @@ class AsyncLLMEngine:
     # ---- the engine thread -------------------------------------------------------------------
 
     def _abort(self, request_id: str) -> None:
+        self._admitted.pop(request_id, None)
         if self._live.pop(request_id, None) is not None:
             self.engine.abort(request_id)
             if self.on_abort is not None:
@@ -294,6 +294,7 @@ class AsyncLLMEngine:
                 for out in live:
                     if out.finished:
                         self._live.pop(out.request_id, None)
+                        self._admitted.pop(out.request_id, None)
         except BaseException as e:  # noqa: BLE001 - the engine is dead; tell every caller
             self.error = e
         finally:
@@ -318,6 +319,7 @@ class AsyncLLMEngine:
         dead = EngineDeadError(self._dead_reason())
         self._deliver([(request_id, dead) for request_id in list(self._live)])
         self._live.clear()
+        self._admitted.clear()
         while True:  # commands queued after the last drain
             try:
                 _, future = self._commands.get_nowait()

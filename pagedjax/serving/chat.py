@@ -42,13 +42,14 @@ def render_prompt(server: OpenAIServer, body: ChatCompletionRequest) -> list[int
                 texts.append(part["text"])
             content = "".join(texts)
         messages.append({**message.model_dump(exclude_none=True), "content": content or ""})
+    documents = getattr(body, "documents", None)  # /tokenize's chat form has none
     kwargs = {"add_generation_prompt": body.add_generation_prompt, "tokenize": True,
               "chat_template": server.chat_template, **(body.chat_template_kwargs or {})}
     try:
         ids = list(tokenizer.apply_chat_template(messages, **kwargs,
-                                                 **({"documents": body.documents}
-                                                    if body.documents else {})))
-        if body.documents and ids == list(tokenizer.apply_chat_template(messages, **kwargs)):
+                                                 **({"documents": documents}
+                                                    if documents else {})))
+        if documents and ids == list(tokenizer.apply_chat_template(messages, **kwargs)):
             raise APIError(400, "documents: this model's chat template does not use documents",
                            "documents")
     except APIError:

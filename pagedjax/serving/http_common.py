@@ -28,9 +28,10 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
                  type_: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, reason: str | None = None):
+        """reason: why a request was refused, for the rejection counter (not sent)."""
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.reason = status, message, param, reason
         self.type = type_ or ERROR_TYPES.get(status, "invalid_request_error")
         self.code, self.headers = code, headers
 
@@ -89,11 +90,11 @@ def key_matches(header: str | None, key: str) -> bool:
 
 def install_error_handlers(app, on_error=None) -> None:
     """Every error the framework raises (unknown route, wrong method, body errors, APIError)
-    answers OpenAI's error body; on_error(status) counts it."""
+    answers OpenAI's error body; on_error(the APIError) counts it."""
 
     def answer(exc: APIError):
         if on_error is not None:
-            on_error(exc.status)
+            on_error(exc)
         return error_response(exc.status, exc.message, exc.param, exc.type, exc.code,
                               exc.headers)
 

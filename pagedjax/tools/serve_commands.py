@@ -23,9 +23,23 @@ def serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="the port to listen on")
     parser.add_argument("--served-model-name",
                         help="the name clients send as `model` (default: the model's)")
-    parser.add_argument("--max-outstanding-tokens", type=int,
-                        help="admission control: refuse (HTTP 429) a request that would raise "
-                        "the tokens still to compute over all requests above this")
+    admission = parser.add_argument_group(
+        "admission control (HTTP 429 with its reason; pagedjax/serving/admission_control.py)")
+    admission.add_argument("--max-outstanding-tokens", type=int,
+                           help="refuse a request that would raise the tokens still to compute "
+                           "over all requests above this")
+    admission.add_argument("--kv-overcommit", type=float, metavar="F",
+                           help="refuse a request when the KV blocks in use, plus those the live "
+                           "requests may still take, plus its own would exceed F x the pool")
+    admission.add_argument("--long-context-threshold", type=int, metavar="TOKENS",
+                           help="prompts longer than this are long-context requests (with "
+                           "--max-long-context-requests)")
+    admission.add_argument("--max-long-context-requests", type=int, metavar="N",
+                           help="at most N live long-context requests")
+    admission.add_argument("--max-non-streamed-requests", type=int, metavar="N",
+                           help="at most N live requests whose client does not stream")
+    admission.add_argument("--max-concurrent-requests", type=int, metavar="N",
+                           help="at most N live requests")
     parser.add_argument("--api-key", default=os.environ.get("PAGEDJAX_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(or PAGEDJAX_API_KEY)")
@@ -60,8 +74,14 @@ def serve(args, parser: argparse.ArgumentParser) -> None:
 
     if not 0 < args.port < 65536:
         parser.error(f"--port must be in 1..65535, got {args.port}")
-    if args.max_outstanding_tokens is not None and args.max_outstanding_tokens < 1:
-        parser.error(f"--max-outstanding-tokens must be >= 1, got {args.max_outstanding_tokens}")
+    from pagedjax.serving.admission_control import AdmissionLimits
+    try:
+        admission = AdmissionLimits(**{name: getattr(args, name) for name in (
+            "max_outstanding_tokens", "kv_overcommit", "long_context_threshold",
+            "max_long_context_requests", "max_non_streamed_requests",
+            "max_concurrent_requests")})
+    except ValueError as e:
+        parser.error(f"admission control: {e}")
     if args.max_request_bytes < 1:
         parser.error(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     if args.chat_template is not None:
@@ -101,7 +121,7 @@ def serve(args, parser: argparse.ArgumentParser) -> None:
                          daemon=True).start()
     name = args.served_model_name or os.path.basename(os.path.normpath(str(model)))
     run_server(llm.engine, name, host=args.host, port=args.port,
-               max_outstanding_tokens=args.max_outstanding_tokens, api_key=args.api_key,
+               admission=admission, api_key=args.api_key,
                trace_out=args.trace_out, log_level=args.log_level,
                max_request_bytes=args.max_request_bytes, public_metrics=args.public_metrics,
                chat_template=args.chat_template)
