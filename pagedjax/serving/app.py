@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any
 
 import fastapi
 from fastapi import responses
@@ -29,20 +28,20 @@ from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.serving import chat, completions, tokenization
 from pagedjax.serving.admission_control import AdmissionLimits
+from pagedjax.serving.degradation import (DegradationController, DegradationPolicy,
+                                          settings_for)
 from pagedjax.serving.async_engine import (AsyncLLMEngine, EngineDeadError, OverloadedError,
                                            PromptSpec, RequestFailedError, RequestGroup)
 from pagedjax.serving.http_common import (DEFAULT_MAX_REQUEST_BYTES, APIError, GuardMiddleware,
                                           error_body, install_error_handlers)
 from pagedjax.serving.metrics import ServerMetrics
 from pagedjax.serving.protocol import ChatCompletionRequest, _SamplingFields
-from pagedjax.serving.structured import structured_outputs
+from pagedjax.serving.request_params import rejected, sampling_params, trace_note
 from pagedjax.serving.trace_recorder import TraceRecorder
 from pagedjax.text.tokenizer import check_chat_template
 from scheduler import RequestError, SamplingParams
-from scheduler.structured_outputs import KINDS
 
-STRUCTURED_FIELDS = ("structured_outputs", *(f"structured_outputs.{kind}" for kind in KINDS))
-
+DEFAULT_MAX_TOKENS = 512  # a chat request's when it gives none (vLLM: the context's remainder)
 REJECTED = {400: "invalid", 404: "invalid", 413: "invalid", 429: "overloaded"}  # -> reason
 # (admission control's 429s carry their own: pagedjax.serving.admission_control.REASONS)
 
@@ -55,11 +54,24 @@ class OpenAIServer:
                  trace_out: str | None = None,
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                  public_metrics: bool = False, chat_template: str | None = None,
-                 admission: AdmissionLimits | None = None):
+                 admission: AdmissionLimits | None = None, max_tokens_cap: int | None = None,
+                 default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+                 degradation: DegradationPolicy | None = None):
         """api_key guards every route but /health (and /metrics with public_metrics, for a
         scraper); bodies over max_request_bytes answer 413 unread; chat_template replaces the
         tokenizer's (a model with neither refuses chat requests, 400); admission: admission
-        control's rules (max_outstanding_tokens alone is the token budget's shorthand)."""
+        control's rules (max_outstanding_tokens alone is the token budget's shorthand);
+        max_tokens_cap: every request's max_tokens is cut to it (its response says so in the
+        X-PagedJAX-Max-Tokens-Capped header); default_max_tokens: a chat request's when it
+        gives none (None: what the context leaves, as vLLM); degradation: when and how the
+        instance degrades itself (pagedjax.serving.degradation)."""
+        for name, value in (("max_tokens_cap", max_tokens_cap),
+                            ("default_max_tokens", default_max_tokens)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
+        self.max_tokens_cap = max_tokens_cap
+        self.default_max_tokens = default_max_tokens
         if not isinstance(served_model_name, str) or not served_model_name:
             raise ValueError(f"served_model_name must be a non-empty string, "
                              f"got {served_model_name!r}")
@@ -80,14 +92,18 @@ class OpenAIServer:
         self.max_request_bytes = max_request_bytes
         self.open_paths = ("/health", "/metrics") if public_metrics else ("/health",)
         self.created = int(time.time())
-        self.metrics = ServerMetrics(engine, served_model_name)
+        self.degradation = DegradationController(degradation, apply=self._apply_level)
+        self.metrics = ServerMetrics(engine, served_model_name, observer=self.degradation)
+        self.degradation.on_change = self.metrics.degradation_changed
         self.trace = TraceRecorder(trace_out, engine.clock()) if trace_out else None
         self.async_engine = AsyncLLMEngine(engine, max_outstanding_tokens=max_outstanding_tokens,
                                            limits=admission, on_step=self._on_step,
                                            on_abort=self._on_abort)
+        self.admission = self.async_engine.limits  # as configured; degradation derives from it
 
     def _on_step(self, info) -> None:  # the engine thread, after every step
         self.metrics.on_step(info)
+        self.degradation.evaluate()
         if self.trace is not None:
             self.trace.record(info.outputs)
 
@@ -107,35 +123,7 @@ class OpenAIServer:
     def sampling(self, body: _SamplingFields, max_tokens: int, logprobs: int | None,
                  best_of: int | None, params_of: dict[str, str],
                  prompt_logprobs: int | None = None) -> SamplingParams:
-        kwargs: dict[str, Any] = dict(max_tokens=max_tokens, n=body.n, best_of=best_of,
-                                      prompt_logprobs=prompt_logprobs,
-                                      seed=body.seed, ignore_eos=body.ignore_eos,
-                                      skip_special_tokens=body.skip_special_tokens,
-                                      include_stop_str_in_output=body.include_stop_str_in_output,
-                                      logprobs=logprobs, stop=body.stop,
-                                      stop_token_ids=tuple(body.stop_token_ids or ()))
-        if body.temperature is not None:
-            kwargs["temperature"] = body.temperature
-        if body.top_p is not None:
-            kwargs["top_p"] = body.top_p
-        if body.top_k is not None:
-            kwargs["top_k"] = -1 if body.top_k == 0 else body.top_k
-        if body.min_p is not None:
-            kwargs["min_p"] = body.min_p
-        if body.logit_bias:
-            kwargs["logit_bias"] = _bias_ids(body.logit_bias)
-        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty",
-                     "allowed_token_ids", "bad_words"):
-            if getattr(body, name) is not None:
-                kwargs[name] = getattr(body, name)
-        kwargs["min_tokens"] = body.min_tokens
-        kwargs["structured_outputs"], field = structured_outputs(body)
-        if field is not None:  # the engine's errors name the body's field
-            params_of.update({name: field for name in STRUCTURED_FIELDS})
-        try:
-            return SamplingParams(**kwargs)
-        except RequestError as e:
-            raise _rejected(e, params_of) from None
+        return sampling_params(body, max_tokens, logprobs, best_of, params_of, prompt_logprobs)
 
     async def encode(self, prompt: str | list, field: str) -> tuple[list, str | None]:
         """Token ids of a text prompt (tokenized off the event loop) or the ids as given (the
@@ -149,6 +137,24 @@ class OpenAIServer:
         except RequestError as e:
             raise APIError(400, str(e), field) from None
 
+    def max_tokens(self, requested: int | None, default: int) -> tuple[int, int | None]:
+        """(the max_tokens a request runs with, the cap that cut it or None): the requested
+        value (default when none) cut to --max-tokens-cap and to degradation's cap."""
+        value = default if requested is None else requested
+        caps = [c for c in (self.max_tokens_cap, self.degradation.max_tokens_cap) if c]
+        if caps and value > min(caps):
+            return min(caps), min(caps)
+        return value, None
+
+    @staticmethod
+    def respond(content: dict, capped: int | None) -> responses.JSONResponse:
+        return responses.JSONResponse(content, headers=_capped_header(capped))
+
+    @staticmethod
+    def stream(events, capped: int | None) -> responses.StreamingResponse:
+        return responses.StreamingResponse(events, media_type="text/event-stream",
+                                           headers=_capped_header(capped))
+
     def token_text(self, token_id: int) -> str:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
@@ -159,6 +165,7 @@ class OpenAIServer:
                   turns: int | None = None) -> RequestGroup:
         """Queues specs (all or none); with a trace, notes what the trace records of them
         from body and request (session, stream, workload; turns: chat's earlier turns)."""
+        self.degradation.evaluate()  # an idle instance recovers too
         noted = self.trace is not None and body is not None
         if noted:
             note = trace_note(body, request, turns)
@@ -175,10 +182,20 @@ class OpenAIServer:
                 raise APIError(429, str(e), None, "rate_limit_error", "server_overloaded",
                                {"Retry-After": "1"}, reason=e.reason) from None
             if isinstance(e, RequestError):
-                raise _rejected(e, params_of) from None
+                raise rejected(e, params_of) from None
             if isinstance(e, EngineDeadError):
                 raise APIError(503, str(e), None, "server_error", "engine_dead") from None
             raise
+
+    def _apply_level(self, level: int) -> None:
+        """The instance's knobs for a degradation level, derived from the configured ones (so
+        recovering restores them)."""
+        limits, cap = settings_for(level, self.degradation.policy, self.admission,
+                                   self.max_tokens_cap or self.engine.config.max_model_len,
+                                   self.engine.config.max_model_len,
+                                   len(self.async_engine._admitted))
+        self.degradation.max_tokens_cap = cap
+        self.async_engine.limits = limits
 
     def _on_abort(self, request_id: str) -> None:  # a client went away before it finished
         self.metrics.forget(request_id)
@@ -299,6 +316,7 @@ class OpenAIServer:
 
         @app.get("/metrics")
         async def metrics():
+            self.degradation.evaluate()
             return responses.Response(self.metrics.render(),
                                       media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -309,37 +327,8 @@ class OpenAIServer:
         return app
 
 
-def trace_note(body: _SamplingFields, request: fastapi.Request | None,
-               turns: int | None) -> dict:
-    """What --trace-out records of a request beside its output: the session (the X-Session-ID
-    header, metadata.session_id, or `user`), the stream flag, the workload tag (metadata.workload,
-    or "rag" for a chat request with documents) and chat's earlier turns."""
-    metadata = body.metadata or {}
-    header = request.headers.get("x-session-id") if request is not None else None
-    workload = metadata.get("workload")
-    if workload is None and getattr(body, "documents", None):
-        workload = "rag"
-    return {"stream": body.stream, "session": header or metadata.get("session_id") or body.user,
-            "turns": turns, "workload": workload}
-
-
-def _bias_ids(logit_bias: dict[str, float]) -> dict[int, float]:
-    """OpenAI's logit_bias (JSON keys are strings) keyed by token id; 400 naming logit_bias."""
-    try:
-        return {int(token_id): bias for token_id, bias in logit_bias.items()}
-    except ValueError:
-        raise APIError(400, "logit_bias's keys must be token ids (integers as strings)",
-                       "logit_bias") from None
-
-
-def _rejected(error: RequestError, params_of: dict[str, str]) -> APIError:
-    """The engine's RequestError as HTTP 400, its field spelled as the endpoint's body does."""
-    field = error.field
-    param = params_of.get(field, field) if field not in ("sampling_params", "request_id") else None
-    message = str(error)
-    if param is not None and field and message.startswith(field):
-        message = param + message[len(field):]
-    return APIError(400, message, param)
+def _capped_header(capped: int | None) -> dict[str, str] | None:
+    return None if capped is None else {"X-PagedJAX-Max-Tokens-Capped": str(capped)}
 
 
 async def _disconnected(request: fastapi.Request) -> None:

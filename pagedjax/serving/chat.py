@@ -9,7 +9,6 @@ import time
 from typing import TYPE_CHECKING
 
 import fastapi
-from fastapi import responses
 
 from pagedjax.engine.outputs import CompletionOutput, RequestOutput
 from pagedjax.serving.async_engine import PromptSpec
@@ -73,12 +72,17 @@ def logprobs_of(server: OpenAIServer, choice: CompletionOutput, start: int, top_
     return {"content": content}
 
 
-def _max_tokens(server: OpenAIServer, body: ChatCompletionRequest, num_prompt: int) -> int:
-    if body.max_completion_tokens is not None:
-        return body.max_completion_tokens
-    if body.max_tokens is not None:
-        return body.max_tokens
-    return max(1, server.engine.config.max_model_len - num_prompt)  # vLLM: what is left
+def _max_tokens(server: OpenAIServer, body: ChatCompletionRequest,
+                num_prompt: int) -> tuple[int, int | None]:
+    """(max_tokens, the cap that cut it or None): max_completion_tokens, else max_tokens, else
+    the server's default (at most what the context leaves)."""
+    requested = body.max_completion_tokens
+    if requested is None:
+        requested = body.max_tokens
+    default = max(1, server.engine.config.max_model_len - num_prompt)  # what is left
+    if server.default_max_tokens is not None:
+        default = min(default, server.default_max_tokens)
+    return server.max_tokens(requested, default)
 
 
 async def chat_completions(server: OpenAIServer, request: fastapi.Request):
@@ -90,9 +94,9 @@ async def chat_completions(server: OpenAIServer, request: fastapi.Request):
                  "logprobs": "top_logprobs",
                  "max_tokens": ("max_completion_tokens"
                                 if body.max_completion_tokens is not None else "max_tokens")}
-    params = server.sampling(body, _max_tokens(server, body, len(ids)),
-                             top_n if body.logprobs else None, None, params_of,
-                             body.prompt_logprobs)
+    max_tokens, capped = _max_tokens(server, body, len(ids))
+    params = server.sampling(body, max_tokens, top_n if body.logprobs else None, None,
+                             params_of, body.prompt_logprobs)
     request_id = f"chatcmpl-{secrets.token_hex(12)}"
     turns = sum(m.role == "assistant" for m in body.messages)  # earlier turns in the prompt
     group = await server.add([PromptSpec(ids, params, request_id, None, body.cache_salt)],
@@ -121,10 +125,9 @@ async def chat_completions(server: OpenAIServer, request: fastapi.Request):
         if body.prompt_logprobs is not None:  # vLLM: beside the choices
             response["prompt_logprobs"] = prompt_logprobs_json(
                 out.prompt_logprobs, out.prompt_token_ids, body.prompt_logprobs)
-        return response
+        return server.respond(response, capped)
     chunk = {**base, "object": "chat.completion.chunk"}
-    return responses.StreamingResponse(guard(_events(server, body, group, chunk, extra)),
-                                       media_type="text/event-stream")
+    return server.stream(guard(_events(server, body, group, chunk, extra)), capped)
 
 
 async def _events(server: OpenAIServer, body: ChatCompletionRequest, group, chunk: dict, extra):

@@ -8,7 +8,6 @@ import time
 from typing import TYPE_CHECKING
 
 import fastapi
-from fastapi import responses
 
 from pagedjax.engine.outputs import CompletionOutput, RequestOutput
 from pagedjax.serving.async_engine import PromptSpec
@@ -100,7 +99,7 @@ async def completions(server: OpenAIServer, request: fastapi.Request):
         prompts = split_prompts(body.prompt)
     except ValueError as e:
         raise APIError(400, str(e), "prompt") from None
-    max_tokens = 16 if body.max_tokens is None else body.max_tokens
+    max_tokens, capped = server.max_tokens(body.max_tokens, 16)  # OpenAI's default: 16
     prompt_logprobs = body.prompt_logprobs
     if body.echo and body.logprobs is not None:  # the echoed prompt's logprobs
         prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
@@ -121,9 +120,9 @@ async def completions(server: OpenAIServer, request: fastapi.Request):
         final = await server.collect(group, request)
         if final is None:
             return server.gone()
-        return {**base, "choices": choices.whole(final), "usage": server.usage(final)}
-    return responses.StreamingResponse(guard(_events(server, body, group, choices, base)),
-                                       media_type="text/event-stream")
+        return server.respond({**base, "choices": choices.whole(final),
+                               "usage": server.usage(final)}, capped)
+    return server.stream(guard(_events(server, body, group, choices, base)), capped)
 
 
 async def _events(server: OpenAIServer, body: CompletionRequest, group, choices: _Choices,

@@ -60,8 +60,11 @@ class _Factory:
 
 
 class ServerMetrics:
-    def __init__(self, engine: LLMEngine, model_name: str):
+    def __init__(self, engine: LLMEngine, model_name: str, observer=None):
+        """observer (a DegradationController): told each TTFT and inter-token latency observed
+        and each device OOM counted."""
         self.engine = engine
+        self.observer = observer
         self.registry = prom.CollectorRegistry()
         factory = _Factory(self.registry, model_name)
         self.labels = factory.labels
@@ -101,6 +104,9 @@ class ServerMetrics:
                   "the weights and KV pool the engine holds.")
         self.device_memory = prom.Gauge(f"pagedjax:{memory[0]}", memory[1],
                                         f.names + ["source"], registry=self.registry)
+        self.degradation_level = f.gauge("degradation_level", "The instance's degradation "
+                                         "level: 0 normal, 1 max_tokens cut, 2 + long-context "
+                                         "shed, 3 + concurrency lowered.")
         self.device_memory_limit = f.gauge("device_memory_limit_bytes",
                                            "What the backend lets JAX allocate over the "
                                            "engine's devices (0: not reported).")
@@ -129,6 +135,9 @@ class ServerMetrics:
             "(each preempts a sequence or keeps a request waiting).")
         self.oom_errors = f.counter("oom_errors", "Engine steps that ran out of device memory "
                                     "(their requests recomputed or failed; the engine serves on).")
+        self.degradation_changes = f.counter("degradation_changes", "Automatic degradation "
+                                             "steps, by direction (degrade, recover).",
+                                             ["direction"])
         self.prompt_tokens_computed = f.counter(
             "prompt_tokens_computed", "Prompt tokens computed by engine steps (prefix-cache "
             "hits excluded, recomputation after preemption included).")
@@ -197,6 +206,8 @@ class ServerMetrics:
         for (_, attribute), now, before in zip(COUNTED, totals, self._last):
             if now > before:
                 getattr(self, attribute).inc(now - before)
+                if attribute == "oom_errors" and self.observer is not None:
+                    self.observer.oom(now - before)
         if info.step_time_s is not None:
             self.iteration_tokens.observe(totals[-1] - self._last[-1])
         self._last = totals
@@ -210,6 +221,8 @@ class ServerMetrics:
                 self.prompt_tokens.inc(len(out.prompt_token_ids))
                 if out.metrics.ttft is not None:
                     self.ttft.observe(out.metrics.ttft)
+                    if self.observer is not None:
+                        self.observer.observe("ttft", out.metrics.ttft)
             self._observe_tokens(out, now)
             if out.finished:
                 self._finished(out)
@@ -229,6 +242,8 @@ class ServerMetrics:
                 for _ in range(new):
                     self.itl.observe(gap)
                     self.tpot.observe(gap)
+                    if self.observer is not None:
+                        self.observer.observe("itl", gap)
             samples[choice.index] = (len(choice.token_ids), now)
 
     def _finished(self, out) -> None:
@@ -259,6 +274,10 @@ class ServerMetrics:
         self._token_times.pop(request_id, None)
         self._request_success.labels(finished_reason="abort", **self.labels).inc()
         self._requests_cancelled.labels(reason=reason, **self.labels).inc()
+
+    def degradation_changed(self, level: int, direction: str, why: str) -> None:
+        self.degradation_level.set(level)
+        self.degradation_changes.labels(direction=direction, **self.labels).inc()
 
     def render(self) -> bytes:
         return prom.generate_latest(self.registry)

@@ -40,6 +40,25 @@ def serve_args(parser: argparse.ArgumentParser) -> None:
                            help="at most N live requests whose client does not stream")
     admission.add_argument("--max-concurrent-requests", type=int, metavar="N",
                            help="at most N live requests")
+    admission.add_argument("--max-tokens-cap", type=int, metavar="N",
+                           help="cut every request's max_tokens to N (the response's "
+                           "X-PagedJAX-Max-Tokens-Capped header says so)")
+    admission.add_argument("--default-max-tokens", type=int, default=512, metavar="N",
+                           help="a chat request's max_tokens when it gives none (at most what "
+                           "the context leaves; 0: all of it, as vLLM)")
+    degrade = parser.add_argument_group(
+        "automatic degradation (pagedjax/serving/degradation.py): levels 1 cut max_tokens, 2 "
+        "shed long-context requests, 3 lower concurrency")
+    degrade.add_argument("--degrade-ttft-p99", type=float, metavar="SECONDS",
+                         help="step down while the window's p99 time to first token exceeds it")
+    degrade.add_argument("--degrade-itl-p99", type=float, metavar="SECONDS",
+                         help="step down while the window's p99 inter-token latency exceeds it")
+    degrade.add_argument("--degrade-oom-burst", type=int, metavar="N",
+                         help="step down when N device OOMs fall in the window")
+    degrade.add_argument("--degrade-window", type=float, default=60.0, metavar="SECONDS",
+                         help="the sliding window the signals are judged over")
+    degrade.add_argument("--degrade-hold", type=float, default=30.0, metavar="SECONDS",
+                         help="time between two steps, and healthy time before a step back up")
     parser.add_argument("--api-key", default=os.environ.get("PAGEDJAX_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(or PAGEDJAX_API_KEY)")
@@ -75,13 +94,22 @@ def serve(args, parser: argparse.ArgumentParser) -> None:
     if not 0 < args.port < 65536:
         parser.error(f"--port must be in 1..65535, got {args.port}")
     from pagedjax.serving.admission_control import AdmissionLimits
+    from pagedjax.serving.degradation import DegradationPolicy
     try:
         admission = AdmissionLimits(**{name: getattr(args, name) for name in (
             "max_outstanding_tokens", "kv_overcommit", "long_context_threshold",
             "max_long_context_requests", "max_non_streamed_requests",
             "max_concurrent_requests")})
+        degradation = DegradationPolicy(
+            ttft_p99_s=args.degrade_ttft_p99, itl_p99_s=args.degrade_itl_p99,
+            oom_burst=args.degrade_oom_burst, window_s=args.degrade_window,
+            hold_s=args.degrade_hold)
     except ValueError as e:
         parser.error(f"admission control: {e}")
+    for name in ("max_tokens_cap", "default_max_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "default_max_tokens" else 1):
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
     if args.max_request_bytes < 1:
         parser.error(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     if args.chat_template is not None:
@@ -121,7 +149,9 @@ def serve(args, parser: argparse.ArgumentParser) -> None:
                          daemon=True).start()
     name = args.served_model_name or os.path.basename(os.path.normpath(str(model)))
     run_server(llm.engine, name, host=args.host, port=args.port,
-               admission=admission, api_key=args.api_key,
+               admission=admission, api_key=args.api_key, degradation=degradation,
+               max_tokens_cap=args.max_tokens_cap,
+               default_max_tokens=args.default_max_tokens or None,
                trace_out=args.trace_out, log_level=args.log_level,
                max_request_bytes=args.max_request_bytes, public_metrics=args.public_metrics,
                chat_template=args.chat_template)
