@@ -27,6 +27,7 @@ from pagedjax.engine.admission import encode_text
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.serving import chat, completions, tokenization
+from pagedjax.serving.admin import admin_routes
 from pagedjax.serving.admission_control import AdmissionLimits
 from pagedjax.serving.degradation import (DegradationController, DegradationPolicy,
                                           settings_for)
@@ -37,6 +38,7 @@ from pagedjax.serving.http_common import (DEFAULT_MAX_REQUEST_BYTES, APIError, G
 from pagedjax.serving.metrics import ServerMetrics
 from pagedjax.serving.protocol import ChatCompletionRequest, _SamplingFields
 from pagedjax.serving.request_params import rejected, sampling_params, trace_note
+from pagedjax.serving.serving_config import ConfigHistory, ServingConfig, engine_fields
 from pagedjax.serving.trace_recorder import TraceRecorder
 from pagedjax.text.tokenizer import check_chat_template
 from scheduler import RequestError, SamplingParams
@@ -56,22 +58,30 @@ class OpenAIServer:
                  public_metrics: bool = False, chat_template: str | None = None,
                  admission: AdmissionLimits | None = None, max_tokens_cap: int | None = None,
                  default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
-                 degradation: DegradationPolicy | None = None):
+                 degradation: DegradationPolicy | None = None,
+                 config: ServingConfig | None = None, admin_key: str | None = None):
         """api_key guards every route but /health (and /metrics with public_metrics, for a
         scraper); bodies over max_request_bytes answer 413 unread; chat_template replaces the
-        tokenizer's (a model with neither refuses chat requests, 400); admission: admission
-        control's rules (max_outstanding_tokens alone is the token budget's shorthand);
-        max_tokens_cap: every request's max_tokens is cut to it (its response says so in the
-        X-PagedJAX-Max-Tokens-Capped header); default_max_tokens: a chat request's when it
-        gives none (None: what the context leaves, as vLLM); degradation: when and how the
-        instance degrades itself (pagedjax.serving.degradation)."""
-        for name, value in (("max_tokens_cap", max_tokens_cap),
-                            ("default_max_tokens", default_max_tokens)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
-                raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
-        self.max_tokens_cap = max_tokens_cap
-        self.default_max_tokens = default_max_tokens
+        tokenizer's (a model with neither refuses chat requests, 400).
+
+        The serving configuration, as a versioned ServingConfig (config), or by its parts:
+        admission (admission control's rules; max_outstanding_tokens alone is the token
+        budget's shorthand), max_tokens_cap (every request's max_tokens is cut to it, its
+        response saying so in X-PagedJAX-Max-Tokens-Capped), default_max_tokens (a chat
+        request's when it gives none; None: what the context leaves, as vLLM) and degradation
+        (pagedjax.serving.degradation). admin_key enables /admin/config (new versions, live)
+        and /admin/config/rollback behind it."""
+        if config is None:
+            if admission is not None and max_outstanding_tokens is not None:
+                raise ValueError("give max_outstanding_tokens inside admission, not beside it")
+            admission = admission or AdmissionLimits(max_outstanding_tokens=max_outstanding_tokens)
+            config = ServingConfig(
+                "default", engine=engine_fields(engine.config), admission=admission,
+                max_tokens_cap=max_tokens_cap, default_max_tokens=default_max_tokens,
+                degradation=degradation or DegradationPolicy())
+        elif (admission, max_tokens_cap, degradation, max_outstanding_tokens) != (
+                None, None, None, None) or default_max_tokens != DEFAULT_MAX_TOKENS:
+            raise ValueError("give the serving settings in config or as arguments, not both")
         if not isinstance(served_model_name, str) or not served_model_name:
             raise ValueError(f"served_model_name must be a non-empty string, "
                              f"got {served_model_name!r}")
@@ -83,23 +93,34 @@ class OpenAIServer:
             check_chat_template(chat_template)
         self.chat_template = chat_template or getattr(self.tokenizer, "chat_template", None)
         self.model_name = served_model_name
-        if api_key is not None and (not isinstance(api_key, str) or not api_key):
-            raise ValueError("api_key must be None or a non-empty string")
+        for name, key in (("api_key", api_key), ("admin_key", admin_key)):
+            if key is not None and (not isinstance(key, str) or not key):
+                raise ValueError(f"{name} must be None or a non-empty string")
         if not isinstance(max_request_bytes, int) or max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be an integer >= 1, "
                              f"got {max_request_bytes!r}")
-        self.api_key = api_key
+        self.api_key, self.admin_key = api_key, admin_key
         self.max_request_bytes = max_request_bytes
         self.open_paths = ("/health", "/metrics") if public_metrics else ("/health",)
         self.created = int(time.time())
-        self.degradation = DegradationController(degradation, apply=self._apply_level)
+        self.degradation = DegradationController(config.degradation, apply=self._apply_level)
         self.metrics = ServerMetrics(engine, served_model_name, observer=self.degradation)
         self.degradation.on_change = self.metrics.degradation_changed
         self.trace = TraceRecorder(trace_out, engine.clock()) if trace_out else None
-        self.async_engine = AsyncLLMEngine(engine, max_outstanding_tokens=max_outstanding_tokens,
-                                           limits=admission, on_step=self._on_step,
-                                           on_abort=self._on_abort)
-        self.admission = self.async_engine.limits  # as configured; degradation derives from it
+        self.async_engine = AsyncLLMEngine(engine, limits=config.admission,
+                                           on_step=self._on_step, on_abort=self._on_abort)
+        self.configs = ConfigHistory(config)
+        self.apply_config(config)
+
+    def apply_config(self, config: ServingConfig) -> None:
+        """Serves the next requests with config's server settings (in-flight requests keep
+        theirs); the caller has checked that its engine settings are the running ones."""
+        self.admission = config.admission  # as configured; degradation derives from it
+        self.max_tokens_cap = config.max_tokens_cap
+        self.default_max_tokens = config.default_max_tokens
+        self.degradation.policy = config.degradation
+        self._apply_level(self.degradation.level)
+        self.metrics.serving_config.info({"version": config.version})
 
     def _on_step(self, info) -> None:  # the engine thread, after every step
         self.metrics.on_step(info)
@@ -213,10 +234,11 @@ class OpenAIServer:
         return responses.Response(status_code=499)  # nobody reads it: the client has gone
 
     def model_card(self) -> dict:
-        """The served model as /v1/models lists it."""
+        """The served model as /v1/models lists it (with its serving configuration's version)."""
         return {"id": self.model_name, "object": "model", "created": self.created,
                 "owned_by": "pagedjax", "root": self.model_name, "parent": None,
-                "max_model_len": self.engine.config.max_model_len}
+                "max_model_len": self.engine.config.max_model_len,
+                "config_version": self.configs.active.version}
 
     # ---- the endpoints (pagedjax.serving.completions, .chat, .tokenization) ----------------
 
@@ -320,6 +342,8 @@ class OpenAIServer:
             return responses.Response(self.metrics.render(),
                                       media_type="text/plain; version=0.0.4; charset=utf-8")
 
+        if self.admin_key is not None:
+            admin_routes(self, app)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
         app.post("/tokenize")(self.tokenize)

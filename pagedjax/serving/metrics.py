@@ -1,11 +1,13 @@
 """Prometheus metrics of a serving engine (the server's GET /metrics).
 
 Names follow vLLM's (`vllm:` becomes `pagedjax:`), so dashboards and alerts carry over: gauges of
-the queue, KV usage and device memory, counters of tokens (prompt tokens computed too),
-finished, rejected and cancelled requests by reason, preemptions, KV allocation failures, device
-OOMs, prefix cache lookups and evictions, histograms of TTFT, inter-token latency and time per output token (per token, as
-vLLM V1 observes them), a request's mean time per output token, prefill, decode, inference,
-end-to-end and queue times, tokens per engine step, and the engine step's time. Each server has
+the queue, KV usage, device memory and the degradation level, the serving configuration's
+version, counters of tokens (prompt tokens computed too), finished, rejected and cancelled
+requests by reason, preemptions, KV allocation failures, device OOMs, prefix cache lookups and
+evictions, degradation steps, histograms of TTFT, inter-token latency and time per output token
+(per token, as vLLM V1 observes them), a request's mean time per output token, prefill, decode,
+inference, end-to-end and queue times, tokens per engine step, and the engine step's time.
+Each server has
 its own registry (no global state), updated from the engine thread after every step
 (prometheus_client's metrics are thread-safe).
 """
@@ -104,6 +106,9 @@ class ServerMetrics:
                   "the weights and KV pool the engine holds.")
         self.device_memory = prom.Gauge(f"pagedjax:{memory[0]}", memory[1],
                                         f.names + ["source"], registry=self.registry)
+        self.serving_config = prom.Info("pagedjax:serving_config", "The active serving "
+                                        "configuration's version.", f.names,
+                                        registry=self.registry).labels(**f.labels)
         self.degradation_level = f.gauge("degradation_level", "The instance's degradation "
                                          "level: 0 normal, 1 max_tokens cut, 2 + long-context "
                                          "shed, 3 + concurrency lowered.")
@@ -127,7 +132,7 @@ class ServerMetrics:
                                             ["reason"])
         self._requests_cancelled = f.counter("requests_cancelled",
                                              "Requests ended before finishing, by reason "
-                                             "(client_disconnect, shed).", ["reason"])
+                                             "(client_disconnect).", ["reason"])
         self.prefix_cache_evictions = f.counter("prefix_cache_evictions",
                                                 "Cached KV blocks reused for other content.")
         self.kv_allocation_failures = f.counter(

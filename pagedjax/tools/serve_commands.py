@@ -59,6 +59,14 @@ def serve_args(parser: argparse.ArgumentParser) -> None:
                          help="the sliding window the signals are judged over")
     degrade.add_argument("--degrade-hold", type=float, default=30.0, metavar="SECONDS",
                          help="time between two steps, and healthy time before a step back up")
+    parser.add_argument("--config", metavar="FILE",
+                        help="a versioned serving configuration (.yaml / .json: version, model, "
+                        "engine and server settings; pagedjax/serving/serving_config.py) instead "
+                        "of the engine and serving flags")
+    parser.add_argument("--admin-key", default=os.environ.get("PAGEDJAX_ADMIN_KEY"),
+                        help="serve /admin/config (apply a new configuration version live) and "
+                        "/admin/config/rollback behind 'Authorization: Bearer KEY' (or "
+                        "PAGEDJAX_ADMIN_KEY); without a key they do not exist")
     parser.add_argument("--api-key", default=os.environ.get("PAGEDJAX_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(or PAGEDJAX_API_KEY)")
@@ -93,23 +101,7 @@ def serve(args, parser: argparse.ArgumentParser) -> None:
 
     if not 0 < args.port < 65536:
         parser.error(f"--port must be in 1..65535, got {args.port}")
-    from pagedjax.serving.admission_control import AdmissionLimits
-    from pagedjax.serving.degradation import DegradationPolicy
-    try:
-        admission = AdmissionLimits(**{name: getattr(args, name) for name in (
-            "max_outstanding_tokens", "kv_overcommit", "long_context_threshold",
-            "max_long_context_requests", "max_non_streamed_requests",
-            "max_concurrent_requests")})
-        degradation = DegradationPolicy(
-            ttft_p99_s=args.degrade_ttft_p99, itl_p99_s=args.degrade_itl_p99,
-            oom_burst=args.degrade_oom_burst, window_s=args.degrade_window,
-            hold_s=args.degrade_hold)
-    except ValueError as e:
-        parser.error(f"admission control: {e}")
-    for name in ("max_tokens_cap", "default_max_tokens"):
-        value = getattr(args, name)
-        if value is not None and value < (0 if name == "default_max_tokens" else 1):
-            parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
+    config = _serving_config(args, parser)
     if args.max_request_bytes < 1:
         parser.error(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     if args.chat_template is not None:
@@ -124,10 +116,10 @@ def serve(args, parser: argparse.ArgumentParser) -> None:
     from pagedjax.llm import DEFAULT_MODEL, LLM
     from pagedjax.serving.app import run_server
 
-    model = args.model or DEFAULT_MODEL
+    model = args.model or config.model or DEFAULT_MODEL
     try:
         follower = multihost.start_from_args(args)
-        llm = LLM(model, tokenizer=args.tokenizer, **engine_kwargs(args))
+        llm = LLM(model, tokenizer=args.tokenizer, **config.engine)
     except ValueError as e:
         parser.exit(1, f"pagedjax serve: {e}\n")
     budget = getattr(llm.engine, "memory_budget", None)  # --gpu-memory-utilization
@@ -149,12 +141,51 @@ def serve(args, parser: argparse.ArgumentParser) -> None:
                          daemon=True).start()
     name = args.served_model_name or os.path.basename(os.path.normpath(str(model)))
     run_server(llm.engine, name, host=args.host, port=args.port,
-               admission=admission, api_key=args.api_key, degradation=degradation,
-               max_tokens_cap=args.max_tokens_cap,
-               default_max_tokens=args.default_max_tokens or None,
+               config=config, admin_key=args.admin_key, api_key=args.api_key,
                trace_out=args.trace_out, log_level=args.log_level,
                max_request_bytes=args.max_request_bytes, public_metrics=args.public_metrics,
                chat_template=args.chat_template)
+
+
+SERVER_FLAGS = ("max_outstanding_tokens", "kv_overcommit", "long_context_threshold",
+                "max_long_context_requests", "max_non_streamed_requests",
+                "max_concurrent_requests", "max_tokens_cap", "default_max_tokens",
+                "degrade_ttft_p99", "degrade_itl_p99", "degrade_oom_burst", "degrade_window",
+                "degrade_hold")
+
+
+def _serving_config(args, parser: argparse.ArgumentParser):
+    """The instance's versioned serving configuration: --config's file, or the flags' (version
+    "cli"). With --config, engine and serving flags beside it are refused by name."""
+    from pagedjax.serving.admission_control import AdmissionLimits
+    from pagedjax.serving.degradation import DegradationPolicy
+    from pagedjax.serving.serving_config import ServingConfig
+
+    if args.config is not None:
+        given = [name for name in SERVER_FLAGS
+                 if getattr(args, name) != parser.get_default(name)] + list(engine_kwargs(args))
+        if given:
+            parser.error(f"--config holds the serving configuration; drop "
+                         f"{', '.join('--' + g.replace('_', '-') for g in sorted(given))}")
+        if args.model is not None:
+            parser.error("--config names the model (its `model` key); drop MODEL")
+        try:
+            return ServingConfig.load(args.config)
+        except (ValueError, OSError) as e:
+            parser.error(f"--config: {e}")
+    if args.default_max_tokens is not None and args.default_max_tokens < 0:
+        parser.error(f"--default-max-tokens must be >= 0, got {args.default_max_tokens}")
+    try:
+        return ServingConfig(
+            "cli", model=args.model, engine=engine_kwargs(args),
+            admission=AdmissionLimits(**{name: getattr(args, name) for name in SERVER_FLAGS[:6]}),
+            max_tokens_cap=args.max_tokens_cap, default_max_tokens=args.default_max_tokens or None,
+            degradation=DegradationPolicy(
+                ttft_p99_s=args.degrade_ttft_p99, itl_p99_s=args.degrade_itl_p99,
+                oom_burst=args.degrade_oom_burst, window_s=args.degrade_window,
+                hold_s=args.degrade_hold))
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def _report_warmup(warmup) -> None:

@@ -1,0 +1,68 @@
+"""An instance's admin endpoints, behind `--admin-key` (they do not exist without one):
+
+    GET  /admin/config            the active serving configuration and the versions before it
+    POST /admin/config            a new version (JSON, pagedjax.serving.serving_config's format):
+                                  its server settings apply to the next requests at once
+    POST /admin/config/rollback   back to the previous version
+
+Requests in flight keep the settings they were admitted under: nothing is dropped. A version
+that changes the model or an engine setting is refused (409): it needs a new instance.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import fastapi
+
+from pagedjax.serving.http_common import error_response, key_matches, parse_json_object
+from pagedjax.serving.serving_config import ServingConfig
+
+if TYPE_CHECKING:
+    from pagedjax.serving.app import OpenAIServer
+
+logger = logging.getLogger("pagedjax.admin")
+
+
+def admin_routes(server: OpenAIServer, app: fastapi.FastAPI) -> None:
+    def admin(handler):
+        async def guarded(request: fastapi.Request):
+            if not key_matches(request.headers.get("authorization"), server.admin_key):
+                return error_response(401, "missing or wrong admin key (Authorization: "
+                                      "Bearer ...)", None, "authentication_error",
+                                      "invalid_api_key")
+            return await handler(request)
+        return guarded
+
+    def status() -> dict:
+        return {"active": server.configs.active.to_dict(),
+                "versions": [c.version for c in server.configs.versions],
+                "degradation_level": server.degradation.level}
+
+    async def get_config(request):
+        return status()
+
+    async def post_config(request):
+        try:
+            config = ServingConfig.from_dict(parse_json_object(await request.body()))
+            server.configs.push(config)
+        except ValueError as e:
+            status_code = 409 if "needs a new instance" in str(e) else 400
+            return error_response(status_code, str(e), "config")
+        server.apply_config(config)
+        logger.warning("serving configuration %r applied", config.version)
+        return status()
+
+    async def rollback(request):
+        try:
+            config = server.configs.rollback()
+        except ValueError as e:
+            return error_response(409, str(e), None)
+        server.apply_config(config)
+        logger.warning("serving configuration rolled back to %r", config.version)
+        return status()
+
+    app.get("/admin/config")(admin(get_config))
+    app.post("/admin/config")(admin(post_config))
+    app.post("/admin/config/rollback")(admin(rollback))
