@@ -10,6 +10,11 @@ instance is the chunk hashes of the prompts it sent there: 64 characters of text
 ids, a chunk). A request whose instance cannot be reached before any byte was returned is sent
 to the next one, and that instance is skipped for `retry_after_s`; errors a stable instance answers (HTTP 4xx/5xx) pass through unchanged.
 
+Long-context requests (a prompt over `--long-context-threshold` tokens; text estimated at 4
+characters a token) go to `--long-context-backend URL` instances of their own, so that their
+prefill does not stall the short requests' decoding; the stable group takes them when none of
+those is reachable.
+
 Safe rollout: `--canary URL` instances (a new model, config or build) get `--canary-weight` of
 the traffic; a RolloutGuard compares their error rate and median latency with the stable
 group's over a sliding window and rolls the canary back by itself when it is worse by more than
@@ -38,7 +43,16 @@ from pagedjax.serving.http_common import (DEFAULT_MAX_REQUEST_BYTES, GuardMiddle
 from pagedjax.serving.rollout import RolloutGuard
 
 __all__ = ["POLICIES", "Backend", "RolloutGuard", "Router", "RoutingPolicy", "prompt_chunks",
-           "routing_key", "run_router"]
+           "prompt_tokens", "routing_key", "run_router"]
+
+
+CHARS_PER_TOKEN = 4  # a text prompt's tokens, estimated (the chunk rule's 64 characters ~ 16)
+
+
+def prompt_tokens(key: str | list[int]) -> int:
+    """A routing key's length in tokens: token ids counted, text estimated at CHARS_PER_TOKEN
+    characters a token (the router does not tokenize)."""
+    return len(key) if isinstance(key, list) else len(key) // CHARS_PER_TOKEN
 
 
 def routing_key(path: str, body: dict) -> str | list[int] | None:
@@ -78,9 +92,12 @@ class Router:
     def __init__(self, urls: Sequence[str], policy: str = "kv_aware", *,
                  canary: Sequence[str] = (), canary_weight: float = 0.0,
                  guard: dict | None = None, admin_key: str | None = None,
+                 long_context: Sequence[str] = (), long_context_threshold: int = 4096,
                  retry_after_s: float = 5.0, timeout_s: float = 600.0,
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, **policy_kwargs):
-        """admin_key: the /router/* admin endpoints exist only with one (and need it)."""
+        """admin_key: the /router/* admin endpoints exist only with one (and need it).
+        long_context: instances of their own for prompts over long_context_threshold tokens
+        (estimated for text, see prompt_tokens); they take no other traffic."""
         def clean(group, values):
             values = [u.rstrip("/") for u in values]
             for url in values:
@@ -89,16 +106,24 @@ class Router:
             return values
 
         urls, canary = clean("backend", urls), clean("canary", canary)
-        if len(set(urls + canary)) != len(urls + canary):
-            raise ValueError(f"backends must be distinct, got {urls + canary}")
+        long_context = clean("long_context", long_context)
+        everyone = urls + canary + long_context
+        if len(set(everyone)) != len(everyone):
+            raise ValueError(f"backends must be distinct, got {everyone}")
+        if isinstance(long_context_threshold, bool) or not isinstance(
+                long_context_threshold, int) or long_context_threshold < 1:
+            raise ValueError(f"long_context_threshold must be an integer >= 1, got "
+                             f"{long_context_threshold!r}")
+        self.long_context_threshold = long_context_threshold
         if canary_weight and not canary:
             raise ValueError("canary_weight needs canary backends")
         self.policy_name = policy
         self.policy_kwargs = policy_kwargs
         self.groups = {"stable": RoutingPolicy([Backend(u) for u in urls], policy,
                                                **policy_kwargs)}
-        if canary:
-            self.groups["canary"] = RoutingPolicy([Backend(u) for u in canary], policy,
+        for name, group in (("canary", canary), ("long_context", long_context)):
+            if group:
+                self.groups[name] = RoutingPolicy([Backend(u) for u in group], policy,
                                                   **policy_kwargs)
         self.guard = RolloutGuard(canary_weight, **(guard or {}))
         if admin_key is not None and (not isinstance(admin_key, str) or not admin_key):
@@ -140,8 +165,17 @@ class Router:
         return [b for group in self.groups.values() for b in group.backends]
 
     def _record(self, group: str, ok: bool, latency_s: float | None) -> None:
-        self.guard.record(group, ok, latency_s)
+        if group in ("stable", "canary"):  # what the rollout guard compares
+            self.guard.record(group, ok, latency_s)
         self.outcomes.labels(group, "ok" if ok else "error").inc()
+
+    def _group(self, key) -> str:
+        """Where a request goes first: the long-context group for a long prompt, else the
+        canary group for its share of the rest, else the stable group."""
+        if "long_context" in self.groups and key is not None and \
+                prompt_tokens(key) > self.long_context_threshold:
+            return "long_context"
+        return "canary" if "canary" in self.groups and self.guard.to_canary() else "stable"
 
     async def forward(self, path: str, request: fastapi.Request):
         raw = await request.body()
@@ -149,13 +183,13 @@ class Router:
         chunks = prompt_chunks(key) if key is not None else []
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() in ("authorization", "content-type")}
-        group = "canary" if "canary" in self.groups and self.guard.to_canary() else "stable"
+        group = self._group(key)
         tried: list[Backend] = []
         while True:
             try:
                 backend, matched = self.groups[group].choose(chunks, exclude=tried)
-            except LookupError:
-                if group == "canary":
+            except LookupError:  # the group has no reachable instance left
+                if group != "stable":
                     group = "stable"
                     continue
                 return _error(503, "no backend is reachable", None, "server_error",
@@ -173,7 +207,8 @@ class Router:
                 backend.down_until = time.monotonic() + self.retry_after_s
                 self.failovers.labels(backend.url).inc()
                 self._record(group, False, None)
-                group = "stable"
+                if group == "canary":
+                    group = "stable"
                 continue
             except BaseException:  # cancelled: the client went away while we waited
                 self._release(backend)
@@ -222,7 +257,8 @@ class Router:
         requests; those in flight finish)."""
         if "canary" not in self.groups:
             raise ValueError("there is no canary group to promote")
-        self.groups = {"stable": self.groups["canary"]}
+        self.groups = {**{name: g for name, g in self.groups.items()
+                          if name not in ("stable", "canary")}, "stable": self.groups["canary"]}
         self.guard.set_weight(0.0)
         self.guard.outcomes["stable"].clear()
 

@@ -214,6 +214,11 @@ def router_args(parser: argparse.ArgumentParser) -> None:
                         help="in-flight ratio beyond which load wins over cache affinity")
     parser.add_argument("--min-match", type=float, default=0.25,
                         help="least fraction of a prompt's chunks matched to follow affinity")
+    parser.add_argument("--long-context-backend", action="append", default=[],
+                        help="an instance for long-context requests only (repeat for each)")
+    parser.add_argument("--long-context-threshold", type=int, default=4096, metavar="TOKENS",
+                        help="prompts longer than this go to the long-context instances (text "
+                        "estimated at 4 characters a token)")
     rollout = parser.add_argument_group("safe rollout")
     rollout.add_argument("--canary", action="append", default=[],
                          help="a canary instance's base URL (repeat for each)")
@@ -254,6 +259,8 @@ def router(args, parser: argparse.ArgumentParser) -> None:
                    log_level=args.log_level, canary=args.canary,
                    canary_weight=args.canary_weight, guard=guard, admin_key=args.admin_key,
                    balance_abs=args.balance_abs, balance_rel=args.balance_rel,
-                   min_match=args.min_match, max_request_bytes=args.max_request_bytes)
+                   min_match=args.min_match, max_request_bytes=args.max_request_bytes,
+                   long_context=args.long_context_backend,
+                   long_context_threshold=args.long_context_threshold)
     except ValueError as e:
         parser.exit(1, f"pagedjax router: {e}\n")
