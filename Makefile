@@ -87,6 +87,8 @@ bench: $(TEST_STAMP)
 	$(PY) benchmarks/tpu_tensor_parallel.py
 	$(PY) benchmarks/tensor_parallel_memory.py
 	$(PY) benchmarks/real_model.py
+	$(PY) benchmarks/block_size.py
+	$(PY) benchmarks/policies.py
 
 # The GPU device script rehearsed without a GPU: its programs compiled by XLA for an H200.
 bench-gpu-image: $(GPU_IMAGE_STAMP)

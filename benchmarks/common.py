@@ -55,6 +55,17 @@ def random_hf_llama(args, max_position_embeddings: int):
     return transformers.LlamaForCausalLM(config).eval()
 
 
+def percentiles(values, prefix: str, scale: float = 1e3, unit: str = "ms",
+                digits: int = 3) -> dict:
+    """{prefix_p50_unit, _p95_, _p99_} of values (seconds, times scale), NaN when there are none:
+    every latency table reports all three."""
+    out = {}
+    for q in (50, 95, 99):
+        value = float(np.percentile(values, q)) * scale if len(values) else float("nan")
+        out[f"{prefix}_p{q}_{unit}"] = round(value, digits)
+    return out
+
+
 def add_engine_flags(parser, **defaults) -> None:
     """The CLI's EngineConfig flags (pagedjax.tools.engine_args, as `pagedjax serve` has them),
     defaulting to this benchmark's values where it sets them (EngineConfig's elsewhere)."""
@@ -129,7 +140,7 @@ async def stream_completion(client, url: str, body: dict, *,
 
     body = {**body, "stream": True, "return_token_ids": True}
     sent = time.perf_counter()
-    stamps, tokens, status = [], 0, None
+    stamps, tokens, status, ids = [], 0, None, []
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
             status = response.status_code
@@ -143,7 +154,9 @@ async def stream_completion(client, url: str, body: dict, *,
                     if "error" in data:
                         status = 500
                         break
-                    new = len(data["choices"][0].get("token_ids", [])) if data["choices"] else 0
+                    new_ids = data["choices"][0].get("token_ids", []) if data["choices"] else []
+                    ids += new_ids
+                    new = len(new_ids)
                     if new:
                         stamps.append(time.perf_counter())
                         tokens += new
@@ -152,4 +165,4 @@ async def stream_completion(client, url: str, body: dict, *,
     except httpx.HTTPError:
         status = -1
     return {"status": status, "sent": sent, "done": time.perf_counter(), "stamps": stamps,
-            "tokens": tokens}
+            "tokens": tokens, "token_ids": ids}

