@@ -13,7 +13,7 @@ import heapq
 import time
 
 import numpy as np
-from common import write_results
+from common import percentiles, write_results
 
 from pagedjax import EngineConfig, LLMEngine, SamplingParams, load_model
 
@@ -74,8 +74,7 @@ def drive(engine: LLMEngine, sessions, arrivals, max_tokens: int) -> dict:
                 heapq.heappush(pending, (time.perf_counter() - start, i))
     elapsed = time.perf_counter() - start
     stats = engine.stats
-    return {"ttft_p50_s": float(np.percentile(ttfts, 50)),
-            "ttft_p99_s": float(np.percentile(ttfts, 99)),
+    return {**percentiles(ttfts, "ttft", scale=1.0, unit="s", digits=4),
             "output_tokens_per_s": num_output / elapsed, "seconds": elapsed,
             "hit_ratio": stats.prefix_hit_rate, "evictions": stats.num_evictions,
             "prefill_tokens_computed": stats.num_scheduled_tokens - stats.num_generated_tokens

@@ -19,7 +19,7 @@ import time
 
 import httpx
 import numpy as np
-from common import stream_completion, write_results
+from common import percentiles, stream_completion, write_results
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedjax import LLM
@@ -104,8 +104,7 @@ def main() -> None:
                 "hit_rate": hits / prompt_tokens,
                 "computed_prompt_tokens": int(prompt_tokens - hits),
                 "preemptions": int(delta("pagedjax:num_preemptions_total")),
-                "ttft_p50_ms": float(np.percentile(ttft, 50)),
-                "ttft_p99_ms": float(np.percentile(ttft, 99)),
+                **percentiles(ttft, "ttft", scale=1.0),
                 "output_tokens_per_s": sum(r["tokens"] for r in results) / seconds})
     base = rows[0]
     for row in rows:

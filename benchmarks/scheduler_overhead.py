@@ -10,7 +10,7 @@ import argparse
 import time
 
 import numpy as np
-from common import write_results
+from common import percentiles, write_results
 
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig, ShapeBuckets, build_plan
 
@@ -51,10 +51,9 @@ def measure(num_seqs: int, *, prompt_len: int, block_size: int, max_model_len: i
     plan_ms = 1e3 * np.array(plan_times)
     update_ms = 1e3 * np.array(update_times)
     return {"running_seqs": num_seqs,
-            "schedule_plus_plan_ms_p50": float(np.median(plan_ms)),
-            "schedule_plus_plan_ms_p90": float(np.percentile(plan_ms, 90)),
-            "update_ms_p50": float(np.median(update_ms)),
-            "total_host_ms_p50": float(np.median(plan_ms + update_ms))}
+            **percentiles(plan_ms, "schedule_plus_plan", scale=1.0),
+            **percentiles(update_ms, "update", scale=1.0),
+            **percentiles(plan_ms + update_ms, "total_host", scale=1.0)}
 
 
 def main() -> None:

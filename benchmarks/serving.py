@@ -96,9 +96,8 @@ def summarize(name: str, results: list[dict], seconds: float, baseline_tps: floa
             "refused_429": sum(r["status"] == 429 for r in results),
             "seconds": seconds, "output_tokens_per_s": tps,
             "ratio_vs_offline": tps / baseline_tps if baseline_tps else "",
-            "ttft_p50_ms": pct("ttft", 50), "ttft_p99_ms": pct("ttft", 99),
-            "tpot_p50_ms": pct("tpot", 50), "tpot_p99_ms": pct("tpot", 99),
-            "e2e_p50_ms": pct("e2e", 50), "e2e_p99_ms": pct("e2e", 99)}
+            **{f"{key}_p{q}_ms": pct(key, q) for key in ("ttft", "tpot", "e2e")
+               for q in (50, 95, 99)}}
 
 
 def main() -> None:

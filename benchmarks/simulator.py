@@ -46,8 +46,8 @@ def compare_rows(name: str, real, sim) -> list[dict]:
         row = {"workload": name, "run": source, "steps": s["steps"],
                "prefill_steps": s["prefill_steps"], "preemptions": s["preemptions"],
                "prefix_hit_rate": s["prefix_hit_rate"], "makespan_s": s["makespan_s"],
-               "ttft_p50_ms": s["ttft_p50_s"] * 1e3, "ttft_p99_ms": s["ttft_p99_s"] * 1e3,
-               "tpot_p50_ms": s["tpot_p50_s"] * 1e3}
+               **{f"{m}_p{q}_ms": s[f"{m}_p{q}_s"] * 1e3 for m in ("ttft", "tpot")
+                  for q in (50, 95, 99)}}
         if source == "simulator":
             r = real.summary()
             row["makespan_err"] = s["makespan_s"] / r["makespan_s"] - 1

@@ -13,6 +13,9 @@ tokens / output tokens; prompts are seeded random token ids in the scenario's st
 - rag: a shared 192-token system prompt, 2 of 4 shared 256-token documents, a private 256-token
   document and a 32-token question (~1000 tokens), 64 tokens an answer.
 
+Each cell's clients draw their own tokens (seeded by scenario, concurrency and client), so the
+only prefix hits are the ones its scenario's structure makes.
+
 Each cell runs C concurrent clients (--concurrency), each sending its next streamed request as
 soon as the last one finished, --requests requests a cell; every 7th is abandoned after its
 first token (a client that disconnects), so aborts happen under load too. After each cell the
@@ -97,8 +100,9 @@ async def run_cell(url, scenario, concurrency, requests, seed, vocab, turns):
     async with httpx.AsyncClient(timeout=1200, limits=limits) as client:
         start = time.perf_counter()
         parts = await asyncio.gather(*(
-            client_loop(client, url, prompts, np.random.default_rng([seed, c]), per_client,
-                        c * per_client, turns) for c in range(concurrency)))
+            client_loop(client, url, prompts,
+                        np.random.default_rng([seed, SCENARIOS.index(scenario), concurrency, c]),
+                        per_client, c * per_client, turns) for c in range(concurrency)))
         return [r for part in parts for r in part], time.perf_counter() - start
 
 

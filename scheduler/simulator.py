@@ -64,9 +64,10 @@ class SimResult:
         return {"steps": self.num_steps, "prefill_steps": self.num_prefill_steps,
                 "preemptions": self.num_preemptions, "makespan_s": self.makespan_s,
                 "output_tokens_per_s": self.output_tokens / self.makespan_s,
-                "ttft_p50_s": pct(self.ttft_s, 50), "ttft_p99_s": pct(self.ttft_s, 99),
-                "tpot_p50_s": pct(self.tpot_s, 50), "tpot_p99_s": pct(self.tpot_s, 99),
-                "e2e_p50_s": pct(self.e2e_s, 50), "peak_used_blocks": self.peak_used_blocks,
+                **{f"{name}_p{q}_s": pct(values, q)
+                   for name, values in (("ttft", self.ttft_s), ("tpot", self.tpot_s),
+                                        ("e2e", self.e2e_s)) for q in (50, 95, 99)},
+                "peak_used_blocks": self.peak_used_blocks,
                 "prefix_hit_rate": self.prefix_hit_rate}
 
 
