@@ -62,5 +62,6 @@ def test_the_checklist_metrics_are_on_the_dashboard():
     for name in ("device_memory_used_bytes", "device_memory_limit_bytes", "oom_errors_total",
                  "kv_allocation_failures_total", "prefix_cache_evictions_total",
                  "prompt_tokens_computed_total", "requests_cancelled_total",
-                 "num_preemptions_total", "kv_cache_usage_perc", "degradation_level"):
+                 "num_preemptions_total", "kv_cache_usage_perc", "degradation_level",
+                 "serving_config_info"):
         assert f"pagedjax:{name}" in queried, name
