@@ -139,3 +139,28 @@ def test_shut_down_engine_answers_503():
         assert response.status_code == 503
         assert response.json()["error"]["code"] == "engine_dead"
         assert client.get("/health").status_code == 503
+
+
+def test_a_failing_step_report_is_logged_and_the_engine_serves_on(caplog):
+    """Metrics, the trace and degradation observe each step; an error there is the observer's,
+    logged with its traceback, not the engine's end."""
+    llm = LLM(**ENGINE)
+    server = OpenAIServer(llm.engine, "tiny")
+    on_step, failed = server.metrics.on_step, []
+
+    def broken(info):
+        if not failed:
+            failed.append(1)
+            raise ValueError("a metrics bug")
+        on_step(info)
+
+    server.metrics.on_step = broken
+    with TestClient(server.build_app()) as client, \
+            caplog.at_level("ERROR", logger="pagedjax.engine"):
+        response = client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4})
+        assert response.status_code == 200
+        assert client.get("/health").status_code == 200
+        assert client.post("/v1/completions", json={"prompt": PROMPTS[1],
+                                                    "max_tokens": 4}).status_code == 200
+    assert failed and any("a step report failed" in r.getMessage() and r.exc_info
+                          for r in caplog.records)

@@ -114,18 +114,21 @@ def measure(runner, config, buckets, bytes_per_block: int) -> MemoryBudget:
 
 
 def memory_in_use(engine) -> tuple[int, int | None, str]:
-    """(bytes in use, limit or None, source) over an engine's devices (a data-parallel
-    engine's replicas summed): the backend's memory_stats where it reports them, else what the
-    engine itself holds there (the weights and the KV pool)."""
+    """(bytes in use, limit or None, source) over an engine's devices in this process (a
+    data-parallel engine's replicas summed; multi-host: this process's devices): the backend's
+    memory_stats where it reports them, else what the engine itself holds there (its shards of
+    the weights and the KV pool)."""
     replicas = getattr(engine, "replicas", [engine])
-    stats = [d.memory_stats() if hasattr(d, "memory_stats") else None
-             for r in replicas for d in r.devices]
+    here = jax.process_index()
+    devices = [d for r in replicas for d in r.devices if d.process_index == here]
+    stats = [d.memory_stats() if hasattr(d, "memory_stats") else None for d in devices]
     if stats and all(s and "bytes_in_use" in s for s in stats):
         limits = [s.get("bytes_limit") for s in stats]
         return (sum(int(s["bytes_in_use"]) for s in stats),
                 sum(limits) if all(limits) else None, "memory_stats")
     held = 0
     for r in replicas:
-        arrays = jax.tree.leaves((r.runner.params, r.runner.kv_cache))
-        held += sum(a.nbytes for a in arrays if not a.is_deleted())
+        for leaf in jax.tree.leaves((r.runner.params, r.runner.kv_cache)):
+            if not leaf.is_deleted():
+                held += sum(shard.data.nbytes for shard in leaf.addressable_shards)
     return held, None, "engine"

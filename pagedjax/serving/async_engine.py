@@ -301,8 +301,16 @@ class AsyncLLMEngine:
             self._fail_all()
 
     def _report(self, outputs: list[RequestOutput], step_time: float | None) -> None:
+        """Tells on_step (metrics, trace, degradation) about a step; a failure there is logged
+        with its traceback, never the engine's end."""
         if self.on_step is None:
             return
+        try:
+            self._report_step(outputs, step_time)
+        except Exception:  # noqa: BLE001 - observers must not stop serving
+            logger.exception("a step report failed; the engine serves on")
+
+    def _report_step(self, outputs: list[RequestOutput], step_time: float | None) -> None:
         replicas = tuple(self.engine.load())
         self.on_step(StepInfo(
             outputs, step_time, sum(r.num_running for r in replicas),
