@@ -57,8 +57,9 @@ def random_hf_llama(args, max_position_embeddings: int):
 
 def percentiles(values, prefix: str, scale: float = 1e3, unit: str = "ms",
                 digits: int = 3) -> dict:
-    """{prefix_p50_unit, _p95_, _p99_} of values (seconds, times scale), NaN when there are none:
-    every latency table reports all three."""
+    """{prefix_p50_unit, _p95_, _p99_} of values (seconds, times scale; None values left out),
+    NaN when there are none: every latency table reports all three."""
+    values = [v for v in values if v is not None]
     out = {}
     for q in (50, 95, 99):
         value = float(np.percentile(values, q)) * scale if len(values) else float("nan")

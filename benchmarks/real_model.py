@@ -33,7 +33,7 @@ import sys
 import time
 
 import numpy as np
-from common import add_engine_flags, recorded_args, write_results
+from common import add_engine_flags, percentiles, recorded_args, write_results
 
 SYSTEM = ("You are a helpful assistant. Answer every question plainly and correctly; when a "
           "passage is given, answer from it.")
@@ -69,12 +69,6 @@ def workload(num: int, seed: int, max_answer: int) -> list[tuple[list[dict], int
         out.append(([{"role": "system", "content": SYSTEM},
                      {"role": "user", "content": question}], answer))
     return out
-
-
-def percentiles(values, prefix: str) -> dict:
-    values = np.asarray([v for v in values if v is not None], dtype=float)
-    return {f"{prefix}_p{q}_ms": round(float(np.percentile(values, q)) * 1e3, 1)
-            for q in (50, 95, 99)}
 
 
 def run_transformers(model, prompts: list[list[int]], answers: list[int], batch_size: int,
@@ -144,7 +138,8 @@ def result_rows(engine, ours: dict, theirs: dict, useful: int) -> list[dict]:
         rows.append({"system": name, "seconds": round(result["seconds"], 2),
                      "output_tokens_per_s": round(useful / result["seconds"], 1),
                      "ratio_vs_transformers": round(theirs["seconds"] / result["seconds"], 2),
-                     **percentiles(result["ttft"], "ttft"), **percentiles(result["tpot"], "tpot"),
+                     **percentiles(result["ttft"], "ttft", digits=1),
+                     **percentiles(result["tpot"], "tpot", digits=1),
                      "kv_peak_tokens": kv_tokens, "kv_peak_MiB": mib(kv_tokens)})
     rows[1].update(contiguous_kv_MiB=mib(contiguous_tokens),
                    prefix_hit_rate=round(stats.prefix_hit_rate, 3),

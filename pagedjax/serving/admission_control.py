@@ -28,6 +28,8 @@ import dataclasses
 from typing import Sequence
 
 from scheduler import cdiv
+from scheduler.errors import check_float, check_int
+from scheduler.request import INT32_MAX
 
 REASONS = ("token_budget", "kv_pressure", "long_context_cap", "non_streamed_cap",
            "concurrency_cap")
@@ -53,15 +55,13 @@ class AdmissionLimits:
     max_concurrent_requests: int | None = None
 
     def __post_init__(self):
-        for name in ("max_outstanding_tokens", "long_context_threshold",
-                     "max_concurrent_requests"):
-            _check_int(name, getattr(self, name), 1)
-        for name in ("max_long_context_requests", "max_non_streamed_requests"):
-            _check_int(name, getattr(self, name), 0)
-        value = self.kv_overcommit
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not value > 0):
-            raise ValueError(f"kv_overcommit must be a number > 0, got {value!r}")
+        for name, low in (("max_outstanding_tokens", 1), ("long_context_threshold", 1),
+                          ("max_concurrent_requests", 1), ("max_long_context_requests", 0),
+                          ("max_non_streamed_requests", 0)):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), low, INT32_MAX)
+        if self.kv_overcommit is not None:
+            check_float("kv_overcommit", self.kv_overcommit, 0.0, 1e6, low_open=True)
         if (self.max_long_context_requests is None) != (self.long_context_threshold is None):
             raise ValueError("give long_context_threshold and max_long_context_requests "
                              "together")
@@ -127,8 +127,3 @@ def _check_caps(limits: AdmissionLimits, live: Sequence[Live], new: Sequence,
                 f"non-streamed requests are limited to {cap} live ones ({held} now): stream, or "
                 f"retry later"))
 
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                              or value < minimum):
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")

@@ -25,6 +25,9 @@ import threading
 
 import numpy as np
 
+from scheduler.errors import check_float, check_int
+from scheduler.request import INT32_MAX
+
 logger = logging.getLogger("pagedjax.degradation")
 
 LEVELS = ("normal", "max_tokens", "shed_long_context", "lower_concurrency")
@@ -47,23 +50,16 @@ class DegradationPolicy:
     concurrency_factor: float = 0.5
 
     def __post_init__(self):
-        for name in ("ttft_p99_s", "itl_p99_s"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(f"{name} must be a number > 0, got {value!r}")
-        for name in ("window_s", "hold_s"):
-            if not (isinstance(getattr(self, name), (int, float)) and getattr(self, name) > 0):
-                raise ValueError(f"{name} must be a number > 0, got {getattr(self, name)!r}")
+        for name in ("ttft_p99_s", "itl_p99_s", "window_s", "hold_s"):
+            if getattr(self, name) is not None:
+                check_float(name, getattr(self, name), 0.0, 1e6, low_open=True)
         for name in ("recover_ratio", "max_tokens_factor", "concurrency_factor"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and 0 < value < 1):
-                raise ValueError(f"{name} must be in (0, 1), got {value!r}")
-        for name, minimum in (("oom_burst", 1), ("min_samples", 1),
-                              ("long_context_threshold", 1)):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < minimum):
-                raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+            value = check_float(name, getattr(self, name), 0.0, 1.0, low_open=True)
+            if value == 1.0:
+                raise ValueError(f"{name} must be below 1, got 1.0")
+        for name in ("oom_burst", "min_samples", "long_context_threshold"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 1, INT32_MAX)
 
     @property
     def watching(self) -> bool:

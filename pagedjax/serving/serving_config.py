@@ -32,6 +32,8 @@ import os
 
 from pagedjax.serving.admission_control import AdmissionLimits
 from pagedjax.serving.degradation import DegradationPolicy
+from scheduler.errors import check_int
+from scheduler.request import INT32_MAX
 
 SERVER_KEYS = ({f.name for f in dataclasses.fields(AdmissionLimits)}
                | {"max_tokens_cap", "default_max_tokens", "degradation"})
@@ -64,10 +66,8 @@ class ServingConfig:
         except (TypeError, ValueError) as e:
             raise ValueError(f"engine: {e}") from None
         for name in ("max_tokens_cap", "default_max_tokens"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
-                raise ValueError(f"server.{name} must be an integer >= 1, got {value!r}")
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 1, INT32_MAX)
 
     @classmethod
     def from_dict(cls, data) -> "ServingConfig":
