@@ -12,12 +12,12 @@ import jax
 import numpy as np
 
 from models import LlamaForCausalLM
+from pagedjax.engine import memory_budget, prompt_logprobs
 from pagedjax.engine.admission import Admission, PromptSpec, check_specs
 from pagedjax.engine.compile_cache import enable_compilation_cache
 from pagedjax.engine.config import EngineConfig
 from pagedjax.engine.kv_snapshot import KVSnapshot, UsageSample, kv_snapshot, tokens_stored
 from pagedjax.engine.output_processor import TextState
-from pagedjax.engine import memory_budget, prompt_logprobs
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.runner import ModelRunner
 from pagedjax.engine.stats import EngineStats, ReplicaLoad
@@ -30,7 +30,6 @@ from scheduler import (DECODE, Request, RequestStatus, SamplingParams, Scheduler
                        make_samples)
 
 logger = logging.getLogger("pagedjax.engine")
-
 
 MAX_OOM_RETRIES = 2  # device OOMs a request may be recomputed after before it fails
 
