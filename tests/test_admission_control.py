@@ -18,6 +18,7 @@ from test_server import ENGINE
 
 LONG = "copy:" + "x" * 40 + "="  # 47 tokens with BOS
 SHORT = "copy:ab="
+REFUSAL_S = 10  # a refusal answers before the engine runs; longer means it was admitted
 
 
 @pytest.fixture(scope="module")
@@ -42,24 +43,29 @@ def _held(limits: AdmissionLimits, llm, held_bodies, probes):
     with BackgroundServer(server.build_app()) as url, httpx.Client(base_url=url,
                                                                    timeout=120) as client, \
             concurrent.futures.ThreadPoolExecutor(len(held_bodies) + len(probes)) as pool:
-        held = [pool.submit(client.post, "/v1/completions", json=b) for b in held_bodies]
-        deadline = time.monotonic() + 60
-        while len(server.async_engine._live) < len(held) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert len(server.async_engine._live) == len(held)
-        answers = []
-        for body, status in probes:
-            before = set(llm.engine.request_groups)
-            if status == 429:
-                response = client.post("/v1/completions", json=body)
-                assert set(llm.engine.request_groups) == before  # nothing queued
-            else:  # admitted: held live too, before the next probe
-                live = len(server.async_engine._live)
-                response = pool.submit(client.post, "/v1/completions", json=body)
-                while len(server.async_engine._live) == live and time.monotonic() < deadline:
-                    time.sleep(0.02)
-            answers.append(response)
-        server.async_engine.resume()
+        try:  # a failed check resumes the engine, so the held requests end and so does the test
+            held = [pool.submit(client.post, "/v1/completions", json=b) for b in held_bodies]
+            deadline = time.monotonic() + 60
+            while len(server.async_engine._live) < len(held) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert len(server.async_engine._live) == len(held)
+            answers = []
+            for body, status in probes:
+                before = set(llm.engine.request_groups)
+                if status == 429:  # answered at once: one admitted instead waits on the pause
+                    response = client.post("/v1/completions", json=body, timeout=REFUSAL_S)
+                    assert set(llm.engine.request_groups) == before  # nothing queued
+                else:  # admitted: held live too, before the next probe
+                    live = len(server.async_engine._live)
+                    response = pool.submit(client.post, "/v1/completions", json=body)
+                    while (len(server.async_engine._live) == live and not response.done()
+                           and time.monotonic() < deadline):
+                        time.sleep(0.02)
+                    if response.done():  # answered at once: refused
+                        assert response.result().status_code == status, response.result().text
+                answers.append(response)
+        finally:
+            server.async_engine.resume()
         answers = [a.result(timeout=120) if isinstance(a, concurrent.futures.Future) else a
                    for a in answers]
         assert all(h.result(timeout=120).status_code == 200 for h in held)
@@ -90,13 +96,17 @@ def test_long_context_cap(llm):
 
 
 def test_non_streamed_cap_and_concurrency_cap(llm):
+    """Under max_non_streamed_requests 1 a live streamed request leaves room for one non-streamed
+    request, not two; streamed ones stay admitted until the concurrency cap (3)."""
     limits = AdmissionLimits(max_non_streamed_requests=1, max_concurrent_requests=3)
-    held = [{"prompt": SHORT, "max_tokens": 4}, {"prompt": SHORT, "max_tokens": 4,
-                                                 "stream": True}]
+    held = [{"prompt": SHORT, "max_tokens": 4, "stream": True}]
     answers, rejected = _held(limits, llm, held, [
+        ({"prompt": SHORT, "max_tokens": 4}, 200),  # the first non-streamed one
         ({"prompt": SHORT, "max_tokens": 4}, 429),  # a second non-streamed one
         ({"prompt": SHORT, "max_tokens": 4, "stream": True}, 200),  # streamed: the third
         ({"prompt": SHORT, "max_tokens": 4, "stream": True}, 429)])  # a fourth live one
+    assert "non-streamed requests are limited to 1 live ones (1 now)" in \
+        answers[1].json()["error"]["message"]
     assert rejected == {"non_streamed_cap": 1, "concurrency_cap": 1}
 
 

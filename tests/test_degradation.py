@@ -67,6 +67,34 @@ def test_steps_hold_hysteresis_and_recovery():
                        (1, "recover"), (0, "recover"), (1, "degrade")]
 
 
+def test_ooms_still_in_the_window_hold_recovery_back():
+    """OOMs at t=0 and t=15 degrade (a burst of 2 in a 20 s window) once, the burst gone before
+    hold_s (8 s) allows a second step. From t=20 only the second is in the window: no burst, but
+    not healthy either, so with latency low all along recovery waits for it to leave (t=35)
+    and then hold_s."""
+    clock = Clock()
+    control = DegradationController(DegradationPolicy(itl_p99_s=0.1, oom_burst=2, window_s=20,
+                                                      min_samples=5, hold_s=8), clock=clock)
+
+    def run_until(t):
+        while clock.now < t - 1e-9:
+            clock.now = round(clock.now + 0.1, 6)
+            control.observe("itl", 0.01)
+            control.evaluate()
+
+    control.oom()
+    run_until(15)
+    control.oom()
+    control.evaluate()
+    assert control.level == 1
+    run_until(34.5)  # one OOM in the window since t=20
+    assert control.level == 1
+    run_until(42.5)  # OOM-free since t=35, not yet for hold_s
+    assert control.level == 1
+    run_until(43.5)
+    assert control.level == 0
+
+
 def test_levels_derive_from_the_configured_limits():
     base = AdmissionLimits(max_outstanding_tokens=1000, max_concurrent_requests=8)
     policy = DegradationPolicy(itl_p99_s=0.1)

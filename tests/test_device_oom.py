@@ -92,6 +92,41 @@ def test_an_oom_mid_generation_is_counted_and_every_request_answers_as_without_i
     assert llm.engine.scheduler.kv_manager.num_used_blocks == 0
 
 
+def test_requests_that_sat_out_the_failing_step_are_recomputed_too(reference):
+    """prefill_first: a new prompt's prefill step runs no decodes, so the requests decoding sit
+    it out. When that step loses the cache, they lost their KV as well: every running request,
+    not only the step's, goes back to the queue to recompute, and all answer as without the
+    OOM."""
+    llm = LLM(**ENGINE, policy="prefill_first")
+    engine, state = llm.engine, llm.engine.scheduler.state
+    sat_out = []
+
+    def armed(inj, plan):
+        if inj.raised or int(plan.num_seqs) == len(state.running):
+            return False
+        sat_out.extend(r for r in state.running if r.num_computed_tokens > r.num_prompt_tokens)
+        return bool(sat_out)
+
+    injector = Injector(llm, armed, lose_cache=True)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ids = [engine.add_request(llm.tokenizer.encode(p), params) for p in PROMPTS[:2]]
+    for _ in range(3):  # both decoding
+        engine.step()
+    ids += [engine.add_request(llm.tokenizer.encode(p), params) for p in PROMPTS[2:]]
+    engine.step()
+    assert injector.raised == 1 and sat_out
+    assert all(r in state.waiting and r.num_computed_tokens == 0 for r in sat_out)
+    assert not state.running and engine.scheduler.kv_manager.num_used_blocks == 0
+    texts = {}
+    for _ in range(200):
+        for out in engine.step():
+            if out.finished:
+                texts[out.request_id] = llm.tokenizer.decode(out.outputs[0].token_ids)
+        if not engine.has_unfinished():
+            break
+    assert [texts[i] for i in ids] == reference
+
+
 def test_a_request_that_keeps_running_out_of_memory_fails_alone():
     llm = LLM(**ENGINE)
     poison = 7  # the BEL byte: in no other prompt

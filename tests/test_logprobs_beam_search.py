@@ -49,6 +49,28 @@ def test_top_logprobs_match_the_dense_model(tiny_model):
                                rtol=1e-5)
 
 
+def test_logprobs_are_the_models_before_masks_penalties_and_filters(tiny_model):
+    """vLLM's raw logprobs: a request whose samples are bounded by allowed_token_ids, penalised
+    and filtered by top-k still reports the model's own log-softmax over the whole vocabulary,
+    its top tokens included (those outside allowed_token_ids too)."""
+    llm = LLM(tiny_model, **CONFIG)
+    prompt = list(range(40, 53))
+    first = dense_log_probs(tiny_model, prompt)
+    allowed = tuple(int(t) for t in np.argsort(-first)[5:25])  # not the model's top tokens
+    params = SamplingParams(max_tokens=6, temperature=2.0, top_k=3, seed=2, logprobs=2,
+                            allowed_token_ids=allowed, repetition_penalty=1.5,
+                            presence_penalty=0.5)
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    context = list(prompt)
+    for token, top in zip(out.token_ids, out.logprobs):
+        assert token in allowed
+        expected = dense_log_probs(tiny_model, context)
+        assert set(top) == set(np.argsort(-expected)[:2].tolist()) | {token}
+        for t, lp in top.items():
+            assert lp.logprob == pytest.approx(float(expected[t]), abs=1e-4)  # f32
+        context.append(token)
+
+
 def dense_beam_search(model, prompt, width, steps):
     """Reference: the same beam search on dense full-recompute logprobs."""
     beams = [([], 0.0)]

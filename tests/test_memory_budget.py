@@ -10,6 +10,7 @@ import jax
 import pytest
 
 from pagedjax import LLM, SamplingParams
+from pagedjax.engine import memory_budget, sampling_step
 from pagedjax.engine.memory_budget import device_memory
 from pagedjax.tools.engine_args import add_engine_args, engine_kwargs
 
@@ -45,6 +46,32 @@ def test_pool_is_what_the_weights_and_activations_leave():
     bigger = LLM(**dict(SMALL, max_num_batched_tokens=512), gpu_memory_utilization=utilization)
     assert bigger.engine.memory_budget.activation_bytes > budget.activation_bytes
     assert bigger.engine.num_blocks < engine.num_blocks
+
+
+def test_reserve_is_the_largest_forward_plus_the_sampler(monkeypatch):
+    """The reserve covers both programs a step runs: the largest forward's bytes and, on top,
+    the sampler's (its [B, V] scratch), each from XLA's memory analysis of the compiled
+    program."""
+    engine = LLM(**SMALL, num_blocks=64).engine
+    samplers, forwards = [], []
+    real_program, real_bytes = sampling_step.program, memory_budget._program_bytes
+
+    def program(*args):
+        samplers.append(real_program(*args))
+        return samplers[-1]
+
+    def program_bytes(compiled):
+        if not any(compiled is s for s in samplers):
+            forwards.append(real_bytes(compiled))
+        return real_bytes(compiled)
+
+    monkeypatch.setattr(sampling_step, "program", program)
+    monkeypatch.setattr(memory_budget, "_program_bytes", program_bytes)
+    reserved = memory_budget.activation_bytes(engine.runner, engine.buckets)
+    assert len(samplers) == 1 and len(forwards) == 2  # the largest prefill and decode
+    sampler = real_bytes(samplers[0])
+    assert sampler > 0 and min(forwards) > 0
+    assert reserved == max(forwards) + sampler
 
 
 def test_too_little_memory_and_two_pool_sizes_are_refused_by_name():

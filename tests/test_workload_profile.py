@@ -41,6 +41,19 @@ def test_profile_of_a_synthetic_trace():
         workload_profile(trace, bin_s=0)
 
 
+def test_a_returning_session_is_multi_turn_without_assistant_turns():
+    """A session's later request continues its conversation even when its prompt holds no
+    assistant turn (a client that sends only the new message, the history kept server-side);
+    its first request does not, and neither does another session's first. Arrivals out of
+    order: what counts is which came first."""
+    trace = [TraceRequest(3.0, 8, 4, session="a", turns=0, stream=False),  # a's second
+             TraceRequest(1.0, 8, 4, session="a", turns=0, stream=False),  # a's first
+             TraceRequest(2.0, 8, 4, session="b", turns=0, stream=False),
+             TraceRequest(4.0, 8, 4, session=None, turns=2, stream=False)]  # by its turns
+    assert workload_profile(trace)["multi_turn"] == {"share": 0.5, "recorded": 4}
+    assert workload_profile(trace[1:])["multi_turn"] == {"share": 1 / 3, "recorded": 3}
+
+
 SYSTEM = "Answer briefly about paged KV."
 
 

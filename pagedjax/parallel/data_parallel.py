@@ -50,7 +50,10 @@ class DataParallelEngine:
     def __init__(self, model, config: EngineConfig, *, tokenizer=None,
                  clock: Callable[[], float] = time.perf_counter, devices: Sequence | None = None):
         dp, tp = config.data_parallel_size, config.tensor_parallel_size
-        check_tensor_parallel(model.config, tp, data_parallel_size=dp)
+        # Given devices are counted by the mesh (a device may be named twice: replicas sharing
+        # one chip, as the fast tests run them).
+        check_tensor_parallel(model.config, tp, check_devices=devices is None,
+                              data_parallel_size=dp)
         if jax.process_count() > 1:
             raise ValueError(f"data_parallel_size ({dp}) in a multi-process run: run a "
                              f"process group a replica, behind `pagedjax router`")

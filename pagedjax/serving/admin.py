@@ -6,7 +6,8 @@
     POST /admin/config/rollback   back to the previous version
 
 Requests in flight keep the settings they were admitted under: nothing is dropped. A version
-that changes the model or an engine setting is refused (409): it needs a new instance.
+that changes the model or an engine setting is refused (409): it needs a new instance. The admin
+key alone opens these routes: with an `--api-key` too, they do not take it (nor ask for it).
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ from typing import TYPE_CHECKING
 import fastapi
 
 from pagedjax.serving.http_common import error_response, key_matches, parse_json_object
-from pagedjax.serving.serving_config import ServingConfig
+from pagedjax.serving.serving_config import NeedsNewInstance, ServingConfig
 
 if TYPE_CHECKING:
     from pagedjax.serving.app import OpenAIServer
 
 logger = logging.getLogger("pagedjax.admin")
+
+CONFIG_PATH, ROLLBACK_PATH = "/admin/config", "/admin/config/rollback"
+PATHS = (CONFIG_PATH, ROLLBACK_PATH)
 
 
 def admin_routes(server: OpenAIServer, app: fastapi.FastAPI) -> None:
@@ -48,8 +52,8 @@ def admin_routes(server: OpenAIServer, app: fastapi.FastAPI) -> None:
             config = ServingConfig.from_dict(parse_json_object(await request.body()))
             server.configs.push(config)
         except ValueError as e:
-            status_code = 409 if "needs a new instance" in str(e) else 400
-            return error_response(status_code, str(e), "config")
+            return error_response(409 if isinstance(e, NeedsNewInstance) else 400, str(e),
+                                  "config")
         server.apply_config(config)
         logger.warning("serving configuration %r applied", config.version)
         return status()
@@ -63,6 +67,6 @@ def admin_routes(server: OpenAIServer, app: fastapi.FastAPI) -> None:
         logger.warning("serving configuration rolled back to %r", config.version)
         return status()
 
-    app.get("/admin/config")(admin(get_config))
-    app.post("/admin/config")(admin(post_config))
-    app.post("/admin/config/rollback")(admin(rollback))
+    app.get(CONFIG_PATH)(admin(get_config))
+    app.post(CONFIG_PATH)(admin(post_config))
+    app.post(ROLLBACK_PATH)(admin(rollback))

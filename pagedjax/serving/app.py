@@ -27,7 +27,7 @@ from pagedjax.engine.admission import encode_text
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.serving import chat, completions, tokenization
-from pagedjax.serving.admin import admin_routes
+from pagedjax.serving.admin import PATHS as ADMIN_PATHS, admin_routes
 from pagedjax.serving.admission_control import AdmissionLimits
 from pagedjax.serving.degradation import (DegradationController, DegradationPolicy,
                                           settings_for)
@@ -312,8 +312,10 @@ class OpenAIServer:
                 self.metrics.rejected(reason)
 
         install_error_handlers(app, on_error)
+        # The admin routes answer to the admin key alone (an API key would shut them).
+        open_paths = self.open_paths + (ADMIN_PATHS if self.admin_key is not None else ())
         app.add_middleware(GuardMiddleware, max_request_bytes=self.max_request_bytes,
-                           api_key=self.api_key, open_paths=self.open_paths)
+                           api_key=self.api_key, open_paths=open_paths)
 
         @app.get("/health")
         async def health():

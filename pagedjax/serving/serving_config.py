@@ -41,6 +41,11 @@ TOP_KEYS = {"version", "model", "engine", "server"}
 MAX_VERSION_CHARS = 128
 
 
+class NeedsNewInstance(ValueError):
+    """A version that changes the model or an engine setting: a running instance cannot apply
+    it (HTTP 409); it is rolled out as a new instance."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ServingConfig:
     version: str
@@ -148,7 +153,7 @@ class ConfigHistory:
         return self.versions[-1]
 
     def check(self, config: ServingConfig) -> None:
-        """ValueError naming what cannot change on a running instance."""
+        """NeedsNewInstance naming what cannot change on a running instance."""
         from pagedjax.engine.config import EngineConfig
 
         active = self.active
@@ -157,8 +162,9 @@ class ConfigHistory:
                         for c in (active, config))
         fields += [f"engine.{k}" for k in sorted(mine) if mine[k] != theirs[k]]
         if fields:
-            raise ValueError(f"version {config.version!r} changes {', '.join(fields)}: that "
-                             "needs a new instance (roll it out as a canary through the router)")
+            raise NeedsNewInstance(
+                f"version {config.version!r} changes {', '.join(fields)}: that needs a new "
+                "instance (roll it out as a canary through the router)")
 
     def push(self, config: ServingConfig) -> None:
         self.check(config)
