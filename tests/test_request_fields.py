@@ -5,6 +5,7 @@ models hold nothing outside these lists, so a field added there must be declared
 
 from __future__ import annotations
 
+import json
 import typing
 
 import pytest
@@ -31,31 +32,47 @@ SERVED = {
     "guided_regex": "[ab]{2}", "guided_choice": ["a", "b"], "guided_grammar": 'start: "ab"',
     "guided_decoding_backend": "guidance", "prompt_logprobs": 1, "metadata": {"a": "b"},
 }
+# Chat's fields beyond the shared ones: tool calling (tests/test_tool_calls.py), the template's
+# inputs, and the fields with no effect on a self-hosted engine by nature (README's API
+# section), served with what a client sends.
+CHAT_ONLY_SERVED = {
+    "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none",
+    "parallel_tool_calls": False, "functions": [{"name": "f"}], "function_call": "none",
+    "reasoning_effort": "low", "continue_final_message": True, "store": True,
+    "service_tier": "auto", "safety_identifier": "x", "prompt_cache_key": "k",
+    "prompt_cache_retention": "in_memory", "modalities": ["text"],
+}
 COMPLETION_SERVED = {**SERVED, "prompt": "copy:ab=", "best_of": 2, "logprobs": 2, "echo": True}
 CHAT_SERVED = {**SERVED, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
                "top_logprobs": 2, "max_completion_tokens": 3, "add_generation_prompt": False,
-               "chat_template_kwargs": {"x": 1}, "documents": [{"text": "d"}]}
+               "chat_template_kwargs": {"x": 1}, "documents": [{"text": "d"}],
+               **CHAT_ONLY_SERVED}
 # Refused by name whatever their value (or with the value given here).
 REFUSED = {
-    "suffix": "x", "tools": [{"type": "function", "function": {"name": "f"}}],
-    "guided_whitespace_pattern": " ", "audio": {"voice": "x"}, "function_call": "auto",
-    "functions": [{"name": "f"}], "modalities": ["text"],
-    "moderation": {}, "parallel_tool_calls": True, "prediction": {"type": "content"},
-    "prompt_cache_key": "k", "prompt_cache_options": {}, "prompt_cache_retention": "24h",
-    "reasoning_effort": "low", "safety_identifier": "x", "service_tier": "auto",
-    "store": True, "tool_choice": "auto", "verbosity": "low", "web_search_options": {},
-    # vLLM's extensions this server does not implement
+    # suffix: vLLM refuses it too ("suffix is not currently supported"); prediction waits for
+    # speculative decoding; audio output cannot be honoured.
+    "suffix": "x", "guided_whitespace_pattern": " ", "audio": {"voice": "x"},
+    "moderation": {}, "prediction": {"type": "content"}, "prompt_cache_options": {},
+    "verbosity": "low", "web_search_options": {},
+    # vLLM's extensions this server does not implement (priority: only 0, as vLLM without
+    # priority scheduling)
     "use_beam_search": True, "length_penalty": 2.0,
     "truncate_prompt_tokens": 4, "spaces_between_special_tokens": False,
     "add_special_tokens": False, "structural_tag": "x", "priority": 1, "request_id": "r",
     "logits_processors": ["x"], "return_tokens_as_token_ids": True, "kv_transfer_params": {},
-    "vllm_xargs": {}, "prompt_embeds": "x", "continue_final_message": True,
+    "vllm_xargs": {}, "prompt_embeds": "x",
     "chat_template": "x", "mm_processor_kwargs": {}, "include_reasoning": False,
+    "thinking_token_budget": 8, "watermarking": True, "truncation_side": "left",
+    "logprob_token_ids": [1], "media_io_kwargs": {}, "session_id": "s",
 }
+# Values of served fields that are refused by name: what cannot be honoured.
+REFUSED_VALUES = {"modalities": ["text", "audio"], "prompt_cache_retention": "24h",
+                  "service_tier": "flex", "priority": 1, "reasoning_effort": "extreme"}
 # Each endpoint's fields the other does not have are refused there by name.
 REFUSED.update({"echo": True, "add_generation_prompt": False, "chat_template_kwargs": {"x": 1},
                 "documents": [{"text": "d"}],
-                "top_logprobs": 2, "max_completion_tokens": 3, "best_of": 2, "prompt": "x"})
+                "top_logprobs": 2, "max_completion_tokens": 3, "best_of": 2, "prompt": "x",
+                **CHAT_ONLY_SERVED})
 # vLLM's extensions (its CompletionRequest / ChatCompletionRequest beyond OpenAI's fields).
 VLLM_FIELDS = {
     "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids",
@@ -68,10 +85,15 @@ VLLM_FIELDS = {
     "return_tokens_as_token_ids", "kv_transfer_params", "vllm_xargs", "prompt_embeds"}
 VLLM_CHAT_FIELDS = {"echo", "add_generation_prompt", "continue_final_message", "documents",
                     "chat_template", "chat_template_kwargs", "mm_processor_kwargs",
-                    "include_reasoning"}
+                    "include_reasoning", "thinking_token_budget", "watermarking",
+                    "truncation_side", "logprob_token_ids", "media_io_kwargs", "session_id"}
 
 
-COMPANIONS = {"top_logprobs": {"logprobs": True}, "best_of": {"n": 1}}  # what they need beside
+COMPANIONS = {"top_logprobs": {"logprobs": True}, "best_of": {"n": 1},  # what they need beside
+              "tools": {"tool_choice": "none"}, "tool_choice": {"tools": CHAT_ONLY_SERVED["tools"]},
+              "functions": {"function_call": "none"},
+              "function_call": {"functions": CHAT_ONLY_SERVED["functions"]},
+              "continue_final_message": {"add_generation_prompt": False}}
 
 
 def openai_fields(module) -> set[str]:
@@ -116,3 +138,57 @@ def test_every_schema_field_is_served_or_refused_by_name(client, path):
             response = client.post(path, json={**base_body(path), name: REFUSED[name]})
             assert response.status_code == 400, (name, response.text)
             assert response.json()["error"]["param"] == name, (name, response.json())
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED_VALUES))
+def test_values_that_cannot_be_honoured_are_refused_by_name(client, name):
+    path = "/v1/chat/completions"
+    response = client.post(path, json={**base_body(path), name: REFUSED_VALUES[name]})
+    assert response.status_code == 400, (name, response.text)
+    assert response.json()["error"]["param"] == name
+
+
+def _chunks(response) -> list[dict]:
+    return [json.loads(line[6:]) for line in response.text.splitlines()
+            if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("path", sorted(ENDPOINTS))
+def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(client, path):
+    """vLLM's stream_options.continuous_usage_stats (guidellm's default): every chunk carries
+    the usage so far, growing a token at a time to the final usage."""
+    body = {**base_body(path), "max_tokens": 6, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chunks = _chunks(client.post(path, json=body))
+    usages = [c["usage"] for c in chunks]
+    assert all(u is not None for u in usages)
+    done = [u["completion_tokens"] for u in usages]
+    assert done == sorted(done) and done[-1] == 6 and usages[-1] == chunks[-1]["usage"]
+    assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in usages)
+    assert len({u["prompt_tokens"] for u in usages}) == 1
+    plain = _chunks(client.post(path, json={**body, "stream_options": {"include_usage": True}}))
+    assert all("usage" not in c for c in plain[:-1]) and plain[-1]["usage"] == usages[-1]
+
+
+def test_continue_final_message_continues_it(client):
+    """The final assistant message left open: the prompt ends with its text, no end of turn
+    and no new generation prompt (as /tokenize renders it too)."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answ"}]
+    closed = client.post("/tokenize", json={"messages": messages,
+                                            "add_generation_prompt": False}).json()["tokens"]
+    ids = client.post("/tokenize", json={"messages": messages, "add_generation_prompt": False,
+                                         "continue_final_message": True}).json()["tokens"]
+    text = client.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert text.endswith("The answ") and ids == closed[:len(ids)] and len(ids) < len(closed)
+    response = client.post("/v1/chat/completions", json={
+        "messages": messages, "add_generation_prompt": False, "continue_final_message": True,
+        "max_tokens": 2})
+    assert response.status_code == 200
+    assert response.json()["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_a_message_needs_a_role(client):
+    for role in ("", "x" * 65):
+        response = client.post("/v1/chat/completions", json={
+            "messages": [{"role": role, "content": "hi"}], "max_tokens": 2})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "messages"

@@ -124,7 +124,7 @@ def test_chat_template_flag_reads_a_file_or_a_template(tmp_path):
     path = tmp_path / "t.jinja"
     path.write_text(ROLE_TEMPLATE)
     assert read_chat_template(str(path)) == ROLE_TEMPLATE == read_chat_template(ROLE_TEMPLATE)
-    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+    with pytest.raises(ValueError, match="neither a file, a Jinja template nor a shipped one"):
         read_chat_template(str(tmp_path / "missing.jinja"))
     with pytest.raises(ValueError, match="does not compile"):
         read_chat_template("{{ messages[ }}")

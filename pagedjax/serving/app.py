@@ -38,6 +38,7 @@ from pagedjax.serving.http_common import (DEFAULT_MAX_REQUEST_BYTES, APIError, G
 from pagedjax.serving.metrics import ServerMetrics
 from pagedjax.serving.protocol import ChatCompletionRequest, _SamplingFields
 from pagedjax.serving.request_params import rejected, sampling_params, trace_note
+from pagedjax.serving.tool_parsers import get_parser
 from pagedjax.serving.serving_config import ConfigHistory, ServingConfig, engine_fields
 from pagedjax.serving.trace_recorder import TraceRecorder
 from pagedjax.text.tokenizer import check_chat_template
@@ -59,7 +60,8 @@ class OpenAIServer:
                  admission: AdmissionLimits | None = None, max_tokens_cap: int | None = None,
                  default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
                  degradation: DegradationPolicy | None = None,
-                 config: ServingConfig | None = None, admin_key: str | None = None):
+                 config: ServingConfig | None = None, admin_key: str | None = None,
+                 tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False):
         """api_key guards every route but /health (and /metrics with public_metrics, for a
         scraper); bodies over max_request_bytes answer 413 unread; chat_template replaces the
         tokenizer's (a model with neither refuses chat requests, 400).
@@ -70,7 +72,8 @@ class OpenAIServer:
         response saying so in X-PagedJAX-Max-Tokens-Capped), default_max_tokens (a chat
         request's when it gives none; None: what the context leaves, as vLLM) and degradation
         (pagedjax.serving.degradation). admin_key enables /admin/config (new versions, live)
-        and /admin/config/rollback behind it."""
+        and /admin/config/rollback behind it. enable_auto_tool_choice with tool_call_parser
+        (a name of pagedjax.serving.tool_parsers.PARSERS) serves tool_choice "auto"."""
         if config is None:
             if admission is not None and max_outstanding_tokens is not None:
                 raise ValueError("give max_outstanding_tokens inside admission, not beside it")
@@ -93,6 +96,10 @@ class OpenAIServer:
             check_chat_template(chat_template)
         self.chat_template = chat_template or getattr(self.tokenizer, "chat_template", None)
         self.model_name = served_model_name
+        if enable_auto_tool_choice != (tool_call_parser is not None):
+            raise ValueError("give enable_auto_tool_choice and tool_call_parser together "
+                             "(--enable-auto-tool-choice --tool-call-parser NAME)")
+        self.tool_parser = get_parser(tool_call_parser) if tool_call_parser else None
         for name, key in (("api_key", api_key), ("admin_key", admin_key)):
             if key is not None and (not isinstance(key, str) or not key):
                 raise ValueError(f"{name} must be None or a non-empty string")
@@ -143,8 +150,10 @@ class OpenAIServer:
 
     def sampling(self, body: _SamplingFields, max_tokens: int, logprobs: int | None,
                  best_of: int | None, params_of: dict[str, str],
-                 prompt_logprobs: int | None = None) -> SamplingParams:
-        return sampling_params(body, max_tokens, logprobs, best_of, params_of, prompt_logprobs)
+                 prompt_logprobs: int | None = None,
+                 constraint: tuple[str, dict] | None = None) -> SamplingParams:
+        return sampling_params(body, max_tokens, logprobs, best_of, params_of, prompt_logprobs,
+                               constraint)
 
     async def encode(self, prompt: str | list, field: str) -> tuple[list, str | None]:
         """Token ids of a text prompt (tokenized off the event loop) or the ids as given (the
@@ -251,8 +260,8 @@ class OpenAIServer:
     async def completions(self, request: fastapi.Request):
         return await completions.completions(self, request)
 
-    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        return chat.render_prompt(self, body)
+    def chat_prompt(self, body: ChatCompletionRequest, tools=None) -> list[int]:
+        return chat.render_prompt(self, body, tools)
 
     async def chat_completions(self, request: fastapi.Request):
         return await chat.chat_completions(self, request)

@@ -4,6 +4,7 @@ whole or streamed."""
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 import time
 from typing import TYPE_CHECKING
@@ -15,13 +16,59 @@ from pagedjax.serving.async_engine import PromptSpec
 from pagedjax.serving.http_common import APIError, parse_body
 from pagedjax.serving.protocol import ChatCompletionRequest, prompt_logprobs_json
 from pagedjax.serving.streaming import DONE, DeltaTracker, guard, sse
+from pagedjax.serving import tool_calls
+from pagedjax.serving.tool_calls import ToolRequest
 from pagedjax.text.tokenizer import NO_CHAT_TEMPLATE
 
 if TYPE_CHECKING:
     from pagedjax.serving.app import OpenAIServer
 
 
-def render_prompt(server: OpenAIServer, body: ChatCompletionRequest) -> list[int]:
+def _message(i: int, message) -> dict:
+    """One message as the template sees it: text parts joined, an assistant's tool-call
+    arguments as objects (templates write them with tojson)."""
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(400, f"messages[{i}].content: only text parts "
+                               "({'type': 'text', 'text': str}) are supported", "messages")
+            texts.append(part["text"])
+        content = "".join(texts)
+    out = {**message.model_dump(exclude_none=True), "content": content or ""}
+    calls = out.get("tool_calls")
+    if calls is not None:
+        if not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
+            raise APIError(400, f"messages[{i}].tool_calls must be a list of "
+                           "{'function': {'name', 'arguments'}}", "messages")
+        out["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _arguments(
+            c["function"].get("arguments"))}} for c in calls]
+    return out
+
+
+def _arguments(value):
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value  # as the client sent it
+    return value
+
+
+def _continued(text: str, final: str) -> str:
+    """continue_final_message: the rendering cut right after the final message's content (its
+    end-of-turn dropped), as transformers does."""
+    at = text.rfind(final.strip()) if final.strip() else -1
+    if at < 0:
+        raise APIError(400, "continue_final_message: the chat template does not write the final "
+                       "message's content as it is", "continue_final_message")
+    return text[:at + len(final.strip())]
+
+
+def render_prompt(server: OpenAIServer, body: ChatCompletionRequest,
+                  tools: ToolRequest | None = None) -> list[int]:
     """The conversation's token ids through the server's chat template (400 without one)."""
     tokenizer = server.tokenizer
     if tokenizer is None or not hasattr(tokenizer, "apply_chat_template"):
@@ -29,26 +76,18 @@ def render_prompt(server: OpenAIServer, body: ChatCompletionRequest) -> list[int
                        "none (use /v1/completions)", "messages")
     if server.chat_template is None:
         raise APIError(400, NO_CHAT_TEMPLATE, "messages")
-    messages = []
-    for i, message in enumerate(body.messages):
-        content = message.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise APIError(400, f"messages[{i}].content: only text parts "
-                                   "({'type': 'text', 'text': str}) are supported", "messages")
-                texts.append(part["text"])
-            content = "".join(texts)
-        messages.append({**message.model_dump(exclude_none=True), "content": content or ""})
+    messages = [_message(i, m) for i, m in enumerate(body.messages)]
     documents = getattr(body, "documents", None)  # /tokenize's chat form has none
-    kwargs = {"add_generation_prompt": body.add_generation_prompt, "tokenize": True,
-              "chat_template": server.chat_template, **(body.chat_template_kwargs or {})}
+    effort = getattr(body, "reasoning_effort", None)
+    kwargs = {"add_generation_prompt": body.add_generation_prompt, "tokenize": False,
+              "chat_template": server.chat_template,
+              **({"tools": list(tools.tools)} if tools is not None else {}),
+              **({"reasoning_effort": effort} if effort is not None else {}),
+              **(body.chat_template_kwargs or {})}
     try:
-        ids = list(tokenizer.apply_chat_template(messages, **kwargs,
-                                                 **({"documents": documents}
-                                                    if documents else {})))
-        if documents and ids == list(tokenizer.apply_chat_template(messages, **kwargs)):
+        text = tokenizer.apply_chat_template(messages, **kwargs, **(
+            {"documents": documents} if documents else {}))
+        if documents and text == tokenizer.apply_chat_template(messages, **kwargs):
             raise APIError(400, "documents: this model's chat template does not use documents",
                            "documents")
     except APIError:
@@ -56,7 +95,9 @@ def render_prompt(server: OpenAIServer, body: ChatCompletionRequest) -> list[int
     except Exception as e:  # noqa: BLE001 - a template error is the caller's input
         raise APIError(400, f"messages: the chat template failed: {str(e)[:200]}",
                        "messages") from None
-    return ids
+    if getattr(body, "continue_final_message", False):
+        text = _continued(text, messages[-1]["content"])
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def logprobs_of(server: OpenAIServer, choice: CompletionOutput, start: int, top_n: int) -> dict:
@@ -88,21 +129,29 @@ def _max_tokens(server: OpenAIServer, body: ChatCompletionRequest,
 async def chat_completions(server: OpenAIServer, request: fastapi.Request):
     body = parse_body(await request.body(), ChatCompletionRequest)
     server.check_model(body)
-    ids = await asyncio.to_thread(server.chat_prompt, body)
+    tools = tool_calls.tool_request(body, server.tool_parser)
+    ids = await asyncio.to_thread(server.chat_prompt, body, tools)
     top_n = body.top_logprobs or 0
     params_of = {"prompt_token_ids": "messages", "prompts": "messages",
                  "logprobs": "top_logprobs",
                  "max_tokens": ("max_completion_tokens"
                                 if body.max_completion_tokens is not None else "max_tokens")}
     max_tokens, capped = _max_tokens(server, body, len(ids))
+    schema = None if tools is None else tools.schema()
+    constraint = None if schema is None else (
+        "function_call" if tools.legacy else "tool_choice", {"json": schema})
     params = server.sampling(body, max_tokens, top_n if body.logprobs else None, None,
-                             params_of, body.prompt_logprobs)
+                             params_of, body.prompt_logprobs, constraint)
+    if tools is not None and tools.choice == "none":
+        tools = None  # shown to the model, never parsed
     request_id = f"chatcmpl-{secrets.token_hex(12)}"
     turns = sum(m.role == "assistant" for m in body.messages)  # earlier turns in the prompt
     group = await server.add([PromptSpec(ids, params, request_id, None, body.cache_salt)],
                              params_of, body, request, turns)
     base = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
             "model": server.model_name}
+    if body.service_tier is not None:
+        base["service_tier"] = "default"
 
     def extra(choice: CompletionOutput, start: int) -> dict:
         d = {}
@@ -117,41 +166,88 @@ async def chat_completions(server: OpenAIServer, request: fastapi.Request):
         if final is None:
             return server.gone()
         out = final[request_id]
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text or ""},
-                    "logprobs": None, **extra(c, 0), "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason}
-                   for c in out.outputs]
+        choices = [{"index": c.index, **_reply(server, tools, c), "logprobs": None,
+                    **extra(c, 0), "stop_reason": c.stop_reason} for c in out.outputs]
         response = {**base, "choices": choices, "usage": server.usage({request_id: out})}
         if body.prompt_logprobs is not None:  # vLLM: beside the choices
             response["prompt_logprobs"] = prompt_logprobs_json(
                 out.prompt_logprobs, out.prompt_token_ids, body.prompt_logprobs)
         return server.respond(response, capped)
     chunk = {**base, "object": "chat.completion.chunk"}
-    return server.stream(guard(_events(server, body, group, chunk, extra)), capped)
+    events = _events(server, body, group, chunk, extra, tools, len(ids))
+    return server.stream(guard(events), capped)
 
 
-async def _events(server: OpenAIServer, body: ChatCompletionRequest, group, chunk: dict, extra):
+def _reply(server: OpenAIServer, tools: ToolRequest | None, c: CompletionOutput) -> dict:
+    """A finished choice's message and finish_reason (its tool calls read from its text)."""
+    if tools is None:
+        return {"message": {"role": "assistant", "content": c.text or ""},
+                "finish_reason": c.finish_reason}
+    content, calls = tool_calls.parse_reply(tools, server.tool_parser, c.text or "")
+    return {"message": tool_calls.reply_message(tools, content, calls),
+            "finish_reason": tool_calls.finish_reason(tools, calls, c.finish_reason)}
+
+
+def _usage(num_prompt: int, outputs) -> dict:
+    completion = sum(len(c.token_ids) for c in outputs)
+    return {"prompt_tokens": num_prompt, "completion_tokens": completion,
+            "total_tokens": num_prompt + completion}
+
+
+async def _events(server: OpenAIServer, body: ChatCompletionRequest, group, chunk: dict, extra,
+                  tools: ToolRequest | None, num_prompt: int):
+    options = body.stream_options
+    continuous = options is not None and options.continuous_usage_stats
     tracker = DeltaTracker(body.logprobs or body.return_token_ids or server.tokenizer is None)
+    streams = {j: tool_calls.ToolStream(tools, server.tool_parser) for j in range(body.n)} \
+        if tools is not None else None
+    latest: dict[int, CompletionOutput] = {}
+
+    def event(choices: list[dict]) -> str:
+        payload = {**chunk, "choices": choices}
+        if continuous:  # vLLM's: the usage so far in every chunk
+            payload["usage"] = _usage(num_prompt, latest.values())
+        return sse(payload)
+
     for j in range(body.n):  # one choice a chunk, as vLLM streams n > 1
-        yield sse({**chunk, "choices": [{"index": j, "delta": {"role": "assistant",
-                                                                "content": ""},
-                                         "logprobs": None, "finish_reason": None}]})
+        yield event([{"index": j, "delta": {"role": "assistant", "content": ""},
+                      "logprobs": None, "finish_reason": None}])
     final: RequestOutput | None = None
     async with group:
         async for out in group:
             choices = []
             for c in out.outputs:
+                latest[c.index] = c
                 delta = tracker.advance(c.index, c)
                 if delta is None:
                     continue  # nothing new a client asked for (a held-back byte)
                 text, _, tokens = delta
-                choices.append({"index": c.index, "delta": {"content": text} if text else {},
-                                "logprobs": None, **extra(c, tokens),
-                                "finish_reason": c.finish_reason,
-                                "stop_reason": c.stop_reason})
+                choices += _stream_choices(server, streams, c, text, extra(c, tokens))
             final = out if out.finished else final
             for choice in choices:
-                yield sse({**chunk, "choices": [choice]})
-    if body.stream_options is not None and body.stream_options.include_usage:
+                yield event([choice])
+    if options is not None and options.include_usage:
         yield sse({**chunk, "choices": [], "usage": server.usage({chunk["id"]: final})})
     yield DONE
+
+
+def _stream_choices(server: OpenAIServer, streams, c: CompletionOutput, text: str,
+                    extras: dict) -> list[dict]:
+    """The chunks' choices one step of choice c sends: its text as content, or under a tool
+    request what its ToolStream makes of it; the last carries the extras and finish_reason."""
+    finish, stop = c.finish_reason, c.stop_reason
+    if streams is None:
+        deltas = [{"content": text} if text else {}]
+    else:
+        stream = streams[c.index]
+        deltas = stream.feed(c.text or "", finish is not None)
+        if not deltas and finish is None and not extras:
+            return []  # held back: maybe the start of a call
+        deltas = deltas or [{}]
+        if finish is not None:
+            content, calls = tool_calls.parse_reply(stream.req, server.tool_parser, c.text or "")
+            finish = tool_calls.finish_reason(stream.req, calls, finish)
+    choices = [{"index": c.index, "delta": d, "logprobs": None, "finish_reason": None}
+               for d in deltas]
+    choices[-1].update(extras, finish_reason=finish, stop_reason=stop)
+    return choices

@@ -13,7 +13,8 @@ from pagedjax.engine.outputs import CompletionOutput, RequestOutput
 from pagedjax.serving.async_engine import PromptSpec
 from pagedjax.serving.http_common import APIError, parse_body
 from pagedjax.serving.protocol import CompletionRequest, prompt_logprobs_json, split_prompts
-from pagedjax.serving.streaming import DONE, DeltaTracker, guard, sse
+from pagedjax.serving.streaming import DONE, DeltaTracker, guard
+from pagedjax.serving.streaming import sse as event
 
 if TYPE_CHECKING:
     from pagedjax.serving.app import OpenAIServer
@@ -122,15 +123,26 @@ async def completions(server: OpenAIServer, request: fastapi.Request):
             return server.gone()
         return server.respond({**base, "choices": choices.whole(final),
                                "usage": server.usage(final)}, capped)
-    return server.stream(guard(_events(server, body, group, choices, base)), capped)
+    num_prompt = sum(len(ids) for ids, _ in encoded)
+    return server.stream(guard(_events(server, body, group, choices, base, num_prompt)), capped)
 
 
 async def _events(server: OpenAIServer, body: CompletionRequest, group, choices: _Choices,
-                  base: dict):
+                  base: dict, num_prompt: int):
     # Without a tokenizer there is no text: every token is news.
     tracker = DeltaTracker(body.logprobs is not None or body.return_token_ids
                            or server.tokenizer is None)
     final: dict[str, RequestOutput] = {}
+    continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
+    generated: dict[tuple, int] = {}  # tokens so far, by (request, choice)
+
+    def sse(payload: dict) -> str:
+        if continuous:  # vLLM's: the usage so far in every chunk
+            done = sum(generated.values())
+            payload = {**payload, "usage": {"prompt_tokens": num_prompt,
+                                            "completion_tokens": done,
+                                            "total_tokens": num_prompt + done}}
+        return event(payload)
     # The echo goes first; with logprobs it waits for the request's first output (which
     # carries the prompt's logprobs).
     deferred = body.logprobs is not None
@@ -151,6 +163,7 @@ async def _events(server: OpenAIServer, body: CompletionRequest, group, choices:
                         "logprobs": choices.echoed_logprobs(out), "finish_reason": None}]})
             sent = []
             for choice in out.outputs:
+                generated[out.request_id, choice.index] = len(choice.token_ids)
                 delta = tracker.advance((out.request_id, choice.index), choice)
                 if delta is None:
                     continue  # nothing new a client asked for (a held-back byte)
@@ -162,5 +175,5 @@ async def _events(server: OpenAIServer, body: CompletionRequest, group, choices:
             for sent_choice in sent:  # one choice a chunk, as vLLM streams n > 1
                 yield sse({**base, "choices": [sent_choice]})
     if body.stream_options is not None and body.stream_options.include_usage:
-        yield sse({**base, "choices": [], "usage": server.usage(final)})
+        yield event({**base, "choices": [], "usage": server.usage(final)})
     yield DONE

@@ -22,6 +22,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk too
 
 
 class _SamplingFields(BaseModel):
@@ -57,6 +58,9 @@ class _SamplingFields(BaseModel):
     # OpenAI's: up to 16 string pairs about the request. No effect on generation; --trace-out
     # records two of them for the workload profile: session_id and workload (e.g. "rag").
     metadata: dict[str, str] | None = None
+    # vLLM's: lower runs earlier under priority scheduling; this server schedules first come,
+    # first served, so (as vLLM without --scheduling-policy priority) only 0 is served.
+    priority: int = 0
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs object and its
     # older guided_* fields (pagedjax.serving.structured turns them into one StructuredOutputs).
     response_format: dict[str, Any] | None = None
@@ -83,6 +87,9 @@ class _SamplingFields(BaseModel):
         if self.prompt_logprobs is not None and self.stream:
             found.append(("prompt_logprobs", "prompt_logprobs are not available when stream is "
                           "true (as in vLLM)"))
+        if self.priority != 0:
+            found.append(("priority", "priority scheduling is not enabled on this server "
+                          "(requests run first come, first served): priority must be 0"))
         if self.guided_whitespace_pattern is not None:
             found.append(("guided_whitespace_pattern", "guided_whitespace_pattern is not "
                           "supported (use structured_outputs.disable_any_whitespace)"))
@@ -111,9 +118,11 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(BaseModel):
+    # Beside role and content, what a role's message carries (name, tool_calls, tool_call_id,
+    # ...) goes to the chat template as it is.
     model_config = ConfigDict(extra="allow")
 
-    role: str
+    role: str = Field(..., min_length=1, max_length=64)
     content: str | list[dict[str, Any]] | None = None
 
 
@@ -124,20 +133,55 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # vLLM's: the last message is left open (no end-of-turn) for the model to continue it.
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: documents a RAG model's chat template renders (each a dict of strings, e.g. title
     # and text); refused when the template does not use them.
     documents: list[dict[str, str]] | None = None
+    # Tool calling (pagedjax.serving.tool_calls); functions / function_call are OpenAI's
+    # deprecated spelling of tools / tool_choice.
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    # Passed to the chat template (as vLLM does), for templates that read it.
+    reasoning_effort: str | None = None
+    # No effect on a self-hosted engine by nature (README's API section): there is no stored-
+    # completions product, one service tier, and the prefix cache is automatic (content-keyed),
+    # kept while its blocks are not needed ("in_memory"; "24h" is refused).
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    modalities: list[str] | None = None
 
     def unsupported(self):
         found = super().unsupported()
-        if self.tools:
-            found.append(("tools", "tool calling is not supported"))
         if self.top_logprobs is not None and not self.logprobs:
             found.append(("top_logprobs", "top_logprobs needs logprobs: true"))
+        if self.continue_final_message and self.add_generation_prompt:
+            found.append(("continue_final_message", "continue_final_message needs "
+                          "add_generation_prompt: false (the final message is continued, not "
+                          "answered)"))
+        if self.modalities is not None and any(m != "text" for m in self.modalities):
+            found.append(("modalities", "this server generates text only: modalities must be "
+                          "[\"text\"]"))
+        if self.prompt_cache_retention not in (None, "in_memory"):
+            found.append(("prompt_cache_retention", "the prefix cache lives in device memory "
+                          "only: prompt_cache_retention must be \"in_memory\""))
+        if self.service_tier not in (None, "auto", "default"):
+            found.append(("service_tier", "this server has one service tier: service_tier "
+                          "must be \"auto\" or \"default\""))
+        if self.reasoning_effort is not None and self.reasoning_effort not in REASONING_EFFORTS:
+            found.append(("reasoning_effort", f"reasoning_effort must be one of "
+                          f"{', '.join(REASONING_EFFORTS)}"))
         return found
 
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
 class TokenizeCompletionRequest(BaseModel):
@@ -157,6 +201,7 @@ class TokenizeChatRequest(BaseModel):
     model: str | None = None
     messages: list[ChatMessage] = Field(..., min_length=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False

@@ -47,10 +47,12 @@ def _from_structured_outputs(value: dict) -> dict:
     return value
 
 
-def structured_outputs(body) -> tuple[StructuredOutputs | None, str | None]:
+def structured_outputs(body, constraint: tuple[str, dict] | None = None
+                       ) -> tuple[StructuredOutputs | None, str | None]:
     """(the StructuredOutputs of a body's fields, the field it came from), or (None, None);
-    APIError 400 naming the field."""
-    given: list[tuple[str, dict]] = []
+    APIError 400 naming the field. constraint: (field, kwargs) another field implies (a tool
+    choice's schema), exclusive with the others as they are with each other."""
+    given: list[tuple[str, dict]] = [constraint] if constraint is not None else []
     options: dict = {}
     if body.response_format is not None:
         spec = _from_response_format(body.response_format)

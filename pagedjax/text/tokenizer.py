@@ -36,13 +36,25 @@ def check_chat_template(template: Any, field: str = "chat_template") -> str:
     return template
 
 
+TEMPLATES_DIR = os.path.join(os.path.dirname(__file__), "templates")
+
+
+def shipped_templates() -> list[str]:
+    """The names of the chat templates pagedjax ships (pagedjax/text/templates/NAME.jinja)."""
+    return sorted(f[:-len(".jinja")] for f in os.listdir(TEMPLATES_DIR) if f.endswith(".jinja"))
+
+
 def read_chat_template(value: str) -> str:
-    """--chat-template: a file holding the template, or the template itself (as vLLM)."""
+    """--chat-template: a file holding the template, the name of one pagedjax ships, or the
+    template itself (as vLLM)."""
+    if value in shipped_templates():
+        value = os.path.join(TEMPLATES_DIR, f"{value}.jinja")
     if os.path.isfile(value):
         with open(value, encoding="utf-8") as f:
             return check_chat_template(f.read(), f"--chat-template file {value}")
     if not any(mark in value for mark in ("{{", "{%")):
-        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+        raise ValueError(f"--chat-template {value!r} is neither a file, a Jinja template nor a "
+                         f"shipped one ({', '.join(shipped_templates())})")
     return check_chat_template(value, "--chat-template")
 
 

@@ -17,8 +17,16 @@ def serve_args(parser: argparse.ArgumentParser) -> None:
                         help="a Hugging Face or orbax directory, a .gguf file, or a config name "
                         "(default: the embedded trained model)")
     parser.add_argument("--tokenizer", help="a tokenizer directory, or 'byte'")
-    parser.add_argument("--chat-template", help="a Jinja chat template, or a file holding one, "
-                        "for a model whose tokenizer has none (or to replace its own)")
+    parser.add_argument("--chat-template", help="a Jinja chat template, a file holding one, or "
+                        "the name of one pagedjax ships (tool_chatml: ChatML with tools, the "
+                        "hermes format), for a model whose tokenizer has none (or to replace "
+                        "its own)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="serve tool_choice \"auto\" (the default with tools): the reply's "
+                        "tool calls read by --tool-call-parser")
+    parser.add_argument("--tool-call-parser", default=None,
+                        help="how the model writes tool calls: hermes (<tool_call> JSON "
+                        "</tool_call>: ChatML, Qwen) or llama3_json (Llama 3.1/3.2 JSON)")
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="the port to listen on")
     parser.add_argument("--served-model-name",
@@ -104,6 +112,13 @@ def serve(args, parser: argparse.ArgumentParser) -> None:
     config = _serving_config(args, parser)
     if args.max_request_bytes < 1:
         parser.error(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        parser.error("--enable-auto-tool-choice and --tool-call-parser go together")
+    if args.tool_call_parser is not None:
+        from pagedjax.serving.tool_parsers import PARSERS
+        if args.tool_call_parser not in PARSERS:
+            parser.error(f"--tool-call-parser must be one of {', '.join(sorted(PARSERS))}, got "
+                         f"{args.tool_call_parser!r}")
     if args.chat_template is not None:
         from pagedjax.text.tokenizer import read_chat_template
         try:
@@ -144,7 +159,8 @@ def serve(args, parser: argparse.ArgumentParser) -> None:
                config=config, admin_key=args.admin_key, api_key=args.api_key,
                trace_out=args.trace_out, log_level=args.log_level,
                max_request_bytes=args.max_request_bytes, public_metrics=args.public_metrics,
-               chat_template=args.chat_template)
+               chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
+               enable_auto_tool_choice=args.enable_auto_tool_choice)
 
 
 SERVER_FLAGS = ("max_outstanding_tokens", "kv_overcommit", "long_context_threshold",
