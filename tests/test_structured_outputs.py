@@ -120,3 +120,55 @@ def test_a_grammar_that_does_not_compile_is_refused_by_name(byte_model, spec, fi
         engine.add_request([1, 2, 3], SamplingParams(structured_outputs=spec))
     assert error.value.field == field and field in str(error.value)
     assert not engine.has_unfinished() and not engine.token_masks._states
+
+
+HOSTILE_400 = {  # nothing to generate at all: refused before anything is queued
+    "guided_regex": r"[^\s\S]",
+    "guided_json": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 5,
+                                                           "maximum": 1}}, "required": ["a"]},
+}
+HOSTILE_DEAD_END = {  # past llguidance's budgets once generation starts: finished, not failed
+    "guided_regex": "(a{1000}){1000}",
+    "guided_grammar": 'start: x\nx: "a" x',  # no finite derivation
+}
+
+
+def _nested(depth: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_hostile_structured_outputs_are_a_400_or_finish_cleanly(byte_model, stream):
+    """A grammar that can produce nothing is the client's 400 naming its field; one that dead-
+    ends on llguidance's limits during generation finishes with "stop" and the text so far
+    (streamed: a last chunk with that finish_reason, then [DONE]); no 5xx, no parser internals,
+    no body over 2 KB. A schema nested past the JSON parser's depth says so."""
+    from fastapi.testclient import TestClient
+
+    from pagedjax import LLM
+    from pagedjax.serving.app import OpenAIServer
+
+    llm = LLM(byte_model, tokenizer="byte", max_model_len=64, max_num_seqs=4,
+              max_num_batched_tokens=64)
+    base = {"prompt": "copy:ab=", "max_tokens": 8, "stream": stream}
+    with TestClient(OpenAIServer(llm.engine, "tiny").build_app()) as client:
+        for field, value in HOSTILE_400.items():
+            response = client.post("/v1/completions", json={**base, field: value})
+            assert response.status_code == 400, (field, response.text)
+            assert response.json()["error"]["param"] == field and len(response.content) < 2048
+        for field, value in HOSTILE_DEAD_END.items():
+            response = client.post("/v1/completions", json={**base, field: value})
+            assert response.status_code == 200 and len(response.content) < 2048, response.text
+            if stream:
+                events = response.text.strip().split("\n\n")
+                assert events[-1] == "data: [DONE]" and "error" not in response.text
+                last = json.loads(events[-2][6:])["choices"][0]
+            else:
+                last = response.json()["choices"][0]
+            assert last["finish_reason"] == "stop"
+        deep = client.post("/v1/completions", json={**base, "guided_json": _nested(120)})
+        assert deep.status_code == 400 and "deeper than this server parses" in deep.text
+        assert not llm.engine.has_unfinished()

@@ -88,8 +88,29 @@ def check_grammar(grammar: str, tokenizer, kind: str) -> None:
         raise RequestError(f"{FIELD}.{kind}", f"{FIELD}.{kind} does not compile{reason}")
 
 
+def _reason(error: str) -> str:
+    """llguidance's error, its first line only (the rest is the parser's internal state)."""
+    first = (error or "").strip().splitlines()[0] if (error or "").strip() else "unknown"
+    return {"NoExtensionBias": "no token of this model's vocabulary can start a match"}.get(
+        first, first)[:160]
+
+
+def check_start(grammar: str, tokenizer, kind: str, vocab_size: int) -> None:
+    """RequestError naming the field when the grammar can produce nothing at all with this
+    vocabulary (a regex that matches nothing, a choice of characters no token spells)."""
+    state = GrammarState(tokenizer, grammar, vocab_size)
+    state.fill_mask(np.full(mask_words(vocab_size), 0xFFFFFFFF, np.uint32))
+    if state._matcher.is_error():
+        raise RequestError(f"{FIELD}.{kind}", f"{FIELD}.{kind} can never produce an output: "
+                           f"{_reason(state._matcher.get_error())}")
+
+
 class GrammarState:
-    """One sample's matcher: the mask of what it may emit next, and the tokens it emitted."""
+    """One sample's matcher: the mask of what it may emit next, and the tokens it emitted.
+
+    A grammar that dead-ends during generation (llguidance's limits: a lexer or parser item
+    budget exhausted, say) lets only EOS through and sets `error` (a short reason): the sample
+    ends there, its text what the grammar allowed so far."""
 
     def __init__(self, tokenizer, grammar: str, vocab_size: int):
         from llguidance import LLMatcher
@@ -98,6 +119,7 @@ class GrammarState:
         self._vocab_words = mask_words(vocab_size)
         self._buffer = np.zeros((1, self._words), np.int32)
         self.num_consumed = 0
+        self.error: str | None = None
 
     def fill_mask(self, out: np.ndarray) -> None:
         """ANDs the tokens the grammar allows next into out (i32[W] of the model's vocab; the
@@ -109,17 +131,18 @@ class GrammarState:
         out[n:] = 0
 
     def advance(self, tokens: Sequence[int]) -> None:
-        """Consumes the tokens emitted since the last call; raises when the grammar refuses one
-        (the mask forbids that: a bug, not the client's)."""
+        """Consumes the tokens emitted since the last call; a grammar in error (it refused a
+        token: only EOS after a dead end, which the mask allowed) sets `error`."""
         new = list(tokens[self.num_consumed:])
-        if new and not self._matcher.consume_tokens(new):
-            raise RuntimeError(f"the grammar refused token {new}: {self._matcher.get_error()}")
+        if new and self.error is None and (not self._matcher.consume_tokens(new)
+                                           or self._matcher.is_error()):
+            self.error = _reason(self._matcher.get_error())
         self.num_consumed = len(tokens)
 
     @property
     def done(self) -> bool:
-        """The output is complete: the grammar allows nothing more but EOS."""
-        return self._matcher.is_stopped()
+        """The output is complete (the grammar allows nothing more but EOS), or dead-ended."""
+        return self.error is not None or self._matcher.is_stopped()
 
     def copy(self) -> "GrammarState":
         other = object.__new__(GrammarState)

@@ -9,12 +9,15 @@ no sampled row is constrained sends no mask at all (the sampler's program then h
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Sequence
 
 import numpy as np
 
 from pagedjax.engine import grammar
 from scheduler import Request, RequestError, SamplingParams
+
+logger = logging.getLogger("pagedjax.token_masks")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +111,7 @@ class TokenMasks:
             kind = params.structured_outputs.kind
             text = grammar.grammar_text(params.structured_outputs)
             grammar.check_grammar(text, self.grammar_tokenizer(), kind)
+            grammar.check_start(text, self.grammar_tokenizer(), kind, self.vocab_size)
         return Constraints(allowed, bad, params.min_tokens, stop_ids, text, kind)
 
     def grammar_tokenizer(self):
@@ -157,6 +161,9 @@ class TokenMasks:
         if state is None or state.matcher is None:
             return False
         state.matcher.advance(sample.output_token_ids)
+        if state.matcher.error is not None and state.matcher.done:
+            logger.warning("request %s: its structured output dead-ended (%s); it stops there",
+                           sample.request_id, state.matcher.error)
         return state.matcher.done
 
 

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 logger = logging.getLogger("pagedjax.http")
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+MAX_JSON_DEPTH = 200  # pydantic's JSON parser (jiter) refuses deeper nesting
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                404: "not_found_error", 405: "invalid_request_error",
                413: "invalid_request_error", 422: "invalid_request_error",
@@ -56,6 +57,9 @@ def validation_error(errors: list[dict]) -> APIError:
     param = loc[0] if loc else None
     where = ".".join(loc)
     message = first.get("msg", "invalid value")
+    if "recursion limit exceeded" in message:  # valid JSON, maybe: too deep for the parser
+        message = (f"the body nests objects and arrays deeper than this server parses (about "
+                   f"{MAX_JSON_DEPTH} levels; {message.split(': ', 1)[-1]})")
     more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
     return APIError(400, f"{where}: {message}{more}" if where else f"{message}{more}", param)
 
