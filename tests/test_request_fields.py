@@ -40,7 +40,7 @@ CHAT_ONLY_SERVED = {
     "parallel_tool_calls": False, "functions": [{"name": "f"}], "function_call": "none",
     "reasoning_effort": "low", "continue_final_message": True, "store": True,
     "service_tier": "auto", "safety_identifier": "x", "prompt_cache_key": "k",
-    "prompt_cache_retention": "in_memory", "modalities": ["text"],
+    "prompt_cache_retention": "in_memory", "modalities": ["text"], "include_reasoning": False,
 }
 COMPLETION_SERVED = {**SERVED, "prompt": "copy:ab=", "best_of": 2, "logprobs": 2, "echo": True}
 CHAT_SERVED = {**SERVED, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
@@ -61,7 +61,7 @@ REFUSED = {
     "add_special_tokens": False, "structural_tag": "x", "priority": 1, "request_id": "r",
     "logits_processors": ["x"], "return_tokens_as_token_ids": True, "kv_transfer_params": {},
     "vllm_xargs": {}, "prompt_embeds": "x",
-    "chat_template": "x", "mm_processor_kwargs": {}, "include_reasoning": False,
+    "chat_template": "x", "mm_processor_kwargs": {},
     "thinking_token_budget": 8, "watermarking": True, "truncation_side": "left",
     "logprob_token_ids": [1], "media_io_kwargs": {}, "session_id": "s",
 }

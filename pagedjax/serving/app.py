@@ -26,7 +26,7 @@ from pagedjax import __version__
 from pagedjax.engine.admission import encode_text
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.outputs import RequestOutput
-from pagedjax.serving import chat, completions, tokenization
+from pagedjax.serving import chat, completions, reasoning, tokenization
 from pagedjax.serving.admin import PATHS as ADMIN_PATHS, admin_routes
 from pagedjax.serving.admission_control import AdmissionLimits
 from pagedjax.serving.degradation import (DegradationController, DegradationPolicy,
@@ -61,7 +61,8 @@ class OpenAIServer:
                  default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
                  degradation: DegradationPolicy | None = None,
                  config: ServingConfig | None = None, admin_key: str | None = None,
-                 tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False):
+                 tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
+                 reasoning_parser: str | None = None):
         """api_key guards every route but /health (and /metrics with public_metrics, for a
         scraper); bodies over max_request_bytes answer 413 unread; chat_template replaces the
         tokenizer's (a model with neither refuses chat requests, 400).
@@ -73,7 +74,9 @@ class OpenAIServer:
         request's when it gives none; None: what the context leaves, as vLLM) and degradation
         (pagedjax.serving.degradation). admin_key enables /admin/config (new versions, live)
         and /admin/config/rollback behind it. enable_auto_tool_choice with tool_call_parser
-        (a name of pagedjax.serving.tool_parsers.PARSERS) serves tool_choice "auto"."""
+        (a name of pagedjax.serving.tool_parsers.PARSERS) serves tool_choice "auto";
+        reasoning_parser (pagedjax.serving.reasoning.PARSERS) splits a thinking model's reasoning
+        from its answer."""
         if config is None:
             if admission is not None and max_outstanding_tokens is not None:
                 raise ValueError("give max_outstanding_tokens inside admission, not beside it")
@@ -100,6 +103,8 @@ class OpenAIServer:
             raise ValueError("give enable_auto_tool_choice and tool_call_parser together "
                              "(--enable-auto-tool-choice --tool-call-parser NAME)")
         self.tool_parser = get_parser(tool_call_parser) if tool_call_parser else None
+        self.reasoning_parser = reasoning.get_parser(reasoning_parser) if reasoning_parser \
+            else None
         for name, key in (("api_key", api_key), ("admin_key", admin_key)):
             if key is not None and (not isinstance(key, str) or not key):
                 raise ValueError(f"{name} must be None or a non-empty string")

@@ -17,6 +17,7 @@ from pagedjax.serving.http_common import APIError, parse_body
 from pagedjax.serving.protocol import ChatCompletionRequest, prompt_logprobs_json
 from pagedjax.serving.streaming import DONE, DeltaTracker, guard, sse
 from pagedjax.serving import tool_calls
+from pagedjax.serving.chat_replies import ReplyReader
 from pagedjax.serving.tool_calls import ToolRequest
 from pagedjax.text.tokenizer import NO_CHAT_TEMPLATE
 
@@ -142,8 +143,8 @@ async def chat_completions(server: OpenAIServer, request: fastapi.Request):
         "function_call" if tools.legacy else "tool_choice", {"json": schema})
     params = server.sampling(body, max_tokens, top_n if body.logprobs else None, None,
                              params_of, body.prompt_logprobs, constraint)
-    if tools is not None and tools.choice == "none":
-        tools = None  # shown to the model, never parsed
+    reader = ReplyReader(None if tools is None or tools.choice == "none" else tools,
+                         server.tool_parser, server.reasoning_parser, body.include_reasoning)
     request_id = f"chatcmpl-{secrets.token_hex(12)}"
     turns = sum(m.role == "assistant" for m in body.messages)  # earlier turns in the prompt
     group = await server.add([PromptSpec(ids, params, request_id, None, body.cache_salt)],
@@ -166,26 +167,19 @@ async def chat_completions(server: OpenAIServer, request: fastapi.Request):
         if final is None:
             return server.gone()
         out = final[request_id]
-        choices = [{"index": c.index, **_reply(server, tools, c), "logprobs": None,
-                    **extra(c, 0), "stop_reason": c.stop_reason} for c in out.outputs]
+        choices = []
+        for c in out.outputs:
+            message, finish = reader.message(c.text or "", c.finish_reason)
+            choices.append({"index": c.index, "message": message, "logprobs": None,
+                            **extra(c, 0), "finish_reason": finish, "stop_reason": c.stop_reason})
         response = {**base, "choices": choices, "usage": server.usage({request_id: out})}
         if body.prompt_logprobs is not None:  # vLLM: beside the choices
             response["prompt_logprobs"] = prompt_logprobs_json(
                 out.prompt_logprobs, out.prompt_token_ids, body.prompt_logprobs)
         return server.respond(response, capped)
     chunk = {**base, "object": "chat.completion.chunk"}
-    events = _events(server, body, group, chunk, extra, tools, len(ids))
+    events = _events(server, body, group, chunk, extra, reader, len(ids))
     return server.stream(guard(events), capped)
-
-
-def _reply(server: OpenAIServer, tools: ToolRequest | None, c: CompletionOutput) -> dict:
-    """A finished choice's message and finish_reason (its tool calls read from its text)."""
-    if tools is None:
-        return {"message": {"role": "assistant", "content": c.text or ""},
-                "finish_reason": c.finish_reason}
-    content, calls = tool_calls.parse_reply(tools, server.tool_parser, c.text or "")
-    return {"message": tool_calls.reply_message(tools, content, calls),
-            "finish_reason": tool_calls.finish_reason(tools, calls, c.finish_reason)}
 
 
 def _usage(num_prompt: int, outputs) -> dict:
@@ -195,12 +189,12 @@ def _usage(num_prompt: int, outputs) -> dict:
 
 
 async def _events(server: OpenAIServer, body: ChatCompletionRequest, group, chunk: dict, extra,
-                  tools: ToolRequest | None, num_prompt: int):
+                  reader: ReplyReader, num_prompt: int):
     options = body.stream_options
     continuous = options is not None and options.continuous_usage_stats
     tracker = DeltaTracker(body.logprobs or body.return_token_ids or server.tokenizer is None)
-    streams = {j: tool_calls.ToolStream(tools, server.tool_parser) for j in range(body.n)} \
-        if tools is not None else None
+    plain = reader.tools is None and reader.reasoning is None
+    streams = {j: reader.stream() for j in range(body.n)}
     latest: dict[int, CompletionOutput] = {}
 
     def event(choices: list[dict]) -> str:
@@ -222,32 +216,20 @@ async def _events(server: OpenAIServer, body: ChatCompletionRequest, group, chun
                 if delta is None:
                     continue  # nothing new a client asked for (a held-back byte)
                 text, _, tokens = delta
-                choices += _stream_choices(server, streams, c, text, extra(c, tokens))
+                finished = c.finish_reason is not None
+                deltas = ([{"content": text}] if text else []) if plain else \
+                    streams[c.index].feed(c.text or "", finished)
+                extras = extra(c, tokens)
+                if not deltas and not finished and not extras:
+                    continue  # held back: maybe the start of a tag
+                finish = reader.finish_reason(c.text or "", c.finish_reason) if finished \
+                    else None
+                choices += [{"index": c.index, "delta": d, "logprobs": None,
+                             "finish_reason": None} for d in deltas or [{}]]
+                choices[-1].update(extras, finish_reason=finish, stop_reason=c.stop_reason)
             final = out if out.finished else final
             for choice in choices:
                 yield event([choice])
     if options is not None and options.include_usage:
         yield sse({**chunk, "choices": [], "usage": server.usage({chunk["id"]: final})})
     yield DONE
-
-
-def _stream_choices(server: OpenAIServer, streams, c: CompletionOutput, text: str,
-                    extras: dict) -> list[dict]:
-    """The chunks' choices one step of choice c sends: its text as content, or under a tool
-    request what its ToolStream makes of it; the last carries the extras and finish_reason."""
-    finish, stop = c.finish_reason, c.stop_reason
-    if streams is None:
-        deltas = [{"content": text} if text else {}]
-    else:
-        stream = streams[c.index]
-        deltas = stream.feed(c.text or "", finish is not None)
-        if not deltas and finish is None and not extras:
-            return []  # held back: maybe the start of a call
-        deltas = deltas or [{}]
-        if finish is not None:
-            content, calls = tool_calls.parse_reply(stream.req, server.tool_parser, c.text or "")
-            finish = tool_calls.finish_reason(stream.req, calls, finish)
-    choices = [{"index": c.index, "delta": d, "logprobs": None, "finish_reason": None}
-               for d in deltas]
-    choices[-1].update(extras, finish_reason=finish, stop_reason=stop)
-    return choices

@@ -148,6 +148,8 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: str | dict[str, Any] | None = None
     # Passed to the chat template (as vLLM does), for templates that read it.
     reasoning_effort: str | None = None
+    # vLLM's: with a --reasoning-parser, false leaves the reasoning out of the reply.
+    include_reasoning: bool = True
     # No effect on a self-hosted engine by nature (README's API section): there is no stored-
     # completions product, one service tier, and the prefix cache is automatic (content-keyed),
     # kept while its blocks are not needed ("in_memory"; "24h" is refused).

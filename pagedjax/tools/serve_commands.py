@@ -24,6 +24,10 @@ def serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="serve tool_choice \"auto\" (the default with tools): the reply's "
                         "tool calls read by --tool-call-parser")
+    parser.add_argument("--reasoning-parser", default=None,
+                        help="split a thinking model's <think>...</think> into "
+                        "reasoning_content: deepseek_r1 (the reply starts thinking) or qwen3 "
+                        "(it thinks when it opens <think>)")
     parser.add_argument("--tool-call-parser", default=None,
                         help="how the model writes tool calls: hermes (<tool_call> JSON "
                         "</tool_call>: ChatML, Qwen) or llama3_json (Llama 3.1/3.2 JSON)")
@@ -114,6 +118,11 @@ def serve(args, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         parser.error("--enable-auto-tool-choice and --tool-call-parser go together")
+    if args.reasoning_parser is not None:
+        from pagedjax.serving.reasoning import PARSERS as REASONING
+        if args.reasoning_parser not in REASONING:
+            parser.error(f"--reasoning-parser must be one of {', '.join(sorted(REASONING))}, "
+                         f"got {args.reasoning_parser!r}")
     if args.tool_call_parser is not None:
         from pagedjax.serving.tool_parsers import PARSERS
         if args.tool_call_parser not in PARSERS:
@@ -160,7 +169,8 @@ def serve(args, parser: argparse.ArgumentParser) -> None:
                trace_out=args.trace_out, log_level=args.log_level,
                max_request_bytes=args.max_request_bytes, public_metrics=args.public_metrics,
                chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
-               enable_auto_tool_choice=args.enable_auto_tool_choice)
+               enable_auto_tool_choice=args.enable_auto_tool_choice,
+               reasoning_parser=args.reasoning_parser)
 
 
 SERVER_FLAGS = ("max_outstanding_tokens", "kv_overcommit", "long_context_threshold",
