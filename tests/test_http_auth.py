@@ -16,7 +16,7 @@ from pagedjax.serving.router import Router
 from test_server import ENGINE
 
 API, ADMIN = "secret", "ops"
-PATH_VALUES = {"{model:path}": "tiny"}
+PATH_VALUES = {"{model:path}": "tiny", "{response_id}": "resp_none"}
 
 
 def _routes(app) -> list[tuple[str, str]]:

@@ -38,8 +38,10 @@ from pagedjax.serving.http_common import (DEFAULT_MAX_REQUEST_BYTES, APIError, G
 from pagedjax.serving.metrics import ServerMetrics
 from pagedjax.serving.protocol import ChatCompletionRequest, _SamplingFields
 from pagedjax.serving.request_params import rejected, sampling_params, trace_note
-from pagedjax.serving.tool_parsers import get_parser
+from pagedjax.serving.response_store import DEFAULT_MAX_ENTRIES, DEFAULT_TTL_S, ResponseStore
+from pagedjax.serving.responses import responses_routes
 from pagedjax.serving.serving_config import ConfigHistory, ServingConfig, engine_fields
+from pagedjax.serving.tool_parsers import get_parser
 from pagedjax.serving.trace_recorder import TraceRecorder
 from pagedjax.text.tokenizer import check_chat_template
 from scheduler import RequestError, SamplingParams
@@ -62,7 +64,9 @@ class OpenAIServer:
                  degradation: DegradationPolicy | None = None,
                  config: ServingConfig | None = None, admin_key: str | None = None,
                  tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
-                 reasoning_parser: str | None = None):
+                 reasoning_parser: str | None = None,
+                 responses_store_size: int = DEFAULT_MAX_ENTRIES,
+                 responses_store_ttl_s: float = DEFAULT_TTL_S):
         """api_key guards every route but /health (and /metrics with public_metrics, for a
         scraper); bodies over max_request_bytes answer 413 unread; chat_template replaces the
         tokenizer's (a model with neither refuses chat requests, 400).
@@ -76,7 +80,8 @@ class OpenAIServer:
         and /admin/config/rollback behind it. enable_auto_tool_choice with tool_call_parser
         (a name of pagedjax.serving.tool_parsers.PARSERS) serves tool_choice "auto";
         reasoning_parser (pagedjax.serving.reasoning.PARSERS) splits a thinking model's reasoning
-        from its answer."""
+        from its answer. The Responses API keeps up to responses_store_size responses (0:
+        none) for responses_store_ttl_s seconds."""
         if config is None:
             if admission is not None and max_outstanding_tokens is not None:
                 raise ValueError("give max_outstanding_tokens inside admission, not beside it")
@@ -105,6 +110,8 @@ class OpenAIServer:
         self.tool_parser = get_parser(tool_call_parser) if tool_call_parser else None
         self.reasoning_parser = reasoning.get_parser(reasoning_parser) if reasoning_parser \
             else None
+        self.responses = ResponseStore(responses_store_size, responses_store_ttl_s)
+        self.background_responses: dict[str, asyncio.Future] = {}
         for name, key in (("api_key", api_key), ("admin_key", admin_key)):
             if key is not None and (not isinstance(key, str) or not key):
                 raise ValueError(f"{name} must be None or a non-empty string")
@@ -362,6 +369,7 @@ class OpenAIServer:
             admin_routes(self, app)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
+        responses_routes(self, app)
         app.post("/tokenize")(self.tokenize)
         app.post("/detokenize")(self.detokenize)
         return app

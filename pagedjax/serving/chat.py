@@ -4,6 +4,7 @@ whole or streamed."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import secrets
 import time
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING
 import fastapi
 
 from pagedjax.engine.outputs import CompletionOutput, RequestOutput
-from pagedjax.serving.async_engine import PromptSpec
+from pagedjax.serving.async_engine import PromptSpec, RequestGroup
 from pagedjax.serving.http_common import APIError, parse_body
 from pagedjax.serving.protocol import ChatCompletionRequest, prompt_logprobs_json
 from pagedjax.serving.streaming import DONE, DeltaTracker, guard, sse
@@ -127,28 +128,46 @@ def _max_tokens(server: OpenAIServer, body: ChatCompletionRequest,
     return server.max_tokens(requested, default)
 
 
-async def chat_completions(server: OpenAIServer, request: fastapi.Request):
-    body = parse_body(await request.body(), ChatCompletionRequest)
+@dataclasses.dataclass
+class ChatRun:
+    """A chat request queued: what its answer is read with."""
+
+    request_id: str
+    group: RequestGroup
+    reader: ReplyReader
+    num_prompt: int
+    capped: int | None  # the max_tokens cap that cut the request's, or None
+
+
+async def start(server: OpenAIServer, body: ChatCompletionRequest, request: fastapi.Request,
+                request_id: str, params_of: dict[str, str]) -> ChatRun:
+    """Renders, checks and queues a chat request (APIError naming the field otherwise)."""
     server.check_model(body)
     tools = tool_calls.tool_request(body, server.tool_parser)
     ids = await asyncio.to_thread(server.chat_prompt, body, tools)
+    max_tokens, capped = _max_tokens(server, body, len(ids))
+    schema = None if tools is None else tools.schema()
+    constraint = None if schema is None else (
+        "function_call" if tools.legacy else "tool_choice", {"json": schema})
+    params = server.sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
+                             None, params_of, body.prompt_logprobs, constraint)
+    reader = ReplyReader(None if tools is None or tools.choice == "none" else tools,
+                         server.tool_parser, server.reasoning_parser, body.include_reasoning)
+    turns = sum(m.role == "assistant" for m in body.messages)  # earlier turns in the prompt
+    group = await server.add([PromptSpec(ids, params, request_id, None, body.cache_salt)],
+                             params_of, body, request, turns)
+    return ChatRun(request_id, group, reader, len(ids), capped)
+
+
+async def chat_completions(server: OpenAIServer, request: fastapi.Request):
+    body = parse_body(await request.body(), ChatCompletionRequest)
     top_n = body.top_logprobs or 0
     params_of = {"prompt_token_ids": "messages", "prompts": "messages",
                  "logprobs": "top_logprobs",
                  "max_tokens": ("max_completion_tokens"
                                 if body.max_completion_tokens is not None else "max_tokens")}
-    max_tokens, capped = _max_tokens(server, body, len(ids))
-    schema = None if tools is None else tools.schema()
-    constraint = None if schema is None else (
-        "function_call" if tools.legacy else "tool_choice", {"json": schema})
-    params = server.sampling(body, max_tokens, top_n if body.logprobs else None, None,
-                             params_of, body.prompt_logprobs, constraint)
-    reader = ReplyReader(None if tools is None or tools.choice == "none" else tools,
-                         server.tool_parser, server.reasoning_parser, body.include_reasoning)
-    request_id = f"chatcmpl-{secrets.token_hex(12)}"
-    turns = sum(m.role == "assistant" for m in body.messages)  # earlier turns in the prompt
-    group = await server.add([PromptSpec(ids, params, request_id, None, body.cache_salt)],
-                             params_of, body, request, turns)
+    run = await start(server, body, request, f"chatcmpl-{secrets.token_hex(12)}", params_of)
+    request_id, group, reader, capped = run.request_id, run.group, run.reader, run.capped
     base = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
             "model": server.model_name}
     if body.service_tier is not None:
@@ -178,7 +197,7 @@ async def chat_completions(server: OpenAIServer, request: fastapi.Request):
                 out.prompt_logprobs, out.prompt_token_ids, body.prompt_logprobs)
         return server.respond(response, capped)
     chunk = {**base, "object": "chat.completion.chunk"}
-    events = _events(server, body, group, chunk, extra, reader, len(ids))
+    events = _events(server, body, group, chunk, extra, reader, run.num_prompt)
     return server.stream(guard(events), capped)
 
 

@@ -24,6 +24,11 @@ def serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="serve tool_choice \"auto\" (the default with tools): the reply's "
                         "tool calls read by --tool-call-parser")
+    parser.add_argument("--responses-store-size", type=int, default=1000,
+                        help="responses the Responses API keeps (for GET /v1/responses/{id} and "
+                        "previous_response_id), the oldest dropped first; 0 keeps none")
+    parser.add_argument("--responses-store-ttl", type=float, default=3600.0,
+                        help="seconds a stored response is kept")
     parser.add_argument("--reasoning-parser", default=None,
                         help="split a thinking model's <think>...</think> into "
                         "reasoning_content: deepseek_r1 (the reply starts thinking) or qwen3 "
@@ -116,6 +121,8 @@ def serve(args, parser: argparse.ArgumentParser) -> None:
     config = _serving_config(args, parser)
     if args.max_request_bytes < 1:
         parser.error(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    if args.responses_store_size < 0 or not args.responses_store_ttl > 0:
+        parser.error("--responses-store-size must be >= 0 and --responses-store-ttl > 0")
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         parser.error("--enable-auto-tool-choice and --tool-call-parser go together")
     if args.reasoning_parser is not None:
@@ -170,7 +177,9 @@ def serve(args, parser: argparse.ArgumentParser) -> None:
                max_request_bytes=args.max_request_bytes, public_metrics=args.public_metrics,
                chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
                enable_auto_tool_choice=args.enable_auto_tool_choice,
-               reasoning_parser=args.reasoning_parser)
+               reasoning_parser=args.reasoning_parser,
+               responses_store_size=args.responses_store_size,
+               responses_store_ttl_s=args.responses_store_ttl)
 
 
 SERVER_FLAGS = ("max_outstanding_tokens", "kv_overcommit", "long_context_threshold",
