@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 
 import fastapi
 
-from pagedjax.serving.http_common import error_response, key_matches, parse_json_object
+from pagedjax.serving.http_common import (error_response, get_route, key_matches,
+                                          parse_json_object)
 from pagedjax.serving.serving_config import NeedsNewInstance, ServingConfig
 
 if TYPE_CHECKING:
@@ -67,6 +68,6 @@ def admin_routes(server: OpenAIServer, app: fastapi.FastAPI) -> None:
         logger.warning("serving configuration rolled back to %r", config.version)
         return status()
 
-    app.get(CONFIG_PATH)(admin(get_config))
+    get_route(app, CONFIG_PATH)(admin(get_config))
     app.post(CONFIG_PATH)(admin(post_config))
     app.post(ROLLBACK_PATH)(admin(rollback))

@@ -26,15 +26,16 @@ from pagedjax import __version__
 from pagedjax.engine.admission import encode_text
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.outputs import RequestOutput
-from pagedjax.serving import chat, completions, reasoning, tokenization
+from pagedjax.serving import chat, completions, openapi, reasoning, tokenization
 from pagedjax.serving.admin import PATHS as ADMIN_PATHS, admin_routes
 from pagedjax.serving.admission_control import AdmissionLimits
 from pagedjax.serving.degradation import (DegradationController, DegradationPolicy,
                                           settings_for)
 from pagedjax.serving.async_engine import (AsyncLLMEngine, EngineDeadError, OverloadedError,
                                            PromptSpec, RequestFailedError, RequestGroup)
-from pagedjax.serving.http_common import (DEFAULT_MAX_REQUEST_BYTES, APIError, GuardMiddleware,
-                                          error_body, install_error_handlers)
+from pagedjax.serving.http_common import (DEFAULT_MAX_REQUEST_BYTES, APIError,
+                                          GuardMiddleware, error_body, get_route,
+                                          install_error_handlers)
 from pagedjax.serving.metrics import ServerMetrics
 from pagedjax.serving.protocol import ChatCompletionRequest, _SamplingFields
 from pagedjax.serving.request_params import rejected, sampling_params, trace_note
@@ -338,7 +339,7 @@ class OpenAIServer:
         app.add_middleware(GuardMiddleware, max_request_bytes=self.max_request_bytes,
                            api_key=self.api_key, open_paths=open_paths)
 
-        @app.get("/health")
+        @get_route(app, "/health")
         async def health():
             if not self.async_engine.healthy:
                 return responses.JSONResponse(
@@ -346,20 +347,20 @@ class OpenAIServer:
                     status_code=503)
             return {"status": "ok"}
 
-        @app.get("/v1/models")
+        @get_route(app, "/v1/models")
         async def models():
             return {"object": "list", "data": [self.model_card()]}
 
-        @app.get("/v1/models/{model:path}")
+        @get_route(app, "/v1/models/{model:path}")
         async def model(model: str):
             self.check_model_name(model, param=None)
             return self.model_card()
 
-        @app.get("/version")
+        @get_route(app, "/version")
         async def version():
             return {"version": __version__}
 
-        @app.get("/metrics")
+        @get_route(app, "/metrics")
         async def metrics():
             self.degradation.evaluate()
             return responses.Response(self.metrics.render(),
@@ -372,6 +373,7 @@ class OpenAIServer:
         responses_routes(self, app)
         app.post("/tokenize")(self.tokenize)
         app.post("/detokenize")(self.detokenize)
+        openapi.install(app)
         return app
 
 

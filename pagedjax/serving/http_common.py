@@ -86,6 +86,16 @@ def parse_json_object(raw: bytes) -> dict:
         raise APIError(400, f"body must be {what}: {error.get('msg', '')[:200]}") from None
 
 
+def get_route(app, path: str):
+    """app.get(path) that answers HEAD too (load testers probe with it; the document lists the
+    GET alone)."""
+    def register(handler):
+        app.api_route(path, methods=["GET"])(handler)
+        app.api_route(path, methods=["HEAD"], include_in_schema=False)(handler)
+        return handler
+    return register
+
+
 def key_matches(header: str | None, key: str) -> bool:
     """Whether an Authorization header carries `Bearer key`, compared in constant time."""
     expected = f"Bearer {key}".encode()

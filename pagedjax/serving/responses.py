@@ -21,7 +21,7 @@ import fastapi
 
 from pagedjax.serving import chat, responses_output as output
 from pagedjax.serving.async_engine import EngineDeadError, RequestFailedError
-from pagedjax.serving.http_common import APIError, parse_body
+from pagedjax.serving.http_common import APIError, get_route, parse_body
 from pagedjax.serving.responses_input import PARAM_NAMES, ResponsesRequest, chat_request
 
 if TYPE_CHECKING:
@@ -231,6 +231,6 @@ def responses_routes(server: OpenAIServer, app: fastapi.FastAPI) -> None:
         return await cancel(server, response_id)
 
     app.post("/v1/responses")(create_route)
-    app.get("/v1/responses/{response_id}")(retrieve_route)
+    get_route(app, "/v1/responses/{response_id}")(retrieve_route)
     app.delete("/v1/responses/{response_id}")(delete_route)
     app.post("/v1/responses/{response_id}/cancel")(cancel_route)

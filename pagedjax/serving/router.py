@@ -38,8 +38,8 @@ from fastapi import responses
 
 from pagedjax.parallel.routing_policy import POLICIES, Backend, RoutingPolicy, prompt_chunks
 from pagedjax.serving.http_common import (DEFAULT_MAX_REQUEST_BYTES, GuardMiddleware,
-                                          error_response, install_error_handlers, key_matches,
-                                          parse_json_object)
+                                          error_response, get_route, install_error_handlers,
+                                          key_matches, parse_json_object)
 from pagedjax.serving.rollout import RolloutGuard
 
 __all__ = ["POLICIES", "Backend", "RolloutGuard", "Router", "RoutingPolicy", "prompt_chunks",
@@ -295,7 +295,7 @@ class Router:
         async def chat_completions(request: fastapi.Request):
             return await self.forward("/v1/chat/completions", request)
 
-        @app.get("/v1/models")
+        @get_route(app, "/v1/models")
         async def models(request: fastapi.Request):
             headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
             for backend in self.backends:
@@ -309,13 +309,13 @@ class Router:
         if self.admin_key is not None:
             self._admin_routes(app)
 
-        @app.get("/health")
+        @get_route(app, "/health")
         async def health():
             states = await asyncio.gather(*(self._probe(b) for b in self.backends))
             body = {"backends": {b.url: ok for b, ok in zip(self.backends, states)}}
             return responses.JSONResponse(body, status_code=200 if any(states) else 503)
 
-        @app.get("/metrics")
+        @get_route(app, "/metrics")
         async def metrics():
             return responses.Response(prom.generate_latest(self.registry),
                                        media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -361,7 +361,7 @@ class Router:
                 return _error(400, str(e), None)
             return self.status()
 
-        app.get("/router/status")(admin(router_status))
+        get_route(app, "/router/status")(admin(router_status))
         app.post("/router/canary")(admin(router_canary))
         app.post("/router/rollback")(admin(router_rollback))
         app.post("/router/promote")(admin(router_promote))
