@@ -16,7 +16,7 @@ GPU_IMAGE_TESTS := tests/test_gpu_script.py tests/test_kernels_gpu.py \
 	tests/test_kernels_xla_gpu_compile.py tests/test_kernels_mosaic_gpu.py \
 	tests/test_engine_equivalence.py
 
-.PHONY: demo test test-slow test-gpu-image gpu-image-python bench bench-gpu-image clean
+.PHONY: demo test test-slow test-clients test-gpu-image gpu-image-python bench bench-gpu-image clean
 
 $(STAMP): pyproject.toml requirements/cpu.txt
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -49,12 +49,26 @@ demo: $(DEMO_STAMP)
 	$(PY) -m pagedjax.tools.demo
 
 test: $(TEST_STAMP)
-	$(PY) -m pytest -n 2 -q -m "not slow" tests
+	$(PY) -m pytest -n 2 -q -m "not slow and not clients" tests
 
 # Tensor and data parallel over eight host devices, multi-host over several processes, the
 # notebook run top to bottom.
 test-slow: $(TEST_STAMP)
 	$(PY) -m pytest -n 2 -q -m slow tests
+
+# Real clients, unchanged, each in a virtual environment of its own (requirements/clients/),
+# against a server on SmolLM2 (tests/test_clients.py).
+CLIENTS := openai-agents langchain instructor litellm
+CLIENT_STAMPS := $(foreach c,$(CLIENTS),.venv-clients/$(c)/.installed)
+
+.venv-clients/%/.installed: requirements/clients/%.txt
+	test -d .venv-clients/$* || $(PYTHON) -m venv .venv-clients/$*
+	.venv-clients/$*/bin/python -m pip install --quiet --upgrade pip
+	.venv-clients/$*/bin/python -m pip install --quiet -r $<
+	touch $@
+
+test-clients: $(TEST_STAMP) $(DEMO_STAMP) $(CLIENT_STAMPS)
+	PAGEDJAX_CLIENT_VENVS=1 $(PY) -m pytest -n 2 -q -m clients tests
 
 test-gpu-image: $(GPU_IMAGE_STAMP)
 	JAX_PLATFORMS=cpu $(GPU_IMAGE_VENV)/bin/python -m pytest -n 2 -q $(GPU_IMAGE_TESTS) -k "not tpu"
@@ -95,4 +109,4 @@ bench-gpu-image: $(GPU_IMAGE_STAMP)
 	JAX_PLATFORMS=cpu $(GPU_IMAGE_VENV)/bin/python benchmarks/gpu_xla_compile.py
 
 clean:
-	rm -rf $(VENV) $(GPU_IMAGE_VENV) build *.egg-info
+	rm -rf $(VENV) $(GPU_IMAGE_VENV) .venv-clients build *.egg-info

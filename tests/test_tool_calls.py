@@ -163,6 +163,7 @@ def test_deprecated_functions_answer_a_function_call(client):
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice"),
     ({"tools": [{"type": "code_interpreter"}]}, "tools"),
+    ({"tools": [], "tool_choice": "required"}, "tool_choice"),  # an empty list: no tools
     ({"tools": TOOLS + TOOLS[:1]}, "tools"),  # a name twice
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
      "response_format"),  # two constraints

@@ -154,7 +154,7 @@ def input_messages(items: str | list[dict]) -> list[dict]:
 
 
 def _tools(tools: list[dict] | None) -> list[dict] | None:
-    if tools is None:
+    if not tools:
         return None
     out = []
     for i, tool in enumerate(tools):

@@ -22,6 +22,7 @@ import secrets
 
 from pagedjax.serving.http_common import APIError
 from pagedjax.serving.tool_parsers import Call, ToolParser
+from pagedjax.serving.tool_parsers.base import call_from_json
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 CHOICES = ("none", "auto", "required")
@@ -89,7 +90,7 @@ def tool_request(body, parser: ToolParser | None) -> ToolRequest | None:
         choice = body.function_call
     else:
         tools, choice = body.tools, body.tool_choice
-    if tools is None:
+    if not tools:  # an empty list is no tools (OpenAI's Responses clients send one)
         if choice not in (None, "none"):
             raise APIError(400, f"{choice_field} needs {field}", choice_field)
         return None
@@ -122,11 +123,10 @@ def _required_calls(text: str) -> list[Call] | None:
         items = json.loads(text)
     except json.JSONDecodeError:
         return None
-    if not isinstance(items, list):
+    if not isinstance(items, list) or not items:
         return None
-    calls = [Call(i["name"], json.dumps(i.get("parameters", {}), ensure_ascii=False))
-             for i in items if isinstance(i, dict) and isinstance(i.get("name"), str)]
-    return calls if len(calls) == len(items) and calls else None
+    calls = [call_from_json(item, ("parameters",)) for item in items]
+    return None if None in calls else calls
 
 
 def parse_reply(req: ToolRequest, parser: ToolParser | None,
