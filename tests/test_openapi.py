@@ -21,6 +21,10 @@ from schemathesis.specs.openapi.checks import (content_type_conformance,  # noqa
                                                response_schema_conformance,
                                                status_code_conformance)
 
+# Clients driving a real server: run by make test-clients (and CI), beside the client suite,
+# to keep make test within its time.
+pytestmark = pytest.mark.clients
+
 EXAMPLES = 8  # per operation: a few seconds each on the tiny model
 
 

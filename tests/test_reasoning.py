@@ -8,9 +8,13 @@ from __future__ import annotations
 import openai
 import pytest
 
+from pagedjax.serving.background import BackgroundServer
 from pagedjax.serving.reasoning import END, START, get_parser
 from test_tool_calls import ASK, TOOLS, _serve
-from pagedjax.serving.background import BackgroundServer
+
+# Clients driving a real server: run by make test-clients (and CI), beside the client suite,
+# to keep make test within its time.
+pytestmark = pytest.mark.clients
 
 
 @pytest.mark.parametrize("name, text, reasoning, content", [

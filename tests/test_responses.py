@@ -18,6 +18,10 @@ from pagedjax.serving.background import BackgroundServer
 from pagedjax.text.tokenizer import read_chat_template, render_chat_template
 from test_tool_calls import CITY, TOOLS, _serve
 
+# Clients driving a real server: run by make test-clients (and CI), beside the client suite,
+# to keep make test within its time.
+pytestmark = pytest.mark.clients
+
 FUNCTIONS = [{"type": "function", "name": t["function"]["name"],
               "parameters": t["function"]["parameters"]} for t in TOOLS]
 HELLO = {"structured_outputs": {"regex": "Hello there"}}

@@ -22,6 +22,10 @@ from pagedjax.serving.app import OpenAIServer
 from pagedjax.serving.background import BackgroundServer
 from pagedjax.text.tokenizer import read_chat_template
 
+# Clients driving a real server: run by make test-clients (and CI), beside the client suite,
+# to keep make test within its time.
+pytestmark = pytest.mark.clients
+
 CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
         "required": ["city"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather",
