@@ -95,14 +95,16 @@ def _reason(error: str) -> str:
         first, first)[:160]
 
 
-def check_start(grammar: str, tokenizer, kind: str, vocab_size: int) -> None:
-    """RequestError naming the field when the grammar can produce nothing at all with this
-    vocabulary (a regex that matches nothing, a choice of characters no token spells)."""
+def check_start(grammar: str, tokenizer, kind: str, vocab_size: int) -> "GrammarState":
+    """The grammar's matcher at its start (what the request's samples copy), or RequestError
+    naming the field when the grammar can produce nothing at all with this vocabulary (a regex
+    that matches nothing, a choice of characters no token spells)."""
     state = GrammarState(tokenizer, grammar, vocab_size)
     state.fill_mask(np.full(mask_words(vocab_size), 0xFFFFFFFF, np.uint32))
     if state._matcher.is_error():
         raise RequestError(f"{FIELD}.{kind}", f"{FIELD}.{kind} can never produce an output: "
                            f"{_reason(state._matcher.get_error())}")
+    return state
 
 
 class GrammarState:

@@ -30,6 +30,8 @@ class Constraints:
     stop_ids: tuple[int, ...]  # banned until min_tokens outputs: EOS and stop_token_ids
     grammar: str | None  # llguidance grammar text
     grammar_kind: str | None = None
+    # The grammar's matcher at its start, checked at admission; each sample gets a copy.
+    start: grammar.GrammarState | None = dataclasses.field(default=None, compare=False)
 
 
 def bad_words_token_ids(tokenizer, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
@@ -106,13 +108,13 @@ class TokenMasks:
         bad = bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
         stop_ids = tuple(params.stop_token_ids) + (() if params.ignore_eos else
                                                     self.eos_token_ids)
-        text, kind = None, None
+        text, kind, start = None, None, None
         if params.structured_outputs is not None:
             kind = params.structured_outputs.kind
             text = grammar.grammar_text(params.structured_outputs)
             grammar.check_grammar(text, self.grammar_tokenizer(), kind)
-            grammar.check_start(text, self.grammar_tokenizer(), kind, self.vocab_size)
-        return Constraints(allowed, bad, params.min_tokens, stop_ids, text, kind)
+            start = grammar.check_start(text, self.grammar_tokenizer(), kind, self.vocab_size)
+        return Constraints(allowed, bad, params.min_tokens, stop_ids, text, kind, start)
 
     def grammar_tokenizer(self):
         if self._grammar_tokenizer is None:
@@ -124,13 +126,10 @@ class TokenMasks:
         """Starts the states of a request's samples (each its own matcher)."""
         if constraints is None:
             return
-        matcher = None
-        if constraints.grammar is not None:
-            matcher = grammar.GrammarState(self.grammar_tokenizer(), constraints.grammar,
-                                           self.vocab_size)
-        for i, sample in enumerate(samples):
+        start = constraints.start
+        for sample in samples:  # each its own copy of the matcher checked at admission
             self._states[sample.request_id] = _SampleState(
-                constraints, matcher if i == 0 or matcher is None else matcher.copy())
+                constraints, None if start is None else start.copy())
 
     def drop(self, request_id: str) -> None:
         self._states.pop(request_id, None)

@@ -37,7 +37,7 @@ from pagedjax.serving.http_common import (DEFAULT_MAX_REQUEST_BYTES, APIError,
                                           GuardMiddleware, error_body, get_route,
                                           install_error_handlers)
 from pagedjax.serving.metrics import ServerMetrics
-from pagedjax.serving.protocol import ChatCompletionRequest, _SamplingFields
+from pagedjax.serving.protocol import ChatCompletionRequest, _SamplingFields, usage_json
 from pagedjax.serving.request_params import rejected, sampling_params, trace_note
 from pagedjax.serving.response_store import DEFAULT_MAX_ENTRIES, DEFAULT_TTL_S, ResponseStore
 from pagedjax.serving.responses import responses_routes
@@ -247,10 +247,8 @@ class OpenAIServer:
 
     @staticmethod
     def usage(outputs: dict[str, RequestOutput]) -> dict:
-        prompt = sum(len(o.prompt_token_ids) for o in outputs.values())
-        completion = sum(len(c.token_ids) for o in outputs.values() for c in o.outputs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}
+        return usage_json(sum(len(o.prompt_token_ids) for o in outputs.values()),
+                          sum(len(c.token_ids) for o in outputs.values() for c in o.outputs))
 
     def gone(self) -> responses.Response:
         return responses.Response(status_code=499)  # nobody reads it: the client has gone

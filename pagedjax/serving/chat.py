@@ -15,7 +15,7 @@ import fastapi
 from pagedjax.engine.outputs import CompletionOutput, RequestOutput
 from pagedjax.serving.async_engine import PromptSpec, RequestGroup
 from pagedjax.serving.http_common import APIError, parse_body
-from pagedjax.serving.protocol import ChatCompletionRequest, prompt_logprobs_json
+from pagedjax.serving.protocol import ChatCompletionRequest, prompt_logprobs_json, usage_json
 from pagedjax.serving.streaming import DONE, DeltaTracker, guard, sse
 from pagedjax.serving import tool_calls
 from pagedjax.serving.chat_replies import ReplyReader
@@ -201,12 +201,6 @@ async def chat_completions(server: OpenAIServer, request: fastapi.Request):
     return server.stream(guard(events), capped)
 
 
-def _usage(num_prompt: int, outputs) -> dict:
-    completion = sum(len(c.token_ids) for c in outputs)
-    return {"prompt_tokens": num_prompt, "completion_tokens": completion,
-            "total_tokens": num_prompt + completion}
-
-
 async def _events(server: OpenAIServer, body: ChatCompletionRequest, group, chunk: dict, extra,
                   reader: ReplyReader, num_prompt: int):
     options = body.stream_options
@@ -219,7 +213,8 @@ async def _events(server: OpenAIServer, body: ChatCompletionRequest, group, chun
     def event(choices: list[dict]) -> str:
         payload = {**chunk, "choices": choices}
         if continuous:  # vLLM's: the usage so far in every chunk
-            payload["usage"] = _usage(num_prompt, latest.values())
+            payload["usage"] = usage_json(num_prompt,
+                                          sum(len(c.token_ids) for c in latest.values()))
         return sse(payload)
 
     for j in range(body.n):  # one choice a chunk, as vLLM streams n > 1

@@ -12,9 +12,9 @@ import fastapi
 from pagedjax.engine.outputs import CompletionOutput, RequestOutput
 from pagedjax.serving.async_engine import PromptSpec
 from pagedjax.serving.http_common import APIError, parse_body
-from pagedjax.serving.protocol import CompletionRequest, prompt_logprobs_json, split_prompts
-from pagedjax.serving.streaming import DONE, DeltaTracker, guard
-from pagedjax.serving.streaming import sse as event
+from pagedjax.serving.protocol import (CompletionRequest, prompt_logprobs_json, split_prompts,
+                                       usage_json)
+from pagedjax.serving.streaming import DONE, DeltaTracker, guard, sse
 
 if TYPE_CHECKING:
     from pagedjax.serving.app import OpenAIServer
@@ -136,20 +136,17 @@ async def _events(server: OpenAIServer, body: CompletionRequest, group, choices:
     continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
     generated: dict[tuple, int] = {}  # tokens so far, by (request, choice)
 
-    def sse(payload: dict) -> str:
+    def chunk(payload: dict) -> str:
         if continuous:  # vLLM's: the usage so far in every chunk
-            done = sum(generated.values())
-            payload = {**payload, "usage": {"prompt_tokens": num_prompt,
-                                            "completion_tokens": done,
-                                            "total_tokens": num_prompt + done}}
-        return event(payload)
+            payload = {**payload, "usage": usage_json(num_prompt, sum(generated.values()))}
+        return sse(payload)
     # The echo goes first; with logprobs it waits for the request's first output (which
     # carries the prompt's logprobs).
     deferred = body.logprobs is not None
     for i, prefix in enumerate(choices.echo):
         for j in range(body.n):
             if prefix and not deferred:
-                yield sse({**base, "choices": [{"index": i * body.n + j, "text": prefix,
+                yield chunk({**base, "choices": [{"index": i * body.n + j, "text": prefix,
                                                 "logprobs": None, "finish_reason": None}]})
     echoed: set[str] = set()
     async with group:
@@ -158,7 +155,7 @@ async def _events(server: OpenAIServer, body: CompletionRequest, group, choices:
             if deferred and choices.echo[i] and out.request_id not in echoed:
                 echoed.add(out.request_id)
                 for j in range(body.n):
-                    yield sse({**base, "choices": [{
+                    yield chunk({**base, "choices": [{
                         "index": i * body.n + j, "text": choices.echo[i],
                         "logprobs": choices.echoed_logprobs(out), "finish_reason": None}]})
             sent = []
@@ -173,7 +170,7 @@ async def _events(server: OpenAIServer, body: CompletionRequest, group, choices:
             if out.finished:
                 final[out.request_id] = out
             for sent_choice in sent:  # one choice a chunk, as vLLM streams n > 1
-                yield sse({**base, "choices": [sent_choice]})
+                yield chunk({**base, "choices": [sent_choice]})
     if body.stream_options is not None and body.stream_options.include_usage:
-        yield event({**base, "choices": [], "usage": server.usage(final)})
+        yield sse({**base, "choices": [], "usage": server.usage(final)})
     yield DONE

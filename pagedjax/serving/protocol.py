@@ -216,6 +216,12 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+def usage_json(prompt_tokens: int, completion_tokens: int) -> dict:
+    """OpenAI's usage object."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
 def prompt_logprobs_json(entries, prompt_token_ids, num_top: int) -> list | None:
     """vLLM's prompt_logprobs on the wire: None for the first prompt token, then per token
     {token id: {"logprob", "rank", "decoded_token"}} of the token itself and the num_top most
