@@ -58,7 +58,7 @@ test-slow: $(TEST_STAMP)
 
 # Real clients, unchanged, each in a virtual environment of its own (requirements/clients/),
 # against a server on SmolLM2 (tests/test_clients.py).
-CLIENTS := openai-agents langchain instructor litellm
+CLIENTS := openai-agents langchain instructor litellm guidellm aiperf
 CLIENT_STAMPS := $(foreach c,$(CLIENTS),.venv-clients/$(c)/.installed)
 
 .venv-clients/%/.installed: requirements/clients/%.txt

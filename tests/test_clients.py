@@ -23,28 +23,34 @@ pytestmark = [pytest.mark.clients, needs_smollm]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CLIENTS = {"openai-agents": "openai_agents_client.py", "langchain": "langchain_client.py",
-           "instructor": "instructor_client.py", "litellm": "litellm_client.py"}
+           "instructor": "instructor_client.py", "litellm": "litellm_client.py",
+           "guidellm": "guidellm_client.py", "aiperf": "aiperf_client.py"}
 # Set by `make test-clients`, which builds the environments first: a missing one then fails.
 REQUIRED = os.environ.get("PAGEDJAX_CLIENT_VENVS") == "1"
 
 
 @pytest.fixture(scope="module")
-def url():
+def served(tmp_path_factory):
+    """(the server's URL, the model's tokenizer as a directory: the benchmark clients size
+    their prompts with it)."""
     llm = LLM(smollm_path(), max_model_len=2048, max_num_seqs=8, max_num_batched_tokens=1024)
+    tokenizer = llm.tokenizer.save_pretrained(tmp_path_factory.mktemp("tokenizer"))
     server = OpenAIServer(llm.engine, "smollm2", chat_template=read_chat_template("tool_chatml"),
-                          tool_call_parser="hermes", enable_auto_tool_choice=True)
+                          tool_call_parser="hermes", enable_auto_tool_choice=True,
+                          enable_prompt_tokens_details=True)
     with BackgroundServer(server.build_app()) as url:
-        yield url
+        yield url, tokenizer
 
 
 @pytest.mark.parametrize("name", sorted(CLIENTS))
-def test_client_works_unchanged(url, name):
+def test_client_works_unchanged(served, name):
     python = ROOT / ".venv-clients" / name / "bin" / "python"
     if not python.exists():
         assert not REQUIRED, f"{python} is missing: make test-clients builds it"
         pytest.skip(f"{name}'s environment is not built (make test-clients)")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "PYTHON"))}
-    result = subprocess.run([str(python), str(ROOT / "tests" / "clients" / CLIENTS[name]), url],
+    script = ROOT / "tests" / "clients" / CLIENTS[name]
+    result = subprocess.run([str(python), str(script), *served],
                             capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0 and result.stdout.strip().endswith("OK"), \
         f"{name}:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"

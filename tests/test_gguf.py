@@ -248,3 +248,26 @@ def test_smollm2_tokenizer_equals_transformers(hf_smollm):
         assert ours.decode(ids, skip_special_tokens=False) == tokenizer.decode(
             ids, skip_special_tokens=False)
     assert ours.encode("Hello 12345 world") == tokenizer.encode("Hello 12345 world")
+
+
+@needs_smollm
+def test_a_gguf_tokenizer_saved_as_a_directory_loads_the_same(tmp_path):
+    """save_pretrained: the GGUF's tokenizer written as a Hugging Face directory (what
+    benchmark clients such as guidellm and aiperf load by path) is the same tokenizer through
+    transformers' AutoTokenizer and through Tokenizer.from_dir: ids, special tokens, EOS ids,
+    the chat template's rendering."""
+    import transformers
+
+    from models.gguf_loader import metadata
+    from pagedjax.text.tokenizer import Tokenizer
+    ours = tokenizer_from_gguf(metadata(gguf.GGUFReader(smollm_path())))
+    path = ours.save_pretrained(tmp_path / "tokenizer")
+    hf = transformers.AutoTokenizer.from_pretrained(path)
+    back = Tokenizer.from_dir(path)
+    messages = [{"role": "user", "content": "What is 12 + 30?"}]
+    for text in ["Hello 12345 world", "café 東京 🙂\n\t<|im_start|>user", "<|endoftext|>x"]:
+        assert hf.encode(text) == back.encode(text) == ours.encode(text), text
+    assert (hf.eos_token, hf.bos_token) == (ours.eos_token, ours.bos_token)
+    assert back.eos_token_ids == ours.eos_token_ids and back.bos_token_id == ours.bos_token_id
+    assert hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) \
+        == back.apply_chat_template(messages) == ours.apply_chat_template(messages)

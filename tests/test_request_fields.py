@@ -192,3 +192,27 @@ def test_a_message_needs_a_role(client):
         response = client.post("/v1/chat/completions", json={
             "messages": [{"role": role, "content": "hi"}], "max_tokens": 2})
         assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+
+
+@pytest.mark.parametrize("details", [False, True])
+def test_prompt_tokens_details_report_the_prefix_cache(details):
+    """--enable-prompt-tokens-details (vLLM's): usage.prompt_tokens_details.cached_tokens is the
+    prompt tokens the prefix cache served (0 the first time, whole blocks the second), in the
+    non-streamed and the streamed usage; without the flag the usage has no details."""
+    engine = LLM(**ENGINE).engine
+    server = OpenAIServer(engine, "tiny", enable_prompt_tokens_details=details)
+    block = engine.config.block_size
+    body = {"prompt": "copy:" + "paged attention " * 3 + "=", "max_tokens": 2}
+    with TestClient(server.build_app()) as client:
+        first = client.post("/v1/completions", json=body).json()["usage"]
+        second = client.post("/v1/completions", json=body).json()["usage"]
+        streamed = _chunks(client.post("/v1/completions", json={
+            **body, "stream": True, "stream_options": {"include_usage": True}}))[-1]["usage"]
+    if not details:
+        assert "prompt_tokens_details" not in first and "prompt_tokens_details" not in streamed
+        return
+    prompt = first["prompt_tokens"]
+    assert prompt > 2 * block and first["prompt_tokens_details"] == {"cached_tokens": 0}
+    cached = second["prompt_tokens_details"]["cached_tokens"]
+    assert cached == (prompt - 1) // block * block and cached > 0
+    assert streamed["prompt_tokens_details"] == {"cached_tokens": cached}

@@ -67,7 +67,8 @@ class OpenAIServer:
                  tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
                  reasoning_parser: str | None = None,
                  responses_store_size: int = DEFAULT_MAX_ENTRIES,
-                 responses_store_ttl_s: float = DEFAULT_TTL_S):
+                 responses_store_ttl_s: float = DEFAULT_TTL_S,
+                 enable_prompt_tokens_details: bool = False):
         """api_key guards every route but /health (and /metrics with public_metrics, for a
         scraper); bodies over max_request_bytes answer 413 unread; chat_template replaces the
         tokenizer's (a model with neither refuses chat requests, 400).
@@ -82,7 +83,8 @@ class OpenAIServer:
         (a name of pagedjax.serving.tool_parsers.PARSERS) serves tool_choice "auto";
         reasoning_parser (pagedjax.serving.reasoning.PARSERS) splits a thinking model's reasoning
         from its answer. The Responses API keeps up to responses_store_size responses (0:
-        none) for responses_store_ttl_s seconds."""
+        none) for responses_store_ttl_s seconds. enable_prompt_tokens_details adds the prompt
+        tokens served from the prefix cache to every usage object (prompt_tokens_details)."""
         if config is None:
             if admission is not None and max_outstanding_tokens is not None:
                 raise ValueError("give max_outstanding_tokens inside admission, not beside it")
@@ -111,6 +113,7 @@ class OpenAIServer:
         self.tool_parser = get_parser(tool_call_parser) if tool_call_parser else None
         self.reasoning_parser = reasoning.get_parser(reasoning_parser) if reasoning_parser \
             else None
+        self.prompt_tokens_details = bool(enable_prompt_tokens_details)
         self.responses = ResponseStore(responses_store_size, responses_store_ttl_s)
         self.background_responses: dict[str, asyncio.Future] = {}
         for name, key in (("api_key", api_key), ("admin_key", admin_key)):
@@ -245,10 +248,11 @@ class OpenAIServer:
         if self.trace is not None:
             self.trace.forget(request_id)
 
-    @staticmethod
-    def usage(outputs: dict[str, RequestOutput]) -> dict:
+    def usage(self, outputs: dict[str, RequestOutput]) -> dict:
+        cached = sum(o.metrics.num_cached_tokens for o in outputs.values())
         return usage_json(sum(len(o.prompt_token_ids) for o in outputs.values()),
-                          sum(len(c.token_ids) for o in outputs.values() for c in o.outputs))
+                          sum(len(c.token_ids) for o in outputs.values() for c in o.outputs),
+                          cached if self.prompt_tokens_details else None)
 
     def gone(self) -> responses.Response:
         return responses.Response(status_code=499)  # nobody reads it: the client has gone

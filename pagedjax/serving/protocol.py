@@ -216,10 +216,14 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def usage_json(prompt_tokens: int, completion_tokens: int) -> dict:
-    """OpenAI's usage object."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage_json(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage object; with cached_tokens (vLLM's --enable-prompt-tokens-details), the
+    prompt tokens the prefix cache served, in prompt_tokens_details."""
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return usage
 
 
 def prompt_logprobs_json(entries, prompt_token_ids, num_top: int) -> list | None:

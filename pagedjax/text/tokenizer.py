@@ -238,6 +238,24 @@ class Tokenizer:
                    eos_token_ids=_int_ids(generation.get("eos_token_id"), "eos_token_id")
                    + ([] if eos_id is None else [eos_id]))
 
+    def save_pretrained(self, path: str | os.PathLike) -> str:
+        """Write a Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json with
+        the special tokens and chat template, generation_config.json with the EOS ids) that
+        from_dir and transformers' AutoTokenizer load: a GGUF's tokenizer for tools that want
+        one by path (benchmark clients counting tokens). Returns the directory."""
+        path = os.fspath(path)
+        os.makedirs(path, exist_ok=True)
+        self._tokenizer.save(os.path.join(path, "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": self.bos_token,
+                  "eos_token": self.eos_token, "chat_template": self.chat_template,
+                  "clean_up_tokenization_spaces": False}
+        generation = {"bos_token_id": self.bos_token_id, "eos_token_id": list(self.eos_token_ids)}
+        for name, content in (("tokenizer_config.json", config),
+                              ("generation_config.json", generation)):
+            with open(os.path.join(path, name), "w", encoding="utf-8") as f:
+                json.dump({k: v for k, v in content.items() if v is not None}, f, indent=1)
+        return path
+
     @property
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)

@@ -24,6 +24,9 @@ def serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="serve tool_choice \"auto\" (the default with tools): the reply's "
                         "tool calls read by --tool-call-parser")
+    parser.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="every usage object says how many prompt tokens the prefix cache "
+                        "served (prompt_tokens_details.cached_tokens), as vLLM's flag")
     parser.add_argument("--responses-store-size", type=int, default=1000,
                         help="responses the Responses API keeps (for GET /v1/responses/{id} and "
                         "previous_response_id), the oldest dropped first; 0 keeps none")
@@ -179,7 +182,8 @@ def serve(args, parser: argparse.ArgumentParser) -> None:
                enable_auto_tool_choice=args.enable_auto_tool_choice,
                reasoning_parser=args.reasoning_parser,
                responses_store_size=args.responses_store_size,
-               responses_store_ttl_s=args.responses_store_ttl)
+               responses_store_ttl_s=args.responses_store_ttl,
+               enable_prompt_tokens_details=args.enable_prompt_tokens_details)
 
 
 SERVER_FLAGS = ("max_outstanding_tokens", "kv_overcommit", "long_context_threshold",
