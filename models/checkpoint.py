@@ -79,7 +79,8 @@ def checked_checkpoint(directory: str, dtype=jnp.float32, param_dtype=None):
     config, record = read_checkpoint_config(directory)
     saved_dtype = jnp.dtype(record["param_dtype"])
     param_dtype = saved_dtype if param_dtype is None else jnp.dtype(param_dtype)
-    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(
+    from models.registry import model_class
+    abstract = nnx.eval_shape(lambda: model_class(config)(
         config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype))
     params = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
     params_path = os.path.join(directory, PARAMS_DIR)

@@ -7,6 +7,8 @@ import math
 from typing import Any
 
 ROPE_TYPES = ("default", "linear", "llama3")
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # models.layers.ACTIVATIONS
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +56,20 @@ class LlamaConfig:
     attention_bias: bool = False  # biases on q/k/v (Qwen2; Llama's attention_bias sets o too)
     o_proj_bias: bool = False
     mlp_bias: bool = False
-    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
-    model_type: str = "llama"  # the family member the weights came from (informational)
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma 3)
+    model_type: str = "llama"  # the family member the weights came from (models.registry)
+    # Gemma 2 / 3 (models/gemma.py); the defaults are Llama's.
+    hidden_act: str = "silu"  # the gated MLP's activation (HIDDEN_ACTS)
+    norm_unit_offset: bool = False  # RMSNorm weights applied as (1 + weight)
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size)
+    sandwich_norms: bool = False  # norms after attention and around the MLP too
+    query_pre_attn_scalar: float | None = None  # attention scale its ** -0.5 (else head_dim's)
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    # Per layer: "sliding_attention" layers see sliding_window tokens, "full_attention" all;
+    # None: sliding_window (if any) applies to every layer.
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None  # sliding layers' RoPE base, unscaled (Gemma 3)
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -79,6 +93,7 @@ class LlamaConfig:
                              f"got {type(self.rope_scaling).__name__}")
         if isinstance(self.eos_token_id, (list, tuple)):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        self._check_family_fields()
         ids = [("bos_token_id", self.bos_token_id)] + [("eos_token_id", i)
                                                        for i in self.eos_token_ids]
         for name, value in ids:
@@ -86,6 +101,49 @@ class LlamaConfig:
                                       or not 0 <= value < self.vocab_size):
                 raise ValueError(f"{name} must be in [0, vocab_size={self.vocab_size}), "
                                  f"got {value!r}")
+
+    def _check_family_fields(self) -> None:
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping",
+                     "final_logit_softcapping", "rope_local_theta"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and value > 0
+                                          and math.isfinite(value)):
+                raise ValueError(f"{name} must be None or a finite number > 0, got {value!r}")
+        if self.layer_types is None:
+            return
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(
+                LAYER_TYPES):
+            raise ValueError(f"layer_types must name one of {LAYER_TYPES} for each of the "
+                             f"{self.num_layers} layers, got {self.layer_types!r}")
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ValueError("sliding_attention layers need a sliding_window")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of a layer (None: the whole context)."""
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    def layer_rope(self, layer: int) -> tuple[float, RopeScaling | None]:
+        """(RoPE base, scaling) of a layer: sliding layers take rope_local_theta when set."""
+        if self.rope_local_theta is not None and self.layer_window(layer) is not None:
+            return self.rope_local_theta, None
+        return self.rope_theta, self.rope_scaling
+
+    @property
+    def shared_window(self) -> int | None:
+        """The window every layer has (the KV blocks before it can be freed); None when any
+        layer sees the whole context."""
+        if self.layer_types is not None and "full_attention" in self.layer_types:
+            return None
+        return self.sliding_window
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -121,7 +179,8 @@ class LlamaConfig:
         attn += d * self.o_proj_bias + 2 * h * self.qk_norm
         mlp = 3 * d * self.intermediate_size + (2 * self.intermediate_size + d) * self.mlp_bias
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + mlp + 2 * d) + embed + d
+        norms = (4 if self.sandwich_norms else 2) * d
+        return self.num_layers * (attn + mlp + norms) + embed + d
 
 
 CONFIGS: dict[str, LlamaConfig] = {

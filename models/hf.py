@@ -1,9 +1,10 @@
 """Hugging Face model directories: config.json -> LlamaConfig, safetensors -> an NNX model.
 
-Supported: Llama (2, 3, 3.1 with llama3 RoPE scaling), Mistral (sliding window), Qwen2 (q/k/v
-bias), Qwen3 (q/k RMSNorm); config.json in the transformers 4 format (`rope_theta`,
-`rope_scaling`, `torch_dtype`) or 5 (`rope_parameters`, `dtype`, explicit `head_dim`). Anything
-the family implementation would get wrong is refused at load with UnsupportedModelError.
+Supported (models.registry): Llama (2, 3, 3.1 with llama3 RoPE scaling), Mistral (sliding
+window), Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), Gemma 2 and Gemma 3 text (models/gemma.py);
+config.json in the transformers 4 format (`rope_theta`, `rope_scaling`, `torch_dtype`) or 5
+(`rope_parameters`, `dtype`, explicit `head_dim`), read by models.hf_config. Anything the family
+implementation would get wrong is refused at load with UnsupportedModelError.
 
 Weights are read with the `safetensors` library (no torch), one tensor at a time: each is cast,
 transposed where HF stores [out, in], and put on the device before the next is read, so the host
@@ -22,53 +23,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.config import ROPE_TYPES, LlamaConfig, RopeScaling
+from models.config import LlamaConfig
+from models.hf_config import (UnsupportedModelError, architecture_of,  # noqa: F401
+                              config_from_hf, supported_summary)
 from models.llama import LlamaForCausalLM
+from models.registry import model_class
 
-ARCHITECTURES = {  # HF class -> model_type
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
-# Why some well-known architectures are refused (others get the generic reason).
-KNOWN_UNSUPPORTED = {
-    "mamba": "state-space (Mamba) layers keep a recurrent state, not a paged KV cache",
-    "mamba2": "state-space (Mamba) layers keep a recurrent state, not a paged KV cache",
-    "jamba": "hybrid attention + Mamba layers",
-    "zamba2": "hybrid attention + Mamba layers",
-    "falcon_h1": "hybrid attention + Mamba layers",
-    "qwen3_next": "hybrid gated linear attention (Gated DeltaNet) layers",
-    "rwkv": "RWKV linear-attention recurrence",
-    "bloom": "ALiBi position bias instead of RoPE",
-    "mpt": "ALiBi position bias instead of RoPE",
-    "falcon": "ALiBi or parallel attention blocks",
-    "mixtral": "mixture-of-experts MLP layers",
-    "qwen2_moe": "mixture-of-experts MLP layers",
-    "qwen3_moe": "mixture-of-experts MLP layers",
-    "gemma": "GeGLU MLP and (1 + weight) RMSNorm",
-    "gemma2": "logit soft-capping and alternating local/global layers",
-    "gemma3": "alternating local/global layers with per-type RoPE",
-    "phi3": "fused qkv/gate_up projections",
-}
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-class UnsupportedModelError(ValueError):
-    """The directory holds a model this engine cannot serve correctly."""
-
-
-def supported_summary() -> str:
-    return ", ".join(ARCHITECTURES)
-
-
-def _refuse(architecture: str, what: str) -> UnsupportedModelError:
-    return UnsupportedModelError(f"architecture {architecture}: {what} is not supported; "
-                                 f"supported architectures: {supported_summary()} (RoPE types "
-                                 f"{', '.join(ROPE_TYPES)}, SiLU MLP, full or sliding-window "
-                                 f"attention)")
 
 
 def read_json(path: str) -> dict[str, Any]:
@@ -82,126 +45,6 @@ def read_json(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object")
     return data
-
-
-def architecture_of(raw: dict[str, Any]) -> str:
-    archs = raw.get("architectures") or []
-    if archs:
-        return str(archs[0])
-    return str(raw.get("model_type", "unknown"))
-
-
-def _rope(raw: dict[str, Any], architecture: str) -> tuple[float, RopeScaling | None]:
-    """RoPE theta and scaling from either config format."""
-    params = raw.get("rope_parameters")  # transformers 5
-    if params is None:
-        params = dict(raw.get("rope_scaling") or {})  # transformers 4
-        params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
-    if not isinstance(params, dict) or "rope_theta" not in params:
-        raise _refuse(architecture, f"rope_parameters {params!r} (per-layer-type RoPE)")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise _refuse(architecture, f"RoPE type {rope_type!r}")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise _refuse(architecture, f"partial_rotary_factor {params['partial_rotary_factor']}")
-    theta = float(params["rope_theta"])
-    if rope_type == "default":
-        return theta, None
-    fields = {"factor": params.get("factor")}
-    if rope_type == "llama3":
-        for name in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-            if name not in params:
-                raise ValueError(f"llama3 RoPE scaling needs {name} in the config")
-            fields[name] = params[name]
-    if fields["factor"] is None:
-        raise ValueError(f"{rope_type} RoPE scaling needs a factor in the config")
-    return theta, RopeScaling(rope_type=rope_type, **fields)
-
-
-def _eos_ids(value) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return tuple(int(v) for v in (value if isinstance(value, list) else [value]))
-
-
-def _check_supported(raw: dict[str, Any], architecture: str) -> str:
-    """The Llama-family model_type of a config.json, or UnsupportedModelError naming why not."""
-    model_type = ARCHITECTURES.get(architecture)
-    if model_type is None:
-        reason = KNOWN_UNSUPPORTED.get(str(raw.get("model_type")),
-                                       "not a member of the Llama family implemented in models/")
-        raise UnsupportedModelError(f"architecture {architecture} is not supported ({reason}); "
-                                    f"supported architectures: {supported_summary()}")
-    if raw.get("model_type", model_type) != model_type:
-        raise _refuse(architecture, f"model_type {raw.get('model_type')!r}")
-    if raw.get("quantization_config"):
-        method = raw["quantization_config"].get("quant_method", "?")
-        raise _refuse(architecture, f"a quantized checkpoint ({method})")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise _refuse(architecture, f"hidden_act {raw['hidden_act']!r}")
-    if raw.get("alibi") or raw.get("position_embedding_type", "rope") != "rope":
-        raise _refuse(architecture, "a non-RoPE position encoding")
-    return model_type
-
-
-def _attention_window(raw: dict[str, Any], architecture: str, model_type: str,
-                      num_layers: int) -> int | None:
-    """The attention window: one per model. Qwen2/3 give layer_types (or use_sliding_window
-    with max_window_layers in the transformers 4 format); Mistral gives sliding_window alone."""
-    window = raw.get("sliding_window")
-    if model_type in ("qwen2", "qwen3"):
-        layer_types = raw.get("layer_types")
-        if layer_types is None:
-            sliding = raw.get("use_sliding_window", False)
-            first = raw.get("max_window_layers", num_layers)
-            layer_types = ["sliding_attention" if sliding and i >= first else "full_attention"
-                           for i in range(num_layers)]
-        kinds = set(layer_types)
-        if not kinds <= {"full_attention", "sliding_attention"}:
-            raise _refuse(architecture, f"layer types {sorted(kinds)}")
-        if len(kinds) > 1:
-            raise _refuse(architecture, "a mix of sliding-window and full-attention layers")
-        if kinds != {"sliding_attention"}:
-            window = None
-    elif model_type == "llama":
-        window = None
-    if window is not None and (not isinstance(window, int) or window < 1):
-        raise ValueError(f"sliding_window must be an integer >= 1, got {window!r}")
-    return window
-
-
-def config_from_hf(raw: dict[str, Any],
-                   generation_config: dict[str, Any] | None = None) -> LlamaConfig:
-    """The LlamaConfig for a parsed config.json, or UnsupportedModelError naming what is not."""
-    architecture = architecture_of(raw)
-    model_type = _check_supported(raw, architecture)
-    num_layers = raw["num_hidden_layers"]
-    theta, scaling = _rope(raw, architecture)
-    window = _attention_window(raw, architecture, model_type, num_layers)
-    bias = bool(raw.get("attention_bias", False))
-    eos = _eos_ids(raw.get("eos_token_id"))
-    for token_id in _eos_ids((generation_config or {}).get("eos_token_id")):
-        if token_id not in eos:
-            eos += (token_id,)
-    heads = raw["num_attention_heads"]
-    try:
-        return LlamaConfig(
-            vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"], num_layers=num_layers,
-            num_heads=heads, num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-            rope_theta=theta, rope_scaling=scaling, rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            initializer_range=raw.get("initializer_range", 0.02),
-            bos_token_id=raw.get("bos_token_id"), eos_token_id=eos or None,
-            sliding_window=window,
-            attention_bias=bias or model_type == "qwen2",
-            o_proj_bias=bias and model_type == "llama",
-            mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3", model_type=model_type)
-    except KeyError as e:
-        raise ValueError(f"config.json lacks the field {e.args[0]!r}") from None
 
 
 def read_hf_config(model_dir: str) -> LlamaConfig:
@@ -265,8 +108,9 @@ def checked_hf_weights(model_dir: str, dtype: str = "float32"):
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
     config = read_hf_config(model_dir)
     jdtype = jnp.dtype(dtype)
-    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0), dtype=jdtype,
-                                                       param_dtype=jdtype))
+    cls = model_class(config)
+    abstract = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=jdtype,
+                                          param_dtype=jdtype))
     params = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     wanted = [(_hf_name(path), leaf.shape) for path, leaf in leaves]
@@ -388,6 +232,8 @@ def config_report(config: LlamaConfig, kv_dtype: str, block_size: int,
         num_layers=config.num_layers, num_heads=config.num_heads,
         num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
         sliding_window=config.sliding_window,
+        sliding_layers=sum(config.layer_window(i) is not None for i in range(config.num_layers))
+        if config.sliding_window else None,
         rope=(config.rope_scaling.rope_type if config.rope_scaling else "default"),
         rope_theta=config.rope_theta, max_position_embeddings=config.max_position_embeddings,
         num_params=config.num_params, kv_dtype=kv_dtype, attention_backend=attention_backend,

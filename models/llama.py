@@ -15,136 +15,23 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from models.config import LlamaConfig, RopeScaling
-from pallas_kernels import AttentionBackend, AttentionMetadata, for_layer, paged_attention
-
-
-class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, *, param_dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
-        self.eps = eps
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * self.weight[...].astype(jnp.float32)).astype(x.dtype)
-
-
-def rope_inv_freq(head_dim: int, theta: float,
-                  scaling: RopeScaling | None = None) -> np.ndarray:
-    """f32[H/2] rotary frequencies, with linear or Llama-3.1 scaling (computed in float64 on the
-    host: a constant of the traced step)."""
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    if scaling is None or scaling.rope_type == "default":
-        return inv_freq.astype(np.float32)
-    if scaling.rope_type == "linear":
-        return (inv_freq / scaling.factor).astype(np.float32)
-    # llama3: wavelengths above original_len / low_freq_factor are divided by factor, those below
-    # original_len / high_freq_factor kept, and the band between interpolated linearly in 1/freq.
-    original = scaling.original_max_position_embeddings
-    wavelen = 2 * np.pi / inv_freq
-    smooth = (original / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor)
-    interpolated = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-    scaled = np.where(wavelen > original / scaling.low_freq_factor, inv_freq / scaling.factor,
-                      np.where(wavelen < original / scaling.high_freq_factor, inv_freq,
-                               interpolated))
-    return scaled.astype(np.float32)
-
-
-def rope(x: jax.Array, positions: jax.Array, theta: float,
-         scaling: RopeScaling | None = None) -> jax.Array:
-    """Rotary embedding, rotate-half convention (as Hugging Face Llama). x: [..., L, heads, H]."""
-    inv_freq = jnp.asarray(rope_inv_freq(x.shape[-1], theta, scaling))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., L, H/2]
-    cos = jnp.cos(angles)[..., None, :]
-    sin = jnp.sin(angles)[..., None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
-
-
-def _linear(din: int, dout: int, config: LlamaConfig, rngs: nnx.Rngs, dtype, param_dtype,
-            use_bias: bool = False):
-    init = nnx.initializers.normal(config.initializer_range)
-    return nnx.Linear(din, dout, use_bias=use_bias, kernel_init=init, dtype=dtype,
-                      param_dtype=param_dtype, rngs=rngs)
-
-
-class Attention(nnx.Module):
-    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
-        d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
-        self.rope_theta = config.rope_theta
-        self.rope_scaling = config.rope_scaling
-        self.sliding_window = config.sliding_window
-        bias = config.attention_bias
-        self.q_proj = _linear(d, n * h, config, rngs, dtype, param_dtype, bias)
-        self.k_proj = _linear(d, k * h, config, rngs, dtype, param_dtype, bias)
-        self.v_proj = _linear(d, k * h, config, rngs, dtype, param_dtype, bias)
-        self.o_proj = _linear(n * h, d, config, rngs, dtype, param_dtype, config.o_proj_bias)
-        if config.qk_norm:  # Qwen3
-            self.q_norm = RMSNorm(h, config.rms_norm_eps, param_dtype=param_dtype)
-            self.k_norm = RMSNorm(h, config.rms_norm_eps, param_dtype=param_dtype)
-        else:
-            self.q_norm = self.k_norm = None
-
-    def _qkv(self, x: jax.Array, positions: jax.Array):
-        lead = x.shape[:-1]
-        q = self.q_proj(x).reshape(*lead, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return (rope(q, positions, self.rope_theta, self.rope_scaling),
-                rope(k, positions, self.rope_theta, self.rope_scaling), v)
-
-    def __call__(self, x: jax.Array) -> jax.Array:  # [B, L, D] -> [B, L, D]
-        batch, length, _ = x.shape
-        q, k, v = self._qkv(x, jnp.arange(length))
-        group = self.num_heads // self.num_kv_heads
-        q = q.reshape(batch, length, self.num_kv_heads, group, self.head_dim)
-        scores = jnp.einsum("BLKGH,BMKH->BKGLM", q.astype(jnp.float32), k.astype(jnp.float32))
-        scores *= self.head_dim ** -0.5
-        pos = jnp.arange(length)
-        visible = pos[None, :] <= pos[:, None]
-        if self.sliding_window is not None:
-            visible &= pos[None, :] > pos[:, None] - self.sliding_window
-        scores = jnp.where(visible, scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1)
-        out = jnp.einsum("BKGLM,BMKH->BLKGH", probs, v.astype(jnp.float32)).astype(x.dtype)
-        return self.o_proj(out.reshape(batch, length, self.num_heads * self.head_dim))
-
-    def forward_paged(self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
-                      metadata: AttentionMetadata, backend: AttentionBackend):
-        q, k, v = self._qkv(x, positions)  # [T, N, H], [T, K, H], [T, K, H]
-        out, kv_cache = paged_attention(q, k, v, kv_cache, metadata,
-                                        scale=self.head_dim ** -0.5, backend=backend,
-                                        sliding_window=self.sliding_window)
-        return self.o_proj(out.reshape(x.shape[0], -1)), kv_cache
-
-
-class MLP(nnx.Module):
-    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
-        d, f = config.hidden_size, config.intermediate_size
-        bias = config.mlp_bias
-        self.gate_proj = _linear(d, f, config, rngs, dtype, param_dtype, bias)
-        self.up_proj = _linear(d, f, config, rngs, dtype, param_dtype, bias)
-        self.down_proj = _linear(f, d, config, rngs, dtype, param_dtype, bias)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+from models.attention import Attention, soft_cap
+from models.config import LlamaConfig
+from models.layers import MLP, RMSNorm, linear, rms_norm, rope, rope_inv_freq  # noqa: F401
+from pallas_kernels import AttentionBackend, AttentionMetadata, for_layer
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, param_dtype=param_dtype)
-        self.self_attn = Attention(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, param_dtype=param_dtype)
+    """Pre-norm attention and MLP, each added to the residual stream."""
+
+    def __init__(self, config: LlamaConfig, layer: int = 0, *, rngs: nnx.Rngs, dtype,
+                 param_dtype):
+        d = config.hidden_size
+        self.input_layernorm = rms_norm(config, d, param_dtype)
+        self.self_attn = Attention(config, layer, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.post_attention_layernorm = rms_norm(config, d, param_dtype)
         self.mlp = MLP(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -159,6 +46,12 @@ class DecoderLayer(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
+    """The decoder: embeddings, layers (layer_class, one per layer), final norm, vocabulary
+    projection (tied to the embeddings without lm_head). A family with other layers subclasses
+    it (models/gemma.py), so everything that serves a model takes either."""
+
+    layer_class = DecoderLayer
+
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  param_dtype=jnp.float32):
         self.config = config
@@ -166,19 +59,23 @@ class LlamaForCausalLM(nnx.Module):
         self.embed_tokens = nnx.Embed(
             config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=param_dtype,
             embedding_init=nnx.initializers.normal(config.initializer_range), rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(config, rngs=rngs, dtype=dtype,
-                                             param_dtype=param_dtype)
-                                for _ in range(config.num_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, param_dtype=param_dtype)
+        self.layers = nnx.List([self.layer_class(config, index, rngs=rngs, dtype=dtype,
+                                                 param_dtype=param_dtype)
+                                for index in range(config.num_layers)])
+        self.norm = rms_norm(config, config.hidden_size, param_dtype)
         self.lm_head = (None if config.tie_word_embeddings else
-                        _linear(config.hidden_size, config.vocab_size, config, rngs, dtype,
-                                param_dtype))
+                        linear(config.hidden_size, config.vocab_size, config, rngs, dtype,
+                               param_dtype))
 
     def logits(self, hidden: jax.Array) -> jax.Array:  # [..., D] -> f32[..., V]
-        return project_logits(self.norm, self.embed_tokens, self.lm_head, hidden)
+        return project_logits(self.norm, self.embed_tokens, self.lm_head, hidden,
+                              self.config.final_logit_softcapping)
+
+    def embed(self, token_ids: jax.Array) -> jax.Array:
+        return embed(self.embed_tokens, token_ids, self.config.scale_embeddings)
 
     def __call__(self, token_ids: jax.Array) -> jax.Array:  # i32[B, L] -> f32[B, L, V]
-        x = self.embed_tokens(token_ids)
+        x = self.embed(token_ids)
         for layer in self.layers:
             x = layer(x)
         return self.logits(x)
@@ -193,7 +90,7 @@ class LlamaForCausalLM(nnx.Module):
     ) -> tuple[jax.Array, jax.Array]:  # ([T, D] pre-norm hidden, new cache)
         """The layers unrolled in Python (one copy of the layer per layer in a traced program):
         the reference for models.serving's scanned form."""
-        x = self.embed_tokens(token_ids)
+        x = self.embed(token_ids)
         blocks_per_layer = kv_cache.shape[2] // len(self.layers)
         block_size = kv_cache.shape[3]
         for index, layer in enumerate(self.layers):
@@ -203,16 +100,62 @@ class LlamaForCausalLM(nnx.Module):
         return x, kv_cache
 
 
+def embed(embed_tokens: nnx.Embed, token_ids: jax.Array, scale: bool) -> jax.Array:
+    """The token embeddings, times sqrt(D) in their dtype when scale (Gemma's)."""
+    x = embed_tokens(token_ids)
+    if scale:
+        x = x * jnp.asarray(embed_tokens.features ** 0.5, x.dtype)
+    return x
+
+
 def project_logits(norm: RMSNorm, embed_tokens: nnx.Embed, lm_head: nnx.Linear | None,
-                   hidden: jax.Array) -> jax.Array:  # [..., D] -> f32[..., V]
-    """The final norm and the vocabulary projection (the tied embedding when lm_head is None)."""
+                   hidden: jax.Array, cap: float | None = None) -> jax.Array:
+    """The final norm, the vocabulary projection (the tied embedding when lm_head is None) and
+    the final logit soft-capping when cap is set (Gemma 2). [..., D] -> f32[..., V]."""
     hidden = norm(hidden)
     if lm_head is None:
-        return embed_tokens.attend(hidden).astype(jnp.float32)
-    return lm_head(hidden).astype(jnp.float32)
+        return soft_cap(embed_tokens.attend(hidden).astype(jnp.float32), cap)
+    return soft_cap(lm_head(hidden).astype(jnp.float32), cap)
 
 
 def init_model(config: LlamaConfig, seed: int = 0, dtype=jnp.float32,
                param_dtype=jnp.float32) -> LlamaForCausalLM:
-    """A randomly initialised model, deterministic in seed."""
-    return LlamaForCausalLM(config, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype)
+    """A randomly initialised model of the config's family (models.registry), deterministic in
+    seed."""
+    from models.registry import model_class
+    return model_class(config)(config, rngs=nnx.Rngs(seed), dtype=dtype,
+                               param_dtype=param_dtype)
+
+
+def read_hf_config(raw: dict, architecture: str, model_type: str, common: dict) -> LlamaConfig:
+    """The Llama family's config.json (Llama 2/3/3.1, Mistral, Qwen2, Qwen3): one attention
+    window for the whole model. Qwen2/3 give layer_types (or use_sliding_window with
+    max_window_layers in the transformers 4 format); Mistral gives sliding_window alone."""
+    from models.hf_config import refuse, rope_from_params, rope_params
+    theta, scaling = rope_from_params(rope_params(raw), architecture)
+    window = raw.get("sliding_window")
+    num_layers = common["num_layers"]
+    if model_type in ("qwen2", "qwen3"):
+        layer_types = raw.get("layer_types")
+        if layer_types is None:
+            sliding = raw.get("use_sliding_window", False)
+            first = raw.get("max_window_layers", num_layers)
+            layer_types = ["sliding_attention" if sliding and i >= first else "full_attention"
+                           for i in range(num_layers)]
+        kinds = set(layer_types)
+        if not kinds <= {"full_attention", "sliding_attention"}:
+            raise refuse(architecture, f"layer types {sorted(kinds)}")
+        if len(kinds) > 1:
+            raise refuse(architecture, "a mix of sliding-window and full-attention layers")
+        if kinds != {"sliding_attention"}:
+            window = None
+    elif model_type == "llama":
+        window = None
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"sliding_window must be an integer >= 1, got {window!r}")
+    bias = bool(raw.get("attention_bias", False))
+    return LlamaConfig(**common, rope_theta=theta, rope_scaling=scaling, sliding_window=window,
+                       attention_bias=bias or model_type == "qwen2",
+                       o_proj_bias=bias and model_type == "llama",
+                       mlp_bias=bool(raw.get("mlp_bias", False)),
+                       qk_norm=model_type == "qwen3", model_type=model_type)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.llama import DecoderLayer, LlamaForCausalLM, project_logits
+from models.llama import LlamaForCausalLM, embed, project_logits
 from pallas_kernels import AttentionBackend, AttentionMetadata, for_layer
 
 
@@ -27,11 +27,16 @@ class ServingGraph:
     """The static half (hashable: a jit static argument): each part's nnx graph."""
 
     embed: nnx.GraphDef
-    layer: nnx.GraphDef  # one decoder layer; every layer has this structure
+    layer: nnx.GraphDef  # the first decoder layer; every layer's when they share a structure
     norm: nnx.GraphDef
     lm_head: nnx.GraphDef | None  # None: tied to the embedding
     num_layers: int
     scan_layers: bool
+    # Each layer's graph when they differ (Gemma's sliding and global layers: their windows and
+    # RoPE bases are static): the layers then run unrolled.
+    layers: tuple[nnx.GraphDef, ...] | None = None
+    scale_embeddings: bool = False
+    final_logit_softcapping: float | None = None
 
 
 class ServingWeights(NamedTuple):
@@ -54,26 +59,30 @@ def serving_form(model: LlamaForCausalLM, scan_layers: bool = True,
     norm_def, norm = nnx.split(model.norm)
     head_def, head = (None, None) if model.lm_head is None else nnx.split(model.lm_head)
     splits = [nnx.split(layer) for layer in model.layers]
-    layer_def = splits[0][0]
-    if any(graph != layer_def for graph, _ in splits[1:]):
-        raise ValueError("serving_form needs every decoder layer to have one structure")
+    layer_defs = tuple(graph for graph, _ in splits)
     states = tuple(state for _, state in splits)
     if kv_head_repeats > 1:
-        layer_def, states = _repeat_kv_heads(model, states, kv_head_repeats)
+        layer_defs, states = _repeat_kv_heads(model, states, kv_head_repeats)
+    uniform = all(graph == layer_defs[0] for graph in layer_defs)
+    scan_layers = scan_layers and uniform
     layers = jax.tree.map(_stack, *states) if scan_layers else states
-    graph = ServingGraph(embed_def, layer_def, norm_def, head_def, len(states), scan_layers)
+    config = model.config
+    graph = ServingGraph(embed_def, layer_defs[0], norm_def, head_def, len(states), scan_layers,
+                         None if uniform else layer_defs, config.scale_embeddings,
+                         config.final_logit_softcapping)
     return graph, ServingWeights(embed, layers, norm, head)
 
 
 def _repeat_kv_heads(model: LlamaForCausalLM, states: tuple, repeats: int):
-    """(the graph of a layer with K * repeats KV heads, the layers' states with each KV head's
-    k/v projection columns repeated `repeats` times in place: head j of the result is head
-    j // repeats of the model)."""
+    """(the graphs of the layers with K * repeats KV heads, the layers' states with each KV
+    head's k/v projection columns repeated `repeats` times in place: head j of the result is
+    head j // repeats of the model)."""
     config = model.config
     wide = dataclasses.replace(config, num_kv_heads=config.num_kv_heads * repeats)
     param_dtype = jax.tree.leaves(nnx.state(model.embed_tokens))[0].dtype  # abstract too
-    layer_def, _ = nnx.split(nnx.eval_shape(lambda: DecoderLayer(
-        wide, rngs=nnx.Rngs(0), dtype=model.dtype, param_dtype=param_dtype)))
+    layer_defs = tuple(nnx.split(nnx.eval_shape(lambda i=i, layer=layer: type(layer)(
+        wide, i, rngs=nnx.Rngs(0), dtype=model.dtype, param_dtype=param_dtype)))[0]
+        for i, layer in enumerate(model.layers))
 
     def repeat(x):
         if isinstance(x, jax.ShapeDtypeStruct):
@@ -89,7 +98,7 @@ def _repeat_kv_heads(model: LlamaForCausalLM, states: tuple, repeats: int):
                 variable.set_value(repeat(variable.get_value()))
         return state
 
-    return layer_def, tuple(widen(state) for state in states)
+    return layer_defs, tuple(widen(state) for state in states)
 
 
 def repeat_kv_columns(x: jax.Array, num_kv_heads: int, repeats: int) -> jax.Array:
@@ -115,12 +124,12 @@ def forward_paged(
     backend: AttentionBackend = AttentionBackend(),
 ) -> tuple[jax.Array, jax.Array]:  # ([T, D] pre-norm hidden, new cache)
     """LlamaForCausalLM.forward_paged on the serving form: scanned or unrolled by graph."""
-    x = nnx.merge(graph.embed, weights.embed)(token_ids)
+    x = embed(nnx.merge(graph.embed, weights.embed), token_ids, graph.scale_embeddings)
     blocks_per_layer = kv_cache.shape[2] // graph.num_layers
     block_size = kv_cache.shape[3]
 
     def layer_step(x, kv_cache, index, state):
-        layer = nnx.merge(graph.layer, state)
+        layer = nnx.merge(graph.layer if graph.layers is None else graph.layers[index], state)
         return layer.forward_paged(x, positions, kv_cache,
                                    for_layer(metadata, index, blocks_per_layer, block_size),
                                    backend)
@@ -142,4 +151,5 @@ def logits(graph: ServingGraph, weights: ServingWeights,
            hidden: jax.Array) -> jax.Array:  # [..., D] -> f32[..., V]
     head = None if graph.lm_head is None else nnx.merge(graph.lm_head, weights.lm_head)
     return project_logits(nnx.merge(graph.norm, weights.norm),
-                          nnx.merge(graph.embed, weights.embed), head, hidden)
+                          nnx.merge(graph.embed, weights.embed), head, hidden,
+                          graph.final_logit_softcapping)

@@ -113,7 +113,7 @@ class LLMEngine:
         self._make_scheduler = lambda: Scheduler(
             config.scheduler_config(), self.num_blocks, config.block_size,
             cache_key=model_cache_key(model, config), num_host_blocks=num_host_blocks,
-            sliding_window=model_config.sliding_window)
+            sliding_window=model_config.shared_window)
         self.scheduler = self._make_scheduler()
         if self.multihost and jax.process_index() == 0:
             self.runner.channel = multihost.LeaderChannel()  # process 0 leads (multihost.py)

@@ -114,10 +114,11 @@ def weight_bytes_per_device(config: LlamaConfig, tensor_parallel_size: int,
     """Bytes of weights one device holds under weight_spec (from the shapes: nothing built)."""
     from flax import nnx
 
-    from models import LlamaForCausalLM, serving_form
+    from models import serving_form
+    from models.registry import model_class
 
     tp = tensor_parallel_size
-    model = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: model_class(config)(config, rngs=nnx.Rngs(0)))
     _, weights = serving_form(model, kv_head_repeats=kv_head_repeats(config.num_kv_heads, tp))
     total = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(weights):

@@ -89,10 +89,16 @@ def inspect(args, parser: argparse.ArgumentParser) -> None:
           f"(model_type {report['model_type']}, weights {report['checkpoint_dtype']})")
     if "attention" in report:
         window = report.get("sliding_window")
+        sliding = report.get("sliding_layers")
+        where = (f" on {sliding} of {report['num_layers']} layers (the others global)"
+                 if sliding is not None and sliding < report["num_layers"] else "")
         print(f"  attention            {report['attention']}"
-              + (f", sliding window {window}" if window else ""))
+              + (f", sliding window {window}{where}" if window else ""))
     if not report["supported"]:
         print(f"  supported            no: {report['reason']}")
+        from models.registry import table
+        print("  the model registry   " + "\n                       ".join(
+            f"{row['architecture']} ({row['family']}, {row['format']})" for row in table()))
         raise SystemExit(1)
     print(f"  layers / heads / kv  {report['num_layers']} / {report['num_heads']} / "
           f"{report['num_kv_heads']}, head_dim {report['head_dim']}")

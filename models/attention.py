@@ -1,0 +1,75 @@
+"""Self-attention with RoPE for every family: grouped-query heads, optional q/k biases and q/k
+RMSNorm, the layer's own window and RoPE base (config.layer_window / layer_rope: Gemma's
+alternating sliding and global layers), the attention scale (query_pre_attn_scalar) and logit
+soft-capping. Two paths over the same weights: dense causal (`__call__`) and paged
+(`forward_paged`, through pallas_kernels.paged_attention)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import LlamaConfig
+from models.layers import linear, rms_norm, rope
+from pallas_kernels import AttentionBackend, AttentionMetadata, paged_attention
+
+
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(x / cap) (Gemma 2's logit soft-capping); x unchanged when cap is None."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: LlamaConfig, layer: int = 0, *, rngs: nnx.Rngs, dtype,
+                 param_dtype):
+        d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
+        self.rope_theta, self.rope_scaling = config.layer_rope(layer)
+        self.sliding_window = config.layer_window(layer)
+        self.scale = config.attention_scale
+        self.soft_cap = config.attn_logit_softcapping
+        bias = config.attention_bias
+        self.q_proj = linear(d, n * h, config, rngs, dtype, param_dtype, bias)
+        self.k_proj = linear(d, k * h, config, rngs, dtype, param_dtype, bias)
+        self.v_proj = linear(d, k * h, config, rngs, dtype, param_dtype, bias)
+        self.o_proj = linear(n * h, d, config, rngs, dtype, param_dtype, config.o_proj_bias)
+        if config.qk_norm:  # Qwen3, Gemma 3
+            self.q_norm = rms_norm(config, h, param_dtype)
+            self.k_norm = rms_norm(config, h, param_dtype)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def _qkv(self, x: jax.Array, positions: jax.Array):
+        lead = x.shape[:-1]
+        q = self.q_proj(x).reshape(*lead, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return (rope(q, positions, self.rope_theta, self.rope_scaling),
+                rope(k, positions, self.rope_theta, self.rope_scaling), v)
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [B, L, D] -> [B, L, D]
+        batch, length, _ = x.shape
+        q, k, v = self._qkv(x, jnp.arange(length))
+        group = self.num_heads // self.num_kv_heads
+        q = q.reshape(batch, length, self.num_kv_heads, group, self.head_dim)
+        scores = jnp.einsum("BLKGH,BMKH->BKGLM", q.astype(jnp.float32), k.astype(jnp.float32))
+        scores = soft_cap(scores * self.scale, self.soft_cap)
+        pos = jnp.arange(length)
+        visible = pos[None, :] <= pos[:, None]
+        if self.sliding_window is not None:
+            visible &= pos[None, :] > pos[:, None] - self.sliding_window
+        scores = jnp.where(visible, scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1)
+        out = jnp.einsum("BKGLM,BMKH->BLKGH", probs, v.astype(jnp.float32)).astype(x.dtype)
+        return self.o_proj(out.reshape(batch, length, self.num_heads * self.head_dim))
+
+    def forward_paged(self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
+                      metadata: AttentionMetadata, backend: AttentionBackend):
+        q, k, v = self._qkv(x, positions)  # [T, N, H], [T, K, H], [T, K, H]
+        out, kv_cache = paged_attention(q, k, v, kv_cache, metadata, scale=self.scale,
+                                        backend=backend, sliding_window=self.sliding_window,
+                                        soft_cap=self.soft_cap)
+        return self.o_proj(out.reshape(x.shape[0], -1)), kv_cache

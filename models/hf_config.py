@@ -1,0 +1,147 @@
+"""Hugging Face config.json -> LlamaConfig: what every family's reader shares (the fields all
+decoders have, RoPE in both config formats, EOS ids, the refusals), and config_from_hf, which
+hands a config to its family's reader through models.registry."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from models.config import ROPE_TYPES, LlamaConfig, RopeScaling
+
+# Why some well-known architectures are refused (others get the generic reason).
+KNOWN_UNSUPPORTED = {
+    "mamba": "state-space (Mamba) layers keep a recurrent state, not a paged KV cache",
+    "mamba2": "state-space (Mamba) layers keep a recurrent state, not a paged KV cache",
+    "jamba": "hybrid attention + Mamba layers",
+    "zamba2": "hybrid attention + Mamba layers",
+    "falcon_h1": "hybrid attention + Mamba layers",
+    "qwen3_next": "hybrid gated linear attention (Gated DeltaNet) layers",
+    "rwkv": "RWKV linear-attention recurrence",
+    "bloom": "ALiBi position bias instead of RoPE",
+    "mpt": "ALiBi position bias instead of RoPE",
+    "falcon": "ALiBi or parallel attention blocks",
+    "mixtral": "mixture-of-experts MLP layers",
+    "qwen2_moe": "mixture-of-experts MLP layers",
+    "qwen3_moe": "mixture-of-experts MLP layers",
+    "gemma": "Gemma 1 (GeGLU with (1 + weight) RMSNorm but no sandwich norms) is not wired",
+    "gemma3": "the multimodal Gemma 3 (vision tower); its text model, Gemma3ForCausalLM, is",
+    "phi3": "fused qkv/gate_up projections",
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The directory holds a model this engine cannot serve correctly."""
+
+
+def supported_summary() -> str:
+    from models.registry import ARCHITECTURES
+    return ", ".join(ARCHITECTURES)
+
+
+def refuse(architecture: str, what: str) -> UnsupportedModelError:
+    return UnsupportedModelError(f"architecture {architecture}: {what} is not supported; "
+                                 f"supported architectures: {supported_summary()} (RoPE types "
+                                 f"{', '.join(ROPE_TYPES)})")
+
+
+def architecture_of(raw: dict[str, Any]) -> str:
+    archs = raw.get("architectures") or []
+    if archs:
+        return str(archs[0])
+    return str(raw.get("model_type", "unknown"))
+
+
+def rope_from_params(params: Any, architecture: str) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) of one RoPE parameter dict (`rope_theta`, `rope_type`, `factor`...)."""
+    if not isinstance(params, dict) or "rope_theta" not in params:
+        raise refuse(architecture, f"rope_parameters {params!r}")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise refuse(architecture, f"RoPE type {rope_type!r}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise refuse(architecture, f"partial_rotary_factor {params['partial_rotary_factor']}")
+    theta = float(params["rope_theta"])
+    if rope_type == "default":
+        return theta, None
+    fields = {"factor": params.get("factor")}
+    if rope_type == "llama3":
+        for name in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            if name not in params:
+                raise ValueError(f"llama3 RoPE scaling needs {name} in the config")
+            fields[name] = params[name]
+    if fields["factor"] is None:
+        raise ValueError(f"{rope_type} RoPE scaling needs a factor in the config")
+    return theta, RopeScaling(rope_type=rope_type, **fields)
+
+
+def rope_params(raw: dict[str, Any]) -> Any:
+    """The RoPE parameters of either config format: transformers 5's `rope_parameters` (a dict,
+    or a dict of dicts by layer type), or transformers 4's `rope_theta` + `rope_scaling`."""
+    params = raw.get("rope_parameters")
+    if params is None:
+        params = dict(raw.get("rope_scaling") or {})
+        params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    return params
+
+
+def eos_ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in (value if isinstance(value, list) else [value]))
+
+
+def check_common(raw: dict[str, Any], architecture: str, model_type: str,
+                 hidden_acts: tuple[str, ...]) -> None:
+    """What no family reads: a model_type other than the architecture's, quantized weights, an
+    activation the family does not have, a position encoding other than RoPE."""
+    if raw.get("model_type", model_type) != model_type:
+        raise refuse(architecture, f"model_type {raw.get('model_type')!r}")
+    if raw.get("quantization_config"):
+        method = raw["quantization_config"].get("quant_method", "?")
+        raise refuse(architecture, f"a quantized checkpoint ({method})")
+    field = "hidden_activation" if raw.get("hidden_activation") else "hidden_act"
+    act = raw.get(field) or hidden_acts[0]
+    if act not in hidden_acts:
+        raise refuse(architecture, f"{field} {act!r} (this family's MLP: {', '.join(hidden_acts)})")
+    if raw.get("alibi") or raw.get("position_embedding_type", "rope") != "rope":
+        raise refuse(architecture, "a non-RoPE position encoding")
+
+
+def common_fields(raw: dict[str, Any], generation_config: dict[str, Any] | None) -> dict:
+    """The LlamaConfig fields every decoder's config.json gives."""
+    eos = eos_ids(raw.get("eos_token_id"))
+    for token_id in eos_ids((generation_config or {}).get("eos_token_id")):
+        if token_id not in eos:
+            eos += (token_id,)
+    try:
+        heads = raw["num_attention_heads"]
+        return dict(
+            vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"], num_layers=raw["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            initializer_range=raw.get("initializer_range", 0.02),
+            bos_token_id=raw.get("bos_token_id"), eos_token_id=eos or None)
+    except KeyError as e:
+        raise ValueError(f"config.json lacks the field {e.args[0]!r}") from None
+
+
+def config_from_hf(raw: dict[str, Any],
+                   generation_config: dict[str, Any] | None = None) -> LlamaConfig:
+    """The LlamaConfig for a parsed config.json (its family's reader, models.registry), or
+    UnsupportedModelError naming what is not supported."""
+    from models.registry import ARCHITECTURES
+    architecture = architecture_of(raw)
+    family = ARCHITECTURES.get(architecture)
+    if family is None:
+        reason = KNOWN_UNSUPPORTED.get(str(raw.get("model_type")),
+                                       "not a model family implemented in models/")
+        raise UnsupportedModelError(f"architecture {architecture} is not supported ({reason}); "
+                                    f"supported architectures: {supported_summary()}")
+    model_type = family.model_types[architecture]
+    check_common(raw, architecture, model_type, family.hidden_acts)
+    return family.read_config(raw, architecture, model_type,
+                              common_fields(raw, generation_config))

@@ -1,0 +1,49 @@
+"""The model registry: each supported Hugging Face architecture (config.json `architectures`)
+and GGUF `general.architecture`, mapped to its family: the model class (models/<family>.py),
+the family's config.json reader, the activations its MLP knows, and the model_type its configs
+carry. Adding a family is its module and a line here; `pagedjax inspect` and the refusal of an
+unknown architecture list this table."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from models import gemma, llama
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str
+    model_class: type  # a LlamaForCausalLM (or subclass) built from a LlamaConfig
+    read_config: Callable  # (config.json dict, architecture, model_type, common fields) -> config
+    model_types: dict  # architecture -> the model_type its config.json carries
+    hidden_acts: tuple[str, ...] = ("silu",)
+
+
+LLAMA = Family("llama", llama.LlamaForCausalLM, llama.read_hf_config,
+               {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"})
+GEMMA = Family("gemma", gemma.GemmaForCausalLM, gemma.read_hf_config,
+               {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"},
+               hidden_acts=("gelu_pytorch_tanh",))
+FAMILIES = (LLAMA, GEMMA)
+ARCHITECTURES = {arch: family for family in FAMILIES for arch in family.model_types}
+# GGUF general.architecture -> family (llama.cpp writes Mistral and Llama 3 as `llama`).
+GGUF_ARCHITECTURES = {"llama": LLAMA}
+MODEL_TYPES = {model_type: family for family in FAMILIES
+               for model_type in family.model_types.values()}
+
+
+def model_class(config) -> type:
+    """The class that builds a model of this config (by its model_type; Llama's otherwise)."""
+    return MODEL_TYPES.get(config.model_type, LLAMA).model_class
+
+
+def table() -> list[dict]:
+    """The registry as `pagedjax inspect --list` prints it."""
+    rows = [{"architecture": arch, "family": family.name, "model_type": model_type,
+             "format": "hf"} for family in FAMILIES
+            for arch, model_type in family.model_types.items()]
+    return rows + [{"architecture": arch, "family": family.name, "model_type": arch,
+                    "format": "gguf"} for arch, family in GGUF_ARCHITECTURES.items()]
