@@ -210,6 +210,40 @@ CONFIGS: dict[str, LlamaConfig] = {
 }
 
 
+def _gemma(num_layers: int, period: int, **fields) -> LlamaConfig:
+    """A Gemma config of real shapes: every period-th layer global, the others sliding."""
+    types = tuple("full_attention" if (i + 1) % period == 0 else "sliding_attention"
+                  for i in range(num_layers))
+    return LlamaConfig(num_layers=num_layers, layer_types=types, hidden_act="gelu_pytorch_tanh",
+                       norm_unit_offset=True, scale_embeddings=True, sandwich_norms=True,
+                       tie_word_embeddings=True, rms_norm_eps=1e-6, **fields)
+
+
+CONFIGS.update({
+    # Gemma 2 / 3 text models (models/gemma.py): real shapes, random weights.
+    "gemma-2-2b": _gemma(26, 2, vocab_size=256000, hidden_size=2304, intermediate_size=9216,
+                         num_heads=8, num_kv_heads=4, head_dim=256, sliding_window=4096,
+                         query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+                         final_logit_softcapping=30.0, max_position_embeddings=8192,
+                         model_type="gemma2"),
+    "gemma-3-1b": _gemma(26, 6, vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                         num_heads=4, num_kv_heads=1, head_dim=256, sliding_window=512,
+                         query_pre_attn_scalar=256, rope_theta=1e6, rope_local_theta=1e4,
+                         qk_norm=True, max_position_embeddings=32768,
+                         model_type="gemma3_text"),
+    "gemma-3-4b": _gemma(34, 6, vocab_size=262208, hidden_size=2560, intermediate_size=10240,
+                         num_heads=8, num_kv_heads=4, head_dim=256, sliding_window=1024,
+                         query_pre_attn_scalar=256, rope_theta=1e6, rope_local_theta=1e4,
+                         rope_scaling=RopeScaling("linear", 8.0), qk_norm=True,
+                         max_position_embeddings=131072, model_type="gemma3_text"),
+    "gemma-3-27b": _gemma(62, 6, vocab_size=262208, hidden_size=5376, intermediate_size=21504,
+                          num_heads=32, num_kv_heads=16, head_dim=128, sliding_window=1024,
+                          query_pre_attn_scalar=168, rope_theta=1e6, rope_local_theta=1e4,
+                          rope_scaling=RopeScaling("linear", 8.0), qk_norm=True,
+                          max_position_embeddings=131072, model_type="gemma3_text"),
+})
+
+
 def get_config(name: str) -> LlamaConfig:
     if name not in CONFIGS:
         raise ValueError(f"unknown model config {name!r}; known: {sorted(CONFIGS)}")

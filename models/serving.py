@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.kv_groups import KVCacheGroups
 from models.llama import LlamaForCausalLM, embed, project_logits
 from pallas_kernels import AttentionBackend, AttentionMetadata, for_layer
 
@@ -37,6 +38,14 @@ class ServingGraph:
     layers: tuple[nnx.GraphDef, ...] | None = None
     scale_embeddings: bool = False
     final_logit_softcapping: float | None = None
+    # KV cache groups (models.kv_groups): each layer's (group, cache slot), and the cache's
+    # slots; None: one group, layer l in slot l.
+    layer_groups: tuple[tuple[int, int], ...] | None = None
+    kv_slots: int | None = None
+
+    @property
+    def num_kv_slots(self) -> int:
+        return self.num_layers if self.kv_slots is None else self.kv_slots
 
 
 class ServingWeights(NamedTuple):
@@ -49,12 +58,14 @@ class ServingWeights(NamedTuple):
 
 
 def serving_form(model: LlamaForCausalLM, scan_layers: bool = True,
-                 kv_head_repeats: int = 1) -> tuple[ServingGraph, ServingWeights]:
+                 kv_head_repeats: int = 1,
+                 groups: KVCacheGroups | None = None) -> tuple[ServingGraph, ServingWeights]:
     """Splits a model into (static graph, weights); scan_layers stacks the layers' weights (a
     copy: the model's own arrays stay as they are, freed with the model). kv_head_repeats > 1
     repeats each KV head that many times in the k/v projections (tensor parallelism past the
-    model's KV heads, pagedjax.parallel.sharding). Works on an abstract model (nnx.eval_shape) too,
-    stacking shapes."""
+    model's KV heads, pagedjax.parallel.sharding). groups (models.kv_groups): the KV cache
+    groups the layers read, when there are several. Works on an abstract model (nnx.eval_shape)
+    too, stacking shapes."""
     embed_def, embed = nnx.split(model.embed_tokens)
     norm_def, norm = nnx.split(model.norm)
     head_def, head = (None, None) if model.lm_head is None else nnx.split(model.lm_head)
@@ -64,12 +75,15 @@ def serving_form(model: LlamaForCausalLM, scan_layers: bool = True,
     if kv_head_repeats > 1:
         layer_defs, states = _repeat_kv_heads(model, states, kv_head_repeats)
     uniform = all(graph == layer_defs[0] for graph in layer_defs)
-    scan_layers = scan_layers and uniform
+    hybrid = groups is not None and groups.hybrid
+    scan_layers = scan_layers and uniform and not hybrid
     layers = jax.tree.map(_stack, *states) if scan_layers else states
     config = model.config
     graph = ServingGraph(embed_def, layer_defs[0], norm_def, head_def, len(states), scan_layers,
                          None if uniform else layer_defs, config.scale_embeddings,
-                         config.final_logit_softcapping)
+                         config.final_logit_softcapping,
+                         tuple(zip(groups.layer_group, groups.layer_slot)) if hybrid else None,
+                         groups.num_slots if hybrid else None)
     return graph, ServingWeights(embed, layers, norm, head)
 
 
@@ -125,13 +139,14 @@ def forward_paged(
 ) -> tuple[jax.Array, jax.Array]:  # ([T, D] pre-norm hidden, new cache)
     """LlamaForCausalLM.forward_paged on the serving form: scanned or unrolled by graph."""
     x = embed(nnx.merge(graph.embed, weights.embed), token_ids, graph.scale_embeddings)
-    blocks_per_layer = kv_cache.shape[2] // graph.num_layers
+    blocks_per_layer = kv_cache.shape[2] // graph.num_kv_slots
     block_size = kv_cache.shape[3]
 
     def layer_step(x, kv_cache, index, state):
         layer = nnx.merge(graph.layer if graph.layers is None else graph.layers[index], state)
+        group, slot = (0, index) if graph.layer_groups is None else graph.layer_groups[index]
         return layer.forward_paged(x, positions, kv_cache,
-                                   for_layer(metadata, index, blocks_per_layer, block_size),
+                                   for_layer(metadata, slot, blocks_per_layer, block_size, group),
                                    backend)
 
     if not graph.scan_layers:

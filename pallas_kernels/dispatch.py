@@ -30,28 +30,38 @@ class AttentionMetadata:
     cu_q_lens: jax.Array  # i32[B + 1]
     num_seqs: jax.Array  # i32[]
     decode_only: bool  # every sequence has exactly one query token (T == B)
+    # KV cache groups past the first (models.kv_groups): their slots and tables, i32[G - 1, T]
+    # and i32[G - 1, B, P]; None (or G - 1 = 0 rows) for a model with one group.
+    group_slot_mapping: jax.Array | None = None
+    group_block_tables: jax.Array | None = None
 
 
 jax.tree_util.register_dataclass(
     AttentionMetadata,
-    data_fields=["slot_mapping", "block_tables", "kv_lens", "cu_q_lens", "num_seqs"],
+    data_fields=["slot_mapping", "block_tables", "kv_lens", "cu_q_lens", "num_seqs",
+                 "group_slot_mapping", "group_block_tables"],
     meta_fields=["decode_only"])
 
 
 def for_layer(metadata: AttentionMetadata, layer, blocks_per_layer: int,
-              block_size: int) -> AttentionMetadata:
-    """The plan as layer `layer` (an int, or traced under scan) reads the cache: its block ids
-    and slots offset into that layer's blocks (layout.layer_blocks); the null block stays."""
+              block_size: int, group: int = 0) -> AttentionMetadata:
+    """The plan as a layer reads the cache: its KV cache group's tables (group, a Python int),
+    its block ids and slots offset into its cache slot's blocks (layer: the slot, an int or
+    traced under scan; layout.layer_blocks); the null block stays."""
     if blocks_per_layer <= 0:
         raise ValueError(f"blocks_per_layer must be positive, got {blocks_per_layer}")
     offset = jnp.asarray(layer, jnp.int32) * blocks_per_layer
     tables = metadata.block_tables
     slots = metadata.slot_mapping
+    if group:
+        tables = metadata.group_block_tables[group - 1]
+        slots = metadata.group_slot_mapping[group - 1]
     null_slot = slots // block_size == layout.NULL_BLOCK
     return dataclasses.replace(
         metadata,
         block_tables=jnp.where(tables == layout.NULL_BLOCK, tables, tables + offset),
-        slot_mapping=jnp.where(null_slot, slots, slots + offset * block_size))
+        slot_mapping=jnp.where(null_slot, slots, slots + offset * block_size),
+        group_slot_mapping=None, group_block_tables=None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,21 +27,27 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False,
                  cache_key: bytes = b"", num_host_blocks: int = 0,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, pool: BlockPool | None = None,
+                 host_free: collections.deque | None = None, hash_suffix: bytes = b""):
+        """pool and host_free: shared with the other groups of a hybrid model
+        (scheduler.kv_cache_groups), else this manager's own; hash_suffix tells this group's
+        published blocks from the others' (the same tokens, other layers' KV)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks) if pool is None else pool
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_window = sliding_window
         self.cache_key = cache_key
+        self.hash_suffix = hash_suffix
         self.block_tables: dict[str, list[int]] = {}
         self._num_published: dict[str, int] = {}  # request_id -> blocks already published
         # Copy-on-write block copies (src, dst) for the next step, to run before its KV writes.
         self.pending_copies: list[tuple[int, int]] = []
         # Swap space: host blocks holding the KV of swapped-out requests.
         self.num_host_blocks = num_host_blocks
-        self._host_free = collections.deque(range(num_host_blocks))
+        self._host_free = (collections.deque(range(num_host_blocks)) if host_free is None
+                           else host_free)
         self.host_tables: dict[str, list[int]] = {}
         self.pending_swap_out: list[tuple[int, int]] = []  # (device, host), run first in a step
         self.pending_swap_in: list[tuple[int, int]] = []  # (host, device), run after swap-outs
@@ -64,7 +70,7 @@ class KVCacheManager:
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits = []
         for block_hash in block_hashes(request, self.block_size, max_blocks, self.cache_key):
-            block = self.pool.cached.get(block_hash)
+            block = self.pool.cached.get(block_hash + self.hash_suffix)
             if block is None:
                 break
             hits.append(block)
@@ -72,20 +78,29 @@ class KVCacheManager:
 
     def num_new_blocks(self, request: Request, num_new_tokens: int,
                        cached_blocks: list[int] = ()) -> int:
-        """Free blocks that allocate_slots would consume: new blocks plus cached ones that are
-        free now and would be revived."""
-        table = self.block_tables.get(request.request_id, cached_blocks)
+        """Free blocks that allocate_slots would consume: new blocks, cached ones that are free
+        now and would be revived, and a copy-on-write copy of a shared partial block."""
+        table = self.block_tables.get(request.request_id)
+        if table is not None:
+            num_computed = request.num_computed_tokens
+            shared = (num_computed % self.block_size != 0 and num_new_tokens > 0
+                      and self.pool.ref_counts[table[num_computed // self.block_size]] > 1)
+            return max(0, self.num_blocks_for(num_computed + num_new_tokens) - len(table)) \
+                + shared
         num_computed = request.num_computed_tokens or len(cached_blocks) * self.block_size
-        needed = max(0, self.num_blocks_for(num_computed + num_new_tokens) - len(table))
-        return needed + sum(self.pool.ref_counts[b] == 0 for b in cached_blocks)
+        needed = max(0, self.num_blocks_for(num_computed + num_new_tokens) - len(cached_blocks))
+        return needed + sum(self.pool.ref_counts[b] == 0 for b in cached_blocks
+                            if b != NULL_BLOCK)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       cached_blocks: list[int] = ()) -> list[int] | None:
+                       cached_blocks: list[int] = (), touched: bool = False) -> list[int] | None:
         """Makes room for num_new_tokens more tokens of request.
 
         cached_blocks (from find_cached_prefix, for a request holding no blocks) become the head
-        of its table. Returns the newly taken blocks (possibly none), or None when the pool has
-        too few free blocks; then nothing is taken and the caller may preempt and retry.
+        of its table (touched: their references were already taken, by a caller that holds
+        every group's hits before any group allocates). Returns the newly taken blocks
+        (possibly none), or None when the pool has too few free blocks; then nothing is taken
+        and the caller may preempt and retry.
         """
         table = self.block_tables.get(request.request_id)
         if table is not None:  # the hot path: a running request grows
@@ -109,7 +124,8 @@ class KVCacheManager:
             return None
         table = self.block_tables[request.request_id] = []
         if cached_blocks:
-            self.pool.touch(list(cached_blocks))  # before allocating: never evict a hit
+            if not touched:  # before allocating: never evict a hit
+                self.pool.touch([b for b in cached_blocks if b != NULL_BLOCK])
             table.extend(cached_blocks)
             self._num_published[request.request_id] = len(cached_blocks)
         num_computed = max(request.num_computed_tokens, len(cached_blocks) * self.block_size)
@@ -170,7 +186,7 @@ class KVCacheManager:
         hashes = block_hashes(request, self.block_size, num_full, self.cache_key)
         for i in range(start, num_full):
             if table[i] != NULL_BLOCK:
-                self.pool.cache_block(table[i], hashes[i])
+                self.pool.cache_block(table[i], hashes[i] + self.hash_suffix)
         self._num_published[request.request_id] = num_full
 
     def swap_out(self, request: Request) -> bool:
@@ -224,6 +240,10 @@ class KVCacheManager:
 
     def get_block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
+
+    def get_block_tables(self, request_id: str) -> list[list[int]]:
+        """Each KV cache group's table (one group here; scheduler.kv_cache_groups has more)."""
+        return [self.get_block_table(request_id)]
 
     @property
     def num_free_blocks(self) -> int:

@@ -15,7 +15,7 @@ from scheduler.state import DECODE, PREFILL, SchedulerOutput
 # What the model's forward reads, and what the sampler reads (kv_lens: the sampled position).
 FORWARD_FIELDS = ("token_ids", "positions", "slot_mapping", "block_tables", "kv_lens",
                   "cu_q_lens", "logits_indices", "num_seqs", "copy_src", "copy_dst", "num_copies",
-                  "prompt_targets")
+                  "prompt_targets", "group_slot_mapping", "group_block_tables")
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seeds", "kv_lens", "bias_ids",
                    "bias_values", "presence_penalty", "frequency_penalty", "repetition_penalty",
                    "penalty_tokens", "penalty_prompt_lens")
@@ -35,6 +35,10 @@ class BatchPlan:
     positions: np.ndarray  # i32[T] absolute position of each token
     slot_mapping: np.ndarray  # i32[T] block * S + offset where each token's K/V is written
     block_tables: np.ndarray  # i32[B, P]
+    # The KV cache groups past the first (scheduler.kv_cache_groups: a hybrid model's sliding
+    # and global layers keep a table each): G - 1 rows, none for a model with one group.
+    group_slot_mapping: np.ndarray  # i32[G - 1, T]
+    group_block_tables: np.ndarray  # i32[G - 1, B, P]
     kv_lens: np.ndarray  # i32[B] context length after this step (0 for padding rows)
     cu_q_lens: np.ndarray  # i32[B + 1] start of each sequence's query tokens in token_ids
     logits_indices: np.ndarray  # i32[B] the token of each sequence that is sampled
@@ -86,8 +90,8 @@ _PARAM_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "logit_bias", "prese
 
 
 def _rows(scheduled, kv_manager: KVCacheManager, block_tables: np.ndarray):
-    """Each row's query tokens (back to back), its block table (into block_tables), and its
-    start, query length and sampling settings as lists."""
+    """Each row's query tokens (back to back), its block table in each group (into
+    block_tables[g]), and its start, query length and sampling settings as lists."""
     tokens: list[int] = []
     columns = {name: [] for name in ("start", "q_len", "seed", *_PARAM_COLUMNS)}
     for i, (request, start, n) in enumerate(scheduled):
@@ -96,8 +100,8 @@ def _rows(scheduled, kv_manager: KVCacheManager, block_tables: np.ndarray):
         else:
             tokens.extend(request.token_ids_slice(start, start + n))
         if n:
-            table = kv_manager.get_block_table(request.request_id)
-            block_tables[i, :len(table)] = table
+            for g, table in enumerate(kv_manager.get_block_tables(request.request_id)):
+                block_tables[g, i, :len(table)] = table
         params = request.sampling_params
         for name, value in (("start", start), ("q_len", n), ("seed", request.seed)):
             columns[name].append(value)
@@ -189,7 +193,9 @@ def build_plan(output: SchedulerOutput, kv_manager: KVCacheManager,
         raise ValueError("cannot build a plan for an empty schedule")
     num_tokens = output.num_scheduled_tokens
     kind, padded_tokens, padded_seqs = _padded_shape(output, buckets, num_seqs)
-    block_tables = np.full((padded_seqs, buckets.max_blocks_per_seq), NULL_BLOCK, np.int32)
+    num_groups = len(getattr(kv_manager, "groups", (None,)))
+    block_tables = np.full((num_groups, padded_seqs, buckets.max_blocks_per_seq), NULL_BLOCK,
+                           np.int32)
     tokens, rows = _rows(scheduled, kv_manager, block_tables)
 
     def padded(name, fill, dtype):
@@ -215,12 +221,13 @@ def build_plan(output: SchedulerOutput, kv_manager: KVCacheManager,
         copy_src[:len(output.copies)], copy_dst[:len(output.copies)] = zip(*output.copies)
     # Slots of real tokens; padding tokens keep slot 0, which lies in the null block.
     pos, block_size = positions[:num_tokens], kv_manager.block_size
-    slot_mapping = np.zeros(padded_tokens, np.int32)
-    slot_mapping[:num_tokens] = (block_tables[seq_of_token, pos // block_size] * block_size
-                                 + pos % block_size)
+    slot_mapping = np.zeros((num_groups, padded_tokens), np.int32)
+    slot_mapping[:, :num_tokens] = (block_tables[:, seq_of_token, pos // block_size] * block_size
+                                    + pos % block_size)
     return BatchPlan(
-        token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
-        block_tables=block_tables, kv_lens=kv_lens, cu_q_lens=cu_q_lens,
+        token_ids=token_ids, positions=positions, slot_mapping=slot_mapping[0],
+        block_tables=block_tables[0], group_slot_mapping=slot_mapping[1:],
+        group_block_tables=block_tables[1:], kv_lens=kv_lens, cu_q_lens=cu_q_lens,
         logits_indices=_logits_indices(output, cu_q_lens),
         num_seqs=np.asarray(num_seqs, np.int32), temperature=padded("temperature", 0.0, np.float32),
         top_k=padded("top_k", -1, np.int32), top_p=padded("top_p", 1.0, np.float32),

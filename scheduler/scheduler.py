@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from scheduler.kv_cache_groups import HybridKVCacheManager
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.lifecycle import abort_request, add_request, check_request, requeue, update
 from scheduler.request import Request, RequestStatus
@@ -17,11 +18,21 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
                  cache_key: bytes = b"", num_host_blocks: int = 0,
-                 sliding_window: int | None = None):
-        kv_manager = KVCacheManager(num_blocks, block_size, cache_key=cache_key,
-                                    enable_prefix_caching=config.enable_prefix_caching,
-                                    num_host_blocks=num_host_blocks,
-                                    sliding_window=sliding_window)
+                 sliding_window: int | None = None,
+                 group_windows: tuple[int | None, ...] | None = None):
+        """group_windows: the KV cache groups' windows (scheduler.kv_cache_groups), when the
+        model has several; else one group, sliding_window for all its layers."""
+        if group_windows is not None and len(group_windows) > 1:
+            kv_manager = HybridKVCacheManager(
+                num_blocks, block_size, group_windows,
+                enable_prefix_caching=config.enable_prefix_caching, cache_key=cache_key,
+                num_host_blocks=num_host_blocks,
+                max_tokens_per_step=config.max_num_batched_tokens)
+        else:
+            window = group_windows[0] if group_windows else sliding_window
+            kv_manager = KVCacheManager(num_blocks, block_size, cache_key=cache_key,
+                                        enable_prefix_caching=config.enable_prefix_caching,
+                                        num_host_blocks=num_host_blocks, sliding_window=window)
         self.state = SchedulerState(config, kv_manager)
 
     @property

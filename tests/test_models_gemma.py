@@ -14,8 +14,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from helpers import until_done  # noqa: E402
 from models.hf import load_hf_model, read_hf_config  # noqa: E402
 from models.registry import ARCHITECTURES  # noqa: E402
+from pagedjax import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from test_models_hf import F32_TOL, engine_greedy, hf_logits, prompts  # noqa: E402
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -78,22 +80,73 @@ def test_gemma_dense_logits_match_transformers(arch, tmp_path):
     np.testing.assert_allclose(ours, hf_logits(hf, ids), **F32_TOL)
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_gemma_paged_engine_greedy_equals_transformers_generate(arch, tmp_path):
-    """Prompts of 1 to 40 tokens against a 6-token window, a 16-token budget (chunked prefill),
-    two prompts sharing a 20-token prefix (a prefix-cache hit), through the serving form."""
-    hf = build_gemma(arch, tmp_path)
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def gemma(request, tmp_path_factory):
+    """(arch, model directory, prompts, transformers' greedy continuations)."""
+    directory = tmp_path_factory.mktemp(request.param)
+    hf = build_gemma(request.param, directory)
     token_prompts = prompts()
-    max_tokens = 10
     expected = []
     for p in token_prompts:
         with torch.no_grad():
             out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p)),
-                              do_sample=False, max_new_tokens=max_tokens, pad_token_id=0)
+                              do_sample=False, max_new_tokens=MAX_TOKENS, pad_token_id=0)
         expected.append(out[0, len(p):].tolist())
-    got, engine = engine_greedy(load_hf_model(str(tmp_path)), token_prompts, max_tokens)
+    return request.param, str(directory), token_prompts, expected
+
+
+MAX_TOKENS = 12
+ENGINES = {
+    # A 16-token budget chunks the 40-token prompts; two prompts share a 20-token prefix.
+    "groups": dict(block_size=4),
+    "every_layer_full": dict(block_size=4, disable_hybrid_kv_cache_manager=True),
+    "small_chunks": dict(block_size=4, max_num_batched_tokens=4),  # chunks under the window
+    "preemption": dict(block_size=4, num_blocks=40),
+    "swap": dict(block_size=4, num_blocks=40, preemption_mode="swap", swap_space_bytes=1 << 22),
+    "unscanned_llama_form": dict(block_size=16, scan_layers=False),
+}
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_gemma_paged_engine_greedy_equals_transformers_generate(gemma, engine):
+    """Prompts of 1 to 40 tokens against a 6-token window, through the serving form, with KV
+    cache groups (a full group and sliding groups) unless disabled: chunked prefill, a
+    prefix-cache hit across groups, preemption by recompute and by swap."""
+    arch, directory, token_prompts, expected = gemma
+    got, engine_ = engine_greedy(load_hf_model(directory), token_prompts, MAX_TOKENS,
+                                 **ENGINES[engine])
     assert got == expected
-    assert engine.stats.num_prefix_hit_tokens >= 16
+    groups = engine_.kv_groups
+    assert groups.hybrid == (engine != "every_layer_full")
+    if engine == "groups":  # the shared prefix's blocks, as every group can serve them
+        assert engine_.stats.num_prefix_hit_tokens >= 16
+    if engine in ("preemption", "swap"):
+        assert engine_.scheduler.state.num_preemptions > 0
+    assert engine_.scheduler.kv_manager.num_used_blocks == 0
+
+
+def test_a_long_gemma_generation_keeps_its_sliding_groups_within_the_window(tmp_path):
+    """Gemma 2 (a full and a sliding group, window 6, block 4): over a 100-token generation the
+    sliding group never holds more than ceil((6 - 1 + 1) / 4) + 1 blocks once decoding, so the
+    request holds about half the blocks every layer's full context would."""
+    build_gemma("gemma2", tmp_path)
+    engine = LLMEngine(load_hf_model(str(tmp_path)), EngineConfig(
+        block_size=4, max_model_len=160, max_num_seqs=1, max_num_batched_tokens=16,
+        enable_prefix_caching=False))
+    engine.add_request(list(range(3, 43)), SamplingParams(max_tokens=100, temperature=0.0,
+                                                          ignore_eos=True))
+    kv = engine.scheduler.kv_manager
+    assert len(kv.groups) == 2 and kv.windows == (None, 6)
+    for _ in until_done(engine):
+        engine.step()
+        for request_id in list(kv.groups[0].block_tables):
+            request = engine.scheduler.state.requests[request_id]
+            full, sliding = kv.get_block_tables(request_id)
+            assert len(full) == -(-request.num_computed_tokens // 4)
+            if request.num_computed_tokens > 40:  # decoding
+                assert sum(b != 0 for b in sliding) <= 3
+                assert kv.num_used_blocks <= len(full) + 3
+    assert kv.num_used_blocks == 0
 
 
 def test_registry_lists_the_gemma_architectures():

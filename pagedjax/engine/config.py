@@ -65,6 +65,11 @@ class EngineConfig:
     # The decoder layers under one jax.lax.scan (models.serving): a step program compiles one
     # layer whatever the depth. False unrolls them (L copies of the layer in every program).
     scan_layers: bool = True
+    # KV cache groups (scheduler.kv_cache_groups): a model whose layers differ in attention
+    # window (Gemma 2/3) keeps a block table per group and its sliding layers only their
+    # window's blocks. True (vLLM's --disable-hybrid-kv-cache-manager) gives every layer the
+    # whole context.
+    disable_hybrid_kv_cache_manager: bool = False
     # Tensor parallelism over this many local devices (pagedjax.parallel.sharding): weights Megatron-
     # style, the KV cache over KV heads; 1 runs on jax.devices()[0].
     tensor_parallel_size: int = 1
@@ -87,7 +92,7 @@ class EngineConfig:
             if isinstance(value, bool) or not (value is None or isinstance(value, int)):
                 raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "attention_interpret",
-                     "scan_layers"):
+                     "scan_layers", "disable_hybrid_kv_cache_manager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got "
                                  f"{type(getattr(self, name)).__name__}")
@@ -160,9 +165,11 @@ class EngineConfig:
     def max_blocks_per_seq(self) -> int:
         return cdiv(self.max_model_len, self.block_size)
 
-    def resolve_num_blocks(self, bytes_per_block: int) -> int:
+    def resolve_num_blocks(self, bytes_per_block: int, blocks_per_seq: int | None = None) -> int:
         """Physical blocks in the pool (including the null block); with gpu_memory_utilization
-        a provisional 2 (the engine measures the device's memory once the weights are placed)."""
+        a provisional 2 (the engine measures the device's memory once the weights are placed).
+        blocks_per_seq: what a max_model_len sequence holds (over a hybrid model's KV cache
+        groups; default max_blocks_per_seq)."""
         if self.gpu_memory_utilization is not None:
             return 2
         if self.num_blocks is not None:
@@ -174,7 +181,7 @@ class EngineConfig:
                                  f"{num_blocks} blocks of {bytes_per_block} bytes; at least 2 "
                                  f"are needed")
             return num_blocks
-        return 1 + self.max_num_seqs * self.max_blocks_per_seq
+        return 1 + self.max_num_seqs * (blocks_per_seq or self.max_blocks_per_seq)
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(

@@ -12,6 +12,8 @@ import jax
 import numpy as np
 
 from models import LlamaForCausalLM
+from models.kv_groups import kv_cache_groups
+from scheduler.kv_cache_groups import blocks_for
 from pagedjax.engine import memory_budget, prompt_logprobs
 from pagedjax.engine.admission import Admission, PromptSpec, check_specs
 from pagedjax.engine.compile_cache import enable_compilation_cache
@@ -88,32 +90,39 @@ class LLMEngine:
                              f"pagedjax.parallel.data_parallel.make_engine (one LLMEngine a replica)")
         tp = config.tensor_parallel_size
         self.devices, self.multihost, self.backend = place(model_config, config, devices)
+        # KV cache groups: a block id is a page in each of num_slots layer slots
+        self.kv_groups = kv_cache_groups(model_config, not config.disable_hybrid_kv_cache_manager)
+        num_slots = self.kv_groups.num_slots
         self.bytes_per_block = kv_cache_bytes_per_block(  # over all devices
-            model_config.num_layers, config.block_size,
+            num_slots, config.block_size,
             model_config.num_kv_heads * kv_head_repeats(model_config.num_kv_heads, tp),
             model_config.head_dim, config.kv_np_dtype, self.backend.name)
         # each device holds 1/TP of every block (its KV heads): the pool's budget is a device's
         self.bytes_per_block_per_device = self.bytes_per_block // tp
-        self.num_blocks = config.resolve_num_blocks(self.bytes_per_block_per_device)
-        check_num_slots(model_config.num_layers, self.num_blocks, config.block_size)
+        self.num_blocks = config.resolve_num_blocks(
+            self.bytes_per_block_per_device,
+            blocks_for(self.kv_groups.windows, config.block_size, config.max_model_len,
+                       config.max_num_batched_tokens))
+        check_num_slots(num_slots, self.num_blocks, config.block_size)
         self.buckets = config.buckets()
         self.runner = ModelRunner(model, num_blocks=self.num_blocks,
                                   block_size=config.block_size, dtype=config.kv_np_dtype,
                                   backend=self.backend,
                                   num_top_logprobs=config.max_logprobs,
-                                  scan_layers=config.scan_layers, device=self.devices[0])
+                                  scan_layers=config.scan_layers, device=self.devices[0],
+                                  kv_groups=self.kv_groups)
         self.memory_budget = None  # how gpu_memory_utilization sized the pool
         if config.gpu_memory_utilization is not None:
             self.memory_budget = memory_budget.measure(self.runner, config, self.buckets,
                                                        self.bytes_per_block_per_device)
             self.num_blocks = self.memory_budget.num_blocks
-            check_num_slots(model_config.num_layers, self.num_blocks, config.block_size)
+            check_num_slots(num_slots, self.num_blocks, config.block_size)
             self.runner.resize_kv_cache(self.num_blocks)
         num_host_blocks = config.swap_space_bytes // self.bytes_per_block
         self._make_scheduler = lambda: Scheduler(
             config.scheduler_config(), self.num_blocks, config.block_size,
             cache_key=model_cache_key(model, config), num_host_blocks=num_host_blocks,
-            sliding_window=model_config.shared_window)
+            group_windows=self.kv_groups.windows)
         self.scheduler = self._make_scheduler()
         if self.multihost and jax.process_index() == 0:
             self.runner.channel = multihost.LeaderChannel()  # process 0 leads (multihost.py)

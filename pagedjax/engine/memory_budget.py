@@ -78,7 +78,8 @@ def activation_bytes(runner, buckets) -> int:
         shapes.append((DECODE, num_seqs, num_seqs, False))
     forward, logits = 0, None
     for kind, num_tokens, num_seqs, prompt in shapes:
-        plan = padding_plan(kind, num_tokens, num_seqs, buckets.max_blocks_per_seq, prompt)
+        plan = padding_plan(kind, num_tokens, num_seqs, buckets.max_blocks_per_seq, prompt,
+                            runner.num_kv_groups)
         inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
                               forward_inputs(plan))
         lowered = _forward.lower(runner.graph, runner.backend, kind, runner.num_top_logprobs,

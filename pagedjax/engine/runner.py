@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from tqdm.auto import tqdm
 
 from models import LlamaForCausalLM, ServingGraph, ServingWeights, serving, serving_form
+from models.kv_groups import KVCacheGroups
 from models.placed_weights import LazyModel
 from pagedjax.engine import prompt_logprobs, sampling_step
 from pagedjax.parallel.sharding import (kv_cache_sharding, kv_head_repeats, shard_weights,
@@ -53,13 +54,14 @@ def forward_fn(graph: ServingGraph, backend: AttentionBackend, kind: str, num_to
     arrays for every query token (num_top_logprobs of them a token)."""
     global _num_traces
     _num_traces += 1  # runs at trace time only
-    blocks_per_layer = kv_cache.shape[2] // graph.num_layers
+    blocks_per_layer = kv_cache.shape[2] // graph.num_kv_slots
     kv_cache = copy_blocks(kv_cache, inputs["copy_src"], inputs["copy_dst"],
                            inputs["num_copies"], backend, num_blocks=blocks_per_layer)
     metadata = AttentionMetadata(
         slot_mapping=inputs["slot_mapping"], block_tables=inputs["block_tables"],
         kv_lens=inputs["kv_lens"], cu_q_lens=inputs["cu_q_lens"], num_seqs=inputs["num_seqs"],
-        decode_only=kind == DECODE)
+        decode_only=kind == DECODE, group_slot_mapping=inputs["group_slot_mapping"],
+        group_block_tables=inputs["group_block_tables"])
     hidden, kv_cache = serving.forward_paged(graph, params, kv_cache, inputs["token_ids"],
                                              inputs["positions"], metadata, backend)
     logits = serving.logits(graph, params, hidden[inputs["logits_indices"]])  # f32[B, V]
@@ -102,21 +104,23 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM | LazyModel, *, num_blocks: int, block_size: int,
                  dtype, backend: AttentionBackend = AttentionBackend(),
                  num_top_logprobs: int = 0, scan_layers: bool = True,
-                 device: jax.Device | None = None):
+                 device: jax.Device | None = None, kv_groups: KVCacheGroups | None = None):
         """backend.mesh, when set, splits the model over its devices (pagedjax.parallel.sharding);
-        otherwise everything lives on device (jax.devices()[0] by default)."""
+        otherwise everything lives on device (jax.devices()[0] by default). kv_groups: the KV
+        cache groups (models.kv_groups; default: one group of every layer)."""
         config = model.config
         mesh = backend.mesh
         repeats = 1 if mesh is None else kv_head_repeats(config.num_kv_heads,
                                                          mesh.shape[TP_AXIS])
         lazy = isinstance(model, LazyModel)  # read from its checkpoint into place below
         self.graph, params = serving_form(model.abstract if lazy else model, scan_layers,
-                                          repeats)
+                                          repeats, kv_groups)
+        self.num_kv_groups = 1 if kv_groups is None else kv_groups.num_groups
         self.num_blocks = num_blocks
         self.backend = backend
         self.device = jax.devices()[0] if device is None else device
         self.num_top_logprobs = num_top_logprobs
-        self._cache_spec = (config.num_layers, num_blocks, block_size,
+        self._cache_spec = (self.graph.num_kv_slots, num_blocks, block_size,
                             config.num_kv_heads * repeats, config.head_dim, dtype, backend.name)
         # Parameters and caches committed to their devices, whatever their source (random init
         # is uncommitted, a checkpoint loader's device_put is committed): the step's outputs
@@ -165,7 +169,7 @@ class ModelRunner:
         reused by this step), then host -> device. host_pool is laid out like the cache
         (init_host_pool). Block counts are padded to powers of two (null-block entries), so
         each direction compiles a bounded number of programs."""
-        num_layers = self.graph.num_layers
+        num_layers = self.graph.num_kv_slots
         if swap_out:
             device, host = map(list, zip(*swap_out))
             ids = layer_blocks(_pad_ids(device), num_layers, self.num_blocks)  # [L, C]
@@ -189,7 +193,7 @@ class ModelRunner:
 
     def init_host_pool(self, num_host_blocks: int):
         """The swap space: host arrays laid out like the device cache, num_host_blocks a layer."""
-        num_layers = self.graph.num_layers
+        num_layers = self.graph.num_kv_slots
         return jax.tree.map(
             lambda a: np.zeros(a.shape[:2] + (num_layers * num_host_blocks,) + a.shape[3:],
                                a.dtype), self.kv_cache)
@@ -235,7 +239,7 @@ class ModelRunner:
             if key not in self._programs:
                 _count_compile()
                 plan = padding_plan(kind, num_tokens, num_seqs, max_blocks_per_seq,
-                                    with_prompt_logprobs)
+                                    with_prompt_logprobs, self.num_kv_groups)
                 inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
                                       forward_inputs(plan))
                 lowered = _forward.lower(self.graph, self.backend, kind, self.num_top_logprobs,
@@ -380,13 +384,16 @@ def _no_logit_bias(num_seqs: int) -> dict:
 
 
 def padding_plan(kind: str, num_tokens: int, num_seqs: int, max_blocks_per_seq: int,
-                 with_prompt_logprobs: bool = False) -> BatchPlan:
+                 with_prompt_logprobs: bool = False, num_kv_groups: int = 1) -> BatchPlan:
     """A plan of nothing but padding (num_seqs = 0): every write lands in the null block.
     with_prompt_logprobs gives it prompt_targets (all -1) for the forward's prompt variant."""
     zeros_t = np.zeros(num_tokens, np.int32)
     return BatchPlan(
         token_ids=zeros_t, positions=zeros_t, slot_mapping=zeros_t,
         block_tables=np.full((num_seqs, max_blocks_per_seq), NULL_BLOCK, np.int32),
+        group_slot_mapping=np.zeros((num_kv_groups - 1, num_tokens), np.int32),
+        group_block_tables=np.full((num_kv_groups - 1, num_seqs, max_blocks_per_seq),
+                                   NULL_BLOCK, np.int32),
         kv_lens=np.zeros(num_seqs, np.int32), cu_q_lens=np.zeros(num_seqs + 1, np.int32),
         logits_indices=np.zeros(num_seqs, np.int32), num_seqs=np.asarray(0, np.int32),
         temperature=np.zeros(num_seqs, np.float32), top_k=np.full(num_seqs, -1, np.int32),

@@ -191,7 +191,8 @@ def follow(runner) -> int:
             continue
         if command != STEP:
             raise RuntimeError(f"follower got an unknown command {command} from the leader")
-        template = padding_plan(KINDS[kind], num_tokens, num_seqs, max_blocks, targets > 0)
+        template = padding_plan(KINDS[kind], num_tokens, num_seqs, max_blocks, targets > 0,
+                                runner.num_kv_groups)
         arrays = _broadcast({name: getattr(template, name) for name in FORWARD_FIELDS})
         plan = dataclasses.replace(template, **{k: np.asarray(v) for k, v in arrays.items()})
         jax.block_until_ready(runner.dispatch_forward(plan))  # the leader alone samples

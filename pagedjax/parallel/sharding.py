@@ -129,11 +129,12 @@ def weight_bytes_per_device(config: LlamaConfig, tensor_parallel_size: int,
 
 def kv_bytes_per_block_per_device(config: LlamaConfig, block_size: int,
                                   tensor_parallel_size: int, dtype,
-                                  backend: str = "reference") -> int:
-    """One block's bytes (all layers) on one device: its share of the (repeated) KV heads."""
+                                  backend: str = "reference", num_slots: int | None = None) -> int:
+    """One block's bytes (all layers, or num_slots: a KV cache group's, models.kv_groups) on
+    one device: its share of the (repeated) KV heads."""
     from pallas_kernels import kv_cache_bytes_per_block
 
     tp = tensor_parallel_size
     heads = config.num_kv_heads * kv_head_repeats(config.num_kv_heads, tp)
-    return kv_cache_bytes_per_block(config.num_layers, block_size, heads, config.head_dim,
-                                    dtype, backend) // tp
+    return kv_cache_bytes_per_block(num_slots or config.num_layers, block_size, heads,
+                                    config.head_dim, dtype, backend) // tp

@@ -58,6 +58,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-scan-layers", action="store_true",
                        help="unroll the decoder layers in every step program (compiles L "
                        "copies of the layer) instead of one jax.lax.scan")
+    group.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                       help="give every layer of a model with sliding-window and global layers "
+                       "(Gemma 2/3) the whole context, instead of a KV cache group per kind")
     group.add_argument("--max-logprobs", type=int,
                        help="the most logprobs a request may ask for "
                        f"({_default('max_logprobs')})")
@@ -97,4 +100,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kwargs["enable_chunked_prefill"] = False
     if args.no_scan_layers:
         kwargs["scan_layers"] = False
+    if args.disable_hybrid_kv_cache_manager:
+        kwargs["disable_hybrid_kv_cache_manager"] = True
     return kwargs

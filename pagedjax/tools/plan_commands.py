@@ -25,12 +25,17 @@ def capacity_args(parser: argparse.ArgumentParser) -> None:
                         help="the KV cache's element type")
     parser.add_argument("--context", type=int, default=4096,
                         help="average tokens per sequence (prompt + output)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="the engine's token budget a step: a sliding-window group holds "
+                        "its window and a step's tokens (KV cache groups)")
 
 
 def capacity(args, parser: argparse.ArgumentParser) -> None:
     """KV-cache capacity from the formula 2 * L * K * H * itemsize bytes per token."""
-    if args.kv_memory_gib <= 0 or args.block_size < 1 or args.context < 1:
-        parser.error("--kv-memory-gib, --block-size and --context must be positive")
+    if (args.kv_memory_gib <= 0 or args.block_size < 1 or args.context < 1
+            or args.max_num_batched_tokens < 1):
+        parser.error("--kv-memory-gib, --block-size, --context and --max-num-batched-tokens "
+                     "must be positive")
     if args.tensor_parallel_size < 1 or args.data_parallel_size < 1:
         parser.error("--tensor-parallel-size and --data-parallel-size must be >= 1")
     from pagedjax.parallel.sharding import (check_tensor_parallel, kv_bytes_per_block_per_device,
@@ -43,22 +48,58 @@ def capacity(args, parser: argparse.ArgumentParser) -> None:
     except ValueError as e:
         parser.exit(1, f"pagedjax capacity: {e}\n")
     itemsize = 2 if args.dtype == "bfloat16" else 4
-    kv_dtype = "float32" if itemsize == 4 else "float16"
-    per_block = kv_bytes_per_block_per_device(config, args.block_size, tp, kv_dtype)
-    num_blocks = int(args.kv_memory_gib * 2**30) // per_block
-    tokens = (num_blocks - 1) * args.block_size
-    blocks_per_seq = -(-args.context // args.block_size)
     print(f"model {args.model}: L={config.num_layers} K={config.num_kv_heads} "
           f"H={config.head_dim}, KV {args.dtype}, TP {tp} x DP {dp}")
-    print(f"  bytes per token      {config.kv_bytes_per_token(itemsize):,} (all devices)")
+    print(f"  bytes per token      {config.kv_bytes_per_token(itemsize):,} (all devices, every "
+          f"layer)")
     print(f"  weights per device   {weight_bytes_per_device(config, tp, itemsize) / 2**30:.2f} "
           f"GiB")
-    print(f"  bytes per block      {per_block:,} a device (block size {args.block_size})")
-    print(f"  blocks in {args.kv_memory_gib:g} GiB   {num_blocks:,} a replica (one is the null "
-          "block)")
-    print(f"  tokens held          {tokens:,} a replica, {tokens * dp:,} in all")
-    print(f"  sequences of {args.context} tokens  {(num_blocks - 1) // blocks_per_seq:,} a "
-          f"replica, {(num_blocks - 1) // blocks_per_seq * dp:,} in all")
+    from models.kv_groups import kv_cache_groups
+    groups = kv_cache_groups(config)
+    layouts = [("", kv_cache_groups(config, hybrid=False))]
+    if groups.hybrid:  # the hybrid KV cache beside every layer keeping the whole context
+        layouts = [("KV cache groups: ", groups), ("every layer full: ", layouts[0][1])]
+    for label, layout in layouts:
+        _capacity_rows(args, config, layout, label)
+
+
+def kv_capacity(config, groups, block_size: int, kv_bytes: int, context: int,
+                tensor_parallel_size: int = 1, itemsize: int = 2,
+                max_tokens_per_step: int | None = None) -> dict:
+    """The pool of kv_bytes a device holds under a KV cache layout (models.kv_groups): bytes
+    per block, blocks, blocks a sequence of context tokens needs (over its groups), and the
+    sequences the pool holds."""
+    from pagedjax.parallel.sharding import kv_bytes_per_block_per_device
+    from scheduler.kv_cache_groups import blocks_for
+    kv_dtype = "float32" if itemsize == 4 else "float16"
+    per_block = kv_bytes_per_block_per_device(config, block_size, tensor_parallel_size, kv_dtype,
+                                              num_slots=groups.num_slots)
+    num_blocks = kv_bytes // per_block
+    per_seq = blocks_for(groups.windows, block_size, context, max_tokens_per_step)
+    return {"groups": groups.num_groups, "layers_a_group": groups.num_slots,
+            "bytes_per_block": per_block, "num_blocks": num_blocks, "blocks_per_seq": per_seq,
+            "kv_bytes_per_seq": per_seq * per_block * tensor_parallel_size,
+            "sequences": max(0, num_blocks - 1) // per_seq}
+
+
+def _capacity_rows(args, config, groups, label: str) -> None:
+    itemsize = 2 if args.dtype == "bfloat16" else 4
+    dp = args.data_parallel_size
+    c = kv_capacity(config, groups, args.block_size, int(args.kv_memory_gib * 2**30),
+                    args.context, args.tensor_parallel_size, itemsize,
+                    args.max_num_batched_tokens)
+    if groups.hybrid:
+        kinds = ", ".join(f"{'full' if w is None else f'window {w}'}"
+                          for w in dict.fromkeys(groups.windows))
+        print(f"  {label}{c['groups']} groups of {c['layers_a_group']} layers ({kinds})")
+    print(f"  {label}bytes per block      {c['bytes_per_block']:,} a device (block size "
+          f"{args.block_size})")
+    print(f"  {label}blocks in {args.kv_memory_gib:g} GiB   {c['num_blocks']:,} a replica (one is "
+          "the null block)")
+    print(f"  {label}a {args.context}-token sequence  {c['blocks_per_seq']:,} blocks, "
+          f"{c['kv_bytes_per_seq'] / 2**20:,.1f} MiB")
+    print(f"  {label}sequences of {args.context} tokens  {c['sequences']:,} a replica, "
+          f"{c['sequences'] * dp:,} in all")
 
 
 def inspect_args(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,242 @@
+"""KV cache groups: one block table per request for each group of layers, over one block pool
+(vLLM V1's hybrid KV cache manager; models.kv_groups forms the groups).
+
+A model whose layers differ in attention (Gemma 2/3: sliding-window and global layers) gets one
+group per kind (several when a kind has more layers than a group holds: every group has the
+same number of layers, so one block id is one page of every layer slot and the page size is one).
+A full-attention group keeps every block of a request; a sliding-window group frees the blocks
+that fall wholly out of its window as the request grows, so it holds at most
+ceil((window - 1 + tokens scheduled this step) / block_size) + 1 blocks a request.
+
+HybridKVCacheManager has KVCacheManager's interface, its calls fanned out to one
+KVCacheManager per group sharing the pool (and the host swap space). An allocation is all or
+nothing over the groups. Prefix caching: each group publishes its own blocks (under hashes
+salted by the group), and a hit is the longest prefix every group can serve: a full group
+needs every block before the hit point, a sliding group only the blocks its window still sees
+from there (those before stay null in its table).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Sequence
+
+from scheduler.block_hash import block_hashes
+from scheduler.block_pool import NULL_BLOCK, BlockPool
+from scheduler.kv_cache_manager import KVCacheManager, cdiv
+from scheduler.request import Request
+
+
+def blocks_for(windows: Sequence[int | None], block_size: int, num_tokens: int,
+               max_tokens_per_step: int | None = None) -> int:
+    """The most blocks a request of num_tokens holds over groups of these windows: every block
+    in a full group; in a sliding one, the window's and a step's (max_tokens_per_step)."""
+    total = 0
+    for window in windows:
+        blocks = cdiv(num_tokens, block_size)
+        if window is not None:
+            step = max_tokens_per_step or num_tokens
+            blocks = min(blocks, cdiv(window - 1 + step, block_size) + 1)
+        total += blocks
+    return total
+
+
+class CachedPrefix(list):
+    """find_cached_prefix's answer for several groups: the hit's length in blocks (len) and
+    each group's table head (groups[g]: a block, or the null block a sliding group skips)."""
+
+    def __init__(self, groups: list[list[int]]):
+        super().__init__(groups[0] if groups else [])
+        self.groups = groups
+
+
+class HybridKVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, windows: Sequence[int | None], *,
+                 enable_prefix_caching: bool = False, cache_key: bytes = b"",
+                 num_host_blocks: int = 0, max_tokens_per_step: int | None = None):
+        """windows: each group's attention window (None: full attention). max_tokens_per_step
+        (the scheduler's token budget) bounds what a sliding group holds in num_blocks_for."""
+        if not windows:
+            raise ValueError("a hybrid KV cache needs at least one group")
+        self.block_size = block_size
+        self.windows = tuple(windows)
+        self.pool = BlockPool(num_blocks)
+        self.num_host_blocks = num_host_blocks
+        self._host_free = collections.deque(range(num_host_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.max_tokens_per_step = max_tokens_per_step
+        self.groups = [KVCacheManager(num_blocks, block_size,
+                                      enable_prefix_caching=enable_prefix_caching,
+                                      cache_key=cache_key, num_host_blocks=num_host_blocks,
+                                      sliding_window=window, pool=self.pool,
+                                      host_free=self._host_free, hash_suffix=b"|%d" % g)
+                       for g, window in enumerate(self.windows)]
+        self.num_allocation_failures = 0
+
+    # ---- sizes ------------------------------------------------------------------------------
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return blocks_for(self.windows, self.block_size, num_tokens, self.max_tokens_per_step)
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        return self.num_blocks_for(num_tokens) <= self.pool.num_usable_blocks
+
+    # ---- prefix caching ---------------------------------------------------------------------
+
+    def find_cached_prefix(self, request: Request) -> CachedPrefix:
+        """The longest run of leading blocks every group can serve (see the module docstring)."""
+        if (not self.enable_prefix_caching
+                or request.sampling_params.prompt_logprobs is not None):
+            return CachedPrefix([])
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = block_hashes(request, self.block_size, max_blocks, self.groups[0].cache_key)
+        found = [[self.pool.cached.get(h + group.hash_suffix) for h in hashes]
+                 for group in self.groups]  # per group: the block or None at each index
+        for hit in range(max_blocks, 0, -1):
+            heads = [self._group_head(found[g], window, hit)
+                     for g, window in enumerate(self.windows)]
+            if all(head is not None for head in heads):
+                return CachedPrefix(heads)
+        return CachedPrefix([])
+
+    def _group_head(self, blocks: list, window: int | None, hit: int) -> list[int] | None:
+        """A group's table head for a hit of `hit` blocks, or None if it cannot serve it."""
+        first = 0
+        if window is not None:  # the next token (position hit * bs) sees from here on
+            first = max(0, hit * self.block_size - window + 1) // self.block_size
+        if any(b is None for b in blocks[first:hit]):
+            return None
+        return [NULL_BLOCK] * first + list(blocks[first:hit])
+
+    def _heads(self, cached) -> list[list[int]]:
+        if isinstance(cached, CachedPrefix) and cached.groups:
+            return cached.groups
+        if cached:
+            raise ValueError("a hybrid KV cache takes find_cached_prefix's CachedPrefix")
+        return [[] for _ in self.groups]
+
+    # ---- allocation -------------------------------------------------------------------------
+
+    def num_new_blocks(self, request: Request, num_new_tokens: int, cached_blocks=()) -> int:
+        return sum(group.num_new_blocks(request, num_new_tokens, head)
+                   for group, head in zip(self.groups, self._heads(cached_blocks)))
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       cached_blocks=()) -> list[int] | None:
+        """Every group's room for num_new_tokens more tokens, or None (nothing taken)."""
+        heads = self._heads(cached_blocks)
+        if self.num_new_blocks(request, num_new_tokens, cached_blocks) > self.pool.num_free_blocks:
+            self.num_allocation_failures += 1
+            return None
+        for head in heads:  # every group's hits held before any group allocates (evicts)
+            self.pool.touch([b for b in head if b != NULL_BLOCK])
+        taken = []
+        for group, head in zip(self.groups, heads):
+            blocks = group.allocate_slots(request, num_new_tokens, head, touched=True)
+            if blocks is None:  # cannot happen after the check above; say so if it does
+                raise RuntimeError("a KV cache group failed an allocation the pool had room for")
+            taken += blocks
+        return taken
+
+    def free_out_of_window(self, request: Request) -> None:
+        for group in self.groups:
+            group.free_out_of_window(request)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        for group in self.groups:
+            group.fork(parent, child)
+
+    def publish_full_blocks(self, request: Request) -> None:
+        for group in self.groups:
+            group.publish_full_blocks(request)
+
+    def free(self, request: Request, keep_host: bool = False) -> None:
+        for group in self.groups:
+            group.free(request, keep_host)
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        return [copy for group in self.groups for copy in group.take_pending_copies()]
+
+    @property
+    def pending_copies(self) -> list[tuple[int, int]]:
+        return [copy for group in self.groups for copy in group.pending_copies]
+
+    # ---- swap -------------------------------------------------------------------------------
+
+    def swap_out(self, request: Request) -> bool:
+        """Every group's blocks to host blocks, or False changing nothing."""
+        needed = sum(len(group.block_tables.get(request.request_id, ()))
+                     for group in self.groups)
+        if needed > len(self._host_free):
+            return False
+        for group in self.groups:
+            group.swap_out(request)
+        return True
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[int] | None:
+        needed = sum(group.num_blocks_for(request.num_computed_tokens + num_new_tokens)
+                     for group in self.groups)
+        if needed > self.pool.num_free_blocks:
+            return None
+        taken = []
+        for group in self.groups:
+            taken += group.swap_in(request, num_new_tokens)
+        return taken
+
+    def take_pending_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        outs, ins = [], []
+        for group in self.groups:
+            out, into = group.take_pending_swaps()
+            outs += out
+            ins += into
+        return outs, ins
+
+    def release_host_blocks(self) -> None:
+        for group in self.groups:
+            group.release_host_blocks()
+
+    @property
+    def host_tables(self) -> dict[str, list[int]]:
+        tables: dict[str, list[int]] = {}
+        for group in self.groups:
+            for request_id, host in group.host_tables.items():
+                tables.setdefault(request_id, []).extend(host)
+        return tables
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return len(self._host_free)
+
+    # ---- tables and counts ------------------------------------------------------------------
+
+    def get_block_table(self, request_id: str) -> list[int]:
+        """The first group's table (a full-attention group's when the model has one)."""
+        return self.groups[0].get_block_table(request_id)
+
+    def get_block_tables(self, request_id: str) -> list[list[int]]:
+        return [group.get_block_table(request_id) for group in self.groups]
+
+    @property
+    def block_tables(self) -> dict[str, list[int]]:
+        """Every block a request holds, over all groups (the null block left out)."""
+        tables: dict[str, list[int]] = {}
+        for group in self.groups:
+            for request_id, table in group.block_tables.items():
+                tables.setdefault(request_id, []).extend(b for b in table if b != NULL_BLOCK)
+        return tables
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_used_blocks
+
+    @property
+    def num_evictions(self) -> int:
+        return self.pool.num_evictions
+
+    def drop_cached_content(self) -> None:
+        for group in self.groups:
+            group.drop_cached_content()
