@@ -1,0 +1,88 @@
+"""A Gemma config (every Gemma 2 and 3 switch on, sliding and global layers, KV cache groups)
+split over 2 and 4 host devices gives the greedy tokens of one device, which are the dense
+model's. The devices exist only if XLA_FLAGS says so before JAX starts, so the engines run in
+a child process (as tests/test_tensor_parallel.py's)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BASE = dict(max_model_len=96, max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
+            num_blocks=48)
+RUNS = {"tp1": {}, "tp2": dict(tensor_parallel_size=2),
+        "tp4": dict(tensor_parallel_size=4),  # past the config's 2 KV heads: repeated
+        "tp2-gpu-kernels": dict(tensor_parallel_size=2, attention_backend="gpu",
+                                attention_interpret=True)}
+
+
+def gemma_config():
+    from models.config import LlamaConfig, RopeScaling
+    return LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+        num_kv_heads=2, head_dim=16, initializer_range=0.3, max_position_embeddings=256,
+        sliding_window=6, layer_types=("sliding_attention", "sliding_attention",
+                                       "full_attention", "sliding_attention"),
+        rope_theta=1e6, rope_scaling=RopeScaling("linear", 4.0), rope_local_theta=1e4,
+        qk_norm=True, hidden_act="gelu_pytorch_tanh", norm_unit_offset=True,
+        scale_embeddings=True, sandwich_norms=True, query_pre_attn_scalar=24,
+        attn_logit_softcapping=3.0, final_logit_softcapping=2.0, tie_word_embeddings=True,
+        model_type="gemma3_text")
+
+
+def child() -> None:
+    import jax
+    import numpy as np
+
+    from models import init_model
+    from models.generate import dense_greedy_generate
+    from pagedjax import LLM, SamplingParams
+
+    model = init_model(gemma_config(), seed=0)
+    rng = np.random.default_rng(0)
+    head = rng.integers(0, 256, 16).tolist()
+    prompts = [head + rng.integers(0, 256, n).tolist() for n in (5, 23, 40, 9)]
+    report = {"devices": len(jax.devices()),
+              "dense": dense_greedy_generate(model, prompts, 10)}
+    for name, fields in RUNS.items():
+        llm = LLM(model, **BASE, **fields)
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0),
+                               use_tqdm=False)
+        report[name] = {"tokens": [o.output_token_ids for o in outputs],
+                        "groups": llm.engine.kv_groups.num_groups,
+                        "kv_cache": [list(s.data.shape)
+                                     for s in llm.engine.runner.kv_cache.addressable_shards]}
+    print(json.dumps(report))
+
+
+@pytest.fixture(scope="module")
+def report():
+    env = {**os.environ, "PAGEDJAX_COMPILATION_CACHE": "off", "PYTHONPATH": str(ROOT),
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
+                        "--xla_force_host_platform_device_count=8"}
+    result = subprocess.run([sys.executable, "-c", "import test_gemma_parallel as t; t.child()"],
+                            cwd=ROOT / "tests", env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_gemma_tensor_parallel_greedy_tokens_equal_the_dense_model(report, name):
+    assert report["devices"] == 8
+    assert report[name]["groups"] > 1  # a full and sliding groups
+    assert report[name]["tokens"] == report["dense"]
+
+
+def test_gemma_cache_is_split_over_kv_heads(report):
+    for name, heads in (("tp2", 1), ("tp4", 1)):
+        shards = report[name]["kv_cache"]
+        assert len(shards) == int(name[2]) and all(s[1] == heads for s in shards)
