@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 from typing import Callable
 
 import jax
@@ -59,19 +60,31 @@ def leaf_names(path: tuple) -> tuple[str, tuple]:
         keys = keys[:-1]
     field = keys[0]
     if field == "layers":
-        rest = keys[2:] if isinstance(keys[1], int) else keys[1:]
+        indexed = isinstance(keys[1], int) or _PERIODIC.match(str(keys[1]))
+        rest = keys[2:] if indexed else keys[1:]
         return field, ("layers", "{layer}", *rest)
     return field, (FIELDS[field], *keys[1:])
 
 
-def _layers_of(path: tuple, num_layers: int) -> tuple[range, bool]:
+# The serving form's keys of layers that differ (models.serving.ServingGraph.period).
+_PERIODIC = re.compile(r"^(?:every(\d+)_from(\d+)|layer(\d+))$")
+
+
+def _layers_of(path: tuple, num_layers: int, leaf) -> tuple[range, bool]:
     """(the layers a leaf holds, whether they are stacked on its first axis); none for the
     leaves outside the decoder layers."""
-    keys = [getattr(k, "name", getattr(k, "idx", None)) for k in path]
+    keys = [getattr(k, "name", getattr(k, "idx", getattr(k, "key", None))) for k in path]
     if keys[0] != "layers":
         return range(0), False
     if len(keys) > 1 and isinstance(keys[1], int):  # unrolled: layers[i]
         return range(keys[1], keys[1] + 1), False
+    periodic = _PERIODIC.match(str(keys[1])) if len(keys) > 1 else None
+    if periodic and periodic.group(3) is not None:  # a layer after the whole periods
+        layer = int(periodic.group(3))
+        return range(layer, layer + 1), False
+    if periodic:  # layers j, j + p, ... stacked
+        period, first = int(periodic.group(1)), int(periodic.group(2))
+        return range(first, first + period * leaf.shape[0], period), True
     return range(num_layers), True
 
 
@@ -127,7 +140,7 @@ def lazy_from_tensors(abstract: LlamaForCausalLM, opened, np_dtype, source: str)
         with opened() as tensor:
             def build(path, leaf):
                 field, model_path = leaf_names(path)
-                layers, stacked = _layers_of(path, config.num_layers)
+                layers, stacked = _layers_of(path, config.num_layers, leaf)
                 columns = kv_columns(config, leaf.shape[-1]) if _is_kv(model_path) else None
 
                 def read(index):
@@ -189,7 +202,7 @@ def lazy_checkpoint(directory: str, dtype=jnp.float32) -> LazyModel:
         targets, plans = {}, []  # model path -> restore target; (path, leaf, how to build)
         for path, leaf in jax.tree_util.tree_leaves_with_path(weights):
             field, model_path = leaf_names(path)
-            layers, stacked = _layers_of(path, config.num_layers)
+            layers, stacked = _layers_of(path, config.num_layers, leaf)
             sharding = placement(path, leaf)
             repeated = _is_kv(model_path) and kv_columns(config, leaf.shape[-1]) is not None
             per_layer = _drop_leading(sharding, leaf) if stacked else sharding

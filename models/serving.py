@@ -42,6 +42,10 @@ class ServingGraph:
     # slots; None: one group, layer l in slot l.
     layer_groups: tuple[tuple[int, int], ...] | None = None
     kv_slots: int | None = None
+    # Layers that differ, scanned: the pattern's period (Gemma 3: 6), the layers' weights
+    # stacked by position in the period ("every{period}_from{j}": layers j, j + period, ...)
+    # under one scan over the whole periods, the rest unrolled ("layer{l}").
+    period: int | None = None
 
     @property
     def num_kv_slots(self) -> int:
@@ -52,7 +56,9 @@ class ServingWeights(NamedTuple):
     """The arrays: a pytree to pass, donate-free, into every step."""
 
     embed: nnx.State
-    layers: nnx.State | tuple  # stacked (leaves [L, ...]) or a tuple of L per-layer states
+    # stacked (leaves [L, ...]), a tuple of L per-layer states, or (graph.period) a dict of
+    # stacks by position in the period and of the unrolled rest
+    layers: nnx.State | tuple | dict
     norm: nnx.State
     lm_head: nnx.State | None
 
@@ -76,14 +82,21 @@ def serving_form(model: LlamaForCausalLM, scan_layers: bool = True,
         layer_defs, states = _repeat_kv_heads(model, states, kv_head_repeats)
     uniform = all(graph == layer_defs[0] for graph in layer_defs)
     hybrid = groups is not None and groups.hybrid
-    scan_layers = scan_layers and uniform and not hybrid
-    layers = jax.tree.map(_stack, *states) if scan_layers else states
+    period = None
+    if scan_layers and (not uniform or hybrid):
+        period = _period(layer_defs)
+        scan_layers = 2 * period <= len(layer_defs)  # else nothing repeats: unrolled
+        period = period if scan_layers else None
+    if period is not None:
+        layers = _periodic_stacks(states, period)
+    else:
+        layers = jax.tree.map(_stack, *states) if scan_layers else states
     config = model.config
     graph = ServingGraph(embed_def, layer_defs[0], norm_def, head_def, len(states), scan_layers,
                          None if uniform else layer_defs, config.scale_embeddings,
                          config.final_logit_softcapping,
                          tuple(zip(groups.layer_group, groups.layer_slot)) if hybrid else None,
-                         groups.num_slots if hybrid else None)
+                         groups.num_slots if hybrid else None, period)
     return graph, ServingWeights(embed, layers, norm, head)
 
 
@@ -123,6 +136,21 @@ def repeat_kv_columns(x: jax.Array, num_kv_heads: int, repeats: int) -> jax.Arra
     return jnp.repeat(x.reshape(shape), repeats, axis=-2).reshape(x.shape[:-1] + (-1,))
 
 
+def _period(layer_defs: tuple) -> int:
+    """The smallest p with every layer's graph that of layer i % p."""
+    return next(p for p in range(1, len(layer_defs) + 1)
+                if all(g == layer_defs[i % p] for i, g in enumerate(layer_defs)))
+
+
+def _periodic_stacks(states: tuple, period: int) -> dict:
+    """The layers' states by position in the period, stacked over the whole periods, and the
+    layers after them one by one (ServingGraph.period)."""
+    whole = len(states) // period * period
+    stacks = {f"every{period}_from{j}": jax.tree.map(_stack, *states[j:whole:period])
+              for j in range(period)}
+    return {**stacks, **{f"layer{i}": states[i] for i in range(whole, len(states))}}
+
+
 def _stack(*leaves):
     if isinstance(leaves[0], jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct((len(leaves), *leaves[0].shape), leaves[0].dtype)
@@ -153,12 +181,50 @@ def forward_paged(
         for index, state in enumerate(weights.layers):
             x, kv_cache = layer_step(x, kv_cache, index, state)
         return x, kv_cache
+    if graph.period is not None:
+        return _forward_periods(graph, weights, x, kv_cache, positions, metadata, backend)
 
     def body(carry, xs):
         return layer_step(*carry, *xs), None
 
     layer_ids = jnp.arange(graph.num_layers, dtype=jnp.int32)
     (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (layer_ids, weights.layers))
+    return x, kv_cache
+
+
+def _forward_periods(graph: ServingGraph, weights: ServingWeights, x, kv_cache, positions,
+                     metadata, backend):
+    """forward_paged's layers for graph.period: one scan over the whole periods, each step
+    running the period's layers in order (their graphs, windows and RoPE static; their KV
+    cache group and slot traced), then the remaining layers unrolled."""
+    period, num_layers = graph.period, graph.num_layers
+    blocks_per_layer = kv_cache.shape[2] // graph.num_kv_slots
+    block_size = kv_cache.shape[3]
+    placement = jnp.asarray(graph.layer_groups or [(0, i) for i in range(num_layers)],
+                            jnp.int32)  # [L, 2]: each layer's (group, slot)
+
+    def run(x, kv_cache, index, position, state):
+        layer = nnx.merge(graph.layers[position], state)
+        group, slot = placement[index, 0], placement[index, 1]
+        if graph.layer_groups is None:
+            group = 0
+        return layer.forward_paged(x, positions, kv_cache,
+                                   for_layer(metadata, slot, blocks_per_layer, block_size, group),
+                                   backend)
+
+    def body(carry, xs):
+        x, kv_cache = carry
+        period_index, states = xs
+        for j in range(period):
+            x, kv_cache = run(x, kv_cache, period_index * period + j, j, states[j])
+        return (x, kv_cache), None
+
+    whole = num_layers // period
+    stacks = tuple(weights.layers[f"every{period}_from{j}"] for j in range(period))
+    (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache),
+                                    (jnp.arange(whole, dtype=jnp.int32), stacks))
+    for index in range(whole * period, num_layers):
+        x, kv_cache = run(x, kv_cache, index, index % period, weights.layers[f"layer{index}"])
     return x, kv_cache
 
 

@@ -45,7 +45,8 @@ jax.tree_util.register_dataclass(
 
 def for_layer(metadata: AttentionMetadata, layer, blocks_per_layer: int,
               block_size: int, group: int = 0) -> AttentionMetadata:
-    """The plan as a layer reads the cache: its KV cache group's tables (group, a Python int),
+    """The plan as a layer reads the cache: its KV cache group's tables (group: an int, or
+    traced),
     its block ids and slots offset into its cache slot's blocks (layer: the slot, an int or
     traced under scan; layout.layer_blocks); the null block stays."""
     if blocks_per_layer <= 0:
@@ -53,7 +54,10 @@ def for_layer(metadata: AttentionMetadata, layer, blocks_per_layer: int,
     offset = jnp.asarray(layer, jnp.int32) * blocks_per_layer
     tables = metadata.block_tables
     slots = metadata.slot_mapping
-    if group:
+    if not isinstance(group, int):  # traced (a scan over layers of several groups)
+        tables = jnp.concatenate([tables[None], metadata.group_block_tables])[group]
+        slots = jnp.concatenate([slots[None], metadata.group_slot_mapping])[group]
+    elif group:
         tables = metadata.group_block_tables[group - 1]
         slots = metadata.group_slot_mapping[group - 1]
     null_slot = slots // block_size == layout.NULL_BLOCK

@@ -1,6 +1,6 @@
-"""A Gemma config (every Gemma 2 and 3 switch on, sliding and global layers, KV cache groups)
-split over 2 and 4 host devices gives the greedy tokens of one device, which are the dense
-model's. The devices exist only if XLA_FLAGS says so before JAX starts, so the engines run in
+"""A Gemma config (every Gemma 2 and 3 switch on, sliding and global layers scanned by their
+period, KV cache groups) split over 2 and 4 host devices gives the greedy tokens of one device,
+which are the dense model's. The devices exist only if XLA_FLAGS says so before JAX starts, so the engines run in
 a child process (as tests/test_tensor_parallel.py's)."""
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ RUNS = {"tp1": {}, "tp2": dict(tensor_parallel_size=2),
 def gemma_config():
     from models.config import LlamaConfig, RopeScaling
     return LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=7, num_heads=4,
         num_kv_heads=2, head_dim=16, initializer_range=0.3, max_position_embeddings=256,
         sliding_window=6, layer_types=("sliding_attention", "sliding_attention",
-                                       "full_attention", "sliding_attention"),
+                                       "full_attention") * 2 + ("sliding_attention",),
         rope_theta=1e6, rope_scaling=RopeScaling("linear", 4.0), rope_local_theta=1e4,
         qk_norm=True, hidden_act="gelu_pytorch_tanh", norm_unit_offset=True,
         scale_embeddings=True, sandwich_norms=True, query_pre_attn_scalar=24,
@@ -58,6 +58,7 @@ def child() -> None:
                                use_tqdm=False)
         report[name] = {"tokens": [o.output_token_ids for o in outputs],
                         "groups": llm.engine.kv_groups.num_groups,
+                        "period": llm.engine.runner.graph.period,
                         "kv_cache": [list(s.data.shape)
                                      for s in llm.engine.runner.kv_cache.addressable_shards]}
     print(json.dumps(report))
@@ -79,6 +80,7 @@ def report():
 def test_gemma_tensor_parallel_greedy_tokens_equal_the_dense_model(report, name):
     assert report["devices"] == 8
     assert report[name]["groups"] > 1  # a full and sliding groups
+    assert report[name]["period"] == 3  # two periods scanned, the last layer unrolled
     assert report[name]["tokens"] == report["dense"]
 
 

@@ -125,6 +125,26 @@ def test_gemma_paged_engine_greedy_equals_transformers_generate(gemma, engine):
     assert engine_.scheduler.kv_manager.num_used_blocks == 0
 
 
+def test_gemma_read_straight_into_the_scanned_form(gemma):
+    """LLM(directory): the checkpoint read lazily into the serving form, whose layers that
+    differ are scanned by their period (Gemma 2's: sliding, global) when it repeats, with each
+    layer's KV cache group and slot traced; the tokens are transformers'."""
+    from pagedjax import LLM
+    arch, directory, token_prompts, expected = gemma
+    llm = LLM(directory, block_size=4, max_model_len=128, max_num_seqs=4,
+              max_num_batched_tokens=16)
+    graph = llm.engine.runner.graph
+    if arch == "gemma2":  # 4 layers, period 2: one scan over two periods
+        assert graph.scan_layers and graph.period == 2
+        assert sorted(llm.engine.runner.params.layers) == ["every2_from0", "every2_from1"]
+    else:  # s, s, f, s: nothing repeats within 4 layers, so they run unrolled
+        assert not graph.scan_layers and graph.period is None
+    outputs = llm.generate([{"prompt_token_ids": p} for p in token_prompts],
+                           SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+                           use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
 def test_a_long_gemma_generation_keeps_its_sliding_groups_within_the_window(tmp_path):
     """Gemma 2 (a full and a sliding group, window 6, block 4): over a 100-token generation the
     sliding group never holds more than ceil((6 - 1 + 1) / 4) + 1 blocks once decoding, so the
