@@ -8,6 +8,7 @@ jitted without donation is measured beside it, where every step copies the whole
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import jax
@@ -15,34 +16,28 @@ import numpy as np
 from common import write_results
 
 from pagedjax import load_model
-from pagedjax.engine.runner import ModelRunner, step_fn
+from pagedjax.engine.runner import ModelRunner, padding_plan, step_fn
 from pallas_kernels import kv_cache_bytes_per_block
 from scheduler import DECODE, BatchPlan
-from scheduler.plan import logit_bias_slots
 
 _undonated_step = jax.jit(step_fn, static_argnums=(0, 1, 2))
 
 
 def decode_plan(num_seqs: int, context: int, block_size: int, table_width: int) -> BatchPlan:
+    """A decode step of num_seqs sequences of context tokens on distinct blocks (a padding plan
+    of the runner's with the real rows filled in)."""
     blocks_per_seq = -(-context // block_size)
     tables = np.zeros((num_seqs, table_width), np.int32)
     tables[:, :blocks_per_seq] = 1 + np.arange(num_seqs * blocks_per_seq).reshape(num_seqs, -1)
-    positions = np.full(num_seqs, context - 1, np.int32)
     slots = tables[:, (context - 1) // block_size] * block_size + (context - 1) % block_size
-    bias_ids, bias_values = logit_bias_slots([()] * num_seqs, num_seqs)
-    return BatchPlan(
-        token_ids=np.arange(num_seqs, dtype=np.int32), positions=positions,
-        slot_mapping=slots.astype(np.int32), block_tables=tables,
-        kv_lens=np.full(num_seqs, context, np.int32),
+    return dataclasses.replace(
+        padding_plan(DECODE, num_seqs, num_seqs, table_width),
+        token_ids=np.arange(num_seqs, dtype=np.int32),
+        positions=np.full(num_seqs, context - 1, np.int32), slot_mapping=slots.astype(np.int32),
+        block_tables=tables, kv_lens=np.full(num_seqs, context, np.int32),
         cu_q_lens=np.arange(num_seqs + 1, dtype=np.int32),
         logits_indices=np.arange(num_seqs, dtype=np.int32),
-        num_seqs=np.asarray(num_seqs, np.int32), temperature=np.zeros(num_seqs, np.float32),
-        top_k=np.full(num_seqs, -1, np.int32), top_p=np.ones(num_seqs, np.float32),
-        min_p=np.zeros(num_seqs, np.float32), bias_ids=bias_ids, bias_values=bias_values,
-        seeds=np.zeros(num_seqs, np.uint32), copy_src=np.zeros(num_seqs, np.int32),
-        copy_dst=np.zeros(num_seqs, np.int32), num_copies=np.asarray(0, np.int32),
-        kind=DECODE, padded_num_tokens=num_seqs,
-        padded_num_seqs=num_seqs)
+        num_seqs=np.asarray(num_seqs, np.int32))
 
 
 def run_step(runner: ModelRunner, plan: BatchPlan, donate: bool) -> float:

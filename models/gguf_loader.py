@@ -64,11 +64,13 @@ def metadata(reader) -> dict:
 
 
 def config_from_gguf(meta: dict, tensor_names: set[str], path: str = "") -> LlamaConfig:
+    from models.registry import ARCHITECTURES, GGUF_ARCHITECTURES
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported: this engine "
-                         f"serves the Llama family (general.architecture 'llama'); for Qwen, "
-                         f"Mistral with its own key names and others use their HF checkpoints")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported: GGUF files are "
+                         f"read for {', '.join(sorted(GGUF_ARCHITECTURES))} "
+                         f"(models/registry.py); for Gemma, Qwen and others use their Hugging "
+                         f"Face checkpoints ({', '.join(ARCHITECTURES)})")
 
     def get(key, default=None):
         value = meta.get(f"llama.{key}", default)

@@ -107,26 +107,27 @@ def write_kv_reference(
     """Scatters the step's new keys and values into their slots; returns the new cache."""
     if isinstance(kv_cache, QuantizedKV):
         return _write_quantized(kv_cache, k, v, slot_mapping)
-    _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
-    flat = kv_cache.reshape(2, num_kv_heads, num_blocks * block_size, head_dim)
+    block_size, head_dim = kv_cache.shape[3:]
     new = jnp.stack([k, v]).astype(kv_cache.dtype).transpose(0, 2, 1, 3)  # [2, K, T, H]
     if new.shape[-1] < head_dim:  # a padded cache layout (see cache_head_dim)
         new = jnp.pad(new, ((0, 0), (0, 0), (0, 0), (0, head_dim - new.shape[-1])))
-    flat = flat.at[:, :, slot_mapping].set(new, mode="promise_in_bounds")
-    return flat.reshape(kv_cache.shape)
+    # Indexed by (block, offset), not through a [2, K, NB * S, H] view: with one KV head XLA
+    # on the CPU made that reshape of the donated cache a copy of the whole pool every step.
+    blocks, offsets = jnp.divmod(slot_mapping, block_size)
+    return kv_cache.at[:, :, blocks, offsets].set(new, mode="promise_in_bounds")
 
 
 def _write_quantized(kv_cache: QuantizedKV, k, v, slot_mapping) -> QuantizedKV:
-    _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.data.shape
+    block_size, head_dim = kv_cache.data.shape[3:]
     data, scales = quantize(jnp.stack([k, v]), kv_cache.data.dtype)  # [2, T, K, H], f32[2, T, K]
     if data.shape[-1] < head_dim:
         data = jnp.pad(data, ((0, 0), (0, 0), (0, 0), (0, head_dim - data.shape[-1])))
-    flat = kv_cache.data.reshape(2, num_kv_heads, num_blocks * block_size, head_dim)
-    flat = flat.at[:, :, slot_mapping].set(data.transpose(0, 2, 1, 3), mode="promise_in_bounds")
-    blocks, offsets = jnp.divmod(slot_mapping, block_size)
+    blocks, offsets = jnp.divmod(slot_mapping, block_size)  # no flat view: see above
+    new_data = kv_cache.data.at[:, :, blocks, offsets].set(data.transpose(0, 2, 1, 3),
+                                                            mode="promise_in_bounds")
     new_scales = kv_cache.scales.at[:, :, blocks, offsets].set(scales.transpose(0, 2, 1),
                                                                 mode="promise_in_bounds")
-    return QuantizedKV(flat.reshape(kv_cache.data.shape), new_scales)
+    return QuantizedKV(new_data, new_scales)
 
 
 def copy_blocks(

@@ -207,3 +207,29 @@ class HybridPrefixCacheMachine(RuleBasedStateMachine):
 TestHybridPrefixCacheMachine = HybridPrefixCacheMachine.TestCase
 TestHybridPrefixCacheMachine.settings = settings(max_examples=80, stateful_step_count=40,
                                                  deadline=None)
+
+
+def test_kv_pressure_counts_what_each_group_holds():
+    """Admission's KV-pressure rule asks the KV cache how many blocks a sequence holds: with a
+    full and a sliding group (window 8, block 4, 8-token steps) a 200-token request holds
+    50 + 5 blocks, not the 100 two full groups would; a pool of 80 usable blocks admits it under
+    kv_overcommit 1 and refuses a second one."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from pagedjax.serving import admission_control
+    from pagedjax.serving.admission_control import AdmissionLimits, Live, OverloadedError
+
+    kv = HybridKVCacheManager(81, 4, (None, 8), max_tokens_per_step=8)
+    assert kv.num_blocks_for(200) == 50 + 5
+    limits = AdmissionLimits(kv_overcommit=1.0)
+    load = [SimpleNamespace(used_blocks=0, usable_blocks=kv.pool.num_usable_blocks)]
+    new = [SimpleNamespace(prompt_token_ids=[1] * 100, num_tokens=200,
+                           spec=SimpleNamespace(params=SimpleNamespace(num_samples=1,
+                                                                       max_tokens=100)))]
+    live = [Live(samples=[], streamed=True, long_context=False)]
+    admission_control.check(limits, live, new, True, load, kv.num_blocks_for, 0, 0)
+    with pytest.raises(OverloadedError, match="KV pressure"):
+        admission_control.check(limits, live, new, True, load, kv.num_blocks_for, 200,
+                                kv.num_blocks_for(200))

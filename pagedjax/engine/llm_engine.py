@@ -252,6 +252,14 @@ class LLMEngine:
         if self.runner.channel is not None:
             self.runner.channel.stop()
 
+    def blocks_for(self, num_tokens: int) -> int:
+        """The most KV blocks a sequence of num_tokens holds (over the KV cache groups)."""
+        return self.scheduler.kv_manager.num_blocks_for(num_tokens)
+
+    @property
+    def hybrid_kv_cache(self) -> bool:
+        return self.kv_groups.hybrid
+
     def load(self) -> list[ReplicaLoad]:
         """The queue and the KV pool now, one entry (a data-parallel engine: one a replica)."""
         state = self.scheduler.state

@@ -118,6 +118,13 @@ class DataParallelEngine:
     def replica_stats(self) -> list[EngineStats]:
         return [r.stats for r in self.replicas]
 
+    def blocks_for(self, num_tokens: int) -> int:
+        return self.replicas[0].blocks_for(num_tokens)
+
+    @property
+    def hybrid_kv_cache(self) -> bool:
+        return self.replicas[0].hybrid_kv_cache
+
     def load(self) -> list[ReplicaLoad]:
         return [load for r in self.replicas for load in r.load()]
 

@@ -25,9 +25,8 @@ pool, so they never starve it; the caps hold always.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
-from scheduler import cdiv
 from scheduler.errors import check_float, check_int
 from scheduler.request import INT32_MAX
 
@@ -77,10 +76,13 @@ class Live:
 
 
 def check(limits: AdmissionLimits, live: Sequence[Live], new: Sequence, streamed: bool,
-          load, block_size: int, outstanding_tokens: int) -> None:
+          load, blocks_for: Callable[[int], int], outstanding_tokens: int,
+          outstanding_blocks: int) -> None:
     """Raises OverloadedError when the admissions `new` (engine Admissions, one request's
     prompts) break a rule; live: the requests admitted and unfinished; load: the engine's
-    ReplicaLoads now."""
+    ReplicaLoads now; blocks_for: the KV blocks a sequence of n tokens holds at most (over a
+    hybrid model's KV cache groups, LLMEngine.blocks_for); outstanding_blocks: what the live
+    requests may still take."""
     _check_caps(limits, live, new, streamed)
     if not live:
         return  # idle: anything that fits the pool
@@ -94,14 +96,14 @@ def check(limits: AdmissionLimits, live: Sequence[Live], new: Sequence, streamed
     if limits.kv_overcommit is not None:
         usable = sum(r.usable_blocks for r in load)
         used = sum(r.used_blocks for r in load)
-        projected = used + cdiv(outstanding_tokens, block_size) + sum(
-            a.spec.params.num_samples * cdiv(len(a.prompt_token_ids) + a.spec.params.max_tokens,
-                                             block_size) for a in new)
+        projected = used + outstanding_blocks + sum(
+            a.spec.params.num_samples * blocks_for(len(a.prompt_token_ids)
+                                                   + a.spec.params.max_tokens) for a in new)
         if projected > limits.kv_overcommit * usable:
             raise OverloadedError("kv_pressure", (
                 f"KV pressure: {used} blocks in use, the live requests may take "
-                f"{cdiv(outstanding_tokens, block_size)} more and this one "
-                f"{projected - used - cdiv(outstanding_tokens, block_size)}, over kv_overcommit "
+                f"{outstanding_blocks} more and this one "
+                f"{projected - used - outstanding_blocks}, over kv_overcommit "
                 f"({limits.kv_overcommit:g}) x {usable} usable blocks: retry later"))
 
 

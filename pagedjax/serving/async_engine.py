@@ -184,9 +184,11 @@ class AsyncLLMEngine:
         long_after = self.limits.long_context_threshold
 
         def admit(admissions: list[Admission]) -> None:
+            blocks_for = self.engine.blocks_for
             admission_control.check(self.limits, list(self._admitted.values()), admissions,
-                                    streamed, self.engine.load(), self.engine.config.block_size,
-                                    self._outstanding_tokens())
+                                    streamed, self.engine.load(), blocks_for,
+                                    self._outstanding_tokens(),
+                                    self._outstanding_blocks(blocks_for))
 
         def add(engine: LLMEngine) -> list[str]:
             ids = engine.add_requests(prompts, admit)
@@ -230,6 +232,16 @@ class AsyncLLMEngine:
 
     def _outstanding_tokens(self) -> int:
         return sum(remaining_tokens(samples) for samples, _, _ in self._live.values())
+
+    def _outstanding_blocks(self, blocks_for) -> int:
+        """KV blocks the live requests may still take: one pool of their remaining tokens
+        with one KV cache group; per sample with several (a sliding group's bound is each
+        sequence's)."""
+        if not self.engine.hybrid_kv_cache:
+            return blocks_for(self._outstanding_tokens())
+        return sum(blocks_for(r.max_num_tokens - r.num_computed_tokens)
+                   for samples, _, _ in self._live.values() for r in samples
+                   if not r.status.finished)
 
     def _drain(self) -> int:
         """Runs the queued commands; returns how many ran."""
