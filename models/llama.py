@@ -128,13 +128,15 @@ def init_model(config: LlamaConfig, seed: int = 0, dtype=jnp.float32,
 
 
 def read_hf_config(raw: dict, architecture: str, model_type: str, common: dict) -> LlamaConfig:
-    """The Llama family's config.json (Llama 2/3/3.1, Mistral, Qwen2, Qwen3): one attention
-    window for the whole model. Qwen2/3 give layer_types (or use_sliding_window with
-    max_window_layers in the transformers 4 format); Mistral gives sliding_window alone."""
+    """The Llama family's config.json (Llama 2/3/3.1, Mistral, Qwen2, Qwen3). Qwen2/3 give
+    layer_types (or use_sliding_window with max_window_layers in the transformers 4 format:
+    the layers from max_window_layers on slide), a mix of sliding and full layers running on
+    KV cache groups; Mistral gives sliding_window alone, for every layer."""
     from models.hf_config import refuse, rope_from_params, rope_params
     theta, scaling = rope_from_params(rope_params(raw), architecture)
     window = raw.get("sliding_window")
     num_layers = common["num_layers"]
+    mixed = None
     if model_type in ("qwen2", "qwen3"):
         layer_types = raw.get("layer_types")
         if layer_types is None:
@@ -146,16 +148,18 @@ def read_hf_config(raw: dict, architecture: str, model_type: str, common: dict) 
         if not kinds <= {"full_attention", "sliding_attention"}:
             raise refuse(architecture, f"layer types {sorted(kinds)}")
         if len(kinds) > 1:
-            raise refuse(architecture, "a mix of sliding-window and full-attention layers")
-        if kinds != {"sliding_attention"}:
+            mixed = tuple(layer_types)
+        elif kinds != {"sliding_attention"}:
             window = None
     elif model_type == "llama":
         window = None
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ValueError(f"sliding_window must be an integer >= 1, got {window!r}")
     bias = bool(raw.get("attention_bias", False))
+    if mixed and window is None:
+        raise ValueError("layer_types has sliding_attention layers but no sliding_window")
     return LlamaConfig(**common, rope_theta=theta, rope_scaling=scaling, sliding_window=window,
-                       attention_bias=bias or model_type == "qwen2",
+                       layer_types=mixed, attention_bias=bias or model_type == "qwen2",
                        o_proj_bias=bias and model_type == "llama",
                        mlp_bias=bool(raw.get("mlp_bias", False)),
                        qk_norm=model_type == "qwen3", model_type=model_type)

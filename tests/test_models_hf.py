@@ -36,6 +36,11 @@ ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),  # window < prompt
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),  # head_dim * N != hidden
+    # Qwen2's max_window_layers: layer 0 global, layer 1 sliding (window 8 < the prompts): a
+    # two-group hybrid KV cache.
+    "qwen2-max-window-layers": ("Qwen2Config", "Qwen2ForCausalLM",
+                                dict(use_sliding_window=True, sliding_window=8,
+                                     max_window_layers=1)),
 }
 
 
@@ -126,6 +131,8 @@ def test_paged_engine_greedy_equals_transformers_generate(arch, tmp_path):
     got, engine = engine_greedy(load_hf_model(str(tmp_path)), token_prompts, max_tokens)
     assert got == expected
     assert engine.stats.num_prefix_hit_tokens >= 16  # the shared prefix's full block was reused
+    # a global and a sliding layer: two KV cache groups
+    assert engine.kv_groups.num_groups == (2 if arch == "qwen2-max-window-layers" else 1)
 
 
 def test_sharded_checkpoint(tmp_path):
@@ -207,8 +214,6 @@ def write_config(directory, **raw):
           rope_scaling={"rope_type": "yarn", "factor": 4.0}), ["RoPE type 'yarn'", "llama3"]),
     (dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="gelu"),
      ["hidden_act 'gelu'"]),
-    (dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=True,
-          sliding_window=8, max_window_layers=1), ["mix of sliding-window and full"]),
     (dict(architectures=["LlamaForCausalLM"], model_type="llama",
           quantization_config={"quant_method": "awq"}), ["quantized", "awq"]),
 ])
