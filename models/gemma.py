@@ -10,24 +10,20 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from models.attention import Attention
 from models.config import LlamaConfig
-from models.layers import MLP, rms_norm
-from models.llama import LlamaForCausalLM
+from models.layers import rms_norm
+from models.llama import DecoderLayer, LlamaForCausalLM
 
 
-class GemmaDecoderLayer(nnx.Module):
-    """x + post_attn_norm(attn(input_norm(x))), then the same around the MLP."""
+class GemmaDecoderLayer(DecoderLayer):
+    """x + post_attn_norm(attn(input_norm(x))), then the same around the MLP: Llama's layer
+    (its post_attention_layernorm here normalizes the attention's output) with two more norms."""
 
     def __init__(self, config: LlamaConfig, layer: int = 0, *, rngs: nnx.Rngs, dtype,
                  param_dtype):
-        d = config.hidden_size
-        self.input_layernorm = rms_norm(config, d, param_dtype)
-        self.self_attn = Attention(config, layer, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        self.post_attention_layernorm = rms_norm(config, d, param_dtype)
-        self.pre_feedforward_layernorm = rms_norm(config, d, param_dtype)
-        self.mlp = MLP(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        self.post_feedforward_layernorm = rms_norm(config, d, param_dtype)
+        super().__init__(config, layer, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.pre_feedforward_layernorm = rms_norm(config, config.hidden_size, param_dtype)
+        self.post_feedforward_layernorm = rms_norm(config, config.hidden_size, param_dtype)
 
     def _mlp(self, x: jax.Array) -> jax.Array:
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
