@@ -14,7 +14,9 @@ allocated), compiled as one program for every chip of the topology (benchmarks.a
   layer, counted once, so a step runs `layers` times its all-reduces.
 
 The pool: --kv-gib-per-device of KV on each chip (bf16), the rest of HBM left to weights and
-temporaries. Decode at 256 sequences and an 8k-token prefill.
+temporaries. Decode at 256 sequences and an 8k-token prefill. seqs_32k: the 32k-token sequences
+that pool holds over the slice (Gemma 3 with KV cache groups, its sliding groups holding their
+1,024-token window and an 8k step, or with every layer keeping the whole context).
 """
 
 from __future__ import annotations
@@ -27,14 +29,23 @@ import tempfile
 from common import ROOT, write_results
 
 HBM_GIB = {"v5e": 16, "v6e": 32, "v5p": 95}
-# name: (model, topology, tensor parallel size)
+# name: (model, topology, tensor parallel size[, KV cache groups (hybrid models)])
 CASES = {
     "llama-3-8b TP1 v5e-1": ("llama-3-8b", "v5e:2x2", 1),  # one chip of the 2x2
     "llama-3-8b TP4 v5e-4": ("llama-3-8b", "v5e:2x2", 4),
     "llama-3-8b TP8 v5e-8": ("llama-3-8b", "v5e:2x4", 8),
     "llama-3-8b TP8 v6e-8": ("llama-3-8b", "v6e:2x4", 8),
     "llama-3-70b TP16 v6e-16": ("llama-3-70b", "v6e:4x4", 16),
+    # Gemma 3 27B (62 layers scanned by their 6-layer period), with KV cache groups and with
+    # every layer keeping the whole context.
+    "gemma-3-27b TP4 v6e-4 groups": ("gemma-3-27b", "v6e:2x2", 4, True),
+    "gemma-3-27b TP4 v6e-4 full": ("gemma-3-27b", "v6e:2x2", 4, False),
+    "gemma-3-27b TP8 v5e-8 groups": ("gemma-3-27b", "v5e:2x4", 8, True),
+    "gemma-3-27b TP8 v5e-8 full": ("gemma-3-27b", "v5e:2x4", 8, False),
+    "gemma-3-27b TP8 v6e-8 groups": ("gemma-3-27b", "v6e:2x4", 8, True),
+    "gemma-3-27b TP8 v6e-8 full": ("gemma-3-27b", "v6e:2x4", 8, False),
 }
+CAPACITY_CONTEXT = 32768  # the sequences of this many tokens each device's pool holds
 KINDS = {"decode": (256, 256), "prefill": (8192, 256)}  # (T, B)
 KV_GIB_PER_DEVICE = 4.0
 BLOCK_SIZE = 16
@@ -48,33 +59,37 @@ def build(name: str, devices):
     from flax import nnx
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from models import CONFIGS, LlamaForCausalLM, serving_form
+    from models import CONFIGS, serving_form
+    from models.kv_groups import kv_cache_groups
+    from models.registry import model_class
     from pagedjax.engine.runner import padding_plan, step_fn
     from pagedjax.parallel.sharding import AXIS, kv_cache_sharding, kv_head_repeats, weight_spec
     from pallas_kernels import AttentionBackend, init_kv_cache, kv_cache_bytes_per_block
 
     case, kind = name.split("|")
-    model_name, _, tp = CASES[case]
+    model_name, _, tp, *hybrid = CASES[case]
     config = CONFIGS[model_name]
+    groups = kv_cache_groups(config, hybrid=bool(hybrid) and hybrid[0])
     mesh = Mesh(np.array(devices[:tp]), (AXIS,))
     repeats = kv_head_repeats(config.num_kv_heads, tp)
-    graph, weights = serving_form(nnx.eval_shape(lambda: LlamaForCausalLM(
+    graph, weights = serving_form(nnx.eval_shape(lambda: model_class(config)(
         config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)),
-        kv_head_repeats=repeats)
+        kv_head_repeats=repeats, groups=groups)
     weights = jax.tree_util.tree_map_with_path(lambda path, leaf: jax.ShapeDtypeStruct(
         leaf.shape, leaf.dtype,
         sharding=NamedSharding(mesh, weight_spec(path, leaf, config.vocab_size, tp))), weights)
     kv_heads = config.num_kv_heads * repeats
-    per_block = kv_cache_bytes_per_block(config.num_layers, BLOCK_SIZE, kv_heads,
+    per_block = kv_cache_bytes_per_block(groups.num_slots, BLOCK_SIZE, kv_heads,
                                          config.head_dim, jnp.bfloat16, "tpu")
     num_blocks = int(KV_GIB_PER_DEVICE * 2**30 * tp // per_block)
-    cache = jax.eval_shape(lambda: init_kv_cache(config.num_layers, num_blocks, BLOCK_SIZE,
+    cache = jax.eval_shape(lambda: init_kv_cache(groups.num_slots, num_blocks, BLOCK_SIZE,
                                                  kv_heads, config.head_dim, jnp.bfloat16,
                                                  "tpu"))
     cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                         sharding=kv_cache_sharding(mesh)), cache)
     num_tokens, num_seqs = KINDS[kind]
-    plan = padding_plan(kind, num_tokens, num_seqs, max_blocks_per_seq=8192 // BLOCK_SIZE)
+    plan = padding_plan(kind, num_tokens, num_seqs, max_blocks_per_seq=8192 // BLOCK_SIZE,
+                        num_kv_groups=groups.num_groups)
     replicated = NamedSharding(mesh, P())
     plan = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
                                                        sharding=replicated), plan)
@@ -83,13 +98,22 @@ def build(name: str, devices):
     return step, (weights, cache, plan)
 
 
-def shard_gib(case: str) -> tuple[float, float]:
-    """(weights, KV) GiB one device holds (pagedjax capacity's formula, no compile)."""
+def shard_gib(case: str) -> tuple[float, float, int]:
+    """(weights, KV) GiB one device holds (pagedjax capacity's formula, no compile), and the
+    CAPACITY_CONTEXT-token sequences the slice's pool holds (a sliding KV cache group bounded
+    by an 8,192-token step, the prefill case's)."""
     from models import CONFIGS
+    from models.kv_groups import kv_cache_groups
     from pagedjax.parallel.sharding import weight_bytes_per_device
+    from pagedjax.tools.plan_commands import kv_capacity
 
-    model_name, _, tp = CASES[case]
-    return weight_bytes_per_device(CONFIGS[model_name], tp, 2) / 2**30, KV_GIB_PER_DEVICE
+    model_name, _, tp, *hybrid = CASES[case]
+    config = CONFIGS[model_name]
+    groups = kv_cache_groups(config, hybrid=bool(hybrid) and hybrid[0])
+    capacity = kv_capacity(config, groups, BLOCK_SIZE, int(KV_GIB_PER_DEVICE * 2**30),
+                           CAPACITY_CONTEXT, tp, 2, KINDS["prefill"][0])
+    return (weight_bytes_per_device(config, tp, 2) / 2**30, KV_GIB_PER_DEVICE,
+            capacity["sequences"])
 
 
 def main() -> None:
@@ -108,11 +132,12 @@ def main() -> None:
                   "sharded": True} for kind in KINDS],
                 os.path.join(tmp, "cases.json"), libtpu=args.libtpu, topology=topology,
                 pythonpath=[ROOT, ROOT.parent], cwd=ROOT.parent, timeout=3600)
-        weights_gib, kv_gib = shard_gib(case)
+        weights_gib, kv_gib, sequences = shard_gib(case)
         hbm = HBM_GIB[topology.split(":")[0]]
         for line in lines:
             row = {"case": case, "step": line["name"].split("|")[1], "ok": line["ok"],
-                   "weights_gib": round(weights_gib, 2), "kv_gib": kv_gib}
+                   "weights_gib": round(weights_gib, 2), "kv_gib": kv_gib,
+                   f"seqs_{CAPACITY_CONTEXT // 1024}k": sequences}
             if line["ok"]:
                 row.update(argument_gib=round(line["argument_gib"], 2),
                            alias_gib=round(line["alias_gib"], 2),
