@@ -103,6 +103,8 @@ bench: $(TEST_STAMP)
 	$(PY) benchmarks/real_model.py
 	$(PY) benchmarks/block_size.py
 	$(PY) benchmarks/policies.py
+	$(PY) benchmarks/kv_groups.py
+	$(PY) benchmarks/gemma_scan.py
 
 # The GPU device script rehearsed without a GPU: its programs compiled by XLA for an H200.
 bench-gpu-image: $(GPU_IMAGE_STAMP)
