@@ -23,7 +23,7 @@ from typing import Sequence
 
 from scheduler.block_hash import block_hashes
 from scheduler.block_pool import NULL_BLOCK, BlockPool
-from scheduler.kv_cache_manager import KVCacheManager, cdiv
+from scheduler.kv_cache_manager import NULL_HOST, KVCacheManager, cdiv
 from scheduler.request import Request
 
 
@@ -164,9 +164,10 @@ class HybridKVCacheManager:
     # ---- swap -------------------------------------------------------------------------------
 
     def swap_out(self, request: Request) -> bool:
-        """Every group's blocks to host blocks, or False changing nothing."""
-        needed = sum(len(group.block_tables.get(request.request_id, ()))
-                     for group in self.groups)
+        """Every group's blocks to host blocks (a sliding group's live ones: its nulls stay
+        null), or False changing nothing."""
+        needed = sum(b != NULL_BLOCK for group in self.groups
+                     for b in group.block_tables.get(request.request_id, ()))
         if needed > len(self._host_free):
             return False
         for group in self.groups:
@@ -174,8 +175,7 @@ class HybridKVCacheManager:
         return True
 
     def swap_in(self, request: Request, num_new_tokens: int) -> list[int] | None:
-        needed = sum(group.num_blocks_for(request.num_computed_tokens + num_new_tokens)
-                     for group in self.groups)
+        needed = sum(group.swap_in_blocks(request, num_new_tokens) for group in self.groups)
         if needed > self.pool.num_free_blocks:
             return None
         taken = []
@@ -200,7 +200,7 @@ class HybridKVCacheManager:
         tables: dict[str, list[int]] = {}
         for group in self.groups:
             for request_id, host in group.host_tables.items():
-                tables.setdefault(request_id, []).extend(host)
+                tables.setdefault(request_id, []).extend(h for h in host if h != NULL_HOST)
         return tables
 
     @property

@@ -9,6 +9,9 @@ from scheduler.block_pool import NULL_BLOCK, BlockPool
 from scheduler.request import Request
 
 
+NULL_HOST = -1  # a host table's slot for a null device slot: no host block holds it
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -191,27 +194,38 @@ class KVCacheManager:
 
     def swap_out(self, request: Request) -> bool:
         """Moves request's KV to host blocks (the copy runs at the start of the next step) and
-        frees its device blocks; False, changing nothing, if the host pool has no room."""
+        frees its device blocks; False, changing nothing, if the host pool has no room. Null
+        slots (a sliding window's freed blocks) take no host block (NULL_HOST)."""
         table = self.block_tables.get(request.request_id, [])
-        if len(table) > len(self._host_free):
+        if sum(b != NULL_BLOCK for b in table) > len(self._host_free):
             return False
-        host = [self._host_free.popleft() for _ in table]  # null slots copy the null block
-        self.pending_swap_out.extend(zip(table, host))
+        host = [NULL_HOST if b == NULL_BLOCK else self._host_free.popleft() for b in table]
+        self.pending_swap_out.extend((b, h) for b, h in zip(table, host) if b != NULL_BLOCK)
         self.host_tables[request.request_id] = host
         self.free(request, keep_host=True)
         return True
 
+    def swap_in_blocks(self, request: Request, num_new_tokens: int) -> int:
+        """The device blocks swap_in would take: the swapped-out ones and the growth."""
+        host = self.host_tables[request.request_id]
+        grow = max(0, self.num_blocks_for(request.num_computed_tokens + num_new_tokens)
+                   - len(host))
+        return sum(h != NULL_HOST for h in host) + grow
+
     def swap_in(self, request: Request, num_new_tokens: int) -> list[int] | None:
         """Device blocks for a swapped-out request and its next num_new_tokens; the host -> device
         copy runs at the start of the next step. None, changing nothing, if there is no room."""
-        host = self.host_tables[request.request_id]
-        needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens)
-        blocks = self.pool.allocate(needed) if needed <= self.pool.num_free_blocks else None
-        if blocks is None:
+        needed = self.swap_in_blocks(request, num_new_tokens)
+        if needed > self.pool.num_free_blocks:
             return None
-        self.pending_swap_in.extend(zip(host, blocks))
-        self._host_to_release.extend(self.host_tables.pop(request.request_id))
-        self.block_tables[request.request_id] = blocks
+        blocks = self.pool.allocate(needed)
+        host = self.host_tables.pop(request.request_id)
+        taken = iter(blocks)
+        table = [NULL_BLOCK if h == NULL_HOST else next(taken) for h in host]
+        self.pending_swap_in.extend((h, b) for h, b in zip(host, table) if h != NULL_HOST)
+        table.extend(taken)  # the blocks this step grows into
+        self._host_to_release.extend(h for h in host if h != NULL_HOST)
+        self.block_tables[request.request_id] = table
         return blocks
 
     def take_pending_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -231,7 +245,8 @@ class KVCacheManager:
     def free(self, request: Request, keep_host: bool = False) -> None:
         """Returns all of request's blocks to the pool; a no-op if it holds none."""
         if not keep_host:
-            self._host_free.extend(self.host_tables.pop(request.request_id, ()))
+            self._host_free.extend(h for h in self.host_tables.pop(request.request_id, ())
+                                   if h != NULL_HOST)
         self._num_published.pop(request.request_id, None)
         table = self.block_tables.pop(request.request_id, None)
         if table:

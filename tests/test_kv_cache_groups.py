@@ -233,3 +233,33 @@ def test_kv_pressure_counts_what_each_group_holds():
     with pytest.raises(OverloadedError, match="KV pressure"):
         admission_control.check(limits, live, new, True, load, kv.num_blocks_for, 200,
                                 kv.num_blocks_for(200))
+
+
+def test_swap_keeps_a_sliding_group_within_its_window():
+    """Swapping out a long request copies only the blocks its groups hold (a sliding group's
+    freed ones stay null: no host block), and swapping it back in restores the same shape of
+    tables, the sliding one still within its bound."""
+    block, window = 4, 6
+    kv = HybridKVCacheManager(64, block, (None, window), num_host_blocks=40,
+                              max_tokens_per_step=4)
+    request = make_request("r", 60, 4)
+    for _ in range(15):
+        grow(kv, request, 4)
+    full, sliding = (list(t) for t in kv.get_block_tables("r"))
+    live = sum(b != NULL_BLOCK for b in full + sliding)
+    assert kv.swap_out(request)
+    outs, _ = kv.take_pending_swaps()
+    assert len(outs) == live and kv.num_free_host_blocks == 40 - live
+    assert kv.num_free_blocks == kv.pool.num_usable_blocks
+    assert kv.swap_in(request, 1) is not None
+    _, ins = kv.take_pending_swaps()
+    assert len(ins) == live
+    new_full, new_sliding = kv.get_block_tables("r")
+    assert [b == NULL_BLOCK for b in new_sliding[:len(sliding)]] == \
+        [b == NULL_BLOCK for b in sliding]
+    assert live_blocks(new_sliding) <= cdiv(window - 1 + 4, block) + 1
+    assert len(new_full) == len(full) + (60 % block == 0)  # room for the next token
+    kv.release_host_blocks()
+    kv.free(request)
+    assert kv.num_free_host_blocks == 40 and kv.num_free_blocks == kv.pool.num_usable_blocks
+    check_kv_invariants(kv)
