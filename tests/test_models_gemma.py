@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from helpers import until_done  # noqa: E402
-from models.hf import load_hf_model, read_hf_config  # noqa: E402
+from models.hf import inspect_model_dir, load_hf_model, read_hf_config  # noqa: E402
 from models.registry import ARCHITECTURES  # noqa: E402
 from pagedjax import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from test_models_hf import F32_TOL, engine_greedy, hf_logits, prompts  # noqa: E402
@@ -58,6 +58,10 @@ def test_gemma_config_is_read_whole(arch, tmp_path):
     hf = build_gemma(arch, tmp_path)
     config = read_hf_config(str(tmp_path))
     assert config.num_params == sum(p.numel() for p in hf.parameters())
+    report = inspect_model_dir(str(tmp_path), block_size=16)
+    groups = report["kv_cache_groups"]  # gemma2: 2 + 2 layers; gemma3: 1 full + 3 sliding
+    assert [g["window"] for g in groups] == ([None, 6] if arch == "gemma2" else [None, 6, 6, 6])
+    assert groups[0]["blocks"] * len(groups) == report["kv_bytes_per_block"]
     assert config.model_type == {"gemma2": "gemma2", "gemma3": "gemma3_text"}[arch]
     assert (config.norm_unit_offset, config.scale_embeddings, config.sandwich_norms) == (
         True, True, True)

@@ -150,6 +150,12 @@ def inspect(args, parser: argparse.ArgumentParser) -> None:
           f"({report['kv_dtype']}, {report['attention_backend']} layout)")
     print(f"  KV bytes per block   {report['kv_bytes_per_block']:,} "
           f"(block size {report['block_size']})")
+    groups = report.get("kv_cache_groups")
+    if groups:  # a hybrid model: a block is a page of one group's layers
+        full = sum(g["window"] is None for g in groups)
+        print(f"  KV cache groups      {len(groups)} groups of {report['layers_a_group']} "
+              f"layer(s): {full} full, {len(groups) - full} sliding; a group's block "
+              f"{groups[0]['blocks']:,} bytes")
     print(f"  eos token ids        {report['eos_token_ids']}")
     print("  supported            yes")
 
