@@ -92,11 +92,12 @@ def serving_form(model: LlamaForCausalLM, scan_layers: bool = True,
     else:
         layers = jax.tree.map(_stack, *states) if scan_layers else states
     config = model.config
-    graph = ServingGraph(embed_def, layer_defs[0], norm_def, head_def, len(states), scan_layers,
-                         None if uniform else layer_defs, config.scale_embeddings,
-                         config.final_logit_softcapping,
-                         tuple(zip(groups.layer_group, groups.layer_slot)) if hybrid else None,
-                         groups.num_slots if hybrid else None, period)
+    graph = ServingGraph(
+        embed_def, layer_defs[0], norm_def, head_def, len(states), scan_layers,
+        layers=None if uniform else layer_defs, scale_embeddings=config.scale_embeddings,
+        final_logit_softcapping=config.final_logit_softcapping,
+        layer_groups=tuple(zip(groups.layer_group, groups.layer_slot)) if hybrid else None,
+        kv_slots=groups.num_slots if hybrid else None, period=period)
     return graph, ServingWeights(embed, layers, norm, head)
 
 
@@ -170,19 +171,23 @@ def forward_paged(
     blocks_per_layer = kv_cache.shape[2] // graph.num_kv_slots
     block_size = kv_cache.shape[3]
 
+    def run(x, kv_cache, layer_def, state, group, slot):
+        """One layer reading its KV cache group (an int, or traced) at its cache slot."""
+        return nnx.merge(layer_def, state).forward_paged(
+            x, positions, kv_cache,
+            for_layer(metadata, slot, blocks_per_layer, block_size, group), backend)
+
     def layer_step(x, kv_cache, index, state):
-        layer = nnx.merge(graph.layer if graph.layers is None else graph.layers[index], state)
         group, slot = (0, index) if graph.layer_groups is None else graph.layer_groups[index]
-        return layer.forward_paged(x, positions, kv_cache,
-                                   for_layer(metadata, slot, blocks_per_layer, block_size, group),
-                                   backend)
+        layer_def = graph.layer if graph.layers is None else graph.layers[index]
+        return run(x, kv_cache, layer_def, state, group, slot)
 
     if not graph.scan_layers:
         for index, state in enumerate(weights.layers):
             x, kv_cache = layer_step(x, kv_cache, index, state)
         return x, kv_cache
     if graph.period is not None:
-        return _forward_periods(graph, weights, x, kv_cache, positions, metadata, backend)
+        return _forward_periods(graph, weights, x, kv_cache, run, layer_step)
 
     def body(carry, xs):
         return layer_step(*carry, *xs), None
@@ -192,31 +197,23 @@ def forward_paged(
     return x, kv_cache
 
 
-def _forward_periods(graph: ServingGraph, weights: ServingWeights, x, kv_cache, positions,
-                     metadata, backend):
+def _forward_periods(graph: ServingGraph, weights: ServingWeights, x, kv_cache, run,
+                     layer_step):
     """forward_paged's layers for graph.period: one scan over the whole periods, each step
     running the period's layers in order (their graphs, windows and RoPE static; their KV
-    cache group and slot traced), then the remaining layers unrolled."""
+    cache group and slot traced), then the remaining layers unrolled (layer_step)."""
     period, num_layers = graph.period, graph.num_layers
-    blocks_per_layer = kv_cache.shape[2] // graph.num_kv_slots
-    block_size = kv_cache.shape[3]
     placement = jnp.asarray(graph.layer_groups or [(0, i) for i in range(num_layers)],
                             jnp.int32)  # [L, 2]: each layer's (group, slot)
-
-    def run(x, kv_cache, index, position, state):
-        layer = nnx.merge(graph.layers[position], state)
-        group, slot = placement[index, 0], placement[index, 1]
-        if graph.layer_groups is None:
-            group = 0
-        return layer.forward_paged(x, positions, kv_cache,
-                                   for_layer(metadata, slot, blocks_per_layer, block_size, group),
-                                   backend)
 
     def body(carry, xs):
         x, kv_cache = carry
         period_index, states = xs
         for j in range(period):
-            x, kv_cache = run(x, kv_cache, period_index * period + j, j, states[j])
+            index = period_index * period + j
+            group = 0 if graph.layer_groups is None else placement[index, 0]
+            layer_def = graph.layer if graph.layers is None else graph.layers[j]
+            x, kv_cache = run(x, kv_cache, layer_def, states[j], group, placement[index, 1])
         return (x, kv_cache), None
 
     whole = num_layers // period
@@ -224,7 +221,7 @@ def _forward_periods(graph: ServingGraph, weights: ServingWeights, x, kv_cache, 
     (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache),
                                     (jnp.arange(whole, dtype=jnp.int32), stacks))
     for index in range(whole * period, num_layers):
-        x, kv_cache = run(x, kv_cache, index, index % period, weights.layers[f"layer{index}"])
+        x, kv_cache = layer_step(x, kv_cache, index, weights.layers[f"layer{index}"])
     return x, kv_cache
 
 

@@ -46,9 +46,8 @@ jax.tree_util.register_dataclass(
 def for_layer(metadata: AttentionMetadata, layer, blocks_per_layer: int,
               block_size: int, group: int = 0) -> AttentionMetadata:
     """The plan as a layer reads the cache: its KV cache group's tables (group: an int, or
-    traced),
-    its block ids and slots offset into its cache slot's blocks (layer: the slot, an int or
-    traced under scan; layout.layer_blocks); the null block stays."""
+    traced), its block ids and slots offset into its cache slot's blocks (layer: the slot, an
+    int or traced under scan; layout.layer_blocks); the null block stays."""
     if blocks_per_layer <= 0:
         raise ValueError(f"blocks_per_layer must be positive, got {blocks_per_layer}")
     offset = jnp.asarray(layer, jnp.int32) * blocks_per_layer

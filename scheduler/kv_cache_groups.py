@@ -92,7 +92,12 @@ class HybridKVCacheManager:
         hashes = block_hashes(request, self.block_size, max_blocks, self.groups[0].cache_key)
         found = [[self.pool.cached.get(h + group.hash_suffix) for h in hashes]
                  for group in self.groups]  # per group: the block or None at each index
-        for hit in range(max_blocks, 0, -1):
+        # A full group serves no more than its leading run of hits: start there, not at the
+        # prompt's end (a miss would otherwise cost a scan of every shorter hit).
+        longest = min([next((i for i, b in enumerate(blocks) if b is None), max_blocks)
+                       for blocks, window in zip(found, self.windows) if window is None],
+                      default=max_blocks)
+        for hit in range(longest, 0, -1):
             heads = [self._group_head(found[g], window, hit)
                      for g, window in enumerate(self.windows)]
             if all(head is not None for head in heads):
@@ -212,6 +217,10 @@ class HybridKVCacheManager:
     def get_block_table(self, request_id: str) -> list[int]:
         """The first group's table (a full-attention group's when the model has one)."""
         return self.groups[0].get_block_table(request_id)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
 
     def get_block_tables(self, request_id: str) -> list[list[int]]:
         return [group.get_block_table(request_id) for group in self.groups]

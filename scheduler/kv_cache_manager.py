@@ -256,8 +256,10 @@ class KVCacheManager:
     def get_block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
 
+    num_groups = 1  # KV cache groups (scheduler.kv_cache_groups has more)
+
     def get_block_tables(self, request_id: str) -> list[list[int]]:
-        """Each KV cache group's table (one group here; scheduler.kv_cache_groups has more)."""
+        """Each KV cache group's table (one group here)."""
         return [self.get_block_table(request_id)]
 
     @property

@@ -193,9 +193,8 @@ def build_plan(output: SchedulerOutput, kv_manager: KVCacheManager,
         raise ValueError("cannot build a plan for an empty schedule")
     num_tokens = output.num_scheduled_tokens
     kind, padded_tokens, padded_seqs = _padded_shape(output, buckets, num_seqs)
-    num_groups = len(getattr(kv_manager, "groups", (None,)))
-    block_tables = np.full((num_groups, padded_seqs, buckets.max_blocks_per_seq), NULL_BLOCK,
-                           np.int32)
+    block_tables = np.full((kv_manager.num_groups, padded_seqs, buckets.max_blocks_per_seq),
+                           NULL_BLOCK, np.int32)
     tokens, rows = _rows(scheduled, kv_manager, block_tables)
 
     def padded(name, fill, dtype):
@@ -221,7 +220,7 @@ def build_plan(output: SchedulerOutput, kv_manager: KVCacheManager,
         copy_src[:len(output.copies)], copy_dst[:len(output.copies)] = zip(*output.copies)
     # Slots of real tokens; padding tokens keep slot 0, which lies in the null block.
     pos, block_size = positions[:num_tokens], kv_manager.block_size
-    slot_mapping = np.zeros((num_groups, padded_tokens), np.int32)
+    slot_mapping = np.zeros((kv_manager.num_groups, padded_tokens), np.int32)
     slot_mapping[:, :num_tokens] = (block_tables[:, seq_of_token, pos // block_size] * block_size
                                     + pos % block_size)
     return BatchPlan(
