@@ -5,7 +5,10 @@ scheduler.kv_cache_groups, no model run): for Gemma-3-1B, 4B and 27B's real shap
 and 32k tokens, the KV blocks and bytes one sequence needs and the sequences a pool holds,
 with KV cache groups (a full group and sliding groups of the same number of layers; a sliding
 group holds its window and one step's tokens, max_num_batched_tokens 2048) against every layer
-keeping the whole context. Pool: 16 GiB a device; 27B at TP 8.
+keeping the whole context. Pool: 16 GiB a device; 27B at TP 8. table_kib_per_row: the block
+tables a row of a step's plan carries with groups (the full group's max_model_len-wide table,
+each sliding group's ring of its bound: ShapeBuckets.group_table_width) against every group's
+table max_model_len wide (max_model_len = the context).
 
 Run (measured, same run, same pool bytes): a Gemma-3-shaped model scaled down to the CPU
 (12 layers, every 6th global, window 64, random weights) serves a mixed long-context workload
@@ -27,6 +30,7 @@ from models import get_config, init_model
 from models.kv_groups import kv_cache_groups
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
 from pagedjax.tools.plan_commands import kv_capacity
+from scheduler import ShapeBuckets
 
 SHAPES = {"gemma-3-1b": 1, "gemma-3-4b": 1, "gemma-3-27b": 8}  # name -> TP
 
@@ -40,8 +44,15 @@ def capacity_rows(pool_gib: float, block_size: int, step_tokens: int) -> list[di
             for label, hybrid in (("groups", True), ("full", False)):
                 both[label] = kv_capacity(config, kv_cache_groups(config, hybrid), block_size,
                                           int(pool_gib * 2**30), context, tp, 2, step_tokens)
+            buckets = ShapeBuckets.create(
+                max_num_batched_tokens=step_tokens, max_num_seqs=1, max_model_len=context,
+                block_size=block_size, group_windows=kv_cache_groups(config).windows)
+            num_groups = both["groups"]["groups"]
+            width, ring = buckets.table_widths
             rows.append({
                 "model": name, "tp": tp, "context": context,
+                "table_kib_per_row_ring": round((width + (num_groups - 1) * ring) * 4 / 1024, 1),
+                "table_kib_per_row_wide": round(num_groups * width * 4 / 1024, 1),
                 "groups": both["groups"]["groups"],
                 "mib_per_seq_groups": round(both["groups"]["kv_bytes_per_seq"] / 2**20, 1),
                 "mib_per_seq_full": round(both["full"]["kv_bytes_per_seq"] / 2**20, 1),

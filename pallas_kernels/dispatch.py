@@ -31,9 +31,22 @@ class AttentionMetadata:
     num_seqs: jax.Array  # i32[]
     decode_only: bool  # every sequence has exactly one query token (T == B)
     # KV cache groups past the first (models.kv_groups): their slots and tables, i32[G - 1, T]
-    # and i32[G - 1, B, P]; None (or G - 1 = 0 rows) for a model with one group.
+    # and i32[G - 1, B, R]; None (or G - 1 = 0 rows) for a model with one group. R < P: each
+    # row a ring, logical block p at column p % R (a sliding group's, scheduler.plan).
     group_slot_mapping: jax.Array | None = None
     group_block_tables: jax.Array | None = None
+
+    def with_logical_group_tables(self) -> "AttentionMetadata":
+        """The group tables unrolled to P columns, logical block p at column p, as the
+        kernels read a table: once a step, before the layers. A column before a ring's
+        first block holds a block the window does see; its keys lie outside the window, so
+        every kernel masks (or skips) them."""
+        tables = self.group_block_tables
+        width = self.block_tables.shape[1]
+        if tables is None or tables.shape[-1] == width:
+            return self
+        columns = jnp.arange(width, dtype=jnp.int32) % tables.shape[-1]
+        return dataclasses.replace(self, group_block_tables=tables[:, :, columns])
 
 
 jax.tree_util.register_dataclass(

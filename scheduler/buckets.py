@@ -5,6 +5,8 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
+from scheduler.kv_cache_groups import group_table_width
+
 
 def power_of_two_buckets(minimum: int, maximum: int) -> tuple[int, ...]:
     """Powers of two from minimum up to maximum, with maximum itself always the last bucket."""
@@ -39,6 +41,9 @@ class ShapeBuckets:
     token_buckets: padded token counts T of a prefill (ragged) step.
     seq_buckets: padded sequence counts B; a decode step has T == B.
     max_blocks_per_seq: the block table width P, fixed by max_model_len.
+    group_table_width: the width of the tables of a hybrid model's KV cache groups past the
+        first (scheduler.kv_cache_groups.group_table_width: a sliding group's is a ring of its
+        window's blocks, narrower than P); None: P.
     prefill_seqs: how a prefill step's B is padded: "bucketed" (the seq bucket of its sequence
         count: a program per (T, B) pair) or "per_token_bucket" (the seq bucket of min(T,
         max_num_seqs), the most sequences T tokens can hold: one program per T; rows beyond the
@@ -54,6 +59,7 @@ class ShapeBuckets:
     max_blocks_per_seq: int
     prefill_seqs: str = "bucketed"
     decode_programs: bool = True
+    group_table_width: int | None = None
 
     def __post_init__(self):
         if self.prefill_seqs not in PREFILL_SEQS:
@@ -63,14 +69,23 @@ class ShapeBuckets:
     @classmethod
     def create(cls, *, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                block_size: int, min_token_bucket: int = 16, min_seq_bucket: int = 1,
-               prefill_seqs: str = "bucketed", decode_programs: bool = True):
+               prefill_seqs: str = "bucketed", decode_programs: bool = True,
+               group_windows: tuple[int | None, ...] = (None,)):
+        """group_windows: the windows of the model's KV cache groups (None: full attention)."""
         return cls(
             token_buckets=power_of_two_buckets(min_token_bucket, max_num_batched_tokens),
             seq_buckets=power_of_two_buckets(min_seq_bucket, max_num_seqs),
             max_blocks_per_seq=-(-max_model_len // block_size),
             prefill_seqs=prefill_seqs,
             decode_programs=decode_programs,
+            group_table_width=group_table_width(group_windows, block_size, max_model_len,
+                                                max_num_batched_tokens),
         )
+
+    @property
+    def table_widths(self) -> tuple[int, int]:
+        """(P, the width of the other groups' tables): the block-table shapes of a plan."""
+        return self.max_blocks_per_seq, self.group_table_width or self.max_blocks_per_seq
 
     def padded_num_tokens(self, num_tokens: int) -> int:
         return pad_to_bucket(num_tokens, self.token_buckets)

@@ -41,6 +41,19 @@ def blocks_for(windows: Sequence[int | None], block_size: int, num_tokens: int,
     return total
 
 
+def group_table_width(windows: Sequence[int | None], block_size: int, max_model_len: int,
+                      max_tokens_per_step: int | None = None) -> int | None:
+    """The block-table width of the KV cache groups past the first in a BatchPlan (None when
+    there are none): a full group's table spans max_model_len; a sliding group's is a ring of
+    its bound's width (blocks_for), logical block p of a request at column p % width. Every
+    block a step reads lies in the bound's last blocks of the request's table, so no two of
+    them share a column."""
+    if len(windows) < 2:
+        return None
+    return max(blocks_for([w], block_size, max_model_len, max_tokens_per_step)
+               for w in windows[1:])
+
+
 class CachedPrefix(list):
     """find_cached_prefix's answer for several groups: the hit's length in blocks (len) and
     each group's table head (groups[g]: a block, or the null block a sliding group skips)."""

@@ -8,7 +8,7 @@ import numpy as np
 
 from scheduler.block_pool import NULL_BLOCK
 from scheduler.buckets import ShapeBuckets
-from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.kv_cache_manager import KVCacheManager, cdiv
 from scheduler.request import MAX_LOGIT_BIAS
 from scheduler.state import DECODE, PREFILL, SchedulerOutput
 
@@ -38,7 +38,9 @@ class BatchPlan:
     # The KV cache groups past the first (scheduler.kv_cache_groups: a hybrid model's sliding
     # and global layers keep a table each): G - 1 rows, none for a model with one group.
     group_slot_mapping: np.ndarray  # i32[G - 1, T]
-    group_block_tables: np.ndarray  # i32[G - 1, B, P]
+    # A sliding group's table is a ring narrower than P (ShapeBuckets.group_table_width):
+    # logical block p of a row at column p % width.
+    group_block_tables: np.ndarray  # i32[G - 1, B, P or the ring's width]
     kv_lens: np.ndarray  # i32[B] context length after this step (0 for padding rows)
     cu_q_lens: np.ndarray  # i32[B + 1] start of each sequence's query tokens in token_ids
     logits_indices: np.ndarray  # i32[B] the token of each sequence that is sampled
@@ -71,6 +73,11 @@ class BatchPlan:
     padded_num_tokens: int  # T
     padded_num_seqs: int  # B
 
+    @property
+    def table_widths(self) -> tuple[int, int]:
+        """(P, the other groups' table width): ShapeBuckets.table_widths of this plan."""
+        return self.block_tables.shape[1], self.group_block_tables.shape[2]
+
 
 def _padded_shape(output: SchedulerOutput, buckets: ShapeBuckets,
                   num_seqs: int) -> tuple[str, int, int]:
@@ -89,25 +96,39 @@ _PARAM_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "logit_bias", "prese
                   "frequency_penalty", "repetition_penalty")
 
 
-def _rows(scheduled, kv_manager: KVCacheManager, block_tables: np.ndarray):
-    """Each row's query tokens (back to back), its block table in each group (into
-    block_tables[g]), and its start, query length and sampling settings as lists."""
+def _rows(scheduled, kv_manager: KVCacheManager, tables: list[np.ndarray]):
+    """Each row's query tokens (back to back), its block table in each group (into tables[g],
+    see write_table), and its start, query length and sampling settings as lists."""
     tokens: list[int] = []
     columns = {name: [] for name in ("start", "q_len", "seed", *_PARAM_COLUMNS)}
+    block_size = kv_manager.block_size
     for i, (request, start, n) in enumerate(scheduled):
         if n == 1:
             tokens.append(request.token_id_at(start))
         else:
             tokens.extend(request.token_ids_slice(start, start + n))
         if n:
-            for g, table in enumerate(kv_manager.get_block_tables(request.request_id)):
-                block_tables[g, i, :len(table)] = table
+            for out, table in zip(tables, kv_manager.get_block_tables(request.request_id)):
+                write_table(out[i], table, cdiv(start + n, block_size))
         params = request.sampling_params
         for name, value in (("start", start), ("q_len", n), ("seed", request.seed)):
             columns[name].append(value)
         for name in _PARAM_COLUMNS:
             columns[name].append(getattr(params, name))
     return tokens, columns
+
+
+def write_table(row: np.ndarray, table: list[int], num_blocks: int) -> None:
+    """A request's table into its plan row: logical block p at column p % width, the blocks
+    through this step's last (num_blocks of them) and as many before as the row holds (a row
+    narrower than the table is a sliding group's ring: scheduler.kv_cache_groups)."""
+    width = row.shape[0]
+    end = min(num_blocks, len(table))
+    if end <= width:
+        row[:end] = table[:end]
+    else:
+        first = end - width
+        row[np.arange(first, end) % width] = table[first:end]
 
 
 def logit_bias_slots(rows, padded_seqs: int) -> tuple[np.ndarray, np.ndarray]:
@@ -180,6 +201,10 @@ def _logits_indices(output: SchedulerOutput, cu_q_lens: np.ndarray) -> np.ndarra
     return logits_indices
 
 
+def _stack(tables: list[np.ndarray], num_rows: int, width: int) -> np.ndarray:
+    return np.stack(tables) if tables else np.zeros((0, num_rows, width), np.int32)
+
+
 def build_plan(output: SchedulerOutput, kv_manager: KVCacheManager,
                buckets: ShapeBuckets) -> BatchPlan:
     """Lays out the scheduled sequences back to back and pads every array to its bucket.
@@ -193,9 +218,10 @@ def build_plan(output: SchedulerOutput, kv_manager: KVCacheManager,
         raise ValueError("cannot build a plan for an empty schedule")
     num_tokens = output.num_scheduled_tokens
     kind, padded_tokens, padded_seqs = _padded_shape(output, buckets, num_seqs)
-    block_tables = np.full((kv_manager.num_groups, padded_seqs, buckets.max_blocks_per_seq),
-                           NULL_BLOCK, np.int32)
-    tokens, rows = _rows(scheduled, kv_manager, block_tables)
+    widths = buckets.table_widths
+    tables = [np.full((padded_seqs, widths[g > 0]), NULL_BLOCK, np.int32)
+              for g in range(kv_manager.num_groups)]
+    tokens, rows = _rows(scheduled, kv_manager, tables)
 
     def padded(name, fill, dtype):
         out = np.full(padded_seqs, fill, dtype)
@@ -221,12 +247,14 @@ def build_plan(output: SchedulerOutput, kv_manager: KVCacheManager,
     # Slots of real tokens; padding tokens keep slot 0, which lies in the null block.
     pos, block_size = positions[:num_tokens], kv_manager.block_size
     slot_mapping = np.zeros((kv_manager.num_groups, padded_tokens), np.int32)
-    slot_mapping[:, :num_tokens] = (block_tables[:, seq_of_token, pos // block_size] * block_size
-                                    + pos % block_size)
+    for g, table in enumerate(tables):
+        slot_mapping[g, :num_tokens] = (
+            table[seq_of_token[:num_tokens], pos // block_size % table.shape[1]] * block_size
+            + pos % block_size)
     return BatchPlan(
         token_ids=token_ids, positions=positions, slot_mapping=slot_mapping[0],
-        block_tables=block_tables[0], group_slot_mapping=slot_mapping[1:],
-        group_block_tables=block_tables[1:], kv_lens=kv_lens, cu_q_lens=cu_q_lens,
+        block_tables=tables[0], group_slot_mapping=slot_mapping[1:],
+        group_block_tables=_stack(tables[1:], padded_seqs, widths[1]), kv_lens=kv_lens, cu_q_lens=cu_q_lens,
         logits_indices=_logits_indices(output, cu_q_lens),
         num_seqs=np.asarray(num_seqs, np.int32), temperature=padded("temperature", 0.0, np.float32),
         top_k=padded("top_k", -1, np.int32), top_p=padded("top_p", 1.0, np.float32),

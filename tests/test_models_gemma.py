@@ -124,6 +124,9 @@ def test_gemma_paged_engine_greedy_equals_transformers_generate(gemma, engine):
     assert groups.hybrid == (engine != "every_layer_full")
     if engine == "groups":  # the shared prefix's blocks, as every group can serve them
         assert engine_.stats.num_prefix_hit_tokens >= 16
+        # The sliding groups' tables are rings of their bound, ceil((6 - 1 + 16) / 4) + 1
+        # blocks, narrower than the 52-token requests' 13 (and max_model_len's 32).
+        assert engine_.buckets.table_widths == (32, 7)
     if engine in ("preemption", "swap"):
         assert engine_.scheduler.state.num_preemptions > 0
     assert engine_.scheduler.kv_manager.num_used_blocks == 0

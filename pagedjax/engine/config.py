@@ -192,10 +192,12 @@ class EngineConfig:
             victim_policy=self.victim_policy, watermark=self.watermark,
             preemption_mode=self.preemption_mode)
 
-    def buckets(self) -> ShapeBuckets:
+    def buckets(self, group_windows: tuple[int | None, ...] = (None,)) -> ShapeBuckets:
+        """The step shapes; group_windows: the model's KV cache groups' windows (the width of
+        a sliding group's block table)."""
         return ShapeBuckets.create(
             max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len, block_size=self.block_size,
             min_token_bucket=self.min_token_bucket, min_seq_bucket=self.min_seq_bucket,
             prefill_seqs=self.prefill_seqs,
-            decode_programs=self.step_programs == "split")
+            decode_programs=self.step_programs == "split", group_windows=group_windows)

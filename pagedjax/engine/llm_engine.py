@@ -92,6 +92,9 @@ class LLMEngine:
         self.devices, self.multihost, self.backend = place(model_config, config, devices)
         # KV cache groups: a block id is a page in each of num_slots layer slots
         self.kv_groups = kv_cache_groups(model_config, not config.disable_hybrid_kv_cache_manager)
+        # each layer's attention window (None: full), for the step-time features
+        self.layer_windows = tuple(model_config.layer_window(i)
+                                   for i in range(model_config.num_layers))
         num_slots = self.kv_groups.num_slots
         self.bytes_per_block = kv_cache_bytes_per_block(  # over all devices
             num_slots, config.block_size,
@@ -104,7 +107,7 @@ class LLMEngine:
             blocks_for(self.kv_groups.windows, config.block_size, config.max_model_len,
                        config.max_num_batched_tokens))
         check_num_slots(num_slots, self.num_blocks, config.block_size)
-        self.buckets = config.buckets()
+        self.buckets = config.buckets(self.kv_groups.windows)
         self.runner = ModelRunner(model, num_blocks=self.num_blocks,
                                   block_size=config.block_size, dtype=config.kv_np_dtype,
                                   backend=self.backend,

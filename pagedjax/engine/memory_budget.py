@@ -79,7 +79,7 @@ def activation_bytes(runner, buckets) -> int:
     forward, logits = 0, None
     for kind, num_tokens, num_seqs, prompt in shapes:
         plan = padding_plan(kind, num_tokens, num_seqs, buckets.max_blocks_per_seq, prompt,
-                            runner.num_kv_groups)
+                            runner.num_kv_groups, buckets.group_table_width)
         inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
                               forward_inputs(plan))
         lowered = _forward.lower(runner.graph, runner.backend, kind, runner.num_top_logprobs,

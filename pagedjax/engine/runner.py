@@ -61,7 +61,7 @@ def forward_fn(graph: ServingGraph, backend: AttentionBackend, kind: str, num_to
         slot_mapping=inputs["slot_mapping"], block_tables=inputs["block_tables"],
         kv_lens=inputs["kv_lens"], cu_q_lens=inputs["cu_q_lens"], num_seqs=inputs["num_seqs"],
         decode_only=kind == DECODE, group_slot_mapping=inputs["group_slot_mapping"],
-        group_block_tables=inputs["group_block_tables"])
+        group_block_tables=inputs["group_block_tables"]).with_logical_group_tables()
     hidden, kv_cache = serving.forward_paged(graph, params, kv_cache, inputs["token_ids"],
                                              inputs["positions"], metadata, backend)
     logits = serving.logits(graph, params, hidden[inputs["logits_indices"]])  # f32[B, V]
@@ -223,12 +223,14 @@ class ModelRunner:
         """Step programs compiled so far."""
         return len(self._programs)
 
-    def program(self, kind: str, num_tokens: int, num_seqs: int, max_blocks_per_seq: int,
-                with_prompt_logprobs: bool = False) -> jax.stages.Compiled:
+    def program(self, kind: str, num_tokens: int, num_seqs: int,
+                table_widths: tuple[int, int], with_prompt_logprobs: bool = False
+                ) -> jax.stages.Compiled:
         """The forward program of a shape, compiled on first use (from the persistent
         compilation cache when an earlier process compiled it), with its plain sampler;
         thread-safe, one compile per shape. with_prompt_logprobs: the variant that also
-        returns every query token's prompt logprobs (compiled only when a step needs it)."""
+        returns every query token's prompt logprobs (compiled only when a step needs it).
+        table_widths: the block tables' (ShapeBuckets.table_widths)."""
         key = (kind, num_tokens, num_seqs, with_prompt_logprobs)
         program = self._programs.get(key)
         if program is not None:
@@ -238,8 +240,8 @@ class ModelRunner:
         with lock:
             if key not in self._programs:
                 _count_compile()
-                plan = padding_plan(kind, num_tokens, num_seqs, max_blocks_per_seq,
-                                    with_prompt_logprobs, self.num_kv_groups)
+                plan = padding_plan(kind, num_tokens, num_seqs, table_widths[0],
+                                    with_prompt_logprobs, self.num_kv_groups, table_widths[1])
                 inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
                                       forward_inputs(plan))
                 lowered = _forward.lower(self.graph, self.backend, kind, self.num_top_logprobs,
@@ -271,7 +273,7 @@ class ModelRunner:
         """Starts a step's forward; returns its (logits, prompt logprob arrays or ()), on
         device, not waited for."""
         program = self.program(plan.kind, plan.padded_num_tokens, plan.padded_num_seqs,
-                               plan.block_tables.shape[1], bool(plan.prompt_targets.shape[0]))
+                               plan.table_widths, bool(plan.prompt_targets.shape[0]))
         inputs = forward_inputs(plan)
         if self.channel is None:
             logits, prompt, self.kv_cache = program(self.params, self.kv_cache, inputs)
@@ -319,7 +321,7 @@ class ModelRunner:
                   disable=not progress) as bar:
             for kind, num_tokens, num_seqs in bar:
                 bar.set_postfix_str(f"{kind} T={num_tokens} B={num_seqs}")
-                self.program(kind, num_tokens, num_seqs, buckets.max_blocks_per_seq)
+                self.program(kind, num_tokens, num_seqs, buckets.table_widths)
         return len(shapes)
 
     def start_warmup(self, buckets, progress: bool = False) -> "BackgroundWarmup":
@@ -384,16 +386,19 @@ def _no_logit_bias(num_seqs: int) -> dict:
 
 
 def padding_plan(kind: str, num_tokens: int, num_seqs: int, max_blocks_per_seq: int,
-                 with_prompt_logprobs: bool = False, num_kv_groups: int = 1) -> BatchPlan:
+                 with_prompt_logprobs: bool = False, num_kv_groups: int = 1,
+                 group_table_width: int | None = None) -> BatchPlan:
     """A plan of nothing but padding (num_seqs = 0): every write lands in the null block.
-    with_prompt_logprobs gives it prompt_targets (all -1) for the forward's prompt variant."""
+    with_prompt_logprobs gives it prompt_targets (all -1) for the forward's prompt variant;
+    group_table_width: the other KV cache groups' tables' (default max_blocks_per_seq)."""
     zeros_t = np.zeros(num_tokens, np.int32)
     return BatchPlan(
         token_ids=zeros_t, positions=zeros_t, slot_mapping=zeros_t,
         block_tables=np.full((num_seqs, max_blocks_per_seq), NULL_BLOCK, np.int32),
         group_slot_mapping=np.zeros((num_kv_groups - 1, num_tokens), np.int32),
-        group_block_tables=np.full((num_kv_groups - 1, num_seqs, max_blocks_per_seq),
-                                   NULL_BLOCK, np.int32),
+        group_block_tables=np.full(
+            (num_kv_groups - 1, num_seqs, group_table_width or max_blocks_per_seq), NULL_BLOCK,
+            np.int32),
         kv_lens=np.zeros(num_seqs, np.int32), cu_q_lens=np.zeros(num_seqs + 1, np.int32),
         logits_indices=np.zeros(num_seqs, np.int32), num_seqs=np.asarray(0, np.int32),
         temperature=np.zeros(num_seqs, np.float32), top_k=np.full(num_seqs, -1, np.int32),

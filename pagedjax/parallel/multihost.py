@@ -41,7 +41,9 @@ logger = logging.getLogger("pagedjax.parallel.multihost")
 
 STEP, RESET, STOP = 1, 2, 3
 KINDS = (DECODE, PREFILL)
-HEADER = 8  # int32s: command, kind, T, B, max blocks per sequence, prompt targets, unused
+# int32s: command, kind, T, B, max blocks per sequence, prompt targets, the other KV cache
+# groups' table width, unused
+HEADER = 8
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
@@ -114,9 +116,10 @@ def _broadcast(tree):
 
 
 def _header(command: int, kind: str = DECODE, num_tokens: int = 0, num_seqs: int = 0,
-            max_blocks: int = 0, prompt_targets: int = 0) -> np.ndarray:
+            table_widths: tuple[int, int] = (0, 0), prompt_targets: int = 0) -> np.ndarray:
     header = np.zeros(HEADER, np.int32)
-    header[:6] = command, KINDS.index(kind), num_tokens, num_seqs, max_blocks, prompt_targets
+    header[:7] = (command, KINDS.index(kind), num_tokens, num_seqs, table_widths[0],
+                  prompt_targets, table_widths[1])
     return header
 
 
@@ -153,7 +156,7 @@ class LeaderChannel:
 
     def step(self, plan) -> None:
         self._send(_header(STEP, plan.kind, plan.padded_num_tokens, plan.padded_num_seqs,
-                           plan.block_tables.shape[1], plan.prompt_targets.shape[0]))
+                           plan.table_widths, plan.prompt_targets.shape[0]))
         self._send({name: np.asarray(getattr(plan, name)) for name in FORWARD_FIELDS})
 
     def reset(self) -> None:
@@ -182,7 +185,8 @@ def follow(runner) -> int:
     steps = 0
     while True:
         header = np.asarray(_broadcast(_header(0)))
-        command, kind, num_tokens, num_seqs, max_blocks, targets = (int(x) for x in header[:6])
+        command, kind, num_tokens, num_seqs, max_blocks, targets, group_width = (
+            int(x) for x in header[:7])
         if command == STOP:
             jax.distributed.shutdown()
             return steps
@@ -192,7 +196,7 @@ def follow(runner) -> int:
         if command != STEP:
             raise RuntimeError(f"follower got an unknown command {command} from the leader")
         template = padding_plan(KINDS[kind], num_tokens, num_seqs, max_blocks, targets > 0,
-                                runner.num_kv_groups)
+                                runner.num_kv_groups, group_width)
         arrays = _broadcast({name: getattr(template, name) for name in FORWARD_FIELDS})
         plan = dataclasses.replace(template, **{k: np.asarray(v) for k, v in arrays.items()})
         jax.block_until_ready(runner.dispatch_forward(plan))  # the leader alone samples
