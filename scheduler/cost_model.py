@@ -4,6 +4,7 @@ datasheet peaks, scheduler.chips, for hardware not at hand)."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 from typing import Sequence
@@ -17,20 +18,38 @@ from scheduler.state import DECODE, PREFILL, SchedulerOutput
 FEATURES = ("1", "T", "B", "kv_tokens", "attn_pairs")
 
 
-def step_features(output: SchedulerOutput, buckets: ShapeBuckets) -> tuple[str, np.ndarray]:
+def step_features(output: SchedulerOutput, buckets: ShapeBuckets,
+                  layer_windows: Sequence[int | None] = (None,)) -> tuple[str, np.ndarray]:
     """(kind, [1, T, B, kv_tokens, attn_pairs]) of a step, padded as build_plan pads it:
     kv_tokens are the keys the step's sequences attend, attn_pairs the (query, key) pairs
-    (a chunk of n tokens from position s: n * s + n * (n + 1) / 2, causal)."""
+    (a chunk of n tokens from position s: n * s + n * (n + 1) / 2, causal), both averaged over
+    the model's layers (layer_windows: each layer's attention window, None for full: a
+    sliding layer attends at most its window's keys a query)."""
     num_seqs = len(output.scheduled) + len(output.forks)
     if output.kind == DECODE:
         padded_seqs = padded_tokens = buckets.padded_num_seqs(num_seqs)
     else:
         padded_tokens = buckets.padded_num_tokens(output.num_scheduled_tokens)
         padded_seqs = buckets.padded_prefill_seqs(num_seqs, padded_tokens)
-    kv_tokens = sum(seq.start + seq.num_new_tokens for seq in output.scheduled)
-    pairs = sum(seq.num_new_tokens * seq.start + seq.num_new_tokens * (seq.num_new_tokens + 1) / 2
-                for seq in output.scheduled)
+    kv_tokens = pairs = 0.0
+    for window, count in collections.Counter(layer_windows).items():
+        share = count / len(layer_windows)
+        for seq in output.scheduled:
+            keys, seq_pairs = attended(seq.start, seq.num_new_tokens, window)
+            kv_tokens += share * keys
+            pairs += share * seq_pairs
     return output.kind, np.array([1.0, padded_tokens, padded_seqs, kv_tokens, pairs])
+
+
+def attended(start: int, num_new: int, window: int | None) -> tuple[int, float]:
+    """(keys read, (query, key) pairs) of num_new query tokens from position start under a
+    causal attention window (None: the whole context)."""
+    n = num_new
+    if window is None:
+        return start + n, n * start + n * (n + 1) / 2
+    keys = min(start + n, window - 1 + n)
+    below = min(max(window - start, 0), n)  # queries that see every key before them
+    return keys, below * start + below * (below + 1) / 2 + (n - below) * window
 
 
 @dataclasses.dataclass(frozen=True)

@@ -90,9 +90,14 @@ def _admit(trace: Sequence[TraceRequest], i: int, schedulers: list[Scheduler],
 def simulate(trace: Sequence[TraceRequest], config: SchedulerConfig, *, num_blocks: int,
              block_size: int, buckets: ShapeBuckets, cost: StepCostModel | RooflineCost,
              vocab_size: int = 32000, num_host_blocks: int = 0, replicas: int = 1,
-             place: Placement | None = None) -> SimResult:
+             place: Placement | None = None, group_windows: Sequence[int | None] = (None,),
+             layer_windows: Sequence[int | None] = (None,)) -> SimResult:
     """Runs the trace to completion on simulated time; raises ValueError for a request the
     configuration can never serve (as the engine would reject it).
+
+    A hybrid model (models.kv_groups): group_windows, its KV cache groups' windows (the
+    scheduler's blocks per request, a sliding group's bounded), and layer_windows, each
+    layer's (the keys a step's layers attend, step_features).
 
     replicas > 1 simulates data parallelism as pagedjax.parallel.data_parallel runs it: a
     scheduler and a pool of num_blocks each, stepped in lockstep (every replica with work runs a
@@ -100,8 +105,8 @@ def simulate(trace: Sequence[TraceRequest], config: SchedulerConfig, *, num_bloc
     each replica's unfinished requests) -> replica index."""
     if replicas > 1 and place is None:
         raise ValueError("replicas > 1 needs a placement rule (place)")
-    schedulers = [Scheduler(config, num_blocks, block_size, num_host_blocks=num_host_blocks)
-                  for _ in range(replicas)]
+    schedulers = [Scheduler(config, num_blocks, block_size, num_host_blocks=num_host_blocks,
+                            group_windows=tuple(group_windows)) for _ in range(replicas)]
     order = sorted(range(len(trace)), key=lambda i: trace[i].arrival_s)
     groups: list[list[Request]] = [[] for _ in trace]  # each request's samples
     now, next_arrival, steps, prefill_steps, peak, tokens = 0.0, 0, 0, 0, 0, 0

@@ -235,3 +235,59 @@ def test_simulate_cli_with_parallelism(tmp_path, capsys):
         main(["simulate", "--trace", str(trace), "--cost", "x.json", "--num-blocks", "64",
               "--tensor-parallel-size", "2"])
     assert "--tensor-parallel-size needs --roofline" in capsys.readouterr().err
+
+
+def test_step_features_count_what_a_sliding_layer_attends():
+    """A 100-token chunk from position 1,000 on a model of one full and three 64-window layers:
+    the full layer reads 1,100 keys, each sliding one 163 (the window before the chunk's first
+    token and the chunk), and their (query, key) pairs are 64 a query."""
+    from scheduler import Request, SamplingParams
+    from scheduler.cost_model import attended, step_features
+    from scheduler.state import ScheduledSeq, SchedulerOutput
+
+    assert attended(1000, 100, None) == (1100, 100 * 1000 + 100 * 101 / 2)
+    assert attended(1000, 100, 64) == (163, 100 * 64)
+    assert attended(10, 4, 64) == attended(10, 4, None)  # inside the window: the whole context
+    buckets = ShapeBuckets.create(max_num_batched_tokens=128, max_num_seqs=4, max_model_len=2048,
+                                  block_size=16)
+    request = Request("r", list(range(1200)), SamplingParams(max_tokens=1), seed=0,
+                      arrival_time=0.0)
+    output = SchedulerOutput(scheduled=[ScheduledSeq(request, 1000, 100)], preempted=[],
+                             kind=PREFILL, num_scheduled_tokens=100, now=0.0)
+    _, features = step_features(output, buckets, (None, 64, 64, 64))
+    assert features[3] == pytest.approx((1100 + 3 * 163) / 4)
+    assert features[4] == pytest.approx((100 * 1000 + 5050 + 3 * 6400) / 4)
+
+
+def test_simulate_counts_a_hybrid_models_kv_cache_groups(tmp_path, capsys):
+    """Gemma-3-4B on a v5e's 4 GiB of KV, 16k-token prompts: with KV cache groups (a sliding
+    group holds its 1,024-token window) the pool holds several times the requests it holds when
+    every layer keeps the whole context, and the run preempts less and ends sooner."""
+    from models import get_config
+    from models.kv_groups import kv_cache_groups
+    from pagedjax.tools.cli import main
+    from scheduler.kv_cache_groups import blocks_for
+
+    trace = tmp_path / "trace.jsonl"
+    save_trace(trace, [TraceRequest(0.05 * i, 16000, 32) for i in range(16)])
+    rows = {}
+    for flag in ([], ["--disable-hybrid-kv-cache-manager"]):
+        main(["simulate", "--trace", str(trace), "--roofline", "tpu-v5e", "--model",
+              "gemma-3-4b", "--kv-memory-gib", "4", "--max-model-len", "16384",
+              "--max-num-seqs", "16", "--max-num-batched-tokens", "2048", *flag])
+        lines = capsys.readouterr().out.splitlines()
+        rows[bool(flag)] = dict(zip(lines[1].split(), lines[2].split()))
+    groups, full = rows[False], rows[True]
+    assert int(groups["num_blocks"]) > 5 * int(full["num_blocks"])  # a block: 1/6 the layers
+    assert int(groups["preemptions"]) < int(full["preemptions"])
+    assert float(groups["makespan_s"]) < float(full["makespan_s"])
+    # One request alone: its peak is what its groups hold, the full group's 1,002 blocks and
+    # each of the 6 sliding groups' window (64 blocks at least, at most its bound).
+    save_trace(trace, [TraceRequest(0.0, 16000, 32)])
+    main(["simulate", "--trace", str(trace), "--roofline", "tpu-v5e", "--model", "gemma-3-4b",
+          "--kv-memory-gib", "4", "--max-model-len", "16384", "--max-num-batched-tokens", "2048"])
+    lines = capsys.readouterr().out.splitlines()
+    peak = int(dict(zip(lines[1].split(), lines[2].split()))["peak_used_blocks"])
+    windows = kv_cache_groups(get_config("gemma-3-4b")).windows
+    assert windows == (None,) + (1024,) * 6
+    assert 1002 + 6 * 64 <= peak <= blocks_for(windows, 16, 16032, 2048)

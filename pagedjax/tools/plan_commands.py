@@ -217,8 +217,19 @@ def simulate(args, parser: argparse.ArgumentParser) -> None:
         print(f"roofline estimate: {args.model} on {args.roofline} x TP "
               f"{args.tensor_parallel_size} x DP {args.data_parallel_size} (flops x "
               f"{args.flops_util}, "
-              f"bandwidth x {args.bw_util}, {args.overhead_ms} ms a step); not a measurement")
+              f"bandwidth x {args.bw_util}, {args.overhead_ms} ms a step{_groups_note(args)}); "
+              f"not a measurement")
     print(_table(rows))
+
+
+def _groups_note(args) -> str:
+    from models.kv_groups import kv_cache_groups
+
+    groups = kv_cache_groups(get_config(args.model), not args.disable_hybrid_kv_cache_manager)
+    if not groups.hybrid:
+        return ""
+    return (f"; {groups.num_groups} KV cache groups of {groups.num_slots} layers, windows "
+            f"{'/'.join(str(w or 'full') for w in sorted(set(groups.windows), key=str))}")
 
 
 def simulate_args(parser: argparse.ArgumentParser) -> None:
@@ -264,25 +275,33 @@ def simulate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-parallel-size", type=int, default=1,
                         help="replicas, each with the pool; requests placed by the "
                         "data-parallel engine's prefix-affinity rule, steps in lockstep")
+    parser.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                        help="with --roofline: every layer keeps the whole context (no KV "
+                        "cache groups for a model whose layers differ in window)")
 
 
 def _cost_and_pools(args):
-    """The step-time model, the pool sizes to try and the vocabulary size."""
+    """The step-time model, the pool sizes to try, the vocabulary size, the model's KV cache
+    groups (models.kv_groups) and its layers' windows (without a --model: one full group)."""
+    from models.kv_groups import KVCacheGroups, kv_cache_groups
     from pagedjax.parallel.plan import roofline_cost
     from scheduler.chips import CHIPS
     from scheduler.cost_model import StepCostModel
 
     if not args.roofline:
         with open(args.cost) as f:
-            return StepCostModel.from_json(f.read()), args.num_blocks, args.vocab_size
+            return (StepCostModel.from_json(f.read()), args.num_blocks, args.vocab_size,
+                    KVCacheGroups((None,), (0,), (0,), 1), [None])
     config = get_config(args.model)
+    groups = kv_cache_groups(config, not args.disable_hybrid_kv_cache_manager)
     cost = roofline_cost(config, CHIPS[args.roofline], args.tensor_parallel_size,
                          args.kv_dtype, flops_util=args.flops_util,
                          bw_util=args.bw_util, overhead_s=args.overhead_ms / 1e3)
-    pools = args.num_blocks or [  # a device's budget: each holds 1/TP of a block
-        1 + int(gib * 2**30) // (cost.kv_bytes_per_token * args.block_size)
-        for gib in args.kv_memory_gib]
-    return cost, pools, config.vocab_size
+    # a device's budget: each holds 1/TP of a block, a page of a group's layers
+    block_bytes = cost.kv_bytes_per_token * args.block_size * groups.num_slots // config.num_layers
+    pools = args.num_blocks or [1 + int(gib * 2**30) // block_bytes for gib in args.kv_memory_gib]
+    layer_windows = [config.layer_window(i) for i in range(config.num_layers)]
+    return cost, pools, config.vocab_size, groups, layer_windows
 
 
 def _simulate_rows(args, trace) -> list[dict]:
@@ -291,7 +310,7 @@ def _simulate_rows(args, trace) -> list[dict]:
     from pagedjax.parallel.plan import prefix_affinity_placer
     from scheduler.simulator import simulate as run
 
-    cost, pools, vocab = _cost_and_pools(args)
+    cost, pools, vocab, groups, layer_windows = _cost_and_pools(args)
     dp = args.data_parallel_size
     rows = []
     for num_blocks in pools:
@@ -303,9 +322,10 @@ def _simulate_rows(args, trace) -> list[dict]:
                     max_model_len=args.max_model_len, policy=args.policy,
                     enable_prefix_caching=not args.no_prefix_caching)
                 result = run(trace, config.scheduler_config(), num_blocks=num_blocks,
-                             block_size=args.block_size, buckets=config.buckets(),
+                             block_size=args.block_size, buckets=config.buckets(groups.windows),
                              cost=cost, vocab_size=vocab, replicas=dp,
-                             place=prefix_affinity_placer(dp, args.block_size))
+                             place=prefix_affinity_placer(dp, args.block_size),
+                             group_windows=groups.windows, layer_windows=layer_windows)
                 rows.append({"num_blocks": num_blocks, "max_num_seqs": max_num_seqs,
                              "max_num_batched_tokens": max_tokens, **result.summary()})
     return rows

@@ -56,7 +56,8 @@ def run_trace(engine: LLMEngine, trace: Sequence[TraceRequest]
         t0 = time.perf_counter()
         outputs = engine.step()
         seconds = time.perf_counter() - t0
-        kind, features = step_features(engine.last_schedule, engine.buckets)
+        kind, features = step_features(engine.last_schedule, engine.buckets,
+                                       engine.layer_windows)
         samples.append((kind, features, seconds))
         peak = max(peak, engine.scheduler.kv_manager.num_used_blocks)
         for out in outputs:
