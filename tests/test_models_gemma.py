@@ -180,3 +180,32 @@ def test_registry_lists_the_gemma_architectures():
     assert ARCHITECTURES["Gemma2ForCausalLM"].name == "gemma"
     assert ARCHITECTURES["Gemma3ForCausalLM"].name == "gemma"
     assert ARCHITECTURES["LlamaForCausalLM"].name == "llama"
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_gemma_parallel_samples_share_blocks_across_groups(arch, tmp_path):
+    """n = 3 seeded samples of 40-token prompts (windows of 6): the followers fork the leader's
+    blocks in every group (a sliding group's null head included) and copy-on-write the shared
+    last block; their tokens equal those of the one-group engine (every layer keeping the whole
+    context), whose paged attention is checked against transformers above; a second request
+    with the same prompt hits the cache in every group and samples the same."""
+    build_gemma(arch, tmp_path)
+    prompt = list(range(3, 43))
+    params = SamplingParams(n=3, max_tokens=10, temperature=1.0, seed=7)
+    runs = {}
+    for hybrid in (True, False):
+        engine = LLMEngine(load_hf_model(str(tmp_path)), EngineConfig(
+            block_size=4, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=16,
+            enable_prefix_caching=True, disable_hybrid_kv_cache_manager=not hybrid))
+        finished = []
+        for request_index in range(2):  # the second after the first: a prefix hit
+            engine.add_request(prompt, params, request_id=f"r{request_index}")
+            for _ in until_done(engine):
+                finished += [o for o in engine.step() if o.finished]
+        assert engine.kv_groups.hybrid == hybrid
+        assert engine.stats.num_prefix_hit_tokens >= 36
+        assert engine.scheduler.kv_manager.num_used_blocks == 0
+        runs[hybrid] = {o.request_id: [c.token_ids for c in o.outputs] for o in finished}
+    assert runs[True] == runs[False]
+    samples = runs[True]["r0"]
+    assert len({tuple(s) for s in samples}) > 1 and runs[True]["r1"] == samples
