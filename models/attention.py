@@ -34,18 +34,26 @@ class Attention(nnx.Module):
         self.k_proj = linear(d, k * h, config, rngs, dtype, param_dtype, bias)
         self.v_proj = linear(d, k * h, config, rngs, dtype, param_dtype, bias)
         self.o_proj = linear(n * h, d, config, rngs, dtype, param_dtype, config.o_proj_bias)
-        if config.qk_norm:  # Qwen3, Gemma 3
-            self.q_norm = rms_norm(config, h, param_dtype)
-            self.k_norm = rms_norm(config, h, param_dtype)
+        self.qk_norm_whole = config.qk_norm_whole
+        self.clip_qkv = config.clip_qkv
+        if config.qk_norm:  # Qwen3, Gemma 3: over a head; OLMoE: over the whole projection
+            whole = config.qk_norm_whole
+            self.q_norm = rms_norm(config, n * h if whole else h, param_dtype)
+            self.k_norm = rms_norm(config, k * h if whole else h, param_dtype)
         else:
             self.q_norm = self.k_norm = None
 
     def _qkv(self, x: jax.Array, positions: jax.Array):
         lead = x.shape[:-1]
-        q = self.q_proj(x).reshape(*lead, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_norm is not None and self.qk_norm_whole:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (jnp.clip(t, -self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q = q.reshape(*lead, self.num_heads, self.head_dim)
+        k = k.reshape(*lead, self.num_kv_heads, self.head_dim)
+        v = v.reshape(*lead, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and not self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         return (rope(q, positions, self.rope_theta, self.rope_scaling),
                 rope(k, positions, self.rope_theta, self.rope_scaling), v)

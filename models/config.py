@@ -9,6 +9,7 @@ from typing import Any
 ROPE_TYPES = ("default", "linear", "llama3")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # models.layers.ACTIVATIONS
 LAYER_TYPES = ("full_attention", "sliding_attention")
+MLP_TYPES = ("sparse", "dense")  # a layer's MLP: experts (models/moe.py) or one dense MLP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +71,16 @@ class LlamaConfig:
     # None: sliding_window (if any) applies to every layer.
     layer_types: tuple[str, ...] | None = None
     rope_local_theta: float | None = None  # sliding layers' RoPE base, unscaled (Gemma 3)
+    # Mixture of experts (models/moe.py); num_experts 0: every MLP is dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 2  # k: the experts a token's router picks
+    moe_intermediate_size: int | None = None  # an expert's MLP dim (None: intermediate_size)
+    norm_topk_prob: bool = True  # the k routing weights renormalised to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an MLP every token takes, gated
+    # Per layer: "sparse" (experts) or "dense" (intermediate_size MLP); None: all sparse.
+    mlp_types: tuple[str, ...] | None = None
+    qk_norm_whole: bool = False  # q/k RMSNorm over the whole projection, not a head (OLMoE)
+    clip_qkv: float | None = None  # q, k, v clamped to [-clip_qkv, clip_qkv] (OLMoE)
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -111,6 +122,7 @@ class LlamaConfig:
             if value is not None and not (isinstance(value, (int, float)) and value > 0
                                           and math.isfinite(value)):
                 raise ValueError(f"{name} must be None or a finite number > 0, got {value!r}")
+        self._check_moe_fields()
         if self.layer_types is None:
             return
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
@@ -120,6 +132,43 @@ class LlamaConfig:
                              f"{self.num_layers} layers, got {self.layer_types!r}")
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError("sliding_attention layers need a sliding_window")
+
+    def _check_moe_fields(self) -> None:
+        if not isinstance(self.num_experts, int) or self.num_experts < 0:
+            raise ValueError(f"num_experts must be an integer >= 0, got {self.num_experts!r}")
+        if self.clip_qkv is not None and not self.clip_qkv > 0:
+            raise ValueError(f"clip_qkv must be None or > 0, got {self.clip_qkv!r}")
+        if self.qk_norm_whole and not self.qk_norm:
+            raise ValueError("qk_norm_whole needs qk_norm")
+        if not self.num_experts:
+            if self.mlp_types is not None or self.shared_expert_intermediate_size:
+                raise ValueError("mlp_types and shared_expert_intermediate_size need experts "
+                                 "(num_experts > 0)")
+            return
+        k = self.num_experts_per_tok
+        if not isinstance(k, int) or not 1 <= k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be an integer in [1, num_experts="
+                             f"{self.num_experts}], got {k!r}")
+        for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0
+                                      or (value == 0 and name == "moe_intermediate_size")):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.mlp_types is not None:
+            object.__setattr__(self, "mlp_types", tuple(self.mlp_types))
+            if len(self.mlp_types) != self.num_layers or not set(self.mlp_types) <= set(
+                    MLP_TYPES):
+                raise ValueError(f"mlp_types must name one of {MLP_TYPES} for each of the "
+                                 f"{self.num_layers} layers, got {self.mlp_types!r}")
+
+    def layer_is_moe(self, layer: int) -> bool:
+        """Whether a layer's MLP is a mixture of experts."""
+        return bool(self.num_experts) and (self.mlp_types is None
+                                           or self.mlp_types[layer] == "sparse")
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
 
     def layer_window(self, layer: int) -> int | None:
         """The attention window of a layer (None: the whole context)."""
@@ -173,14 +222,30 @@ class LlamaConfig:
 
     @property
     def num_params(self) -> int:
+        """Every parameter (all experts)."""
+        return self._params(self.num_experts)
+
+    @property
+    def num_active_params(self) -> int:
+        """The parameters one token's forward reads: its k experts, not all (the roofline's
+        FLOPs a token)."""
+        return self._params(self.num_experts_per_tok)
+
+    def _params(self, experts: int) -> int:
         d, h = self.hidden_size, self.head_dim
         attn = d * h * (2 * self.num_heads + 2 * self.num_kv_heads)
         attn += (self.num_heads + 2 * self.num_kv_heads) * h * self.attention_bias
-        attn += d * self.o_proj_bias + 2 * h * self.qk_norm
-        mlp = 3 * d * self.intermediate_size + (2 * self.intermediate_size + d) * self.mlp_bias
+        attn += d * self.o_proj_bias
+        attn += (self.num_heads + self.num_kv_heads) * h if self.qk_norm_whole else (
+            2 * h * self.qk_norm)
+        dense = 3 * d * self.intermediate_size + (2 * self.intermediate_size + d) * self.mlp_bias
+        shared = self.shared_expert_intermediate_size
+        sparse = (d * self.num_experts + experts * 3 * d * self.expert_intermediate_size
+                  + (3 * d * shared + d if shared else 0))
+        mlps = sum(sparse if self.layer_is_moe(i) else dense for i in range(self.num_layers))
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         norms = (4 if self.sandwich_norms else 2) * d
-        return self.num_layers * (attn + mlp + norms) + embed + d
+        return self.num_layers * (attn + norms) + mlps + embed + d
 
 
 CONFIGS: dict[str, LlamaConfig] = {

@@ -27,7 +27,7 @@ from models.config import LlamaConfig
 from models.hf_config import (UnsupportedModelError, architecture_of,  # noqa: F401
                               config_from_hf, supported_summary)
 from models.llama import LlamaForCausalLM
-from models.registry import model_class
+from models.registry import hf_renames, model_class
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -60,15 +60,33 @@ def checkpoint_dtype(raw: dict[str, Any]) -> str:
 
 # ---- weights ---------------------------------------------------------------------------------
 
-def _hf_name(path: tuple) -> tuple[str, bool]:
+EXPERT = "{expert}"  # in a stacked experts' HF name: the expert index (models/moe.py)
+
+
+def _hf_name(path: tuple, renames: tuple[tuple[str, str], ...] = ()) -> tuple[str, bool]:
     """HF tensor name for a path in the NNX parameter dict, and whether HF stores it
-    transposed ([out, in] for a Linear kernel [in, out])."""
+    transposed ([out, in] for a Linear kernel [in, out]). A stacked experts' weight [E, in,
+    out] names its experts' tensors with EXPERT for the index (experts.{expert}.gate_proj...).
+    renames: the family's (models.registry.Family.hf_renames) substitutions of the generic name."""
     parts = [str(getattr(k, "key", k)) for k in path]
     leaf = parts[-1]
-    transpose = leaf == "kernel"
-    parts[-1] = "weight" if leaf in ("kernel", "embedding", "weight") else leaf
     prefix = "" if parts[0] == "lm_head" else "model."
-    return prefix + ".".join(parts), transpose
+    if len(parts) > 1 and parts[-2] == "experts":
+        name, transpose = prefix + ".".join(parts[:-1] + [EXPERT, leaf, "weight"]), True
+    else:
+        transpose = leaf == "kernel"
+        parts[-1] = "weight" if leaf in ("kernel", "embedding", "weight") else leaf
+        name = prefix + ".".join(parts)
+    for old, new in renames:
+        name = name.replace(old, new)
+    return name, transpose
+
+
+def expert_names(name: str, num_experts: int) -> list[str]:
+    """The HF tensors a weight reads: one, or one an expert for a stacked experts' name."""
+    if EXPERT not in name:
+        return [name]
+    return [name.replace(EXPERT, str(e)) for e in range(num_experts)]
 
 
 def weight_files(model_dir: str) -> dict[str, str]:
@@ -113,28 +131,32 @@ def checked_hf_weights(model_dir: str, dtype: str = "float32"):
                                           param_dtype=jdtype))
     params = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-    wanted = [(_hf_name(path), leaf.shape) for path, leaf in leaves]
+    renames = hf_renames(config)
+    wanted = [(_hf_name(path, renames), leaf.shape) for path, leaf in leaves]
 
     files = weight_files(model_dir)
     headers = {path: _header(path) for path in sorted(set(files.values()))}
     present = {name for header in headers.values() for name in header}
-    names = {name for (name, _), _ in wanted}
-    missing = sorted(names - present)
+    stored_as = {}  # each tensor read -> the shape HF stores it in
+    for (name, transpose), shape in wanted:
+        per_tensor = shape[1:] if EXPERT in name else shape
+        for each in expert_names(name, config.num_experts):
+            stored_as[each] = tuple(per_tensor[::-1] if transpose else per_tensor)
+    missing = sorted(set(stored_as) - present)
     if missing:
         raise ValueError(f"{model_dir}: weights missing for {config.model_type}: "
                          f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
     ignorable = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    unexpected = sorted(n for n in present - names - ignorable
+    unexpected = sorted(n for n in present - set(stored_as) - ignorable
                         if not n.endswith(IGNORED_SUFFIXES))
     if unexpected:
         raise ValueError(f"{model_dir}: unexpected weights (not part of {config.model_type}): "
                          f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
-    for (name, transpose), shape in wanted:
+    for name, expected in stored_as.items():
         stored, _ = headers[files[name]][name]
-        expected = shape[::-1] if transpose else shape
-        if stored != tuple(expected):
+        if stored != expected:
             raise ValueError(f"{model_dir}: weight {name} has shape {stored}, the config "
-                             f"implies {tuple(expected)}")
+                             f"implies {expected}")
     return abstract, (wanted, treedef), files
 
 
@@ -144,23 +166,26 @@ def load_hf_model(model_dir: str, dtype: str = "float32") -> LlamaForCausalLM:
     from safetensors import SafetensorError, safe_open
 
     abstract, (wanted, treedef), files = checked_hf_weights(model_dir, dtype)
+    num_experts = abstract.config.num_experts
     jdtype = jnp.dtype(dtype)
     np_dtype = np.dtype(jdtype)
     device = jax.devices()[0]
     arrays: list[Any] = [None] * len(wanted)
     by_file: dict[str, list[int]] = {}
     for index, ((name, _), _) in enumerate(wanted):
-        by_file.setdefault(files[name], []).append(index)
+        by_file.setdefault(files[expert_names(name, 1)[0]], []).append(index)
     try:
         for path, indices in by_file.items():  # one file open at a time: its mapped pages are
             with safe_open(path, framework="numpy") as f:  # released before the next one
                 for index in indices:
                     (name, transpose), _ = wanted[index]
-                    host = f.get_tensor(name)
                     # one host copy at most (cast and/or transpose), none when neither is needed
-                    host = np.ascontiguousarray(host.T if transpose else host, dtype=np_dtype)
+                    parts = [np.ascontiguousarray(t.T if transpose else t, dtype=np_dtype)
+                             for t in (_get_tensor(f, path, files, each)
+                                       for each in expert_names(name, num_experts))]
+                    host = parts[0] if EXPERT not in name else np.stack(parts)
                     arrays[index] = jax.device_put(host, device)
-                    del host
+                    del host, parts
     except SafetensorError as e:
         raise ValueError(f"{model_dir}: cannot read weights: {e}") from None
     loaded = jax.tree_util.tree_unflatten(treedef, arrays)
@@ -168,6 +193,17 @@ def load_hf_model(model_dir: str, dtype: str = "float32") -> LlamaForCausalLM:
     nnx.replace_by_pure_dict(state, loaded)
     nnx.update(abstract, state)
     return abstract
+
+
+def _get_tensor(opened, opened_path: str, files: dict[str, str], name: str) -> np.ndarray:
+    """A tensor from the open file, or from its own (an expert a sharded checkpoint stored in
+    another file than its stack's first)."""
+    from safetensors import safe_open
+
+    if files[name] == opened_path:
+        return opened.get_tensor(name)
+    with safe_open(files[name], framework="numpy") as other:
+        return other.get_tensor(name)
 
 
 # ---- inspection ------------------------------------------------------------------------------

@@ -82,8 +82,9 @@ def linear(din: int, dout: int, config: LlamaConfig, rngs: nnx.Rngs, dtype, para
 class MLP(nnx.Module):
     """down(act(gate(x)) * up(x)): SwiGLU (Llama) or GeGLU (Gemma), by config.hidden_act."""
 
-    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
-        d, f = config.hidden_size, config.intermediate_size
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype, param_dtype,
+                 intermediate_size: int | None = None):
+        d, f = config.hidden_size, intermediate_size or config.intermediate_size
         bias = config.mlp_bias
         self.gate_proj = linear(d, f, config, rngs, dtype, param_dtype, bias)
         self.up_proj = linear(d, f, config, rngs, dtype, param_dtype, bias)

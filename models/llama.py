@@ -20,11 +20,13 @@ from flax import nnx
 from models.attention import Attention, soft_cap
 from models.config import LlamaConfig
 from models.layers import MLP, RMSNorm, linear, rms_norm, rope, rope_inv_freq  # noqa: F401
+from models.moe import SparseMoE
 from pallas_kernels import AttentionBackend, AttentionMetadata, for_layer
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm attention and MLP, each added to the residual stream."""
+    """Pre-norm attention and MLP (dense, or a mixture of experts: models/moe.py), each added
+    to the residual stream."""
 
     def __init__(self, config: LlamaConfig, layer: int = 0, *, rngs: nnx.Rngs, dtype,
                  param_dtype):
@@ -32,17 +34,31 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = rms_norm(config, d, param_dtype)
         self.self_attn = Attention(config, layer, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.post_attention_layernorm = rms_norm(config, d, param_dtype)
-        self.mlp = MLP(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        mlp = SparseMoE if config.layer_is_moe(layer) else MLP
+        self.mlp = mlp(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+
+    def _mlp(self, x: jax.Array, num_valid: jax.Array | None = None) -> jax.Array:
+        """The MLP on x; an MoE layer routes only the first num_valid tokens (a BatchPlan's
+        real ones) to its experts."""
+        if isinstance(self.mlp, SparseMoE):
+            return self.mlp(x, num_valid)
+        return self.mlp(x)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x + self.self_attn(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self._mlp(self.post_attention_layernorm(x))
 
     def forward_paged(self, x, positions, kv_cache, metadata, backend):
         attn, kv_cache = self.self_attn.forward_paged(self.input_layernorm(x), positions,
                                                       kv_cache, metadata, backend)
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+        return x + self._mlp(self.post_attention_layernorm(x), num_real_tokens(metadata)), \
+            kv_cache
+
+
+def num_real_tokens(metadata: AttentionMetadata) -> jax.Array:
+    """The plan's real query tokens (the rest pad T)."""
+    return metadata.cu_q_lens[metadata.num_seqs]
 
 
 class LlamaForCausalLM(nnx.Module):

@@ -99,8 +99,10 @@ def kv_columns(config: LlamaConfig, width: int) -> np.ndarray | None:
     return (heads[:, None] * config.head_dim + np.arange(config.head_dim)).reshape(-1)
 
 
-def _is_kv(model_path: tuple) -> bool:
-    return any(name in ("k_proj", "v_proj") for name in model_path)
+def _is_kv(model_path: tuple, config: LlamaConfig) -> bool:
+    """Whether a weight spans the KV heads' columns (repeated with them under TP)."""
+    names = ("k_proj", "v_proj") + (("k_norm",) if config.qk_norm_whole else ())
+    return any(name in names for name in model_path)
 
 
 # ---- Hugging Face safetensors ----------------------------------------------------------------
@@ -136,21 +138,29 @@ def lazy_from_tensors(abstract: LlamaForCausalLM, opened, np_dtype, source: str)
 
     def place(weights, placement: Placement):
         from models.hf import _hf_name
+        from models.registry import hf_renames
+
+        renames = hf_renames(config)
+
+        def name_of(model_path):
+            return _hf_name(model_path, renames)
 
         with opened() as tensor:
             def build(path, leaf):
                 field, model_path = leaf_names(path)
                 layers, stacked = _layers_of(path, config.num_layers, leaf)
-                columns = kv_columns(config, leaf.shape[-1]) if _is_kv(model_path) else None
+                columns = (kv_columns(config, leaf.shape[-1]) if _is_kv(model_path, config)
+                           else None)
 
                 def read(index):
                     index = tuple(index)
                     if field != "layers":
-                        return _read(tensor, _hf_name(model_path), index, columns, np_dtype)
+                        return _read(tensor, name_of(model_path), index, columns, np_dtype,
+                                     config.num_experts)
                     chosen = layers[index[0]] if stacked else layers
                     inner = index[1:] if stacked else index
-                    parts = [_read(tensor, _hf_name(_at(model_path, layer)), inner, columns,
-                                   np_dtype) for layer in chosen]
+                    parts = [_read(tensor, name_of(_at(model_path, layer)), inner, columns,
+                                   np_dtype, config.num_experts) for layer in chosen]
                     return np.stack(parts) if stacked else parts[0]
 
                 return jax.make_array_from_callback(leaf.shape, placement(path, leaf), read)
@@ -169,11 +179,19 @@ def file_slice(stored, index: tuple) -> np.ndarray:
     return np.asarray(stored[index])
 
 
-def _read(tensor, name_and_transpose, index: tuple, columns, np_dtype) -> np.ndarray:
+def _read(tensor, name_and_transpose, index: tuple, columns, np_dtype,
+          num_experts: int = 0) -> np.ndarray:
     """One shard of a weight in the serving layout ([in, out] for a Linear kernel), read from
     its HF tensor ([out, in]): only the shard's rows and columns (a column range spanning the
-    repeated KV heads' originals, when repeated)."""
+    repeated KV heads' originals, when repeated). A stacked experts' weight (models.hf.EXPERT
+    in its name) reads the shard's experts (index[0]) one tensor each."""
+    from models.hf import EXPERT
+
     name, transpose = name_and_transpose
+    if EXPERT in name:
+        experts = range(num_experts)[index[0]]
+        return np.stack([_read(tensor, (name.replace(EXPERT, str(e)), transpose), index[1:],
+                               columns, np_dtype) for e in experts])
     last = index[-1]
     take = None
     if columns is not None:
@@ -204,7 +222,8 @@ def lazy_checkpoint(directory: str, dtype=jnp.float32) -> LazyModel:
             field, model_path = leaf_names(path)
             layers, stacked = _layers_of(path, config.num_layers, leaf)
             sharding = placement(path, leaf)
-            repeated = _is_kv(model_path) and kv_columns(config, leaf.shape[-1]) is not None
+            repeated = (_is_kv(model_path, config)
+                        and kv_columns(config, leaf.shape[-1]) is not None)
             per_layer = _drop_leading(sharding, leaf) if stacked else sharding
             if repeated:  # restored whole on each device, repeated there
                 per_layer = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from models import gemma, llama
+from models import gemma, llama, mixtral, olmoe, qwen_moe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,6 +19,8 @@ class Family:
     read_config: Callable  # (config.json dict, architecture, model_type, common fields) -> config
     model_types: dict  # architecture -> the model_type its config.json carries
     hidden_acts: tuple[str, ...] = ("silu",)
+    # substitutions turning the generic checkpoint names (models.hf._hf_name) into the family's
+    hf_renames: tuple[tuple[str, str], ...] = ()
 
 
 LLAMA = Family("llama", llama.LlamaForCausalLM, llama.read_hf_config,
@@ -27,7 +29,14 @@ LLAMA = Family("llama", llama.LlamaForCausalLM, llama.read_hf_config,
 GEMMA = Family("gemma", gemma.GemmaForCausalLM, gemma.read_hf_config,
                {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"},
                hidden_acts=("gelu_pytorch_tanh",))
-FAMILIES = (LLAMA, GEMMA)
+# Mixtures of experts (models/moe.py): the Llama decoder with expert MLPs.
+MIXTRAL = Family("mixtral", llama.LlamaForCausalLM, mixtral.read_hf_config,
+                 {"MixtralForCausalLM": "mixtral"}, hf_renames=mixtral.MIXTRAL_NAMES)
+QWEN_MOE = Family("qwen_moe", llama.LlamaForCausalLM, qwen_moe.read_hf_config,
+                  {"Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe"})
+OLMOE = Family("olmoe", llama.LlamaForCausalLM, olmoe.read_hf_config,
+               {"OlmoeForCausalLM": "olmoe"})
+FAMILIES = (LLAMA, GEMMA, MIXTRAL, QWEN_MOE, OLMOE)
 ARCHITECTURES = {arch: family for family in FAMILIES for arch in family.model_types}
 # GGUF general.architecture -> family (llama.cpp writes Mistral and Llama 3 as `llama`).
 GGUF_ARCHITECTURES = {"llama": LLAMA}
@@ -38,6 +47,11 @@ MODEL_TYPES = {model_type: family for family in FAMILIES
 def model_class(config) -> type:
     """The class that builds a model of this config (by its model_type; Llama's otherwise)."""
     return MODEL_TYPES.get(config.model_type, LLAMA).model_class
+
+
+def hf_renames(config) -> tuple[tuple[str, str], ...]:
+    """The checkpoint-name substitutions of the config's family (Family.hf_renames)."""
+    return MODEL_TYPES.get(config.model_type, LLAMA).hf_renames
 
 
 def table() -> list[dict]:

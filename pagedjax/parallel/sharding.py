@@ -86,7 +86,8 @@ def weight_spec(path: tuple, leaf, vocab_size: int, tp: int) -> P:
     parameter = names[-1] if names[-1] != "value" else names[-2]
     if module in COLUMN or (module == "lm_head" and vocab_size % tp == 0):
         return P(*([None] * (ndim - 1)), AXIS)  # kernel [.., D, out] and bias [.., out]
-    if module in ROW and parameter == "kernel":
+    # a Linear's kernel, or a mixture's stacked experts (models/moe.py: [.., E, in, out])
+    if module in ROW and (parameter == "kernel" or "experts" in names):
         return P(*([None] * (ndim - 2)), AXIS, None)  # kernel [.., in, D]
     return P()  # norms, embedding, row-parallel biases
 
