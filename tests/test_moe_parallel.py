@@ -1,0 +1,99 @@
+"""Mixture-of-experts configs split over 2 and 4 host devices give the greedy tokens of the
+dense model: a Qwen2-MoE-shaped one (dense and sparse layers scanned by their period, a gated
+shared expert, routing weights not renormalised) and an OLMoE-shaped one (whole-projection q/k
+norm, repeated with the KV heads at TP 4, clip_qkv). Without expert parallelism the experts are
+tensor parallel: each device holds 1/TP of every expert's MLP columns. The devices exist only
+if XLA_FLAGS says so before JAX starts, so the engines run in a child process."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BASE = dict(max_model_len=96, max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
+            num_blocks=64)
+RUNS = {"tp1": {}, "tp2": dict(tensor_parallel_size=2), "tp4": dict(tensor_parallel_size=4)}
+
+
+def moe_configs():
+    from models.config import LlamaConfig
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_heads=4,
+                  num_kv_heads=2, head_dim=16, initializer_range=0.3,
+                  max_position_embeddings=256, num_experts=8)
+    return {
+        "qwen2_moe": LlamaConfig(**common, num_layers=4, attention_bias=True,
+                                 num_experts_per_tok=2, moe_intermediate_size=32,
+                                 shared_expert_intermediate_size=48, norm_topk_prob=False,
+                                 mlp_types=("dense", "sparse") * 2, model_type="qwen2_moe"),
+        "olmoe": LlamaConfig(**common, num_layers=2, num_experts_per_tok=3, qk_norm=True,
+                             qk_norm_whole=True, clip_qkv=0.8, norm_topk_prob=False,
+                             model_type="olmoe")}
+
+
+def _expert_shards(params) -> list[list[int]]:
+    import jax
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        if "experts" in names and "down_proj" in names:
+            return [list(s.data.shape) for s in leaf.addressable_shards]
+    raise AssertionError("no experts in the serving weights")
+
+
+def child() -> None:
+    import jax
+    import numpy as np
+
+    from models import init_model
+    from models.generate import dense_greedy_generate
+    from pagedjax import LLM, SamplingParams
+
+    rng = np.random.default_rng(0)
+    head = rng.integers(0, 256, 16).tolist()
+    prompts = [head + rng.integers(0, 256, n).tolist() for n in (5, 23, 40, 9)]
+    report = {"devices": len(jax.devices())}
+    for arch, config in moe_configs().items():
+        model = init_model(config, seed=0)
+        report[arch] = {"dense": dense_greedy_generate(model, prompts, 8)}
+        for name, fields in RUNS.items():
+            llm = LLM(model, **BASE, **fields)
+            outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0),
+                                   use_tqdm=False)
+            report[arch][name] = {"tokens": [o.output_token_ids for o in outputs],
+                                  "period": llm.engine.runner.graph.period,
+                                  "experts": _expert_shards(llm.engine.runner.params)}
+    print(json.dumps(report))
+
+
+@pytest.fixture(scope="module")
+def report():
+    env = {**os.environ, "PAGEDJAX_COMPILATION_CACHE": "off", "PYTHONPATH": str(ROOT),
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
+                        "--xla_force_host_platform_device_count=8"}
+    result = subprocess.run([sys.executable, "-c", "import test_moe_parallel as t; t.child()"],
+                            cwd=ROOT / "tests", env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe"])
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_moe_tensor_parallel_greedy_tokens_equal_the_dense_model(report, arch, name):
+    assert report["devices"] == 8
+    run = report[arch][name]
+    assert run["tokens"] == report[arch]["dense"]
+    if arch == "qwen2_moe":
+        assert run["period"] == 2  # dense, sparse: scanned by their period
+    tp = int(name[2])
+    # down_proj [layers, E, F, D]: every device all 8 experts, 1/TP of the 32 MLP rows
+    assert len(run["experts"]) == tp and all(s[-3:] == [8, 32 // tp, 64] if arch == "qwen2_moe"
+                                             else s[-3:] == [8, 96 // tp, 64]
+                                             for s in run["experts"])
