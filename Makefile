@@ -105,6 +105,8 @@ bench: $(TEST_STAMP)
 	$(PY) benchmarks/policies.py
 	$(PY) benchmarks/kv_groups.py
 	$(PY) benchmarks/gemma_scan.py
+	$(PY) benchmarks/moe_experts.py
+	$(PY) benchmarks/moe_roofline.py
 
 # The GPU device script rehearsed without a GPU: its programs compiled by XLA for an H200.
 bench-gpu-image: $(GPU_IMAGE_STAMP)

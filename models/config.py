@@ -309,6 +309,26 @@ CONFIGS.update({
 })
 
 
+CONFIGS.update({
+    # Mixtures of experts (models/moe.py): real shapes, random weights.
+    "mixtral-8x7b": LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                                num_layers=32, num_heads=32, num_kv_heads=8, rope_theta=1e6,
+                                max_position_embeddings=32768, num_experts=8,
+                                num_experts_per_tok=2, model_type="mixtral"),
+    "qwen3-30b-a3b": LlamaConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                 num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
+                                 rope_theta=1e6, rms_norm_eps=1e-6, qk_norm=True,
+                                 max_position_embeddings=40960, num_experts=128,
+                                 num_experts_per_tok=8, moe_intermediate_size=768,
+                                 model_type="qwen3_moe"),
+    "olmoe-1b-7b": LlamaConfig(vocab_size=50304, hidden_size=2048, intermediate_size=1024,
+                               num_layers=16, num_heads=16, num_kv_heads=16, qk_norm=True,
+                               qk_norm_whole=True, max_position_embeddings=4096,
+                               num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
+                               model_type="olmoe"),
+})
+
+
 def get_config(name: str) -> LlamaConfig:
     if name not in CONFIGS:
         raise ValueError(f"unknown model config {name!r}; known: {sorted(CONFIGS)}")

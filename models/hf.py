@@ -280,4 +280,16 @@ def config_report(config: LlamaConfig, kv_dtype: str, block_size: int,
         rope_theta=config.rope_theta, max_position_embeddings=config.max_position_embeddings,
         num_params=config.num_params, kv_dtype=kv_dtype, attention_backend=attention_backend,
         kv_bytes_per_token=per_block // block_size, block_size=block_size,
-        kv_bytes_per_block=per_block, eos_token_ids=list(config.eos_token_ids))
+        kv_bytes_per_block=per_block, eos_token_ids=list(config.eos_token_ids),
+        **moe_report(config))
+
+
+def moe_report(config: LlamaConfig) -> dict[str, Any]:
+    """A mixture of experts' shape (empty for a dense model): experts, k, the sparse layers,
+    and the parameters a token's forward reads."""
+    if not config.num_experts:
+        return {}
+    return dict(num_experts=config.num_experts, experts_per_token=config.num_experts_per_tok,
+                sparse_layers=sum(map(config.layer_is_moe, range(config.num_layers))),
+                shared_expert=config.shared_expert_intermediate_size or None,
+                num_active_params=config.num_active_params)

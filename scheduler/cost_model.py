@@ -133,8 +133,10 @@ class RooflineCost:
     """An estimate of a step's time on a chip not at hand (capacity planning before hardware):
     overhead + max(FLOPs / (peak FLOPs x flops_util), bytes / (HBM bandwidth x bw_util)).
 
-    FLOPs: 2 x parameters x padded tokens (every padded token is computed) + 4 x layers x query
-    heads x head dim x attention pairs. Bytes: the weights once a step, the KV read (attended
+    FLOPs: 2 x parameters x padded tokens (every padded token is computed; a mixture of experts'
+    parameters a token reads: its k experts) + 4 x layers x query heads x head dim x attention
+    pairs. Bytes: the weights once a step (a mixture's experts: those the step's tokens pick, a
+    share 1 - (1 - k / E)^T of expert_bytes under a balanced router), the KV read (attended
     tokens x KV bytes per token, the KV-cache formula 2 L K H itemsize) and the new tokens' KV
     written. The utilisations stand for what kernels reach of the peaks; the step overhead for
     host scheduling and launches. A first-order model: calibrate (StepCostModel.fit on
@@ -158,6 +160,8 @@ class RooflineCost:
     tensor_parallel_size: int = 1
     allreduce_bytes_per_token: int = 0
     gather_bytes_per_seq: int = 0
+    expert_bytes: int = 0  # the part of weight_bytes that is experts (a mixture's)
+    expert_share: float = 0.0  # k / E: the experts one token picks
 
     def __post_init__(self):
         if self.tensor_parallel_size < 1:
@@ -168,12 +172,21 @@ class RooflineCost:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
         if self.overhead_s < 0:
             raise ValueError(f"overhead_s must be >= 0, got {self.overhead_s!r}")
+        if not 0 <= self.expert_share <= 1 or not 0 <= self.expert_bytes <= self.weight_bytes:
+            raise ValueError(f"expert_share must be in [0, 1] and expert_bytes in [0, "
+                             f"weight_bytes], got {self.expert_share!r}, {self.expert_bytes!r}")
+
+    def weights_read(self, tokens: float) -> float:
+        """Weight bytes a step of this many tokens reads: all but the experts, and the experts
+        its tokens pick (expected, a balanced router)."""
+        picked = 1.0 - (1.0 - self.expert_share) ** tokens
+        return self.weight_bytes - self.expert_bytes * (1.0 - picked)
 
     def predict(self, kind: str, features: np.ndarray) -> float:
         _, tokens, seqs, kv_tokens, pairs = features
         tp = self.tensor_parallel_size
         flops = (2.0 * self.num_params * tokens + self.attn_flops_per_pair * pairs) / tp
-        moved = self.weight_bytes + (kv_tokens + tokens) * self.kv_bytes_per_token
+        moved = self.weights_read(tokens) + (kv_tokens + tokens) * self.kv_bytes_per_token
         step = self.overhead_s + max(flops / (self.chip.flops_per_s * self.flops_util),
                                      moved / (self.chip.hbm_bytes_per_s * self.bw_util))
         if tp > 1:

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from helpers import until_done  # noqa: E402,F401
-from models.hf import load_hf_model, read_hf_config  # noqa: E402
+from models.hf import inspect_model_dir, load_hf_model, read_hf_config  # noqa: E402
 from models.moe import Experts, route  # noqa: E402
 from models.registry import ARCHITECTURES  # noqa: E402
 from test_models_hf import F32_TOL, engine_greedy, hf_logits, prompts  # noqa: E402
@@ -73,6 +73,9 @@ def test_moe_config_is_read_whole(arch, tmp_path):
         assert config.qk_norm_whole and config.clip_qkv == 0.5 and config.num_experts_per_tok == 3
     active = config.num_active_params
     assert active < config.num_params  # k of the experts a token
+    report = inspect_model_dir(str(tmp_path))
+    assert (report["num_experts"], report["num_active_params"]) == (config.num_experts, active)
+    assert report["sparse_layers"] == (2 if arch == "qwen2_moe" else config.num_layers)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))

@@ -291,3 +291,23 @@ def test_simulate_counts_a_hybrid_models_kv_cache_groups(tmp_path, capsys):
     windows = kv_cache_groups(get_config("gemma-3-4b")).windows
     assert windows == (None,) + (1024,) * 6
     assert 1002 + 6 * 64 <= peak <= blocks_for(windows, 16, 16032, 2048)
+
+
+def test_roofline_of_a_mixture_counts_active_parameters_and_picked_experts():
+    """Qwen3-30B-A3B: FLOPs from the 3.35B parameters a token reads, not the 30.5B; a decode
+    step reads the experts its tokens pick (8 of 128 for one token, nearly all for 256) on top
+    of the rest of the weights."""
+    from models import get_config
+    from pagedjax.parallel.plan import roofline_cost
+    from scheduler.chips import CHIPS
+
+    config = get_config("qwen3-30b-a3b")
+    cost = roofline_cost(config, CHIPS["h200"])
+    assert cost.num_params == config.num_active_params < config.num_params / 9
+    experts = 48 * 128 * 3 * 2048 * 768 * 2
+    assert cost.expert_bytes == experts and cost.expert_share == 8 / 128
+    rest = cost.weight_bytes - experts
+    assert cost.weights_read(1) == pytest.approx(rest + experts * 8 / 128)
+    assert cost.weights_read(256) == pytest.approx(rest + experts, rel=1e-6)
+    dense = roofline_cost(get_config("llama-3-8b"), CHIPS["h200"])
+    assert dense.weights_read(1) == dense.weights_read(256) == dense.weight_bytes

@@ -24,13 +24,18 @@ def roofline_cost(config: LlamaConfig, chip: Chip, tensor_parallel_size: int = 1
     KV in kv_dtype); utilisation: flops_util, bw_util, overhead_s."""
     tp = tensor_parallel_size
     check_tensor_parallel(config, tp, check_devices=False)
+    sparse_layers = sum(map(config.layer_is_moe, range(config.num_layers)))
+    expert_bytes = (sparse_layers * config.num_experts * 3 * config.hidden_size
+                    * config.expert_intermediate_size * 2 // tp)  # bf16, F split TP ways
     return RooflineCost(
-        chip, config.num_params, weight_bytes_per_device(config, tp, 2),
+        chip, config.num_active_params, weight_bytes_per_device(config, tp, 2),
         kv_bytes_per_block_per_device(config, 1, tp, kv_dtype),
         4 * config.num_layers * config.num_heads * config.head_dim,
         tensor_parallel_size=tp,
         allreduce_bytes_per_token=2 * config.num_layers * config.hidden_size * ACTIVATION_BYTES,
-        gather_bytes_per_seq=config.vocab_size * LOGIT_BYTES, **utilisation)
+        gather_bytes_per_seq=config.vocab_size * LOGIT_BYTES, expert_bytes=expert_bytes,
+        expert_share=(config.num_experts_per_tok / config.num_experts
+                      if config.num_experts else 0.0), **utilisation)
 
 
 def prefix_affinity_placer(replicas: int, block_size: int):

@@ -54,6 +54,10 @@ def capacity(args, parser: argparse.ArgumentParser) -> None:
           f"layer)")
     print(f"  weights per device   {weight_bytes_per_device(config, tp, itemsize) / 2**30:.2f} "
           f"GiB")
+    if config.num_experts:
+        print(f"  experts              {config.num_experts}, {config.num_experts_per_tok} a "
+              f"token: {config.num_active_params / 1e9:.2f}B of {config.num_params / 1e9:.2f}B "
+              f"parameters active a token (tensor parallel: each device 1/TP of every expert)")
     from models.kv_groups import kv_cache_groups
     groups = kv_cache_groups(config)
     layouts = [("", kv_cache_groups(config, hybrid=False))]
@@ -146,6 +150,12 @@ def inspect(args, parser: argparse.ArgumentParser) -> None:
     print(f"  rope                 {report['rope']} (theta {report['rope_theta']:g}), "
           f"max positions {report['max_position_embeddings']:,}")
     print(f"  parameters           {report['num_params']:,}")
+    if report.get("num_experts"):
+        print(f"  experts              {report['num_experts']}, {report['experts_per_token']} a "
+              f"token, in {report['sparse_layers']} of {report['num_layers']} layers"
+              + (f", a shared expert of {report['shared_expert']}"
+                 if report["shared_expert"] else "")
+              + f"; {report['num_active_params']:,} parameters active a token")
     print(f"  KV bytes per token   {report['kv_bytes_per_token']:,} "
           f"({report['kv_dtype']}, {report['attention_backend']} layout)")
     print(f"  KV bytes per block   {report['kv_bytes_per_block']:,} "
