@@ -1,7 +1,9 @@
 """Hugging Face model directories: config.json -> LlamaConfig, safetensors -> an NNX model.
 
 Supported (models.registry): Llama (2, 3, 3.1 with llama3 RoPE scaling), Mistral (sliding
-window), Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), Gemma 2 and Gemma 3 text (models/gemma.py);
+window), Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), Gemma 2 and Gemma 3 text (models/gemma.py),
+the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (models/moe.py; each expert's
+tensors stacked on load);
 config.json in the transformers 4 format (`rope_theta`, `rope_scaling`, `torch_dtype`) or 5
 (`rope_parameters`, `dtype`, explicit `head_dim`), read by models.hf_config. Anything the family
 implementation would get wrong is refused at load with UnsupportedModelError.

@@ -37,11 +37,13 @@ class DecoderLayer(nnx.Module):
         mlp = SparseMoE if config.layer_is_moe(layer) else MLP
         self.mlp = mlp(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
 
-    def _mlp(self, x: jax.Array, num_valid: jax.Array | None = None) -> jax.Array:
+    def _mlp(self, x: jax.Array, num_valid: jax.Array | None = None,
+             backend: AttentionBackend | None = None) -> jax.Array:
         """The MLP on x; an MoE layer routes only the first num_valid tokens (a BatchPlan's
-        real ones) to its experts."""
+        real ones) to its experts, split over the backend's mesh under expert parallelism."""
         if isinstance(self.mlp, SparseMoE):
-            return self.mlp(x, num_valid)
+            ep = backend is not None and backend.expert_parallel
+            return self.mlp(x, num_valid, backend.mesh if ep else None)
         return self.mlp(x)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -52,8 +54,8 @@ class DecoderLayer(nnx.Module):
         attn, kv_cache = self.self_attn.forward_paged(self.input_layernorm(x), positions,
                                                       kv_cache, metadata, backend)
         x = x + attn
-        return x + self._mlp(self.post_attention_layernorm(x), num_real_tokens(metadata)), \
-            kv_cache
+        mlp = self._mlp(self.post_attention_layernorm(x), num_real_tokens(metadata), backend)
+        return x + mlp, kv_cache
 
 
 def num_real_tokens(metadata: AttentionMetadata) -> jax.Array:

@@ -9,13 +9,7 @@ through its gated MLP, then each row scaled by its routing weight and summed bac
 token. Rows past num_valid (a BatchPlan's padding tokens) route to no expert: they sort last,
 outside every group, and cost nothing.
 
-The grouped matmul, by implementation (benchmarks/moe_experts.py measures them):
-- "segments": each expert's run cut into tiles of a fixed number of rows, one loop over the
-  tiles that exist (at most A / tile + E) running the whole gated MLP of the tile's expert:
-  an expert's weights are read once a tile, an expert with no token costs nothing. The CPU's
-  and GPU's choice: XLA lowers `ragged_dot` there to every expert on every row.
-- "ragged_dot": `lax.ragged_dot`, TPU's native ragged matmul (Mosaic's grouped matmul).
-- "dense": every expert on every token, mixed by the routing weights: the reference.
+The grouped matmul: models/moe_experts.py.
 
 Axis letters: T tokens, D model dim, E experts, F an expert's MLP dim, A = T x k assignments.
 """
@@ -28,26 +22,7 @@ from flax import nnx
 
 from models.config import LlamaConfig
 from models.layers import ACTIVATIONS, MLP, linear
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-EXPERT_IMPLEMENTATIONS = ("segments", "ragged_dot", "dense")
-
-
-def default_implementation() -> str:
-    """The grouped matmul for the platform the step compiles for."""
-    return "ragged_dot" if jax.default_backend() == "tpu" else "segments"
-
-
-def tile_rows(num_assignments: int, num_experts: int) -> int:
-    """Rows a tile of the segments loop: about twice an expert's mean share of the rows, a
-    power of two in [8, 64] (measured on the CPU: fewer tiles once the groups are full, little
-    padding while they are small)."""
-    share = 2 * num_assignments // max(num_experts, 1)
-    return int(min(64, max(8, 1 << max(share - 1, 0).bit_length())))
-
+from models.moe_experts import dropless_experts, expert_parallel
 
 def route(router_logits: jax.Array, top_k: int,
           norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
@@ -73,93 +48,18 @@ class Experts(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array,
-                 num_valid: jax.Array | None = None,
-                 implementation: str | None = None) -> jax.Array:
+                 num_valid: jax.Array | None = None, implementation: str | None = None,
+                 mesh: jax.sharding.Mesh | None = None) -> jax.Array:
         """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) for each token t < num_valid
         (every token when None); 0 for the others. [T, D] -> [T, D]. implementation:
-        EXPERT_IMPLEMENTATIONS (None: the platform's, default_implementation)."""
-        implementation = implementation or default_implementation()
-        if implementation not in EXPERT_IMPLEMENTATIONS:
-            raise ValueError(f"implementation must be one of {EXPERT_IMPLEMENTATIONS}, "
-                             f"got {implementation!r}")
-        if implementation == "dense":
-            return self._dense(x, weights, experts, num_valid)
-        num_tokens, top_k = experts.shape
-        num_experts = self.gate_proj.shape[0]
-        flat = experts.reshape(-1)  # [A]
-        if num_valid is not None:  # padding tokens: the sentinel expert E, after every group
-            valid = jnp.arange(num_tokens * top_k) // top_k < num_valid
-            flat = jnp.where(valid, flat, num_experts)
-        order = jnp.argsort(flat, stable=True)
-        tokens = order // top_k
-        group_sizes = jnp.sum(jax.nn.one_hot(flat, num_experts, dtype=jnp.int32), axis=0)
-        rows = x[tokens].astype(self.dtype)  # [A, D] sorted by expert
-        if implementation == "ragged_dot":
-            out = self._ragged(rows, group_sizes)
-        else:
-            out = self._segments(rows, group_sizes)
-        scale = weights.reshape(-1)[order]
-        if num_valid is not None:
-            scale = jnp.where(flat[order] < num_experts, scale, 0.0)
-        summed = jnp.zeros((num_tokens, x.shape[-1]), jnp.float32).at[tokens].add(
-            out * scale[:, None])
-        return summed.astype(x.dtype)
-
-    def _mlp(self, rows, expert, matmul):
-        act = ACTIVATIONS[self.hidden_act]
-        hidden = act(matmul(rows, self.gate_proj, expert)) * matmul(rows, self.up_proj, expert)
-        return matmul(hidden, self.down_proj, expert).astype(jnp.float32)
-
-    def _ragged(self, rows, group_sizes):
-        def grouped(lhs, kernel, _):
-            return jax.lax.ragged_dot(lhs, kernel[...].astype(self.dtype), group_sizes,
-                                      preferred_element_type=jnp.float32).astype(self.dtype)
-
-        return self._mlp(rows, None, grouped)
-
-    def _segments(self, rows, group_sizes):
-        """f32[A, D]: rows (sorted by expert, group_sizes[e] of expert e, then rows of no
-        expert) through their experts, tile by tile."""
-        num_rows, dim = rows.shape
-        num_experts = group_sizes.shape[0]
-        tile = tile_rows(num_rows, num_experts)
-        tiles = (group_sizes + tile - 1) // tile  # each expert's
-        last_tile = jnp.cumsum(tiles)
-        starts = jnp.cumsum(group_sizes) - group_sizes
-        index = jnp.arange(_cdiv(num_rows, tile) + num_experts)
-        tile_expert = jnp.minimum(jnp.searchsorted(last_tile, index, side="right"),
-                                  num_experts - 1)
-        tile_start = starts[tile_expert] + (index - (last_tile - tiles)[tile_expert]) * tile
-        tile_end = starts[tile_expert] + group_sizes[tile_expert]
-        padded = jnp.concatenate([rows, jnp.zeros((tile, dim), rows.dtype)])
-
-        def matmul(lhs, kernel, expert):
-            return jnp.dot(lhs, kernel[expert].astype(self.dtype),
-                           preferred_element_type=jnp.float32).astype(self.dtype)
-
-        def body(i, out):
-            start, expert = tile_start[i], tile_expert[i]
-            y = self._mlp(jax.lax.dynamic_slice_in_dim(padded, start, tile), expert, matmul)
-            y = jnp.where((start + jnp.arange(tile) < tile_end[i])[:, None], y, 0.0)
-            return jax.lax.dynamic_update_slice_in_dim(
-                out, jax.lax.dynamic_slice_in_dim(out, start, tile) + y, start, 0)
-
-        out = jnp.zeros((num_rows + tile, dim), jnp.float32)
-        return jax.lax.fori_loop(0, last_tile[-1], body, out)[:num_rows]
-
-    def _dense(self, x, weights, experts, num_valid):
-        """Every expert on every token, mixed by the routing weights: the reference."""
-        num_experts = self.gate_proj.shape[0]
-        xs = x.astype(self.dtype)
-        gate = jnp.einsum("td,edf->etf", xs, self.gate_proj[...].astype(self.dtype))
-        up = jnp.einsum("td,edf->etf", xs, self.up_proj[...].astype(self.dtype))
-        out = jnp.einsum("etf,efd->etd", ACTIVATIONS[self.hidden_act](gate) * up,
-                         self.down_proj[...].astype(self.dtype)).astype(jnp.float32)
-        mix = jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=jnp.float32)
-                      * weights[..., None], axis=1)  # [T, E]
-        if num_valid is not None:
-            mix = jnp.where(jnp.arange(x.shape[0])[:, None] < num_valid, mix, 0.0)
-        return jnp.einsum("te,etd->td", mix, out).astype(x.dtype)
+        models.moe_experts.EXPERT_IMPLEMENTATIONS (None: the platform's). mesh: expert
+        parallelism, the experts split over its TP axis (moe_experts.expert_parallel)."""
+        kernels = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+        run = dict(act=ACTIVATIONS[self.hidden_act], dtype=self.dtype,
+                   implementation=implementation)
+        if mesh is not None:
+            return expert_parallel(x, weights, experts, num_valid, kernels, mesh, **run)
+        return dropless_experts(x, weights, experts, num_valid, kernels, **run)
 
 
 class SparseMoE(nnx.Module):
@@ -188,11 +88,13 @@ class SparseMoE(nnx.Module):
         return jnp.einsum("...d,de->...e", x, kernel.astype(x.dtype),
                           preferred_element_type=jnp.float32)
 
-    def __call__(self, x: jax.Array, num_valid: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, num_valid: jax.Array | None = None,
+                 mesh: jax.sharding.Mesh | None = None) -> jax.Array:
+        """mesh: expert parallelism over its TP axis (the experts' weights sharded on E)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, experts = route(self.router_logits(flat), self.top_k, self.norm_topk_prob)
-        out = self.experts(flat, weights, experts, num_valid, self.implementation)
+        out = self.experts(flat, weights, experts, num_valid, self.implementation, mesh)
         if self.shared_expert is not None:
             gate = jax.nn.sigmoid(self.shared_expert_gate(flat).astype(jnp.float32))
             out = out + (gate * self.shared_expert(flat).astype(jnp.float32)).astype(out.dtype)

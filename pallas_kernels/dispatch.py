@@ -90,6 +90,9 @@ class AttentionBackend:
     # Tensor parallelism: the mesh whose TP_AXIS splits the heads (q, k, v, the cache's KV
     # heads); attention and the cache's writes and copies then run per device under shard_map.
     mesh: jax.sharding.Mesh | None = None
+    # Expert parallelism (--enable-expert-parallel): a mixture of experts' layers split their
+    # experts over the mesh's TP_AXIS (models/moe_experts.py) instead of each expert's MLP.
+    expert_parallel: bool = False
 
     @property
     def gpu_layout(self) -> bool:

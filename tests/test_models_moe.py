@@ -194,3 +194,20 @@ def test_route_renormalises_only_when_asked():
     assert np.asarray(experts).tolist() == [[0, 1]]
     weights, _ = route(logits, 2, True)
     np.testing.assert_allclose(np.asarray(weights).sum(), 1.0, rtol=1e-6)
+
+
+def test_expert_parallel_is_refused_where_it_cannot_apply():
+    """--enable-expert-parallel on a dense model, or with experts that do not split over the
+    devices, is refused by name before anything is built."""
+    from models import LlamaConfig, get_config, init_model
+    from pagedjax import EngineConfig, LLMEngine
+    from pagedjax.parallel.placement import check_expert_parallel
+
+    with pytest.raises(ValueError, match="enable_expert_parallel needs a mixture-of-experts"):
+        LLMEngine(init_model(get_config("debug-tiny")),
+                  EngineConfig(enable_expert_parallel=True, max_model_len=64))
+    with pytest.raises(ValueError, match="6 experts do not split over tensor_parallel_size 4"):
+        check_expert_parallel(
+            LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
+                        num_heads=1, num_kv_heads=1, num_experts=6),
+            EngineConfig(enable_expert_parallel=True, tensor_parallel_size=4))

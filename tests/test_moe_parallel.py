@@ -2,8 +2,10 @@
 dense model: a Qwen2-MoE-shaped one (dense and sparse layers scanned by their period, a gated
 shared expert, routing weights not renormalised) and an OLMoE-shaped one (whole-projection q/k
 norm, repeated with the KV heads at TP 4, clip_qkv). Without expert parallelism the experts are
-tensor parallel: each device holds 1/TP of every expert's MLP columns. The devices exist only
-if XLA_FLAGS says so before JAX starts, so the engines run in a child process."""
+tensor parallel: each device holds 1/TP of every expert's MLP columns; with
+--enable-expert-parallel (EP 2, 4, and EP 2 x DP 2) each device holds E / EP whole experts and
+the tokens are the same. The devices exist only if XLA_FLAGS says so before JAX starts, so the
+engines run in a child process."""
 
 from __future__ import annotations
 
@@ -20,7 +22,12 @@ pytestmark = pytest.mark.slow
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BASE = dict(max_model_len=96, max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
             num_blocks=64)
-RUNS = {"tp1": {}, "tp2": dict(tensor_parallel_size=2), "tp4": dict(tensor_parallel_size=4)}
+RUNS = {"tp1": {}, "tp2": dict(tensor_parallel_size=2), "tp4": dict(tensor_parallel_size=4),
+        "ep2": dict(tensor_parallel_size=2, enable_expert_parallel=True),
+        "ep4": dict(tensor_parallel_size=4, enable_expert_parallel=True),
+        # two replicas of EP 2: the 8 host devices' first 4
+        "ep2xdp2": dict(tensor_parallel_size=2, enable_expert_parallel=True,
+                        data_parallel_size=2)}
 
 
 def moe_configs():
@@ -66,9 +73,11 @@ def child() -> None:
             llm = LLM(model, **BASE, **fields)
             outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0),
                                    use_tqdm=False)
+            engine = llm.engine
+            runner = engine.runner if hasattr(engine, "runner") else engine.replicas[0].runner
             report[arch][name] = {"tokens": [o.output_token_ids for o in outputs],
-                                  "period": llm.engine.runner.graph.period,
-                                  "experts": _expert_shards(llm.engine.runner.params)}
+                                  "period": runner.graph.period,
+                                  "experts": _expert_shards(runner.params)}
     print(json.dumps(report))
 
 
@@ -93,7 +102,8 @@ def test_moe_tensor_parallel_greedy_tokens_equal_the_dense_model(report, arch, n
     if arch == "qwen2_moe":
         assert run["period"] == 2  # dense, sparse: scanned by their period
     tp = int(name[2])
-    # down_proj [layers, E, F, D]: every device all 8 experts, 1/TP of the 32 MLP rows
-    assert len(run["experts"]) == tp and all(s[-3:] == [8, 32 // tp, 64] if arch == "qwen2_moe"
-                                             else s[-3:] == [8, 96 // tp, 64]
-                                             for s in run["experts"])
+    width = 32 if arch == "qwen2_moe" else 96  # an expert's MLP
+    # down_proj [layers, E, F, D]: tensor parallel, every device all 8 experts and 1/TP of an
+    # expert's rows; expert parallel, 8 / EP whole experts
+    shape = [8 // tp, width, 64] if name.startswith("ep") else [8, width // tp, 64]
+    assert len(run["experts"]) == tp and all(s[-3:] == shape for s in run["experts"])

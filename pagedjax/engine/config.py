@@ -73,6 +73,10 @@ class EngineConfig:
     # Tensor parallelism over this many local devices (pagedjax.parallel.sharding): weights Megatron-
     # style, the KV cache over KV heads; 1 runs on jax.devices()[0].
     tensor_parallel_size: int = 1
+    # Expert parallelism (vLLM's --enable-expert-parallel): a mixture of experts' experts split
+    # over the tensor_parallel_size devices (E / TP whole experts each, models/moe_experts.py)
+    # instead of every expert's MLP split TP ways; attention stays tensor parallel.
+    enable_expert_parallel: bool = False
     # Replicas of the model on disjoint groups of tensor_parallel_size devices, each with its
     # own KV pool and scheduler, behind one engine (pagedjax.parallel.data_parallel): requests placed by
     # the router's prefix-affinity rule. The pool size (num_blocks, kv_cache_memory_bytes) is
@@ -92,7 +96,8 @@ class EngineConfig:
             if isinstance(value, bool) or not (value is None or isinstance(value, int)):
                 raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "attention_interpret",
-                     "scan_layers", "disable_hybrid_kv_cache_manager"):
+                     "scan_layers", "disable_hybrid_kv_cache_manager",
+                     "enable_expert_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got "
                                  f"{type(getattr(self, name)).__name__}")

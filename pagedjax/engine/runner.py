@@ -126,13 +126,15 @@ class ModelRunner:
         # is uncommitted, a checkpoint loader's device_put is committed): the step's outputs
         # are committed, so mixed inputs would compile every program a second time.
         if lazy:
-            placement = (weight_sharding(mesh, config.vocab_size) if mesh is not None else
+            placement = (weight_sharding(mesh, config.vocab_size, backend.expert_parallel)
+                         if mesh is not None else
                          lambda path, leaf: SingleDeviceSharding(self.device))
             self.params = model.place(params, placement)
         elif mesh is None:
             self.params = jax.device_put(params, self.device)
         else:
-            self.params = shard_weights(params, mesh, config.vocab_size)
+            self.params = shard_weights(params, mesh, config.vocab_size,
+                                        backend.expert_parallel)
         self.kv_cache = self._new_kv_cache()
         self._abstract_args = self._abstract()
         self.step_shapes: set[tuple[str, int, int]] = set()  # the shapes steps have run

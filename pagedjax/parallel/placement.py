@@ -13,6 +13,19 @@ from pagedjax.parallel.sharding import check_tensor_parallel, make_mesh
 from pallas_kernels import AttentionBackend, check_backend, resolve_backend
 
 
+def check_expert_parallel(model_config, config) -> None:
+    """enable_expert_parallel needs a mixture of experts whose experts split evenly."""
+    if not config.enable_expert_parallel:
+        return
+    experts, tp = model_config.num_experts, config.tensor_parallel_size
+    if not experts:
+        raise ValueError("enable_expert_parallel needs a mixture-of-experts model; this one "
+                         "has no experts")
+    if experts % tp:
+        raise ValueError(f"enable_expert_parallel: the model's {experts} experts do not split "
+                         f"over tensor_parallel_size {tp} devices (it must divide them)")
+
+
 def place(model_config, config, devices: Sequence | None = None
           ) -> tuple[list, bool, AttentionBackend]:
     """(the first tensor_parallel_size devices, multi-host or not, the attention backend: on a
@@ -30,9 +43,11 @@ def place(model_config, config, devices: Sequence | None = None
     spans_processes = len({d.process_index for d in devices}) > 1
     if spans_processes:
         multihost.check_multihost(config, devices)
+    check_expert_parallel(model_config, config)
     backend = resolve_backend(config.attention_backend, config.attention_interpret)
     if tp > 1:
-        backend = dataclasses.replace(backend, mesh=make_mesh(tp, devices))
+        backend = dataclasses.replace(backend, mesh=make_mesh(tp, devices),
+                                      expert_parallel=config.enable_expert_parallel)
     check_backend(backend.name, block_size=config.block_size, dtype=config.dtype,
                   kv_cache_dtype=config.kv_cache_dtype)
     return devices, spans_processes, backend

@@ -78,10 +78,15 @@ def make_data_parallel_mesh(data_parallel_size: int, tensor_parallel_size: int,
     return Mesh(grid, (DATA_AXIS, AXIS))
 
 
-def weight_spec(path: tuple, leaf, vocab_size: int, tp: int) -> P:
-    """The PartitionSpec of one weight, from its path in the serving form's pytree."""
+def weight_spec(path: tuple, leaf, vocab_size: int, tp: int,
+                expert_parallel: bool = False) -> P:
+    """The PartitionSpec of one weight, from its path in the serving form's pytree; a mixture's
+    stacked experts [.., E, in, out] split on E under expert parallelism, else as the MLP's
+    projections (each expert's F)."""
     names = [str(getattr(key, "key", getattr(key, "name", key))) for key in path]
     ndim = len(leaf.shape)
+    if expert_parallel and "experts" in names:
+        return P(*([None] * (ndim - 3)), AXIS, None, None)
     module = next((n for n in reversed(names) if n.endswith("_proj") or n == "lm_head"), None)
     parameter = names[-1] if names[-1] != "value" else names[-2]
     if module in COLUMN or (module == "lm_head" and vocab_size % tp == 0):
@@ -92,15 +97,16 @@ def weight_spec(path: tuple, leaf, vocab_size: int, tp: int) -> P:
     return P()  # norms, embedding, row-parallel biases
 
 
-def weight_sharding(mesh: Mesh, vocab_size: int):
+def weight_sharding(mesh: Mesh, vocab_size: int, expert_parallel: bool = False):
     """(path, leaf) -> the NamedSharding weight_spec gives that serving-form weight."""
     tp = mesh.shape[AXIS]
-    return lambda path, leaf: NamedSharding(mesh, weight_spec(path, leaf, vocab_size, tp))
+    return lambda path, leaf: NamedSharding(
+        mesh, weight_spec(path, leaf, vocab_size, tp, expert_parallel))
 
 
-def shard_weights(weights, mesh: Mesh, vocab_size: int):
+def shard_weights(weights, mesh: Mesh, vocab_size: int, expert_parallel: bool = False):
     """The weights placed on the mesh by weight_spec."""
-    sharding = weight_sharding(mesh, vocab_size)
+    sharding = weight_sharding(mesh, vocab_size, expert_parallel)
     return jax.tree_util.tree_map_with_path(
         lambda path, leaf: jax.device_put(leaf, sharding(path, leaf)), weights)
 

@@ -69,6 +69,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        f"({_default('seed')})")
     group.add_argument("--tensor-parallel-size", type=int,
                        help="split the model over this many local devices (default 1)")
+    group.add_argument("--enable-expert-parallel", action="store_true",
+                       help="a mixture of experts: split its experts over the "
+                       "--tensor-parallel-size devices (whole experts each) instead of each "
+                       "expert's MLP")
     group.add_argument("--data-parallel-size", type=int,
                        help="replicas of the (tensor-parallel) model on disjoint devices, each "
                        "with its own KV pool and scheduler, behind one server (default 1)")
@@ -102,4 +106,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kwargs["scan_layers"] = False
     if args.disable_hybrid_kv_cache_manager:
         kwargs["disable_hybrid_kv_cache_manager"] = True
+    if args.enable_expert_parallel:
+        kwargs["enable_expert_parallel"] = True
     return kwargs

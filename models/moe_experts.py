@@ -1,0 +1,146 @@
+"""Dropless experts: the T x k (token, expert) assignments of a routed batch sorted by expert,
+each expert's run of rows through its gated MLP, each row scaled by its routing weight and
+summed back into its token. No capacity: no token is dropped. Assignments to the sentinel
+expert E (a BatchPlan's padding tokens past num_valid; under expert parallelism, another
+device's experts) sort last, outside every group: they cost nothing and add nothing.
+
+The grouped matmul, by implementation (benchmarks/moe_experts.py measures them):
+- "segments": each expert's run cut into tiles of a fixed number of rows, one loop over the
+  tiles that exist (at most A / tile + E) running the whole gated MLP of the tile's expert:
+  an expert's weights are read once a tile, an expert with no token costs nothing. The CPU's
+  and GPU's choice: XLA lowers `ragged_dot` there to every expert on every row.
+- "ragged_dot": `lax.ragged_dot`, TPU's native ragged matmul (Mosaic's grouped matmul).
+- "dense": every expert on every token, mixed by the routing weights: the reference.
+
+Expert parallelism (expert_parallel): the experts split over the mesh's TP axis, each device
+runs the assignments to its own experts on the (replicated) tokens, and one all-reduce sums the
+devices' parts, the collective a tensor-parallel MLP ends with.
+
+kernels: (gate_proj [E, D, F], up_proj [E, D, F], down_proj [E, F, D]). Axis letters: T tokens,
+D model dim, E experts, F an expert's MLP dim, A = T x k assignments.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+EXPERT_IMPLEMENTATIONS = ("segments", "ragged_dot", "dense")
+TP_AXIS = "tp"  # pallas_kernels.dispatch.TP_AXIS, the mesh's model axis
+
+
+def default_implementation() -> str:
+    """The grouped matmul for the platform the step compiles for."""
+    return "ragged_dot" if jax.default_backend() == "tpu" else "segments"
+
+
+def tile_rows(num_assignments: int, num_experts: int) -> int:
+    """Rows a tile of the segments loop: about twice an expert's mean share of the rows, a
+    power of two in [8, 64] (measured on the CPU: fewer tiles once the groups are full, little
+    padding while they are small)."""
+    share = 2 * num_assignments // max(num_experts, 1)
+    return int(min(64, max(8, 1 << max(share - 1, 0).bit_length())))
+
+
+def dropless_experts(x: jax.Array, weights: jax.Array, experts: jax.Array,
+                     num_valid: jax.Array | None, kernels: tuple, *, act, dtype,
+                     implementation: str | None = None) -> jax.Array:
+    """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) for each token t < num_valid (all
+    when None), 0 for the others; an expert id of E or more is no expert. [T, D] -> [T, D]."""
+    implementation = implementation or default_implementation()
+    if implementation not in EXPERT_IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {EXPERT_IMPLEMENTATIONS}, "
+                         f"got {implementation!r}")
+    num_tokens, top_k = experts.shape
+    num_experts = kernels[0].shape[0]
+    flat = jnp.minimum(experts.reshape(-1), num_experts)  # [A]; E: the sentinel
+    if num_valid is not None:  # padding tokens: the sentinel, after every group
+        flat = jnp.where(jnp.arange(num_tokens * top_k) // top_k < num_valid, flat, num_experts)
+    if implementation == "dense":
+        return _dense(x, weights, flat.reshape(experts.shape), kernels, act, dtype)
+    order = jnp.argsort(flat, stable=True)
+    tokens = order // top_k
+    group_sizes = jnp.sum(jax.nn.one_hot(flat, num_experts, dtype=jnp.int32), axis=0)
+    rows = x[tokens].astype(dtype)  # [A, D] sorted by expert
+    grouped = _ragged if implementation == "ragged_dot" else _segments
+    out = grouped(rows, group_sizes, kernels, act, dtype)
+    scale = jnp.where(flat[order] < num_experts, weights.reshape(-1)[order], 0.0)
+    summed = jnp.zeros((num_tokens, x.shape[-1]), jnp.float32).at[tokens].add(
+        out * scale[:, None])
+    return summed.astype(x.dtype)
+
+
+def expert_parallel(x, weights, experts, num_valid, kernels: tuple, mesh, **run) -> jax.Array:
+    """dropless_experts with the experts split over mesh's TP axis (kernels sharded on E,
+    tokens and routing replicated): each device takes the assignments to its E / TP experts,
+    the others become the sentinel, and a psum adds the devices' outputs."""
+
+    def local(x, weights, experts, num_valid, gate, up, down):
+        count = gate.shape[0]
+        own = experts - jax.lax.axis_index(TP_AXIS) * count
+        own = jnp.where((own >= 0) & (own < count), own, count)
+        out = dropless_experts(x, weights, own, num_valid, (gate, up, down), **run)
+        return jax.lax.psum(out, TP_AXIS)
+
+    split = P(TP_AXIS)
+    num_valid = jnp.asarray(x.shape[0] if num_valid is None else num_valid, jnp.int32)
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P(), split, split, split),
+                         out_specs=P(), check_vma=False)(x, weights, experts, num_valid,
+                                                         *kernels)
+
+
+def _mlp(rows, expert, matmul, kernels, act):
+    gate, up, down = kernels
+    return matmul(act(matmul(rows, gate, expert)) * matmul(rows, up, expert), down,
+                  expert).astype(jnp.float32)
+
+
+def _ragged(rows, group_sizes, kernels, act, dtype):
+    def grouped(lhs, kernel, _):
+        return jax.lax.ragged_dot(lhs, kernel.astype(dtype), group_sizes,
+                                  preferred_element_type=jnp.float32).astype(dtype)
+
+    return _mlp(rows, None, grouped, kernels, act)
+
+
+def _segments(rows, group_sizes, kernels, act, dtype):
+    """f32[A, D]: rows (sorted by expert, group_sizes[e] of expert e, then rows of no expert)
+    through their experts, tile by tile."""
+    num_rows, dim = rows.shape
+    num_experts = group_sizes.shape[0]
+    tile = tile_rows(num_rows, num_experts)
+    tiles = (group_sizes + tile - 1) // tile  # each expert's
+    last_tile = jnp.cumsum(tiles)
+    starts = jnp.cumsum(group_sizes) - group_sizes
+    index = jnp.arange(-(-num_rows // tile) + num_experts)
+    tile_expert = jnp.minimum(jnp.searchsorted(last_tile, index, side="right"), num_experts - 1)
+    tile_start = starts[tile_expert] + (index - (last_tile - tiles)[tile_expert]) * tile
+    tile_end = starts[tile_expert] + group_sizes[tile_expert]
+    padded = jnp.concatenate([rows, jnp.zeros((tile, dim), rows.dtype)])
+
+    def matmul(lhs, kernel, expert):
+        return jnp.dot(lhs, kernel[expert].astype(dtype),
+                       preferred_element_type=jnp.float32).astype(dtype)
+
+    def body(i, out):
+        start = tile_start[i]
+        y = _mlp(jax.lax.dynamic_slice_in_dim(padded, start, tile), tile_expert[i], matmul,
+                 kernels, act)
+        y = jnp.where((start + jnp.arange(tile) < tile_end[i])[:, None], y, 0.0)
+        return jax.lax.dynamic_update_slice_in_dim(
+            out, jax.lax.dynamic_slice_in_dim(out, start, tile) + y, start, 0)
+
+    out = jnp.zeros((num_rows + tile, dim), jnp.float32)
+    return jax.lax.fori_loop(0, last_tile[-1], body, out)[:num_rows]
+
+
+def _dense(x, weights, experts, kernels, act, dtype):
+    """Every expert on every token, mixed by the routing weights: the reference."""
+    gate, up, down = (k.astype(dtype) for k in kernels)
+    xs = x.astype(dtype)
+    hidden = act(jnp.einsum("td,edf->etf", xs, gate)) * jnp.einsum("td,edf->etf", xs, up)
+    out = jnp.einsum("etf,efd->etd", hidden, down).astype(jnp.float32)
+    mix = jnp.sum(jax.nn.one_hot(experts, gate.shape[0], dtype=jnp.float32)
+                  * weights[..., None], axis=1)  # [T, E]; the sentinel's row is all 0
+    return jnp.einsum("te,etd->td", mix, out).astype(x.dtype)
