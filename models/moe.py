@@ -24,6 +24,7 @@ from models.config import LlamaConfig
 from models.layers import ACTIVATIONS, MLP, linear
 from models.moe_experts import dropless_experts, expert_parallel
 
+
 def route(router_logits: jax.Array, top_k: int,
           norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
     """(weights f32[T, k], experts i32[T, k]) from f32[T, E] router logits."""

@@ -26,8 +26,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels.dispatch import TP_AXIS  # the mesh's model axis
+
 EXPERT_IMPLEMENTATIONS = ("segments", "ragged_dot", "dense")
-TP_AXIS = "tp"  # pallas_kernels.dispatch.TP_AXIS, the mesh's model axis
 
 
 def default_implementation() -> str:
