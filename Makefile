@@ -107,6 +107,7 @@ bench: $(TEST_STAMP)
 	$(PY) benchmarks/gemma_scan.py
 	$(PY) benchmarks/moe_experts.py
 	$(PY) benchmarks/moe_roofline.py
+	$(PY) benchmarks/moe_parallel.py
 
 # The GPU device script rehearsed without a GPU: its programs compiled by XLA for an H200.
 bench-gpu-image: $(GPU_IMAGE_STAMP)
