@@ -6,7 +6,9 @@ K-quants) become the engine's dtype, one tensor at a time; any other type is ref
 llama.cpp's converter permutes the rows of the q and k projections (its RoPE pairs adjacent
 elements, HF's the two halves of a head): undone here, so the weights are HF's, and the model
 runs them as any HF checkpoint. The config comes from the `llama.*` metadata; only the Llama
-architecture is accepted (Mistral-style and Llama 3 checkpoints are written as `llama`).
+architecture is accepted (Mistral-style and Llama 3 checkpoints are written as `llama`, and so
+is Mixtral: `llama.expert_count`, the router `ffn_gate_inp` and each projection of all the
+experts stacked, `ffn_{gate,up,down}_exps`, read expert by expert as HF's names).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +35,15 @@ LAYER_NAMES = {  # GGUF blk.{i}.<name> -> HF model.layers.{i}.<name>
     "ffn_down": "mlp.down_proj"}
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
              "output": "lm_head"}
+# A mixture of experts (llama.cpp writes Mixtral as `llama` with llama.expert_count): the
+# router, and each projection of all the experts stacked in one tensor [E, out, in], read as
+# the HF names of its experts (models.hf.EXPERT for the index).
+MOE_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.{expert}.gate_proj",
+             "ffn_up_exps": "mlp.experts.{expert}.up_proj",
+             "ffn_down_exps": "mlp.experts.{expert}.down_proj"}
+
+
+_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
 
 
 def is_gguf(path) -> bool:
@@ -84,8 +96,13 @@ def config_from_gguf(meta: dict, tensor_names: set[str], path: str = "") -> Llam
     heads, hidden = int(get("attention.head_count")), int(get("embedding_length"))
     vocab = meta.get("llama.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
     eos = meta.get("tokenizer.ggml.eos_token_id")
+    experts = int(meta.get("llama.expert_count") or 0)
+    moe = {}
+    if experts:  # llama.cpp's Mixtral: softmax top-k, the k weights renormalised
+        moe = dict(num_experts=experts, num_experts_per_tok=int(get("expert_used_count")),
+                   norm_topk_prob=True)
     return LlamaConfig(
-        vocab_size=int(vocab), hidden_size=hidden,
+        **moe, vocab_size=int(vocab), hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")), num_layers=int(get("block_count")),
         num_heads=heads, num_kv_heads=int(get("attention.head_count_kv", heads)),
         head_dim=int(meta.get("llama.attention.key_length", hidden // heads)),
@@ -98,10 +115,12 @@ def config_from_gguf(meta: dict, tensor_names: set[str], path: str = "") -> Llam
 
 
 def hf_name(gguf_name: str) -> str:
-    """The HF tensor name of a GGUF tensor name."""
+    """The HF tensor name of a GGUF tensor name (a stacked experts' tensor: with
+    models.hf.EXPERT for the expert)."""
     parts = gguf_name.split(".")
     if parts[0] == "blk":
-        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{parts[3]}"
+        module = LAYER_NAMES.get(parts[2]) or MOE_NAMES[parts[2]]
+        return f"model.layers.{parts[1]}.{module}.{parts[3]}"
     return f"{TOP_NAMES[parts[0]]}.{parts[1]}"
 
 
@@ -124,7 +143,7 @@ def checked_gguf(path: str, dtype: str = "float32", reader=None):
     jdtype = jnp.dtype(dtype)
     abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0), dtype=jdtype,
                                                        param_dtype=jdtype))
-    from models.hf import _hf_name
+    from models.hf import EXPERT, _hf_name
 
     params = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
     wanted = {_hf_name(p)[0]: (x.shape, _hf_name(p)[1])
@@ -144,13 +163,16 @@ def checked_gguf(path: str, dtype: str = "float32", reader=None):
         raise ValueError(f"{path}: tensors missing: {missing[:5]}")
     for hf, (shape, transpose) in wanted.items():
         stored = tuple(int(d) for d in reversed(by_hf[hf].shape))  # GGUF lists ne[0] first
-        if stored != tuple(shape[::-1] if transpose else shape):
+        expected = tuple(shape[::-1] if transpose else shape)
+        if EXPERT in hf:  # [E, in, out] stored as E tensors [out, in]
+            expected = (shape[0], *shape[:0:-1])
+        if stored != expected:
             raise ValueError(f"{path}: tensor {by_hf[hf].name} has shape {stored}, the "
-                             f"metadata implies {tuple(shape[::-1] if transpose else shape)}")
+                             f"metadata implies {expected}")
     permuted = {"self_attn.q_proj": config.num_heads, "self_attn.k_proj": config.num_kv_heads}
 
-    @functools.lru_cache(maxsize=1)  # a tensor is asked for shard by shard, layer by layer
-    def tensor(name: str) -> np.ndarray:
+    @functools.lru_cache(maxsize=1)  # a tensor is asked for shard by shard, layer by layer,
+    def dequantized(name: str) -> np.ndarray:  # expert by expert
         import gguf
 
         stored = by_hf[name]
@@ -162,12 +184,20 @@ def checked_gguf(path: str, dtype: str = "float32", reader=None):
                 weight = _unpermute(weight, heads)
         return weight
 
+    def tensor(name: str) -> np.ndarray:
+        """An HF-named tensor; one expert's is its slice of the stacked tensor."""
+        expert = _EXPERT_INDEX.search(name)
+        if name in by_hf or expert is None:
+            return dequantized(name)
+        stacked = name[:expert.start(1)] + EXPERT + name[expert.end(1):]
+        return dequantized(stacked)[int(expert.group(1))]
+
     @contextlib.contextmanager
     def opened():
         try:
             yield tensor
         finally:
-            tensor.cache_clear()
+            dequantized.cache_clear()
 
     return abstract, opened, meta
 
@@ -182,7 +212,7 @@ def lazy_gguf_model(path: str, dtype: str = "float32", reader=None):
 
 def load_gguf_model(path: str, dtype: str = "float32", reader=None) -> LlamaForCausalLM:
     """The model of a GGUF file, on jax.devices()[0], parameters and activations in dtype."""
-    from models.hf import _hf_name
+    from models.hf import EXPERT, _hf_name, expert_names
 
     abstract, opened, _ = checked_gguf(path, dtype, reader)
     np_dtype = np.dtype(jnp.dtype(dtype))
@@ -191,9 +221,10 @@ def load_gguf_model(path: str, dtype: str = "float32", reader=None) -> LlamaForC
     with opened() as tensor:
         def read(p, _):
             name, transpose = _hf_name(p)
-            weight = tensor(name)
-            return jax.device_put(np.ascontiguousarray(weight.T if transpose else weight,
-                                                       np_dtype), jax.devices()[0])
+            parts = [np.ascontiguousarray(w.T if transpose else w, np_dtype)
+                     for w in map(tensor, expert_names(name, abstract.config.num_experts))]
+            weight = np.stack(parts) if EXPERT in name else parts[0]
+            return jax.device_put(weight, jax.devices()[0])
 
         loaded = jax.tree_util.tree_map_with_path(read, params)
     nnx.replace_by_pure_dict(state, loaded)

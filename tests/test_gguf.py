@@ -52,7 +52,11 @@ def permute(weight: np.ndarray, heads: int) -> np.ndarray:
 
 
 def gguf_name(hf: str) -> str:
+    if ".experts_stacked." in hf:  # stack_experts' name of a Mixtral projection's experts
+        layer, projection = hf.split(".")[2], hf.split(".")[-2]
+        return f"blk.{layer}.{EXPERT_PROJECTIONS[projection]}.weight"
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "block_sparse_moe.gate": "ffn_gate_inp",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
@@ -63,19 +67,38 @@ def gguf_name(hf: str) -> str:
             "output_norm.weight", "lm_head.weight": "output.weight"}[hf]
 
 
-def write_gguf(directory, arch: str = "llama"):
-    """(GGUF path, HF directory holding the very weights the GGUF dequantizes to, tokenizer)."""
+def write_gguf(directory, arch: str = "llama", experts: int = 0):
+    """(GGUF path, HF directory holding the very weights the GGUF dequantizes to, tokenizer).
+    experts: a Mixtral of that many experts (top-2), written as llama.cpp writes one: arch
+    llama with expert_count, each projection's experts stacked in one tensor."""
     tokenizer = train_tokenizer()
     vocab = tokenizer.get_vocab_size()
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=256,
-                                      rope_theta=10000.0, rms_norm_eps=1e-5)
+    fields = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-5)
     torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(config).eval()
-    state = {k: v.detach().numpy().astype(np.float32) for k, v in hf.state_dict().items()}
+    if experts:
+        hf = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **fields, num_local_experts=experts, num_experts_per_tok=2)).eval()
+        with torch.no_grad():  # routers spread wide: no near ties for Q8_0 rounding to flip
+            for name, param in hf.named_parameters():
+                if name.endswith("gate.weight"):
+                    param.copy_(torch.randn_like(param))
+    else:
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).eval()
+    # the checkpoint's own names (transformers 5 holds Mixtral's experts fused in memory and
+    # writes them per expert, as the hub's checkpoints have them)
+    from safetensors.numpy import load_file
+    hf.save_pretrained(directory / "original")
+    state = {k: v.astype(np.float32) for k, v in
+             load_file(str(directory / "original" / "model.safetensors")).items()}
+    if experts:
+        state = stack_experts(state, experts)
     path = str(directory / "tiny.gguf")
     writer = gguf.GGUFWriter(path, arch)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(2)
     writer.add_block_count(2)
     writer.add_context_length(256)
     writer.add_embedding_length(64)
@@ -99,7 +122,8 @@ def write_gguf(directory, arch: str = "llama"):
         stored = weight
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             stored = permute(weight, 4 if "q_proj" in name else 2)
-        if weight.ndim == 2 and "embed" not in name:  # the linear layers: Q8_0 blocks
+        if weight.ndim >= 2 and "embed" not in name and "gate.weight" not in name:
+            # the linear layers (the experts stacked [E, out, in]): Q8_0 blocks
             qtype = gguf.GGMLQuantizationType.Q8_0
             data = gguf.quants.quantize(stored, qtype)
             writer.add_tensor(gguf_name(name), data, raw_dtype=qtype)
@@ -120,8 +144,32 @@ def write_gguf(directory, arch: str = "llama"):
     from safetensors.numpy import save_file
     for f in hf_dir.glob("*.safetensors"):
         f.unlink()
+    if experts:
+        same = unstack_experts(same, experts)
     save_file(same, str(hf_dir / "model.safetensors"))
     return path, str(hf_dir), tokenizer
+
+
+EXPERT_PROJECTIONS = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+
+
+def stack_experts(state: dict, experts: int) -> dict:
+    """Mixtral's per-expert tensors (block_sparse_moe.experts.{e}.w1...) stacked per layer and
+    projection under a name gguf_name maps to llama.cpp's `*_exps`."""
+    out = {k: v for k, v in state.items() if ".experts." not in k}
+    for key in [k for k in state if ".experts.0." in k]:
+        stacked = np.stack([state[key.replace(".experts.0.", f".experts.{e}.")]
+                            for e in range(experts)])
+        out[key.replace(".experts.0.", ".experts_stacked.")] = stacked
+    return out
+
+
+def unstack_experts(state: dict, experts: int) -> dict:
+    out = {k: v for k, v in state.items() if ".experts_stacked." not in k}
+    for key in [k for k in state if ".experts_stacked." in k]:
+        for e in range(experts):
+            out[key.replace(".experts_stacked.", f".experts.{e}.")] = state[key][e]
+    return out
 
 
 def permute_back(weight: np.ndarray, name: str) -> np.ndarray:
@@ -147,6 +195,34 @@ def test_gguf_weights_equal_the_same_weights_from_safetensors(written):
     want = np.asarray(load_hf_model(hf_dir)(jnp.asarray(ids)))
     np.testing.assert_allclose(ours, want, **F32_TOL)
     # and through the engine (weights placed lazily, tokenizer from the file)
+    prompts = [ids[0].tolist(), ids[1, :7].tolist()]
+    params = SamplingParams(max_tokens=8, temperature=0)
+    got = LLM(path, max_model_len=128).generate(prompts, params, use_tqdm=False)
+    ref = LLM(hf_dir, max_model_len=128).generate(prompts, params, use_tqdm=False)
+    assert [o.output_token_ids for o in got] == [o.output_token_ids for o in ref]
+
+
+def test_mixtral_gguf_reads_its_stacked_experts(tmp_path):
+    """A Mixtral written as llama.cpp writes one (arch llama, expert_count 4, Q8_0 experts
+    stacked a projection in `ffn_*_exps`, the router `ffn_gate_inp`) loads as the same weights
+    in Mixtral's HF layout do, eagerly and through the engine's lazy placement, and the HF
+    directory's logits are transformers' own."""
+    import jax.numpy as jnp
+
+    path, hf_dir, _ = write_gguf(tmp_path, experts=4)
+    reader_names = {t.name for t in gguf.GGUFReader(path).tensors}
+    assert "blk.0.ffn_gate_exps.weight" in reader_names
+    assert not any(".experts." in n for n in reader_names)
+    model = load_gguf_model(path)
+    assert (model.config.num_experts, model.config.num_experts_per_tok) == (4, 2)
+    ids = np.random.default_rng(0).integers(0, 300, (2, 24))
+    ours = np.asarray(model(jnp.asarray(ids)))
+    want = np.asarray(load_hf_model(hf_dir)(jnp.asarray(ids)))
+    np.testing.assert_allclose(ours, want, **F32_TOL)
+    hf = transformers.MixtralForCausalLM.from_pretrained(hf_dir).eval()
+    with torch.no_grad():
+        reference = hf(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(want, reference, **F32_TOL)
     prompts = [ids[0].tolist(), ids[1, :7].tolist()]
     params = SamplingParams(max_tokens=8, temperature=0)
     got = LLM(path, max_model_len=128).generate(prompts, params, use_tqdm=False)
