@@ -40,10 +40,12 @@ class DecoderLayer(nnx.Module):
     def _mlp(self, x: jax.Array, num_valid: jax.Array | None = None,
              backend: AttentionBackend | None = None) -> jax.Array:
         """The MLP on x; an MoE layer routes only the first num_valid tokens (a BatchPlan's
-        real ones) to its experts, split over the backend's mesh under expert parallelism."""
+        real ones) to its experts, split over the backend's mesh (whole experts a device
+        under expert parallelism, else each expert's MLP)."""
         if isinstance(self.mlp, SparseMoE):
-            ep = backend is not None and backend.expert_parallel
-            return self.mlp(x, num_valid, backend.mesh if ep else None)
+            if backend is None or backend.mesh is None:
+                return self.mlp(x, num_valid)
+            return self.mlp(x, num_valid, backend.mesh, backend.expert_parallel)
         return self.mlp(x)
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -22,7 +22,7 @@ from flax import nnx
 
 from models.config import LlamaConfig
 from models.layers import ACTIVATIONS, MLP, linear
-from models.moe_experts import dropless_experts, expert_parallel
+from models.moe_experts import dropless_experts, sharded_experts
 
 
 def route(router_logits: jax.Array, top_k: int,
@@ -50,16 +50,19 @@ class Experts(nnx.Module):
 
     def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array,
                  num_valid: jax.Array | None = None, implementation: str | None = None,
-                 mesh: jax.sharding.Mesh | None = None) -> jax.Array:
+                 mesh: jax.sharding.Mesh | None = None,
+                 expert_parallel: bool = False) -> jax.Array:
         """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) for each token t < num_valid
         (every token when None); 0 for the others. [T, D] -> [T, D]. implementation:
-        models.moe_experts.EXPERT_IMPLEMENTATIONS (None: the platform's). mesh: expert
-        parallelism, the experts split over its TP axis (moe_experts.expert_parallel)."""
+        models.moe_experts.EXPERT_IMPLEMENTATIONS (None: the platform's). mesh: the experts
+        split over its TP axis, whole experts a device when expert_parallel, else each
+        expert's MLP (moe_experts.sharded_experts)."""
         kernels = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
         run = dict(act=ACTIVATIONS[self.hidden_act], dtype=self.dtype,
                    implementation=implementation)
         if mesh is not None:
-            return expert_parallel(x, weights, experts, num_valid, kernels, mesh, **run)
+            return sharded_experts(x, weights, experts, num_valid, kernels, mesh,
+                                   expert_parallel, **run)
         return dropless_experts(x, weights, experts, num_valid, kernels, **run)
 
 
@@ -90,12 +93,14 @@ class SparseMoE(nnx.Module):
                           preferred_element_type=jnp.float32)
 
     def __call__(self, x: jax.Array, num_valid: jax.Array | None = None,
-                 mesh: jax.sharding.Mesh | None = None) -> jax.Array:
-        """mesh: expert parallelism over its TP axis (the experts' weights sharded on E)."""
+                 mesh: jax.sharding.Mesh | None = None,
+                 expert_parallel: bool = False) -> jax.Array:
+        """mesh: the experts split over its TP axis (Experts.__call__)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, experts = route(self.router_logits(flat), self.top_k, self.norm_topk_prob)
-        out = self.experts(flat, weights, experts, num_valid, self.implementation, mesh)
+        out = self.experts(flat, weights, experts, num_valid, self.implementation, mesh,
+                           expert_parallel)
         if self.shared_expert is not None:
             gate = jax.nn.sigmoid(self.shared_expert_gate(flat).astype(jnp.float32))
             out = out + (gate * self.shared_expert(flat).astype(jnp.float32)).astype(out.dtype)

@@ -12,9 +12,10 @@ The grouped matmul, by implementation (benchmarks/moe_experts.py measures them):
 - "ragged_dot": `lax.ragged_dot`, TPU's native ragged matmul (Mosaic's grouped matmul).
 - "dense": every expert on every token, mixed by the routing weights: the reference.
 
-Expert parallelism (expert_parallel): the experts split over the mesh's TP axis, each device
-runs the assignments to its own experts on the (replicated) tokens, and one all-reduce sums the
-devices' parts, the collective a tensor-parallel MLP ends with.
+Over a mesh (sharded_experts): expert parallelism splits the experts over the TP axis, each
+device running the assignments to its own experts on the (replicated) tokens; tensor
+parallelism splits each expert's MLP. Either way one all-reduce of [T, D] sums the devices'
+parts, the collective a tensor-parallel MLP ends with.
 
 kernels: (gate_proj [E, D, F], up_proj [E, D, F], down_proj [E, F, D]). Axis letters: T tokens,
 D model dim, E experts, F an expert's MLP dim, A = T x k assignments.
@@ -32,8 +33,12 @@ EXPERT_IMPLEMENTATIONS = ("segments", "ragged_dot", "dense")
 
 
 def default_implementation() -> str:
-    """The grouped matmul for the platform the step compiles for."""
-    return "ragged_dot" if jax.default_backend() == "tpu" else "segments"
+    """The grouped matmul for the platform the step compiles for: the default device's (set
+    by `jax.default_device`, as an ahead-of-time compile for a TPU topology does), else the
+    default backend's."""
+    device = jax.config.jax_default_device
+    platform = getattr(device, "platform", device) or jax.default_backend()
+    return "ragged_dot" if platform == "tpu" else "segments"
 
 
 def tile_rows(num_assignments: int, num_experts: int) -> int:
@@ -72,21 +77,29 @@ def dropless_experts(x: jax.Array, weights: jax.Array, experts: jax.Array,
     return summed.astype(x.dtype)
 
 
-def expert_parallel(x, weights, experts, num_valid, kernels: tuple, mesh, **run) -> jax.Array:
-    """dropless_experts with the experts split over mesh's TP axis (kernels sharded on E,
-    tokens and routing replicated): each device takes the assignments to its E / TP experts,
-    the others become the sentinel, and a psum adds the devices' outputs."""
+def sharded_experts(x, weights, experts, num_valid, kernels: tuple, mesh,
+                    expert_parallel: bool, **run) -> jax.Array:
+    """dropless_experts over mesh's TP axis, tokens and routing replicated, under shard_map:
+    expert_parallel, the experts split on E (each device takes the assignments to its E / TP
+    experts, the others become the sentinel); else each expert's MLP split on F (gate/up
+    columns, down rows: a device's output is a partial sum). Either way the devices' [T, D]
+    outputs, already weighted and summed per token, are added by one psum: the all-reduce a
+    tensor-parallel MLP ends with, not one of all T x k assignment rows."""
 
     def local(x, weights, experts, num_valid, gate, up, down):
-        count = gate.shape[0]
-        own = experts - jax.lax.axis_index(TP_AXIS) * count
-        own = jnp.where((own >= 0) & (own < count), own, count)
-        out = dropless_experts(x, weights, own, num_valid, (gate, up, down), **run)
+        if expert_parallel:
+            count = gate.shape[0]
+            own = experts - jax.lax.axis_index(TP_AXIS) * count
+            experts = jnp.where((own >= 0) & (own < count), own, count)
+        out = dropless_experts(x, weights, experts, num_valid, (gate, up, down), **run)
         return jax.lax.psum(out, TP_AXIS)
 
-    split = P(TP_AXIS)
+    if expert_parallel:
+        specs = (P(TP_AXIS),) * 3
+    else:
+        specs = (P(None, None, TP_AXIS), P(None, None, TP_AXIS), P(None, TP_AXIS, None))
     num_valid = jnp.asarray(x.shape[0] if num_valid is None else num_valid, jnp.int32)
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P(), split, split, split),
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P(), *specs),
                          out_specs=P(), check_vma=False)(x, weights, experts, num_valid,
                                                          *kernels)
 

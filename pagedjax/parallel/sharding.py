@@ -44,8 +44,14 @@ def check_tensor_parallel(config: LlamaConfig, tensor_parallel_size: int,
                          f"exceeds the {devices} devices JAX sees")
     if tp == 1:
         return
-    for name, value in (("num_heads", config.num_heads),
-                        ("intermediate_size", config.intermediate_size)):
+    sizes = [("num_heads", config.num_heads), ("intermediate_size", config.intermediate_size)]
+    if config.num_experts:  # each expert's MLP splits like a dense one (unless expert parallel)
+        sizes.append(("expert MLP size (moe_intermediate_size)",
+                      config.expert_intermediate_size))
+        if config.shared_expert_intermediate_size:
+            sizes.append(("shared_expert_intermediate_size",
+                          config.shared_expert_intermediate_size))
+    for name, value in sizes:
         if value % tp:
             raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's {name} "
                              f"({value})")
