@@ -45,6 +45,19 @@ CASES = {
     "gemma-3-27b TP8 v6e-8 groups": ("gemma-3-27b", "v6e:2x4", 8, True),
     "gemma-3-27b TP8 v6e-8 full": ("gemma-3-27b", "v6e:2x4", 8, False),
 }
+# Mixtures of experts (models/moe.py; --moe, results in tpu_moe.md): tensor parallel experts
+# (each expert's MLP split) against expert parallel (E / TP whole experts a chip); the grouped
+# matmul is lax.ragged_dot (models.moe_experts.default_implementation on a TPU device).
+# name: (model, topology, TP, KV cache groups, expert parallel)
+MOE_CASES = {
+    "qwen3-30b-a3b TP8 v5e-8": ("qwen3-30b-a3b", "v5e:2x4", 8, True, False),
+    "qwen3-30b-a3b EP8 v5e-8": ("qwen3-30b-a3b", "v5e:2x4", 8, True, True),
+    "qwen3-30b-a3b TP8 v6e-8": ("qwen3-30b-a3b", "v6e:2x4", 8, True, False),
+    "qwen3-30b-a3b EP8 v6e-8": ("qwen3-30b-a3b", "v6e:2x4", 8, True, True),
+    "mixtral-8x7b TP8 v5e-8": ("mixtral-8x7b", "v5e:2x4", 8, True, False),
+    "mixtral-8x7b EP8 v5e-8": ("mixtral-8x7b", "v5e:2x4", 8, True, True),
+}
+ALL_CASES = {**CASES, **MOE_CASES}
 CAPACITY_CONTEXT = 32768  # the sequences of this many tokens each device's pool holds
 KINDS = {"decode": (256, 256), "prefill": (8192, 256)}  # (T, B)
 KV_GIB_PER_DEVICE = 4.0
@@ -67,9 +80,10 @@ def build(name: str, devices):
     from pallas_kernels import AttentionBackend, init_kv_cache, kv_cache_bytes_per_block
 
     case, kind = name.split("|")
-    model_name, _, tp, *hybrid = CASES[case]
+    model_name, _, tp, *options = ALL_CASES[case]
+    hybrid, expert_parallel = (list(options) + [False, False])[:2]
     config = CONFIGS[model_name]
-    groups = kv_cache_groups(config, hybrid=bool(hybrid) and hybrid[0])
+    groups = kv_cache_groups(config, hybrid=hybrid)
     mesh = Mesh(np.array(devices[:tp]), (AXIS,))
     repeats = kv_head_repeats(config.num_kv_heads, tp)
     graph, weights = serving_form(nnx.eval_shape(lambda: model_class(config)(
@@ -77,7 +91,8 @@ def build(name: str, devices):
         kv_head_repeats=repeats, groups=groups)
     weights = jax.tree_util.tree_map_with_path(lambda path, leaf: jax.ShapeDtypeStruct(
         leaf.shape, leaf.dtype,
-        sharding=NamedSharding(mesh, weight_spec(path, leaf, config.vocab_size, tp))), weights)
+        sharding=NamedSharding(mesh, weight_spec(path, leaf, config.vocab_size, tp,
+                                                 expert_parallel))), weights)
     kv_heads = config.num_kv_heads * repeats
     per_block = kv_cache_bytes_per_block(groups.num_slots, BLOCK_SIZE, kv_heads,
                                          config.head_dim, jnp.bfloat16, "tpu")
@@ -93,7 +108,7 @@ def build(name: str, devices):
     replicated = NamedSharding(mesh, P())
     plan = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
                                                        sharding=replicated), plan)
-    backend = AttentionBackend("tpu", mesh=mesh)
+    backend = AttentionBackend("tpu", mesh=mesh, expert_parallel=expert_parallel)
     step = jax.jit(functools.partial(step_fn, graph, backend, 0), donate_argnums=(1,))
     return step, (weights, cache, plan)
 
@@ -107,7 +122,7 @@ def shard_gib(case: str) -> tuple[float, float, int]:
     from pagedjax.parallel.sharding import weight_bytes_per_device
     from pagedjax.tools.plan_commands import kv_capacity
 
-    model_name, _, tp, *hybrid = CASES[case]
+    model_name, _, tp, *hybrid = ALL_CASES[case]
     config = CONFIGS[model_name]
     groups = kv_cache_groups(config, hybrid=bool(hybrid) and hybrid[0])
     capacity = kv_capacity(config, groups, BLOCK_SIZE, int(KV_GIB_PER_DEVICE * 2**30),
@@ -119,13 +134,17 @@ def shard_gib(case: str) -> tuple[float, float, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--libtpu", default=str(ROOT.parent / ".venv" / "libtpu"))
-    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--cases", help="comma-separated (default: every case of the table)")
+    parser.add_argument("--moe", action="store_true",
+                        help="the mixture-of-experts table (MOE_CASES, tpu_moe.md)")
     args = parser.parse_args()
+    table = MOE_CASES if args.moe else CASES
+    args.cases = args.cases or ",".join(table)
     from benchmarks.aot import xla_tpu
 
     rows = []
     for case in args.cases.split(","):
-        topology = CASES[case][1]
+        topology = ALL_CASES[case][1]
         with tempfile.TemporaryDirectory() as tmp:
             lines, stderr = xla_tpu.run_in_child(
                 [{"name": f"{case}|{kind}", "module": "tpu_tensor_parallel", "function": "build",
@@ -148,11 +167,14 @@ def main() -> None:
                 row["error"] = line["error"][:300]
             rows.append(row)
             print(row, flush=True)
-    write_results("tpu_tensor_parallel", "Tensor-parallel steps compiled for TPU slices "
-                  "(libtpu AOT, no TPU): per-device memory and collectives", rows,
+    write_results("tpu_moe" if args.moe else "tpu_tensor_parallel",
+                  ("Mixture-of-experts steps" if args.moe else "Tensor-parallel steps")
+                  + " compiled for TPU slices (libtpu AOT, no TPU): per-device memory and "
+                  "collectives", rows,
                   {"kv_gib_per_device": KV_GIB_PER_DEVICE, "block_size": BLOCK_SIZE,
                    "steps": KINDS}, __doc__.split("\n\n", 1)[1],
-                  reproduce="`.venv/bin/python benchmarks/tpu_tensor_parallel.py`")
+                  reproduce="`.venv/bin/python benchmarks/tpu_tensor_parallel.py"
+                  + (" --moe`" if args.moe else "`"))
 
 
 if __name__ == "__main__":
