@@ -99,6 +99,7 @@ bench: $(TEST_STAMP)
 	$(PY) benchmarks/gpu_compile.py
 	$(PY) benchmarks/tpu_schedule.py
 	$(PY) benchmarks/tpu_tensor_parallel.py
+	$(PY) benchmarks/tpu_tensor_parallel.py --moe
 	$(PY) benchmarks/tensor_parallel_memory.py
 	$(PY) benchmarks/real_model.py
 	$(PY) benchmarks/block_size.py
