@@ -66,15 +66,27 @@ def dropless_experts(x: jax.Array, weights: jax.Array, experts: jax.Array,
     if implementation == "dense":
         return _dense(x, weights, flat.reshape(experts.shape), kernels, act, dtype)
     order = jnp.argsort(flat, stable=True)
-    tokens = order // top_k
     group_sizes = jnp.sum(jax.nn.one_hot(flat, num_experts, dtype=jnp.int32), axis=0)
-    rows = x[tokens].astype(dtype)  # [A, D] sorted by expert
-    grouped = _ragged if implementation == "ragged_dot" else _segments
-    out = grouped(rows, group_sizes, kernels, act, dtype)
+    # the assignments sorted by expert: their tokens and routing weights (0 past the groups)
     scale = jnp.where(flat[order] < num_experts, weights.reshape(-1)[order], 0.0)
-    summed = jnp.zeros((num_tokens, x.shape[-1]), jnp.float32).at[tokens].add(
-        out * scale[:, None])
+    grouped = _ragged if implementation == "ragged_dot" else _segments
+    summed = grouped(x.astype(dtype), order // top_k, scale, group_sizes, kernels, act, dtype)
     return summed.astype(x.dtype)
+
+
+def _padded(values: jax.Array, extra: int) -> jax.Array:
+    return jnp.concatenate([values, jnp.zeros((extra,), values.dtype)])
+
+
+def _accumulate(summed, x, tokens, scale, first: jax.Array, rows: int, mlp, mask=None):
+    """summed[t] += scale * mlp(x[t]) over the sorted assignments first .. first + rows (the
+    tokens and scales padded past the end with token 0 at scale 0): the rows are gathered
+    from x and added back per chunk, so no [A, D] array of all the assignments exists."""
+    index = jax.lax.dynamic_slice_in_dim(tokens, first, rows)
+    weight = jax.lax.dynamic_slice_in_dim(scale, first, rows)
+    if mask is not None:
+        weight = jnp.where(mask, weight, 0.0)
+    return summed.at[index].add(mlp(x[index]) * weight[:, None])
 
 
 def sharded_experts(x, weights, experts, num_valid, kernels: tuple, mesh,
@@ -110,18 +122,40 @@ def _mlp(rows, expert, matmul, kernels, act):
                   expert).astype(jnp.float32)
 
 
-def _ragged(rows, group_sizes, kernels, act, dtype):
-    def grouped(lhs, kernel, _):
-        return jax.lax.ragged_dot(lhs, kernel.astype(dtype), group_sizes,
-                                  preferred_element_type=jnp.float32).astype(dtype)
-
-    return _mlp(rows, None, grouped, kernels, act)
+RAGGED_CHUNK = 2048  # rows a ragged_dot of the chunked loop takes (its [rows, F] temporaries)
 
 
-def _segments(rows, group_sizes, kernels, act, dtype):
-    """f32[A, D]: rows (sorted by expert, group_sizes[e] of expert e, then rows of no expert)
+def _ragged(x, tokens, scale, group_sizes, kernels, act, dtype):
+    """f32[T, D]: the sorted assignments through lax.ragged_dot, RAGGED_CHUNK rows at a time
+    and only as many chunks as rows in a group (the sentinel's rows after them are skipped):
+    the temporaries are a chunk's, not all A rows' at the full F, and a device under expert
+    parallelism computes only its own experts' rows."""
+    num_rows = tokens.shape[0]
+    chunk = min(num_rows, RAGGED_CHUNK)
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    tokens, scale = _padded(tokens, chunk), _padded(scale, chunk)
+
+    def body(i, summed):
+        first = i * chunk
+        sizes = (jnp.clip(ends, first, first + chunk)
+                 - jnp.clip(starts, first, first + chunk)).astype(group_sizes.dtype)
+
+        def grouped(lhs, kernel, _):
+            return jax.lax.ragged_dot(lhs, kernel.astype(dtype), sizes,
+                                      preferred_element_type=jnp.float32).astype(dtype)
+
+        return _accumulate(summed, x, tokens, scale, first, chunk,
+                           lambda rows: _mlp(rows, None, grouped, kernels, act))
+
+    summed = jnp.zeros(x.shape, jnp.float32)
+    return jax.lax.fori_loop(0, (ends[-1] + chunk - 1) // chunk, body, summed)
+
+
+def _segments(x, tokens, scale, group_sizes, kernels, act, dtype):
+    """f32[T, D]: the sorted assignments (group_sizes[e] of expert e, then rows of no expert)
     through their experts, tile by tile."""
-    num_rows, dim = rows.shape
+    num_rows = tokens.shape[0]
     num_experts = group_sizes.shape[0]
     tile = tile_rows(num_rows, num_experts)
     tiles = (group_sizes + tile - 1) // tile  # each expert's
@@ -131,22 +165,20 @@ def _segments(rows, group_sizes, kernels, act, dtype):
     tile_expert = jnp.minimum(jnp.searchsorted(last_tile, index, side="right"), num_experts - 1)
     tile_start = starts[tile_expert] + (index - (last_tile - tiles)[tile_expert]) * tile
     tile_end = starts[tile_expert] + group_sizes[tile_expert]
-    padded = jnp.concatenate([rows, jnp.zeros((tile, dim), rows.dtype)])
+    tokens, scale = _padded(tokens, tile), _padded(scale, tile)
 
     def matmul(lhs, kernel, expert):
         return jnp.dot(lhs, kernel[expert].astype(dtype),
                        preferred_element_type=jnp.float32).astype(dtype)
 
-    def body(i, out):
-        start = tile_start[i]
-        y = _mlp(jax.lax.dynamic_slice_in_dim(padded, start, tile), tile_expert[i], matmul,
-                 kernels, act)
-        y = jnp.where((start + jnp.arange(tile) < tile_end[i])[:, None], y, 0.0)
-        return jax.lax.dynamic_update_slice_in_dim(
-            out, jax.lax.dynamic_slice_in_dim(out, start, tile) + y, start, 0)
+    def body(i, summed):
+        start, expert = tile_start[i], tile_expert[i]
+        return _accumulate(summed, x, tokens, scale, start, tile,
+                           lambda rows: _mlp(rows, expert, matmul, kernels, act),
+                           mask=start + jnp.arange(tile) < tile_end[i])
 
-    out = jnp.zeros((num_rows + tile, dim), jnp.float32)
-    return jax.lax.fori_loop(0, last_tile[-1], body, out)[:num_rows]
+    summed = jnp.zeros(x.shape, jnp.float32)
+    return jax.lax.fori_loop(0, last_tile[-1], body, summed)
 
 
 def _dense(x, weights, experts, kernels, act, dtype):

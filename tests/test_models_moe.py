@@ -161,11 +161,14 @@ def _experts(num_experts=8, seed=0):
 
 @pytest.mark.parametrize("implementation", ["segments", "ragged_dot"])
 @pytest.mark.parametrize("case", ["one_expert_for_all", "an_idle_expert", "padding"])
-def test_grouped_experts_equal_every_expert_on_every_token(case, implementation):
-    """The sorted grouped matmul (ragged_dot) against every expert on every token mixed by the
-    routing weights: every token on the same two experts (two groups hold everything), an
+def test_grouped_experts_equal_every_expert_on_every_token(case, implementation,
+                                                            monkeypatch):
+    """The sorted grouped matmuls (segments' tiles; ragged_dot in chunks of 16 rows, a group
+    spanning chunks) against every expert on every token mixed by the routing weights: every token on the same two experts (two groups hold everything), an
     expert no token picks (an empty group), and padding tokens past num_valid (routed nowhere:
     zero output, whatever their router said)."""
+    from models import moe_experts
+    monkeypatch.setattr(moe_experts, "RAGGED_CHUNK", 16)  # ragged_dot: 5 chunks of 80 rows
     experts = _experts()
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.normal(size=(40, 16)), jnp.float32)
