@@ -122,16 +122,24 @@ def _mlp(rows, expert, matmul, kernels, act):
                   expert).astype(jnp.float32)
 
 
-RAGGED_CHUNK = 2048  # rows a ragged_dot of the chunked loop takes (its [rows, F] temporaries)
+# A ragged_dot of the chunked loop takes about this many rows x F elements (its [rows, F]
+# temporaries: 16 MiB in f32), a power of two of rows in [128, 8192].
+RAGGED_CHUNK_ELEMENTS = 1 << 22
+
+
+def ragged_chunk(width: int) -> int:
+    """Rows a chunk of the ragged_dot loop takes for experts of MLP width F (a device's)."""
+    rows = RAGGED_CHUNK_ELEMENTS // max(width, 1)
+    return int(min(8192, max(128, 1 << max(rows, 1).bit_length() - 1)))
 
 
 def _ragged(x, tokens, scale, group_sizes, kernels, act, dtype):
-    """f32[T, D]: the sorted assignments through lax.ragged_dot, RAGGED_CHUNK rows at a time
+    """f32[T, D]: the sorted assignments through lax.ragged_dot, ragged_chunk(F) rows at a time
     and only as many chunks as rows in a group (the sentinel's rows after them are skipped):
     the temporaries are a chunk's, not all A rows' at the full F, and a device under expert
     parallelism computes only its own experts' rows."""
     num_rows = tokens.shape[0]
-    chunk = min(num_rows, RAGGED_CHUNK)
+    chunk = min(num_rows, ragged_chunk(kernels[0].shape[-1]))
     ends = jnp.cumsum(group_sizes)
     starts = ends - group_sizes
     tokens, scale = _padded(tokens, chunk), _padded(scale, chunk)

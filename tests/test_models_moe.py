@@ -168,7 +168,7 @@ def test_grouped_experts_equal_every_expert_on_every_token(case, implementation,
     expert no token picks (an empty group), and padding tokens past num_valid (routed nowhere:
     zero output, whatever their router said)."""
     from models import moe_experts
-    monkeypatch.setattr(moe_experts, "RAGGED_CHUNK", 16)  # ragged_dot: 5 chunks of 80 rows
+    monkeypatch.setattr(moe_experts, "ragged_chunk", lambda width: 16)  # ragged_dot: 5 chunks
     experts = _experts()
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.normal(size=(40, 16)), jnp.float32)
