@@ -9,7 +9,11 @@ The grouped matmul, by implementation (benchmarks/moe_experts.py measures them):
   tiles that exist (at most A / tile + E) running the whole gated MLP of the tile's expert:
   an expert's weights are read once a tile, an expert with no token costs nothing. The CPU's
   and GPU's choice: XLA lowers `ragged_dot` there to every expert on every row.
-- "ragged_dot": `lax.ragged_dot`, TPU's native ragged matmul (Mosaic's grouped matmul).
+- "ragged_dot": `lax.ragged_dot`, TPU's native ragged matmul, over chunks of rows (about
+  RAGGED_CHUNK_ELEMENTS rows x F), only as many as rows in a group: its [rows, F]
+  temporaries stay a chunk's, and a device under expert parallelism computes only its rows.
+Both gather a tile's or chunk's rows from the tokens and add them back into [T, D] at once:
+no array of all A assignment rows exists.
 - "dense": every expert on every token, mixed by the routing weights: the reference.
 
 Over a mesh (sharded_experts): expert parallelism splits the experts over the TP axis, each
@@ -30,6 +34,9 @@ from jax.sharding import PartitionSpec as P
 from pallas_kernels.dispatch import TP_AXIS  # the mesh's model axis
 
 EXPERT_IMPLEMENTATIONS = ("segments", "ragged_dot", "dense")
+# A ragged_dot of the chunked loop takes about this many rows x F elements (its [rows, F]
+# temporaries: 16 MiB in f32), a power of two of rows in [128, 8192].
+RAGGED_CHUNK_ELEMENTS = 1 << 22
 
 
 def default_implementation() -> str:
@@ -120,11 +127,6 @@ def _mlp(rows, expert, matmul, kernels, act):
     gate, up, down = kernels
     return matmul(act(matmul(rows, gate, expert)) * matmul(rows, up, expert), down,
                   expert).astype(jnp.float32)
-
-
-# A ragged_dot of the chunked loop takes about this many rows x F elements (its [rows, F]
-# temporaries: 16 MiB in f32), a power of two of rows in [128, 8192].
-RAGGED_CHUNK_ELEMENTS = 1 << 22
 
 
 def ragged_chunk(width: int) -> int:
