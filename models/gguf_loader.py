@@ -169,6 +169,15 @@ def checked_gguf(path: str, dtype: str = "float32", reader=None):
         if stored != expected:
             raise ValueError(f"{path}: tensor {by_hf[hf].name} has shape {stored}, the "
                              f"metadata implies {expected}")
+    return abstract, _hf_tensors(by_hf, config), meta
+
+
+def _hf_tensors(by_hf: dict, config: LlamaConfig):
+    """opened(): a context yielding tensor(HF name) -> f32 in HF's layout, the q/k permutation
+    undone; one expert's tensor is its slice of the stacked one (by_hf: HF name -> GGUF
+    tensor, stacked experts' names with models.hf.EXPERT)."""
+    from models.hf import EXPERT
+
     permuted = {"self_attn.q_proj": config.num_heads, "self_attn.k_proj": config.num_kv_heads}
 
     @functools.lru_cache(maxsize=1)  # a tensor is asked for shard by shard, layer by layer,
@@ -199,7 +208,7 @@ def checked_gguf(path: str, dtype: str = "float32", reader=None):
         finally:
             dequantized.cache_clear()
 
-    return abstract, opened, meta
+    return opened
 
 
 def lazy_gguf_model(path: str, dtype: str = "float32", reader=None):

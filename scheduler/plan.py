@@ -201,6 +201,19 @@ def _logits_indices(output: SchedulerOutput, cu_q_lens: np.ndarray) -> np.ndarra
     return logits_indices
 
 
+def _slot_mapping(tables: list[np.ndarray], seq_of_token: np.ndarray, positions: np.ndarray,
+                  num_tokens: int, block_size: int) -> np.ndarray:
+    """i32[G, T]: each real token's slot in each group (through the group's table, a ring
+    read at block % width); padding tokens keep slot 0, which lies in the null block."""
+    pos = positions[:num_tokens]
+    slot_mapping = np.zeros((len(tables), positions.shape[0]), np.int32)
+    for g, table in enumerate(tables):
+        slot_mapping[g, :num_tokens] = (
+            table[seq_of_token[:num_tokens], pos // block_size % table.shape[1]] * block_size
+            + pos % block_size)
+    return slot_mapping
+
+
 def _stack(tables: list[np.ndarray], num_rows: int, width: int) -> np.ndarray:
     return np.stack(tables) if tables else np.zeros((0, num_rows, width), np.int32)
 
@@ -244,13 +257,8 @@ def build_plan(output: SchedulerOutput, kv_manager: KVCacheManager,
     copy_dst = np.zeros(padded_seqs, np.int32)
     if output.copies:
         copy_src[:len(output.copies)], copy_dst[:len(output.copies)] = zip(*output.copies)
-    # Slots of real tokens; padding tokens keep slot 0, which lies in the null block.
-    pos, block_size = positions[:num_tokens], kv_manager.block_size
-    slot_mapping = np.zeros((kv_manager.num_groups, padded_tokens), np.int32)
-    for g, table in enumerate(tables):
-        slot_mapping[g, :num_tokens] = (
-            table[seq_of_token[:num_tokens], pos // block_size % table.shape[1]] * block_size
-            + pos % block_size)
+    slot_mapping = _slot_mapping(tables, seq_of_token, positions, num_tokens,
+                                 kv_manager.block_size)
     return BatchPlan(
         token_ids=token_ids, positions=positions, slot_mapping=slot_mapping[0],
         block_tables=tables[0], group_slot_mapping=slot_mapping[1:],
