@@ -167,6 +167,11 @@ class LlamaConfig:
                                            or self.mlp_types[layer] == "sparse")
 
     @property
+    def num_sparse_layers(self) -> int:
+        """The layers whose MLP is a mixture of experts."""
+        return sum(map(self.layer_is_moe, range(self.num_layers)))
+
+    @property
     def expert_intermediate_size(self) -> int:
         return self.moe_intermediate_size or self.intermediate_size
 
@@ -242,7 +247,8 @@ class LlamaConfig:
         shared = self.shared_expert_intermediate_size
         sparse = (d * self.num_experts + experts * 3 * d * self.expert_intermediate_size
                   + (3 * d * shared + d if shared else 0))
-        mlps = sum(sparse if self.layer_is_moe(i) else dense for i in range(self.num_layers))
+        sparse_layers = self.num_sparse_layers
+        mlps = sparse_layers * sparse + (self.num_layers - sparse_layers) * dense
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         norms = (4 if self.sandwich_norms else 2) * d
         return self.num_layers * (attn + norms) + mlps + embed + d

@@ -181,7 +181,8 @@ def load_hf_model(model_dir: str, dtype: str = "float32") -> LlamaForCausalLM:
             with safe_open(path, framework="numpy") as f:  # released before the next one
                 for index in indices:
                     (name, transpose), _ = wanted[index]
-                    # one host copy at most (cast and/or transpose), none when neither is needed
+                    # one host copy at most of a tensor (cast and/or transpose), none when
+                    # neither is needed; a stacked experts' weight, their stack too
                     parts = [np.ascontiguousarray(t.T if transpose else t, dtype=np_dtype)
                              for t in (_get_tensor(f, path, files, each)
                                        for each in expert_names(name, num_experts))]
@@ -292,6 +293,6 @@ def moe_report(config: LlamaConfig) -> dict[str, Any]:
     if not config.num_experts:
         return {}
     return dict(num_experts=config.num_experts, experts_per_token=config.num_experts_per_tok,
-                sparse_layers=sum(map(config.layer_is_moe, range(config.num_layers))),
+                sparse_layers=config.num_sparse_layers,
                 shared_expert=config.shared_expert_intermediate_size or None,
                 num_active_params=config.num_active_params)

@@ -71,9 +71,6 @@ class SparseMoE(nnx.Module):
     Qwen2-MoE's shared expert (an MLP every token takes, scaled by sigmoid(x @ W_shared_gate))
     when config.shared_expert_intermediate_size."""
 
-    # EXPERT_IMPLEMENTATIONS, or None: the platform's when traced (default_implementation)
-    implementation: str | None = None
-
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
         d = config.hidden_size
         self.gate = linear(d, config.num_experts, config, rngs, dtype, param_dtype)
@@ -99,8 +96,8 @@ class SparseMoE(nnx.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, experts = route(self.router_logits(flat), self.top_k, self.norm_topk_prob)
-        out = self.experts(flat, weights, experts, num_valid, self.implementation, mesh,
-                           expert_parallel)
+        out = self.experts(flat, weights, experts, num_valid, mesh=mesh,
+                           expert_parallel=expert_parallel)
         if self.shared_expert is not None:
             gate = jax.nn.sigmoid(self.shared_expert_gate(flat).astype(jnp.float32))
             out = out + (gate * self.shared_expert(flat).astype(jnp.float32)).astype(out.dtype)

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import collections
+import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import numpy as np
 
@@ -104,3 +109,17 @@ def complete(url: str, body: dict, timeout_s: float = 120) -> dict:
 RAG_TEMPLATE = ("{{ bos_token }}{% if documents %}{% for d in documents %}"
                 "document {{ loop.index }}: {{ d['text'] }}\n{% endfor %}{% endif %}"
                 + ROLE_TEMPLATE.replace("{{ bos_token }}", ""))
+
+
+def child_report(module: str, devices: int = 8, timeout: float = 600) -> dict:
+    """The JSON a test module's child() prints last, run in a fresh process that JAX starts
+    with `devices` host devices (XLA_FLAGS must be set before JAX starts)."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PAGEDJAX_COMPILATION_CACHE": "off", "PYTHONPATH": str(root),
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
+                        f"--xla_force_host_platform_device_count={devices}"}
+    result = subprocess.run([sys.executable, "-c", f"import {module} as t; t.child()"],
+                            cwd=root / "tests", env=env, capture_output=True, text=True,
+                            timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])

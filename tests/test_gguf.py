@@ -195,11 +195,16 @@ def test_gguf_weights_equal_the_same_weights_from_safetensors(written):
     want = np.asarray(load_hf_model(hf_dir)(jnp.asarray(ids)))
     np.testing.assert_allclose(ours, want, **F32_TOL)
     # and through the engine (weights placed lazily, tokenizer from the file)
+    assert engine_tokens(path, ids) == engine_tokens(hf_dir, ids)
+
+
+def engine_tokens(model: str, ids: np.ndarray) -> list[list[int]]:
+    """The engine's greedy tokens (weights placed lazily, the file's tokenizer) for two prompts
+    cut from ids."""
     prompts = [ids[0].tolist(), ids[1, :7].tolist()]
     params = SamplingParams(max_tokens=8, temperature=0)
-    got = LLM(path, max_model_len=128).generate(prompts, params, use_tqdm=False)
-    ref = LLM(hf_dir, max_model_len=128).generate(prompts, params, use_tqdm=False)
-    assert [o.output_token_ids for o in got] == [o.output_token_ids for o in ref]
+    outputs = LLM(model, max_model_len=128).generate(prompts, params, use_tqdm=False)
+    return [o.output_token_ids for o in outputs]
 
 
 def test_mixtral_gguf_reads_its_stacked_experts(tmp_path):
@@ -223,11 +228,7 @@ def test_mixtral_gguf_reads_its_stacked_experts(tmp_path):
     with torch.no_grad():
         reference = hf(torch.tensor(ids)).logits.numpy()
     np.testing.assert_allclose(want, reference, **F32_TOL)
-    prompts = [ids[0].tolist(), ids[1, :7].tolist()]
-    params = SamplingParams(max_tokens=8, temperature=0)
-    got = LLM(path, max_model_len=128).generate(prompts, params, use_tqdm=False)
-    ref = LLM(hf_dir, max_model_len=128).generate(prompts, params, use_tqdm=False)
-    assert [o.output_token_ids for o in got] == [o.output_token_ids for o in ref]
+    assert engine_tokens(path, ids) == engine_tokens(hf_dir, ids)
 
 
 def test_gguf_tokenizer_is_the_one_written(written):

@@ -18,7 +18,7 @@ from helpers import until_done  # noqa: E402
 from models.hf import inspect_model_dir, load_hf_model, read_hf_config  # noqa: E402
 from models.registry import ARCHITECTURES  # noqa: E402
 from pagedjax import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from test_models_hf import F32_TOL, engine_greedy, hf_logits, prompts  # noqa: E402
+from test_models_hf import F32_TOL, engine_greedy, hf_greedy, hf_logits, prompts  # noqa: E402
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, initializer_range=0.1,
@@ -90,13 +90,7 @@ def gemma(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     hf = build_gemma(request.param, directory)
     token_prompts = prompts()
-    expected = []
-    for p in token_prompts:
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p)),
-                              do_sample=False, max_new_tokens=MAX_TOKENS, pad_token_id=0)
-        expected.append(out[0, len(p):].tolist())
-    return request.param, str(directory), token_prompts, expected
+    return request.param, str(directory), token_prompts, hf_greedy(hf, token_prompts, MAX_TOKENS)
 
 
 MAX_TOKENS = 12

@@ -50,13 +50,30 @@ def build_hf(arch: str, directory, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     config = getattr(transformers, config_cls)(**{**COMMON, **kwargs, **overrides})
     model = getattr(transformers, model_cls)(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.ndim == 1:  # norms around 1, biases around 0
-                base = 1.0 if name.endswith("norm.weight") else 0.0
-                param.copy_(base + 0.3 * torch.randn_like(param))
+    randomize_vectors(model)
     model.save_pretrained(directory)
     return model
+
+
+def randomize_vectors(model) -> None:
+    """A random model's 1-D weights drawn wide: norms around 1, biases around 0 (their
+    initial 1s and 0s would hide a norm or bias left out)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim == 1:
+                base = 1.0 if name.endswith("norm.weight") else 0.0
+                param.copy_(base + 0.3 * torch.randn_like(param))
+
+
+def hf_greedy(model, token_prompts, max_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, one at a time."""
+    expected = []
+    for p in token_prompts:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p)),
+                                 do_sample=False, max_new_tokens=max_tokens, pad_token_id=0)
+        expected.append(out[0, len(p):].tolist())
+    return expected
 
 
 def hf_logits(model, ids) -> np.ndarray:

@@ -19,7 +19,8 @@ from helpers import until_done  # noqa: E402,F401
 from models.hf import inspect_model_dir, load_hf_model, read_hf_config  # noqa: E402
 from models.moe import Experts, route  # noqa: E402
 from models.registry import ARCHITECTURES  # noqa: E402
-from test_models_hf import F32_TOL, engine_greedy, hf_logits, prompts  # noqa: E402
+from test_models_hf import (F32_TOL, engine_greedy, hf_greedy, hf_logits,  # noqa: E402
+                            prompts, randomize_vectors)
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4,
               num_key_value_heads=2, initializer_range=0.1, max_position_embeddings=256,
@@ -48,12 +49,10 @@ def build_moe(arch: str, directory, seed: int = 0):
     torch.manual_seed(seed)
     config = getattr(transformers, config_cls)(**{**COMMON, **kwargs})
     model = getattr(transformers, model_cls)(config).eval()
+    randomize_vectors(model)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.ndim == 1:  # norms around 1, biases around 0
-                base = 1.0 if name.endswith("norm.weight") else 0.0
-                param.copy_(base + 0.3 * torch.randn_like(param))
-            elif name.endswith(("gate.weight", "router.weight")) and param.shape[0] > 1:
+            if name.endswith(("gate.weight", "router.weight")) and param.shape[0] > 1:
                 param.copy_(torch.randn_like(param))  # routers: spread, not near ties
     model.save_pretrained(directory)
     return model
@@ -117,13 +116,7 @@ def moe(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     hf = build_moe(request.param, directory)
     token_prompts = prompts()
-    expected = []
-    for p in token_prompts:
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p)),
-                              do_sample=False, max_new_tokens=MAX_TOKENS, pad_token_id=0)
-        expected.append(out[0, len(p):].tolist())
-    return request.param, str(directory), token_prompts, expected
+    return request.param, str(directory), token_prompts, hf_greedy(hf, token_prompts, MAX_TOKENS)
 
 
 MAX_TOKENS = 10

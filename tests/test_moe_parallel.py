@@ -10,16 +10,12 @@ engines run in a child process."""
 from __future__ import annotations
 
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
+from helpers import child_report
 
 pytestmark = pytest.mark.slow
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 BASE = dict(max_model_len=96, max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
             num_blocks=64)
 RUNS = {"tp1": {}, "tp2": dict(tensor_parallel_size=2), "tp4": dict(tensor_parallel_size=4),
@@ -83,14 +79,7 @@ def child() -> None:
 
 @pytest.fixture(scope="module")
 def report():
-    env = {**os.environ, "PAGEDJAX_COMPILATION_CACHE": "off", "PYTHONPATH": str(ROOT),
-           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
-                        "--xla_force_host_platform_device_count=8"}
-    result = subprocess.run([sys.executable, "-c", "import test_moe_parallel as t; t.child()"],
-                            cwd=ROOT / "tests", env=env, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return child_report("test_moe_parallel", 8)
 
 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe"])

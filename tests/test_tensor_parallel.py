@@ -9,18 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
+from helpers import child_report
 
 # The slow suite (make test-slow, run by .ci/run beside make test): eight host devices in
 # child processes.
 pytestmark = pytest.mark.slow
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEVICES = 8
 # (name, EngineConfig fields): chunked prefill (32-token steps), preemption (a 26-block pool)
 # and prefix hits (prompts sharing a 16-token head) in every run.
@@ -248,15 +244,7 @@ def served_metrics(model, prompts) -> dict:
 
 @pytest.fixture(scope="module")
 def report():
-    env = {**os.environ, "PAGEDJAX_COMPILATION_CACHE": "off",
-           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
-                        f"--xla_force_host_platform_device_count={DEVICES}"}
-    result = subprocess.run(
-        [sys.executable, "-c", "import test_tensor_parallel as t; t.child()"],
-        cwd=ROOT / "tests", env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True,
-        text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return child_report("test_tensor_parallel", DEVICES)
 
 
 @pytest.mark.parametrize("name", [n for n in RUNS if n != "tp1"])

@@ -25,7 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pagedjax.engine.sampler import _filter_min_p, _filter_top_k_top_p
+from pagedjax.engine.sampler import filtered_logits
 
 ACCEPT, DRAW = 0, 1  # the two random streams a position's key is folded with
 
@@ -35,10 +35,7 @@ def target_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     """f32[R, V]: the distribution plain sampling draws a row's token from, given logits the
     token mask, logit_bias and penalties were already applied to (sampler.sample's order):
     one-hot at the argmax for a greedy row (temperature 0)."""
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    if min_p is not None:
-        scaled = _filter_min_p(scaled, min_p)
-    probs = jax.nn.softmax(_filter_top_k_top_p(scaled, top_k, top_p), axis=-1)
+    probs = jax.nn.softmax(filtered_logits(logits, temperature, top_k, top_p, min_p), axis=-1)
     greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
     return jnp.where((temperature > 0)[:, None], probs, greedy)
 

@@ -116,18 +116,23 @@ def sample(
     return ids, chosen, top_ids.astype(jnp.int32), top_logprobs
 
 
+def filtered_logits(logits, temperature, top_k, top_p, min_p) -> jax.Array:
+    """f32[B, V]: what a sampled row draws from, as logits: divided by the temperature (a
+    greedy row's by 1), then min-p, top-k and top-p in vLLM's order, filtered ones at -inf."""
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    if min_p is not None:  # before top-k / top-p, in vLLM's order
+        scaled = _filter_min_p(scaled, min_p)
+    # The sort top-k / top-p need is most of the sampler's time: a step where no row filters
+    # (vLLM's default top_k -1, top_p 1) samples without it.
+    return jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1.0)),
+                        lambda x: _filter_top_k_top_p(x, top_k, top_p), lambda x: x, scaled)
+
+
 def _sample_ids(logits, temperature, top_k, top_p, seeds, positions, min_p) -> jax.Array:
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def sampled(_):
-        scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-        if min_p is not None:  # before top-k / top-p, in vLLM's order
-            scaled = _filter_min_p(scaled, min_p)
-        # The sort top-k / top-p need is most of the sampler's time: a step where no row
-        # filters (vLLM's default top_k -1, top_p 1) samples without it.
-        filtered = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1.0)),
-                                lambda x: _filter_top_k_top_p(x, top_k, top_p), lambda x: x,
-                                scaled)
+        filtered = filtered_logits(logits, temperature, top_k, top_p, min_p)
         keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
         ids = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
         return jnp.where(temperature > 0, ids, greedy_ids)

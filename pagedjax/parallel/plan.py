@@ -24,8 +24,7 @@ def roofline_cost(config: LlamaConfig, chip: Chip, tensor_parallel_size: int = 1
     KV in kv_dtype); utilisation: flops_util, bw_util, overhead_s."""
     tp = tensor_parallel_size
     check_tensor_parallel(config, tp, check_devices=False)
-    sparse_layers = sum(map(config.layer_is_moe, range(config.num_layers)))
-    expert_bytes = (sparse_layers * config.num_experts * 3 * config.hidden_size
+    expert_bytes = (config.num_sparse_layers * config.num_experts * 3 * config.hidden_size
                     * config.expert_intermediate_size * 2 // tp)  # bf16, F split TP ways
     return RooflineCost(
         chip, config.num_active_params, weight_bytes_per_device(config, tp, 2),
