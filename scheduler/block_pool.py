@@ -83,6 +83,15 @@ class BlockPool:
             if count == 1:
                 self._free[block] = None
 
+    def free_unused(self, blocks: list[int]) -> None:
+        """free() of blocks that were never written with content worth keeping (speculative
+        drafts rolled back): they go to the front of the queue, reused before any cached block
+        is evicted."""
+        self.free(blocks)
+        for block in blocks:
+            if block in self._free and self.block_hashes[block] is None:
+                self._free.move_to_end(block, last=False)
+
     def cache_block(self, block: int, block_hash: bytes) -> None:
         """Records that block holds the content block_hash (first holder of a content wins)."""
         if self.block_hashes[block] is None and block_hash not in self.cached:

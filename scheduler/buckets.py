@@ -48,6 +48,11 @@ class ShapeBuckets:
         count: a program per (T, B) pair) or "per_token_bucket" (the seq bucket of min(T,
         max_num_seqs), the most sequences T tokens can hold: one program per T; rows beyond the
         real ones are padding).
+    num_speculative_tokens: K, the drafts a row of a speculative step may verify (its plan's
+        draft columns; 0: the engine does not speculate). A step with drafts runs a ragged
+        program of (T, B) with B the seq bucket of its rows, and K + 1 logits a row.
+    max_speculative_seqs: the most rows a step speculates with (the engine's
+        disable_by_batch_size; None: max_num_seqs), the bound of speculative_shapes.
     decode_programs: True, a decode step (one token a sequence) has its own family of programs
         (T == B, the decode attention kernels); False, every step runs the ragged family (a
         decode step padded like a prefill of as many tokens), as vLLM V1 and tpu-inference do:
@@ -60,6 +65,8 @@ class ShapeBuckets:
     prefill_seqs: str = "bucketed"
     decode_programs: bool = True
     group_table_width: int | None = None
+    num_speculative_tokens: int = 0
+    max_speculative_seqs: int | None = None
 
     def __post_init__(self):
         if self.prefill_seqs not in PREFILL_SEQS:
@@ -70,7 +77,8 @@ class ShapeBuckets:
     def create(cls, *, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                block_size: int, min_token_bucket: int = 16, min_seq_bucket: int = 1,
                prefill_seqs: str = "bucketed", decode_programs: bool = True,
-               group_windows: tuple[int | None, ...] = (None,)):
+               group_windows: tuple[int | None, ...] = (None,), num_speculative_tokens: int = 0,
+               max_speculative_seqs: int | None = None):
         """group_windows: the windows of the model's KV cache groups (None: full attention)."""
         return cls(
             token_buckets=power_of_two_buckets(min_token_bucket, max_num_batched_tokens),
@@ -80,6 +88,8 @@ class ShapeBuckets:
             decode_programs=decode_programs,
             group_table_width=group_table_width(group_windows, block_size, max_model_len,
                                                 max_num_batched_tokens),
+            num_speculative_tokens=num_speculative_tokens,
+            max_speculative_seqs=max_speculative_seqs,
         )
 
     @property
@@ -113,9 +123,22 @@ class ShapeBuckets:
                     shapes.append((t, b))
         return shapes
 
+    def speculative_shapes(self) -> list[tuple[int, int]]:
+        """The (T, B) of the speculative steps whose rows all verify K drafts (decodes), for B
+        up to max_speculative_seqs: what a warmup compiles ahead; a step that mixes drafts with
+        prefill chunks compiles its shape on first use."""
+        if not self.num_speculative_tokens:
+            return []
+        most = self.seq_buckets[-1]
+        limit = self.padded_num_seqs(min(self.max_speculative_seqs or most, most))
+        return [(self.padded_num_tokens(min(b * (self.num_speculative_tokens + 1),
+                                            self.token_buckets[-1])), b)
+                for b in self.seq_buckets if b <= limit]
+
     def decode_shapes(self) -> list[int]:
         return list(self.seq_buckets) if self.decode_programs else []
 
     @property
     def num_programs(self) -> int:
-        return len(self.prefill_shapes()) + len(self.decode_shapes())
+        return (len(self.prefill_shapes()) + len(self.decode_shapes())
+                + len(self.speculative_shapes()))

@@ -160,6 +160,10 @@ class HybridKVCacheManager:
         for group in self.groups:
             group.free_out_of_window(request)
 
+    def trim(self, request: Request) -> None:
+        for group in self.groups:
+            group.trim(request)
+
     def fork(self, parent: Request, child: Request) -> None:
         for group in self.groups:
             group.fork(parent, child)

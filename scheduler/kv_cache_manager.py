@@ -166,6 +166,18 @@ class KVCacheManager:
             for i in dead:
                 table[i] = NULL_BLOCK
 
+    def trim(self, request: Request) -> None:
+        """Frees the blocks past request's computed tokens (speculative decoding took them for
+        drafts the target rejected): its table and the pool's counts become those of plain
+        decoding at the same token count. They were never published (past the computed
+        tokens), so they return to the front of the pool's free queue."""
+        table = self.block_tables.get(request.request_id)
+        keep = self.num_blocks_for(request.num_computed_tokens)
+        if table is None or len(table) <= keep:
+            return
+        self.pool.free_unused([b for b in table[keep:] if b != NULL_BLOCK])
+        del table[keep:]
+
     def fork(self, parent: Request, child: Request) -> None:
         """child shares every block of parent (one more reference each); the first of them to
         write into a shared, partly filled block copies it first."""

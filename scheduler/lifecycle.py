@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
+
+import numpy as np
 
 from scheduler.errors import RequestError
 from scheduler.request import Logprob, Request, RequestStatus
 from scheduler.state import SchedulerOutput, SchedulerState
 
 
-def update(state: SchedulerState, output: SchedulerOutput, sampled_ids: Sequence[int],
-           now: float, sampled_logprobs: Sequence[float] | None = None,
-           top_ids: Sequence[Sequence[int]] | None = None,
-           top_logprobs: Sequence[Sequence[float]] | None = None,
-           sampled_ranks: Sequence[int] | None = None) -> list[Request]:
+def update(state: SchedulerState, output: SchedulerOutput, sampled_ids, now: float,
+           sampled_logprobs=None, top_ids=None, top_logprobs=None, sampled_ranks=None,
+           on_token: Callable[[Request], RequestStatus | None] | None = None) -> list[Request]:
     """Advances the scheduled requests by the step's result; returns the requests that received
     a new token (finished ones among them, with a finished status and their blocks freed).
 
@@ -22,15 +22,35 @@ def update(state: SchedulerState, output: SchedulerOutput, sampled_ids: Sequence
     last chunk of a prefill, or a decode). top_ids / top_logprobs (rows x K, most likely first)
     and sampled_ranks (each sampled token's rank, 1 = the most likely) feed the requests that
     asked for logprobs: one {token id: Logprob} a token, its top ones and the sampled one.
+
+    A step that verified speculative drafts has 2-D results, a row's tokens at [i, :n] (-1
+    after them; its logprobs likewise, one axis more): its accepted drafts, then the target's
+    own token. Its num_computed_tokens stops after the accepted drafts (the rejected ones roll
+    back: their blocks are freed, their slots overwritten by a later step; nothing past the
+    computed tokens is ever published) and its tokens are appended one at a time, so that it
+    stops exactly where plain decoding would. on_token(request), called after each appended
+    token (the engine's stop strings and grammars), may return a finished status that ends the
+    request there.
     """
     kv = state.kv_manager
     num_scheduled = len(output.scheduled)
-    for seq in output.scheduled:
-        seq.request.num_computed_tokens = seq.start + seq.num_new_tokens
-        kv.publish_full_blocks(seq.request)
-        kv.free_out_of_window(seq.request)
+    speculative = np.ndim(sampled_ids) == 2
+    for i, seq in enumerate(output.scheduled):
+        request = seq.request
+        end = seq.start + seq.num_new_tokens
+        num_drafts = max(0, end - request.num_tokens)
+        if num_drafts:
+            accepted = int(np.count_nonzero(sampled_ids[i] >= 0)) - 1
+            _count_accepted(state, num_drafts, accepted)
+            end -= num_drafts - accepted
+        request.spec_token_ids = []
+        request.num_computed_tokens = end
+        kv.publish_full_blocks(request)
+        kv.free_out_of_window(request)
+        if num_drafts:
+            kv.trim(request)
     rows = [(seq.request, i) for i, seq in enumerate(output.scheduled)
-            if seq.request.num_computed_tokens == seq.request.num_tokens]
+            if seq.start + seq.num_new_tokens >= seq.request.num_tokens]
     for k, (leader, follower) in enumerate(output.forks):
         kv.fork(leader, follower)  # before the leader appends: it may finish and free
         follower.num_computed_tokens = leader.num_computed_tokens
@@ -46,27 +66,58 @@ def update(state: SchedulerState, output: SchedulerOutput, sampled_ids: Sequence
     for request, row in rows:
         if request.first_token_time is None:
             request.first_token_time = now
-        token_id = int(sampled_ids[row])
-        if sampled_logprobs is not None:
-            request.cumulative_logprob += float(sampled_logprobs[row])
-            num_top = request.sampling_params.logprobs
-            if num_top is not None:
-                top = {int(t): Logprob(float(lp), rank) for rank, (t, lp) in enumerate(
-                    zip(top_ids[row][:num_top], top_logprobs[row][:num_top]), start=1)}
-                if token_id not in top:
-                    top[token_id] = Logprob(float(sampled_logprobs[row]), None if
-                                            sampled_ranks is None else int(sampled_ranks[row]))
-                request.logprobs.append(top)
-        status = request.append_output_token(token_id)
-        if status is None and request.num_tokens >= state.config.max_model_len:
-            status = RequestStatus.FINISHED_LENGTH
-        if status is not None:
-            _finish(state, request, status, now)
-            any_finished = True
+        tokens = sampled_ids[row]
+        for j in range(int(np.count_nonzero(tokens >= 0)) if speculative else 1):
+            at = (row, j) if speculative else row
+            if sampled_logprobs is not None:
+                _record_logprobs(request, int(sampled_ids[at]), float(sampled_logprobs[at]),
+                                 top_ids[at], top_logprobs[at],
+                                 None if sampled_ranks is None else int(sampled_ranks[at]))
+            if _append(state, request, int(sampled_ids[at]), now, on_token):
+                any_finished = True
+                break
         advanced.append(request)
     if any_finished:
         state.running = [r for r in state.running if not r.status.finished]
     return advanced
+
+
+def _append(state: SchedulerState, request: Request, token_id: int, now: float,
+            on_token) -> bool:
+    """Appends one token to request; True when that finished it."""
+    status = request.append_output_token(token_id)
+    if status is None and request.num_tokens >= state.config.max_model_len:
+        status = RequestStatus.FINISHED_LENGTH
+    if status is not None:
+        _finish(state, request, status, now)
+    if on_token is not None:
+        stop = on_token(request)
+        if stop is not None and status is None:
+            _finish(state, request, stop, now)
+            status = stop
+    return status is not None
+
+
+def _record_logprobs(request: Request, token_id: int, logprob: float, top_ids, top_logprobs,
+                     rank: int | None) -> None:
+    request.cumulative_logprob += logprob
+    num_top = request.sampling_params.logprobs
+    if num_top is not None:
+        top = {int(t): Logprob(float(lp), r) for r, (t, lp) in enumerate(
+            zip(top_ids[:num_top], top_logprobs[:num_top]), start=1)}
+        if token_id not in top:
+            top[token_id] = Logprob(logprob, rank)
+        request.logprobs.append(top)
+
+
+def _count_accepted(state: SchedulerState, num_drafts: int, accepted: int) -> None:
+    state.num_spec_drafts += 1
+    state.num_spec_draft_tokens += num_drafts
+    state.num_spec_accepted_tokens += accepted
+    per_position = state.spec_accepted_per_position
+    per_position.extend([0] * (num_drafts - len(per_position)))
+    for j in range(accepted):
+        per_position[j] += 1
 
 
 def _finish(state: SchedulerState, request: Request, status: RequestStatus, now: float) -> None:
@@ -156,6 +207,7 @@ def requeue(state: SchedulerState, request: Request) -> None:
     state.kv_manager.free(request)
     state.num_recomputed_tokens += request.num_computed_tokens
     request.num_computed_tokens = 0
+    request.spec_token_ids = []
     request.status = RequestStatus.PREEMPTED
     state.running.remove(request)
     state.num_followers -= len(request.followers)

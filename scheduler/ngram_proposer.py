@@ -2,7 +2,10 @@
 longest suffix of a request's tokens (prompt and output) that occurred earlier in them, between
 prompt_lookup_min and prompt_lookup_max tokens long, and the k tokens that followed its most
 recent earlier occurrence are the drafts (vLLM's `method: "ngram"`; vLLM matches with KMP in
-numba, here each n is one vectorised comparison of every window against the suffix).
+numba, here each n is one vectorised comparison of every window against the suffix). When that
+continuation runs into the end of the tokens, it goes on with the tokens it predicts: the text
+since the occurrence repeated, as a periodic run would continue (vLLM stops at the end, so a
+repetition proposes one token a step).
 
 A proposal costs O(L x n) comparisons a request for L tokens; it runs on the host while the
 device computes the step (issue 38's engine wiring)."""
@@ -46,5 +49,7 @@ class NgramProposer:
             hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
             if hits.size:
                 start = int(hits[-1]) + n  # the most recent occurrence's continuation
-                return tokens[start:start + k].astype(np.int32)
+                # a continuation that reaches the end goes on with what it predicts: the
+                # tokens from start on, repeated (a run of period length - start)
+                return np.resize(tokens[start:], k).astype(np.int32)
         return np.zeros(0, np.int32)

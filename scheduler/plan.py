@@ -18,7 +18,8 @@ FORWARD_FIELDS = ("token_ids", "positions", "slot_mapping", "block_tables", "kv_
                   "prompt_targets", "group_slot_mapping", "group_block_tables")
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seeds", "kv_lens", "bias_ids",
                    "bias_values", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                   "penalty_tokens", "penalty_prompt_lens")
+                   "penalty_tokens", "penalty_prompt_lens", "draft_token_ids",
+                   "num_draft_tokens")
 ARRAY_FIELDS = FORWARD_FIELDS + tuple(f for f in SAMPLING_FIELDS if f not in FORWARD_FIELDS)
 STATIC_FIELDS = ("kind", "padded_num_tokens", "padded_num_seqs")
 
@@ -43,7 +44,9 @@ class BatchPlan:
     group_block_tables: np.ndarray  # i32[G - 1, B, P or the ring's width]
     kv_lens: np.ndarray  # i32[B] context length after this step (0 for padding rows)
     cu_q_lens: np.ndarray  # i32[B + 1] start of each sequence's query tokens in token_ids
-    logits_indices: np.ndarray  # i32[B] the token of each sequence that is sampled
+    logits_indices: np.ndarray  # i32[B] the token of each sequence that is sampled; a
+    # speculative plan's i32[B * (K + 1)]: row b's last num_draft_tokens[b] + 1 query tokens
+    # (its last real token repeated after them), the positions its drafts are verified at
     num_seqs: np.ndarray  # i32[] number of real rows
     temperature: np.ndarray  # f32[B] 0 means greedy
     top_k: np.ndarray  # i32[B] -1 means disabled
@@ -66,6 +69,10 @@ class BatchPlan:
     # request asks for prompt logprobs and has not recorded that position yet, else -1; [0]
     # when no token of the step has one (the forward then projects only the sampled tokens).
     prompt_targets: np.ndarray  # i32[T] or i32[0]
+    # Speculative decoding: a row's drafts are its last num_draft_tokens[b] query tokens,
+    # draft_token_ids[b, :n] (K = 0 columns in a plan without drafts: the plain sampler).
+    draft_token_ids: np.ndarray  # i32[B, K]
+    num_draft_tokens: np.ndarray  # i32[B]
     copy_src: np.ndarray  # i32[B] copy-on-write: block copy_src[i] -> copy_dst[i] before writes
     copy_dst: np.ndarray  # i32[B] (padding pairs copy the null block onto itself)
     num_copies: np.ndarray  # i32[]
@@ -74,15 +81,24 @@ class BatchPlan:
     padded_num_seqs: int  # B
 
     @property
+    def num_speculative_tokens(self) -> int:
+        """K: the draft columns of a speculative plan (0 for a plain one)."""
+        return self.draft_token_ids.shape[1]
+
+    @property
     def table_widths(self) -> tuple[int, int]:
         """(P, the other groups' table width): ShapeBuckets.table_widths of this plan."""
         return self.block_tables.shape[1], self.group_block_tables.shape[2]
 
 
-def _padded_shape(output: SchedulerOutput, buckets: ShapeBuckets,
-                  num_seqs: int) -> tuple[str, int, int]:
+def _padded_shape(output: SchedulerOutput, buckets: ShapeBuckets, num_seqs: int,
+                  speculative: bool) -> tuple[str, int, int]:
     """(the program kind, T, B): without decode programs a decode step runs the ragged family,
-    padded like a prefill."""
+    padded like a prefill; a speculative step too, with B its rows' seq bucket (its K + 1
+    logits a row are computed for B rows, however many T could hold)."""
+    if speculative:
+        return (PREFILL, buckets.padded_num_tokens(output.num_scheduled_tokens),
+                buckets.padded_num_seqs(num_seqs))
     kind = output.kind if buckets.decode_programs else PREFILL
     if kind == DECODE:
         padded_seqs = buckets.padded_num_seqs(num_seqs)
@@ -100,13 +116,17 @@ def _rows(scheduled, kv_manager: KVCacheManager, tables: list[np.ndarray]):
     """Each row's query tokens (back to back), its block table in each group (into tables[g],
     see write_table), and its start, query length and sampling settings as lists."""
     tokens: list[int] = []
-    columns = {name: [] for name in ("start", "q_len", "seed", *_PARAM_COLUMNS)}
+    columns = {name: [] for name in ("start", "q_len", "seed", "drafts", *_PARAM_COLUMNS)}
     block_size = kv_manager.block_size
     for i, (request, start, n) in enumerate(scheduled):
-        if n == 1:
+        num_drafts = max(0, start + n - request.num_tokens)
+        if n - num_drafts == 1:
             tokens.append(request.token_id_at(start))
         else:
-            tokens.extend(request.token_ids_slice(start, start + n))
+            tokens.extend(request.token_ids_slice(start, start + n - num_drafts))
+        drafts = request.spec_token_ids[:num_drafts]
+        tokens.extend(drafts)
+        columns["drafts"].append(drafts)
         if n:
             for out, table in zip(tables, kv_manager.get_block_tables(request.request_id)):
                 write_table(out[i], table, cdiv(start + n, block_size))
@@ -191,14 +211,32 @@ def _positions(output: SchedulerOutput, starts, q_lens, kv_lens, seq_of_token,
     return positions
 
 
-def _logits_indices(output: SchedulerOutput, cu_q_lens: np.ndarray) -> np.ndarray:
-    """Each row's last query token; a fork follower samples from its leader's."""
+def _logits_indices(output: SchedulerOutput, cu_q_lens: np.ndarray, num_drafts: np.ndarray,
+                    k: int) -> np.ndarray:
+    """Each row's last query token; a fork follower samples from its leader's. With K = k
+    drafts a row (speculative), k + 1 a row: its drafts' positions' and the one after them
+    (the last query token repeated past them)."""
     logits_indices = np.maximum(cu_q_lens[1:] - 1, 0).astype(np.int32)
     if output.forks:
         leader_row = {id(s.request): i for i, s in enumerate(output.scheduled)}
-        for k, (leader, _) in enumerate(output.forks):
-            logits_indices[len(output.scheduled) + k] = logits_indices[leader_row[id(leader)]]
-    return logits_indices
+        for f, (leader, _) in enumerate(output.forks):
+            logits_indices[len(output.scheduled) + f] = logits_indices[leader_row[id(leader)]]
+    if not k:
+        return logits_indices
+    first = logits_indices - num_drafts  # the token whose logits verify the first draft
+    return np.minimum(first[:, None] + np.arange(k + 1, dtype=np.int32),
+                      logits_indices[:, None]).reshape(-1).astype(np.int32)
+
+
+def draft_columns(rows, padded_seqs: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(draft ids i32[B, k], their counts i32[B]) from each row's list of drafts."""
+    ids = np.zeros((padded_seqs, k), np.int32)
+    counts = np.zeros(padded_seqs, np.int32)
+    for i, drafts in enumerate(rows):
+        if drafts:
+            ids[i, :len(drafts)] = drafts
+            counts[i] = len(drafts)
+    return ids, counts
 
 
 def _slot_mapping(tables: list[np.ndarray], seq_of_token: np.ndarray, positions: np.ndarray,
@@ -230,11 +268,14 @@ def build_plan(output: SchedulerOutput, kv_manager: KVCacheManager,
     if num_seqs == 0:
         raise ValueError("cannot build a plan for an empty schedule")
     num_tokens = output.num_scheduled_tokens
-    kind, padded_tokens, padded_seqs = _padded_shape(output, buckets, num_seqs)
+    speculative = any(r.spec_token_ids and s + n > r.num_tokens for r, s, n in scheduled)
+    k = buckets.num_speculative_tokens if speculative else 0
+    kind, padded_tokens, padded_seqs = _padded_shape(output, buckets, num_seqs, speculative)
     widths = buckets.table_widths
     tables = [np.full((padded_seqs, widths[g > 0]), NULL_BLOCK, np.int32)
               for g in range(kv_manager.num_groups)]
     tokens, rows = _rows(scheduled, kv_manager, tables)
+    draft_ids, num_drafts = draft_columns(rows["drafts"], padded_seqs, k)
 
     def padded(name, fill, dtype):
         out = np.full(padded_seqs, fill, dtype)
@@ -263,7 +304,7 @@ def build_plan(output: SchedulerOutput, kv_manager: KVCacheManager,
         token_ids=token_ids, positions=positions, slot_mapping=slot_mapping[0],
         block_tables=tables[0], group_slot_mapping=slot_mapping[1:],
         group_block_tables=_stack(tables[1:], padded_seqs, widths[1]), kv_lens=kv_lens, cu_q_lens=cu_q_lens,
-        logits_indices=_logits_indices(output, cu_q_lens),
+        logits_indices=_logits_indices(output, cu_q_lens, num_drafts, k),
         num_seqs=np.asarray(num_seqs, np.int32), temperature=padded("temperature", 0.0, np.float32),
         top_k=padded("top_k", -1, np.int32), top_p=padded("top_p", 1.0, np.float32),
         min_p=padded("min_p", 0.0, np.float32), bias_ids=bias_ids, bias_values=bias_values,
@@ -272,6 +313,7 @@ def build_plan(output: SchedulerOutput, kv_manager: KVCacheManager,
         repetition_penalty=padded("repetition_penalty", 1.0, np.float32),
         penalty_tokens=pen_tokens, penalty_prompt_lens=pen_prompt_lens,
         prompt_targets=prompt_targets(output.scheduled, padded_tokens),
-        seeds=padded("seed", 0, np.uint32), copy_src=copy_src, copy_dst=copy_dst,
+        seeds=padded("seed", 0, np.uint32), draft_token_ids=draft_ids,
+        num_draft_tokens=num_drafts, copy_src=copy_src, copy_dst=copy_dst,
         num_copies=np.asarray(len(output.copies), np.int32), kind=kind,
         padded_num_tokens=padded_tokens, padded_num_seqs=padded_seqs)

@@ -213,7 +213,7 @@ class Request:
                  "first_scheduled_time", "first_token_time", "finish_time", "num_preemptions",
                  "cache_salt", "block_hashes", "num_cached_tokens", "parent_id",
                  "sample_index", "followers", "cumulative_logprob", "logprobs", "stop_reason",
-                 "prompt_logprobs")
+                 "prompt_logprobs", "spec_token_ids")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, *, seed: int, arrival_time: float,
@@ -248,6 +248,10 @@ class Request:
         # prompt's token and the most likely ones at its position (filled as chunks compute).
         self.prompt_logprobs: list[dict[int, Logprob] | None] = (
             [None] if sampling_params.prompt_logprobs is not None else [])
+        # Speculative decoding: tokens proposed to follow this request's tokens, verified by
+        # its next step (they ride as extra query tokens; the ones the target rejects roll
+        # back). Empty while it has none; dropped on preemption.
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -13,6 +13,7 @@ from scheduler.state import (DECODE, MIXED, PREFILL, PREFILL_FIRST, VICTIM_POLIC
 
 
 def _is_decode(request: Request) -> bool:
+    """In its decode phase: one token (and any speculative drafts after it) to compute."""
     return request.num_tokens - request.num_computed_tokens == 1
 
 
@@ -33,6 +34,7 @@ class _StepBuilder:
 
     def preempt(self, victim: Request) -> None:
         state = self.state
+        victim.spec_token_ids = []
         if state.config.preemption_mode == "swap" and state.kv_manager.swap_out(victim):
             victim.status = RequestStatus.SWAPPED  # keeps num_computed_tokens
             state.num_swap_outs += 1
@@ -59,8 +61,13 @@ class _StepBuilder:
             i += 1
             if want_decode is not None and _is_decode(request) != want_decode:
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, self.budget)
+            num_new = min(request.num_tokens + len(request.spec_token_ids)
+                          - request.num_computed_tokens, self.budget)
             while state.kv_manager.allocate_slots(request, num_new) is None:
+                if request.spec_token_ids:  # drafts never preempt anyone: run without them
+                    request.spec_token_ids = []
+                    num_new = min(num_new, request.num_tokens - request.num_computed_tokens)
+                    continue
                 candidates = [r for r in state.running if r.request_id not in self.scheduled_ids]
                 victim = choose_victim(candidates)
                 if state.running.index(victim) < i:

@@ -55,9 +55,9 @@ class Scheduler:
 
     def update(self, output: SchedulerOutput, sampled_ids: Sequence[int], now: float,
                sampled_logprobs: Sequence[float] | None = None, top_ids=None,
-               top_logprobs=None, sampled_ranks=None) -> list[Request]:
+               top_logprobs=None, sampled_ranks=None, on_token=None) -> list[Request]:
         return update(self.state, output, sampled_ids, now, sampled_logprobs, top_ids,
-                      top_logprobs, sampled_ranks)
+                      top_logprobs, sampled_ranks, on_token)
 
     def abort(self, request_id: str, now: float,
               status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Request | None:

@@ -108,6 +108,13 @@ class SchedulerState:
     num_followers: int = 0  # parallel samples not forked yet (they count against max_num_seqs)
     num_swap_outs: int = 0
     num_recomputed_tokens: int = 0  # computed tokens thrown away by recompute preemption
+    # Speculative decoding (vLLM's spec_decode counters): rows that verified drafts, the drafts
+    # they verified, those the target accepted, and accepted drafts by their position
+    # (accepted_per_position[j]: rows whose draft j was accepted).
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list = dataclasses.field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:

@@ -11,14 +11,18 @@ from scheduler.ngram_proposer import NgramProposer
 
 def reference(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
     """The longest suffix of n in [lo, hi] tokens seen earlier (with a token after it), the k
-    tokens after its most recent such occurrence."""
+    tokens after its most recent such occurrence (continuing into its own drafts past the
+    end)."""
     for n in range(hi, lo - 1, -1):
         if n >= len(tokens):
             continue
         suffix = tokens[len(tokens) - n:]
         for start in range(len(tokens) - n - 1, -1, -1):
             if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + k]
+                drafts = tokens[start + n:start + n + k]
+                while len(drafts) < k:  # past the end: what it predicts, periodically
+                    drafts.append(drafts[len(drafts) - (len(tokens) - start - n)])
+                return drafts
     return []
 
 
@@ -31,7 +35,8 @@ def test_worked_examples():
     # the longest suffix wins: "0 6" was followed by 4; the more recent "6" alone, by 5
     assert proposer.propose([9, 0, 6, 4, 6, 5, 0, 6]).tolist() == [4, 6, 5]
     assert proposer.propose([1, 2, 3]).tolist() == []  # nothing repeats
-    assert proposer.propose([4, 4]).tolist() == [4]  # the drafts stop at the end
+    assert proposer.propose([4, 4]).tolist() == [4, 4, 4]  # a run goes on
+    assert proposer.propose([5, 1, 2, 1, 2]).tolist() == [1, 2, 1]  # with its period
     assert proposer.propose([1, 2, 1, 2], max_drafts=1).tolist() == [1]
     assert proposer.propose([1]).tolist() == []
 

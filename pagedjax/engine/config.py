@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 
+from pagedjax.engine.speculative import SpeculativeConfig
 from pallas_kernels import BACKEND_NAMES, check_backend
 from scheduler import SchedulerConfig, ShapeBuckets, cdiv
 
@@ -82,8 +83,13 @@ class EngineConfig:
     # the router's prefix-affinity rule. The pool size (num_blocks, kv_cache_memory_bytes) is
     # each replica's.
     data_parallel_size: int = 1
+    # Speculative decoding (pagedjax.engine.speculative): vLLM's speculative_config, as a
+    # SpeculativeConfig, a dict of its fields or their JSON; None: none.
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.create(self.speculative_config))
         for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                      "min_token_bucket", "min_seq_bucket", "tensor_parallel_size",
                      "data_parallel_size"):
@@ -200,9 +206,12 @@ class EngineConfig:
     def buckets(self, group_windows: tuple[int | None, ...] = (None,)) -> ShapeBuckets:
         """The step shapes; group_windows: the model's KV cache groups' windows (the width of
         a sliding group's block table)."""
+        spec = self.speculative_config
         return ShapeBuckets.create(
             max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len, block_size=self.block_size,
             min_token_bucket=self.min_token_bucket, min_seq_bucket=self.min_seq_bucket,
             prefill_seqs=self.prefill_seqs,
-            decode_programs=self.step_programs == "split", group_windows=group_windows)
+            decode_programs=self.step_programs == "split", group_windows=group_windows,
+            num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
+            max_speculative_seqs=None if spec is None else spec.disable_by_batch_size)

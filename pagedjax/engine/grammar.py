@@ -141,6 +141,19 @@ class GrammarState:
             self.error = _reason(self._matcher.get_error())
         self.num_consumed = len(tokens)
 
+    def num_valid(self, tokens: Sequence[int]) -> int:
+        """How many of tokens, in a row from the current state, the grammar accepts."""
+        if self.error is not None or not tokens:
+            return 0
+        return self._matcher.validate_tokens(list(tokens))
+
+    def speculate(self, token: int) -> None:
+        """Consumes a speculative draft (num_valid accepted it); rollback undoes it."""
+        self._matcher.consume_token(token)
+
+    def rollback(self, num_tokens: int) -> None:
+        self._matcher.rollback(num_tokens)
+
     @property
     def done(self) -> bool:
         """The output is complete (the grammar allows nothing more but EOS), or dead-ended."""

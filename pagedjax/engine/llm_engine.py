@@ -22,6 +22,7 @@ from pagedjax.engine.kv_snapshot import KVSnapshot, UsageSample, kv_snapshot, to
 from pagedjax.engine.output_processor import TextState
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.runner import ModelRunner
+from pagedjax.engine.speculative import Speculator
 from pagedjax.engine.stats import EngineStats, ReplicaLoad
 from pagedjax.engine.token_masks import TokenMasks, step_rows
 from pagedjax.parallel import multihost
@@ -139,6 +140,8 @@ class LLMEngine:
         # allowed_token_ids, bad_words, min_tokens, structured outputs: one state a sample
         self.token_masks = TokenMasks(tokenizer, model_config.vocab_size,
                                       model_config.eos_token_ids)
+        self.speculator = (None if config.speculative_config is None else
+                           Speculator(config.speculative_config, self.token_masks))
         self._prompts: dict[str, str] = {}  # request_id -> prompt text, when given as text
         self._oom_retries: collections.Counter[str] = collections.Counter()  # by request id
         self.usage_history: collections.deque[UsageSample] = collections.deque(maxlen=100_000)
@@ -288,6 +291,8 @@ class LLMEngine:
         """The first half of step(): schedules and dispatches the device step without waiting
         for it (a data-parallel engine starts every replica's before finishing any). None when
         nothing was scheduled."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.state.running)
         output = self.scheduler.schedule(self.clock())
         if not output.scheduled:
             if self.has_unfinished():
@@ -306,7 +311,8 @@ class LLMEngine:
         dispatches its sampler (runner.PendingStep)."""
         plan = build_plan(output, self.scheduler.kv_manager, self.buckets)
         forward = self.runner.dispatch_forward(plan)
-        mask = self.token_masks.build(step_rows(output), plan.padded_num_seqs)
+        mask = self.token_masks.build(step_rows(output), plan.padded_num_seqs,
+                                      plan.num_speculative_tokens)
         return self.runner.dispatch_sample(plan, forward, mask)
 
     def finish_step(self, started: "_Started | None",
@@ -336,24 +342,10 @@ class LLMEngine:
         now = self.clock()
         sampled_ids, logprobs, top_ids, top_logprobs, ranks, prompt = results
         prompt_logprobs.record(output, prompt, self.tokenizer)
-        new = self.scheduler.update(output, sampled_ids, now, logprobs, top_ids, top_logprobs,
-                                    ranks)
-        advanced.extend(new)
         failed: dict[str, str] = {}
-        for sample in new:
-            try:
-                stopped = self.token_masks.advance(sample)  # a grammar complete
-                if self.tokenizer is not None:
-                    stopped = self._texts[sample.request_id].advance(sample) or stopped
-                    if sample.logprobs:  # this step's entry: each token's text
-                        for token_id, logprob in sample.logprobs[-1].items():
-                            logprob.decoded_token = self.tokenizer.decode(
-                                [token_id], skip_special_tokens=False)
-            except Exception as error:  # noqa: BLE001 - this request fails alone
-                failed[sample.parent_id] = _describe(error)
-                continue
-            if stopped and not sample.status.finished:
-                self.scheduler.abort(sample.request_id, now, RequestStatus.FINISHED_STOPPED)
+        new = self.scheduler.update(output, sampled_ids, now, logprobs, top_ids, top_logprobs,
+                                    ranks, lambda sample: self._on_token(sample, failed))
+        advanced.extend(new)
         for parent_id, message in failed.items():
             self._fail(parent_id, message, now)
         parents = dict.fromkeys(r.parent_id for r in new)
@@ -361,6 +353,23 @@ class LLMEngine:
             parents = [p for p in parents
                        if all(s.status.finished for s in self._groups[p])]
         return [self._output(parent_id, failed.get(parent_id)) for parent_id in parents]
+
+    def _on_token(self, sample: Request, failed: dict[str, str]) -> RequestStatus | None:
+        """After each token the scheduler appends: a grammar complete or a stop string ends the
+        sample (FINISHED_STOPPED), a failing detokenization fails it alone (recorded in failed),
+        and the token's logprobs get their texts."""
+        try:
+            stopped = self.token_masks.advance(sample)  # a grammar complete
+            if self.tokenizer is not None:
+                stopped = self._texts[sample.request_id].advance(sample) or stopped
+                if len(sample.logprobs) == sample.num_output_tokens:  # this token's entry
+                    for token_id, logprob in sample.logprobs[-1].items():
+                        logprob.decoded_token = self.tokenizer.decode(
+                            [token_id], skip_special_tokens=False)
+        except Exception as error:  # noqa: BLE001 - this request fails alone
+            failed[sample.parent_id] = _describe(error)
+            return RequestStatus.FINISHED_ERROR
+        return RequestStatus.FINISHED_STOPPED if stopped else None
 
     def fail_all(self, error: BaseException) -> list[RequestOutput]:
         """After a step failed beyond one request's part (the KV cache lost with it): every

@@ -4,20 +4,26 @@ the longest prefix of drafts the target accepts and adds one token of its own, s
 tokens come out distributed exactly as plain sampling from the target would make them
 (Leviathan et al. 2023; vLLM's RejectionSampler).
 
-Draft j (token d, drafted with probability q(d); q is one-hot for n-gram and prediction drafts)
-is accepted with probability min(1, p(d) / q(d)), p the target's processed distribution there.
-At the first rejection the row's token is drawn from max(p - q, 0) normalised (the recovered
-token); when every draft is accepted, from p at the position after them (the bonus token). A
-greedy row's p is one-hot at the target's argmax, so it accepts a draft exactly when the draft
-is the argmax and then takes the argmax: plain greedy decoding's tokens.
+Draft j (token d, drafted with probability q(d)) is accepted with probability
+min(1, p(d) / q(d)), p the target's processed distribution there. At the first rejection the
+row's token is drawn from max(p - q, 0) normalised (the recovered token); when every draft is
+accepted, from p at the position after them (the bonus token).
+
+The engine's proposers draft deterministically (n-gram, a prediction, a greedy draft model):
+q is one-hot, and the rule becomes: accept d with probability p(d); on rejection draw from p
+without d. `verified_tokens` realises exactly that by coupling: the target samples each
+position as plain sampling would (the same key: the request's seed and the token's position,
+every processor applied: sampler.sample on the rows expand_rows makes) and a draft is accepted
+when that sample equals it. The sample equals d with probability p(d), and, when it does not,
+it is distributed as p without d, the recovered token; after k accepted drafts the (k+1)-th
+sample is the bonus token. So the tokens are the ones plain decoding gives with the same seed,
+bit for bit, in any batch, and a greedy row is the argmax chain. `rejection_sample` is the
+general rule for a drafter that samples its drafts (q not one-hot).
 
 p must be what plain sampling draws from at that position, every processor applied (token
 masks and grammars, logit_bias, penalties, temperature, min-p, top-k, top-p: target_probs).
-Randomness: the uniform of draft j and the recovered or bonus draw at position j use keys
-folded from the request's seed and that token's position, so a seeded request gives the same
-tokens in any batch.
 
-Axis letters: B rows, K drafts a row (padded), V vocabulary.
+Axis letters: B rows, K drafts a row (padded), V vocabulary, H a row's token history.
 """
 
 from __future__ import annotations
@@ -28,6 +34,45 @@ import jax.numpy as jnp
 from pagedjax.engine.sampler import filtered_logits
 
 ACCEPT, DRAW = 0, 1  # the two random streams a position's key is folded with
+
+
+def expand_rows(inputs: dict, k: int) -> dict:
+    """A speculative plan's sampling inputs (SAMPLING_FIELDS, B rows) as B * (k + 1) rows, row
+    b * (k + 1) + j verifying row b's draft j (j = num_draft_tokens[b]: the bonus): the row's
+    settings repeated, kv_lens the position of the token it samples (plain sampling's key
+    there), and its penalty tokens followed by the row's first j drafts (what penalties count
+    at that position). Returns plain inputs (no draft columns)."""
+    drafts, num_drafts = inputs["draft_token_ids"], inputs["num_draft_tokens"]
+    batch = drafts.shape[0]
+    flat = {name: jnp.repeat(value, k + 1, axis=0) for name, value in inputs.items()}
+    steps = jnp.arange(k + 1, dtype=jnp.int32)
+    flat["kv_lens"] = (inputs["kv_lens"] - num_drafts)[:, None] + steps[None, :]
+    flat["kv_lens"] = flat["kv_lens"].reshape(-1)
+    tokens = inputs["penalty_tokens"]  # i32[B, H]: prompt then output, -1 after
+    if tokens.shape[1]:
+        offset = (jnp.arange(tokens.shape[1])[None, :]
+                  - jnp.sum(tokens >= 0, axis=1)[:, None])[:, None, :]  # [B, 1, H]
+        draft_at = jnp.take_along_axis(drafts[:, None, :],
+                                       jnp.clip(offset, 0, k - 1).astype(jnp.int32), axis=2)
+        flat["penalty_tokens"] = jnp.where(
+            (offset >= 0) & (offset < steps[None, :, None]), draft_at,
+            tokens[:, None, :]).reshape(batch * (k + 1), -1)
+    flat["draft_token_ids"] = jnp.zeros((batch * (k + 1), 0), jnp.int32)
+    flat["num_draft_tokens"] = jnp.zeros(batch * (k + 1), jnp.int32)
+    return flat
+
+
+def verified_tokens(
+    samples: jax.Array,  # i32[B, K + 1] the target's own sample at each position (expand_rows)
+    drafts: jax.Array,  # i32[B, K]
+    num_drafts: jax.Array,  # i32[B]
+) -> jax.Array:  # i32[B, K + 1]: the row's tokens, -1 after them
+    """One-hot drafts verified by coupling (module docstring): the drafts the target's samples
+    agree with, up to the first disagreement, then the target's sample there."""
+    k = drafts.shape[1]
+    agree = (samples[:, :k] == drafts) & (jnp.arange(k)[None, :] < num_drafts[:, None])
+    count = 1 + jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1)
+    return jnp.where(jnp.arange(k + 1)[None, :] < count[:, None], samples, -1)
 
 
 def target_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,

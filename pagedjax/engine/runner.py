@@ -139,13 +139,14 @@ class ModelRunner:
         self._abstract_args = self._abstract()
         self.step_shapes: set[tuple[str, int, int]] = set()  # the shapes steps have run
         self.channel = None  # multi-host leader: a multihost.LeaderChannel
-        # (kind, T, B, with prompt logprobs) -> the compiled forward program. A program is
+        # (kind, T, B, with prompt logprobs, K) -> the compiled forward program. A program is
         # compiled ahead of time from abstract arguments (nothing runs, no buffer is touched),
         # so a warmup thread can compile while the engine thread steps; each shape compiles
         # once, under its lock.
-        self._programs: dict[tuple[str, int, int, bool], jax.stages.Compiled] = {}
-        self._logits_shape: dict[int, jax.ShapeDtypeStruct] = {}  # B -> the forward's logits
-        self._program_locks: dict[tuple[str, int, int, bool], threading.Lock] = {}
+        self._programs: dict[tuple[str, int, int, bool, int], jax.stages.Compiled] = {}
+        # (B, K) -> the forward's logits (B * (K + 1) rows)
+        self._logits_shape: dict[tuple[int, int], jax.ShapeDtypeStruct] = {}
+        self._program_locks: dict[tuple[str, int, int, bool, int], threading.Lock] = {}
         self._locks_lock = threading.Lock()
 
     def _abstract(self):
@@ -226,14 +227,15 @@ class ModelRunner:
         return len(self._programs)
 
     def program(self, kind: str, num_tokens: int, num_seqs: int,
-                table_widths: tuple[int, int], with_prompt_logprobs: bool = False
-                ) -> jax.stages.Compiled:
+                table_widths: tuple[int, int], with_prompt_logprobs: bool = False,
+                num_speculative_tokens: int = 0) -> jax.stages.Compiled:
         """The forward program of a shape, compiled on first use (from the persistent
         compilation cache when an earlier process compiled it), with its plain sampler;
         thread-safe, one compile per shape. with_prompt_logprobs: the variant that also
         returns every query token's prompt logprobs (compiled only when a step needs it).
-        table_widths: the block tables' (ShapeBuckets.table_widths)."""
-        key = (kind, num_tokens, num_seqs, with_prompt_logprobs)
+        table_widths: the block tables' (ShapeBuckets.table_widths). num_speculative_tokens:
+        K of a speculative step (K + 1 logits a row, verified by the sampler)."""
+        key = (kind, num_tokens, num_seqs, with_prompt_logprobs, num_speculative_tokens)
         program = self._programs.get(key)
         if program is not None:
             return program
@@ -243,19 +245,21 @@ class ModelRunner:
             if key not in self._programs:
                 _count_compile()
                 plan = padding_plan(kind, num_tokens, num_seqs, table_widths[0],
-                                    with_prompt_logprobs, self.num_kv_groups, table_widths[1])
+                                    with_prompt_logprobs, self.num_kv_groups, table_widths[1],
+                                    num_speculative_tokens)
                 inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
                                       forward_inputs(plan))
                 lowered = _forward.lower(self.graph, self.backend, kind, self.num_top_logprobs,
                                          *self._abstract_args, inputs)
-                self._logits_shape[num_seqs] = lowered.out_info[0]
+                self._logits_shape[num_seqs, num_speculative_tokens] = lowered.out_info[0]
                 self._sampler(plan, sampling_step.no_token_mask(num_seqs))
                 self._programs[key] = lowered.compile()
         return self._programs[key]
 
     def _sampler(self, plan: BatchPlan, token_mask: np.ndarray) -> jax.stages.Compiled:
         return sampling_step.program(self.num_top_logprobs,
-                                     self._logits_shape[plan.padded_num_seqs],
+                                     self._logits_shape[plan.padded_num_seqs,
+                                                        plan.num_speculative_tokens],
                                      sampling_step.sampling_inputs(plan), token_mask,
                                      self.device)
 
@@ -275,7 +279,8 @@ class ModelRunner:
         """Starts a step's forward; returns its (logits, prompt logprob arrays or ()), on
         device, not waited for."""
         program = self.program(plan.kind, plan.padded_num_tokens, plan.padded_num_seqs,
-                               plan.table_widths, bool(plan.prompt_targets.shape[0]))
+                               plan.table_widths, bool(plan.prompt_targets.shape[0]),
+                               plan.num_speculative_tokens)
         inputs = forward_inputs(plan)
         if self.channel is None:
             logits, prompt, self.kv_cache = program(self.params, self.kv_cache, inputs)
@@ -321,9 +326,11 @@ class ModelRunner:
         shapes = warmup_shapes(buckets)
         with tqdm(shapes, desc="compiling step programs", unit="program",
                   disable=not progress) as bar:
-            for kind, num_tokens, num_seqs in bar:
-                bar.set_postfix_str(f"{kind} T={num_tokens} B={num_seqs}")
-                self.program(kind, num_tokens, num_seqs, buckets.table_widths)
+            for kind, num_tokens, num_seqs, k in bar:
+                bar.set_postfix_str(f"{kind} T={num_tokens} B={num_seqs}"
+                                    + (f" K={k}" if k else ""))
+                self.program(kind, num_tokens, num_seqs, buckets.table_widths,
+                             num_speculative_tokens=k)
         return len(shapes)
 
     def start_warmup(self, buckets, progress: bool = False) -> "BackgroundWarmup":
@@ -370,11 +377,14 @@ class BackgroundWarmup:
         return self.done()
 
 
-def warmup_shapes(buckets) -> list[tuple[str, int, int]]:
-    """Every (kind, T, B) step shape the buckets allow: decode first (the shapes a serving
-    engine meets most), small before large."""
-    shapes = [(DECODE, b, b) for b in buckets.decode_shapes()]
-    return shapes + [(PREFILL, t, b) for t, b in buckets.prefill_shapes()]
+def warmup_shapes(buckets) -> list[tuple[str, int, int, int]]:
+    """Every (kind, T, B, K) step shape the buckets allow: decode first (the shapes a serving
+    engine meets most), small before large, then the speculative decode steps' (K drafts a
+    row: ShapeBuckets.speculative_shapes)."""
+    shapes = [(DECODE, b, b, 0) for b in buckets.decode_shapes()]
+    shapes += [(PREFILL, t, b, 0) for t, b in buckets.prefill_shapes()]
+    k = buckets.num_speculative_tokens
+    return shapes + [(PREFILL, t, b, k) for t, b in buckets.speculative_shapes()]
 
 
 def _no_logit_bias(num_seqs: int) -> dict:
@@ -389,10 +399,13 @@ def _no_logit_bias(num_seqs: int) -> dict:
 
 def padding_plan(kind: str, num_tokens: int, num_seqs: int, max_blocks_per_seq: int,
                  with_prompt_logprobs: bool = False, num_kv_groups: int = 1,
-                 group_table_width: int | None = None) -> BatchPlan:
+                 group_table_width: int | None = None,
+                 num_speculative_tokens: int = 0) -> BatchPlan:
     """A plan of nothing but padding (num_seqs = 0): every write lands in the null block.
     with_prompt_logprobs gives it prompt_targets (all -1) for the forward's prompt variant;
-    group_table_width: the other KV cache groups' tables' (default max_blocks_per_seq)."""
+    group_table_width: the other KV cache groups' tables' (default max_blocks_per_seq);
+    num_speculative_tokens: K draft columns (K + 1 logits a row)."""
+    k = num_speculative_tokens
     zeros_t = np.zeros(num_tokens, np.int32)
     return BatchPlan(
         token_ids=zeros_t, positions=zeros_t, slot_mapping=zeros_t,
@@ -402,10 +415,13 @@ def padding_plan(kind: str, num_tokens: int, num_seqs: int, max_blocks_per_seq: 
             (num_kv_groups - 1, num_seqs, group_table_width or max_blocks_per_seq), NULL_BLOCK,
             np.int32),
         kv_lens=np.zeros(num_seqs, np.int32), cu_q_lens=np.zeros(num_seqs + 1, np.int32),
-        logits_indices=np.zeros(num_seqs, np.int32), num_seqs=np.asarray(0, np.int32),
+        logits_indices=np.zeros(num_seqs * (k + 1), np.int32),
+        num_seqs=np.asarray(0, np.int32),
         temperature=np.zeros(num_seqs, np.float32), top_k=np.full(num_seqs, -1, np.int32),
         top_p=np.ones(num_seqs, np.float32), min_p=np.zeros(num_seqs, np.float32),
         seeds=np.zeros(num_seqs, np.uint32), **_no_logit_bias(num_seqs),
+        draft_token_ids=np.zeros((num_seqs, k), np.int32),
+        num_draft_tokens=np.zeros(num_seqs, np.int32),
         prompt_targets=np.full(num_tokens if with_prompt_logprobs else 0, -1, np.int32),
         copy_src=np.zeros(num_seqs, np.int32), copy_dst=np.zeros(num_seqs, np.int32),
         num_copies=np.asarray(0, np.int32), kind=kind,

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
+from pagedjax.engine import rejection_sampler
 from pagedjax.engine.sampler import sample
 from scheduler import SAMPLING_FIELDS, BatchPlan
 
@@ -35,7 +36,21 @@ def sample_fn(num_top_logprobs: int, logits: jax.Array, inputs: dict,
               token_mask: jax.Array) -> tuple[jax.Array, ...]:
     """sample() on a plan's sampling fields; an empty penalty_tokens (H = 0) or token_mask
     (W = 0) leaves their work out of the program. Returns sample()'s four arrays and the
-    sampled tokens' ranks i32[B] (1 = the most likely; vLLM's Logprob.rank)."""
+    sampled tokens' ranks i32[B] (1 = the most likely; vLLM's Logprob.rank).
+
+    A speculative plan (K draft columns, logits f32[B * (K + 1), V], token_mask one row a
+    position or none) verifies its drafts: every array gains a position axis after B
+    ([B, K + 1, ...]) and a row's ids are its tokens, -1 after them
+    (rejection_sampler.verified_tokens)."""
+    k = inputs["draft_token_ids"].shape[1]
+    if k:
+        batch = inputs["draft_token_ids"].shape[0]
+        out = sample_fn(num_top_logprobs, logits, rejection_sampler.expand_rows(inputs, k),
+                        token_mask)
+        out = tuple(x.reshape((batch, k + 1) + x.shape[1:]) for x in out)
+        ids = rejection_sampler.verified_tokens(out[0], inputs["draft_token_ids"],
+                                                inputs["num_draft_tokens"])
+        return (ids,) + out[1:]
     penalties = None
     if inputs["penalty_tokens"].shape[1]:
         penalties = (inputs["penalty_tokens"], inputs["penalty_prompt_lens"],

@@ -59,8 +59,22 @@ class _SampleState:
         self.constraints = constraints
         self.matcher = matcher
 
-    def fill(self, row: np.ndarray, request: Request) -> None:
-        c, out = self.constraints, request.output_token_ids
+    def fill(self, rows: np.ndarray, request: Request, drafts: Sequence[int] = ()) -> None:
+        """ANDs what request may sample into rows[0] and, with speculative drafts, what it may
+        sample after its first j drafts into rows[j] (j <= len(drafts)): the grammar's matcher
+        walks the drafts and is rolled back after."""
+        history = request.output_token_ids
+        for j in range(len(drafts) + 1):
+            if j:
+                history = history + [drafts[j - 1]]
+                if self.matcher is not None:
+                    self.matcher.speculate(drafts[j - 1])
+            self._fill_one(rows[j], history)
+        if self.matcher is not None and drafts:
+            self.matcher.rollback(len(drafts))
+
+    def _fill_one(self, row: np.ndarray, out: Sequence[int]) -> None:
+        c = self.constraints
         if c.allowed is not None:
             row &= c.allowed
         for sequence in c.bad_words:
@@ -140,18 +154,30 @@ class TokenMasks:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._states
 
-    def build(self, rows: Sequence[tuple[Request, bool]], padded_seqs: int) -> np.ndarray | None:
-        """The step's mask (i32[B, W]) for its rows, (request, whether it samples this step) in
-        plan order; None when no sampling row is constrained."""
-        states = [(i, self._states.get(r.request_id), r) for i, (r, sampling) in enumerate(rows)
-                  if sampling]
-        states = [(i, s, r) for i, s, r in states if s is not None]
+    def build(self, rows: Sequence[tuple[Request, bool, list[int]]], padded_seqs: int,
+              num_speculative_tokens: int = 0) -> np.ndarray | None:
+        """The step's mask for its rows, (request, whether it samples this step, its drafts) in
+        plan order: i32[B, W], or with K = num_speculative_tokens draft columns
+        i32[B * (K + 1), W] (row b's position j at b * (K + 1) + j, what it may sample after
+        its first j drafts); None when no sampling row is constrained."""
+        states = [(i, self._states.get(r.request_id), r, d)
+                  for i, (r, sampling, d) in enumerate(rows) if sampling]
+        states = [(i, s, r, d) for i, s, r, d in states if s is not None]
         if not states:
             return None
-        mask = np.full((padded_seqs, self.words), 0xFFFFFFFF, np.uint32)
-        for i, state, request in states:
-            state.fill(mask[i], request)
+        width = num_speculative_tokens + 1
+        mask = np.full((padded_seqs * width, self.words), 0xFFFFFFFF, np.uint32)
+        for i, state, request, drafts in states:
+            state.fill(mask[i * width:(i + 1) * width], request, drafts)
         return mask.view(np.int32)
+
+    def num_valid(self, request: Request, drafts: Sequence[int]) -> int:
+        """How many of drafts (to follow request's tokens) its grammar accepts in a row (all
+        of them without a grammar)."""
+        state = self._states.get(request.request_id)
+        if state is None or state.matcher is None:
+            return len(drafts)
+        return state.matcher.num_valid(drafts)
 
     def advance(self, sample: Request) -> bool:
         """Feeds a sample's new tokens to its grammar; True when the grammar is complete (the
@@ -166,9 +192,13 @@ class TokenMasks:
         return state.matcher.done
 
 
-def step_rows(output) -> list[tuple[Request, bool]]:
+def step_rows(output) -> list[tuple[Request, bool, list[int]]]:
     """A schedule's rows in plan order (scheduled, then fork followers), each with whether it
-    samples a token this step (its chunk reaches the end of its tokens)."""
-    rows = [(seq.request, seq.start + seq.num_new_tokens >= seq.request.num_tokens)
-            for seq in output.scheduled]
-    return rows + [(follower, True) for _, follower in output.forks]
+    samples a token this step (its chunk reaches the end of its tokens) and the speculative
+    drafts it verifies."""
+    rows = []
+    for request, start, num_new in output.scheduled:
+        end = start + num_new
+        rows.append((request, end >= request.num_tokens,
+                     request.spec_token_ids[:max(0, end - request.num_tokens)]))
+    return rows + [(follower, True, []) for _, follower in output.forks]

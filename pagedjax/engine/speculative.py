@@ -1,0 +1,131 @@
+"""Speculative decoding's configuration (vLLM's `speculative_config`) and the proposer step that
+gives each decoding request its drafts before the scheduler runs.
+
+A request's drafts ride in its next step as extra query tokens (scheduler.plan: K draft
+columns), the sampler verifies them (pagedjax.engine.rejection_sampler) and the scheduler keeps
+the accepted ones and rolls the rest back (scheduler.lifecycle.update). The proposers:
+
+- `ngram` (prompt lookup): the longest suffix of the request's tokens found earlier in them
+  (scheduler.ngram_proposer), on the host.
+
+Drafts are deterministic, so verification couples them with plain sampling: the tokens are
+those plain decoding gives, greedy or seeded (rejection_sampler's docstring).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from scheduler import Request, RequestStatus
+from scheduler.ngram_proposer import NgramProposer
+
+METHODS = ("ngram",)
+# vLLM's SpeculativeConfig fields this engine does not serve (yet): refused by name.
+UNSUPPORTED = ("model", "draft_tensor_parallel_size", "quantization", "max_model_len",
+               "revision", "code_revision", "speculative_token_tree",
+               "disable_padded_drafter_batch", "suffix_decoding_max_tree_depth",
+               "suffix_decoding_max_cached_requests", "suffix_decoding_max_spec_factor",
+               "suffix_decoding_min_token_prob", "hf_overrides", "enforce_eager")
+DEFAULT_LOOKUP = 5  # vLLM's prompt_lookup_min / _max when neither is given
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's names. num_speculative_tokens: the most drafts a step verifies for a request (K).
+    prompt_lookup_min / _max: the n-gram lengths tried (vLLM's rule: neither given, both 5; one
+    given, the other equals it). disable_by_batch_size: a step with more running sequences than
+    this speculates for none of them (at high load verifying drafts costs more than it saves);
+    None: always."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config.method must be one of {METHODS}, got "
+                             f"{self.method!r}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer "
+                             f">= 1, got {k!r}")
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            low = high = DEFAULT_LOOKUP
+        low, high = (high if low is None else low), (low if high is None else high)
+        object.__setattr__(self, "prompt_lookup_min", low)
+        object.__setattr__(self, "prompt_lookup_max", high)
+        try:
+            self.proposer()
+        except ValueError as error:
+            raise ValueError(f"speculative_config: {error}") from None
+        limit = self.disable_by_batch_size
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
+                                  or limit < 1):
+            raise ValueError(f"speculative_config.disable_by_batch_size must be an integer "
+                             f">= 1, got {limit!r}")
+
+    @classmethod
+    def create(cls, value) -> "SpeculativeConfig | None":
+        """From a SpeculativeConfig, a dict of vLLM's fields or its JSON text (the
+        --speculative-config flag); None stays None. Unknown and unserved fields are refused
+        by name."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"speculative_config is not JSON: {error}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict of vLLM's fields, got "
+                             f"{type(value).__name__}")
+        served = {f.name for f in dataclasses.fields(cls)}
+        unserved = sorted(k for k in value if k in UNSUPPORTED)
+        if unserved:
+            raise ValueError(f"speculative_config field(s) {unserved} are not served by this "
+                             f"engine (its methods: {METHODS})")
+        unknown = sorted(set(value) - served)
+        if unknown:
+            raise ValueError(f"unknown speculative_config field(s) {unknown}; known: "
+                             f"{sorted(served)}")
+        return cls(**value)
+
+    def proposer(self) -> NgramProposer:
+        return NgramProposer(self.num_speculative_tokens, self.prompt_lookup_min,
+                             self.prompt_lookup_max)
+
+
+class Speculator:
+    """Gives the running requests that are decoding their drafts for the next step."""
+
+    def __init__(self, config: SpeculativeConfig, token_masks):
+        """token_masks (pagedjax.engine.token_masks.TokenMasks): a grammar-constrained
+        request's drafts are cut at the first its grammar refuses."""
+        self.config = config
+        self.proposer = config.proposer()
+        self.token_masks = token_masks
+
+    def propose(self, running: list[Request]) -> None:
+        """Sets spec_token_ids of each running request in its decode phase that has none:
+        at most num_speculative_tokens, and fewer than the tokens max_tokens still allows (its
+        next step adds one token of the target's after them). Nothing when more sequences run
+        than disable_by_batch_size."""
+        limit = self.config.disable_by_batch_size
+        if limit is not None and len(running) > limit:
+            return
+        for request in running:
+            if (request.spec_token_ids or request.status is not RequestStatus.RUNNING
+                    or request.num_tokens - request.num_computed_tokens != 1):
+                continue
+            room = request.sampling_params.max_tokens - request.num_output_tokens - 1
+            if room <= 0:
+                continue
+            drafts = self.proposer.propose(request.prompt_token_ids + request.output_token_ids,
+                                           room).tolist()
+            if drafts:
+                drafts = drafts[:self.token_masks.num_valid(request, drafts)]
+            request.spec_token_ids = drafts
