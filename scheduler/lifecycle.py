@@ -45,8 +45,6 @@ def update(state: SchedulerState, output: SchedulerOutput, sampled_ids, now: flo
             end -= num_drafts - accepted
         request.spec_token_ids = []
         request.num_computed_tokens = end
-        kv.publish_full_blocks(request)
-        kv.free_out_of_window(request)
         if num_drafts:
             kv.trim(request)
     rows = [(seq.request, i) for i, seq in enumerate(output.scheduled)
@@ -61,8 +59,7 @@ def update(state: SchedulerState, output: SchedulerOutput, sampled_ids, now: flo
         rows.append((follower, num_scheduled + k))
     for leader, _ in output.forks:
         leader.followers = []
-    advanced = []
-    any_finished = False
+    advanced, finished = [], []
     for request, row in rows:
         if request.first_token_time is None:
             request.first_token_time = now
@@ -74,27 +71,38 @@ def update(state: SchedulerState, output: SchedulerOutput, sampled_ids, now: flo
                                  top_ids[at], top_logprobs[at],
                                  None if sampled_ranks is None else int(sampled_ranks[at]))
             if _append(state, request, int(sampled_ids[at]), now, on_token):
-                any_finished = True
+                finished.append(request)
                 break
         advanced.append(request)
-    if any_finished:
+    # once the accepted drafts are among the tokens (a block's hash is of its tokens), before
+    # a finished request's blocks are freed; a request that stopped inside its accepted drafts
+    # computed past its last token: it counts what plain decoding would have
+    for seq in output.scheduled:
+        request = seq.request
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+        kv.publish_full_blocks(request)
+        kv.free_out_of_window(request)
+    for request in finished:
+        _release(state, request)
+    if finished:
         state.running = [r for r in state.running if not r.status.finished]
     return advanced
 
 
 def _append(state: SchedulerState, request: Request, token_id: int, now: float,
             on_token) -> bool:
-    """Appends one token to request; True when that finished it."""
+    """Appends one token to request; True when that finished it (its status set, its blocks
+    still held: update releases them)."""
     status = request.append_output_token(token_id)
     if status is None and request.num_tokens >= state.config.max_model_len:
         status = RequestStatus.FINISHED_LENGTH
     if status is not None:
-        _finish(state, request, status, now)
+        request.status, request.finish_time = status, now
     if on_token is not None:
         stop = on_token(request)
         if stop is not None and status is None:
-            _finish(state, request, stop, now)
             status = stop
+            request.status, request.finish_time = status, now
     return status is not None
 
 
@@ -123,6 +131,11 @@ def _count_accepted(state: SchedulerState, num_drafts: int, accepted: int) -> No
 def _finish(state: SchedulerState, request: Request, status: RequestStatus, now: float) -> None:
     request.status = status
     request.finish_time = now
+    _release(state, request)
+
+
+def _release(state: SchedulerState, request: Request) -> None:
+    """A finished request's blocks back to the pool, and it out of the scheduler's requests."""
     state.kv_manager.free(request)
     state.requests.pop(request.request_id, None)
 

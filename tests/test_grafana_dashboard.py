@@ -16,6 +16,8 @@ from pagedjax.serving.app import OpenAIServer
 from test_server import ENGINE
 
 DASHBOARD = pathlib.Path(__file__).resolve().parents[1] / "deploy" / "grafana.json"
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
+               "prompt_lookup_max": 2}
 SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
 
 
@@ -28,10 +30,12 @@ def queried_series(dashboard: dict) -> set[str]:
 
 @pytest.fixture(scope="module")
 def exported() -> set[str]:
-    llm = LLM(**ENGINE)
+    llm = LLM(**ENGINE, speculative_config=SPECULATIVE)  # its series appear once it drafts
     server = OpenAIServer(llm.engine, "tiny")
     with TestClient(server.build_app()) as client:
         client.post("/v1/completions", json={"prompt": "copy:ab=", "max_tokens": 3})
+        client.post("/v1/completions", json={"prompt": "abababababab", "max_tokens": 8})
+        assert llm.engine.stats.num_spec_drafts  # the prompt repeats: n-gram drafts
         text = client.get("/metrics").text
     names = set()
     for family in text_string_to_metric_families(text):
@@ -65,3 +69,14 @@ def test_the_checklist_metrics_are_on_the_dashboard():
                  "num_preemptions_total", "kv_cache_usage_perc", "degradation_level",
                  "serving_config_info"):
         assert f"pagedjax:{name}" in queried, name
+
+
+def test_the_speculative_decoding_metrics_are_on_the_dashboard(exported):
+    """vLLM's spec_decode counters, exported and charted."""
+    queried = queried_series(json.loads(DASHBOARD.read_text()))
+    for name in ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                 "spec_decode_num_accepted_tokens_total",
+                 "spec_decode_num_accepted_tokens_per_pos_total"):
+        assert f"pagedjax:{name}" in queried and f"pagedjax:{name}" in exported, name
+    for name in ("spec_decode_acceptance_rate", "spec_decode_mean_acceptance_length"):
+        assert f"pagedjax:{name}" in exported, name

@@ -45,6 +45,9 @@ def beam_search(engine, prompts: Sequence[Sequence[int]],
                 params: BeamSearchParams) -> list[list[BeamSequence]]:
     """The beam_width best sequences of each prompt, best first."""
     width = params.beam_width
+    if engine.config.speculative_config is not None:  # as vLLM: beam search does not speculate
+        raise ValueError("beam search does not run with speculative_config: use an engine "
+                         "without speculative decoding")
     if 2 * width > engine.config.max_logprobs:
         raise RequestError("beam_width", f"beam_width ({width}) needs 2 * beam_width <= max_logprobs "
                          f"({engine.config.max_logprobs})")

@@ -358,6 +358,7 @@ class LLMEngine:
         """After each token the scheduler appends: a grammar complete or a stop string ends the
         sample (FINISHED_STOPPED), a failing detokenization fails it alone (recorded in failed),
         and the token's logprobs get their texts."""
+        self.stats.num_generated_tokens += 1
         try:
             stopped = self.token_masks.advance(sample)  # a grammar complete
             if self.tokenizer is not None:

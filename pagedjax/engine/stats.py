@@ -13,7 +13,7 @@ class EngineStats:
     num_prefill_steps: int = 0
     num_decode_steps: int = 0
     num_scheduled_tokens: int = 0
-    num_generated_tokens: int = 0
+    num_generated_tokens: int = 0  # counted by the engine as each token is appended
     num_finished: int = 0
     num_aborted: int = 0
     num_failed: int = 0  # requests dropped alone because their part of a step failed
@@ -31,6 +31,11 @@ class EngineStats:
     num_prompt_tokens_computed: int = 0
     num_allocation_failures: int = 0  # KV block allocations the free blocks could not meet
     num_oom: int = 0  # steps that ran out of device memory
+    # Speculative decoding (vLLM's spec_decode counters; scheduler.state.SchedulerState's)
+    num_spec_drafts: int = 0  # rows that verified drafts
+    num_spec_draft_tokens: int = 0  # drafts verified
+    num_spec_accepted_tokens: int = 0  # drafts the target accepted
+    spec_accepted_per_position: tuple = ()  # accepted drafts by their position in a row
 
     def record_step(self, decode: bool, num_scheduled_tokens: int, advanced, state,
                     num_prompt_tokens: int = 0) -> None:
@@ -45,7 +50,6 @@ class EngineStats:
         self.num_scheduled_tokens += num_scheduled_tokens
         self.num_prompt_tokens_computed += num_prompt_tokens
         self.num_allocation_failures = state.kv_manager.num_allocation_failures
-        self.num_generated_tokens += len(advanced)
         self.num_finished += sum(r.status.finished and r.sample_index == 0 for r in advanced)
         self.num_preemptions = state.num_preemptions
         self.num_prefix_query_tokens = state.num_prefix_query_tokens
@@ -54,6 +58,23 @@ class EngineStats:
         self.num_swap_outs = state.num_swap_outs
         self.num_recomputed_tokens = state.num_recomputed_tokens
         self.max_running = max(self.max_running, len(state.running))
+        self.num_spec_drafts = state.num_spec_drafts
+        self.num_spec_draft_tokens = state.num_spec_draft_tokens
+        self.num_spec_accepted_tokens = state.num_spec_accepted_tokens
+        self.spec_accepted_per_position = tuple(state.spec_accepted_per_position)
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted drafts / drafts verified (vLLM's draft acceptance rate)."""
+        drafted = self.num_spec_draft_tokens
+        return self.num_spec_accepted_tokens / drafted if drafted else 0.0
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """Tokens a verifying row produced on average: its accepted drafts and the target's
+        own (vLLM's mean acceptance length); 0 before any."""
+        rows = self.num_spec_drafts
+        return 1.0 + self.num_spec_accepted_tokens / rows if rows else 0.0
 
     @property
     def prefix_hit_rate(self) -> float:

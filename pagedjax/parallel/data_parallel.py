@@ -33,7 +33,8 @@ from scheduler import SamplingParams
 
 # Summed over replicas; the peaks and max_running are the sums of each replica's (an upper
 # bound of the engine's: the replicas peak at different times).
-_SUMMED = [f.name for f in dataclasses.fields(EngineStats) if f.name != "block_size"]
+_SUMMED = [f.name for f in dataclasses.fields(EngineStats)
+           if f.name not in ("block_size", "spec_accepted_per_position")]
 
 
 def make_engine(model, config: EngineConfig | None = None, **kwargs):
@@ -112,6 +113,10 @@ class DataParallelEngine:
         for stats in self.replica_stats:
             for name in _SUMMED:
                 setattr(total, name, getattr(total, name) + getattr(stats, name))
+        per_position = [s.spec_accepted_per_position for s in self.replica_stats]
+        total.spec_accepted_per_position = tuple(
+            sum(p[j] for p in per_position if j < len(p))
+            for j in range(max(map(len, per_position), default=0)))
         return total
 
     @property

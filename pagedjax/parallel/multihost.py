@@ -116,10 +116,11 @@ def _broadcast(tree):
 
 
 def _header(command: int, kind: str = DECODE, num_tokens: int = 0, num_seqs: int = 0,
-            table_widths: tuple[int, int] = (0, 0), prompt_targets: int = 0) -> np.ndarray:
+            table_widths: tuple[int, int] = (0, 0), prompt_targets: int = 0,
+            num_speculative_tokens: int = 0) -> np.ndarray:
     header = np.zeros(HEADER, np.int32)
-    header[:7] = (command, KINDS.index(kind), num_tokens, num_seqs, table_widths[0],
-                  prompt_targets, table_widths[1])
+    header[:8] = (command, KINDS.index(kind), num_tokens, num_seqs, table_widths[0],
+                  prompt_targets, table_widths[1], num_speculative_tokens)
     return header
 
 
@@ -156,7 +157,8 @@ class LeaderChannel:
 
     def step(self, plan) -> None:
         self._send(_header(STEP, plan.kind, plan.padded_num_tokens, plan.padded_num_seqs,
-                           plan.table_widths, plan.prompt_targets.shape[0]))
+                           plan.table_widths, plan.prompt_targets.shape[0],
+                           plan.num_speculative_tokens))
         self._send({name: np.asarray(getattr(plan, name)) for name in FORWARD_FIELDS})
 
     def reset(self) -> None:
@@ -185,8 +187,8 @@ def follow(runner) -> int:
     steps = 0
     while True:
         header = np.asarray(_broadcast(_header(0)))
-        command, kind, num_tokens, num_seqs, max_blocks, targets, group_width = (
-            int(x) for x in header[:7])
+        command, kind, num_tokens, num_seqs, max_blocks, targets, group_width, k = (
+            int(x) for x in header[:8])
         if command == STOP:
             jax.distributed.shutdown()
             return steps
@@ -196,7 +198,7 @@ def follow(runner) -> int:
         if command != STEP:
             raise RuntimeError(f"follower got an unknown command {command} from the leader")
         template = padding_plan(KINDS[kind], num_tokens, num_seqs, max_blocks, targets > 0,
-                                runner.num_kv_groups, group_width)
+                                runner.num_kv_groups, group_width, k)
         arrays = _broadcast({name: getattr(template, name) for name in FORWARD_FIELDS})
         plan = dataclasses.replace(template, **{k: np.asarray(v) for k, v in arrays.items()})
         jax.block_until_ready(runner.dispatch_forward(plan))  # the leader alone samples

@@ -32,7 +32,10 @@ COUNTED = (("num_generated_tokens", "generation_tokens"), ("num_preemptions", "n
            ("num_prefix_hit_tokens", "prefix_cache_hits"),
            ("num_evictions", "prefix_cache_evictions"),
            ("num_allocation_failures", "kv_allocation_failures"), ("num_oom", "oom_errors"),
-           ("num_prompt_tokens_computed", "prompt_tokens_computed"))
+           ("num_prompt_tokens_computed", "prompt_tokens_computed"),
+           ("num_spec_drafts", "spec_decode_num_drafts"),
+           ("num_spec_draft_tokens", "spec_decode_num_draft_tokens"),
+           ("num_spec_accepted_tokens", "spec_decode_num_accepted_tokens"))
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
 
@@ -77,6 +80,7 @@ class ServerMetrics:
         # request id -> sample index -> (its tokens observed, the engine time of the last)
         self._token_times: dict[str, dict[int, tuple[int, float]]] = {}
         self._last = self._totals()
+        self._spec_counted_per_pos: list[int] = []  # what the per-position counter holds
 
     def _define_gauges(self, f: _Factory) -> None:
         self.num_requests_running = f.gauge("num_requests_running",
@@ -146,6 +150,21 @@ class ServerMetrics:
         self.prompt_tokens_computed = f.counter(
             "prompt_tokens_computed", "Prompt tokens computed by engine steps (prefix-cache "
             "hits excluded, recomputation after preemption included).")
+        self.spec_decode_num_drafts = f.counter(
+            "spec_decode_num_drafts", "Speculative decoding: rows of steps that verified drafts.")
+        self.spec_decode_num_draft_tokens = f.counter(
+            "spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.")
+        self.spec_decode_num_accepted_tokens = f.counter(
+            "spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.")
+        self._spec_accepted_per_pos = f.counter(
+            "spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: draft tokens "
+            "accepted, by their position in a row's drafts.", ["position"])
+        self.spec_acceptance_rate = f.gauge(
+            "spec_decode_acceptance_rate", "Speculative decoding since start: accepted / "
+            "verified draft tokens.")
+        self.spec_mean_acceptance_length = f.gauge(
+            "spec_decode_mean_acceptance_length", "Speculative decoding since start: tokens a "
+            "verifying row produced on average (accepted drafts + 1).")
 
     def _define_histograms(self, f: _Factory) -> None:
         self.ttft = f.histogram("time_to_first_token_seconds",
@@ -216,6 +235,7 @@ class ServerMetrics:
         if info.step_time_s is not None:
             self.iteration_tokens.observe(totals[-1] - self._last[-1])
         self._last = totals
+        self._spec_gauges()
         used, limit, source = memory_in_use(self.engine)
         self.device_memory.labels(source=source, **self.labels).set(used)
         self.device_memory_limit.set(limit or 0)
@@ -231,6 +251,21 @@ class ServerMetrics:
             self._observe_tokens(out, now)
             if out.finished:
                 self._finished(out)
+
+    def _spec_gauges(self) -> None:
+        stats = self.engine.stats
+        if not stats.num_spec_drafts:
+            return
+        self.spec_acceptance_rate.set(stats.spec_acceptance_rate)
+        self.spec_mean_acceptance_length.set(stats.spec_mean_acceptance_length)
+        counted = self._spec_counted_per_pos
+        for position, count in enumerate(stats.spec_accepted_per_position):
+            series = self._spec_accepted_per_pos.labels(position=str(position), **self.labels)
+            if position == len(counted):
+                counted.append(0)  # the series exists from its first draft, at 0
+            if count > counted[position]:
+                series.inc(count - counted[position])
+                counted[position] = count
 
     def _observe_tokens(self, out, now: float) -> None:
         """Inter-token latency, per token: each sample's new tokens since its last ones share

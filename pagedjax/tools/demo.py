@@ -172,6 +172,11 @@ def print_table(engine, outputs, elapsed: float) -> None:
         ("compiled programs", f"{engine.num_compiled_programs} "
                               f"(bound {engine.buckets.num_programs})"),
     ]
+    if stats.num_spec_drafts:
+        rows.append(("speculative drafts", f"{stats.num_spec_accepted_tokens} of "
+                     f"{stats.num_spec_draft_tokens} accepted "
+                     f"({100 * stats.spec_acceptance_rate:.1f}%), mean acceptance length "
+                     f"{stats.spec_mean_acceptance_length:.2f}"))
     width = max(len(k) for k, _ in rows)
     print()
     for key, value in rows:

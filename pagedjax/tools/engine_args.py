@@ -81,6 +81,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        "every step on the ragged programs (ragged: half the programs)")
     group.add_argument("--prefill-seqs", choices=["per_token_bucket", "bucketed"],
                        help="prefill programs: one per token bucket, or one per (T, B)")
+    group.add_argument("--speculative-config", metavar="JSON",
+                       help="speculative decoding, vLLM's fields as JSON, e.g. "
+                       "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                       "\"prompt_lookup_max\": 4}' (default: none)")
     group.add_argument("--compilation-cache", metavar="DIR|auto|off",
                        help="JAX's persistent compilation cache: a second start compiles "
                        "nothing (default auto: ~/.cache/pagedjax/jax_cache)")
@@ -92,7 +96,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "max_model_len", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
         "policy", "dtype", "kv_cache_dtype", "attention_backend", "preemption_mode",
         "max_logprobs", "seed", "compilation_cache", "prefill_seqs",
-        "step_programs", "tensor_parallel_size", "data_parallel_size", "gpu_memory_utilization")
+        "step_programs", "tensor_parallel_size", "data_parallel_size", "gpu_memory_utilization",
+        "speculative_config")
         if getattr(args, name) is not None}
     if args.kv_cache_memory_gib is not None:
         kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_memory_gib * 2**30)
