@@ -49,8 +49,8 @@ class ShapeBuckets:
         max_num_seqs), the most sequences T tokens can hold: one program per T; rows beyond the
         real ones are padding).
     num_speculative_tokens: K, the drafts a row of a speculative step may verify (its plan's
-        draft columns; 0: the engine does not speculate). A step with drafts runs a ragged
-        program of (T, B) with B the seq bucket of its rows, and K + 1 logits a row.
+        draft columns; 0: the engine does not speculate). A step with drafts (decodes alone)
+        runs a ragged program of (T, B) with B the seq bucket of its rows, K + 1 logits a row.
     max_speculative_seqs: the most rows a step speculates with (the engine's
         disable_by_batch_size; None: max_num_seqs), the bound of speculative_shapes.
     decode_programs: True, a decode step (one token a sequence) has its own family of programs
@@ -124,16 +124,23 @@ class ShapeBuckets:
         return shapes
 
     def speculative_shapes(self) -> list[tuple[int, int]]:
-        """The (T, B) of the speculative steps whose rows all verify K drafts (decodes), for B
-        up to max_speculative_seqs: what a warmup compiles ahead; a step that mixes drafts with
-        prefill chunks compiles its shape on first use."""
+        """Every (T, B) of a speculative step (drafts ride only in steps of decodes alone:
+        scheduler.schedule) with up to max_speculative_seqs rows: B the seq bucket of its
+        rows, T the token bucket of their tokens (each row 1 to K + 1)."""
         if not self.num_speculative_tokens:
             return []
         most = self.seq_buckets[-1]
         limit = self.padded_num_seqs(min(self.max_speculative_seqs or most, most))
-        return [(self.padded_num_tokens(min(b * (self.num_speculative_tokens + 1),
-                                            self.token_buckets[-1])), b)
-                for b in self.seq_buckets if b <= limit]
+        shapes, smaller = [], 0
+        for b in self.seq_buckets:
+            if b > limit:
+                break
+            low = self.padded_num_tokens(min(smaller + 2, self.token_buckets[-1]))
+            high = self.padded_num_tokens(min(b * (self.num_speculative_tokens + 1),
+                                              self.token_buckets[-1]))
+            shapes += [(t, b) for t in self.token_buckets if low <= t <= high]
+            smaller = b
+        return shapes
 
     def decode_shapes(self) -> list[int]:
         return list(self.seq_buckets) if self.decode_programs else []

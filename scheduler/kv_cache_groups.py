@@ -160,9 +160,9 @@ class HybridKVCacheManager:
         for group in self.groups:
             group.free_out_of_window(request)
 
-    def trim(self, request: Request) -> None:
+    def trim(self, request: Request, num_tokens: int | None = None) -> None:
         for group in self.groups:
-            group.trim(request)
+            group.trim(request, num_tokens)
 
     def fork(self, parent: Request, child: Request) -> None:
         for group in self.groups:

@@ -166,13 +166,15 @@ class KVCacheManager:
             for i in dead:
                 table[i] = NULL_BLOCK
 
-    def trim(self, request: Request) -> None:
-        """Frees the blocks past request's computed tokens (speculative decoding took them for
-        drafts the target rejected): its table and the pool's counts become those of plain
-        decoding at the same token count. They were never published (past the computed
-        tokens), so they return to the front of the pool's free queue."""
+    def trim(self, request: Request, num_tokens: int | None = None) -> None:
+        """Frees the blocks past request's first num_tokens tokens (default: its computed ones;
+        speculative decoding took them for drafts the target rejected, or that a step dropped):
+        its table and the pool's counts become those of plain decoding at the same token count.
+        They were never published (past the computed tokens), so they return to the front of
+        the pool's free queue."""
         table = self.block_tables.get(request.request_id)
-        keep = self.num_blocks_for(request.num_computed_tokens)
+        keep = self.num_blocks_for(request.num_computed_tokens if num_tokens is None
+                                   else num_tokens)
         if table is None or len(table) <= keep:
             return
         self.pool.free_unused([b for b in table[keep:] if b != NULL_BLOCK])

@@ -42,6 +42,8 @@ def update(state: SchedulerState, output: SchedulerOutput, sampled_ids, now: flo
         if num_drafts:
             accepted = int(np.count_nonzero(sampled_ids[i] >= 0)) - 1
             _count_accepted(state, num_drafts, accepted)
+            request.num_draft_tokens += num_drafts
+            request.num_accepted_draft_tokens += accepted
             end -= num_drafts - accepted
         request.spec_token_ids = []
         request.num_computed_tokens = end

@@ -53,3 +53,26 @@ class NgramProposer:
                 # tokens from start on, repeated (a run of period length - start)
                 return np.resize(tokens[start:], k).astype(np.int32)
         return np.zeros(0, np.int32)
+
+    def propose_in(self, source, tokens, max_drafts: int | None = None) -> np.ndarray:
+        """i32[<= k] drafts from source, a prediction of what tokens (the output so far) will
+        be (OpenAI's Predicted Outputs): with no tokens yet, source's first k; else the longest
+        suffix of tokens, prompt_lookup_max tokens down to one, found in source, and the k
+        tokens after its occurrence nearest to where tokens end (an output follows its
+        prediction with local edits); empty when no suffix occurs."""
+        source = np.asarray(source, np.int64)
+        k = self.num_speculative_tokens if max_drafts is None else min(
+            self.num_speculative_tokens, max_drafts)
+        length = len(tokens)
+        if k <= 0:
+            return np.zeros(0, np.int32)
+        if not length:
+            return source[:k].astype(np.int32)
+        tail = np.asarray(tokens[-self.prompt_lookup_max:], np.int64)
+        for n in range(min(len(tail), len(source) - 1), 0, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(source[:-1], n)
+            hits = np.flatnonzero((windows == tail[len(tail) - n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[np.argmin(np.abs(hits + n - length))]) + n
+                return source[start:start + k].astype(np.int32)
+        return np.zeros(0, np.int32)

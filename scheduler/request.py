@@ -68,6 +68,9 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None  # sample only among these
     bad_words: tuple[str, ...] = ()  # never emitted (as vLLM: with and without a leading space)
     structured_outputs: StructuredOutputs | None = None  # a grammar the output must match
+    # OpenAI's Predicted Outputs, tokenized: the output as the client expects it (mostly), the
+    # source of this request's speculative drafts (an engine with speculative_config).
+    prediction: tuple[int, ...] | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
@@ -75,6 +78,8 @@ class SamplingParams:
             object.__setattr__(self, "allowed_token_ids", _int_tuple("allowed_token_ids",
                                                                      self.allowed_token_ids))
         object.__setattr__(self, "bad_words", _str_tuple("bad_words", self.bad_words))
+        if self.prediction is not None:
+            object.__setattr__(self, "prediction", _int_tuple("prediction", self.prediction))
         if isinstance(self.structured_outputs, dict):
             object.__setattr__(self, "structured_outputs",
                                StructuredOutputs(**self.structured_outputs))
@@ -213,7 +218,8 @@ class Request:
                  "first_scheduled_time", "first_token_time", "finish_time", "num_preemptions",
                  "cache_salt", "block_hashes", "num_cached_tokens", "parent_id",
                  "sample_index", "followers", "cumulative_logprob", "logprobs", "stop_reason",
-                 "prompt_logprobs", "spec_token_ids")
+                 "prompt_logprobs", "spec_token_ids", "num_draft_tokens",
+                 "num_accepted_draft_tokens")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, *, seed: int, arrival_time: float,
@@ -252,6 +258,8 @@ class Request:
         # its next step (they ride as extra query tokens; the ones the target rejects roll
         # back). Empty while it has none; dropped on preemption.
         self.spec_token_ids: list[int] = []
+        self.num_draft_tokens = 0  # drafts its steps verified
+        self.num_accepted_draft_tokens = 0  # of those, the ones the target accepted
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -124,11 +124,29 @@ class _StepBuilder:
                 request.first_scheduled_time = now
             self.add(request, num_new)
 
+    def drop_drafts_beside_prefills(self, forks) -> None:
+        """Speculative drafts ride only in steps of decodes alone: a step with prefill work
+        (or forks) runs its decodes without them, so the speculative programs are the few
+        decode shapes a warmup compiles (scheduler.buckets.speculative_shapes). The blocks
+        taken for the dropped drafts are given back."""
+        rows = self.scheduled
+        if not any(s.request.spec_token_ids for s in rows):
+            return
+        if not forks and all(s.start == s.request.num_tokens - 1 for s in rows):
+            return
+        for i, (request, start, num_new) in enumerate(rows):
+            if request.spec_token_ids and start + num_new > request.num_tokens:
+                rows[i] = ScheduledSeq(request, start, request.num_tokens - start)
+                self.budget += num_new - (request.num_tokens - start)
+                self.state.kv_manager.trim(request, request.num_tokens)
+            request.spec_token_ids = []
+
     def output(self, now: float) -> SchedulerOutput:
-        num_tokens = sum(s.num_new_tokens for s in self.scheduled)
         forks = [(s.request, follower) for s in self.scheduled if s.request.followers
                  and s.start + s.num_new_tokens == s.request.num_tokens
                  for follower in s.request.followers]
+        self.drop_drafts_beside_prefills(forks)
+        num_tokens = sum(s.num_new_tokens for s in self.scheduled)
         kind = DECODE if num_tokens == len(self.scheduled) and not forks else PREFILL
         copies = self.state.kv_manager.take_pending_copies()
         swap_out, swap_in = self.state.kv_manager.take_pending_swaps()

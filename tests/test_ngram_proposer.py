@@ -59,3 +59,17 @@ def test_invalid_settings_are_refused_by_name():
         NgramProposer(0)
     with pytest.raises(ValueError, match="prompt_lookup_min .3. must not exceed"):
         NgramProposer(2, prompt_lookup_min=3, prompt_lookup_max=2)
+
+
+def test_a_prediction_is_matched_where_the_output_has_got_to():
+    proposer = NgramProposer(num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=3)
+    prediction = [1, 2, 3, 4, 5, 1, 2, 6, 7]
+    assert proposer.propose_in(prediction, []).tolist() == [1, 2, 3]  # from its start
+    assert proposer.propose_in(prediction, [1, 2, 3]).tolist() == [4, 5, 1]
+    # "1 2" twice: the occurrence nearest the output's length (7 tokens) wins
+    assert proposer.propose_in(prediction, [9, 9, 9, 9, 9, 1, 2]).tolist() == [6, 7]
+    assert proposer.propose_in(prediction, [1, 2]).tolist() == [3, 4, 5]
+    # an edit: the output's last token alone still anchors it (down to one token)
+    assert proposer.propose_in(prediction, [1, 2, 3, 8, 4]).tolist() == [5, 1, 2]
+    assert proposer.propose_in(prediction, [0, 8]).tolist() == []
+    assert proposer.propose_in(prediction, [1], max_drafts=1).tolist() == [2]

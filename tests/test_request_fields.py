@@ -49,10 +49,12 @@ CHAT_SERVED = {**SERVED, "messages": [{"role": "user", "content": "hi"}], "logpr
                **CHAT_ONLY_SERVED}
 # Refused by name whatever their value (or with the value given here).
 REFUSED = {
-    # suffix: vLLM refuses it too ("suffix is not currently supported"); prediction waits for
-    # speculative decoding; audio output cannot be honoured.
+    # suffix: vLLM refuses it too ("suffix is not currently supported"); prediction is served
+    # by a speculative engine only (tests/test_predicted_outputs.py), this one refuses it;
+    # audio output cannot be honoured.
     "suffix": "x", "guided_whitespace_pattern": " ", "audio": {"voice": "x"},
-    "moderation": {}, "prediction": {"type": "content"}, "prompt_cache_options": {},
+    "moderation": {}, "prediction": {"type": "content", "content": "ab"},
+    "prompt_cache_options": {},
     "verbosity": "low", "web_search_options": {},
     # vLLM's extensions this server does not implement (priority: only 0, as vLLM without
     # priority scheduling)

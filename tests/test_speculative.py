@@ -206,6 +206,25 @@ def test_drafts_are_dropped_before_anyone_is_preempted():
     assert request.spec_token_ids == []
 
 
+def test_drafts_ride_only_in_steps_of_decodes_alone():
+    """A step that admits a prompt runs its decodes without their drafts (and gives back the
+    blocks taken for them): speculative programs are decode shapes only."""
+    scheduler = _scheduler()
+    request = _request()
+    scheduler.add_request(request)
+    scheduler.update(scheduler.schedule(0.0), np.array([7]), 0.0)
+    free = scheduler.kv_manager.num_free_blocks
+    request.spec_token_ids = [1] * 8
+    newcomer = Request("n", [5] * 6, SamplingParams(max_tokens=4), seed=0, arrival_time=0.0)
+    scheduler.add_request(newcomer)
+    output = scheduler.schedule(0.0)
+    assert [(s.request.request_id, s.num_new_tokens) for s in output.scheduled] == [
+        ("r", 1), ("n", 6)]
+    assert output.num_scheduled_tokens == 7 and request.spec_token_ids == []
+    assert scheduler.kv_manager.num_free_blocks == free - 2  # n's two; r's third block holds
+    assert len(scheduler.kv_manager.get_block_table("r")) == 3  # its 11 tokens
+
+
 def test_a_grammar_cuts_the_drafts_it_refuses(byte_model):
     engine = make_engine(byte_model, NGRAM)
     tok = ByteTokenizer()

@@ -105,6 +105,17 @@ def encode_text(tokenizer, text, field: str = "prompt", add_special_tokens: bool
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
+def _check_prediction(engine: "LLMEngine", prediction: Sequence[int]) -> None:
+    """A prediction is the drafts' source: only an engine that speculates can use it."""
+    if engine.config.speculative_config is None:
+        raise RequestError("prediction", "prediction (Predicted Outputs) needs an engine with "
+                           "speculative decoding: start it with --speculative-config "
+                           "(e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}')")
+    if len(prediction) > engine.config.max_model_len:
+        raise RequestError("prediction", f"prediction holds {len(prediction)} tokens, more than "
+                           f"max_model_len ({engine.config.max_model_len})")
+
+
 def check_spec(engine: "LLMEngine", spec: PromptSpec) -> Admission:
     """Every limit the engine puts on one request; raises RequestError naming the field."""
     if not isinstance(spec, PromptSpec):
@@ -132,8 +143,11 @@ def check_spec(engine: "LLMEngine", spec: PromptSpec) -> Admission:
     if params.stop and engine.tokenizer is None:
         raise RequestError("stop", "stop strings need a tokenizer; this engine has none (pass "
                            "stop_token_ids, or give the engine a tokenizer)")
+    if params.prediction is not None:
+        _check_prediction(engine, params.prediction)
     for field, ids in (("stop_token_ids", params.stop_token_ids),
-                       ("logit_bias", [token_id for token_id, _ in params.logit_bias])):
+                       ("logit_bias", [token_id for token_id, _ in params.logit_bias]),
+                       ("prediction", params.prediction or ())):
         for token_id in ids:
             if token_id >= vocab:
                 raise RequestError(field, f"{field} must hold token ids in [0, vocab_size="

@@ -17,6 +17,10 @@ class RequestMetrics:
     finish_time: float | None
     num_preemptions: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache
+    # Speculative decoding, over the samples: drafts verified and the ones accepted (with a
+    # prediction, OpenAI's accepted_prediction_tokens; the rest its rejected ones).
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
     @property
     def ttft(self) -> float | None:
@@ -95,7 +99,9 @@ class RequestOutput:
             leader.arrival_time, leader.first_scheduled_time,
             min(first_tokens) if first_tokens else None,
             max(finishes) if finished else None,
-            sum(s.num_preemptions for s in samples), leader.num_cached_tokens)
+            sum(s.num_preemptions for s in samples), leader.num_cached_tokens,
+            sum(s.num_draft_tokens for s in samples),
+            sum(s.num_accepted_draft_tokens for s in samples))
         return cls(request_id=leader.parent_id, prompt_token_ids=list(leader.prompt_token_ids),
                    outputs=outputs, finished=finished, metrics=metrics, prompt=prompt,
                    error=error, cache_salt=leader.cache_salt,

@@ -7,6 +7,9 @@ the accepted ones and rolls the rest back (scheduler.lifecycle.update). The prop
 
 - `ngram` (prompt lookup): the longest suffix of the request's tokens found earlier in them
   (scheduler.ngram_proposer), on the host.
+- a request's own `prediction` (OpenAI's Predicted Outputs), in any speculative engine: its
+  drafts come from the predicted output, matched against its output as it grows
+  (NgramProposer.propose_in).
 
 Drafts are deterministic, so verification couples them with plain sampling: the tokens are
 those plain decoding gives, greedy or seeded (rejection_sampler's docstring).
@@ -124,8 +127,13 @@ class Speculator:
             room = request.sampling_params.max_tokens - request.num_output_tokens - 1
             if room <= 0:
                 continue
-            drafts = self.proposer.propose(request.prompt_token_ids + request.output_token_ids,
-                                           room).tolist()
+            prediction = request.sampling_params.prediction
+            if prediction is not None:
+                drafts = self.proposer.propose_in(prediction, request.output_token_ids, room)
+            else:
+                drafts = self.proposer.propose(
+                    request.prompt_token_ids + request.output_token_ids, room)
+            drafts = drafts.tolist()
             if drafts:
                 drafts = drafts[:self.token_masks.num_valid(request, drafts)]
             request.spec_token_ids = drafts

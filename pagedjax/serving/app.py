@@ -168,8 +168,15 @@ class OpenAIServer:
                  best_of: int | None, params_of: dict[str, str],
                  prompt_logprobs: int | None = None,
                  constraint: tuple[str, dict] | None = None) -> SamplingParams:
+        prediction = body.prediction_text()  # its shape checked with the body's fields
+        if prediction is not None:
+            try:
+                prediction = encode_text(self.tokenizer, prediction, "prediction",
+                                         add_special_tokens=False)
+            except RequestError as e:
+                raise APIError(400, str(e), "prediction") from None
         return sampling_params(body, max_tokens, logprobs, best_of, params_of, prompt_logprobs,
-                               constraint)
+                               constraint, prediction)
 
     async def encode(self, prompt: str | list, field: str) -> tuple[list, str | None]:
         """Token ids of a text prompt (tokenized off the event loop) or the ids as given (the
@@ -248,11 +255,16 @@ class OpenAIServer:
         if self.trace is not None:
             self.trace.forget(request_id)
 
-    def usage(self, outputs: dict[str, RequestOutput]) -> dict:
+    def usage(self, outputs: dict[str, RequestOutput], prediction: bool = False) -> dict:
+        """OpenAI's usage of a request's outputs; prediction: it sent Predicted Outputs (the
+        drafts its prediction gave, accepted and rejected, are reported)."""
         cached = sum(o.metrics.num_cached_tokens for o in outputs.values())
+        drafted = sum(o.metrics.num_draft_tokens for o in outputs.values())
+        accepted = sum(o.metrics.num_accepted_draft_tokens for o in outputs.values())
         return usage_json(sum(len(o.prompt_token_ids) for o in outputs.values()),
                           sum(len(c.token_ids) for o in outputs.values() for c in o.outputs),
-                          cached if self.prompt_tokens_details else None)
+                          cached if self.prompt_tokens_details else None,
+                          (accepted, drafted - accepted) if prediction else None)
 
     def gone(self) -> responses.Response:
         return responses.Response(status_code=499)  # nobody reads it: the client has gone

@@ -191,7 +191,7 @@ async def chat_completions(server: OpenAIServer, request: fastapi.Request):
             message, finish = reader.message(c.text or "", c.finish_reason)
             choices.append({"index": c.index, "message": message, "logprobs": None,
                             **extra(c, 0), "finish_reason": finish, "stop_reason": c.stop_reason})
-        response = {**base, "choices": choices, "usage": server.usage({request_id: out})}
+        response = {**base, "choices": choices, "usage": server.usage({request_id: out}, body.prediction is not None)}
         if body.prompt_logprobs is not None:  # vLLM: beside the choices
             response["prompt_logprobs"] = prompt_logprobs_json(
                 out.prompt_logprobs, out.prompt_token_ids, body.prompt_logprobs)
@@ -245,5 +245,6 @@ async def _events(server: OpenAIServer, body: ChatCompletionRequest, group, chun
             for choice in choices:
                 yield event([choice])
     if options is not None and options.include_usage:
-        yield sse({**chunk, "choices": [], "usage": server.usage({chunk["id"]: final})})
+        usage = server.usage({chunk["id"]: final}, body.prediction is not None)
+        yield sse({**chunk, "choices": [], "usage": usage})
     yield DONE

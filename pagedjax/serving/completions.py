@@ -121,8 +121,8 @@ async def completions(server: OpenAIServer, request: fastapi.Request):
         final = await server.collect(group, request)
         if final is None:
             return server.gone()
-        return server.respond({**base, "choices": choices.whole(final),
-                               "usage": server.usage(final)}, capped)
+        usage = server.usage(final, body.prediction is not None)
+        return server.respond({**base, "choices": choices.whole(final), "usage": usage}, capped)
     num_prompt = sum(len(ids) for ids, _ in encoded)
     return server.stream(guard(_events(server, body, group, choices, base, num_prompt)), capped)
 
@@ -172,5 +172,6 @@ async def _events(server: OpenAIServer, body: CompletionRequest, group, choices:
             for sent_choice in sent:  # one choice a chunk, as vLLM streams n > 1
                 yield chunk({**base, "choices": [sent_choice]})
     if body.stream_options is not None and body.stream_options.include_usage:
-        yield sse({**base, "choices": [], "usage": server.usage(final)})
+        usage = server.usage(final, body.prediction is not None)
+        yield sse({**base, "choices": [], "usage": usage})
     yield DONE

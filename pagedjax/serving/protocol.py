@@ -71,6 +71,26 @@ class _SamplingFields(BaseModel):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
+    # OpenAI's Predicted Outputs: {"type": "content", "content": text or text parts}, the
+    # output as the client expects it; with speculative decoding on, the request's drafts.
+    prediction: dict[str, Any] | None = None
+
+    def prediction_text(self) -> str | None:
+        """The predicted content as one text (None without a prediction); ValueError when the
+        prediction is not OpenAI's shape."""
+        if self.prediction is None:
+            return None
+        content = self.prediction.get("content")
+        if self.prediction.get("type") != "content" or set(self.prediction) != {"type",
+                                                                                "content"}:
+            raise ValueError('prediction must be {"type": "content", "content": ...}')
+        if isinstance(content, list) and all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                for p in content):
+            return "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise ValueError("prediction.content must be a string or a list of text parts")
+        return content
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for fields with values this engine does not implement."""
@@ -90,6 +110,10 @@ class _SamplingFields(BaseModel):
         if self.priority != 0:
             found.append(("priority", "priority scheduling is not enabled on this server "
                           "(requests run first come, first served): priority must be 0"))
+        try:
+            self.prediction_text()
+        except ValueError as error:
+            found.append(("prediction", str(error)))
         if self.guided_whitespace_pattern is not None:
             found.append(("guided_whitespace_pattern", "guided_whitespace_pattern is not "
                           "supported (use structured_outputs.disable_any_whitespace)"))
@@ -216,13 +240,19 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def usage_json(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+def usage_json(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
+               prediction: tuple[int, int] | None = None) -> dict:
     """OpenAI's usage object; with cached_tokens (vLLM's --enable-prompt-tokens-details), the
-    prompt tokens the prefix cache served, in prompt_tokens_details."""
+    prompt tokens the prefix cache served, in prompt_tokens_details; with prediction (a
+    request's Predicted Outputs: its drafts accepted and rejected), completion_tokens_details'
+    accepted_prediction_tokens and rejected_prediction_tokens."""
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
              "total_tokens": prompt_tokens + completion_tokens}
     if cached_tokens is not None:
         usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    if prediction is not None:
+        usage["completion_tokens_details"] = {"accepted_prediction_tokens": prediction[0],
+                                              "rejected_prediction_tokens": prediction[1]}
     return usage
 
 

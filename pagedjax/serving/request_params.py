@@ -19,11 +19,12 @@ STRUCTURED_FIELDS = ("structured_outputs", *(f"structured_outputs.{kind}" for ki
 def sampling_params(body: _SamplingFields, max_tokens: int, logprobs: int | None,
                     best_of: int | None, params_of: dict[str, str],
                     prompt_logprobs: int | None = None,
-                    constraint: tuple[str, dict] | None = None) -> SamplingParams:
+                    constraint: tuple[str, dict] | None = None,
+                    prediction: list[int] | None = None) -> SamplingParams:
     """The body's SamplingParams, or APIError 400 naming the body's field; params_of maps the
     engine's field names to the endpoint's (structured outputs add theirs); constraint: (field,
     StructuredOutputs kwargs) a field other than the structured-output ones implies (tool
-    calling's)."""
+    calling's); prediction: the body's Predicted Outputs, tokenized."""
     kwargs: dict[str, Any] = dict(max_tokens=max_tokens, n=body.n, best_of=best_of,
                                   prompt_logprobs=prompt_logprobs,
                                   seed=body.seed, ignore_eos=body.ignore_eos,
@@ -46,6 +47,8 @@ def sampling_params(body: _SamplingFields, max_tokens: int, logprobs: int | None
         if getattr(body, name) is not None:
             kwargs[name] = getattr(body, name)
     kwargs["min_tokens"] = body.min_tokens
+    if prediction is not None:
+        kwargs["prediction"] = tuple(prediction)
     kwargs["structured_outputs"], field = structured_outputs(body, constraint)
     if field is not None:  # the engine's errors name the body's field
         params_of.update({name: field for name in STRUCTURED_FIELDS})
