@@ -134,7 +134,10 @@ class LLM:
         loaded, own_tokenizer = resolve_model(model, seed=config.seed, dtype=config.dtype,
                                               lazy=True)
         self.tokenizer = _load_tokenizer(tokenizer) or own_tokenizer
-        self.engine = make_engine(loaded, config, tokenizer=self.tokenizer)
+        spec = config.speculative_config
+        draft = None if spec is None or spec.model is None else resolve_model(
+            spec.model, seed=config.seed, dtype=config.dtype)[0]
+        self.engine = make_engine(loaded, config, tokenizer=self.tokenizer, draft_model=draft)
 
     def _token_ids(self, prompt) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):

@@ -123,22 +123,31 @@ class ShapeBuckets:
                     shapes.append((t, b))
         return shapes
 
+    @property
+    def speculative_token_buckets(self) -> tuple[int, ...]:
+        """The T of a speculative step: powers of two from 2 (min_token_bucket is for
+        prefills; a decode step's k + 1 tokens a row would mostly be padding in it)."""
+        return power_of_two_buckets(2, self.token_buckets[-1])
+
+    def padded_speculative_tokens(self, num_tokens: int) -> int:
+        return pad_to_bucket(num_tokens, self.speculative_token_buckets)
+
     def speculative_shapes(self) -> list[tuple[int, int]]:
         """Every (T, B) of a speculative step (drafts ride only in steps of decodes alone:
         scheduler.schedule) with up to max_speculative_seqs rows: B the seq bucket of its
-        rows, T the token bucket of their tokens (each row 1 to K + 1)."""
+        rows, T the speculative token bucket of their tokens (each row 1 to K + 1)."""
         if not self.num_speculative_tokens:
             return []
-        most = self.seq_buckets[-1]
+        most, top = self.seq_buckets[-1], self.token_buckets[-1]
         limit = self.padded_num_seqs(min(self.max_speculative_seqs or most, most))
         shapes, smaller = [], 0
         for b in self.seq_buckets:
             if b > limit:
                 break
-            low = self.padded_num_tokens(min(smaller + 2, self.token_buckets[-1]))
-            high = self.padded_num_tokens(min(b * (self.num_speculative_tokens + 1),
-                                              self.token_buckets[-1]))
-            shapes += [(t, b) for t in self.token_buckets if low <= t <= high]
+            low = self.padded_speculative_tokens(min(smaller + 2, top))
+            high = self.padded_speculative_tokens(min(b * (self.num_speculative_tokens + 1),
+                                                      top))
+            shapes += [(t, b) for t in self.speculative_token_buckets if low <= t <= high]
             smaller = b
         return shapes
 

@@ -97,7 +97,7 @@ def _padded_shape(output: SchedulerOutput, buckets: ShapeBuckets, num_seqs: int,
     padded like a prefill; a speculative step too, with B its rows' seq bucket (its K + 1
     logits a row are computed for B rows, however many T could hold)."""
     if speculative:
-        return (PREFILL, buckets.padded_num_tokens(output.num_scheduled_tokens),
+        return (PREFILL, buckets.padded_speculative_tokens(output.num_scheduled_tokens),
                 buckets.padded_num_seqs(num_seqs))
     kind = output.kind if buckets.decode_programs else PREFILL
     if kind == DECODE:

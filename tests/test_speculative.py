@@ -29,10 +29,11 @@ def byte_model():
     return init_model(config, seed=5)
 
 
-def make_engine(model, spec, **overrides):
+def make_engine(model, spec, draft_model=None, **overrides):
     config = dict(max_model_len=192, max_num_seqs=6, max_num_batched_tokens=32, block_size=4,
                   num_blocks=64, speculative_config=spec)
-    return LLMEngine(model, EngineConfig(**{**config, **overrides}), tokenizer=ByteTokenizer())
+    return LLMEngine(model, EngineConfig(**{**config, **overrides}), tokenizer=ByteTokenizer(),
+                     draft_model=draft_model)
 
 
 def run(engine, requests):
@@ -101,6 +102,53 @@ def test_tokens_equal_plain_decoding_over_a_mixed_batch(byte_model):
                         assert ly[t].logprob == pytest.approx(lx[t].logprob, abs=1e-4)
                         assert (ly[t].rank, ly[t].decoded_token) == (lx[t].rank,
                                                                      lx[t].decoded_token)
+
+
+def draft_of(model, **changes):
+    """A draft for byte_model: the same vocabulary, its own (random) weights and shape."""
+    return init_model(dataclasses.replace(model.config, **changes), seed=11)
+
+
+def test_a_draft_model_gives_plain_decodings_tokens(byte_model):
+    """A one-layer random draft with its own paged KV: greedy and seeded tokens equal plain
+    decoding's over the mixed batch (chunked prefill, preemption, a grammar, n = 2)."""
+    tok = ByteTokenizer()
+    requests = mixed_batch(tok, "\x00never", 263)
+    plain = run(make_engine(byte_model, None, num_blocks=32), requests)
+    spec = dict(method="draft_model", model="draft", num_speculative_tokens=3)
+    engine = make_engine(byte_model, spec, num_blocks=32,
+                         draft_model=draft_of(byte_model, num_layers=1, hidden_size=32,
+                                              head_dim=8))
+    outs = run(engine, requests)
+    assert engine.stats.num_spec_draft_tokens > 0 and engine.stats.num_preemptions > 0
+    for a, b in zip(plain, outs):
+        assert [o.token_ids for o in b.outputs] == [o.token_ids for o in a.outputs]
+    assert engine.speculator.drafter.num_steps > 0
+    assert not engine.speculator.drafter.kv.block_tables  # every request's blocks given back
+
+
+def test_the_target_as_its_own_draft_is_accepted_every_time(byte_model):
+    """Drafting with the target's own weights: its greedy drafts are the target's greedy tokens,
+    so all are accepted: the draft's KV holds exactly what the target's does."""
+    tok = ByteTokenizer()
+    requests = [(tok.encode(f"draft {i}: " * (i + 1)), SamplingParams(
+        max_tokens=30, temperature=0.0, ignore_eos=True)) for i in range(3)]
+    spec = dict(method="draft_model", model="itself", num_speculative_tokens=4)
+    engine = make_engine(byte_model, spec, draft_model=byte_model, max_num_batched_tokens=16)
+    outs = run(engine, requests)
+    plain = run(make_engine(byte_model, None), requests)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    stats = engine.stats
+    assert stats.num_spec_draft_tokens >= 40
+    assert stats.spec_acceptance_rate >= 0.97, stats  # f32 near-ties aside: all
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(byte_model):
+    with pytest.raises(ValueError, match="the draft's vocab_size .300. is not the target's"):
+        make_engine(byte_model, dict(model="d", num_speculative_tokens=2),
+                    draft_model=draft_of(byte_model, vocab_size=300))
+    with pytest.raises(ValueError, match="pass the loaded draft as draft_model"):
+        make_engine(byte_model, dict(model="d", num_speculative_tokens=2))
 
 
 def test_k_bounds_the_drafts_and_the_switch_off_turns_speculation_off(byte_model):
@@ -283,7 +331,10 @@ def test_penalties_count_the_drafts_before_each_position():
 @pytest.mark.parametrize("value, match", [
     ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of"),
     ({"method": "ngram"}, "num_speculative_tokens must be an integer"),
-    ({"num_speculative_tokens": 2, "model": "some/draft"}, r"\['model'\] are not served"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "some/draft"},
+     "model names the draft model of method draft_model"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "model names the draft model"),
+    ({"num_speculative_tokens": 2, "quantization": "fp8"}, r"\['quantization'\] are not served"),
     ({"num_speculative_tokens": 2, "lookahead": 3}, r"unknown speculative_config field\(s\) "
                                                     r"\['lookahead'\]"),
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
@@ -298,8 +349,10 @@ def test_bad_speculative_configs_are_refused_by_name(value, match):
 
 def test_speculative_config_takes_vllms_json_and_defaults():
     config = EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 4}')
-    assert config.speculative_config == SpeculativeConfig("ngram", 4, 5, 5)  # vLLM's 5 and 5
+    assert config.speculative_config == SpeculativeConfig(  # vLLM's 5 and 5
+        "ngram", 4, prompt_lookup_min=5, prompt_lookup_max=5)
     assert SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=3).prompt_lookup_min == 3
+    assert SpeculativeConfig(num_speculative_tokens=2, model="d").method == "draft_model"
     assert config.buckets().num_speculative_tokens == 4
 
 

@@ -18,6 +18,7 @@ from pagedjax.engine import memory_budget, prompt_logprobs
 from pagedjax.engine.admission import Admission, PromptSpec, check_specs
 from pagedjax.engine.compile_cache import enable_compilation_cache
 from pagedjax.engine.config import EngineConfig
+from pagedjax.engine.draft_model import DraftModelProposer
 from pagedjax.engine.kv_snapshot import KVSnapshot, UsageSample, kv_snapshot, tokens_stored
 from pagedjax.engine.output_processor import TextState
 from pagedjax.engine.outputs import RequestOutput
@@ -68,14 +69,17 @@ class _Started:
 class LLMEngine:
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig | None = None, *,
                  tokenizer=None, clock: Callable[[], float] = time.perf_counter,
-                 devices: Sequence | None = None, seed_rng: np.random.Generator | None = None):
+                 devices: Sequence | None = None, seed_rng: np.random.Generator | None = None,
+                 draft_model=None):
         """tokenizer (optional: a pagedjax.text.tokenizer.Tokenizer or ByteTokenizer) adds text to
         the outputs and enables stop strings. (Its vocabulary may exceed the model's, as some
         checkpoints' added tokens do: prompt ids are checked against the model's vocab_size.)
         devices: where the model runs, its first tensor_parallel_size (default: this process's
         devices, or every process's when the model needs more, multi-host; a data-parallel
         engine gives each replica its own group). seed_rng draws the seeds of
-        requests that give none (default: seeded by config.seed)."""
+        requests that give none (default: seeded by config.seed). draft_model: the draft of
+        speculative_config's method draft_model, loaded (LLM loads it from the config's
+        path)."""
         config = config or EngineConfig()
         model_config = model.config
         if config.max_model_len > model_config.max_position_embeddings:
@@ -140,12 +144,32 @@ class LLMEngine:
         # allowed_token_ids, bad_words, min_tokens, structured outputs: one state a sample
         self.token_masks = TokenMasks(tokenizer, model_config.vocab_size,
                                       model_config.eos_token_ids)
-        self.speculator = (None if config.speculative_config is None else
-                           Speculator(config.speculative_config, self.token_masks))
+        spec = config.speculative_config
+        self.speculator = None if spec is None else Speculator(
+            spec, self.token_masks, self._drafter(draft_model) if spec.model else None)
         self._prompts: dict[str, str] = {}  # request_id -> prompt text, when given as text
         self._oom_retries: collections.Counter[str] = collections.Counter()  # by request id
         self.usage_history: collections.deque[UsageSample] = collections.deque(maxlen=100_000)
         self.last_schedule = None
+
+    def _drafter(self, draft_model) -> DraftModelProposer:
+        """The draft model's proposer, on the first device, a pool as large as the target's
+        (and a block of lookahead a sequence)."""
+        config = self.config
+        if draft_model is None:
+            raise ValueError("speculative_config.model: pass the loaded draft as draft_model= "
+                             "(LLM and `pagedjax serve` load it from the path)")
+        if draft_model.config.vocab_size != self.model_config.vocab_size:
+            raise ValueError(f"speculative_config.model: the draft's vocab_size "
+                             f"({draft_model.config.vocab_size}) is not the target's "
+                             f"({self.model_config.vocab_size})")
+        if config.tensor_parallel_size > 1 or self.multihost:
+            raise ValueError("speculative_config.model: a draft model runs with "
+                             "tensor_parallel_size 1 on one host (use method ngram)")
+        return DraftModelProposer(draft_model, config, config.speculative_config
+                                  .num_speculative_tokens, backend=self.backend,
+                                  device=self.devices[0],
+                                  num_blocks=self.num_blocks + config.max_num_seqs)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -244,8 +268,7 @@ class LLMEngine:
         now = self.clock()
         for sample in samples:
             self.scheduler.abort(sample.request_id, now)
-            self._texts.pop(sample.request_id, None)
-            self.token_masks.drop(sample.request_id)
+            self._forget(sample.request_id)
         self._prompts.pop(request_id, None)
         self._oom_retries.pop(request_id, None)
         self.stats.num_aborted += 1
@@ -401,9 +424,15 @@ class LLMEngine:
             self._prompts.pop(parent_id, None)
             self._oom_retries.pop(parent_id, None)
             for sample in samples:
-                self._texts.pop(sample.request_id, None)
-                self.token_masks.drop(sample.request_id)
+                self._forget(sample.request_id)
         return out
+
+    def _forget(self, request_id: str) -> None:
+        """A finished sample's host state: its text, its token masks, its drafter's KV."""
+        self._texts.pop(request_id, None)
+        self.token_masks.drop(request_id)
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
 
     def _fail(self, parent_id: str, message: str, now: float) -> None:
         for sample in self._groups[parent_id]:
@@ -492,7 +521,8 @@ class LLMEngine:
         """Compiles every step program the buckets allow (loaded from the persistent
         compilation cache when an earlier process compiled them); returns how many. progress
         shows a bar with each program as it compiles and the seconds taken."""
-        return self.runner.warmup(self.buckets, progress)
+        drafter = self.speculator and self.speculator.drafter
+        return self.runner.warmup(self.buckets, progress) + (drafter.warmup() if drafter else 0)
 
     def start_warmup(self, progress: bool = False):
         """warmup() behind serving: a background thread compiles every program while steps run

@@ -7,6 +7,8 @@ the accepted ones and rolls the rest back (scheduler.lifecycle.update). The prop
 
 - `ngram` (prompt lookup): the longest suffix of the request's tokens found earlier in them
   (scheduler.ngram_proposer), on the host.
+- `draft_model`: a smaller model with the target's vocabulary, drafting greedily with its own
+  paged KV (pagedjax.engine.draft_model).
 - a request's own `prediction` (OpenAI's Predicted Outputs), in any speculative engine: its
   drafts come from the predicted output, matched against its output as it grows
   (NgramProposer.propose_in).
@@ -23,9 +25,9 @@ import json
 from scheduler import Request, RequestStatus
 from scheduler.ngram_proposer import NgramProposer
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 # vLLM's SpeculativeConfig fields this engine does not serve (yet): refused by name.
-UNSUPPORTED = ("model", "draft_tensor_parallel_size", "quantization", "max_model_len",
+UNSUPPORTED = ("draft_tensor_parallel_size", "quantization", "max_model_len",
                "revision", "code_revision", "speculative_token_tree",
                "disable_padded_drafter_batch", "suffix_decoding_max_tree_depth",
                "suffix_decoding_max_cached_requests", "suffix_decoding_max_spec_factor",
@@ -41,13 +43,16 @@ class SpeculativeConfig:
     this speculates for none of them (at high load verifying drafts costs more than it saves);
     None: always."""
 
-    method: str = "ngram"
+    method: str | None = None  # vLLM's default: draft_model when a model is given, else ngram
     num_speculative_tokens: int | None = None
+    model: str | None = None  # draft_model: the draft (a path or config name, as LLM's model)
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     disable_by_batch_size: int | None = None
 
     def __post_init__(self):
+        if self.method is None:
+            object.__setattr__(self, "method", "ngram" if self.model is None else "draft_model")
         if self.method not in METHODS:
             raise ValueError(f"speculative_config.method must be one of {METHODS}, got "
                              f"{self.method!r}")
@@ -55,6 +60,12 @@ class SpeculativeConfig:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an integer "
                              f">= 1, got {k!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config.model names the draft model of method "
+                             "draft_model (and only of it)")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"speculative_config.model must be a path or config name, got "
+                             f"{type(self.model).__name__}")
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         if low is None and high is None:
             low = high = DEFAULT_LOOKUP
@@ -105,12 +116,19 @@ class SpeculativeConfig:
 class Speculator:
     """Gives the running requests that are decoding their drafts for the next step."""
 
-    def __init__(self, config: SpeculativeConfig, token_masks):
+    def __init__(self, config: SpeculativeConfig, token_masks, drafter=None):
         """token_masks (pagedjax.engine.token_masks.TokenMasks): a grammar-constrained
-        request's drafts are cut at the first its grammar refuses."""
+        request's drafts are cut at the first its grammar refuses. drafter: the draft model's
+        proposer (pagedjax.engine.draft_model), for method draft_model."""
         self.config = config
         self.proposer = config.proposer()
         self.token_masks = token_masks
+        self.drafter = drafter
+
+    def forget(self, request_id: str) -> None:
+        """A request finished: the draft model frees what it held for it."""
+        if self.drafter is not None:
+            self.drafter.forget(request_id)
 
     def propose(self, running: list[Request]) -> None:
         """Sets spec_token_ids of each running request in its decode phase that has none:
@@ -120,6 +138,7 @@ class Speculator:
         limit = self.config.disable_by_batch_size
         if limit is not None and len(running) > limit:
             return
+        batch = []  # the draft model's
         for request in running:
             if (request.spec_token_ids or request.status is not RequestStatus.RUNNING
                     or request.num_tokens - request.num_computed_tokens != 1):
@@ -129,11 +148,19 @@ class Speculator:
                 continue
             prediction = request.sampling_params.prediction
             if prediction is not None:
-                drafts = self.proposer.propose_in(prediction, request.output_token_ids, room)
+                self._set(request, self.proposer.propose_in(prediction, request.output_token_ids,
+                                                            room).tolist())
+            elif self.drafter is not None:
+                batch.append((request, min(room, self.config.num_speculative_tokens)))
             else:
-                drafts = self.proposer.propose(
-                    request.prompt_token_ids + request.output_token_ids, room)
-            drafts = drafts.tolist()
-            if drafts:
-                drafts = drafts[:self.token_masks.num_valid(request, drafts)]
-            request.spec_token_ids = drafts
+                self._set(request, self.proposer.propose(
+                    request.prompt_token_ids + request.output_token_ids, room).tolist())
+        if batch:
+            drafts = self.drafter.propose(batch)
+            for request, _ in batch:
+                self._set(request, drafts.get(request.request_id, []))
+
+    def _set(self, request: Request, drafts: list[int]) -> None:
+        if drafts:
+            drafts = drafts[:self.token_masks.num_valid(request, drafts)]
+        request.spec_token_ids = drafts

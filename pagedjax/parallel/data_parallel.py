@@ -49,7 +49,8 @@ class DataParallelEngine:
     """LLMEngine's interface over config.data_parallel_size replicas (see the module doc)."""
 
     def __init__(self, model, config: EngineConfig, *, tokenizer=None,
-                 clock: Callable[[], float] = time.perf_counter, devices: Sequence | None = None):
+                 clock: Callable[[], float] = time.perf_counter, devices: Sequence | None = None,
+                 draft_model=None):
         dp, tp = config.data_parallel_size, config.tensor_parallel_size
         # Given devices are counted by the mesh (a device may be named twice: replicas sharing
         # one chip, as the fast tests run them).
@@ -67,7 +68,8 @@ class DataParallelEngine:
         seeds = np.random.SeedSequence(config.seed).spawn(dp)  # distinct sampling streams
         self.replicas = [LLMEngine(model, one, tokenizer=tokenizer, clock=clock,
                                    devices=list(self.mesh.devices[r]),
-                                   seed_rng=np.random.default_rng(seeds[r]))
+                                   seed_rng=np.random.default_rng(seeds[r]),
+                                   draft_model=draft_model)
                          for r in range(dp)]
         self._backends = [Backend(f"replica:{r}") for r in range(dp)]
         self.policy = RoutingPolicy(self._backends, "kv_aware")

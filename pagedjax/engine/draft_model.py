@@ -1,0 +1,123 @@
+"""The draft-model proposer of speculative decoding (vLLM's `method: "draft_model"`): a smaller
+model with the target's vocabulary drafts k tokens greedily for each decoding request.
+
+Its KV is paged in a pool of its own, with a block table per request in its own
+KVCacheManager (the scheduler's classes, driven here), not a KV cache group of the target's:
+the draft's layers have other shapes (a group's pages are one size), the target's scheduler and
+its plans stay as they are (a target step never waits on the draft's allocations), and the
+draft's pool can be sized for the draft alone. The price: a request's tokens are computed twice,
+once by each model. The draft's KV holds every token of its requests that the target holds
+(a request joining catches up through the draft's ragged programs, chunked by the token
+budget); its k drafts are written past that, never counted as computed, and overwritten by the
+next catch-up, which recomputes the accepted ones (at most k + 1 tokens a request a step).
+
+A proposal is one ragged step (each request's catch-up, sampling d1 at its last token) then
+k - 1 decode steps over the requests still drafting, every one greedy (argmax): the drafts are
+deterministic, so the target verifies them by coupling with its own sampling
+(pagedjax.engine.rejection_sampler). The draft runs on the target's first device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pagedjax.engine.runner import ModelRunner
+from scheduler import (DECODE, PREFILL, KVCacheManager, Request, SamplingParams, ScheduledSeq,
+                       SchedulerOutput, ShapeBuckets, build_plan)
+
+_GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+class DraftModelProposer:
+    def __init__(self, model, config, num_speculative_tokens: int, *, backend, device,
+                 num_blocks: int):
+        """config: the target engine's EngineConfig (block size, limits, dtypes); num_blocks:
+        the draft's pool (its null block included)."""
+        self.k = num_speculative_tokens
+        self.budget = config.max_num_batched_tokens
+        self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size,
+                                  dtype=config.kv_np_dtype, backend=backend,
+                                  scan_layers=config.scan_layers, device=device)
+        self.kv = KVCacheManager(num_blocks, config.block_size)
+        self.buckets = ShapeBuckets.create(
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+            block_size=config.block_size, min_token_bucket=config.min_token_bucket,
+            prefill_seqs=config.prefill_seqs)
+        self._shadows: dict[str, Request] = {}  # request_id -> the draft's view of it
+        self.num_steps = 0
+
+    def forget(self, request_id: str) -> None:
+        """Frees the draft's blocks of a request that finished (or was aborted)."""
+        shadow = self._shadows.pop(request_id, None)
+        if shadow is not None:
+            self.kv.free(shadow)
+
+    def propose(self, requests: list[tuple[Request, int]]) -> dict[str, list[int]]:
+        """Drafts for (request, at most this many) pairs: request_id -> up to k tokens. A
+        request still catching up, or whose draft blocks the pool cannot hold, gets none."""
+        scheduled, drafting = self._catch_up(requests)
+        if not scheduled:
+            return {}
+        ids = self._run(scheduled)
+        drafts = {}
+        for row, (shadow, start, num_new) in enumerate(scheduled):
+            shadow.num_computed_tokens = start + num_new
+            if shadow.request_id in drafting:
+                drafts[shadow.request_id] = [int(ids[row])]
+        for _ in range(1, self.k):
+            rows = [(self._shadows[r], d) for r, d in drafts.items()
+                    if len(d) < drafting[r]]
+            if not rows:
+                break
+            for shadow, d in rows:
+                shadow.prompt_token_ids.append(d[-1])  # the draft's tokens, for this proposal
+            ids = self._run([ScheduledSeq(s, s.num_tokens - 1, 1) for s, _ in rows])
+            for (shadow, d), token in zip(rows, ids):
+                d.append(int(token))
+        return drafts  # (a shadow's tokens are the request's again at its next proposal)
+
+    def _catch_up(self, requests):
+        """The rows of the first step (each request's tokens the draft has not computed, as
+        many as the budget allows) and, of those that catch up whole, how many drafts each
+        may have (request_id -> count), their slots allocated."""
+        scheduled, drafting, budget = [], {}, self.budget
+        for request, most in requests:
+            shadow = self._shadow(request)
+            start = shadow.num_computed_tokens
+            num_new = min(shadow.num_tokens - start, budget)
+            if num_new <= 0:
+                continue
+            whole = start + num_new == shadow.num_tokens and most > 0
+            if self.kv.allocate_slots(shadow, num_new + (most - 1 if whole else 0)) is None:
+                if self.kv.allocate_slots(shadow, num_new) is None:
+                    continue  # no room even to catch up: it drafts nothing this step
+                whole = False
+            scheduled.append(ScheduledSeq(shadow, start, num_new))
+            budget -= num_new
+            if whole:
+                drafting[shadow.request_id] = most
+        return scheduled, drafting
+
+    def _shadow(self, request: Request) -> Request:
+        shadow = self._shadows.get(request.request_id)
+        tokens = request.prompt_token_ids + request.output_token_ids
+        if shadow is None:
+            shadow = self._shadows[request.request_id] = Request(
+                request.request_id, tokens, _GREEDY, seed=0, arrival_time=0.0)
+        else:
+            shadow.prompt_token_ids = tokens
+        return shadow
+
+    def _run(self, scheduled: list[ScheduledSeq]) -> np.ndarray:
+        """One draft step over scheduled (a decode program when each row brings one token);
+        each row's greedy token."""
+        num_tokens = sum(s.num_new_tokens for s in scheduled)
+        kind = DECODE if num_tokens == len(scheduled) else PREFILL
+        output = SchedulerOutput(scheduled, [], kind, num_tokens, 0.0)
+        plan = build_plan(output, self.kv, self.buckets)
+        self.num_steps += 1
+        return self.runner.step(plan)[0]
+
+    def warmup(self) -> int:
+        return self.runner.warmup(self.buckets)
