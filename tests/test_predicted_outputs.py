@@ -95,3 +95,21 @@ def test_a_malformed_prediction_is_refused_by_name(client, prediction):
     response = client.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "hi"}], "prediction": prediction})
     assert response.status_code == 400 and response.json()["error"]["param"] == "prediction"
+
+
+def test_metrics_count_the_verified_drafts(client):
+    """/metrics' spec_decode counters follow the engine's: after a predicted request, drafts
+    were verified and the acceptance gauges are set."""
+    client.post("/v1/completions", json={
+        "prompt": "copy:metrics=", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+        "prediction": {"type": "content", "content": "metrics"}})
+    values = {}
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("pagedjax:spec_decode"):
+            name, value = line.rsplit(" ", 1)
+            values[name.split("{")[0]] = float(value)
+    assert values["pagedjax:spec_decode_num_draft_tokens_total"] > 0
+    assert values["pagedjax:spec_decode_num_drafts_total"] > 0
+    rate = values["pagedjax:spec_decode_acceptance_rate"]
+    assert rate == pytest.approx(values["pagedjax:spec_decode_num_accepted_tokens_total"]
+                                 / values["pagedjax:spec_decode_num_draft_tokens_total"])

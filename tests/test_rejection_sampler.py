@@ -101,3 +101,36 @@ def test_a_seeded_row_draws_the_same_in_any_batch():
     first = run([0, 1, 2, 3])
     assert (run([3, 1, 0, 2]) == first).all()
     assert (run([0, 1, 2, 3]) == first).all()
+
+
+@pytest.mark.parametrize("drafter", ["right_half_the_time", "always_wrong"])
+def test_the_engines_coupled_verification_is_distributed_as_the_target(drafter):
+    """The engine's path (sampling_step.sample_fn on a plan with one draft column): each
+    position sampled as plain sampling would, drafts kept while they agree. The first token is
+    p0's, and after an accepted draft the next is p1's (chi-square as above)."""
+    import dataclasses
+
+    from pagedjax.engine import sampling_step
+    from pagedjax.engine.runner import padding_plan
+
+    p = _target()
+    rng = np.random.default_rng(13)
+    drafts = (np.where(rng.random(ROWS) < 0.5, p[0].argmax(), rng.integers(0, 4, ROWS))
+              if drafter == "right_half_the_time" else np.full(ROWS, 4))
+    plan = dataclasses.replace(
+        padding_plan("prefill", 2, ROWS, 1, num_speculative_tokens=1),
+        temperature=np.ones(ROWS, np.float32), seeds=np.arange(ROWS, dtype=np.uint32),
+        kv_lens=np.full(ROWS, 9, np.int32), draft_token_ids=drafts[:, None].astype(np.int32),
+        num_draft_tokens=np.ones(ROWS, np.int32))
+    with np.errstate(divide="ignore"):
+        logits = jnp.asarray(np.tile(np.log(p), (ROWS, 1)), jnp.float32)  # [ROWS * 2, 5]
+    tokens = np.asarray(sampling_step.sample_fn(0, logits, sampling_step.sampling_inputs(plan),
+                                                sampling_step.no_token_mask(ROWS))[0])
+    assert chi_square(tokens[:, 0], p[0]) < CHI2_4DF_999
+    accepted = tokens[:, 1] >= 0
+    assert (tokens[accepted, 0] == drafts[accepted]).all()
+    if drafter == "always_wrong":
+        assert not accepted.any()
+    else:
+        assert accepted.sum() > 2000
+        assert chi_square(tokens[accepted, 1], p[1]) < CHI2_4DF_999

@@ -104,6 +104,22 @@ def test_tokens_equal_plain_decoding_over_a_mixed_batch(byte_model):
                                                                      lx[t].decoded_token)
 
 
+def test_a_sliding_window_model_frees_nothing_a_rollback_needs(byte_model):
+    """Every layer windowed (8 tokens, blocks of 4 freed as they leave it): drafts rolled back
+    over freed blocks still give plain decoding's tokens, and the pool ends as full as it
+    began."""
+    model = init_model(dataclasses.replace(byte_model.config, sliding_window=8), seed=3)
+    tok = ByteTokenizer()
+    requests = [(tok.encode(f"{i} window window window"), SamplingParams(
+        max_tokens=40, temperature=0.0, ignore_eos=True)) for i in range(3)]
+    plain = run(make_engine(model, None), requests)
+    engine = make_engine(model, NGRAM)
+    outs = run(engine, requests)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert engine.stats.num_spec_accepted_tokens > 0
+    assert engine.scheduler.kv_manager.num_used_blocks == 0
+
+
 def draft_of(model, **changes):
     """A draft for byte_model: the same vocabulary, its own (random) weights and shape."""
     return init_model(dataclasses.replace(model.config, **changes), seed=11)

@@ -14,7 +14,10 @@ the accepted ones and rolls the rest back (scheduler.lifecycle.update). The prop
   (NgramProposer.propose_in).
 
 Drafts are deterministic, so verification couples them with plain sampling: the tokens are
-those plain decoding gives, greedy or seeded (rejection_sampler's docstring).
+those plain decoding gives, greedy or seeded (rejection_sampler's docstring). A proposer is
+anything with the draft model's interface (propose a batch, forget a request, warm up): an
+EAGLE-style head, which reads the target's hidden states, would be one more, given the
+forward's hidden states at the sampled positions (it returns only logits today).
 """
 
 from __future__ import annotations
