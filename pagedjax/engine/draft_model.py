@@ -12,20 +12,52 @@ budget); its k drafts are written past that, never counted as computed, and over
 next catch-up, which recomputes the accepted ones (at most k + 1 tokens a request a step).
 
 A proposal is one ragged step (each request's catch-up, sampling d1 at its last token) then
-k - 1 decode steps over the requests still drafting, every one greedy (argmax): the drafts are
-deterministic, so the target verifies them by coupling with its own sampling
+k - 1 decode steps over the requests still drafting, fused into one program (lax.scan: each
+greedy token fed back on device, its slot from the block table), every draft greedy (argmax):
+the drafts are deterministic, so the target verifies them by coupling with its own sampling
 (pagedjax.engine.rejection_sampler). The draft runs on the target's first device.
 """
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from pagedjax.engine.runner import ModelRunner
-from scheduler import (DECODE, PREFILL, KVCacheManager, Request, SamplingParams, ScheduledSeq,
-                       SchedulerOutput, ShapeBuckets, build_plan)
+from pagedjax.engine.runner import ModelRunner, forward_fn
+from scheduler import (DECODE, FORWARD_FIELDS, PREFILL, KVCacheManager, Request, SamplingParams,
+                       ScheduledSeq, SchedulerOutput, ShapeBuckets, build_plan)
 
 _GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+def draft_loop_fn(graph, backend, num_steps: int, block_size: int, params, kv_cache,
+                  inputs: dict):
+    """num_steps decode steps of a model, each row's greedy token the next step's input (its
+    slot from its block table), as one pure function: (i32[B, num_steps], kv_cache). inputs:
+    the first step's decode plan (FORWARD_FIELDS); padding rows, and positions past the block
+    tables (steps whose drafts no row keeps), write into the null block."""
+    rows = jnp.arange(inputs["kv_lens"].shape[0])
+    real = rows < inputs["num_seqs"]
+    width = inputs["block_tables"].shape[1] * block_size
+
+    def step(carry, _):
+        kv_cache, tokens, positions, kv_lens = carry
+        slots = (inputs["block_tables"][rows, positions // block_size] * block_size
+                 + positions % block_size)
+        step_inputs = dict(inputs, token_ids=tokens, positions=positions, kv_lens=kv_lens,
+                           slot_mapping=jnp.where(real & (positions < width), slots, 0))
+        logits, _, kv_cache = forward_fn(graph, backend, DECODE, 0, params, kv_cache,
+                                         step_inputs)
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return (kv_cache, tokens, positions + 1, jnp.where(real, kv_lens + 1, 0)), tokens
+
+    carry = (kv_cache, inputs["token_ids"], inputs["positions"], inputs["kv_lens"])
+    (kv_cache, *_), tokens = jax.lax.scan(step, carry, None, length=num_steps)
+    return tokens.T, kv_cache
+
+
+_draft_loop = jax.jit(draft_loop_fn, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
 
 
 class DraftModelProposer:
@@ -47,6 +79,26 @@ class DraftModelProposer:
         self._shadows: dict[str, Request] = {}  # request_id -> the draft's view of it
         self.num_steps = 0
 
+    @classmethod
+    def for_engine(cls, engine, draft_model) -> "DraftModelProposer":
+        """The draft of engine's speculative_config, on the engine's first device, its pool as
+        large as the target's and a block of lookahead a sequence; ValueError naming
+        speculative_config.model when the draft cannot serve this engine."""
+        config = engine.config
+        if draft_model is None:
+            raise ValueError("speculative_config.model: pass the loaded draft as draft_model= "
+                             "(LLM and `pagedjax serve` load it from the path)")
+        if draft_model.config.vocab_size != engine.model_config.vocab_size:
+            raise ValueError(f"speculative_config.model: the draft's vocab_size "
+                             f"({draft_model.config.vocab_size}) is not the target's "
+                             f"({engine.model_config.vocab_size})")
+        if config.tensor_parallel_size > 1 or engine.multihost:
+            raise ValueError("speculative_config.model: a draft model runs with "
+                             "tensor_parallel_size 1 on one host (use method ngram)")
+        return cls(draft_model, config, config.speculative_config.num_speculative_tokens,
+                   backend=engine.backend, device=engine.devices[0],
+                   num_blocks=engine.num_blocks + config.max_num_seqs)
+
     def forget(self, request_id: str) -> None:
         """Frees the draft's blocks of a request that finished (or was aborted)."""
         shadow = self._shadows.pop(request_id, None)
@@ -65,17 +117,33 @@ class DraftModelProposer:
             shadow.num_computed_tokens = start + num_new
             if shadow.request_id in drafting:
                 drafts[shadow.request_id] = [int(ids[row])]
-        for _ in range(1, self.k):
-            rows = [(self._shadows[r], d) for r, d in drafts.items()
-                    if len(d) < drafting[r]]
-            if not rows:
-                break
-            for shadow, d in rows:
-                shadow.prompt_token_ids.append(d[-1])  # the draft's tokens, for this proposal
-            ids = self._run([ScheduledSeq(s, s.num_tokens - 1, 1) for s, _ in rows])
-            for (shadow, d), token in zip(rows, ids):
-                d.append(int(token))
-        return drafts  # (a shadow's tokens are the request's again at its next proposal)
+        rows = [(self._shadows[r], d) for r, d in drafts.items() if drafting[r] > 1]
+        if rows:
+            more = self._draft_loop(rows, self.k - 1)  # one program whatever each row's room
+            for (shadow, d), tokens in zip(rows, more):
+                d.extend(int(t) for t in tokens[:drafting[shadow.request_id] - 1])
+        return drafts
+
+    def _draft_loop(self, rows, num_steps: int) -> np.ndarray:
+        """num_steps more drafts for each row (a shadow and its first draft): one program that
+        feeds each greedy token back (the k - 1 decode steps fused under lax.scan); i32[rows,
+        num_steps]. The plan is the first of those decode steps, its block tables holding every
+        block taken for the drafts."""
+        for shadow, d in rows:
+            shadow.prompt_token_ids.append(d[0])  # for this plan (reset at the next proposal)
+        scheduled = [ScheduledSeq(s, s.num_tokens - 1, 1) for s, _ in rows]
+        plan = build_plan(SchedulerOutput(scheduled, [], DECODE, len(rows), 0.0), self.kv,
+                          self.buckets)
+        for i, (shadow, _) in enumerate(rows):
+            table = self.kv.get_block_table(shadow.request_id)
+            plan.block_tables[i, :len(table)] = table
+        runner = self.runner
+        inputs = {name: getattr(plan, name) for name in FORWARD_FIELDS}
+        ids, runner.kv_cache = _draft_loop(runner.graph, runner.backend, num_steps,
+                                           self.kv.block_size, runner.params, runner.kv_cache,
+                                           inputs)
+        self.num_steps += num_steps
+        return np.asarray(ids)[:len(rows)]
 
     def _catch_up(self, requests):
         """The rows of the first step (each request's tokens the draft has not computed, as

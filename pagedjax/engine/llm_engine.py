@@ -146,30 +146,12 @@ class LLMEngine:
                                       model_config.eos_token_ids)
         spec = config.speculative_config
         self.speculator = None if spec is None else Speculator(
-            spec, self.token_masks, self._drafter(draft_model) if spec.model else None)
+            spec, self.token_masks,
+            DraftModelProposer.for_engine(self, draft_model) if spec.model else None)
         self._prompts: dict[str, str] = {}  # request_id -> prompt text, when given as text
         self._oom_retries: collections.Counter[str] = collections.Counter()  # by request id
         self.usage_history: collections.deque[UsageSample] = collections.deque(maxlen=100_000)
         self.last_schedule = None
-
-    def _drafter(self, draft_model) -> DraftModelProposer:
-        """The draft model's proposer, on the first device, a pool as large as the target's
-        (and a block of lookahead a sequence)."""
-        config = self.config
-        if draft_model is None:
-            raise ValueError("speculative_config.model: pass the loaded draft as draft_model= "
-                             "(LLM and `pagedjax serve` load it from the path)")
-        if draft_model.config.vocab_size != self.model_config.vocab_size:
-            raise ValueError(f"speculative_config.model: the draft's vocab_size "
-                             f"({draft_model.config.vocab_size}) is not the target's "
-                             f"({self.model_config.vocab_size})")
-        if config.tensor_parallel_size > 1 or self.multihost:
-            raise ValueError("speculative_config.model: a draft model runs with "
-                             "tensor_parallel_size 1 on one host (use method ngram)")
-        return DraftModelProposer(draft_model, config, config.speculative_config
-                                  .num_speculative_tokens, backend=self.backend,
-                                  device=self.devices[0],
-                                  num_blocks=self.num_blocks + config.max_num_seqs)
 
     # ---- requests ----------------------------------------------------------------------------
 
