@@ -28,6 +28,9 @@ RUNS = {
     "tp4": dict(tensor_parallel_size=4),  # more devices than debug-tiny's 2 KV heads
     "tp2-gpu-kernels": dict(tensor_parallel_size=2, attention_backend="gpu",
                             attention_interpret=True),
+    # speculative decoding over the mesh: one draft-verifying plan drives every shard
+    "tp2-ngram": dict(tensor_parallel_size=2, speculative_config=dict(
+        num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2)),
 }
 DP_RUNS = {
     "dp2": dict(data_parallel_size=2),
@@ -68,7 +71,7 @@ def child() -> None:
         report[name] = {
             "tokens": [o.output_token_ids for o in outputs],
             "preemptions": stats.num_preemptions, "prefix_hits": stats.num_prefix_hit_tokens,
-            "prefill_steps": stats.num_prefill_steps,
+            "prefill_steps": stats.num_prefill_steps, "spec_drafts": stats.num_spec_drafts,
             "q_proj": shard_shapes(layers["self_attn"]["q_proj"]["kernel"]),
             "k_proj": shard_shapes(layers["self_attn"]["k_proj"]["kernel"]),
             "o_proj": shard_shapes(layers["self_attn"]["o_proj"]["kernel"]),
@@ -256,6 +259,7 @@ def test_tensor_parallel_greedy_tokens_equal_one_device(report, name):
     one = report["tp1"]
     assert one["preemptions"] > 0 and one["prefix_hits"] > 0 and one["prefill_steps"] > 6
     assert report[name]["tokens"] == one["tokens"]
+    assert (report[name]["spec_drafts"] > 0) == ("ngram" in name)
 
 
 def test_weights_and_cache_are_split_not_replicated(report):
