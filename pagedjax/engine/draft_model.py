@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pagedjax.engine.runner import ModelRunner, forward_fn
+from pagedjax.engine.runner import ModelRunner, forward_fn, padding_plan
 from scheduler import (DECODE, FORWARD_FIELDS, PREFILL, KVCacheManager, Request, SamplingParams,
                        ScheduledSeq, SchedulerOutput, ShapeBuckets, build_plan)
 
@@ -188,4 +188,17 @@ class DraftModelProposer:
         return self.runner.step(plan)[0]
 
     def warmup(self) -> int:
-        return self.runner.warmup(self.buckets)
+        """Compiles the draft's step programs and its fused loop for every seq bucket (the
+        loop by running it on padding: every write lands in the null block); returns how
+        many programs."""
+        count = self.runner.warmup(self.buckets)
+        if self.k > 1:
+            runner = self.runner
+            for b in self.buckets.seq_buckets:
+                plan = padding_plan(DECODE, b, b, self.buckets.max_blocks_per_seq)
+                inputs = {name: getattr(plan, name) for name in FORWARD_FIELDS}
+                _, runner.kv_cache = _draft_loop(runner.graph, runner.backend, self.k - 1,
+                                                 self.kv.block_size, runner.params,
+                                                 runner.kv_cache, inputs)
+                count += 1
+        return count
