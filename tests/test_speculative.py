@@ -168,6 +168,9 @@ def test_a_draft_model_with_another_vocabulary_is_refused(byte_model):
     with pytest.raises(ValueError, match="the draft's vocab_size .300. is not the target's"):
         make_engine(byte_model, dict(model="d", num_speculative_tokens=2),
                     draft_model=draft_of(byte_model, vocab_size=300))
+    with pytest.raises(ValueError, match="the draft's max_position_embeddings .64. is below"):
+        make_engine(byte_model, dict(model="d", num_speculative_tokens=2),
+                    draft_model=draft_of(byte_model, max_position_embeddings=64))
     with pytest.raises(ValueError, match="pass the loaded draft as draft_model"):
         make_engine(byte_model, dict(model="d", num_speculative_tokens=2))
 

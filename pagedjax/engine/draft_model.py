@@ -92,6 +92,10 @@ class DraftModelProposer:
             raise ValueError(f"speculative_config.model: the draft's vocab_size "
                              f"({draft_model.config.vocab_size}) is not the target's "
                              f"({engine.model_config.vocab_size})")
+        if config.max_model_len > draft_model.config.max_position_embeddings:
+            raise ValueError(f"speculative_config.model: the draft's max_position_embeddings "
+                             f"({draft_model.config.max_position_embeddings}) is below "
+                             f"max_model_len ({config.max_model_len})")
         if config.tensor_parallel_size > 1 or engine.multihost:
             raise ValueError("speculative_config.model: a draft model runs with "
                              "tensor_parallel_size 1 on one host (use method ngram)")
