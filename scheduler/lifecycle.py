@@ -59,9 +59,10 @@ def update(state: SchedulerState, output: SchedulerOutput, sampled_ids, now: flo
 def _roll_back_rejected(state: SchedulerState, output: SchedulerOutput, sampled_ids) -> None:
     """Each scheduled request's computed tokens after the step: all it ran, less the drafts
     the target rejected (their blocks trimmed); drafts are spent either way."""
-    for i, (request, start, num_new) in enumerate(output.scheduled):
-        end = start + num_new
-        num_drafts = max(0, end - request.num_tokens)
+    for i, seq in enumerate(output.scheduled):
+        request = seq.request
+        end = seq.start + seq.num_new_tokens
+        num_drafts = len(seq.drafts)
         if num_drafts:
             accepted = int(np.count_nonzero(sampled_ids[i] >= 0)) - 1
             _count_accepted(state, num_drafts, accepted)

@@ -10,7 +10,7 @@ from scheduler.block_pool import NULL_BLOCK
 from scheduler.buckets import ShapeBuckets
 from scheduler.kv_cache_manager import KVCacheManager, cdiv
 from scheduler.request import MAX_LOGIT_BIAS
-from scheduler.state import DECODE, PREFILL, SchedulerOutput
+from scheduler.state import DECODE, PREFILL, ScheduledSeq, SchedulerOutput
 
 # What the model's forward reads, and what the sampler reads (kv_lens: the sampled position).
 FORWARD_FIELDS = ("token_ids", "positions", "slot_mapping", "block_tables", "kv_lens",
@@ -118,13 +118,13 @@ def _rows(scheduled, kv_manager: KVCacheManager, tables: list[np.ndarray]):
     tokens: list[int] = []
     columns = {name: [] for name in ("start", "q_len", "seed", "drafts", *_PARAM_COLUMNS)}
     block_size = kv_manager.block_size
-    for i, (request, start, n) in enumerate(scheduled):
-        num_drafts = max(0, start + n - request.num_tokens)
-        if n - num_drafts == 1:
+    for i, seq in enumerate(scheduled):
+        request, start, n = seq
+        drafts = seq.drafts
+        if n - len(drafts) == 1:
             tokens.append(request.token_id_at(start))
         else:
-            tokens.extend(request.token_ids_slice(start, start + n - num_drafts))
-        drafts = request.spec_token_ids[:num_drafts]
+            tokens.extend(request.token_ids_slice(start, start + n - len(drafts)))
         tokens.extend(drafts)
         columns["drafts"].append(drafts)
         if n:
@@ -263,12 +263,13 @@ def build_plan(output: SchedulerOutput, kv_manager: KVCacheManager,
     Fork followers come last, as rows with no query tokens whose logits index is their
     leader's last token: they sample their first token from the leader's prompt logits.
     """
-    scheduled = list(output.scheduled) + [(f, leader.num_tokens, 0) for leader, f in output.forks]
+    scheduled = list(output.scheduled) + [ScheduledSeq(f, leader.num_tokens, 0)
+                                          for leader, f in output.forks]
     num_seqs = len(scheduled)
     if num_seqs == 0:
         raise ValueError("cannot build a plan for an empty schedule")
     num_tokens = output.num_scheduled_tokens
-    speculative = any(r.spec_token_ids and s + n > r.num_tokens for r, s, n in scheduled)
+    speculative = any(seq.drafts for seq in scheduled)
     k = buckets.num_speculative_tokens if speculative else 0
     kind, padded_tokens, padded_seqs = _padded_shape(output, buckets, num_seqs, speculative)
     widths = buckets.table_widths

@@ -134,10 +134,9 @@ class _StepBuilder:
             return
         if not forks and all(s.start == s.request.num_tokens - 1 for s in rows):
             return
-        for i, (request, start, num_new) in enumerate(rows):
-            if request.spec_token_ids and start + num_new > request.num_tokens:
+        for i, (request, start, _) in enumerate(rows):
+            if rows[i].drafts:
                 rows[i] = ScheduledSeq(request, start, request.num_tokens - start)
-                self.budget += num_new - (request.num_tokens - start)
                 self.state.kv_manager.trim(request, request.num_tokens)
             request.spec_token_ids = []
 

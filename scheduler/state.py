@@ -76,6 +76,13 @@ class ScheduledSeq(NamedTuple):
     start: int  # position of the first token computed this step (= num_computed_tokens)
     num_new_tokens: int
 
+    @property
+    def drafts(self) -> list[int]:
+        """The speculative drafts this row verifies: its query tokens past its request's own."""
+        request = self.request
+        return request.spec_token_ids[:max(0, self.start + self.num_new_tokens
+                                           - request.num_tokens)]
+
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerOutput:

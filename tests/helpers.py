@@ -75,6 +75,16 @@ def until_done(engine, max_steps: int = 10_000):
     raise AssertionError(f"still unfinished after {max_steps} steps")
 
 
+def run_requests(engine, requests, max_steps: int = 10_000) -> list:
+    """Queues (prompt token ids, SamplingParams) pairs on engine and steps it (bounded, see
+    until_done) until all finish; their final RequestOutputs in the same order."""
+    ids = [engine.add_request(p, sp) for p, sp in requests]
+    done = {}
+    for _ in until_done(engine, max_steps):
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return [done[i] for i in ids]
+
+
 def wait_healthy(url: str, procs, timeout_s: float = 120) -> None:
     """Waits (bounded) until a served /health answers ok; fails if a process exits first."""
     import json

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import until_done
+from helpers import run_requests as run
 from models import get_config, init_model
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
 from pagedjax.engine.sampler import apply_penalties, apply_token_mask
@@ -20,13 +20,6 @@ from pagedjax.text.tokenizer import ByteTokenizer
 CONFIG = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, min_seq_bucket=4,
               block_size=4)
 
-
-def run(engine, requests):
-    ids = [engine.add_request(p, sp) for p, sp in requests]
-    done = {}
-    for _ in until_done(engine):
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    return [done[i] for i in ids]
 
 
 def numpy_penalties(logits, tokens, prompt_len, presence, frequency, repetition):

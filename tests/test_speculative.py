@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from helpers import until_done
+from helpers import run_requests as run
 from models import get_config, init_model
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
 from pagedjax.engine.beam_search import BeamSearchParams, beam_search
@@ -36,13 +36,6 @@ def make_engine(model, spec, draft_model=None, **overrides):
     return LLMEngine(model, EngineConfig(**{**config, **overrides}), tokenizer=ByteTokenizer(),
                      draft_model=draft_model)
 
-
-def run(engine, requests):
-    ids = [engine.add_request(p, sp) for p, sp in requests]
-    done = {}
-    for _ in until_done(engine, max_steps=3000):
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    return [done[i] for i in ids]
 
 
 def mixed_batch(tok, stop_text: str, stop_token: int):

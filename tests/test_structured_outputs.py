@@ -11,7 +11,7 @@ import re
 import jsonschema
 import pytest
 
-from helpers import until_done
+from helpers import run_requests as run
 from models import get_config, init_model
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
 from pagedjax.text.tokenizer import ByteTokenizer
@@ -36,13 +36,6 @@ def byte_model():
     config = dataclasses.replace(get_config("debug-tiny"), vocab_size=264, eos_token_id=257)
     return init_model(config, seed=5)
 
-
-def run(engine, requests):
-    ids = [engine.add_request(p, sp) for p, sp in requests]
-    done = {}
-    for _ in until_done(engine, max_steps=2000):
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    return [done[i] for i in ids]
 
 
 def check(kind: str, text: str) -> None:

@@ -46,8 +46,7 @@ def expand_rows(inputs: dict, k: int) -> dict:
     batch = drafts.shape[0]
     flat = {name: jnp.repeat(value, k + 1, axis=0) for name, value in inputs.items()}
     steps = jnp.arange(k + 1, dtype=jnp.int32)
-    flat["kv_lens"] = (inputs["kv_lens"] - num_drafts)[:, None] + steps[None, :]
-    flat["kv_lens"] = flat["kv_lens"].reshape(-1)
+    flat["kv_lens"] = ((inputs["kv_lens"] - num_drafts)[:, None] + steps[None, :]).reshape(-1)
     tokens = inputs["penalty_tokens"]  # i32[B, H]: prompt then output, -1 after
     if tokens.shape[1]:
         offset = (jnp.arange(tokens.shape[1])[None, :]

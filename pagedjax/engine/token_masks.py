@@ -196,9 +196,6 @@ def step_rows(output) -> list[tuple[Request, bool, list[int]]]:
     """A schedule's rows in plan order (scheduled, then fork followers), each with whether it
     samples a token this step (its chunk reaches the end of its tokens) and the speculative
     drafts it verifies."""
-    rows = []
-    for request, start, num_new in output.scheduled:
-        end = start + num_new
-        rows.append((request, end >= request.num_tokens,
-                     request.spec_token_ids[:max(0, end - request.num_tokens)]))
+    rows = [(seq.request, seq.start + seq.num_new_tokens >= seq.request.num_tokens, seq.drafts)
+            for seq in output.scheduled]
     return rows + [(follower, True, []) for _, follower in output.forks]
