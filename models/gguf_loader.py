@@ -132,10 +132,12 @@ def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def checked_gguf(path: str, dtype: str = "float32", reader=None):
+def checked_gguf(path: str, dtype: str = "float32", reader=None, blocks: bool = False):
     """(abstract model in dtype, opened, metadata) where opened() yields tensor(HF name) -> the
     tensor dequantized to f32 in HF's layout; every tensor's name, type and shape checked
-    first. reader: the file's gguf.GGUFReader when already open (parsing one takes seconds)."""
+    first. reader: the file's gguf.GGUFReader when already open (parsing one takes seconds).
+    blocks: the weights in a served block format (models.gguf_blocks) stay quantized: the
+    abstract model has their quantized modules, and tensor.quantized_parts(name) reads them."""
     reader = _reader(path) if reader is None else reader
     meta = metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
@@ -169,16 +171,70 @@ def checked_gguf(path: str, dtype: str = "float32", reader=None):
         if stored != expected:
             raise ValueError(f"{path}: tensor {by_hf[hf].name} has shape {stored}, the "
                              f"metadata implies {expected}")
-    return abstract, _hf_tensors(by_hf, config), meta
+    formats = _block_formats(by_hf) if blocks else {}
+    if formats:
+        from models.quantized_layers import Spec, with_quantized_modules
+
+        def spec(key):
+            chosen = formats.get(key)
+            return None if chosen is None else Spec(chosen.scheme, chosen.group, chosen.zero)
+
+        abstract = with_quantized_modules(abstract, spec)
+    return abstract, _hf_tensors(by_hf, config, formats), meta
 
 
-def _hf_tensors(by_hf: dict, config: LlamaConfig):
+def _module_key(hf: str) -> tuple:
+    """The models.quantized_layers.module_key of an HF weight's module."""
+    parts = hf.split(".")[:-1]
+    if parts[:2] == ["model", "layers"]:
+        return ("layers", "{layer}", *parts[3:])
+    return tuple(parts[1:] if parts[0] == "model" else parts)
+
+
+def _block_formats(by_hf: dict) -> dict:
+    """module_key -> the models.gguf_blocks format its weights are served in, for the modules
+    whose every layer's tensor is in a served block type (the experts' stacked tensors and
+    the router stay dequantized)."""
+    from models.gguf_blocks import common_format
+    from models.hf import EXPERT
+    from models.quantized_layers import QUANTIZED_LINEARS
+
+    types: dict[tuple, set] = {}
+    for hf, tensor in by_hf.items():
+        key = _module_key(hf)
+        if EXPERT in hf or key[-1] not in (*QUANTIZED_LINEARS, "lm_head", "embed_tokens"):
+            continue
+        types.setdefault(key, set()).add(tensor.tensor_type.name)
+    formats = {key: common_format(names) for key, names in types.items()}
+    return {key: chosen for key, chosen in formats.items() if chosen is not None}
+
+
+def _hf_tensors(by_hf: dict, config: LlamaConfig, formats: dict | None = None):
     """opened(): a context yielding tensor(HF name) -> f32 in HF's layout, the q/k permutation
     undone; one expert's tensor is its slice of the stacked one (by_hf: HF name -> GGUF
-    tensor, stacked experts' names with models.hf.EXPERT)."""
+    tensor, stacked experts' names with models.hf.EXPERT). tensor.quantized_parts((HF name,
+    transposed)): a weight of a module in formats (module key -> models.gguf_blocks format)
+    as models.quantization's stored form, from its blocks."""
+    from models.gguf_blocks import FORMATS, decode, stored_parts
     from models.hf import EXPERT
 
     permuted = {"self_attn.q_proj": config.num_heads, "self_attn.k_proj": config.num_kv_heads}
+
+    def heads_of(name: str) -> int | None:
+        return next((heads for module, heads in permuted.items()
+                     if f".{module}.weight" in name), None)
+
+    def quantized_parts(name_and_transpose: tuple[str, bool]) -> dict:
+        name = name_and_transpose[0]
+        stored, target = by_hf[name], formats[_module_key(name)]
+        type_name = stored.tensor_type.name
+        shape = tuple(int(d) for d in reversed(stored.shape))
+        q, scale, zero = decode(stored.data, type_name, shape)
+        heads = heads_of(name)
+        if heads is not None:  # rows of [out, in]: values, scales and offsets alike
+            q, scale = _unpermute(q, heads), _unpermute(scale, heads)
+            zero = None if zero is None else _unpermute(zero, heads)
+        return stored_parts(q, scale, zero, target, FORMATS[type_name].group)
 
     @functools.lru_cache(maxsize=1)  # a tensor is asked for shard by shard, layer by layer,
     def dequantized(name: str) -> np.ndarray:  # expert by expert
@@ -188,10 +244,8 @@ def _hf_tensors(by_hf: dict, config: LlamaConfig):
         shape = tuple(int(d) for d in reversed(stored.shape))
         weight = gguf.quants.dequantize(stored.data, stored.tensor_type).astype(np.float32)
         weight = weight.reshape(shape)
-        for module, heads in permuted.items():
-            if f".{module}.weight" in name:
-                weight = _unpermute(weight, heads)
-        return weight
+        heads = heads_of(name)
+        return weight if heads is None else _unpermute(weight, heads)
 
     def tensor(name: str) -> np.ndarray:
         """An HF-named tensor; one expert's is its slice of the stacked tensor."""
@@ -200,6 +254,9 @@ def _hf_tensors(by_hf: dict, config: LlamaConfig):
             return dequantized(name)
         stacked = name[:expert.start(1)] + EXPERT + name[expert.end(1):]
         return dequantized(stacked)[int(expert.group(1))]
+
+    if formats:
+        tensor.quantized_parts = quantized_parts
 
     @contextlib.contextmanager
     def opened():
@@ -212,10 +269,11 @@ def _hf_tensors(by_hf: dict, config: LlamaConfig):
 
 
 def lazy_gguf_model(path: str, dtype: str = "float32", reader=None):
-    """A models.placed_weights.LazyModel of a GGUF file: checked, nothing dequantized yet."""
+    """A models.placed_weights.LazyModel of a GGUF file: checked, nothing read yet; the weights
+    in a served block format (models.gguf_blocks) stay in their blocks."""
     from models.placed_weights import lazy_from_tensors
 
-    abstract, opened, _ = checked_gguf(path, dtype, reader)
+    abstract, opened, _ = checked_gguf(path, dtype, reader, blocks=True)
     return lazy_from_tensors(abstract, opened, np.dtype(jnp.dtype(dtype)), path)
 
 

@@ -136,38 +136,74 @@ def lazy_from_tensors(abstract: LlamaForCausalLM, opened, np_dtype, source: str)
     slices (a safetensors slice; a numpy array)."""
     config = abstract.config
 
-    def place(weights, placement: Placement):
+    def place(weights, placement: Placement, modules: dict | None = None,
+              scheme: str | None = None):
+        """modules, scheme: the quantized modules (models.quantized_loading) and the scheme
+        a float checkpoint's are quantized by as they are read; default: the abstract
+        model's own (a GGUF file's blocks)."""
         from models.hf import _hf_name
+        from models.quantized_loading import QUANTIZED_PARTS, QuantizedReader, columns_of
         from models.registry import hf_renames
 
         renames = hf_renames(config)
+        modules = quantized_modules(abstract) if modules is None else modules
 
         def name_of(model_path):
             return _hf_name(model_path, renames)
 
         with opened() as tensor:
+            reader = QuantizedReader(getattr(tensor, "quantized_parts", None)
+                                     or _quantizing(tensor, scheme))
+
             def build(path, leaf):
                 field, model_path = leaf_names(path)
                 layers, stacked = _layers_of(path, config.num_layers, leaf)
                 columns = (kv_columns(config, leaf.shape[-1]) if _is_kv(model_path, config)
                            else None)
+                quantized = (model_path[:-1] in modules
+                             and model_path[-1] in QUANTIZED_PARTS)
+                stored = model_path[:-1] + ("kernel",) if quantized else model_path
+
+                def one(name, index):
+                    if quantized:
+                        return columns_of(reader(name, model_path[-1]), columns)[index]
+                    return _read(tensor, name, index, columns, np_dtype, config.num_experts)
 
                 def read(index):
                     index = tuple(index)
                     if field != "layers":
-                        return _read(tensor, name_of(model_path), index, columns, np_dtype,
-                                     config.num_experts)
+                        return one(name_of(stored), index)
                     chosen = layers[index[0]] if stacked else layers
                     inner = index[1:] if stacked else index
-                    parts = [_read(tensor, name_of(_at(model_path, layer)), inner, columns,
-                                   np_dtype, config.num_experts) for layer in chosen]
+                    parts = [one(name_of(_at(stored, layer)), inner) for layer in chosen]
                     return np.stack(parts) if stacked else parts[0]
 
                 return jax.make_array_from_callback(leaf.shape, placement(path, leaf), read)
 
             return jax.tree_util.tree_map_with_path(build, weights)
 
+    place.reads_quantized = True
     return LazyModel(config, abstract, place, source)
+
+
+def quantized_modules(abstract) -> dict:
+    from models.quantized_loading import quantized_modules as found
+    return found(abstract)
+
+
+def _quantizing(tensor, scheme: str | None):
+    """read_parts of a float checkpoint's tensor: read whole, quantized by scheme."""
+    from models.quantization import quantize
+
+    def read_parts(name_and_transpose):
+        if scheme is None:
+            raise ValueError(f"{name_and_transpose[0]}: a quantized module without a scheme")
+        weight = _read(tensor, name_and_transpose, (slice(None), slice(None)), None,
+                       np.float32)
+        data, scale = quantize(weight, scheme)
+        return {"kernel": data, "scale": scale, "zero": None}
+
+    return read_parts
 
 
 def _at(model_path: tuple, layer: int) -> tuple:

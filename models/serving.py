@@ -20,6 +20,7 @@ from flax import nnx
 
 from models.kv_groups import KVCacheGroups
 from models.llama import LlamaForCausalLM, embed, project_logits
+from models.quantized_layers import quantize_like
 from pallas_kernels import AttentionBackend, AttentionMetadata, for_layer
 
 
@@ -107,9 +108,10 @@ def _repeat_kv_heads(model: LlamaForCausalLM, states: tuple, repeats: int):
     head j // repeats of the model)."""
     config = model.config
     wide = dataclasses.replace(config, num_kv_heads=config.num_kv_heads * repeats)
-    param_dtype = jax.tree.leaves(nnx.state(model.embed_tokens))[0].dtype  # abstract too
-    layer_defs = tuple(nnx.split(nnx.eval_shape(lambda i=i, layer=layer: type(layer)(
-        wide, i, rngs=nnx.Rngs(0), dtype=model.dtype, param_dtype=param_dtype)))[0]
+    param_dtype = model.norm.weight.get_value().dtype  # abstract too
+    layer_defs = tuple(nnx.split(nnx.eval_shape(lambda i=i, layer=layer: quantize_like(
+        layer, type(layer)(wide, i, rngs=nnx.Rngs(0), dtype=model.dtype,
+                           param_dtype=param_dtype))))[0]
         for i, layer in enumerate(model.layers))
 
     def repeat(x):

@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 
+from models.quantization import SCHEMES
 from pagedjax.engine.speculative import SpeculativeConfig
 from pallas_kernels import BACKEND_NAMES, check_backend
 from scheduler import SchedulerConfig, ShapeBuckets, cdiv
@@ -13,6 +14,7 @@ from scheduler import SchedulerConfig, ShapeBuckets, cdiv
 DTYPES = ("float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 STEP_PROGRAMS = ("split", "ragged")
+QUANTIZATIONS = (None, *SCHEMES, "gguf")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +88,14 @@ class EngineConfig:
     # Speculative decoding (pagedjax.engine.speculative): vLLM's speculative_config, as a
     # SpeculativeConfig, a dict of its fields or their JSON; None: none.
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # Weight quantization (vLLM's --quantization; models/quantization.py), weight-only (the
+    # activations stay in dtype): "int8" and "fp8" (e4m3) per output channel, "int4" per group
+    # of 128/64/32 rows, quantized as a float checkpoint is read; "gguf": a GGUF file's own
+    # blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), what a GGUF file is served as when unset. None:
+    # the weights as the checkpoint stores them.
+    quantization: str | None = None
+    # The LM head quantized too (the tied embedding table of a model without lm_head).
+    quantize_lm_head: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "speculative_config",
@@ -103,7 +113,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "attention_interpret",
                      "scan_layers", "disable_hybrid_kv_cache_manager",
-                     "enable_expert_parallel"):
+                     "enable_expert_parallel", "quantize_lm_head"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got "
                                  f"{type(getattr(self, name)).__name__}")
@@ -146,6 +156,12 @@ class EngineConfig:
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(f"max_num_seqs ({self.max_num_seqs}) must be <= "
                              f"max_num_batched_tokens ({self.max_num_batched_tokens})")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, "
+                             f"got {self.quantization!r}")
+        if self.quantize_lm_head and self.quantization not in SCHEMES:
+            raise ValueError(f"quantize_lm_head needs quantization in {SCHEMES}, "
+                             f"got {self.quantization!r}")
         if self.step_programs not in STEP_PROGRAMS:
             raise ValueError(f"step_programs must be one of {STEP_PROGRAMS}, "
                              f"got {self.step_programs!r}")

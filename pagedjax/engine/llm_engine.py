@@ -13,6 +13,7 @@ import numpy as np
 
 from models import LlamaForCausalLM
 from models.kv_groups import kv_cache_groups
+from models.quantized_loading import for_serving as quantized_for_serving
 from scheduler.kv_cache_groups import blocks_for
 from pagedjax.engine import memory_budget, prompt_logprobs
 from pagedjax.engine.admission import Admission, PromptSpec, check_specs
@@ -81,6 +82,7 @@ class LLMEngine:
         speculative_config's method draft_model, loaded (LLM loads it from the config's
         path)."""
         config = config or EngineConfig()
+        model = quantized_for_serving(model, config.quantization, config.quantize_lm_head)
         model_config = model.config
         if config.max_model_len > model_config.max_position_embeddings:
             raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "

@@ -96,11 +96,25 @@ def weight_spec(path: tuple, leaf, vocab_size: int, tp: int,
     module = next((n for n in reversed(names) if n.endswith("_proj") or n == "lm_head"), None)
     parameter = names[-1] if names[-1] != "value" else names[-2]
     if module in COLUMN or (module == "lm_head" and vocab_size % tp == 0):
-        return P(*([None] * (ndim - 1)), AXIS)  # kernel [.., D, out] and bias [.., out]
+        return P(*([None] * (ndim - 1)), AXIS)  # kernel [.., D, out], bias, scale [.., G, out]
+    if module in ROW and parameter in ("scale", "zero"):  # a quantized kernel's [.., G, out]
+        return _row_groups(names, leaf.shape, tp)
     # a Linear's kernel, or a mixture's stacked experts (models/moe.py: [.., E, in, out])
     if module in ROW and (parameter == "kernel" or "experts" in names):
         return P(*([None] * (ndim - 2)), AXIS, None)  # kernel [.., in, D]
     return P()  # norms, embedding, row-parallel biases
+
+
+def _row_groups(names: list[str], shape: tuple, tp: int) -> P:
+    """A row-parallel quantized kernel's scales [.., G, out]: split with its rows by group
+    (ValueError when G does not split tp ways), or replicated when per output channel."""
+    groups = shape[-2]
+    if groups == 1:
+        return P()
+    if groups % tp:
+        raise ValueError(f"tensor_parallel_size ({tp}) must divide the {groups} quantization "
+                         f"groups of {'/'.join(names[-3:-1])}'s rows")
+    return P(*([None] * (len(shape) - 2)), AXIS, None)
 
 
 def weight_sharding(mesh: Mesh, vocab_size: int, expert_parallel: bool = False):

@@ -1,0 +1,99 @@
+"""Quantized weights read straight into place (models.placed_weights' lazy loaders).
+
+A LazyModel whose abstract model has quantized modules (models.quantized_layers: swapped by
+`quantize_lazy`, or a GGUF file's own blocks) builds each of their leaves (`kernel`, `scale`,
+`zero`) from a per-layer reading of the whole weight in the serving layout: `parts(name)` ->
+{"kernel", "scale", "zero"}, one layer's tensor at a time on the host. For a float checkpoint
+it reads the tensor and quantizes it (models.quantization.quantize); a GGUF file's reader
+converts its blocks (models.gguf_blocks), with no float copy. The small `scale` / `zero` parts
+are kept for the leaves that follow their kernel's (one read of a tensor, not three).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+from flax import nnx
+
+from models.quantized_layers import QuantizedEmbed, QuantizedLinear, module_key, quantize_model
+
+QUANTIZED_PARTS = ("kernel", "scale", "zero")
+
+
+def quantized_modules(abstract) -> dict[tuple, nnx.Module]:
+    """module_key of each quantized module -> one such module (every layer's is alike:
+    quantize_model and the GGUF reader quantize a weight the same way in every layer)."""
+    found = {}
+    for path, node in nnx.graph.iter_graph(abstract):
+        if isinstance(node, (QuantizedLinear, QuantizedEmbed)):
+            found.setdefault(module_key(path), node)
+    return found
+
+
+def quantize_lazy(lazy, scheme: str, lm_head: bool = False):
+    """The LazyModel of the same checkpoint with its linear layers quantized by scheme as they
+    are read (quantize_model's choice of layers). A loader that cannot quantize as it reads
+    (orbax) is read whole, then quantized (ValueError from there is not raised here)."""
+    from models.placed_weights import LazyModel
+
+    abstract = quantize_model(lazy.abstract, scheme, lm_head)
+    modules = quantized_modules(abstract)
+    if not getattr(lazy.place, "reads_quantized", False):
+        raise ValueError(f"{lazy.source}: this checkpoint format is read whole; "
+                         f"load it eagerly to quantize it")
+    place = functools.partial(lazy.place, modules=modules, scheme=scheme)
+    return dataclasses.replace(lazy, abstract=abstract, place=place)
+
+
+class QuantizedReader:
+    """parts(name_and_transpose) for one place() call: the whole tensor's quantized parts in
+    the serving layout. read_parts(name_and_transpose) computes them (quantizing a float read,
+    or converting a GGUF tensor's blocks); the last tensor's are kept whole, every tensor's
+    scale and zero until the call ends."""
+
+    def __init__(self, read_parts):
+        self.read_parts = read_parts
+        self.small: dict[str, dict] = {}
+        self.last: tuple[str, dict] | None = None
+
+    def __call__(self, name_and_transpose: tuple[str, bool], part: str) -> np.ndarray | None:
+        name = name_and_transpose[0]
+        if part != "kernel" and name in self.small:
+            return self.small[name][part]
+        if self.last is None or self.last[0] != name:
+            parts = self.read_parts(name_and_transpose)
+            self.last = (name, parts)
+            self.small[name] = {key: parts[key] for key in ("scale", "zero")}
+        return self.last[1][part]
+
+
+def columns_of(part: np.ndarray | None, columns) -> np.ndarray | None:
+    """A part with the repeated KV heads' columns (models.placed_weights.kv_columns)."""
+    if part is None or columns is None:
+        return part
+    return np.ascontiguousarray(part[..., columns])
+
+
+def for_serving(model, quantization: str | None, lm_head: bool = False):
+    """The model an engine serves under EngineConfig.quantization: a float model (in memory or
+    a LazyModel) quantized by a scheme; a GGUF file's own blocks ("gguf", or unset). ValueError
+    names a mismatch (a scheme on weights already quantized, "gguf" on other weights)."""
+    from models.placed_weights import LazyModel
+    from models.quantization import SCHEMES
+
+    abstract = model.abstract if isinstance(model, LazyModel) else model
+    stored = sorted({module.scheme for module in quantized_modules(abstract).values()})
+    source = getattr(model, "source", "the model")
+    if quantization == "gguf" and not str(source).endswith(".gguf"):
+        raise ValueError(f"quantization 'gguf' serves a GGUF file's blocks; {source} is not a "
+                         f"GGUF file")
+    if quantization not in SCHEMES:
+        return model
+    if stored:
+        raise ValueError(f"quantization {quantization!r}: {source} is already quantized "
+                         f"({', '.join(stored)}); leave quantization unset to serve its own")
+    if isinstance(model, LazyModel):
+        return quantize_lazy(model, quantization, lm_head)
+    return quantize_model(model, quantization, lm_head)
