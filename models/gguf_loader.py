@@ -268,12 +268,13 @@ def _hf_tensors(by_hf: dict, config: LlamaConfig, formats: dict | None = None):
     return opened
 
 
-def lazy_gguf_model(path: str, dtype: str = "float32", reader=None):
+def lazy_gguf_model(path: str, dtype: str = "float32", reader=None, blocks: bool = True):
     """A models.placed_weights.LazyModel of a GGUF file: checked, nothing read yet; the weights
-    in a served block format (models.gguf_blocks) stay in their blocks."""
+    in a served block format (models.gguf_blocks) stay in their blocks (blocks=False: every
+    weight dequantized to dtype as it is read)."""
     from models.placed_weights import lazy_from_tensors
 
-    abstract, opened, _ = checked_gguf(path, dtype, reader, blocks=True)
+    abstract, opened, _ = checked_gguf(path, dtype, reader, blocks=blocks)
     return lazy_from_tensors(abstract, opened, np.dtype(jnp.dtype(dtype)), path)
 
 
@@ -312,8 +313,10 @@ def inspect_gguf(path: str, kv_dtype: str, block_size: int, attention_backend: s
     report = {"architecture": meta.get("general.architecture"), "model_type": "gguf",
               "checkpoint_dtype": ", ".join(f"{k} x{n}" for k, n in types.most_common())}
     try:
-        checked_gguf(path, reader=reader)
+        abstract = checked_gguf(path, reader=reader, blocks=True)[0]
         config = config_from_gguf(meta, {t.name for t in reader.tensors}, path)
     except ValueError as e:
         return {**report, "supported": False, "reason": str(e)}
-    return {**report, **config_report(config, kv_dtype, block_size, attention_backend)}
+    from models.quantized_loading import weight_report
+    return {**report, **config_report(config, kv_dtype, block_size, attention_backend),
+            **weight_report(abstract)}

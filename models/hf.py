@@ -212,13 +212,19 @@ def _get_tensor(opened, opened_path: str, files: dict[str, str], name: str) -> n
 # ---- inspection ------------------------------------------------------------------------------
 
 def inspect_model_dir(model_dir: str, kv_dtype: str = "bfloat16", block_size: int = 16,
-                      attention_backend: str = "reference") -> dict[str, Any]:
+                      attention_backend: str = "reference",
+                      quantization: str | None = None) -> dict[str, Any]:
     """What `pagedjax inspect` prints: architecture, attention type, KV bytes (in the cache
     layout of attention_backend: the GPU pads the head dim, the TPU a quantized cache's scale
-    rows), support. A `.gguf` file is inspected from its metadata (models.gguf_loader)."""
+    rows), the weights' bytes as served (quantized by quantization, a scheme of
+    models.quantization), support. A `.gguf` file is inspected from its metadata
+    (models.gguf_loader), its weights as its blocks are served."""
     _check_inspect_args(kv_dtype, block_size, attention_backend)
     from models.gguf_loader import inspect_gguf, is_gguf
     if is_gguf(model_dir):
+        if quantization is not None:
+            raise ValueError(f"{model_dir}: a GGUF file is served as its own blocks; "
+                             f"quantization must be unset, got {quantization!r}")
         return inspect_gguf(model_dir, kv_dtype, block_size, attention_backend)
     raw = read_json(os.path.join(model_dir, "config.json"))
     report: dict[str, Any] = {"architecture": architecture_of(raw),
@@ -233,7 +239,17 @@ def inspect_model_dir(model_dir: str, kv_dtype: str = "bfloat16", block_size: in
             report["attention"] = attention_kind(heads, kv_heads)
         report.update(supported=False, reason=str(e))
         return report
-    return {**report, **config_report(config, kv_dtype, block_size, attention_backend)}
+    from models.quantized_layers import quantize_model
+    from models.quantized_loading import weight_report
+    from models.registry import model_class
+    dtype = jnp.bfloat16 if report["checkpoint_dtype"] in ("bfloat16", "float16") \
+        else jnp.float32
+    abstract = nnx.eval_shape(lambda: model_class(config)(config, rngs=nnx.Rngs(0),
+                                                          dtype=dtype, param_dtype=dtype))
+    if quantization is not None:
+        abstract = quantize_model(abstract, quantization)
+    return {**report, **config_report(config, kv_dtype, block_size, attention_backend),
+            **weight_report(abstract)}
 
 
 KV_DTYPES = ("float32", "bfloat16", "int8", "fp8")

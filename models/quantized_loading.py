@@ -97,3 +97,21 @@ def for_serving(model, quantization: str | None, lm_head: bool = False):
     if isinstance(model, LazyModel):
         return quantize_lazy(model, quantization, lm_head)
     return quantize_model(model, quantization, lm_head)
+
+
+def weight_report(abstract) -> dict:
+    """What a model's weights take as served: bytes (every parameter, at its stored dtype), and
+    the quantized modules' formats (module key -> "int4, 32 rows a group, offsets")."""
+    import jax
+
+    leaves = jax.tree.leaves(nnx.state(abstract, nnx.Param))
+    formats = {}
+    for key, module in quantized_modules(abstract).items():
+        rows = module.in_features if isinstance(module, QuantizedLinear) else module.features
+        groups = module.scale.get_value().shape[-2]
+        formats[".".join(map(str, key))] = (
+            f"{module.scheme}, " + ("per output channel" if groups == 1 else
+                                    f"{rows // groups} rows a group")
+            + (", offsets" if module.zero is not None else ""))
+    return {"served_weight_bytes": int(sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)),
+            "quantized_weights": formats}

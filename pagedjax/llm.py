@@ -105,6 +105,12 @@ def checkpoint_dtype(model) -> str:
     return "bfloat16" if stored in ("bfloat16", "float16") else "float32"
 
 
+def _is_orbax(model) -> bool:
+    from models.checkpoint import is_checkpoint
+    return isinstance(model, (str, os.PathLike)) and os.path.isdir(model) and is_checkpoint(
+        os.fspath(model))
+
+
 def _load_tokenizer(tokenizer):
     if tokenizer is None or hasattr(tokenizer, "decode"):
         return tokenizer
@@ -131,8 +137,11 @@ class LLM:
         if engine_kwargs.get("dtype") == "auto":
             engine_kwargs["dtype"] = checkpoint_dtype(model)
         config = EngineConfig.from_kwargs(**engine_kwargs)
+        # a checkpoint read into place as it is quantized, unless its loader reads it whole
+        # (orbax: read, then quantized: a transient full-precision copy)
+        lazy = config.quantization is None or not _is_orbax(model)
         loaded, own_tokenizer = resolve_model(model, seed=config.seed, dtype=config.dtype,
-                                              lazy=True)
+                                              lazy=lazy)
         self.tokenizer = _load_tokenizer(tokenizer) or own_tokenizer
         spec = config.speculative_config
         draft = None if spec is None or spec.model is None else resolve_model(

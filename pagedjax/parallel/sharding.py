@@ -137,20 +137,29 @@ def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def weight_bytes_per_device(config: LlamaConfig, tensor_parallel_size: int,
-                            itemsize: int) -> int:
-    """Bytes of weights one device holds under weight_spec (from the shapes: nothing built)."""
+                            itemsize: int, quantization: str | None = None,
+                            quantize_lm_head: bool = False) -> int:
+    """Bytes of weights one device holds under weight_spec (from the shapes: nothing built):
+    float weights at itemsize, a quantized model's (EngineConfig.quantization) stored values
+    and f32 scales at theirs."""
     from flax import nnx
 
     from models import serving_form
+    from models.quantized_layers import quantize_model
     from models.registry import model_class
 
     tp = tensor_parallel_size
     model = nnx.eval_shape(lambda: model_class(config)(config, rngs=nnx.Rngs(0)))
+    if quantization is not None:
+        model = quantize_model(model, quantization, quantize_lm_head)
     _, weights = serving_form(model, kv_head_repeats=kv_head_repeats(config.num_kv_heads, tp))
     total = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(weights):
         split = any(axis is not None for axis in weight_spec(path, leaf, config.vocab_size, tp))
-        total += int(np.prod(leaf.shape)) * itemsize // (tp if split else 1)
+        floating = np.issubdtype(leaf.dtype, np.floating) and leaf.dtype.itemsize == 4 and (
+            str(getattr(path[-1], "key", path[-1])) not in ("scale", "zero"))
+        size = itemsize if floating else leaf.dtype.itemsize
+        total += int(np.prod(leaf.shape)) * size // (tp if split else 1)
     return total
 
 

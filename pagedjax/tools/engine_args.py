@@ -85,6 +85,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="speculative decoding, vLLM's fields as JSON, e.g. "
                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                        "\"prompt_lookup_max\": 4}' (default: none)")
+    group.add_argument("-q", "--quantization", choices=["int8", "fp8", "int4", "gguf"],
+                       help="weight-only quantization: int8 / fp8 per output channel, int4 per "
+                       "group, quantized as the weights are read; gguf: a GGUF file's own "
+                       "blocks (what a GGUF file gets by default). Default: as stored")
+    group.add_argument("--quantize-lm-head", action="store_true",
+                       help="quantize the LM head too (a tied model's embedding table)")
     group.add_argument("--compilation-cache", metavar="DIR|auto|off",
                        help="JAX's persistent compilation cache: a second start compiles "
                        "nothing (default auto: ~/.cache/pagedjax/jax_cache)")
@@ -97,7 +103,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "policy", "dtype", "kv_cache_dtype", "attention_backend", "preemption_mode",
         "max_logprobs", "seed", "compilation_cache", "prefill_seqs",
         "step_programs", "tensor_parallel_size", "data_parallel_size", "gpu_memory_utilization",
-        "speculative_config")
+        "speculative_config", "quantization")
         if getattr(args, name) is not None}
     if args.kv_cache_memory_gib is not None:
         kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_memory_gib * 2**30)
@@ -113,4 +119,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kwargs["disable_hybrid_kv_cache_manager"] = True
     if args.enable_expert_parallel:
         kwargs["enable_expert_parallel"] = True
+    if args.quantize_lm_head:
+        kwargs["quantize_lm_head"] = True
     return kwargs

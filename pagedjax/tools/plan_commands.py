@@ -23,6 +23,11 @@ def capacity_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens a KV block holds")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="the KV cache's element type")
+    parser.add_argument("--quantization", choices=["int8", "fp8", "int4"],
+                        help="weight-only quantization (the weights' share of a device); "
+                        "default: weights in --dtype")
+    parser.add_argument("--quantize-lm-head", action="store_true",
+                        help="with --quantization: the LM head quantized too")
     parser.add_argument("--context", type=int, default=4096,
                         help="average tokens per sequence (prompt + output)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
@@ -52,8 +57,12 @@ def capacity(args, parser: argparse.ArgumentParser) -> None:
           f"H={config.head_dim}, KV {args.dtype}, TP {tp} x DP {dp}")
     print(f"  bytes per token      {config.kv_bytes_per_token(itemsize):,} (all devices, every "
           f"layer)")
-    print(f"  weights per device   {weight_bytes_per_device(config, tp, itemsize) / 2**30:.2f} "
-          f"GiB")
+    if args.quantize_lm_head and args.quantization is None:
+        parser.error("--quantize-lm-head needs --quantization")
+    weights = weight_bytes_per_device(config, tp, itemsize, args.quantization,
+                                      args.quantize_lm_head)
+    print(f"  weights per device   {weights / 2**30:.2f} GiB"
+          + (f" ({args.quantization} weights)" if args.quantization else ""))
     if config.num_experts:
         print(f"  experts              {config.num_experts}, {config.num_experts_per_tok} a "
               f"token: {config.num_active_params / 1e9:.2f}B of {config.num_params / 1e9:.2f}B "
@@ -115,6 +124,8 @@ def inspect_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", default="reference",
                         choices=["reference", "gpu", "mosaic_gpu", "tpu"],
                         help="whose cache layout to count bytes in")
+    parser.add_argument("--quantization", choices=["int8", "fp8", "int4"],
+                        help="the weights' bytes quantized so (default: as stored)")
 
 
 def inspect(args, parser: argparse.ArgumentParser) -> None:
@@ -126,7 +137,7 @@ def inspect(args, parser: argparse.ArgumentParser) -> None:
         parser.error("--block-size must be >= 1")
     try:
         report = inspect_model_dir(args.model_dir, args.kv_dtype, args.block_size,
-                                   args.attention_backend)
+                                   args.attention_backend, args.quantization)
     except ValueError as e:
         parser.exit(1, f"pagedjax inspect: {e}\n")
     print(f"{args.model_dir}")
@@ -150,6 +161,9 @@ def inspect(args, parser: argparse.ArgumentParser) -> None:
     print(f"  rope                 {report['rope']} (theta {report['rope_theta']:g}), "
           f"max positions {report['max_position_embeddings']:,}")
     print(f"  parameters           {report['num_params']:,}")
+    formats = sorted(set(report["quantized_weights"].values()))
+    print(f"  weights as served    {report['served_weight_bytes'] / 2**20:,.1f} MiB"
+          + (f" (quantized: {'; '.join(formats)})" if formats else ""))
     if report.get("num_experts"):
         print(f"  experts              {report['num_experts']}, {report['experts_per_token']} a "
               f"token, in {report['sparse_layers']} of {report['num_layers']} layers"
