@@ -99,6 +99,7 @@ def child() -> None:
             "kv_cache": [[list(s.data.shape) for s in r.runner.kv_cache.addressable_shards]
                          for r in replicas],
         }
+    report["quantized"] = quantized_runs(prompts, params)
     report["metrics"] = served_metrics(model, prompts)
     report["placed"] = placed_loading(model)
     report["kernels"] = kernels_under_shard_map()
@@ -114,6 +115,46 @@ def child() -> None:
         errors["4x4"] = str(e)
     report["errors"] = errors
     print(json.dumps(report))
+
+
+QUANT_RUNS = {"int8-tp1": ("int8", 1), "int8-tp2": ("int8", 2), "int8-tp4": ("int8", 4),
+              "int4-tp1": ("int4", 1), "int4-tp2": ("int4", 2)}
+
+
+def quantized_runs(prompts, params) -> dict:
+    """Quantized weights (LM head too) over the mesh: tokens, the shards device 0 holds, its
+    bytes against `pagedjax capacity`'s formula. debug-tiny with a 256-wide MLP: int4's down
+    projection has 2 groups of 128 rows (split with the rows under TP 2; TP 4 refused)."""
+    import jax
+
+    from models import get_config, init_model
+    from pagedjax import LLM
+    from pagedjax.parallel.sharding import weight_bytes_per_device
+
+    config = dataclasses.replace(get_config("debug-tiny"), intermediate_size=256)
+    model = init_model(config, seed=0)
+    out = {}
+    for name, (scheme, tp) in QUANT_RUNS.items():
+        llm = LLM(model, **BASE, tensor_parallel_size=tp, quantization=scheme,
+                  quantize_lm_head=True)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        params_ = llm.engine.runner.params
+        down = params_.layers["mlp"]["down_proj"]
+        out[name] = {
+            "tokens": [o.output_token_ids for o in outputs],
+            "down_kernel": [list(s.data.shape) for s in down["kernel"].get_value()
+                            .addressable_shards],
+            "down_scale": [list(s.data.shape) for s in down["scale"].get_value()
+                           .addressable_shards],
+            "weights_bytes": sum(s.data.nbytes for leaf in jax.tree.leaves(params_)
+                                 for s in leaf.addressable_shards
+                                 if s.device == jax.devices()[0]),
+            "capacity_weights_bytes": weight_bytes_per_device(config, tp, 4, scheme, True)}
+    try:
+        LLM(model, **BASE, tensor_parallel_size=4, quantization="int4")
+    except ValueError as e:
+        out["int4-tp4-error"] = str(e)
+    return out
 
 
 PLACED_RUNS = {"tp1": {}, "tp2": dict(tensor_parallel_size=2),
@@ -284,6 +325,24 @@ def test_capacity_formulas_match_what_each_device_holds(report):
         assert run["kv_bytes"] == run["capacity_kv_bytes"], name
     assert report["tp2"]["kv_bytes"] * 2 == report["tp1"]["kv_bytes"]
     assert report["tp4"]["kv_bytes"] == report["tp2"]["kv_bytes"]  # heads repeated past K
+
+
+@pytest.mark.parametrize("name", [n for n in QUANT_RUNS if not n.endswith("tp1")])
+def test_quantized_weights_over_the_mesh_equal_one_device(report, name):
+    """int8 (per channel: a row-parallel kernel's scales replicated) and int4 (per group: the
+    down projection's two groups split with its rows) give one device's tokens; each device
+    holds 1/TP of the quantized kernels, what the capacity formula counts."""
+    runs = report["quantized"]
+    scheme, tp = QUANT_RUNS[name]
+    one, run = runs[f"{scheme}-tp1"], runs[name]
+    assert run["tokens"] == one["tokens"]
+    assert all(s[-2] * tp == one["down_kernel"][0][-2] for s in run["down_kernel"])
+    groups = one["down_scale"][0][-2]
+    assert groups == (2 if scheme == "int4" else 1)
+    assert all(s[-2] == (groups // tp if groups > 1 else 1) for s in run["down_scale"])
+    for each in (one, run):
+        assert each["weights_bytes"] == each["capacity_weights_bytes"]
+    assert "must divide the 2 quantization groups of mlp/down_proj" in runs["int4-tp4-error"]
 
 
 def test_bad_tensor_parallel_sizes_name_the_limit(report):

@@ -113,7 +113,8 @@ def _row_groups(names: list[str], shape: tuple, tp: int) -> P:
         return P()
     if groups % tp:
         raise ValueError(f"tensor_parallel_size ({tp}) must divide the {groups} quantization "
-                         f"groups of {'/'.join(names[-3:-1])}'s rows")
+                         f"groups of {'/'.join([n for n in names if n != 'value'][-3:-1])}'s "
+                         f"rows")
     return P(*([None] * (len(shape) - 2)), AXIS, None)
 
 
