@@ -131,10 +131,15 @@ def checked_hf_weights(model_dir: str, dtype: str = "float32"):
     cls = model_class(config)
     abstract = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=jdtype,
                                           param_dtype=jdtype))
+    compressed = compressed_scheme(model_dir)
+    if compressed is not None:
+        from models.compressed_tensors import quantized_abstract
+        abstract = quantized_abstract(abstract, compressed)
     params = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     renames = hf_renames(config)
-    wanted = [(_hf_name(path, renames), leaf.shape) for path, leaf in leaves]
+    wanted = [(_hf_name(path, renames), leaf.shape) for path, leaf in leaves
+              if str(getattr(path[-1], "key", path[-1])) != "scale"]  # read with its weight
 
     files = weight_files(model_dir)
     headers = {path: _header(path) for path in sorted(set(files.values()))}
@@ -149,6 +154,8 @@ def checked_hf_weights(model_dir: str, dtype: str = "float32"):
         raise ValueError(f"{model_dir}: weights missing for {config.model_type}: "
                          f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
     ignorable = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if compressed is not None:  # read with their weights (_check_compressed checks them)
+        ignorable |= {n for n in present if n.endswith(".weight_scale")}
     unexpected = sorted(n for n in present - set(stored_as) - ignorable
                         if not n.endswith(IGNORED_SUFFIXES))
     if unexpected:
@@ -159,7 +166,42 @@ def checked_hf_weights(model_dir: str, dtype: str = "float32"):
         if stored != expected:
             raise ValueError(f"{model_dir}: weight {name} has shape {stored}, the config "
                              f"implies {expected}")
+    if compressed is not None:
+        _check_compressed(model_dir, abstract, compressed, headers, files)
     return abstract, (wanted, treedef), files
+
+
+def compressed_scheme(model_dir: str):
+    """The checkpoint's models.compressed_tensors.CompressedScheme, or None."""
+    from models import compressed_tensors
+    return compressed_tensors.read(read_json(os.path.join(model_dir, "config.json")))
+
+
+def _check_compressed(model_dir, abstract, scheme, headers, files) -> None:
+    """Each quantized module's weight is stored in the scheme's type, with its weight_scale
+    ([out, 1] per channel, one value per tensor)."""
+    from models.quantized_loading import quantized_modules
+
+    stored_type = {"fp8": "F8_E4M3", "int8": "I8"}[scheme.scheme]
+    renames = hf_renames(abstract.config)
+    for key, module in quantized_modules(abstract).items():
+        layers = range(abstract.config.num_layers) if key[0] == "layers" else [None]
+        for layer in layers:
+            path = tuple(layer if part == "{layer}" else part for part in key) + ("kernel",)
+            name = _hf_name(path, renames)[0]
+            _, dtype = headers[files[name]][name]
+            scale = name[:-len("weight")] + "weight_scale"
+            if dtype != stored_type or scale not in files:
+                raise ValueError(f"{model_dir}: {name} is {dtype}"
+                                 f"{'' if scale in files else ' without weight_scale'}; "
+                                 f"compressed-tensors {scheme.scheme} stores {stored_type} "
+                                 f"with a weight_scale")
+            shape, _ = headers[files[scale]][scale]
+            expected = [(module.out_features, 1)] if scheme.strategy == "channel" else [
+                (), (1,), (1, 1)]
+            if tuple(shape) not in expected:
+                raise ValueError(f"{model_dir}: {scale} has shape {tuple(shape)}; strategy "
+                                 f"{scheme.strategy} stores {expected[0]}")
 
 
 def load_hf_model(model_dir: str, dtype: str = "float32") -> LlamaForCausalLM:
@@ -168,6 +210,9 @@ def load_hf_model(model_dir: str, dtype: str = "float32") -> LlamaForCausalLM:
     from safetensors import SafetensorError, safe_open
 
     abstract, (wanted, treedef), files = checked_hf_weights(model_dir, dtype)
+    if compressed_scheme(model_dir) is not None:
+        raise ValueError(f"{model_dir}: a compressed-tensors checkpoint is read into place "
+                         f"by an engine (models.placed_weights.lazy_hf_model, LLM), not whole")
     num_experts = abstract.config.num_experts
     jdtype = jnp.dtype(dtype)
     np_dtype = np.dtype(jdtype)
@@ -246,7 +291,11 @@ def inspect_model_dir(model_dir: str, kv_dtype: str = "bfloat16", block_size: in
         else jnp.float32
     abstract = nnx.eval_shape(lambda: model_class(config)(config, rngs=nnx.Rngs(0),
                                                           dtype=dtype, param_dtype=dtype))
-    if quantization is not None:
+    compressed = compressed_scheme(model_dir)
+    if compressed is not None:
+        from models.compressed_tensors import quantized_abstract
+        abstract = quantized_abstract(abstract, compressed)
+    elif quantization is not None:
         abstract = quantize_model(abstract, quantization)
     return {**report, **config_report(config, kv_dtype, block_size, attention_backend),
             **weight_report(abstract)}

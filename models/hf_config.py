@@ -98,7 +98,13 @@ def check_common(raw: dict[str, Any], architecture: str, model_type: str,
         raise refuse(architecture, f"model_type {raw.get('model_type')!r}")
     if raw.get("quantization_config"):
         method = raw["quantization_config"].get("quant_method", "?")
-        raise refuse(architecture, f"a quantized checkpoint ({method})")
+        if method != "compressed-tensors":
+            raise refuse(architecture, f"a quantized checkpoint ({method})")
+        from models import compressed_tensors
+        try:
+            compressed_tensors.read(raw)
+        except ValueError as e:
+            raise refuse(architecture, f"a quantized checkpoint ({e})") from None
     field = "hidden_activation" if raw.get("hidden_activation") else "hidden_act"
     act = raw.get(field) or hidden_acts[0]
     if act not in hidden_acts:

@@ -108,13 +108,16 @@ def _is_kv(model_path: tuple, config: LlamaConfig) -> bool:
 # ---- Hugging Face safetensors ----------------------------------------------------------------
 
 def lazy_hf_model(model_dir: str, dtype: str = "float32") -> LazyModel:
-    from models.hf import checked_hf_weights
+    from models.hf import checked_hf_weights, compressed_scheme
 
     abstract, _, files = checked_hf_weights(model_dir, dtype)
+    compressed = compressed_scheme(model_dir)
 
     @contextlib.contextmanager
     def opened():
         from safetensors import safe_open
+
+        from models import compressed_tensors
 
         with contextlib.ExitStack() as stack:
             handles = {}
@@ -125,6 +128,9 @@ def lazy_hf_model(model_dir: str, dtype: str = "float32") -> LazyModel:
                         safe_open(files[name], framework="numpy"))
                 return handles[files[name]].get_slice(name)
 
+            if compressed is not None:  # its quantized weights, as stored
+                tensor.quantized_parts = lambda name_and_transpose: compressed_tensors.parts(
+                    files, name_and_transpose[0])
             yield tensor
 
     return lazy_from_tensors(abstract, opened, np.dtype(jnp.dtype(dtype)), model_dir)

@@ -86,9 +86,13 @@ def for_serving(model, quantization: str | None, lm_head: bool = False):
     abstract = model.abstract if isinstance(model, LazyModel) else model
     stored = sorted({module.scheme for module in quantized_modules(abstract).values()})
     source = getattr(model, "source", "the model")
-    if quantization == "gguf" and not str(source).endswith(".gguf"):
+    gguf = str(source).endswith(".gguf")
+    if quantization == "gguf" and not gguf:
         raise ValueError(f"quantization 'gguf' serves a GGUF file's blocks; {source} is not a "
                          f"GGUF file")
+    if quantization == "compressed-tensors" and (gguf or not stored):
+        raise ValueError(f"quantization 'compressed-tensors' serves an llm-compressor "
+                         f"checkpoint's weights; {source} is not one")
     if quantization not in SCHEMES:
         return model
     if stored:

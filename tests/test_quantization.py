@@ -214,3 +214,103 @@ def test_cli_flags_set_the_fields():
     kwargs = engine_kwargs(parser.parse_args(["-q", "int4", "--quantize-lm-head"]))
     assert kwargs["quantization"] == "int4" and kwargs["quantize_lm_head"] is True
     assert ml_dtypes  # the fp8 stored form's dtype library ships with jax
+
+
+def write_compressed(directory, kind: str, **quantization_config):
+    """(an llm-compressor-format checkpoint of a random Qwen2 (q/k/v biases), its weights
+    quantized per output channel by torch here (fp8: e4m3 of w / (amax / 448); int8: round(w /
+    (amax / 127))), lm_head ignored; the same model with those weights dequantized in torch,
+    as a plain float checkpoint)."""
+    import json
+    import shutil
+
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file, save_file
+    from test_models_hf import build_hf
+
+    build_hf("qwen2", directory / "float")
+    state = load_file(str(directory / "float" / "model.safetensors"))
+    stored, dequantized = {}, {}
+    for name, weight in state.items():
+        if name.endswith("proj.weight"):
+            w = weight.float()
+            amax = w.abs().amax(dim=1, keepdim=True)
+            if kind == "fp8":
+                scale = amax / 448
+                q = (w / scale).to(torch.float8_e4m3fn)
+            else:
+                scale = amax / 127
+                q = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
+            stored[name], stored[name[:-len("weight")] + "weight_scale"] = q, scale
+            dequantized[name] = q.float() * scale
+        else:
+            stored[name] = dequantized[name] = weight
+    for target, tensors in (("ct", stored), ("deq", dequantized)):
+        (directory / target).mkdir()
+        save_file(tensors, str(directory / target / "model.safetensors"))
+        shutil.copy(directory / "float" / "config.json", directory / target / "config.json")
+    raw = json.loads((directory / "ct" / "config.json").read_text())
+    raw["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": f"{kind_format(kind)}-quantized",
+        "ignore": ["lm_head"], "kv_cache_scheme": None, "quantization_status": "compressed",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"], "output_activations": None,
+            "input_activations": {"dynamic": True, "num_bits": 8, "strategy": "token",
+                                  "symmetric": True, "type": kind_format(kind)},
+            "weights": {"dynamic": False, "num_bits": 8, "strategy": "channel",
+                        "symmetric": True, "type": kind_format(kind), "group_size": None}}},
+        **quantization_config}
+    (directory / "ct" / "config.json").write_text(json.dumps(raw))
+    return directory / "ct", directory / "deq"
+
+
+def kind_format(kind: str) -> str:
+    return "float" if kind == "fp8" else "int"
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_compressed_tensors_checkpoint_serves_its_stored_weights(tmp_path, kind):
+    """An llm-compressor-format checkpoint (F8_E4M3 / I8 weights, per-channel weight_scale,
+    lm_head ignored) is served from its stored values: the same greedy tokens, and logprobs
+    within 1e-4, as the float checkpoint of the same weights dequantized by torch."""
+    from models.placed_weights import lazy_hf_model
+
+    compressed, dequantized = write_compressed(tmp_path, kind)
+    engine = LLMEngine(lazy_hf_model(str(compressed)), EngineConfig(**SMALL))
+    q_proj = engine.runner.params.layers["self_attn"]["q_proj"]
+    assert q_proj["kernel"].get_value().dtype == (jnp.uint8 if kind == "fp8" else jnp.int8)
+    assert engine.runner.params.lm_head["kernel"].get_value().dtype == jnp.float32  # ignored
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=5)
+    prompts = [[t % 128 for t in p] for p in PROMPTS]  # the HF test models' vocabulary
+    got = run_requests(engine, [(p, params) for p in prompts])
+    reference = LLMEngine(lazy_hf_model(str(dequantized)), EngineConfig(**SMALL))
+    expected = run_requests(reference, [(p, params) for p in prompts])
+    for a, b in zip(got, expected):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for step, ref in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert step.keys() == ref.keys()
+            np.testing.assert_allclose([v.logprob for v in step.values()],
+                                       [v.logprob for v in ref.values()], atol=1e-4)
+    with pytest.raises(ValueError, match="already quantized"):
+        LLMEngine(lazy_hf_model(str(compressed)), EngineConfig(**SMALL, quantization="int4"))
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(format="pack-quantized"), "format 'pack-quantized'"),
+    (dict(kv_cache_scheme={"num_bits": 8}), "kv_cache_scheme"),
+    (dict(quant_method="gptq"), "a quantized checkpoint (gptq)"),
+])
+def test_compressed_tensors_schemes_not_served_are_refused_by_name(tmp_path, change, words):
+    from models.hf import inspect_model_dir
+    from models.placed_weights import lazy_hf_model
+
+    compressed, _ = write_compressed(tmp_path, "fp8", **change)
+    with pytest.raises(ValueError, match=re_escape(words)):
+        lazy_hf_model(str(compressed))
+    report = inspect_model_dir(str(compressed))
+    assert report["supported"] is False and words in report["reason"]
+
+
+def re_escape(text: str) -> str:
+    import re
+    return re.escape(text)

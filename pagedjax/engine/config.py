@@ -14,7 +14,7 @@ from scheduler import SchedulerConfig, ShapeBuckets, cdiv
 DTYPES = ("float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 STEP_PROGRAMS = ("split", "ragged")
-QUANTIZATIONS = (None, *SCHEMES, "gguf")
+QUANTIZATIONS = (None, *SCHEMES, "gguf", "compressed-tensors")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +91,9 @@ class EngineConfig:
     # Weight quantization (vLLM's --quantization; models/quantization.py), weight-only (the
     # activations stay in dtype): "int8" and "fp8" (e4m3) per output channel, "int4" per group
     # of 128/64/32 rows, quantized as a float checkpoint is read; "gguf": a GGUF file's own
-    # blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), what a GGUF file is served as when unset. None:
-    # the weights as the checkpoint stores them.
+    # blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), what a GGUF file is served as when unset;
+    # "compressed-tensors": an llm-compressor fp8 / int8 checkpoint's own (models/
+    # compressed_tensors.py), also what it gets unset. None: as the checkpoint stores them.
     quantization: str | None = None
     # The LM head quantized too (the tied embedding table of a model without lm_head).
     quantize_lm_head: bool = False

@@ -85,10 +85,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="speculative decoding, vLLM's fields as JSON, e.g. "
                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                        "\"prompt_lookup_max\": 4}' (default: none)")
-    group.add_argument("-q", "--quantization", choices=["int8", "fp8", "int4", "gguf"],
+    group.add_argument("-q", "--quantization",
+                       choices=["int8", "fp8", "int4", "gguf", "compressed-tensors"],
                        help="weight-only quantization: int8 / fp8 per output channel, int4 per "
-                       "group, quantized as the weights are read; gguf: a GGUF file's own "
-                       "blocks (what a GGUF file gets by default). Default: as stored")
+                       "group, quantized as the weights are read; gguf, compressed-tensors: "
+                       "the checkpoint's own (what such a checkpoint gets by default). "
+                       "Default: as stored")
     group.add_argument("--quantize-lm-head", action="store_true",
                        help="quantize the LM head too (a tied model's embedding table)")
     group.add_argument("--compilation-cache", metavar="DIR|auto|off",
