@@ -16,7 +16,7 @@ GPU_IMAGE_TESTS := tests/test_gpu_script.py tests/test_kernels_gpu.py \
 	tests/test_kernels_xla_gpu_compile.py tests/test_kernels_mosaic_gpu.py \
 	tests/test_engine_equivalence.py tests/test_speculative.py
 
-.PHONY: demo test test-slow test-clients test-gpu-image gpu-image-python bench bench-gpu-image clean
+.PHONY: demo test test-slow test-clients test-gpu-image gpu-image-python bench bench-gpu-image llama-cpp-python clean
 
 $(STAMP): pyproject.toml requirements/cpu.txt
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -110,10 +110,22 @@ bench: $(TEST_STAMP)
 	$(PY) benchmarks/speculative.py
 	$(PY) benchmarks/moe_roofline.py
 	$(PY) benchmarks/moe_parallel.py
+	$(MAKE) llama-cpp-python && $(PY) benchmarks/quantization.py
+
+# llama.cpp's Python binding, the CPU anchor of benchmarks/quantization.py, in its own venv
+# (built from source: several minutes on 2 cores). GGML_NATIVE off: this machine's native
+# build (AMX tiles) crashed decoding; AVX2 is what the build targets instead.
+LLAMA_CPP_VENV := .venv-llamacpp
+llama-cpp-python: $(LLAMA_CPP_VENV)/.installed
+$(LLAMA_CPP_VENV)/.installed:
+	$(PYTHON) -m venv $(LLAMA_CPP_VENV)
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \
+		$(LLAMA_CPP_VENV)/bin/pip install --no-cache-dir llama-cpp-python==0.3.36
+	touch $@
 
 # The GPU device script rehearsed without a GPU: its programs compiled by XLA for an H200.
 bench-gpu-image: $(GPU_IMAGE_STAMP)
 	JAX_PLATFORMS=cpu $(GPU_IMAGE_VENV)/bin/python benchmarks/gpu_xla_compile.py
 
 clean:
-	rm -rf $(VENV) $(GPU_IMAGE_VENV) .venv-clients build *.egg-info
+	rm -rf $(VENV) $(GPU_IMAGE_VENV) .venv-clients $(LLAMA_CPP_VENV) build *.egg-info

@@ -183,6 +183,9 @@ def main() -> None:
     tokenizer = tokenizer_from_gguf(metadata(open_gguf(q4_1)), q4_1)
     reference = load_gguf_model(q4_1)  # the f32 model
     anchor = os.path.exists(args.llama_cpp_python)
+    if not anchor:
+        print(f"warning: {args.llama_cpp_python} missing (make llama-cpp-python): no llama.cpp "
+              f"rows, no Q8_0 file", file=sys.stderr)
     workdir = tempfile.mkdtemp()
     q8_0 = os.path.join(workdir, "SmolLM2-135M-Instruct.Q8_0.gguf")
     if anchor:

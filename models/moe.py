@@ -48,6 +48,10 @@ class Experts(nnx.Module):
         self.hidden_act = config.hidden_act
         self.dtype = dtype
 
+    def kernels(self) -> tuple:
+        """(gate_proj, up_proj, down_proj): arrays, or (a quantized model's) QArrays."""
+        return (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+
     def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array,
                  num_valid: jax.Array | None = None, implementation: str | None = None,
                  mesh: jax.sharding.Mesh | None = None,
@@ -57,7 +61,7 @@ class Experts(nnx.Module):
         models.moe_experts.EXPERT_IMPLEMENTATIONS (None: the platform's). mesh: the experts
         split over its TP axis, whole experts a device when expert_parallel, else each
         expert's MLP (moe_experts.sharded_experts)."""
-        kernels = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+        kernels = self.kernels()
         run = dict(act=ACTIVATIONS[self.hidden_act], dtype=self.dtype,
                    implementation=implementation)
         if mesh is not None:

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from models.quantization import QArray
 from pallas_kernels.dispatch import TP_AXIS  # the mesh's model axis
 
 EXPERT_IMPLEMENTATIONS = ("segments", "ragged_dot", "dense")
@@ -117,10 +118,25 @@ def sharded_experts(x, weights, experts, num_valid, kernels: tuple, mesh,
         specs = (P(TP_AXIS),) * 3
     else:
         specs = (P(None, None, TP_AXIS), P(None, None, TP_AXIS), P(None, TP_AXIS, None))
+    specs = tuple(_leaf_specs(kernel, spec) for kernel, spec in zip(kernels, specs))
     num_valid = jnp.asarray(x.shape[0] if num_valid is None else num_valid, jnp.int32)
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P(), *specs),
                          out_specs=P(), check_vma=False)(x, weights, experts, num_valid,
                                                          *kernels)
+
+
+def _leaf_specs(kernel, spec: P):
+    """A kernel's spec, or a quantized one's (models.quantization.QArray) per array: its
+    scales [E, G, out] split as the values, but not on a per-channel G of 1."""
+    if not isinstance(kernel, QArray):
+        return spec
+    axes = tuple(spec) + (None,) * (3 - len(spec))
+
+    def of(array):
+        return None if array is None else P(*(None if size == 1 else axis
+                                              for axis, size in zip(axes, array.shape)))
+
+    return QArray(spec, of(kernel.scale), of(kernel.zero), kernel.scheme)
 
 
 def _mlp(rows, expert, matmul, kernels, act):

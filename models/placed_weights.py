@@ -148,6 +148,7 @@ def lazy_from_tensors(abstract: LlamaForCausalLM, opened, np_dtype, source: str)
         a float checkpoint's are quantized by as they are read; default: the abstract
         model's own (a GGUF file's blocks)."""
         from models.hf import _hf_name
+        from models.quantized_layers import QuantizedWeight
         from models.quantized_loading import QUANTIZED_PARTS, QuantizedReader, columns_of
         from models.registry import hf_renames
 
@@ -159,16 +160,19 @@ def lazy_from_tensors(abstract: LlamaForCausalLM, opened, np_dtype, source: str)
 
         with opened() as tensor:
             reader = QuantizedReader(getattr(tensor, "quantized_parts", None)
-                                     or _quantizing(tensor, scheme))
+                                     or _quantizing(tensor, scheme, config.num_experts))
 
             def build(path, leaf):
                 field, model_path = leaf_names(path)
                 layers, stacked = _layers_of(path, config.num_layers, leaf)
                 columns = (kv_columns(config, leaf.shape[-1]) if _is_kv(model_path, config)
                            else None)
-                quantized = (model_path[:-1] in modules
-                             and model_path[-1] in QUANTIZED_PARTS)
-                stored = model_path[:-1] + ("kernel",) if quantized else model_path
+                module = modules.get(model_path[:-1])
+                quantized = module is not None and model_path[-1] in QUANTIZED_PARTS
+                # the HF tensor: a Linear's weight (its kernel's name), or stacked experts'
+                stored = (model_path if not quantized else model_path[:-1]
+                          if isinstance(module, QuantizedWeight) else
+                          model_path[:-1] + ("kernel",))
 
                 def one(name, index):
                     if quantized:
@@ -197,15 +201,17 @@ def quantized_modules(abstract) -> dict:
     return found(abstract)
 
 
-def _quantizing(tensor, scheme: str | None):
-    """read_parts of a float checkpoint's tensor: read whole, quantized by scheme."""
+def _quantizing(tensor, scheme: str | None, num_experts: int = 0):
+    """read_parts of a float checkpoint's tensor (stacked experts': every expert's), read
+    whole, quantized by scheme."""
     from models.quantization import quantize
 
     def read_parts(name_and_transpose):
         if scheme is None:
             raise ValueError(f"{name_and_transpose[0]}: a quantized module without a scheme")
-        weight = _read(tensor, name_and_transpose, (slice(None), slice(None)), None,
-                       np.float32)
+        from models.hf import EXPERT
+        whole = (slice(None),) * (3 if EXPERT in name_and_transpose[0] else 2)
+        weight = _read(tensor, name_and_transpose, whole, None, np.float32, num_experts)
         data, scale = quantize(weight, scheme)
         return {"kernel": data, "scale": scale, "zero": None}
 

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.moe import Experts
 from models.quantization import (QArray, check_scheme, matmul, num_groups, quantize,
                                  storage_dtype, stored_rows)
 
@@ -90,6 +91,45 @@ class QuantizedEmbed(nnx.Module):
         return matmul(query, self.weight(), self.dtype)
 
 
+class QuantizedWeight(nnx.Module):
+    """A stacked quantized weight [..., in, out]: one projection of a mixture's experts."""
+
+    def __init__(self, shape: tuple[int, ...], scheme: str, *, groups: int | None = None,
+                 has_zero: bool = False):
+        *lead, rows, out = shape
+        groups = num_groups(scheme, rows) if groups is None else groups
+        self.kernel = nnx.Param(jnp.zeros((*lead, stored_rows(scheme, rows), out),
+                                          storage_dtype(scheme)))
+        self.scale = nnx.Param(jnp.ones((*lead, groups, out), jnp.float32))
+        self.zero = nnx.Param(jnp.zeros((*lead, groups, out), jnp.float32)) if has_zero \
+            else None
+        self.scheme = scheme
+
+    def weight(self) -> QArray:
+        zero = None if self.zero is None else self.zero[...]
+        return QArray(self.kernel[...], self.scale[...], zero, self.scheme)
+
+
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+class QuantizedExperts(Experts):
+    """models.moe.Experts with its three stacked projections quantized (each expert's own
+    scales): the grouped matmuls dequantize an expert's weights as they take them."""
+
+    def __init__(self, experts: Experts, spec: "Spec"):  # noqa: super().__init__ not called:
+        for name in EXPERT_PROJECTIONS:  # the parameters differ, the rest is Experts'
+            shape = getattr(experts, name).get_value().shape
+            setattr(self, name, QuantizedWeight(shape, spec.scheme,
+                                                groups=_groups(spec, shape[-2]),
+                                                has_zero=spec.zero))
+        self.hidden_act = experts.hidden_act
+        self.dtype = experts.dtype
+
+    def kernels(self) -> tuple:
+        return tuple(getattr(self, name).weight() for name in EXPERT_PROJECTIONS)
+
+
 def quantize_model(model, scheme: str, lm_head: bool = False):
     """A copy of model (arrays shared, the original unchanged) with every linear layer of
     QUANTIZED_LINEARS, and the LM head when lm_head (the embedding, when tied), quantized by
@@ -99,7 +139,7 @@ def quantize_model(model, scheme: str, lm_head: bool = False):
     tied = model.lm_head is None
 
     def spec(key: tuple):
-        if key[-1] in QUANTIZED_LINEARS or (lm_head and key == ("lm_head",)) or (
+        if key[-1] in (*QUANTIZED_LINEARS, "experts") or (lm_head and key == ("lm_head",)) or (
                 lm_head and tied and key == ("embed_tokens",)):
             return Spec(scheme)
         return None
@@ -131,14 +171,29 @@ def with_quantized_modules(model, spec):
     targets = [(path, node) for path, node in nnx.graph.iter_graph(model)
                if (isinstance(node, nnx.Linear) and path
                    and (path[-1] in QUANTIZED_LINEARS or path == ("lm_head",)))
-               or (isinstance(node, nnx.Embed) and path == ("embed_tokens",))]
+               or (isinstance(node, nnx.Embed) and path == ("embed_tokens",))
+               or (type(node) is Experts)]
     for path, module in targets:
         chosen = spec(module_key(path))
         if chosen is None:
             continue
-        swap = _quantized_linear if isinstance(module, nnx.Linear) else _quantized_embed
+        swap = (_quantized_linear if isinstance(module, nnx.Linear) else
+                _quantized_embed if isinstance(module, nnx.Embed) else _quantized_experts)
         _set(model, path, swap(module, chosen))
     return model
+
+
+def _quantized_experts(experts: Experts, spec: Spec) -> QuantizedExperts:
+    if _is_abstract(experts.gate_proj):
+        return nnx.eval_shape(lambda: QuantizedExperts(experts, spec))
+    _check_computable(spec)
+    module = QuantizedExperts(experts, spec)
+    for name in EXPERT_PROJECTIONS:
+        data, scale = quantize(np.asarray(getattr(experts, name).get_value(), np.float32),
+                               spec.scheme)
+        getattr(module, name).kernel.set_value(jnp.asarray(data))
+        getattr(module, name).scale.set_value(jnp.asarray(scale))
+    return module
 
 
 def _set(model, path: tuple, module) -> None:
@@ -200,6 +255,14 @@ def quantize_like(template, module):
     models.serving widens for repeated KV heads) with the linear layers quantized that are in
     template, by the same scheme and groups: zeros, for shapes (call under nnx.eval_shape)."""
     for path, node in nnx.graph.iter_graph(template):
+        if isinstance(node, QuantizedExperts):
+            experts = module
+            for key in path:
+                experts = experts[key] if isinstance(key, int) else getattr(experts, key)
+            weight = node.gate_proj
+            _set(module, path, QuantizedExperts(experts, Spec(
+                node.gate_proj.scheme, None, weight.zero is not None)))
+            continue
         if not isinstance(node, QuantizedLinear):
             continue
         linear = module

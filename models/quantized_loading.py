@@ -17,7 +17,8 @@ import functools
 import numpy as np
 from flax import nnx
 
-from models.quantized_layers import QuantizedEmbed, QuantizedLinear, module_key, quantize_model
+from models.quantized_layers import (QuantizedEmbed, QuantizedLinear, QuantizedWeight,
+                                     module_key, quantize_model)
 
 QUANTIZED_PARTS = ("kernel", "scale", "zero")
 
@@ -27,7 +28,7 @@ def quantized_modules(abstract) -> dict[tuple, nnx.Module]:
     quantize_model and the GGUF reader quantize a weight the same way in every layer)."""
     found = {}
     for path, node in nnx.graph.iter_graph(abstract):
-        if isinstance(node, (QuantizedLinear, QuantizedEmbed)):
+        if isinstance(node, (QuantizedLinear, QuantizedEmbed, QuantizedWeight)):
             found.setdefault(module_key(path), node)
     return found
 
@@ -111,7 +112,9 @@ def weight_report(abstract) -> dict:
     leaves = jax.tree.leaves(nnx.state(abstract, nnx.Param))
     formats = {}
     for key, module in quantized_modules(abstract).items():
-        rows = module.in_features if isinstance(module, QuantizedLinear) else module.features
+        rows = (module.in_features if isinstance(module, QuantizedLinear) else
+                module.features if isinstance(module, QuantizedEmbed) else
+                module.kernel.get_value().shape[-2] * (2 if module.scheme == "int4" else 1))
         groups = module.scale.get_value().shape[-2]
         formats[".".join(map(str, key))] = (
             f"{module.scheme}, " + ("per output channel" if groups == 1 else

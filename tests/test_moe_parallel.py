@@ -56,6 +56,7 @@ def child() -> None:
 
     from models import init_model
     from models.generate import dense_greedy_generate
+    from models.quantized_layers import quantize_model
     from pagedjax import LLM, SamplingParams
 
     rng = np.random.default_rng(0)
@@ -74,7 +75,31 @@ def child() -> None:
             report[arch][name] = {"tokens": [o.output_token_ids for o in outputs],
                                   "period": runner.graph.period,
                                   "experts": _expert_shards(runner.params)}
+        quantized = quantize_model(model, "int8")
+        report[arch]["int8-dense"] = dense_greedy_generate(quantized, prompts, 8)
+        for name in INT8_RUNS:
+            llm = LLM(model, **BASE, **RUNS[name], quantization="int8")
+            outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0),
+                                   use_tqdm=False)
+            report[arch][f"int8-{name}"] = {
+                "tokens": [o.output_token_ids for o in outputs],
+                "experts": _expert_shards(llm.engine.runner.params)}
     print(json.dumps(report))
+
+
+INT8_RUNS = ("tp1", "tp2", "ep2", "ep4")
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe"])
+@pytest.mark.parametrize("name", INT8_RUNS)
+def test_int8_experts_split_like_the_float_ones(report, arch, name):
+    """int8 experts (each expert's own per-channel scales): over TP (each expert's MLP split,
+    the down projection's scales replicated) and EP (whole experts a device), the tokens of the
+    dense forward of the same quantized model; the experts' int8 values split as the float
+    ones do."""
+    run = report[arch][f"int8-{name}"]
+    assert run["tokens"] == report[arch]["int8-dense"]
+    assert run["experts"] == report[arch][name]["experts"]
 
 
 @pytest.fixture(scope="module")
