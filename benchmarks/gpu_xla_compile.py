@@ -143,12 +143,31 @@ def production_rows(chip: str) -> list[dict]:
     return rows
 
 
+def quantized_rows(chip: str) -> list[dict]:
+    """production_rows' steps (gpu backend) with int8 / int4 weights (models/quantization.py,
+    LM head too): each layer dequantizes its weights inside the scan, so temp_mib stays far
+    below the 15 GiB a full-precision copy of the weights would take."""
+    from models import CONFIGS
+    rows = []
+    for scheme in ("int8", "int4"):
+        for kind, tokens in (("decode", 256), ("prefill", 8192)):
+            step, args = abstract_step(CONFIGS["llama-3-8b"], kind, num_tokens=tokens,
+                                       num_seqs=256, num_blocks=30000,
+                                       max_blocks_per_seq=32768 // 16,
+                                       cache_dtype=jnp.bfloat16, quantization=scheme)
+            rows.append(row_for("quantized", f"llama-3-8b {scheme} weights, {kind} step "
+                                f"(gpu), {tokens} tokens of 256 sequences, 30,000-block pool",
+                                step, args, chip))
+            print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     if problem := xla_gpu.available():
         sys.exit(problem)
     chip = "h200"
     rows = (decode_rows(chip) + tuning_rows(chip) + check_rows(chip) + engine_rows(chip)
-            + production_rows(chip))
+            + production_rows(chip) + quantized_rows(chip))
     failed = [row for row in rows if not row["compiled"]]
     params = {"chip": chip, "target": str(CHIPS[chip]),
               "programs": len(rows), "compiled": len(rows) - len(failed)}

@@ -17,6 +17,11 @@ The pool: --kv-gib-per-device of KV on each chip (bf16), the rest of HBM left to
 temporaries. Decode at 256 sequences and an 8k-token prefill. seqs_32k: the 32k-token sequences
 that pool holds over the slice (Gemma 3 with KV cache groups, its sliding groups holding their
 1,024-token window and an 8k step, or with every layer keeping the whole context).
+
+--quantized: weight-only int8 / int4 weights (LM head too) beside bf16; the pool is what 90% of
+HBM leaves past the weights and 1 GiB for temporaries (kv_gib), seqs_8k the 8k-token sequences
+it holds; bf16_weights_gib: the same weights in bf16, which temp_gib would have to hold were a
+full-precision copy of them made (each layer dequantizes its own weights inside the scan).
 """
 
 from __future__ import annotations
@@ -57,7 +62,20 @@ MOE_CASES = {
     "mixtral-8x7b TP8 v5e-8": ("mixtral-8x7b", "v5e:2x4", 8, True, False),
     "mixtral-8x7b EP8 v5e-8": ("mixtral-8x7b", "v5e:2x4", 8, True, True),
 }
-ALL_CASES = {**CASES, **MOE_CASES}
+# Quantized weights (--quantized, results in tpu_quantized.md): weight-only int8 / int4
+# (models/quantization.py; the LM head too), the pool taking what 90% of HBM leaves past the
+# weights and a 1 GiB allowance for temporaries; seqs_8k: 8k-token sequences it holds.
+# name: (model, topology, TP, KV cache groups, expert parallel, quantization)
+QUANT_CASES = {
+    "llama-3-8b bf16 TP1 v5e-1": ("llama-3-8b", "v5e:2x2", 1, False, False, None),
+    "llama-3-8b int8 TP1 v5e-1": ("llama-3-8b", "v5e:2x2", 1, False, False, "int8"),
+    "llama-3-8b int4 TP1 v5e-1": ("llama-3-8b", "v5e:2x2", 1, False, False, "int4"),
+    "llama-3-70b bf16 TP8 v5e-8": ("llama-3-70b", "v5e:2x4", 8, False, False, None),
+    "llama-3-70b int8 TP8 v5e-8": ("llama-3-70b", "v5e:2x4", 8, False, False, "int8"),
+}
+ALL_CASES = {**CASES, **MOE_CASES, **QUANT_CASES}
+QUANT_CONTEXT = 8192
+TEMP_ALLOWANCE_GIB = 1.0
 CAPACITY_CONTEXT = 32768  # the sequences of this many tokens each device's pool holds
 KINDS = {"decode": (256, 256), "prefill": (8192, 256)}  # (T, B)
 KV_GIB_PER_DEVICE = 4.0
@@ -81,14 +99,17 @@ def build(name: str, devices):
 
     case, kind = name.split("|")
     model_name, _, tp, *options = ALL_CASES[case]
-    hybrid, expert_parallel = (list(options) + [False, False])[:2]
+    hybrid, expert_parallel, quantization = (list(options) + [False, False, None])[:3]
     config = CONFIGS[model_name]
     groups = kv_cache_groups(config, hybrid=hybrid)
     mesh = Mesh(np.array(devices[:tp]), (AXIS,))
     repeats = kv_head_repeats(config.num_kv_heads, tp)
-    graph, weights = serving_form(nnx.eval_shape(lambda: model_class(config)(
-        config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)),
-        kv_head_repeats=repeats, groups=groups)
+    model = nnx.eval_shape(lambda: model_class(config)(
+        config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16))
+    if quantization is not None:
+        from models.quantized_layers import quantize_model
+        model = quantize_model(model, quantization, lm_head=True)
+    graph, weights = serving_form(model, kv_head_repeats=repeats, groups=groups)
     weights = jax.tree_util.tree_map_with_path(lambda path, leaf: jax.ShapeDtypeStruct(
         leaf.shape, leaf.dtype,
         sharding=NamedSharding(mesh, weight_spec(path, leaf, config.vocab_size, tp,
@@ -96,7 +117,7 @@ def build(name: str, devices):
     kv_heads = config.num_kv_heads * repeats
     per_block = kv_cache_bytes_per_block(groups.num_slots, BLOCK_SIZE, kv_heads,
                                          config.head_dim, jnp.bfloat16, "tpu")
-    num_blocks = int(KV_GIB_PER_DEVICE * 2**30 * tp // per_block)
+    num_blocks = int(kv_gib(case) * 2**30 * tp // per_block)
     cache = jax.eval_shape(lambda: init_kv_cache(groups.num_slots, num_blocks, BLOCK_SIZE,
                                                  kv_heads, config.head_dim, jnp.bfloat16,
                                                  "tpu"))
@@ -113,6 +134,20 @@ def build(name: str, devices):
     return step, (weights, cache, plan)
 
 
+def kv_gib(case: str) -> float:
+    """A device's pool: KV_GIB_PER_DEVICE, or (a quantized-table case) what 90% of HBM leaves
+    past its weights and TEMP_ALLOWANCE_GIB, in quarter GiB."""
+    model_name, topology, tp, *options = ALL_CASES[case]
+    if case not in QUANT_CASES:
+        return KV_GIB_PER_DEVICE
+    from models import CONFIGS
+    from pagedjax.parallel.sharding import weight_bytes_per_device
+    weights = weight_bytes_per_device(CONFIGS[model_name], tp, 2, options[2],
+                                      options[2] is not None) / 2**30
+    left = 0.9 * HBM_GIB[topology.split(":")[0]] - weights - TEMP_ALLOWANCE_GIB
+    return max(0.25, int(left * 4) / 4)
+
+
 def shard_gib(case: str) -> tuple[float, float, int]:
     """(weights, KV) GiB one device holds (pagedjax capacity's formula, no compile), and the
     CAPACITY_CONTEXT-token sequences the slice's pool holds (a sliding KV cache group bounded
@@ -122,13 +157,15 @@ def shard_gib(case: str) -> tuple[float, float, int]:
     from pagedjax.parallel.sharding import weight_bytes_per_device
     from pagedjax.tools.plan_commands import kv_capacity
 
-    model_name, _, tp, *hybrid = ALL_CASES[case]
+    model_name, _, tp, *options = ALL_CASES[case]
+    hybrid, _, quantization = (list(options) + [False, False, None])[:3]
     config = CONFIGS[model_name]
-    groups = kv_cache_groups(config, hybrid=bool(hybrid) and hybrid[0])
-    capacity = kv_capacity(config, groups, BLOCK_SIZE, int(KV_GIB_PER_DEVICE * 2**30),
-                           CAPACITY_CONTEXT, tp, 2, KINDS["prefill"][0])
-    return (weight_bytes_per_device(config, tp, 2) / 2**30, KV_GIB_PER_DEVICE,
-            capacity["sequences"])
+    groups = kv_cache_groups(config, hybrid=hybrid)
+    context = QUANT_CONTEXT if case in QUANT_CASES else CAPACITY_CONTEXT
+    capacity = kv_capacity(config, groups, BLOCK_SIZE, int(kv_gib(case) * 2**30),
+                           context, tp, 2, KINDS["prefill"][0])
+    weights = weight_bytes_per_device(config, tp, 2, quantization, quantization is not None)
+    return weights / 2**30, kv_gib(case), capacity["sequences"]
 
 
 def main() -> None:
@@ -137,8 +174,10 @@ def main() -> None:
     parser.add_argument("--cases", help="comma-separated (default: every case of the table)")
     parser.add_argument("--moe", action="store_true",
                         help="the mixture-of-experts table (MOE_CASES, tpu_moe.md)")
+    parser.add_argument("--quantized", action="store_true",
+                        help="the quantized-weights table (QUANT_CASES, tpu_quantized.md)")
     args = parser.parse_args()
-    table = MOE_CASES if args.moe else CASES
+    table = MOE_CASES if args.moe else QUANT_CASES if args.quantized else CASES
     args.cases = args.cases or ",".join(table)
     from benchmarks.aot import xla_tpu
 
@@ -153,10 +192,16 @@ def main() -> None:
                 pythonpath=[ROOT, ROOT.parent], cwd=ROOT.parent, timeout=3600)
         weights_gib, kv_gib, sequences = shard_gib(case)
         hbm = HBM_GIB[topology.split(":")[0]]
+        context = QUANT_CONTEXT if case in QUANT_CASES else CAPACITY_CONTEXT
         for line in lines:
             row = {"case": case, "step": line["name"].split("|")[1], "ok": line["ok"],
                    "weights_gib": round(weights_gib, 2), "kv_gib": kv_gib,
-                   f"seqs_{CAPACITY_CONTEXT // 1024}k": sequences}
+                   f"seqs_{context // 1024}k": sequences}
+            if case in QUANT_CASES:  # a full-precision copy would show in temp beside it
+                from models import CONFIGS
+                from pagedjax.parallel.sharding import weight_bytes_per_device
+                row["bf16_weights_gib"] = round(weight_bytes_per_device(
+                    CONFIGS[ALL_CASES[case][0]], ALL_CASES[case][2], 2) / 2**30, 2)
             if line["ok"]:
                 row.update(argument_gib=round(line["argument_gib"], 2),
                            alias_gib=round(line["alias_gib"], 2),
@@ -167,14 +212,16 @@ def main() -> None:
                 row["error"] = line["error"][:300]
             rows.append(row)
             print(row, flush=True)
-    write_results("tpu_moe" if args.moe else "tpu_tensor_parallel",
-                  ("Mixture-of-experts steps" if args.moe else "Tensor-parallel steps")
-                  + " compiled for TPU slices (libtpu AOT, no TPU): per-device memory and "
-                  "collectives", rows,
+    name = "tpu_moe" if args.moe else "tpu_quantized" if args.quantized else \
+        "tpu_tensor_parallel"
+    title = ("Mixture-of-experts steps" if args.moe else "Quantized-weight steps"
+             if args.quantized else "Tensor-parallel steps")
+    flag = " --moe" if args.moe else " --quantized" if args.quantized else ""
+    write_results(name, title + " compiled for TPU slices (libtpu AOT, no TPU): per-device "
+                  "memory and collectives", rows,
                   {"kv_gib_per_device": KV_GIB_PER_DEVICE, "block_size": BLOCK_SIZE,
                    "steps": KINDS}, __doc__.split("\n\n", 1)[1],
-                  reproduce="`.venv/bin/python benchmarks/tpu_tensor_parallel.py"
-                  + (" --moe`" if args.moe else "`"))
+                  reproduce=f"`.venv/bin/python benchmarks/tpu_tensor_parallel.py{flag}`")
 
 
 if __name__ == "__main__":

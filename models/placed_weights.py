@@ -149,7 +149,8 @@ def lazy_from_tensors(abstract: LlamaForCausalLM, opened, np_dtype, source: str)
         model's own (a GGUF file's blocks)."""
         from models.hf import _hf_name
         from models.quantized_layers import QuantizedWeight
-        from models.quantized_loading import QUANTIZED_PARTS, QuantizedReader, columns_of
+        from models.quantized_loading import (QUANTIZED_PARTS, QuantizedReader, columns_of,
+                                              quantized_modules)
         from models.registry import hf_renames
 
         renames = hf_renames(config)
@@ -194,11 +195,6 @@ def lazy_from_tensors(abstract: LlamaForCausalLM, opened, np_dtype, source: str)
 
     place.reads_quantized = True
     return LazyModel(config, abstract, place, source)
-
-
-def quantized_modules(abstract) -> dict:
-    from models.quantized_loading import quantized_modules as found
-    return found(abstract)
 
 
 def _quantizing(tensor, scheme: str | None, num_experts: int = 0):

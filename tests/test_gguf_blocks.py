@@ -151,3 +151,19 @@ def test_gguf_blocks_load_without_a_float_copy(tmp_path, monkeypatch):
             assert step.keys() == ref.keys()
             np.testing.assert_allclose([v.logprob for v in step.values()],
                                        [v.logprob for v in ref.values()], atol=1e-4)
+
+
+def test_inspect_reports_the_blocks_as_served(tmp_path):
+    from models.hf import inspect_model_dir
+
+    path = str(tmp_path / "blocks.gguf")
+    f32_bytes = write_blocks_gguf(path)
+    report = inspect_model_dir(path)
+    formats = report["quantized_weights"]
+    assert formats["layers.{layer}.mlp.down_proj"] == "int4, 32 rows a group, offsets"  # Q4_1
+    assert formats["layers.{layer}.mlp.gate_proj"] == "int4, 32 rows a group"  # Q4_0
+    assert formats["layers.{layer}.self_attn.q_proj"] == "int8, 32 rows a group"  # Q8_0
+    assert formats["embed_tokens"] == "int8, 32 rows a group"
+    assert report["served_weight_bytes"] < f32_bytes / 3
+    with pytest.raises(ValueError, match="served as its own blocks"):
+        inspect_model_dir(path, quantization="int8")

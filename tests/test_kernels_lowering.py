@@ -134,14 +134,25 @@ def estimate_case(case, pages_per_step, rows):
 
 
 def abstract_step(config, kind, *, num_tokens, num_seqs, num_blocks, max_blocks_per_seq,
-                  cache_dtype, backend="gpu", param_dtype=jnp.bfloat16, block_size=16):
+                  cache_dtype, backend="gpu", param_dtype=jnp.bfloat16, block_size=16,
+                  quantization=None):
     """(the engine's jitted step for `backend`, its caches donated, and abstract (params,
-    caches, plan)) for a model config, at one bucket: nothing is allocated."""
+    caches, plan)) for a model config, at one bucket: nothing is allocated. quantization: the
+    weights quantized so (models.quantization; LM head too), their float leaves in
+    param_dtype."""
     from pagedjax.engine.runner import step_fn
-    graph, params = serving_form(nnx.eval_shape(lambda: LlamaForCausalLM(config,
-                                                                         rngs=nnx.Rngs(0))))
-    if param_dtype is not None:
-        params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, param_dtype), params)
+    model = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
+    if quantization is not None:  # computing in param_dtype, as a bf16 engine does
+        from models.quantized_layers import quantize_model
+        model = quantize_model(nnx.eval_shape(lambda: LlamaForCausalLM(
+            config, rngs=nnx.Rngs(0), dtype=param_dtype, param_dtype=param_dtype)),
+            quantization, lm_head=True)
+    graph, params = serving_form(model)
+    if param_dtype is not None:  # the float leaves (a quantized weight's scales stay f32)
+        params = jax.tree_util.tree_map_with_path(lambda path, x: jax.ShapeDtypeStruct(
+            x.shape, param_dtype if x.dtype == jnp.float32 and str(
+                getattr(path[-1], "key", path[-1])) not in ("scale", "zero") else x.dtype),
+            params)
     caches = jax.eval_shape(lambda: init_kv_cache(
         config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim,
         jnp.dtype(cache_dtype), backend))

@@ -332,3 +332,21 @@ def test_compressed_tensors_schemes_not_served_are_refused_by_name(tmp_path, cha
 def re_escape(text: str) -> str:
     import re
     return re.escape(text)
+
+
+def test_memory_budget_counts_the_quantized_bytes(tiny_model):
+    """gpu_memory_utilization sizes the pool from what the placed weights take: int8 weights
+    (LM head too) leave it the bytes they save."""
+    import jax
+
+    fields = dict(SMALL, gpu_memory_utilization=2e-4)  # of the host's memory: a few MiB
+    engines = {scheme: LLMEngine(tiny_model, EngineConfig(**fields, quantization=scheme,
+                                                          quantize_lm_head=bool(scheme)))
+               for scheme in (None, "int8")}
+    held = {scheme: sum(leaf.nbytes for leaf in jax.tree.leaves(engine.runner.params))
+            for scheme, engine in engines.items()}
+    assert held["int8"] < held[None] / 2  # the (untied) embedding table stays f32
+    budgets = {scheme: engine.memory_budget for scheme, engine in engines.items()}
+    assert budgets["int8"].in_use_bytes == held["int8"]
+    assert budgets[None].in_use_bytes == held[None]
+    assert budgets["int8"].num_blocks > budgets[None].num_blocks
