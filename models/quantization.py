@@ -28,6 +28,8 @@ report compare against it).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 
 import jax
@@ -135,6 +137,25 @@ def values(data: jax.Array, scheme: str, groups: int) -> jax.Array:
 # dequantized operand before its product, and one of SmolLM2's LM head (113 MB) costs 31 ms a
 # step written and read back through memory against 6.8 ms in cache-sized chunks (f32: 3 ms).
 CHUNK_BYTES = 4 << 20
+# Whether products are chunked so: set by the engine's step for the program it traces (only
+# its CPU reference backend without a mesh: a chunk loop over a sharded axis would gather it,
+# and a TPU/GPU program fuses the dequantization into its product); unset, on the CPU.
+_CHUNKED: contextvars.ContextVar[bool | None] = contextvars.ContextVar("chunked", default=None)
+
+
+@contextlib.contextmanager
+def chunked_products(enabled: bool):
+    """Within it, matmul chunks large weights (CHUNK_BYTES) iff enabled (at trace time)."""
+    token = _CHUNKED.set(enabled)
+    try:
+        yield
+    finally:
+        _CHUNKED.reset(token)
+
+
+def _chunking() -> bool:
+    chosen = _CHUNKED.get()
+    return jax.default_backend() == "cpu" if chosen is None else chosen
 
 
 def matmul(x: jax.Array, weight: QArray, dtype) -> jax.Array:
@@ -144,7 +165,7 @@ def matmul(x: jax.Array, weight: QArray, dtype) -> jax.Array:
     (XLA's CPU backend runs an unpacking concatenation 3x slower than the product itself).
     A large weight on the CPU: in column chunks (CHUNK_BYTES)."""
     rows, out = weight.shape[-2:]
-    chunks = _num_chunks(rows * out * 4, out) if jax.default_backend() == "cpu" else 1
+    chunks = _num_chunks(rows * out * 4, out) if _chunking() else 1
     if weight.data.ndim != 2 or chunks == 1:
         return _matmul(x, weight, dtype)
     width = out // chunks

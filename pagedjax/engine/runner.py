@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from tqdm.auto import tqdm
 
 from models import LlamaForCausalLM, ServingGraph, ServingWeights, serving, serving_form
+from models.quantization import chunked_products
 from models.kv_groups import KVCacheGroups
 from models.placed_weights import LazyModel
 from pagedjax.engine import prompt_logprobs, sampling_step
@@ -62,16 +63,18 @@ def forward_fn(graph: ServingGraph, backend: AttentionBackend, kind: str, num_to
         kv_lens=inputs["kv_lens"], cu_q_lens=inputs["cu_q_lens"], num_seqs=inputs["num_seqs"],
         decode_only=kind == DECODE, group_slot_mapping=inputs["group_slot_mapping"],
         group_block_tables=inputs["group_block_tables"]).with_logical_group_tables()
-    hidden, kv_cache = serving.forward_paged(graph, params, kv_cache, inputs["token_ids"],
-                                             inputs["positions"], metadata, backend)
-    logits = serving.logits(graph, params, hidden[inputs["logits_indices"]])  # f32[B, V]
-    if backend.mesh is not None:  # vocab-split: one all-gather, so every device holds whole
-        # rows for the sampler
-        logits = jax.lax.with_sharding_constraint(logits, NamedSharding(backend.mesh, P()))
-    prompt = ()
-    if inputs["prompt_targets"].shape[0]:
-        prompt = prompt_logprobs.compute(graph, params, hidden, inputs["prompt_targets"],
-                                         num_top_logprobs, backend.mesh)
+    # quantized weights: large products in cache-sized chunks on the CPU reference only
+    with chunked_products(backend.name == "reference" and backend.mesh is None):
+        hidden, kv_cache = serving.forward_paged(graph, params, kv_cache, inputs["token_ids"],
+                                                 inputs["positions"], metadata, backend)
+        logits = serving.logits(graph, params, hidden[inputs["logits_indices"]])  # f32[B, V]
+        if backend.mesh is not None:  # vocab-split: one all-gather, so every device holds
+            # whole rows for the sampler
+            logits = jax.lax.with_sharding_constraint(logits, NamedSharding(backend.mesh, P()))
+        prompt = ()
+        if inputs["prompt_targets"].shape[0]:
+            prompt = prompt_logprobs.compute(graph, params, hidden, inputs["prompt_targets"],
+                                             num_top_logprobs, backend.mesh)
     return logits, prompt, kv_cache
 
 
