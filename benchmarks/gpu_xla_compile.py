@@ -166,6 +166,15 @@ def main() -> None:
     if problem := xla_gpu.available():
         sys.exit(problem)
     chip = "h200"
+    if "--quantized" in sys.argv:  # its quantized-weights section alone
+        rows = quantized_rows(chip)
+        write_results("gpu_xla_compile_quantized", "The engine's Llama-3-8B steps with "
+                      "quantized weights compiled by XLA for an H200, without a GPU", rows,
+                      {"chip": chip, "target": str(CHIPS[chip])},
+                      notes=quantized_rows.__doc__,
+                      reproduce="JAX_PLATFORMS=cpu .venv-gpu-image/bin/python "
+                                "benchmarks/gpu_xla_compile.py --quantized")
+        return
     rows = (decode_rows(chip) + tuning_rows(chip) + check_rows(chip) + engine_rows(chip)
             + production_rows(chip) + quantized_rows(chip))
     failed = [row for row in rows if not row["compiled"]]

@@ -5,8 +5,10 @@ three arrays, `QArray`:
 
 - `data`: the values. int8: int8 in [-127, 127]. fp8: the e4m3fn bit patterns as uint8 (XLA's
   CPU backend upcasts a whole f8 array to f16 before it slices one layer out of a scanned
-  stack; a uint8 array is sliced as it is and bitcast per layer, measured in
-  benchmarks/quantization.py). int4: two signed 4-bit values a byte, uint8 [..., in / 2, out];
+  stack; a uint8 array is sliced as it is and bitcast per layer: 6.4 ms against 42 ms for 30
+  layers of SmolLM2's gate projection at batch 1). int4: two signed 4-bit values a byte, uint8
+  [..., in / 2, out] (jnp.int4 lowers, but XLA's CPU backend unpacks a whole scanned stack of
+  it to int8 first: 30 MB of temporaries for 13 MB of weights);
   within each group of g rows, byte row j holds row j (low nibble) and row j + g / 2 (high
   nibble), so unpacking is a concatenation per group and a shard on group boundaries unpacks
   alone (tensor parallelism splits a row-parallel kernel's rows).

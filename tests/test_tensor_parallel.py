@@ -150,6 +150,10 @@ def quantized_runs(prompts, params) -> dict:
                                  for s in leaf.addressable_shards
                                  if s.device == jax.devices()[0]),
             "capacity_weights_bytes": weight_bytes_per_device(config, tp, 4, scheme, True)}
+    llm = LLM(model, **BASE, tensor_parallel_size=2, data_parallel_size=2,
+              quantization="int8", quantize_lm_head=True)  # each replica its own copy
+    out["int8-tp2-dp2"] = [o.output_token_ids for o in llm.generate(prompts, params,
+                                                                   use_tqdm=False)]
     try:
         LLM(model, **BASE, tensor_parallel_size=4, quantization="int4")
     except ValueError as e:
@@ -343,6 +347,7 @@ def test_quantized_weights_over_the_mesh_equal_one_device(report, name):
     for each in (one, run):
         assert each["weights_bytes"] == each["capacity_weights_bytes"]
     assert "must divide the 2 quantization groups of mlp/down_proj" in runs["int4-tp4-error"]
+    assert runs["int8-tp2-dp2"] == runs["int8-tp1"]["tokens"]
 
 
 def test_bad_tensor_parallel_sizes_name_the_limit(report):
