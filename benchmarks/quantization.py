@@ -79,7 +79,7 @@ def engine_row(name: str, model, reference, quality_model, batches, tokenizer,
                **fields) -> list[dict]:
     import jax
 
-    from models.quantization_quality import quality
+    from models.quantization_quality import PROMPTS, TEXT, quality
     from pagedjax.engine.config import EngineConfig
     from pagedjax.engine.llm_engine import LLMEngine
 
@@ -87,8 +87,8 @@ def engine_row(name: str, model, reference, quality_model, batches, tokenizer,
     engine.warmup()
     weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(engine.runner.params))
     first = ttft(engine)
-    prompts = [tokenizer.encode(t) for t in QUALITY_PROMPTS]
-    report = quality(reference, quality_model, prompts, 24, tokenizer.encode(QUALITY_TEXT))
+    prompts = [tokenizer.encode(t) for t in PROMPTS]
+    report = quality(reference, quality_model, prompts, 24, tokenizer.encode(TEXT))
     rows = []
     for batch in batches:
         rate = decode_rate(engine, batch)
@@ -102,16 +102,6 @@ def engine_row(name: str, model, reference, quality_model, batches, tokenizer,
                      "nll": round(report["nll"], 4)})
         print(rows[-1], flush=True)
     return rows
-
-
-QUALITY_PROMPTS = ["The capital of France is", "def fibonacci(n):",
-                   "Once upon a time, in a small village,", "The three primary colors are",
-                   "Water boils at a temperature of", "import numpy as np\n",
-                   "The largest planet in the solar system is", "To make a cup of tea, first"]
-QUALITY_TEXT = ("The history of the printing press begins in the fifteenth century, when "
-                "Johannes Gutenberg developed a system of movable metal type in Mainz. His "
-                "press made books far cheaper to produce, and within decades printing shops "
-                "had spread across Europe, changing how knowledge was shared.")
 
 
 # ---- llama.cpp (run in the llama-cpp-python venv: no jax there) -----------------------------

@@ -172,7 +172,7 @@ def lazy_from_tensors(abstract: LlamaForCausalLM, opened, np_dtype, source: str)
                 quantized = module is not None and model_path[-1] in QUANTIZED_PARTS
                 # the HF tensor: a Linear's weight (its kernel's name), or stacked experts'
                 stored = (model_path if not quantized else model_path[:-1]
-                          if isinstance(module, QuantizedWeight) else
+                          if type(module) is QuantizedWeight else
                           model_path[:-1] + ("kernel",))
 
                 def one(name, index):

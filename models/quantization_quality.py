@@ -18,6 +18,16 @@ import numpy as np
 
 from models.generate import _dense_logits, dense_greedy_generate
 
+# The fixed prompts and text a real model's report uses (benchmarks/quantization.py, the tests).
+PROMPTS = ("The capital of France is", "def fibonacci(n):",
+           "Once upon a time, in a small village,", "The three primary colors are",
+           "Water boils at a temperature of", "import numpy as np\n",
+           "The largest planet in the solar system is", "To make a cup of tea, first")
+TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes "
+        "Gutenberg developed a system of movable metal type in Mainz. His press made books far "
+        "cheaper to produce, and within decades printing shops had spread across Europe, "
+        "changing how knowledge was shared.")
+
 
 def _logits(model, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
     """f32[len, V] per sequence (each padded to the longest: causal attention leaves the

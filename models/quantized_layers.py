@@ -29,73 +29,13 @@ QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
                      "down_proj")
 
 
-class QuantizedLinear(nnx.Module):
-    """y = x @ dequantize(kernel, scale, zero) + bias, in dtype (f32 accumulation)."""
-
-    def __init__(self, in_features: int, out_features: int, scheme: str, *, dtype,
-                 groups: int | None = None, has_zero: bool = False, use_bias: bool = False,
-                 bias_dtype=jnp.float32):
-        check_scheme(scheme)
-        groups = num_groups(scheme, in_features) if groups is None else groups
-        self.kernel = nnx.Param(jnp.zeros((stored_rows(scheme, in_features), out_features),
-                                          storage_dtype(scheme)))
-        self.scale = nnx.Param(jnp.ones((groups, out_features), jnp.float32))
-        self.zero = nnx.Param(jnp.zeros((groups, out_features), jnp.float32)) if has_zero \
-            else None
-        self.bias = nnx.Param(jnp.zeros((out_features,), bias_dtype)) if use_bias else None
-        self.in_features, self.out_features = in_features, out_features
-        self.scheme = scheme
-        self.dtype = dtype
-
-    def weight(self) -> QArray:
-        zero = None if self.zero is None else self.zero[...]
-        return QArray(self.kernel[...], self.scale[...], zero, self.scheme)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        y = matmul(x, self.weight(), self.dtype)
-        if self.bias is not None:
-            y = y + self.bias[...].astype(self.dtype)
-        return y
-
-
-class QuantizedEmbed(nnx.Module):
-    """nnx.Embed's interface (call: lookup, attend: the tied LM head) over a quantized table
-    stored as kernel [D, V] (module docstring)."""
-
-    def __init__(self, num_embeddings: int, features: int, scheme: str, *, dtype,
-                 groups: int | None = None, has_zero: bool = False):
-        check_scheme(scheme)
-        groups = num_groups(scheme, features) if groups is None else groups
-        self.kernel = nnx.Param(jnp.zeros((stored_rows(scheme, features), num_embeddings),
-                                          storage_dtype(scheme)))
-        self.scale = nnx.Param(jnp.ones((groups, num_embeddings), jnp.float32))
-        self.zero = nnx.Param(jnp.zeros((groups, num_embeddings), jnp.float32)) if has_zero \
-            else None
-        self.num_embeddings, self.features = num_embeddings, features
-        self.scheme = scheme
-        self.dtype = dtype
-
-    def weight(self) -> QArray:
-        zero = None if self.zero is None else self.zero[...]
-        return QArray(self.kernel[...], self.scale[...], zero, self.scheme)
-
-    def __call__(self, token_ids: jax.Array) -> jax.Array:  # i32[...] -> [..., D]
-        flat = token_ids.reshape(-1)
-        weight = self.weight()
-        zero = None if weight.zero is None else jnp.take(weight.zero, flat, axis=-1)
-        columns = QArray(jnp.take(weight.data, flat, axis=-1),
-                         jnp.take(weight.scale, flat, axis=-1), zero, self.scheme)
-        return columns.astype(self.dtype).T.reshape(*token_ids.shape, self.features)
-
-    def attend(self, query: jax.Array) -> jax.Array:  # [..., D] -> [..., V]
-        return matmul(query, self.weight(), self.dtype)
-
-
 class QuantizedWeight(nnx.Module):
-    """A stacked quantized weight [..., in, out]: one projection of a mixture's experts."""
+    """A quantized weight [..., in, out] in the stored form: parameters `kernel`, `scale` and
+    (with offsets) `zero`; alone, one projection of a mixture's stacked experts."""
 
     def __init__(self, shape: tuple[int, ...], scheme: str, *, groups: int | None = None,
                  has_zero: bool = False):
+        check_scheme(scheme)
         *lead, rows, out = shape
         groups = num_groups(scheme, rows) if groups is None else groups
         self.kernel = nnx.Param(jnp.zeros((*lead, stored_rows(scheme, rows), out),
@@ -108,6 +48,47 @@ class QuantizedWeight(nnx.Module):
     def weight(self) -> QArray:
         zero = None if self.zero is None else self.zero[...]
         return QArray(self.kernel[...], self.scale[...], zero, self.scheme)
+
+
+class QuantizedLinear(QuantizedWeight):
+    """y = x @ dequantize(kernel, scale, zero) + bias, in dtype (f32 accumulation)."""
+
+    def __init__(self, in_features: int, out_features: int, scheme: str, *, dtype,
+                 groups: int | None = None, has_zero: bool = False, use_bias: bool = False,
+                 bias_dtype=jnp.float32):
+        super().__init__((in_features, out_features), scheme, groups=groups,
+                         has_zero=has_zero)
+        self.bias = nnx.Param(jnp.zeros((out_features,), bias_dtype)) if use_bias else None
+        self.in_features, self.out_features = in_features, out_features
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = matmul(x, self.weight(), self.dtype)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class QuantizedEmbed(QuantizedWeight):
+    """nnx.Embed's interface (call: lookup, attend: the tied LM head) over a quantized table
+    stored as kernel [D, V] (module docstring)."""
+
+    def __init__(self, num_embeddings: int, features: int, scheme: str, *, dtype,
+                 groups: int | None = None, has_zero: bool = False):
+        super().__init__((features, num_embeddings), scheme, groups=groups, has_zero=has_zero)
+        self.num_embeddings, self.features = num_embeddings, features
+        self.dtype = dtype
+
+    def __call__(self, token_ids: jax.Array) -> jax.Array:  # i32[...] -> [..., D]
+        flat = token_ids.reshape(-1)
+        weight = self.weight()
+        zero = None if weight.zero is None else jnp.take(weight.zero, flat, axis=-1)
+        columns = QArray(jnp.take(weight.data, flat, axis=-1),
+                         jnp.take(weight.scale, flat, axis=-1), zero, self.scheme)
+        return columns.astype(self.dtype).T.reshape(*token_ids.shape, self.features)
+
+    def attend(self, query: jax.Array) -> jax.Array:  # [..., D] -> [..., V]
+        return matmul(query, self.weight(), self.dtype)
 
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")

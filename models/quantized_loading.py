@@ -28,7 +28,7 @@ def quantized_modules(abstract) -> dict[tuple, nnx.Module]:
     quantize_model and the GGUF reader quantize a weight the same way in every layer)."""
     found = {}
     for path, node in nnx.graph.iter_graph(abstract):
-        if isinstance(node, (QuantizedLinear, QuantizedEmbed, QuantizedWeight)):
+        if isinstance(node, QuantizedWeight):  # Linear, Embed, or an experts' projection
             found.setdefault(module_key(path), node)
     return found
 

@@ -85,6 +85,19 @@ def run_requests(engine, requests, max_steps: int = 10_000) -> list:
     return [done[i] for i in ids]
 
 
+def assert_same_outputs(got, expected, atol: float = 1e-4) -> None:
+    """Two runs' RequestOutputs (in the same order): the same tokens, and at each step the same
+    top-logprob tokens with logprobs within atol."""
+    import numpy as np
+
+    for a, b in zip(got, expected, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for step, ref in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert step.keys() == ref.keys()
+            np.testing.assert_allclose([v.logprob for v in step.values()],
+                                       [v.logprob for v in ref.values()], atol=atol)
+
+
 def wait_healthy(url: str, procs, timeout_s: float = 120) -> None:
     """Waits (bounded) until a served /health answers ok; fails if a process exits first."""
     import json

@@ -9,7 +9,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from helpers import run_requests
+from helpers import assert_same_outputs, run_requests
 
 gguf = pytest.importorskip("gguf")
 
@@ -145,12 +145,7 @@ def test_gguf_blocks_load_without_a_float_copy(tmp_path, monkeypatch):
     prompts = [[3, 99, 250, 7, 41], list(range(60, 90))]
     got = run_requests(engine, [(p, params) for p in prompts])
     expected = run_requests(reference, [(p, params) for p in prompts])
-    for a, b in zip(got, expected):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for step, ref in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert step.keys() == ref.keys()
-            np.testing.assert_allclose([v.logprob for v in step.values()],
-                                       [v.logprob for v in ref.values()], atol=1e-4)
+    assert_same_outputs(got, expected)
 
 
 def test_inspect_reports_the_blocks_as_served(tmp_path):

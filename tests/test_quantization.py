@@ -10,13 +10,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import run_requests
+from helpers import assert_same_outputs, run_requests
 
 from models import get_config, init_model
 from models.quantization import (QArray, dequantize_np, pack_int4, quantize,
                                  unpack_int4_np)
 from models.quantized_layers import (QuantizedEmbed, QuantizedLinear, QuantizedWeight,
                                      quantize_model)
+from models import quantization_quality
 from models.quantization_quality import quality
 from pagedjax.engine.config import EngineConfig
 from pagedjax.engine.llm_engine import LLMEngine
@@ -66,7 +67,7 @@ def dequantized_reference(model, quantized):
     """model's float structure holding quantized's weights as NumPy dequantizes them."""
     reference = nnx.clone(model)
     for path, node in nnx.graph.iter_graph(quantized):
-        if isinstance(node, QuantizedWeight):  # a projection of the experts: [E, in, out]
+        if type(node) is QuantizedWeight:  # a projection of the experts: [E, in, out]
             target = reference
             for key in path:
                 target = target[key] if isinstance(key, int) else getattr(target, key)
@@ -169,23 +170,13 @@ def test_smollm2_int8_keeps_greedy_agreement():
     path = smollm2_path()
     reference = load_gguf_model(path)
     tokenizer = tokenizer_from_gguf(metadata(open_gguf(path)), path)
-    prompts = [tokenizer.encode(t) for t in QUALITY_PROMPTS]
+    prompts = [tokenizer.encode(t) for t in quantization_quality.PROMPTS]
     report = quality(reference, quantize_model(reference, "int8"), prompts, 16,
-                     tokenizer.encode(QUALITY_TEXT))
+                     tokenizer.encode(quantization_quality.TEXT))
     print(f"int8 greedy agreement {report['greedy_agreement']:.3f} over "
           f"{report['positions']} positions")
     assert report["greedy_agreement"] >= 0.9, report
     assert report["nll"] < report["nll_reference"] * 1.03, report
-
-
-QUALITY_PROMPTS = ["The capital of France is", "def fibonacci(n):",
-                   "Once upon a time, in a small village,", "The three primary colors are",
-                   "Water boils at a temperature of", "import numpy as np\n",
-                   "The largest planet in the solar system is", "To make a cup of tea, first"]
-QUALITY_TEXT = ("The history of the printing press begins in the fifteenth century, when "
-                "Johannes Gutenberg developed a system of movable metal type in Mainz. His "
-                "press made books far cheaper to produce, and within decades printing shops "
-                "had spread across Europe, changing how knowledge was shared.")
 
 
 def test_hf_checkpoint_is_quantized_as_it_is_read(tmp_path):
@@ -303,12 +294,7 @@ def test_compressed_tensors_checkpoint_serves_its_stored_weights(tmp_path, kind)
     got = run_requests(engine, [(p, params) for p in prompts])
     reference = LLMEngine(lazy_hf_model(str(dequantized)), EngineConfig(**SMALL))
     expected = run_requests(reference, [(p, params) for p in prompts])
-    for a, b in zip(got, expected):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for step, ref in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert step.keys() == ref.keys()
-            np.testing.assert_allclose([v.logprob for v in step.values()],
-                                       [v.logprob for v in ref.values()], atol=1e-4)
+    assert_same_outputs(got, expected)
     with pytest.raises(ValueError, match="already quantized"):
         LLMEngine(lazy_hf_model(str(compressed)), EngineConfig(**SMALL, quantization="int4"))
 
