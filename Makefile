@@ -110,6 +110,7 @@ bench: $(TEST_STAMP)
 	$(PY) benchmarks/speculative.py
 	$(PY) benchmarks/moe_roofline.py
 	$(PY) benchmarks/moe_parallel.py
+	$(PY) benchmarks/sampler_topk.py
 	$(MAKE) llama-cpp-python && $(PY) benchmarks/quantization.py
 
 # llama.cpp's Python binding, the CPU anchor of benchmarks/quantization.py, in its own venv

@@ -163,3 +163,41 @@ def test_logit_bias_forces_a_token_through_the_engine(tiny_model):
     banned = generate(tiny_model, [(prompt, SamplingParams(
         max_tokens=6, temperature=0.0, logit_bias={greedy[0]: -100.0}))])[0]
     assert banned[0] != greedy[0]
+
+
+def _reference_kept(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """vLLM's top-k then top-p in NumPy (float64): the tokens a row keeps."""
+    vocab = logits.shape[0]
+    if top_k <= 0 and top_p >= 1.0:
+        return np.ones(vocab, bool)
+    ordered = np.sort(logits.astype(np.float64))[::-1]
+    k = min(top_k, vocab) if top_k > 0 else vocab
+    head = ordered[:k]
+    probs = np.exp(head - head.max())
+    probs /= probs.sum()
+    keep = (np.cumsum(probs) - probs) < top_p
+    return logits >= head[max(int(keep.sum()), 1) - 1]
+
+
+def test_filters_over_a_large_vocabulary_match_the_reference():
+    """Past TOP_CANDIDATES tokens the filter looks at the top candidates only, sorting the row
+    when a filter reaches past them (top_k 600; a flat row's 0.999 nucleus) or when no row does
+    filter-free: each row keeps exactly the reference's set, alone or batched with rows that
+    force the sort."""
+    from pagedjax.engine.sampler import TOP_CANDIDATES
+
+    rng = np.random.default_rng(0)
+    vocab = 3000
+    assert vocab > TOP_CANDIDATES
+    logits = rng.standard_normal((7, vocab)).astype(np.float32) * 3
+    logits[5] = rng.standard_normal(vocab).astype(np.float32) * 0.01  # flat: a wide nucleus
+    rows = [(50, 1.0), (-1, 0.9), (20, 0.5), (-1, 1.0), (TOP_CANDIDATES, 0.95), (-1, 0.999),
+            (600, 1.0)]
+    for subset in ([0, 1, 2, 3, 4], [0, 5], [1, 6], list(range(7))):
+        top_k = jnp.array([rows[i][0] for i in subset])
+        top_p = jnp.array([rows[i][1] for i in subset], jnp.float32)
+        out = np.asarray(_filter_top_k_top_p(jnp.asarray(logits[subset]), top_k, top_p))
+        for row, i in enumerate(subset):
+            expected = _reference_kept(logits[i], *rows[i])
+            np.testing.assert_array_equal(np.isfinite(out[row]), expected, err_msg=str(rows[i]))
+            assert expected.sum() < vocab or rows[i] == (-1, 1.0)

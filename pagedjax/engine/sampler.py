@@ -53,11 +53,48 @@ def apply_penalties(
     return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
 
 
+# top-k / top-p look at the TOP_CANDIDATES most likely tokens of each row (lax.top_k) rather
+# than sorting the vocabulary; a step with a row whose filter reaches past them (top_k above it,
+# or a top-p nucleus their mass does not close) sorts. SmolLM2's own logits (49,152 tokens) on
+# this CPU, top_k 50 / top_p 0.95: the sampler at batch 8 took 75 ms sorting, against a 52 ms
+# forward, and takes 7.5 ms (benchmarks/sampler_topk.py: 8.7-10x at batch 8 and 32).
+TOP_CANDIDATES = 256
+
+
 def _filter_top_k_top_p(
     logits: jax.Array,  # f32[B, V], already divided by temperature
     top_k: jax.Array,  # i32[B] -1 disables
     top_p: jax.Array,  # f32[B] 1 disables
 ) -> jax.Array:  # f32[B, V] with filtered entries at -inf
+    """vLLM's top-k then top-p (the nucleus of the top-k renormalised): a token is dropped
+    when its logit is below the last kept one's. A row with neither filter keeps every token."""
+    vocab = logits.shape[-1]
+    cap = min(TOP_CANDIDATES, vocab)
+    if cap == vocab:
+        return _filter_sorted(logits, top_k, top_p)
+    values = jax.lax.top_k(logits, cap)[0]  # [B, cap], descending
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    ranks = jnp.arange(cap)[None, :]
+    within = jnp.where(ranks < k[:, None], values, -jnp.inf)
+    # the softmax over the k kept: the candidates' when k <= cap, else the whole row's
+    norm = jnp.where(k <= cap, jax.nn.logsumexp(within, axis=-1),
+                     jax.nn.logsumexp(logits, axis=-1))
+    probs = jnp.exp(within - norm[:, None])
+    mass = jnp.cumsum(probs, axis=-1)
+    keep = (mass - probs) < top_p[:, None]
+    num_keep = jnp.maximum(jnp.sum(keep & (ranks < k[:, None]), axis=-1), 1)
+    unfiltered = (k == vocab) & (top_p >= 1.0)
+    threshold = jnp.where(unfiltered, -jnp.inf,
+                          jnp.take_along_axis(within, (num_keep - 1)[:, None], axis=-1)[:, 0])
+    # the kept tokens lie among the candidates: k within them, or the nucleus closed in them
+    closed = unfiltered | (k <= cap) | (mass[:, -1] >= top_p)
+    return jax.lax.cond(
+        jnp.all(closed), lambda x: jnp.where(x < threshold[:, None], -jnp.inf, x),
+        lambda x: _filter_sorted(x, top_k, top_p), logits)
+
+
+def _filter_sorted(logits, top_k, top_p) -> jax.Array:
+    """_filter_top_k_top_p over the whole row sorted."""
     vocab = logits.shape[-1]
     sorted_desc = -jnp.sort(-logits, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
