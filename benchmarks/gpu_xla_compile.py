@@ -122,20 +122,25 @@ def engine_rows(chip: str) -> list[dict]:
     return rows
 
 
+def serving_step(kind: str, tokens: int, **options):
+    """abstract_step of Llama-3-8B (bf16, block 16) at serving sizes: 256 sequences with 32k-
+    token block tables over a 30,000-block pool."""
+    from models import CONFIGS
+    return abstract_step(CONFIGS["llama-3-8b"], kind, num_tokens=tokens, num_seqs=256,
+                         num_blocks=30000, max_blocks_per_seq=32768 // 16,
+                         cache_dtype=jnp.bfloat16, **options)
+
+
 def production_rows(chip: str) -> list[dict]:
     """The engine's step for Llama-3-8B (bf16, block 16) at serving sizes: 256 decode sequences
     with 32k-token block tables, and an 8192-token prefill, over a pool of 30,000 blocks (480k
     tokens, 58.6 GiB of KV beside 15 GiB of weights: what an H200 holds). Caches donated. On
     the gpu backend, and on mosaic_gpu where jax has it."""
-    from models import CONFIGS
     rows = []
     backends = ["gpu"] + (["mosaic_gpu"] if gpu_programs.MOSAIC else [])
     for backend in backends:
         for kind, tokens in (("decode", 256), ("prefill", 8192)):
-            step, args = abstract_step(CONFIGS["llama-3-8b"], kind, num_tokens=tokens,
-                                       num_seqs=256, num_blocks=30000,
-                                       max_blocks_per_seq=32768 // 16,
-                                       cache_dtype=jnp.bfloat16, backend=backend)
+            step, args = serving_step(kind, tokens, backend=backend)
             rows.append(row_for("production", f"llama-3-8b {kind} step ({backend}), {tokens} "
                                 "tokens of 256 sequences, 30,000-block pool, caches donated",
                                 step, args, chip))
@@ -147,14 +152,10 @@ def quantized_rows(chip: str) -> list[dict]:
     """production_rows' steps (gpu backend) with int8 / int4 weights (models/quantization.py,
     LM head too): each layer dequantizes its weights inside the scan, so temp_mib stays far
     below the 15 GiB a full-precision copy of the weights would take."""
-    from models import CONFIGS
     rows = []
     for scheme in ("int8", "int4"):
         for kind, tokens in (("decode", 256), ("prefill", 8192)):
-            step, args = abstract_step(CONFIGS["llama-3-8b"], kind, num_tokens=tokens,
-                                       num_seqs=256, num_blocks=30000,
-                                       max_blocks_per_seq=32768 // 16,
-                                       cache_dtype=jnp.bfloat16, quantization=scheme)
+            step, args = serving_step(kind, tokens, quantization=scheme)
             rows.append(row_for("quantized", f"llama-3-8b {scheme} weights, {kind} step "
                                 f"(gpu), {tokens} tokens of 256 sequences, 30,000-block pool",
                                 step, args, chip))
