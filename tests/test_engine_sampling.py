@@ -189,11 +189,12 @@ def test_filters_over_a_large_vocabulary_match_the_reference():
     rng = np.random.default_rng(0)
     vocab = 3000
     assert vocab > TOP_CANDIDATES
-    logits = rng.standard_normal((7, vocab)).astype(np.float32) * 3
+    logits = rng.standard_normal((8, vocab)).astype(np.float32) * 3
     logits[5] = rng.standard_normal(vocab).astype(np.float32) * 0.01  # flat: a wide nucleus
+    logits[7] = rng.standard_normal(vocab).astype(np.float32)  # its top 600 hold part of it
     rows = [(50, 1.0), (-1, 0.9), (20, 0.5), (-1, 1.0), (TOP_CANDIDATES, 0.95), (-1, 0.999),
-            (600, 1.0)]
-    for subset in ([0, 1, 2, 3, 4], [0, 5], [1, 6], list(range(7))):
+            (600, 1.0), (600, 0.3)]  # top_k 600: top-p over its 600, not the whole row
+    for subset in ([0, 1, 2, 3, 4], [0, 5], [1, 6], [2, 7], list(range(8))):
         top_k = jnp.array([rows[i][0] for i in subset])
         top_p = jnp.array([rows[i][1] for i in subset], jnp.float32)
         out = np.asarray(_filter_top_k_top_p(jnp.asarray(logits[subset]), top_k, top_p))

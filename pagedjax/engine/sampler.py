@@ -86,8 +86,9 @@ def _filter_top_k_top_p(
     unfiltered = (k == vocab) & (top_p >= 1.0)
     threshold = jnp.where(unfiltered, -jnp.inf,
                           jnp.take_along_axis(within, (num_keep - 1)[:, None], axis=-1)[:, 0])
-    # the kept tokens lie among the candidates: k within them, or the nucleus closed in them
-    closed = unfiltered | (k <= cap) | (mass[:, -1] >= top_p)
+    # the kept tokens lie among the candidates: k within them, or (no top_k: the whole row
+    # normalises) the nucleus closed in them; a top_k past them normalises over more: sorted
+    closed = unfiltered | (k <= cap) | ((k == vocab) & (mass[:, -1] >= top_p))
     return jax.lax.cond(
         jnp.all(closed), lambda x: jnp.where(x < threshold[:, None], -jnp.inf, x),
         lambda x: _filter_sorted(x, top_k, top_p), logits)
