@@ -124,9 +124,7 @@ def values(data: jax.Array, scheme: str, groups: int) -> jax.Array:
         return data
     if scheme == "fp8":
         return jax.lax.bitcast_convert_type(data, jnp.float8_e4m3fn)
-    signed = jax.lax.bitcast_convert_type(data, jnp.int8)
-    low = jnp.left_shift(signed, 4) >> 4  # arithmetic shifts: sign-extended nibbles
-    high = signed >> 4
+    low, high = nibble_planes(data)
     *lead, rows, out = data.shape
     half = rows // groups
     low = low.reshape(*lead, groups, half, out)
@@ -158,6 +156,12 @@ def chunked_products(enabled: bool):
 def _chunking() -> bool:
     chosen = _CHUNKED.get()
     return jax.default_backend() == "cpu" if chosen is None else chosen
+
+
+def nibble_planes(data: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """int4 bytes -> (low, high) int8 nibbles, sign-extended (arithmetic shifts)."""
+    signed = jax.lax.bitcast_convert_type(data, jnp.int8)
+    return jnp.left_shift(signed, 4) >> 4, signed >> 4
 
 
 def matmul(x: jax.Array, weight: QArray, dtype) -> jax.Array:
@@ -204,8 +208,7 @@ def _matmul(x: jax.Array, weight: QArray, dtype) -> jax.Array:
 def _int4_matmul(x: jax.Array, weight: QArray, dtype) -> jax.Array:
     """matmul of a 2-D int4 weight: byte row j of group G holds rows G g + j (low nibble) and
     G g + g / 2 + j (high), so x's rows split the same way meet each nibble plane."""
-    signed = jax.lax.bitcast_convert_type(weight.data, jnp.int8)
-    planes = (jnp.left_shift(signed, 4) >> 4, signed >> 4)  # sign-extended nibbles
+    planes = nibble_planes(weight.data)
     groups, (rows, out) = weight.scale.shape[-2], weight.data.shape
     half = rows // groups
     xs = x.astype(dtype).reshape(*x.shape[:-1], groups, 2, half)
