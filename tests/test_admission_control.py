@@ -46,9 +46,9 @@ def _held(limits: AdmissionLimits, llm, held_bodies, probes):
         try:  # a failed check resumes the engine, so the held requests end and so does the test
             held = [pool.submit(client.post, "/v1/completions", json=b) for b in held_bodies]
             deadline = time.monotonic() + 60
-            while len(server.async_engine._live) < len(held) and time.monotonic() < deadline:
+            while server.async_engine.num_live < len(held) and time.monotonic() < deadline:
                 time.sleep(0.02)
-            assert len(server.async_engine._live) == len(held)
+            assert server.async_engine.num_live == len(held)
             answers = []
             for body, status in probes:
                 before = set(llm.engine.request_groups)
@@ -56,9 +56,9 @@ def _held(limits: AdmissionLimits, llm, held_bodies, probes):
                     response = client.post("/v1/completions", json=body, timeout=REFUSAL_S)
                     assert set(llm.engine.request_groups) == before  # nothing queued
                 else:  # admitted: held live too, before the next probe
-                    live = len(server.async_engine._live)
+                    live = server.async_engine.num_live
                     response = pool.submit(client.post, "/v1/completions", json=body)
-                    while (len(server.async_engine._live) == live and not response.done()
+                    while (server.async_engine.num_live == live and not response.done()
                            and time.monotonic() < deadline):
                         time.sleep(0.02)
                     if response.done():  # answered at once: refused

@@ -77,7 +77,7 @@ def test_an_oom_mid_generation_is_counted_and_every_request_answers_as_without_i
         with concurrent.futures.ThreadPoolExecutor(1) as starter:
             running = starter.submit(_serve_all, url)
             deadline = time.monotonic() + 60
-            while (len(server.async_engine._live) < len(PROMPTS) and not running.done()
+            while (server.async_engine.num_live < len(PROMPTS) and not running.done()
                    and time.monotonic() < deadline):
                 time.sleep(0.02)
             server.async_engine.resume()

@@ -283,7 +283,7 @@ def test_disconnecting_clients_are_aborted_at_once():
                     and llm.engine.scheduler.kv_manager.num_used_blocks == 0):
                 break
             time.sleep(0.02)
-        assert not llm.engine.has_unfinished() and not server.async_engine._live
+        assert not llm.engine.has_unfinished() and not server.async_engine.num_live
         assert llm.engine.scheduler.kv_manager.num_used_blocks == 0
         assert gauges and not any(gauges.values()), gauges
         assert llm.engine.stats.num_aborted >= len(jobs)

@@ -316,13 +316,13 @@ def test_admission_control_api_key_and_token_ids_without_tokenizer(llm, referenc
         threading.Thread(target=lambda: first.set_result(
             client.post("/v1/completions", json=body, headers=auth))).start()
         deadline = time.time() + 30
-        while not budgeted.async_engine._live and time.time() < deadline:
+        while not budgeted.async_engine.num_live and time.time() < deadline:
             time.sleep(0.01)
         queued = dict(engine.scheduler.state.requests)
         refused = client.post("/v1/completions", json=body, headers=auth)  # 28 + 28 > 40
         assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
         assert engine.scheduler.state.requests == queued  # refused: nothing queued
-        assert len(engine.request_groups) == len(budgeted.async_engine._live) == 1
+        assert len(engine.request_groups) == budgeted.async_engine.num_live == 1
         error = refused.json()["error"]
         assert error["code"] == "server_overloaded"
         assert "max_outstanding_tokens (40)" in error["message"]

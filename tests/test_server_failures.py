@@ -42,7 +42,7 @@ def test_request_failing_inside_a_step_fails_alone():
             good = pool.submit(client.post, "/v1/completions",
                                json={"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0})
             deadline = time.time() + 30
-            while len(server.async_engine._live) < 2 and time.time() < deadline:
+            while server.async_engine.num_live < 2 and time.time() < deadline:
                 time.sleep(0.01)
             server.async_engine.resume()
             bad, good = bad.result(timeout=60), good.result(timeout=60)

@@ -66,13 +66,13 @@ def test_a_version_applied_and_rolled_back_under_load_loses_no_request():
         assert client.get("/v1/models").json()["data"][0]["config_version"] == "v1"
         under_v1 = [pool.submit(_complete, client, 10) for _ in range(4)]
         deadline = time.monotonic() + 60
-        while len(server.async_engine._live) < 4 and time.monotonic() < deadline:
+        while server.async_engine.num_live < 4 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert client.post("/admin/config", json=V2).status_code == 401  # no key
         applied = client.post("/admin/config", json=V2, headers=ADMIN)
         assert applied.status_code == 200 and applied.json()["versions"] == ["v1", "v2"]
         under_v2 = [pool.submit(_complete, client, 10) for _ in range(4)]
-        while len(server.async_engine._live) < 6 and time.monotonic() < deadline:
+        while server.async_engine.num_live < 6 and time.monotonic() < deadline:
             time.sleep(0.01)
         models = client.get("/v1/models").json()["data"][0]
         metrics = client.get("/metrics").text

@@ -127,7 +127,7 @@ class OpenAIServer:
         self.open_paths = ("/health", "/metrics") if public_metrics else ("/health",)
         self.created = int(time.time())
         self.degradation = DegradationController(config.degradation, apply=self._apply_level)
-        self.metrics = ServerMetrics(engine, served_model_name, observer=self.degradation)
+        self.metrics = ServerMetrics(engine.stats, served_model_name, observer=self.degradation)
         self.degradation.on_change = self.metrics.degradation_changed
         self.trace = TraceRecorder(trace_out, engine.clock()) if trace_out else None
         self.async_engine = AsyncLLMEngine(engine, limits=config.admission,
@@ -246,7 +246,7 @@ class OpenAIServer:
         limits, cap = settings_for(level, self.degradation.policy, self.admission,
                                    self.max_tokens_cap or self.engine.config.max_model_len,
                                    self.engine.config.max_model_len,
-                                   len(self.async_engine._admitted))
+                                   self.async_engine.num_live)
         self.degradation.max_tokens_cap = cap
         self.async_engine.limits = limits
 
@@ -357,7 +357,7 @@ class OpenAIServer:
         async def health():
             if not self.async_engine.healthy:
                 return responses.JSONResponse(
-                    error_body(self.async_engine._dead_reason(), "server_error"),
+                    error_body(self.async_engine.dead_reason(), "server_error"),
                     status_code=503)
             return {"status": "ok"}
 

@@ -14,24 +14,22 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import logging
 import queue
 import threading
-import time
 from typing import AsyncIterator, Callable, Sequence
 
-from pagedjax.engine.admission import Admission, PromptSpec
+from pagedjax.engine.admission import PromptSpec
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.outputs import RequestOutput
-from pagedjax.serving import admission_control
-from pagedjax.serving.admission_control import AdmissionLimits, Live, OverloadedError
-from scheduler import Request, SamplingParams
+from pagedjax.serving.admission_control import AdmissionLimits, OverloadedError
+from pagedjax.serving.engine_driver import EngineDriver, StepInfo, remaining_tokens
+from scheduler import SamplingParams
 
 logger = logging.getLogger("pagedjax.engine")
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "OverloadedError", "PromptSpec",
-           "RequestFailedError", "RequestGroup", "StepInfo"]
+           "RequestFailedError", "RequestGroup", "StepInfo", "remaining_tokens"]
 
 
 class RequestFailedError(RuntimeError):
@@ -40,29 +38,6 @@ class RequestFailedError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped on an error or was shut down; no request can be served."""
-
-
-@dataclasses.dataclass(frozen=True)
-class StepInfo:
-    """What the engine thread reports after each step (to metrics)."""
-
-    outputs: list[RequestOutput]
-    # Wall time of LLMEngine.step (scheduling, the device step, postprocess); None for a report
-    # without a step (after an abort, or when the engine falls idle).
-    step_time_s: float | None
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    kv_usage: float  # used / usable blocks (over all replicas)
-    outstanding_tokens: int
-    replicas: tuple = ()  # metrics.ReplicaLoad of each engine replica (data parallelism)
-
-
-def remaining_tokens(samples: Sequence[Request]) -> int:
-    """Tokens these samples may still compute: the prompt not yet prefilled (again, after a
-    recompute preemption) and the outputs not yet generated, up to max_tokens."""
-    return sum(r.max_num_tokens - r.num_computed_tokens for r in samples
-               if not r.status.finished)
 
 
 class RequestGroup:
@@ -115,7 +90,7 @@ class AsyncLLMEngine:
         elif max_outstanding_tokens is not None:
             raise ValueError("give max_outstanding_tokens inside limits, not beside it")
         self.engine = engine
-        self.limits = limits
+        self.driver = EngineDriver(engine, limits)
         self.on_step = on_step
         self.on_abort = on_abort
         self.idle_wait_s = idle_wait_s
@@ -124,10 +99,22 @@ class AsyncLLMEngine:
         self._wake = threading.Event()
         self._stopped = False
         self._paused = False
-        # Engine-thread state: request id -> (its samples, the loop and queue its outputs go to).
-        self._live: dict[str, tuple[list[Request], asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._admitted: dict[str, Live] = {}  # request id -> what admission control counts
+        # Engine-thread state: request id -> the loop and queue its outputs go to.
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread = threading.Thread(target=self._run, name="pagedjax-engine", daemon=True)
+
+    @property
+    def limits(self) -> AdmissionLimits:
+        return self.driver.limits
+
+    @limits.setter
+    def limits(self, limits: AdmissionLimits) -> None:
+        self.driver.limits = limits
+
+    @property
+    def num_live(self) -> int:
+        """Requests admitted and not finished (nor aborted)."""
+        return len(self.driver.live)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -167,7 +154,7 @@ class AsyncLLMEngine:
         """Runs fn(engine) on the engine thread between steps; returns its result or raises
         its exception."""
         if not self.healthy:
-            raise EngineDeadError(self._dead_reason())
+            raise EngineDeadError(self.dead_reason())
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((fn, future))
         self._wake.set()
@@ -181,22 +168,11 @@ class AsyncLLMEngine:
         others). Their outputs arrive, interleaved, through the returned group."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
-        long_after = self.limits.long_context_threshold
-
-        def admit(admissions: list[Admission]) -> None:
-            blocks_for = self.engine.blocks_for
-            admission_control.check(self.limits, list(self._admitted.values()), admissions,
-                                    streamed, self.engine.load(), blocks_for,
-                                    self._outstanding_tokens(),
-                                    self._outstanding_blocks(blocks_for))
 
         def add(engine: LLMEngine) -> list[str]:
-            ids = engine.add_requests(prompts, admit)
-            for request_id, spec in zip(ids, prompts):
-                samples = engine.request_groups[request_id]
-                self._live[request_id] = (samples, loop, outputs)
-                self._admitted[request_id] = Live(samples, streamed, long_after is not None and
-                                                  samples[0].num_prompt_tokens > long_after)
+            ids = self.driver.add(prompts, streamed)
+            for request_id in ids:
+                self._sinks[request_id] = (loop, outputs)
             return ids
 
         return RequestGroup(self, await self.call(add), outputs)
@@ -224,24 +200,9 @@ class AsyncLLMEngine:
     # ---- the engine thread -------------------------------------------------------------------
 
     def _abort(self, request_id: str) -> None:
-        self._admitted.pop(request_id, None)
-        if self._live.pop(request_id, None) is not None:
-            self.engine.abort(request_id)
-            if self.on_abort is not None:
-                self.on_abort(request_id)
-
-    def _outstanding_tokens(self) -> int:
-        return sum(remaining_tokens(samples) for samples, _, _ in self._live.values())
-
-    def _outstanding_blocks(self, blocks_for) -> int:
-        """KV blocks the live requests may still take: one pool of their remaining tokens
-        with one KV cache group; per sample with several (a sliding group's bound is each
-        sequence's)."""
-        if not self.engine.hybrid_kv_cache:
-            return blocks_for(self._outstanding_tokens())
-        return sum(blocks_for(r.max_num_tokens - r.num_computed_tokens)
-                   for samples, _, _ in self._live.values() for r in samples
-                   if not r.status.finished)
+        self._sinks.pop(request_id, None)
+        if self.driver.abort(request_id) and self.on_abort is not None:
+            self.on_abort(request_id)
 
     def _drain(self) -> int:
         """Runs the queued commands; returns how many ran."""
@@ -267,22 +228,21 @@ class AsyncLLMEngine:
         per loop, not one per output."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for request_id, item in items:
-            _, loop, outputs = self._live[request_id]
+            loop, outputs = self._sinks[request_id]
             by_loop.setdefault(loop, []).append((request_id, outputs, item))
         for loop, batch in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_put_all, batch)
+                loop.call_soon_threadsafe(put_all, batch)
             except RuntimeError:  # the callers' loop is closed: nobody is listening
                 for request_id, _, _ in batch:
                     self._abort(request_id)
 
     def _run(self) -> None:
-        engine = self.engine
         try:
             idle_reported = False
             while not self._stopped:
                 changed = self._drain()
-                if self._paused or not engine.has_unfinished():
+                if self._paused or not self.driver.has_work():
                     if changed or not idle_reported:  # gauges follow aborts and idleness
                         self._report([], None)
                         idle_reported = True
@@ -290,23 +250,13 @@ class AsyncLLMEngine:
                     self._wake.clear()
                     continue
                 idle_reported = False
-                start = time.perf_counter()
-                try:
-                    outputs = engine.step()
-                except Exception as error:  # noqa: BLE001 - fail what ran, serve on
-                    logger.exception("engine step failed; its requests fail, the engine goes on")
-                    outputs = engine.fail_all(error)
-                step_time = time.perf_counter() - start
+                outputs, step_time = self.driver.step()
                 self._report(outputs, step_time)  # first: a caller who has its output
                 # finds it in the metrics and the trace
-                live = [out for out in outputs if out.request_id in self._live]
-                self._deliver([(out.request_id, RequestFailedError(
-                    f"request {out.request_id} failed inside a step and was dropped: "
-                    f"{out.error}") if out.error is not None else out) for out in live])
-                for out in live:
+                self._deliver([(out.request_id, as_delivered(out)) for out in outputs])
+                for out in outputs:
                     if out.finished:
-                        self._live.pop(out.request_id, None)
-                        self._admitted.pop(out.request_id, None)
+                        self._sinks.pop(out.request_id, None)
         except BaseException as e:  # noqa: BLE001 - the engine is dead; tell every caller
             self.error = e
         finally:
@@ -318,28 +268,19 @@ class AsyncLLMEngine:
         if self.on_step is None:
             return
         try:
-            self._report_step(outputs, step_time)
+            self.on_step(self.driver.report(outputs, step_time))
         except Exception:  # noqa: BLE001 - observers must not stop serving
             logger.exception("a step report failed; the engine serves on")
 
-    def _report_step(self, outputs: list[RequestOutput], step_time: float | None) -> None:
-        replicas = tuple(self.engine.load())
-        self.on_step(StepInfo(
-            outputs, step_time, sum(r.num_running for r in replicas),
-            sum(r.num_waiting for r in replicas), sum(r.num_swapped for r in replicas),
-            sum(r.used_blocks for r in replicas) / max(1, sum(r.usable_blocks for r in replicas)),
-            self._outstanding_tokens(), replicas))
-
-    def _dead_reason(self) -> str:
+    def dead_reason(self) -> str:
         if self.error is not None:
             return f"the engine stopped on {type(self.error).__name__}: {self.error}"
         return "the engine is shut down" if self._stopped else "the engine is not started"
 
     def _fail_all(self) -> None:
-        dead = EngineDeadError(self._dead_reason())
-        self._deliver([(request_id, dead) for request_id in list(self._live)])
-        self._live.clear()
-        self._admitted.clear()
+        dead = EngineDeadError(self.dead_reason())
+        self._deliver([(request_id, dead) for request_id in self.driver.drop_all()])
+        self._sinks.clear()
         while True:  # commands queued after the last drain
             try:
                 _, future = self._commands.get_nowait()
@@ -349,6 +290,15 @@ class AsyncLLMEngine:
                 future.set_exception(dead)
 
 
-def _put_all(batch) -> None:
+def as_delivered(out: RequestOutput) -> RequestOutput | RequestFailedError:
+    """What a request's caller receives for an output: the output, or the error of a request
+    that failed inside a step."""
+    if out.error is None:
+        return out
+    return RequestFailedError(f"request {out.request_id} failed inside a step and was "
+                              f"dropped: {out.error}")
+
+
+def put_all(batch) -> None:
     for _, outputs, item in batch:
         outputs.put_nowait(item)
