@@ -17,6 +17,9 @@ class RequestError(ValueError):
         super().__init__(message)
         self.field = field
 
+    def __reduce__(self):  # pickled whole (the engine core's process boundary)
+        return type(self), (self.field, str(self))
+
 
 def check_int(field: str, value, low: int, high: int, *, allow: tuple = ()) -> int:
     """value as an int in [low, high] (or one of allow); booleans and floats are refused."""

@@ -17,6 +17,7 @@ import threading
 import time
 import urllib.request
 
+import psutil
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
@@ -357,9 +358,13 @@ def test_pagedjax_serve_process():
         assert data["choices"][0]["text"] == "degap"  # the embedded model reverses strings
         with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as r:
             assert json.load(r)["data"][0]["id"] == "tiny"
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert children  # the engine core's process (and multiprocessing's tracker)
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, alive  # stopping the server ended the engine core too
     # uvicorn shuts down gracefully, then re-raises the signal it caught (exit by SIGTERM).
     assert proc.returncode in (0, -signal.SIGTERM), out
     assert "Application shutdown complete" in out, out

@@ -96,6 +96,12 @@ def add_args(parser) -> None:
                        "process")
 
 
+def requested(args) -> bool:
+    """The flags ask for several processes (jax.distributed)."""
+    return args.distributed or any(f is not None for f in
+                                   (args.coordinator, args.num_processes, args.process_id))
+
+
 def start_from_args(args) -> bool:
     """Initializes jax.distributed when the flags ask; True when this process is a follower
     (it then runs `follow` instead of serving)."""
@@ -103,7 +109,7 @@ def start_from_args(args) -> bool:
     if args.distributed and any(f is not None for f in flags):
         raise ValueError("--distributed reads the environment: give it without --coordinator "
                          "/ --num-processes / --process-id")
-    if not args.distributed and all(f is None for f in flags):
+    if not requested(args):
         return False
     initialize(*flags, heartbeat_timeout_seconds=args.heartbeat_timeout)
     return jax.process_index() != 0

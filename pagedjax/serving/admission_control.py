@@ -41,6 +41,9 @@ class OverloadedError(RuntimeError):
         super().__init__(message)
         self.reason = reason
 
+    def __reduce__(self):  # crosses the engine core's process boundary whole
+        return type(self), (self.reason, str(self))
+
 
 @dataclasses.dataclass(frozen=True)
 class AdmissionLimits:

@@ -33,6 +33,7 @@ from pagedjax.serving.degradation import (DegradationController, DegradationPoli
                                           settings_for)
 from pagedjax.serving.async_engine import (AsyncLLMEngine, EngineDeadError, OverloadedError,
                                            PromptSpec, RequestFailedError, RequestGroup)
+from pagedjax.serving.core_client import CoreClient
 from pagedjax.serving.http_common import (DEFAULT_MAX_REQUEST_BYTES, APIError,
                                           GuardMiddleware, error_body, get_route,
                                           install_error_handlers)
@@ -69,7 +70,9 @@ class OpenAIServer:
                  responses_store_size: int = DEFAULT_MAX_ENTRIES,
                  responses_store_ttl_s: float = DEFAULT_TTL_S,
                  enable_prompt_tokens_details: bool = False):
-        """api_key guards every route but /health (and /metrics with public_metrics, for a
+        """engine: an LLMEngine (stepped on a thread of this process, AsyncLLMEngine) or a
+        started engine core (pagedjax.serving.core_client.CoreClient: the engine in a process
+        of its own). api_key guards every route but /health (and /metrics with public_metrics, for a
         scraper); bodies over max_request_bytes answer 413 unread; chat_template replaces the
         tokenizer's (a model with neither refuses chat requests, 400).
 
@@ -85,6 +88,8 @@ class OpenAIServer:
         from its answer. The Responses API keeps up to responses_store_size responses (0:
         none) for responses_store_ttl_s seconds. enable_prompt_tokens_details adds the prompt
         tokens served from the prefix cache to every usage object (prompt_tokens_details)."""
+        core = engine if isinstance(engine, CoreClient) else None
+        engine = core.engine if core is not None else engine
         if config is None:
             if admission is not None and max_outstanding_tokens is not None:
                 raise ValueError("give max_outstanding_tokens inside admission, not beside it")
@@ -130,8 +135,12 @@ class OpenAIServer:
         self.metrics = ServerMetrics(engine.stats, served_model_name, observer=self.degradation)
         self.degradation.on_change = self.metrics.degradation_changed
         self.trace = TraceRecorder(trace_out, engine.clock()) if trace_out else None
-        self.async_engine = AsyncLLMEngine(engine, limits=config.admission,
-                                           on_step=self._on_step, on_abort=self._on_abort)
+        if core is None:
+            self.async_engine = AsyncLLMEngine(engine, limits=config.admission,
+                                               on_step=self._on_step, on_abort=self._on_abort)
+        else:
+            self.async_engine = core
+            core.on_step, core.on_abort = self._on_step, self._on_abort
         self.configs = ConfigHistory(config)
         self.apply_config(config)
 

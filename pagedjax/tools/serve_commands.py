@@ -100,6 +100,10 @@ def serve_args(parser: argparse.ArgumentParser) -> None:
     warmup.add_argument("--warmup-background", action="store_true",
                         help="accept requests at once and compile every step program in a "
                         "background thread (a shape not compiled yet compiles on first use)")
+    parser.add_argument("--engine-core", choices=("process", "thread"), default="process",
+                        help="where the engine steps: a process of its own behind the server "
+                        "(default; vLLM V1's shape: the step never waits on the server's event "
+                        "loop) or a thread of the server's process (always, multi-host)")
     parser.add_argument("--trace-out", help="append every finished request to this JSON-lines "
                         "trace (lengths, arrival, prefix hashes; no text) for `pagedjax "
                         "simulate`")
@@ -145,36 +149,22 @@ def serve(args, parser: argparse.ArgumentParser) -> None:
         except ValueError as e:
             parser.error(str(e))
 
-    import jax
-
-    from pagedjax.llm import DEFAULT_MODEL, LLM
+    from pagedjax.llm import DEFAULT_MODEL
     from pagedjax.serving.app import run_server
 
     model = args.model or config.model or DEFAULT_MODEL
     try:
         follower = multihost.start_from_args(args)
-        llm = LLM(model, tokenizer=args.tokenizer, **config.engine)
-    except ValueError as e:
+        if args.engine_core == "process" and not multihost.requested(args):
+            engine = _start_engine_core(model, args, config)
+        else:
+            engine = _in_process_engine(model, args, config, follower)
+    except (ValueError, RuntimeError) as e:  # RuntimeError: the engine core failed to start
         parser.exit(1, f"pagedjax serve: {e}\n")
-    budget = getattr(llm.engine, "memory_budget", None)  # --gpu-memory-utilization
-    if budget is not None:
-        print(budget.describe(), flush=True)
-    if follower:  # the leader (process 0) serves; this process runs its steps' shards
-        print(f"process {jax.process_index()}: following process 0", flush=True)
-        steps = multihost.follow(llm.engine.runner)
-        print(f"process {jax.process_index()}: leader stopped after {steps} steps", flush=True)
+    if engine is None:
         return
-    if args.warmup:
-        start = time.perf_counter()
-        num_programs = llm.engine.warmup(progress=True)
-        print(f"warmup: {num_programs} step programs ready in "
-              f"{time.perf_counter() - start:.1f} s (compilation cache: "
-              f"{llm.engine.compilation_cache_dir or 'off'})", flush=True)
-    if args.warmup_background:
-        threading.Thread(target=_report_warmup, args=(llm.engine.start_warmup(progress=True),),
-                         daemon=True).start()
     name = args.served_model_name or os.path.basename(os.path.normpath(str(model)))
-    run_server(llm.engine, name, host=args.host, port=args.port,
+    run_server(engine, name, host=args.host, port=args.port,
                config=config, admin_key=args.admin_key, api_key=args.api_key,
                trace_out=args.trace_out, log_level=args.log_level,
                max_request_bytes=args.max_request_bytes, public_metrics=args.public_metrics,
@@ -225,6 +215,51 @@ def _serving_config(args, parser: argparse.ArgumentParser):
                 hold_s=args.degrade_hold))
     except ValueError as e:
         parser.error(str(e))
+
+
+def _start_engine_core(model, args, config):
+    """The engine in a process of its own (pagedjax.serving.engine_core), built and warmed
+    up (--warmup) before this returns; --warmup-background compiles there while serving."""
+    from pagedjax.serving.core_client import CoreClient
+    from pagedjax.serving.engine_core import LLMFactory
+
+    start = time.perf_counter()
+    core = CoreClient(LLMFactory(model, args.tokenizer, dict(config.engine), args.warmup))
+    for note in core.notes:
+        print(note, flush=True)
+    print(f"engine core: process {core.process.pid} ready in "
+          f"{time.perf_counter() - start:.1f} s", flush=True)
+    if args.warmup_background:
+        core.start_warmup()
+    return core
+
+
+def _in_process_engine(model, args, config, follower: bool):
+    """The engine on a thread of this process (None: a multi-host follower, done)."""
+    import jax
+
+    from pagedjax.llm import LLM
+    from pagedjax.parallel import multihost
+
+    llm = LLM(model, tokenizer=args.tokenizer, **config.engine)
+    budget = getattr(llm.engine, "memory_budget", None)  # --gpu-memory-utilization
+    if budget is not None:
+        print(budget.describe(), flush=True)
+    if follower:  # the leader (process 0) serves; this process runs its steps' shards
+        print(f"process {jax.process_index()}: following process 0", flush=True)
+        steps = multihost.follow(llm.engine.runner)
+        print(f"process {jax.process_index()}: leader stopped after {steps} steps", flush=True)
+        return None
+    if args.warmup:
+        start = time.perf_counter()
+        num_programs = llm.engine.warmup(progress=True)
+        print(f"warmup: {num_programs} step programs ready in "
+              f"{time.perf_counter() - start:.1f} s (compilation cache: "
+              f"{llm.engine.compilation_cache_dir or 'off'})", flush=True)
+    if args.warmup_background:
+        threading.Thread(target=_report_warmup, args=(llm.engine.start_warmup(progress=True),),
+                         daemon=True).start()
+    return llm.engine
 
 
 def _report_warmup(warmup) -> None:
