@@ -16,7 +16,7 @@ GPU_IMAGE_TESTS := tests/test_gpu_script.py tests/test_kernels_gpu.py \
 	tests/test_kernels_xla_gpu_compile.py tests/test_kernels_mosaic_gpu.py \
 	tests/test_engine_equivalence.py tests/test_speculative.py
 
-.PHONY: demo test test-slow test-clients test-gpu-image gpu-image-python bench bench-gpu-image llama-cpp-python clean
+.PHONY: demo test test-slow test-clients test-gpu-image gpu-image-python bench bench-gpu-image llama-cpp-python llama-server clean
 
 $(STAMP): pyproject.toml requirements/cpu.txt
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -123,6 +123,20 @@ $(LLAMA_CPP_VENV)/.installed:
 	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \
 		$(LLAMA_CPP_VENV)/bin/pip install --no-cache-dir llama-cpp-python==0.3.36
 	touch $@
+
+# llama.cpp's llama-server, built from the llama.cpp that llama-cpp-python 0.3.36 vendors (its
+# sdist, pinned), with the flags above: the serving anchor of benchmarks/vs_llama_cpp.py.
+LLAMA_SERVER := build/llama.cpp/build/bin/llama-server
+llama-server: $(LLAMA_SERVER)
+$(LLAMA_SERVER): $(STAMP)
+	mkdir -p build/llama.cpp
+	$(PY) -m pip download --quiet --no-deps --no-binary :all: -d build/llama.cpp llama-cpp-python==0.3.36
+	tar xzf build/llama.cpp/llama_cpp_python-0.3.36.tar.gz -C build/llama.cpp
+	cmake -S build/llama.cpp/llama_cpp_python-0.3.36/vendor/llama.cpp -B build/llama.cpp/build \
+		-DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
+		-DGGML_F16C=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+		-DLLAMA_BUILD_SERVER=ON
+	cmake --build build/llama.cpp/build --target llama-server -j 2
 
 # The GPU device script rehearsed without a GPU: its programs compiled by XLA for an H200.
 bench-gpu-image: $(GPU_IMAGE_STAMP)
