@@ -126,6 +126,8 @@ def main() -> None:
     parser.add_argument("--batches", default="32,256")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--name", default="host_path",
+                        help="the results' file name under benchmarks/results/")
     args = parser.parse_args()
     model = init_model(get_config(args.model))
     rows = []
@@ -134,7 +136,7 @@ def main() -> None:
             rows.append(measure(batch, final_only, steps=args.steps, prompt_len=args.prompt_len,
                                 model=model))
             print(rows[-1], flush=True)
-    write_results("host_path", "Decode step, phase by phase (host path vs device)", rows,
+    write_results(args.name, "Decode step, phase by phase (host path vs device)", rows,
                   vars(args), __doc__.split("\n\n", 1)[1])
 
 

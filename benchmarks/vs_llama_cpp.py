@@ -10,11 +10,15 @@ Servers, in rounds (A B C ... A B C ...: drift on a shared machine hits each ali
 - llama-server: built by `make llama-server` from the llama.cpp that llama-cpp-python 0.3.36
   vendors, `-np 8 -cb -t 2 -c 8192` (8 slots of 1,024 tokens, continuous batching, 2 threads);
   it runs the GGUF's own Q4_1 kernels.
-- pagedjax f32 (process): `pagedjax serve GGUF` (weights dequantized to f32), the engine core in
-  its own process (the default).
+- pagedjax gguf Q4_1 (process): `pagedjax serve GGUF`: the file's own blocks (Q4_1 layers as
+  int4 with offsets, the Q8_0 embedding as int8), the engine core in its own process (the
+  default).
+- pagedjax f32 (process): the GGUF dequantized to f32 once (an orbax checkpoint under build/,
+  its tokenizer saved beside it), served as f32.
 - pagedjax f32 (thread): the same with `--engine-core thread` (the engine on a thread of the
   server's process: what the engine core's process changes).
-- pagedjax int8 (process): `-q int8` (weight-only int8, per-channel scales).
+- pagedjax int8 (process): that f32 checkpoint with `-q int8` (weight-only int8, per-channel
+  scales).
 
 pagedjax runs with `--warmup` and a compilation cache under build/ (its first start compiles
 every step program; later ones load them), `--max-model-len 1024 --max-num-seqs 32`. Before each
@@ -47,24 +51,46 @@ from common import ROOT, percentiles, write_results
 
 LLAMA_SERVER = ROOT.parent / "build/llama.cpp/build/bin/llama-server"
 CACHE = ROOT.parent / "build/vs_llama_cpp_compile_cache"
+LOGS = ROOT.parent / "build/vs_llama_cpp_logs"
 TOPICS = ("the history of paper", "how bridges carry weight", "why the sea is salty",
           "what makes bread rise", "how a compass works", "the life of bees",
           "how rain forms", "why leaves change colour")
 
 
-def servers(gguf: str) -> dict[str, list[str]]:
-    """name -> the command serving gguf on port {port}."""
-    ours = [sys.executable, "-m", "pagedjax.tools.cli", "serve", gguf, "--port", "{port}",
-            "--served-model-name", "m", "--max-model-len", "1024", "--max-num-seqs", "32",
-            "--warmup", "--compilation-cache", str(CACHE), "--log-level", "warning"]
+def servers(gguf: str, f32: str, tokenizer: str) -> dict[str, list[str]]:
+    """name -> the command serving on port {port}: gguf's blocks, or its f32 copy (orbax, with
+    the GGUF's tokenizer saved beside it)."""
+    def ours(model: str, *flags: str) -> list[str]:
+        return [sys.executable, "-m", "pagedjax.tools.cli", "serve", model, "--port", "{port}",
+                "--served-model-name", "m", "--max-model-len", "1024", "--max-num-seqs", "32",
+                "--warmup", "--compilation-cache", str(CACHE), "--log-level", "warning",
+                *flags]
+
     return {
         "llama-server": [str(LLAMA_SERVER), "-m", gguf, "--port", "{port}", "--host",
-                         "127.0.0.1", "-np", "8", "-cb", "-t", "2", "-c", "8192",
-                         "--log-disable"],
-        "pagedjax f32 (process)": ours,
-        "pagedjax f32 (thread)": ours + ["--engine-core", "thread"],
-        "pagedjax int8 (process)": ours + ["-q", "int8"],
+                         "127.0.0.1", "-np", "8", "-cb", "-t", "2", "-c", "8192"],
+        "pagedjax gguf Q4_1 (process)": ours(gguf),
+        "pagedjax f32 (process)": ours(f32, "--tokenizer", tokenizer),
+        "pagedjax f32 (thread)": ours(f32, "--tokenizer", tokenizer, "--engine-core", "thread"),
+        "pagedjax int8 (process)": ours(f32, "--tokenizer", tokenizer, "-q", "int8"),
     }
+
+
+def f32_copy(gguf: str) -> tuple[str, str]:
+    """The GGUF dequantized to f32 as an orbax checkpoint, and its tokenizer as a directory,
+    under build/ (written once)."""
+    from models.checkpoint import is_checkpoint, save_checkpoint
+    from models.gguf_loader import load_gguf_model, metadata, open_gguf
+    from pagedjax.text.gguf_tokenizer import tokenizer_from_gguf
+
+    stem = pathlib.Path(gguf).stem
+    model_dir = ROOT.parent / "build" / f"{stem}-f32"
+    tokenizer_dir = ROOT.parent / "build" / f"{stem}-tokenizer"
+    if not is_checkpoint(str(model_dir)):
+        save_checkpoint(load_gguf_model(gguf), str(model_dir), {"from": os.path.basename(gguf)})
+    if not (tokenizer_dir / "tokenizer.json").exists():
+        tokenizer_from_gguf(metadata(open_gguf(gguf)), gguf).save_pretrained(tokenizer_dir)
+    return str(model_dir), str(tokenizer_dir)
 
 
 def workload(count: int, seed: int) -> list[tuple[str, int]]:
@@ -101,7 +127,9 @@ async def closed_loop(url: str, requests: list[tuple[str, int]], concurrency: in
             prompt, max_tokens = queue.pop()
             results.append(await one_request(client, url, prompt, max_tokens))
 
-    limits = httpx.Limits(max_connections=concurrency + 4)
+    # A connection a request: a kept-alive one that the server closes as the next request
+    # goes out fails it ("disconnected without sending a response"; llama-server at 32 did).
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
     return results
@@ -129,12 +157,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(command: list[str], timeout_s: float) -> tuple[subprocess.Popen, str, float]:
+def start(command: list[str], timeout_s: float, log: pathlib.Path
+          ) -> tuple[subprocess.Popen, str, float]:
     port = free_port()
     began = time.perf_counter()
-    proc = subprocess.Popen([c.replace("{port}", str(port)) for c in command],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:  # the server's own output, for a run that fails
+        proc = subprocess.Popen([c.replace("{port}", str(port)) for c in command],
+                                stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "JAX_PLATFORMS": "cpu"})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -169,14 +200,25 @@ def stop(proc: subprocess.Popen) -> None:
 
 def measure(name: str, command: list[str], plan: dict[int, int], seed: int,
             round_index: int) -> list[dict]:
-    proc, url, ready_s = start(command, timeout_s=1800)
+    log = LOGS / f"{name.replace(' ', '_').replace('(', '').replace(')', '')}-{round_index}.log"
+    try:
+        proc, url, ready_s = start(command, 1800, log)
+    except RuntimeError as e:  # recorded, and the other servers measured
+        print(f"{name}: {e} (its output: {log})", flush=True)
+        return [{"server": name, "round": round_index, "error": str(e)}]
     rows = []
     try:
         for concurrency, count in plan.items():
             warm = [(f"warm {i}", 8) for i in range(concurrency)]
-            asyncio.run(closed_loop(url, warm, concurrency))
-            results = asyncio.run(closed_loop(url, workload(count, seed + concurrency),
-                                              concurrency))
+            try:
+                asyncio.run(closed_loop(url, warm, concurrency))
+                results = asyncio.run(closed_loop(url, workload(count, seed + concurrency),
+                                                  concurrency))
+            except (httpx.HTTPError, RuntimeError) as e:
+                print(f"{name} at {concurrency}: {e!r} (its output: {log})", flush=True)
+                rows.append({"server": name, "round": round_index,
+                             "concurrency": concurrency, "error": repr(e)})
+                break
             row = {"server": name, "round": round_index, "ready_s": round(ready_s, 1),
                    **summarize(results, concurrency), "rss_mb": resident_mb(proc)}
             print(json.dumps(row), flush=True)
@@ -203,7 +245,7 @@ def main() -> None:
     if gguf is None:
         sys.exit("no GGUF: give --gguf (make demo installs SmolLM2's)")
     plan = {int(c): int(n) for c, n in (pair.split(":") for pair in args.plan.split(","))}
-    commands = servers(gguf)
+    commands = servers(gguf, *f32_copy(gguf))
     names = args.servers.split(",") if args.servers else list(commands)
     if "llama-server" in names and not LLAMA_SERVER.exists():
         sys.exit(f"{LLAMA_SERVER} is missing: run `make llama-server` first")
@@ -212,9 +254,9 @@ def main() -> None:
         for name in names:
             rows += measure(name, commands[name], plan, args.seed, round_index)
     for row in rows:
-        base = [r for r in rows if r["server"] == "llama-server"
-                and r["round"] == row["round"] and r["concurrency"] == row["concurrency"]]
-        if base:
+        base = [r for r in rows if r["server"] == "llama-server" and "error" not in r
+                and r["round"] == row["round"] and r.get("concurrency") == row.get("concurrency")]
+        if base and "error" not in row:
             row["ratio_vs_llama_server"] = round(row["output_tok_s"] / base[0]["output_tok_s"], 3)
     write_results(args.name, "pagedjax serve vs llama.cpp's llama-server (SmolLM2-135M Q4_1 "
                   "GGUF, this machine)", rows, {**vars(args), "gguf": os.path.basename(gguf)},

@@ -82,8 +82,13 @@ class LLMFactory:
 def run(factory: Callable, input_address: str, output_address: str,
         limits: AdmissionLimits, parent_pid: int) -> None:
     """The core process's main: builds the engine with factory() (-> (engine, notes)), says
-    ready, and serves the channel until told to stop."""
+    ready, and serves the channel until told to stop. Ctrl-C reaches the whole process group:
+    the core leaves it to the server, which stops it after the requests in flight."""
+    import signal
+
     import zmq
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     context = zmq.Context()
     inbox, outbox = context.socket(zmq.PULL), context.socket(zmq.PUSH)
@@ -121,7 +126,6 @@ class _Core:
         self.parent_pid = parent_pid
         self.encoder = DeltaEncoder()
         self.paused = self.stopped = False
-        self.warmup = None
 
     def serve(self) -> None:
         import zmq
@@ -182,18 +186,19 @@ class _Core:
         elif kind == "resume":
             self.paused = False
         elif kind == "warmup":
-            self.warmup = self.engine.start_warmup(progress=False)
-            threading.Thread(target=self._report_warmup, daemon=True).start()
+            threading.Thread(target=report_warmup, daemon=True,
+                             args=(self.engine.start_warmup(progress=False),)).start()
         elif kind == "shutdown":
             self.stopped = True
         else:
             raise ValueError(f"unknown engine core message {kind!r}")
 
-    def _report_warmup(self) -> None:
-        self.warmup.wait()
-        if self.warmup.error is not None:
-            logger.warning("warmup stopped (%r); the rest compile on first use",
-                           self.warmup.error)
-        else:
-            print(f"warmup: {self.warmup.num_programs} step programs ready in the background "
-                  f"in {self.warmup.seconds:.1f} s", flush=True)
+
+def report_warmup(warmup) -> None:
+    """Waits for a background warmup (runner.BackgroundWarmup) and says how it ended."""
+    warmup.wait()
+    if warmup.error is not None:
+        print(f"warmup stopped ({warmup.error!r}); the rest compile on first use", flush=True)
+    else:
+        print(f"warmup: {warmup.num_programs} step programs ready in the background in "
+              f"{warmup.seconds:.1f} s", flush=True)

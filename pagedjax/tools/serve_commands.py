@@ -257,18 +257,10 @@ def _in_process_engine(model, args, config, follower: bool):
               f"{time.perf_counter() - start:.1f} s (compilation cache: "
               f"{llm.engine.compilation_cache_dir or 'off'})", flush=True)
     if args.warmup_background:
-        threading.Thread(target=_report_warmup, args=(llm.engine.start_warmup(progress=True),),
+        from pagedjax.serving.engine_core import report_warmup
+        threading.Thread(target=report_warmup, args=(llm.engine.start_warmup(progress=True),),
                          daemon=True).start()
     return llm.engine
-
-
-def _report_warmup(warmup) -> None:
-    warmup.wait()
-    if warmup.error is not None:
-        print(f"warmup stopped ({warmup.error!r}); the rest compile on first use", flush=True)
-    else:
-        print(f"warmup: {warmup.num_programs} step programs ready in the background in "
-              f"{warmup.seconds:.1f} s", flush=True)
 
 
 def router_args(parser: argparse.ArgumentParser) -> None:
