@@ -7,14 +7,18 @@ Phases of LLMEngine.step (each timed around the engine's own call):
 - dispatch: the forward's and the sampler's compiled calls until they return (argument
   transfer, launch; async);
 - device: block_until_ready on each one's outputs (the step's compute; on the CPU the XLA
-  programs);
+  programs): forward (the model's program) and sample (the sampler's);
 - fetch: the sampled arrays to NumPy;
 - update: Scheduler.update and the request outputs (the rest of LLMEngine.step): an output
   for every request each step (outputs "every step", what streaming reads), or only for those
   that finished (`step(final_only=True)`, what LLM.generate asks for);
 - total: LLMEngine.step end to end; host = total - device.
 
-p50 / p95 / p99 over --steps decode steps with every sequence running.
+p50 / p95 / p99 over --steps decode steps with every sequence running. matmul_ms_p50 is the
+roofline the forward is held to: the same batch through the decode step's matmuls alone (each
+layer's q, k, v, o, gate, up and down projections, scanned over the layers, then the LM head;
+f32, the model's shapes, no attention, norms or sampling), one jitted program, timed in the same
+run.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from pagedjax.engine.runner import PendingStep
 from models import get_config, init_model
 
 PHASES = ("schedule", "build_plan", "dispatch", "device", "fetch", "update", "total")
+DEVICE_PARTS = ("forward", "sample")  # the device time's two programs
 
 
 def instrument(engine: LLMEngine, times: dict) -> None:
@@ -59,6 +64,7 @@ def instrument(engine: LLMEngine, times: dict) -> None:
         jax.block_until_ready(logits)
         times["dispatch"][-1] += dispatched - start
         times["device"][-1] += time.perf_counter() - dispatched
+        times["forward"][-1] += time.perf_counter() - dispatched
         return logits
 
     def dispatch_sample(plan, logits, token_mask=None):
@@ -70,13 +76,47 @@ def instrument(engine: LLMEngine, times: dict) -> None:
         out = tuple(np.asarray(x)[:pending.num_seqs] for x in pending.sampled)
         times["dispatch"][-1] += dispatched - start
         times["device"][-1] += ready - dispatched
+        times["sample"][-1] += ready - dispatched
         times["fetch"][-1] += time.perf_counter() - ready
         return PendingStep(out, pending.num_seqs)  # fetch() has nothing left to wait for
 
     runner.dispatch_forward, runner.dispatch_sample = dispatch_forward, dispatch_sample
 
 
-def measure(num_seqs: int, final_only: bool, *, steps: int, prompt_len: int, model) -> dict:
+def matmul_roofline(config, batch: int, steps: int) -> float:
+    """p50 seconds of one decode step's matmuls alone at this batch (see the docstring)."""
+    import jax.numpy as jnp
+
+    h, f, d = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_heads * d, config.num_kv_heads * d
+    shapes = [(h, q), (h, kv), (h, kv), (q, h), (h, f), (h, f), (f, h)]
+    key = jax.random.key(0)
+    layers = [jax.random.normal(key, (config.num_layers, *s), jnp.float32) * 0.02
+              for s in shapes]
+    head = jax.random.normal(key, (h, config.vocab_size), jnp.float32) * 0.02
+
+    @jax.jit
+    def step(x, layers, head):
+        def layer(x, w):
+            wq, wk, wv, wo, wg, wu, wd = w
+            a = x @ wq + (x @ wk).sum() + (x @ wv).sum()
+            x = x + (a @ wo)
+            return x + ((x @ wg) * (x @ wu)) @ wd, None
+        x, _ = jax.lax.scan(layer, x, layers)
+        return x @ head
+
+    x = jnp.ones((batch, h), jnp.float32)
+    jax.block_until_ready(step(x, layers, head))
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        jax.block_until_ready(step(x, layers, head))
+        times.append(time.perf_counter() - start)
+    return float(np.percentile(times, 50))
+
+
+def measure(num_seqs: int, final_only: bool, *, steps: int, prompt_len: int, model,
+            roofline_s: float) -> dict:
     max_model_len = prompt_len + steps + 64
     config = EngineConfig(max_model_len=max_model_len, max_num_seqs=num_seqs,
                           max_num_batched_tokens=max(num_seqs, 512), min_seq_bucket=num_seqs,
@@ -95,10 +135,10 @@ def measure(num_seqs: int, final_only: bool, *, steps: int, prompt_len: int, mod
             else 0
         if full == 3:
             break
-    times = {phase: [] for phase in PHASES}
+    times = {phase: [] for phase in PHASES + DEVICE_PARTS}
     instrument(engine, times)
     for _ in range(steps):
-        for phase in PHASES:
+        for phase in PHASES + DEVICE_PARTS:
             times[phase].append(0.0)
         start = time.perf_counter()
         engine.step(final_only=final_only)
@@ -117,6 +157,8 @@ def measure(num_seqs: int, final_only: bool, *, steps: int, prompt_len: int, mod
             row[f"{phase}_ms_p95"] = round(float(np.percentile(ms, 95)), 3)
             row[f"{phase}_ms_p99"] = round(float(np.percentile(ms, 99)), 3)
     row["host_share"] = round(float(np.median(host / np.array(times["total"]))), 3)
+    row["matmul_ms_p50"] = round(1000 * roofline_s, 3)
+    row["forward_vs_matmul"] = round(row["forward_ms_p50"] / row["matmul_ms_p50"], 2)
     return row
 
 
@@ -132,9 +174,10 @@ def main() -> None:
     model = init_model(get_config(args.model))
     rows = []
     for batch in map(int, args.batches.split(",")):
+        roofline_s = matmul_roofline(model.config, batch, args.steps)
         for final_only in (False, True):
             rows.append(measure(batch, final_only, steps=args.steps, prompt_len=args.prompt_len,
-                                model=model))
+                                model=model, roofline_s=roofline_s))
             print(rows[-1], flush=True)
     write_results(args.name, "Decode step, phase by phase (host path vs device)", rows,
                   vars(args), __doc__.split("\n\n", 1)[1])
