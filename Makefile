@@ -112,6 +112,7 @@ bench: $(TEST_STAMP)
 	$(PY) benchmarks/moe_parallel.py
 	$(PY) benchmarks/sampler_topk.py
 	$(MAKE) llama-cpp-python && $(PY) benchmarks/quantization.py
+	$(MAKE) llama-server && $(PY) benchmarks/vs_llama_cpp.py
 
 # llama.cpp's Python binding, the CPU anchor of benchmarks/quantization.py, in its own venv
 # (built from source: several minutes on 2 cores). GGML_NATIVE off: this machine's native
