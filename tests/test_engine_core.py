@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
+import os
 import select
 import subprocess
 import sys
@@ -178,6 +179,23 @@ def test_killed_core_answers_503_within_a_second():
         assert health.status_code == 503 and "engine core exited" in health.text
         answer = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert answer.status_code == 503 and answer.json()["error"]["code"] == "engine_dead"
+
+
+def test_a_data_parallel_engine_in_the_core(monkeypatch):
+    """The core builds whatever LLM builds: two replicas over two host devices (the core's
+    process sees the flag it inherits)."""
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "")
+                       + " --xla_force_host_platform_device_count=2")
+    core = CoreClient(LLMFactory(DEFAULT_MODEL, engine_kwargs={**ENGINE,
+                                                               "data_parallel_size": 2}))
+    server = OpenAIServer(core, "tiny")
+    with TestClient(server.build_app()) as client:
+        answers = [client.post("/v1/completions", json={"prompt": p, "max_tokens": 8,
+                                                        "temperature": 0}).json()
+                   for p in PROMPTS[:2]]
+        metrics = client.get("/metrics").text
+    assert [a["choices"][0]["text"] for a in answers] == ["hello", "degap"]
+    assert 'replica_num_requests_running{model_name="tiny",replica="1"}' in metrics
 
 
 def test_core_exits_when_the_server_process_dies():

@@ -77,7 +77,26 @@ class RequestGroup:
         self._unfinished.clear()
 
 
-class AsyncLLMEngine:
+class EngineFrontend:
+    """What the server calls, wherever the engine runs (AsyncLLMEngine: a thread;
+    core_client.CoreClient: a process): add_requests, and generate over it."""
+
+    async def add_requests(self, prompts: Sequence[PromptSpec],
+                           streamed: bool = True) -> "RequestGroup":
+        raise NotImplementedError
+
+    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                       request_id: str | None = None, prompt_text: str | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """One request's outputs until the finished one (see add_requests)."""
+        group = await self.add_requests(
+            [PromptSpec(prompt_token_ids, params, request_id, prompt_text, cache_salt)])
+        async with group:
+            async for out in group:
+                yield out
+
+
+class AsyncLLMEngine(EngineFrontend):
     def __init__(self, engine: LLMEngine, *, max_outstanding_tokens: int | None = None,
                  limits: AdmissionLimits | None = None,
                  on_step: Callable[[StepInfo], None] | None = None,
@@ -177,16 +196,6 @@ class AsyncLLMEngine:
 
         return RequestGroup(self, await self.call(add), outputs)
 
-    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                       request_id: str | None = None, prompt_text: str | None = None,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """One request's outputs until the finished one (see add_requests)."""
-        group = await self.add_requests(
-            [PromptSpec(prompt_token_ids, params, request_id, prompt_text, cache_salt)])
-        async with group:
-            async for out in group:
-                yield out
-
     async def abort(self, request_id: str) -> None:
         await self.call(lambda engine: self._abort(request_id))
 
@@ -224,18 +233,12 @@ class AsyncLLMEngine:
                 future.set_exception(e)
 
     def _deliver(self, items: list[tuple[str, object]]) -> None:
-        """Hands (request id, output or error) pairs to their callers' event loops: one wakeup
-        per loop, not one per output."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for request_id, item in items:
-            loop, outputs = self._sinks[request_id]
-            by_loop.setdefault(loop, []).append((request_id, outputs, item))
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(put_all, batch)
-            except RuntimeError:  # the callers' loop is closed: nobody is listening
-                for request_id, _, _ in batch:
-                    self._abort(request_id)
+        """Hands (request id, output or error) pairs to their callers (hand_over); a request
+        whose caller's loop is closed is aborted."""
+        gone = hand_over([(request_id, self._sinks[request_id], item)
+                          for request_id, item in items])
+        for request_id in gone:
+            self._abort(request_id)
 
     def _run(self) -> None:
         try:
@@ -299,6 +302,22 @@ def as_delivered(out: RequestOutput) -> RequestOutput | RequestFailedError:
                               f"dropped: {out.error}")
 
 
-def put_all(batch) -> None:
+def hand_over(items) -> list[str]:
+    """Hands (request id, (loop, queue), output or error) triples to their callers' event
+    loops from another thread: one wakeup per loop, not one per output. Returns the ids whose
+    loop is closed (nobody is listening)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for request_id, (loop, outputs), item in items:
+        by_loop.setdefault(loop, []).append((request_id, outputs, item))
+    gone = []
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:  # the loop is closed
+            gone += [request_id for request_id, _, _ in batch]
+    return gone
+
+
+def _put_all(batch) -> None:
     for _, outputs, item in batch:
         outputs.put_nowait(item)

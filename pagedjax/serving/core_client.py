@@ -23,16 +23,14 @@ import shutil
 import tempfile
 import threading
 import time
-from typing import AsyncIterator, Callable, Sequence
+from typing import Callable, Sequence
 
 from pagedjax.engine.admission import PromptSpec
-from pagedjax.engine.outputs import RequestOutput
 from pagedjax.serving import engine_core
 from pagedjax.serving.admission_control import AdmissionLimits
-from pagedjax.serving.async_engine import (EngineDeadError, RequestGroup, StepInfo,
-                                           as_delivered, put_all)
+from pagedjax.serving.async_engine import (EngineDeadError, EngineFrontend, RequestGroup,
+                                           StepInfo, as_delivered, hand_over)
 from pagedjax.serving.output_deltas import DeltaDecoder
-from scheduler import SamplingParams
 
 logger = logging.getLogger("pagedjax.engine_core")
 
@@ -49,14 +47,13 @@ class EngineView:
         self.model_config = description.model_config
         self.tokenizer = description.tokenizer
         self.stats = description.stats
-        self.num_blocks = description.num_blocks
         self.clock = time.perf_counter
 
     def close(self) -> None:
         """The core's process closes its engine when it stops."""
 
 
-class CoreClient:
+class CoreClient(EngineFrontend):
     def __init__(self, factory: Callable, *, limits: AdmissionLimits | None = None,
                  on_step: Callable[[StepInfo], None] | None = None,
                  on_abort: Callable[[str], None] | None = None,
@@ -174,15 +171,6 @@ class CoreClient:
         self._send(("add", call_id, list(prompts), streamed))
         return RequestGroup(self, await asyncio.wrap_future(future), outputs)
 
-    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                       request_id: str | None = None, prompt_text: str | None = None,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        group = await self.add_requests(
-            [PromptSpec(prompt_token_ids, params, request_id, prompt_text, cache_salt)])
-        async with group:
-            async for out in group:
-                yield out
-
     async def abort(self, request_id: str) -> None:
         self.abort_soon(request_id)
 
@@ -266,18 +254,13 @@ class CoreClient:
                 self.on_step(info)
             except Exception:  # noqa: BLE001 - observers must not stop serving
                 logger.exception("a step report failed; the engine serves on")
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        items = []
         for out in outputs:
             sink = (self._sinks.pop if out.finished else self._sinks.get)(out.request_id, None)
-            if sink is None:  # aborted by its caller meanwhile (another thread)
-                continue
-            by_loop.setdefault(sink[0], []).append((out.request_id, sink[1], as_delivered(out)))
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(put_all, batch)
-            except RuntimeError:  # the callers' loop is closed: nobody is listening
-                for request_id, _, _ in batch:
-                    self.abort_soon(request_id)
+            if sink is not None:  # else aborted by its caller meanwhile (another thread)
+                items.append((out.request_id, sink, as_delivered(out)))
+        for request_id in hand_over(items):  # their callers' loops are closed
+            self.abort_soon(request_id)
 
     def _fail_all(self) -> None:
         dead = EngineDeadError(self.dead_reason())
@@ -285,15 +268,8 @@ class CoreClient:
             if not future.done():
                 future.set_exception(dead)
         self._pending.clear()
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for request_id, (loop, queue) in list(self._sinks.items()):
-            by_loop.setdefault(loop, []).append((request_id, queue, dead))
-        self._sinks.clear()
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(put_all, batch)
-            except RuntimeError:
-                pass
+        sinks, self._sinks = self._sinks, {}
+        hand_over([(request_id, sink, dead) for request_id, sink in list(sinks.items())])
 
     def _stop_process(self, timeout: float) -> None:
         self.process.join(timeout)

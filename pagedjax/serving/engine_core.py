@@ -45,7 +45,6 @@ class EngineDescription:
     model_config: Any
     tokenizer: Any
     stats: Any  # EngineStats at the start
-    num_blocks: int
     pid: int
     notes: tuple[str, ...] = ()  # lines for the server's log (the memory budget, warmup)
 
@@ -104,7 +103,7 @@ def run(factory: Callable, input_address: str, output_address: str,
             return
         outbox.send_pyobj(("ready", EngineDescription(
             engine.config, engine.model_config, engine.tokenizer, engine.stats,
-            engine.num_blocks, os.getpid(), tuple(notes))))
+            os.getpid(), tuple(notes))))
         try:
             _Core(engine, limits, inbox, outbox, parent_pid).serve()
         except BaseException as error:  # noqa: BLE001 - the core is dead; say why
