@@ -10,6 +10,7 @@ import jax
 import pytest
 
 from pagedjax import LLM, SamplingParams
+from pagedjax.llm import DEFAULT_MODEL as LLM_DEFAULT
 from pagedjax.engine import memory_budget, sampling_step
 from pagedjax.engine.memory_budget import device_memory
 from pagedjax.tools.engine_args import add_engine_args, engine_kwargs
@@ -125,3 +126,22 @@ def test_a_step_updates_the_pool_in_place(num_kv_heads, kv_cache_dtype):
     for kind, tokens in ((DECODE, 8), (PREFILL, 64)):
         analysis = runner.program(kind, tokens, 8, (33, 33)).memory_analysis()
         assert analysis.temp_size_in_bytes < pool / 2, (kind, analysis.temp_size_in_bytes, pool)
+
+
+def test_held_memory_is_the_weights_and_the_pool_by_their_formulas():
+    """What `pagedjax serve` logs at start: the weights' bytes (the model's parameters, counted
+    from the model) and the pool's (num_blocks x the KV-cache formula's bytes a block)."""
+    from flax import nnx
+
+    from pagedjax.llm import load_model
+
+    model = load_model(LLM_DEFAULT, seed=0)
+    llm = LLM(model, **SMALL, num_blocks=40)
+    weights, pool = memory_budget.held_memory(llm.engine)
+    assert weights == sum(x.size * x.dtype.itemsize
+                          for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert pool == 40 * llm.engine.bytes_per_block
+    line = memory_budget.describe_held(llm.engine)
+    assert f"KV pool {pool / 2**20:,.0f} MiB (39 blocks of 16 tokens: as configured)" in line
+    full = memory_budget.describe_held(LLM(model, **SMALL).engine)
+    assert "the full reservation, max_num_seqs 8 x max_model_len 128" in full

@@ -114,6 +114,34 @@ def measure(runner, config, buckets, bytes_per_block: int) -> MemoryBudget:
                         num_blocks, source)
 
 
+def held_memory(engine) -> tuple[int, int]:
+    """(weights, KV pool) bytes an engine holds over all its devices (a data-parallel engine's
+    replicas summed; under tensor parallelism the pool's repeated KV heads counted)."""
+    replicas = getattr(engine, "replicas", [engine])
+    weights = sum(leaf.nbytes for r in replicas for leaf in jax.tree.leaves(r.runner.params))
+    pool = sum(leaf.nbytes for r in replicas for leaf in jax.tree.leaves(r.runner.kv_cache))
+    return weights, pool
+
+
+def describe_held(engine) -> str:
+    """What a server holds once started, and what sized its pool (the log's line)."""
+    config = engine.config
+    weights, pool = held_memory(engine)
+    replicas = getattr(engine, "replicas", [engine])
+    blocks = sum(r.num_blocks - 1 for r in replicas)  # the null block left out
+    if config.gpu_memory_utilization is not None:
+        sized = f"gpu_memory_utilization {config.gpu_memory_utilization:g}"
+    elif config.num_blocks is not None or config.kv_cache_memory_bytes is not None:
+        sized = "as configured"
+    else:
+        sized = (f"the full reservation, max_num_seqs {config.max_num_seqs} x max_model_len "
+                 f"{config.max_model_len}; --num-blocks, --kv-cache-memory-gib or "
+                 f"--gpu-memory-utilization size it")
+    mib = 2**20
+    return (f"memory: weights {weights / mib:,.0f} MiB, KV pool {pool / mib:,.0f} MiB "
+            f"({blocks:,} blocks of {config.block_size} tokens: {sized})")
+
+
 def memory_in_use(engine) -> tuple[int, int | None, str]:
     """(bytes in use, limit or None, source) over an engine's devices in this process (a
     data-parallel engine's replicas summed; multi-host: this process's devices): the backend's

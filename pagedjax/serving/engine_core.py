@@ -28,6 +28,7 @@ import threading
 import traceback
 from typing import Any, Callable
 
+from pagedjax.engine.memory_budget import describe_held
 from pagedjax.serving.admission_control import AdmissionLimits
 from pagedjax.serving.engine_driver import EngineDriver
 from pagedjax.serving.output_deltas import DeltaEncoder
@@ -65,7 +66,7 @@ class LLMFactory:
         from pagedjax.llm import LLM
 
         engine = LLM(self.model, tokenizer=self.tokenizer, **self.engine_kwargs).engine
-        notes = []
+        notes = [describe_held(engine)]
         budget = getattr(engine, "memory_budget", None)
         if budget is not None:
             notes.append(budget.describe())

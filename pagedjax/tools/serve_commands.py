@@ -238,10 +238,12 @@ def _in_process_engine(model, args, config, follower: bool):
     """The engine on a thread of this process (None: a multi-host follower, done)."""
     import jax
 
+    from pagedjax.engine.memory_budget import describe_held
     from pagedjax.llm import LLM
     from pagedjax.parallel import multihost
 
     llm = LLM(model, tokenizer=args.tokenizer, **config.engine)
+    print(describe_held(llm.engine), flush=True)
     budget = getattr(llm.engine, "memory_budget", None)  # --gpu-memory-utilization
     if budget is not None:
         print(budget.describe(), flush=True)
