@@ -198,6 +198,11 @@ def test_a_data_parallel_engine_in_the_core(monkeypatch):
     assert 'replica_num_requests_running{model_name="tiny",replica="1"}' in metrics
 
 
+def test_a_bad_model_fails_the_start_with_its_message():
+    with pytest.raises(ValueError, match="no-such-model"):
+        CoreClient(LLMFactory("no-such-model"))
+
+
 def test_core_exits_when_the_server_process_dies():
     script = ("import time\n"
               "from pagedjax.serving.core_client import CoreClient\n"

@@ -59,8 +59,9 @@ class CoreClient(EngineFrontend):
                  on_abort: Callable[[str], None] | None = None,
                  startup_timeout_s: float = 600.0):
         """Starts the core's process (factory: a picklable callable building (engine, notes)
-        there, engine_core.LLMFactory) and waits until its engine is built; raises
-        RuntimeError with the core's error if it fails to start."""
+        there, engine_core.LLMFactory) and waits until its engine is built; if it fails, raises
+        the ValueError that named a bad model or setting, else RuntimeError with the core's
+        traceback."""
         import zmq
 
         self._limits = limits or AdmissionLimits()
@@ -105,6 +106,8 @@ class CoreClient(EngineFrontend):
                 kind, payload = self._inbox.recv_pyobj()
                 if kind == "ready":
                     return payload
+                if isinstance(payload, ValueError):  # a bad model or setting, named
+                    raise payload
                 raise RuntimeError(f"the engine core failed to start: {payload}")
             if not self.process.is_alive():
                 raise RuntimeError(f"the engine core exited (code {self.process.exitcode}) "

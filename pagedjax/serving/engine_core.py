@@ -9,7 +9,7 @@ The channel is two ZeroMQ sockets over IPC, pickled messages, both bound by the 
     server -> core   ("add", call id, [PromptSpec], streamed)   admission + queueing, all or none
                      ("abort", request id)   ("limits", AdmissionLimits)
                      ("pause",)   ("resume",)   ("warmup",)   ("shutdown",)
-    core -> server   ("ready", EngineDescription)  or  ("failed", why)   once, at start
+    core -> server   ("ready", EngineDescription)  or  ("failed", ValueError or why)   once
                      ("reply", call id, request ids or the exception)
                      ("step", [delta-encoded outputs], StepInfo without its outputs)
                      ("aborted", request id)   ("dead", why)
@@ -99,8 +99,9 @@ def run(factory: Callable, input_address: str, output_address: str,
         try:
             engine, notes = factory()
         except BaseException as error:  # noqa: BLE001 - told to the server, which exits
-            outbox.send_pyobj(("failed", f"{type(error).__name__}: {error}\n"
-                               f"{traceback.format_exc()}"))
+            # a bad model or setting (ValueError) is the user's: its message; else the trace
+            outbox.send_pyobj(("failed", error if isinstance(error, ValueError) else
+                               f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
             return
         outbox.send_pyobj(("ready", EngineDescription(
             engine.config, engine.model_config, engine.tokenizer, engine.stats,
