@@ -181,7 +181,6 @@ class CoreClient(EngineFrontend):
         """Aborts a request from any thread: its outputs stop at once, the core frees it
         before its next step."""
         if self._sinks.pop(request_id, None) is not None and self.healthy:
-            self._decoder.forget(request_id)
             self._send(("abort", request_id))
 
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -240,6 +239,7 @@ class CoreClient(EngineFrontend):
                 self._sinks[request_id] = (loop, outputs)
             future.set_result(reply)
         elif kind == "aborted":
+            self._decoder.forget(message[1])
             if self.on_abort is not None:
                 self.on_abort(message[1])
         elif kind == "dead":
@@ -248,9 +248,11 @@ class CoreClient(EngineFrontend):
 
     def _on_step(self, wire: list, info: StepInfo) -> None:
         outputs = []
-        for item in wire:
-            if item[0] in self._sinks:  # not aborted meanwhile
+        for item in wire:  # the decoder is the reader's alone
+            if item[0] in self._sinks:
                 outputs.append(self._decoder.decode(item))
+            else:  # aborted by its caller: what was sent of it is of no more use
+                self._decoder.forget(item[0])
         info = dataclasses.replace(info, outputs=outputs)
         if self.on_step is not None:
             try:

@@ -113,7 +113,7 @@ class DeltaDecoder:
             del got.prompt_logprobs[prompt_start:]
             got.prompt_logprobs.extend(new_prompt)
         if finished:
-            del self._received[request_id]
+            self._received.pop(request_id, None)
         prompt_token_ids, prompt, cache_salt = got.head
         return RequestOutput(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), outputs=outputs,
