@@ -154,7 +154,7 @@ class OpenAIServer:
         self._apply_level(self.degradation.level)
         self.metrics.serving_config.info({"version": config.version})
 
-    def _on_step(self, info) -> None:  # the engine thread, after every step
+    def _on_step(self, info) -> None:  # each step's report (engine thread or core's reader)
         self.metrics.on_step(info)
         self.degradation.evaluate()
         if self.trace is not None:
@@ -413,7 +413,8 @@ async def _disconnected(request: fastapi.Request) -> None:
 
 def build_app(engine: LLMEngine, served_model_name: str = "pagedjax",
               **server_kwargs) -> fastapi.FastAPI:
-    """The FastAPI app serving `engine` (its engine thread starts with the app's lifespan);
+    """The FastAPI app serving `engine` (an LLMEngine, whose engine thread starts with the app's
+    lifespan, or a started core_client.CoreClient);
     server_kwargs: OpenAIServer's."""
     return OpenAIServer(engine, served_model_name, **server_kwargs).build_app()
 

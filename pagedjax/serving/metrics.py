@@ -7,9 +7,9 @@ requests by reason, preemptions, KV allocation failures, device OOMs, prefix cac
 evictions, degradation steps, histograms of TTFT, inter-token latency and time per output token
 (per token, as vLLM V1 observes them), a request's mean time per output token, prefill, decode,
 inference, end-to-end and queue times, tokens per engine step, and the engine step's time.
-Each server has
-its own registry (no global state), updated from the engine thread after every step
-(prometheus_client's metrics are thread-safe).
+Each server has its own registry (no global state), updated after every step from the thread
+that gets its report (the engine thread, or the engine core's reader; prometheus_client's metrics
+are thread-safe).
 """
 
 from __future__ import annotations
