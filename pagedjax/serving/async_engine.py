@@ -23,13 +23,13 @@ from pagedjax.engine.admission import PromptSpec
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.serving.admission_control import AdmissionLimits, OverloadedError
-from pagedjax.serving.engine_driver import EngineDriver, StepInfo, remaining_tokens
+from pagedjax.serving.engine_driver import EngineDriver, StepInfo
 from scheduler import SamplingParams
 
 logger = logging.getLogger("pagedjax.engine")
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "OverloadedError", "PromptSpec",
-           "RequestFailedError", "RequestGroup", "StepInfo", "remaining_tokens"]
+           "RequestFailedError", "RequestGroup", "StepInfo"]
 
 
 class RequestFailedError(RuntimeError):

@@ -29,7 +29,8 @@ from pagedjax.engine.admission import PromptSpec
 from pagedjax.serving import engine_core
 from pagedjax.serving.admission_control import AdmissionLimits
 from pagedjax.serving.async_engine import (EngineDeadError, EngineFrontend, RequestGroup,
-                                           StepInfo, as_delivered, hand_over)
+                                           as_delivered, hand_over)
+from pagedjax.serving.engine_driver import StepInfo
 from pagedjax.serving.output_deltas import DeltaDecoder
 
 logger = logging.getLogger("pagedjax.engine_core")
