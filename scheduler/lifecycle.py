@@ -6,6 +6,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from scheduler.async_steps import take_placeholder
 from scheduler.errors import RequestError
 from scheduler.request import Logprob, Request, RequestStatus
 from scheduler.state import SchedulerOutput, SchedulerState
@@ -31,11 +32,20 @@ def update(state: SchedulerState, output: SchedulerOutput, sampled_ids, now: flo
     stops exactly where plain decoding would. on_token(request), called after each appended
     token (the engine's stop strings and grammars), may return a finished status that ends the
     request there.
+
+    Async scheduling (scheduler.async_steps) updates a step after the next one was scheduled:
+    a row's placeholder token is taken back before its real token is appended; a request
+    aborted since gets nothing, and one preempted since gets its token but keeps the state its
+    preemption gave it (it recomputes, or swaps back in, with the token).
     """
     speculative = np.ndim(sampled_ids) == 2
-    _roll_back_rejected(state, output, sampled_ids)
+    for seq in output.scheduled:
+        take_placeholder(seq.request)
+    held = [seq.request.status is RequestStatus.RUNNING for seq in output.scheduled]
+    _roll_back_rejected(state, output, sampled_ids, held)
     rows = [(seq.request, i) for i, seq in enumerate(output.scheduled)
-            if seq.start + seq.num_new_tokens >= seq.request.num_tokens]
+            if not seq.request.status.finished
+            and seq.start + seq.num_new_tokens >= seq.request.num_tokens]
     rows += _fork_followers(state, output)
     advanced, finished = [], []
     for request, row in rows:
@@ -52,15 +62,19 @@ def update(state: SchedulerState, output: SchedulerOutput, sampled_ids, now: flo
                 finished.append(request)
                 break
         advanced.append(request)
-    _settle(state, output, finished)
+    _settle(state, output, finished, held)
     return advanced
 
 
-def _roll_back_rejected(state: SchedulerState, output: SchedulerOutput, sampled_ids) -> None:
+def _roll_back_rejected(state: SchedulerState, output: SchedulerOutput, sampled_ids,
+                        held: list[bool]) -> None:
     """Each scheduled request's computed tokens after the step: all it ran, less the drafts
-    the target rejected (their blocks trimmed); drafts are spent either way."""
+    the target rejected (their blocks trimmed); drafts are spent either way. Only the requests
+    still held (running)."""
     for i, seq in enumerate(output.scheduled):
         request = seq.request
+        if not held[i]:
+            continue
         end = seq.start + seq.num_new_tokens
         num_drafts = len(seq.drafts)
         if num_drafts:
@@ -91,19 +105,25 @@ def _fork_followers(state: SchedulerState, output: SchedulerOutput) -> list[tupl
     return rows
 
 
-def _settle(state: SchedulerState, output: SchedulerOutput, finished: list[Request]) -> None:
+def _settle(state: SchedulerState, output: SchedulerOutput, finished: list[Request],
+            held: list[bool]) -> None:
     """After the tokens are appended: full blocks published (a block's hash is of its tokens,
     accepted drafts among them), blocks out of a window freed, then the finished requests'
     blocks released. A request that stopped inside its accepted drafts computed past its last
-    token: it counts what plain decoding would have."""
+    token: it counts what plain decoding would have. (Only the requests held, running, when
+    the update began: see update.)"""
     kv = state.kv_manager
-    for seq in output.scheduled:
+    for i, seq in enumerate(output.scheduled):
         request = seq.request
+        if not held[i]:
+            continue
         request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
         kv.publish_full_blocks(request)
         kv.free_out_of_window(request)
     for request in finished:
         _release(state, request)
+        if request in state.waiting:  # preempted after its step was dispatched
+            state.waiting.remove(request)
     if finished:
         state.running = [r for r in state.running if not r.status.finished]
 

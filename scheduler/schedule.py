@@ -63,6 +63,8 @@ class _StepBuilder:
                 continue
             num_new = min(request.num_tokens + len(request.spec_token_ids)
                           - request.num_computed_tokens, self.budget)
+            if num_new <= 0:  # its step in flight finishes it (scheduler.async_steps)
+                continue
             while state.kv_manager.allocate_slots(request, num_new) is None:
                 if request.spec_token_ids:  # drafts never preempt anyone: run without them
                     request.spec_token_ids = []

@@ -15,7 +15,7 @@ import jax
 import pytest
 
 from pagedjax import LLM, SamplingParams
-from pagedjax.engine.llm_engine import MAX_OOM_RETRIES
+from pagedjax.engine.step_recovery import MAX_OOM_RETRIES
 from pagedjax.serving.app import OpenAIServer
 from pagedjax.serving.background import BackgroundServer
 from test_server import ENGINE, PROMPTS

@@ -63,12 +63,17 @@ def test_greedy_equals_dense_recompute(tiny_model, dense_outputs, engine_kwargs)
     assert engine.scheduler.kv_manager.num_used_blocks == 0, "blocks leaked"
 
 
-def test_greedy_equals_dense_under_preemption(tiny_model, dense_outputs):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_greedy_equals_dense_under_preemption(tiny_model, dense_outputs, async_scheduling):
+    """Async scheduling too: each step dispatched while the one before runs, its tokens read
+    on the device, chunked prefills and preemption (of requests the step in flight runs)."""
     # 22 usable blocks of 4 tokens: the 76-token request alone needs 19 of them.
     outputs, engine = run_engine(tiny_model, block_size=4, num_blocks=23,
-                                 max_num_batched_tokens=16)
+                                 max_num_batched_tokens=16, async_scheduling=async_scheduling)
     assert engine.stats.num_preemptions > 0, "the pool was meant to force preemption"
     assert outputs == dense_outputs
+    if async_scheduling:
+        assert engine.async_scheduling.num_ahead_steps > engine.stats.num_steps // 2
 
 
 def test_chunked_prefill_really_chunked(tiny_model):

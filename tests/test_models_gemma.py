@@ -102,6 +102,8 @@ ENGINES = {
     "preemption": dict(block_size=4, num_blocks=40),
     "swap": dict(block_size=4, num_blocks=40, preemption_mode="swap", swap_space_bytes=1 << 22),
     "unscanned_llama_form": dict(block_size=16, scan_layers=False),
+    # each step dispatched ahead of the previous one's results, the groups' tables included
+    "async_scheduling": dict(block_size=4, num_blocks=40, async_scheduling=True),
 }
 
 
@@ -121,7 +123,7 @@ def test_gemma_paged_engine_greedy_equals_transformers_generate(gemma, engine):
         # The sliding groups' tables are rings of their bound, ceil((6 - 1 + 16) / 4) + 1
         # blocks, narrower than the 52-token requests' 13 (and max_model_len's 32).
         assert engine_.buckets.table_widths == (32, 7)
-    if engine in ("preemption", "swap"):
+    if engine in ("preemption", "swap", "async_scheduling"):
         assert engine_.scheduler.state.num_preemptions > 0
     assert engine_.scheduler.kv_manager.num_used_blocks == 0
 

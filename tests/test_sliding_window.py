@@ -30,7 +30,10 @@ def prompts():
     dict(max_num_batched_tokens=8),  # chunks smaller than the window
     dict(num_blocks=16, max_num_batched_tokens=16),  # preemption with the window
     dict(attention_backend="gpu", attention_interpret=True),
-], ids=["plain", "chunked", "preemption", "gpu_kernels"])
+    # each step dispatched before the previous one's results: blocks out of the window freed
+    # as the scheduler is advanced past the step in flight
+    dict(num_blocks=16, max_num_batched_tokens=16, async_scheduling=True),
+], ids=["plain", "chunked", "preemption", "gpu_kernels", "async_scheduling"])
 def test_greedy_equals_dense_windowed_recompute(window_model, engine_kwargs):
     dense = dense_greedy_generate(window_model, prompts(), 16)
     config = dict(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32,

@@ -31,6 +31,8 @@ RUNS = {
     # speculative decoding over the mesh: one draft-verifying plan drives every shard
     "tp2-ngram": dict(tensor_parallel_size=2, speculative_config=dict(
         num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2)),
+    # async scheduling over the mesh: the sampled ids filled into the next step's tokens there
+    "tp2-async": dict(tensor_parallel_size=2, async_scheduling=True),
 }
 DP_RUNS = {
     "dp2": dict(data_parallel_size=2),

@@ -88,6 +88,13 @@ class EngineConfig:
     # Speculative decoding (pagedjax.engine.speculative): vLLM's speculative_config, as a
     # SpeculativeConfig, a dict of its fields or their JSON; None: none.
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # vLLM's --async-scheduling (pagedjax.engine.async_scheduling): the host schedules and
+    # dispatches step N + 1 while the device runs step N, whose sampled tokens step N + 1 reads
+    # on the device; outputs identical to synchronous stepping. A step whose requests need their
+    # last token on the host to go on (penalties, a grammar, bad_words of several tokens, forks
+    # of n > 1) is followed synchronously. Not with speculative decoding, swap preemption or
+    # data parallelism.
+    async_scheduling: bool = False
     # Weight quantization (vLLM's --quantization; models/quantization.py), weight-only (the
     # activations stay in dtype): "int8" and "fp8" (e4m3) per output channel, "int4" per group
     # of 128/64/32 rows, quantized as a float checkpoint is read; "gguf": a GGUF file's own
@@ -114,7 +121,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "attention_interpret",
                      "scan_layers", "disable_hybrid_kv_cache_manager",
-                     "enable_expert_parallel", "quantize_lm_head"):
+                     "enable_expert_parallel", "quantize_lm_head", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got "
                                  f"{type(getattr(self, name)).__name__}")
@@ -166,8 +173,19 @@ class EngineConfig:
         if self.step_programs not in STEP_PROGRAMS:
             raise ValueError(f"step_programs must be one of {STEP_PROGRAMS}, "
                              f"got {self.step_programs!r}")
+        self._check_async_scheduling()
         self.buckets()  # ShapeBuckets validates prefill_seqs
         self.scheduler_config()  # SchedulerConfig validates the scheduler's fields (policy, ...)
+
+    def _check_async_scheduling(self) -> None:
+        if not self.async_scheduling:
+            return
+        for name, value, plain in (("speculative_config", self.speculative_config, None),
+                                   ("preemption_mode", self.preemption_mode, "recompute"),
+                                   ("data_parallel_size", self.data_parallel_size, 1)):
+            if value != plain:
+                raise ValueError(f"async_scheduling is not supported with {name}={value!r} "
+                                 f"(needs {plain!r}); turn one of them off")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

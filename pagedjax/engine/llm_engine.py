@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import logging
 import time
 from typing import Callable, Sequence
 
@@ -17,6 +16,7 @@ from models.quantized_loading import for_serving as quantized_for_serving
 from scheduler.kv_cache_groups import blocks_for
 from pagedjax.engine import memory_budget, prompt_logprobs
 from pagedjax.engine.admission import Admission, PromptSpec, check_specs
+from pagedjax.engine.async_scheduling import AsyncScheduling
 from pagedjax.engine.compile_cache import enable_compilation_cache
 from pagedjax.engine.config import EngineConfig
 from pagedjax.engine.draft_model import DraftModelProposer
@@ -25,6 +25,7 @@ from pagedjax.engine.output_processor import TextState
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.runner import ModelRunner
 from pagedjax.engine.speculative import Speculator
+from pagedjax.engine.step_recovery import StepRecovery, describe
 from pagedjax.engine.stats import EngineStats, ReplicaLoad
 from pagedjax.engine.token_masks import TokenMasks, step_rows
 from pagedjax.parallel import multihost
@@ -33,21 +34,6 @@ from pagedjax.parallel.sharding import kv_head_repeats
 from pallas_kernels import check_num_slots, kv_cache_bytes_per_block
 from scheduler import (DECODE, Request, RequestStatus, SamplingParams, Scheduler, build_plan,
                        make_samples)
-
-logger = logging.getLogger("pagedjax.engine")
-
-MAX_OOM_RETRIES = 2  # device OOMs a request may be recomputed after before it fails
-
-
-def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"[:500]
-
-
-def is_device_oom(error: BaseException) -> bool:
-    """Whether error is the device running out of memory (XLA's RESOURCE_EXHAUSTED)."""
-    text = str(error)
-    return isinstance(error, MemoryError) or "RESOURCE_EXHAUSTED" in text or \
-        "out of memory" in text.lower()
 
 
 def model_cache_key(model: LlamaForCausalLM, config: EngineConfig) -> bytes:
@@ -67,7 +53,7 @@ class _Started:
     error: Exception | None = None
 
 
-class LLMEngine:
+class LLMEngine(StepRecovery):
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig | None = None, *,
                  tokenizer=None, clock: Callable[[], float] = time.perf_counter,
                  devices: Sequence | None = None, seed_rng: np.random.Generator | None = None,
@@ -154,6 +140,12 @@ class LLMEngine:
         self._oom_retries: collections.Counter[str] = collections.Counter()  # by request id
         self.usage_history: collections.deque[UsageSample] = collections.deque(maxlen=100_000)
         self.last_schedule = None
+        self.async_scheduling = None
+        if config.async_scheduling:
+            if self.multihost:
+                raise ValueError("async_scheduling is not supported multi-host (the followers "
+                                 "replay the leader's plans); turn it off")
+            self.async_scheduling = AsyncScheduling(self)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -291,33 +283,44 @@ class LLMEngine:
 
         A request whose part of the step fails (its plan rows, its detokenization) is dropped
         alone: it finishes with finish_reason "error" and its error, its blocks are freed, and
-        the others go on. Only a failure that loses the KV cache itself is raised."""
+        the others go on. Only a failure that loses the KV cache itself is raised.
+
+        With config.async_scheduling the next step is scheduled and dispatched before this
+        one's results are waited for (pagedjax.engine.async_scheduling); the outputs are the
+        same."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling.step(final_only)
         return self.finish_step(self.begin_step(), final_only)
 
-    def begin_step(self) -> "_Started | None":
+    def begin_step(self, after: "_Started | None" = None) -> "_Started | None":
         """The first half of step(): schedules and dispatches the device step without waiting
         for it (a data-parallel engine starts every replica's before finishing any). None when
-        nothing was scheduled."""
+        nothing was scheduled. after: the step in flight this one follows before its results
+        are in (async scheduling: the scheduler was advanced past it, and this step reads its
+        sampled tokens on the device)."""
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.state.running)
         output = self.scheduler.schedule(self.clock())
         if not output.scheduled:
-            if self.has_unfinished():
+            if after is None and self.has_unfinished():
                 raise RuntimeError("scheduler made no progress with requests pending")
             return None
         self.last_schedule = output  # what the step ran (profiling reads its shape)
         start = time.perf_counter()
         self.runner.swap(output.swap_out, output.swap_in, self.host_pool)
         try:
-            return _Started(output, start, self._dispatch(output))
+            return _Started(output, start, self._dispatch(output, after))
         except Exception as error:  # noqa: BLE001 - isolated in finish_step, or re-raised
             return _Started(output, start, None, error)
 
-    def _dispatch(self, output):
+    def _dispatch(self, output, after: "_Started | None" = None):
         """Dispatches a schedule's forward, builds its token masks on the host meanwhile, then
-        dispatches its sampler (runner.PendingStep)."""
+        dispatches its sampler (runner.PendingStep). after: see begin_step."""
         plan = build_plan(output, self.scheduler.kv_manager, self.buckets)
-        forward = self.runner.dispatch_forward(plan)
+        if after is not None and plan.token_ids.min() < 0:  # placeholders to fill
+            forward = self.runner.dispatch_forward(plan, after.pending.sampled[0])
+        else:
+            forward = self.runner.dispatch_forward(plan)
         mask = self.token_masks.build(step_rows(output), plan.padded_num_seqs,
                                       plan.num_speculative_tokens)
         return self.runner.dispatch_sample(plan, forward, mask)
@@ -335,10 +338,15 @@ class LLMEngine:
             results = self.runner.fetch(started.pending)
         except Exception as error:  # noqa: BLE001 - isolated below, or re-raised
             return self._recover(output, error)
+        return self.complete_step(started, results, final_only)
+
+    def complete_step(self, started: "_Started", results,
+                      final_only: bool = False) -> list[RequestOutput]:
+        """Advances a step's requests by its fetched results (runner.fetch)."""
         self.stats.step_time_s += time.perf_counter() - started.start
         advanced: list[Request] = []
-        outputs = self._postprocess(output, results, advanced, final_only)
-        self._record(output, advanced)
+        outputs = self._postprocess(started.output, results, advanced, final_only)
+        self._record(started.output, advanced)
         return outputs
 
     def _postprocess(self, output, results, advanced: list[Request],
@@ -375,25 +383,9 @@ class LLMEngine:
                         logprob.decoded_token = self.tokenizer.decode(
                             [token_id], skip_special_tokens=False)
         except Exception as error:  # noqa: BLE001 - this request fails alone
-            failed[sample.parent_id] = _describe(error)
+            failed[sample.parent_id] = describe(error)
             return RequestStatus.FINISHED_ERROR
         return RequestStatus.FINISHED_STOPPED if stopped else None
-
-    def fail_all(self, error: BaseException) -> list[RequestOutput]:
-        """After a step failed beyond one request's part (the KV cache lost with it): every
-        unfinished request fails with the error, and the engine starts over with a fresh cache
-        and an empty prefix cache, ready for new requests."""
-        message, now = _describe(error), self.clock()
-        failed = list(self._groups)
-        for parent_id in failed:
-            self._fail(parent_id, message, now)
-        outputs = [self._output(parent_id, message) for parent_id in failed]
-        self.scheduler = self._make_scheduler()
-        self.token_masks.clear()
-        self._oom_retries.clear()
-        if self.runner.kv_cache_lost:
-            self.runner.reset_kv_cache()
-        return outputs
 
     def _output(self, parent_id: str, error: str | None = None) -> RequestOutput:
         samples = self._groups[parent_id]
@@ -417,72 +409,6 @@ class LLMEngine:
         self.token_masks.drop(request_id)
         if self.speculator is not None:
             self.speculator.forget(request_id)
-
-    def _fail(self, parent_id: str, message: str, now: float) -> None:
-        for sample in self._groups[parent_id]:
-            if not sample.status.finished:
-                self.scheduler.abort(sample.request_id, now, RequestStatus.FINISHED_ERROR)
-        self.stats.num_failed += 1
-
-    def _recover(self, output, error: Exception) -> list[RequestOutput]:
-        """A step raised before any result: each of its sequences runs again alone (its blocks
-        are still allocated); the requests that fail alone too are dropped with their error,
-        the others get their tokens, and the engine goes on. A step that lost the KV cache (a
-        donated buffer was consumed) to a device OOM has every running request recomputed in a
-        fresh cache (_recompute_after_oom); any other loss is raised: nothing can be retried."""
-        oom = is_device_oom(error)
-        if oom:
-            self.stats.num_oom += 1
-        if self.runner.kv_cache_lost:
-            if oom:
-                return self._recompute_after_oom(output, error)
-            raise error
-        outputs, copies, advanced = [], output.copies, []
-        for seq in output.scheduled:
-            alone = dataclasses.replace(
-                output, scheduled=[seq], forks=[f for f in output.forks if f[0] is seq.request],
-                copies=copies, num_scheduled_tokens=seq.num_new_tokens, swap_out=[], swap_in=[])
-            try:
-                if len(output.scheduled) == 1:
-                    raise error
-                results = self.runner.fetch(self._dispatch(alone))
-            except Exception as row_error:  # noqa: BLE001 - this request fails alone
-                if self.runner.kv_cache_lost:
-                    raise
-                parent_id = seq.request.parent_id
-                if parent_id in self._groups:
-                    message = _describe(row_error)
-                    self._fail(parent_id, message, self.clock())
-                    outputs.append(self._output(parent_id, message))
-                continue
-            copies = []  # done once, by the first sequence that ran
-            if not seq.request.status.finished:
-                outputs.extend(self._postprocess(alone, results, advanced))
-        self._record(output, advanced)
-        return outputs
-
-    def _recompute_after_oom(self, output, error: Exception) -> list[RequestOutput]:
-        """A device OOM consumed the KV cache: a fresh cache, the prefix cache forgotten, and
-        every running request back at the head of the queue to recompute its KV (requests that
-        hit MAX_OOM_RETRIES OOMs fail instead, alone)."""
-        logger.warning("device OOM lost the KV cache; recomputing the running requests: %s",
-                       _describe(error))
-        self.runner.reset_kv_cache()
-        state = self.scheduler.state
-        for request in reversed(list(state.running)):  # requeued to the head, in order
-            request.num_preemptions += 1  # preempted by recompute, as far as it can tell
-            state.num_preemptions += 1
-            self.scheduler.requeue(request)
-        self.scheduler.kv_manager.drop_cached_content()
-        outputs, now = [], self.clock()
-        for parent_id in dict.fromkeys(s.request.parent_id for s in output.scheduled):
-            self._oom_retries[parent_id] += 1
-            if self._oom_retries[parent_id] > MAX_OOM_RETRIES and parent_id in self._groups:
-                message = (f"out of device memory {self._oom_retries[parent_id]} times: "
-                           f"{_describe(error)}")
-                self._fail(parent_id, message, now)
-                outputs.append(self._output(parent_id, message))
-        return outputs
 
     def _record(self, output, advanced) -> None:
         state = self.scheduler.state

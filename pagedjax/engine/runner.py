@@ -96,6 +96,14 @@ def step_fn(graph: ServingGraph, backend: AttentionBackend, num_top_logprobs: in
     return sampled, kv_cache
 
 
+@jax.jit
+def _fill_placeholders(token_ids, previous):
+    """token_ids (i32[T], from the host) with each placeholder -(row + 1) replaced by
+    previous[row]: the token the step before sampled for it, never brought to the host."""
+    rows = jax.numpy.maximum(-token_ids - 1, 0)
+    return jax.numpy.where(token_ids < 0, previous[rows], token_ids)
+
+
 # graph, backend, kind and K are static; the KV cache is donated so XLA updates it in place.
 _forward = jax.jit(forward_fn, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
 _step = jax.jit(step_fn, static_argnums=(0, 1, 2), donate_argnums=(4,))
@@ -278,13 +286,22 @@ class ModelRunner:
         while the caller dispatches other replicas' steps; fetch() waits for its results."""
         return self.dispatch_sample(plan, self.dispatch_forward(plan), token_mask)
 
-    def dispatch_forward(self, plan: BatchPlan) -> tuple[jax.Array, tuple]:
+    def dispatch_forward(self, plan: BatchPlan,
+                         previous: jax.Array | None = None) -> tuple[jax.Array, tuple]:
         """Starts a step's forward; returns its (logits, prompt logprob arrays or ()), on
-        device, not waited for."""
+        device, not waited for. previous: the sampled ids (i32[B'], on device) of the step
+        dispatched before this one, which plan's placeholder tokens (-(row + 1): async
+        scheduling, scheduler.async_steps) are read from, on the device."""
         program = self.program(plan.kind, plan.padded_num_tokens, plan.padded_num_seqs,
                                plan.table_widths, bool(plan.prompt_targets.shape[0]),
                                plan.num_speculative_tokens)
         inputs = forward_inputs(plan)
+        if previous is not None:
+            if self.channel is not None:
+                raise ValueError("async scheduling is not supported multi-host")
+            token_ids = _fill_placeholders(plan.token_ids, previous)
+            inputs["token_ids"] = jax.device_put(
+                token_ids, program.input_shardings[0][2]["token_ids"])
         if self.channel is None:
             logits, prompt, self.kv_cache = program(self.params, self.kv_cache, inputs)
         else:  # multi-host: the followers run it too (multihost.py); a failure is the group's

@@ -171,6 +171,13 @@ class TokenMasks:
             state.fill(mask[i * width:(i + 1) * width], request, drafts)
         return mask.view(np.int32)
 
+    def needs_history(self, request: Request) -> bool:
+        """Whether request's next mask depends on the tokens it has sampled (a grammar, or a
+        bad word of several tokens), not only on how many (min_tokens) or on nothing."""
+        state = self._states.get(request.request_id)
+        return state is not None and (state.matcher is not None or any(
+            len(sequence) > 1 for sequence in state.constraints.bad_words))
+
     def num_valid(self, request: Request, drafts: Sequence[int]) -> int:
         """How many of drafts (to follow request's tokens) its grammar accepts in a row (all
         of them without a grammar)."""

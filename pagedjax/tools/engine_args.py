@@ -93,6 +93,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        "Default: as stored")
     group.add_argument("--quantize-lm-head", action="store_true",
                        help="quantize the LM head too (a tied model's embedding table)")
+    group.add_argument("--async-scheduling", action="store_true",
+                       help="schedule and dispatch each step while the previous one runs on "
+                       "the device (its sampled tokens read there), as vLLM's; the same "
+                       "outputs (default off)")
     group.add_argument("--compilation-cache", metavar="DIR|auto|off",
                        help="JAX's persistent compilation cache: a second start compiles "
                        "nothing (default auto: ~/.cache/pagedjax/jax_cache)")
@@ -123,4 +127,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kwargs["enable_expert_parallel"] = True
     if args.quantize_lm_head:
         kwargs["quantize_lm_head"] = True
+    if args.async_scheduling:
+        kwargs["async_scheduling"] = True
     return kwargs
