@@ -8,6 +8,7 @@ device while the next one is already dispatched."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -117,7 +118,7 @@ def test_async_scheduling_equals_synchronous_stepping(byte_model, sync_outputs):
     stats = engine.stats
     assert stats.num_preemptions > 0 and stats.num_prefix_hit_tokens > 0
     # most steps ran ahead; the penalized, grammar, bad-words and forking ones did not
-    assert 0.3 * stats.num_steps < engine.async_scheduling.num_ahead_steps < stats.num_steps
+    assert 0.3 * stats.num_steps < engine.stats.num_ahead_steps < stats.num_steps
     assert engine.scheduler.kv_manager.num_used_blocks == 0
 
 
@@ -131,12 +132,12 @@ def test_plain_requests_run_every_step_ahead_and_constrained_ones_none(byte_mode
     engine = engine_for(byte_model, True)
     sync = engine_for(byte_model, False)
     assert_same(run(engine, plain), run(sync, plain))
-    assert engine.async_scheduling.num_ahead_steps == engine.stats.num_steps - 1
+    assert engine.stats.num_ahead_steps == engine.stats.num_steps - 1
     assert engine.stats.num_scheduled_tokens == sync.stats.num_scheduled_tokens
     penalized = [(p, dataclasses.replace(sp, frequency_penalty=0.5)) for p, sp in plain]
     engine = engine_for(byte_model, True)
     run(engine, penalized)
-    assert engine.stats.num_steps > 0 and engine.async_scheduling.num_ahead_steps == 0
+    assert engine.stats.num_steps > 0 and engine.stats.num_ahead_steps == 0
 
 
 def test_aborts_between_steps_equal_synchronous_stepping(byte_model):
@@ -267,3 +268,32 @@ def test_advancing_ahead_leaves_the_blocks_as_the_update_does(windows):
         advance_ahead(ahead.state, ahead_output)
         assert blocks(synced) == blocks(ahead), step
         ahead.update(ahead_output, np.full(len(ahead_output.scheduled), 7), float(step))
+
+
+def test_a_server_with_async_scheduling_answers_as_one_without(caplog):
+    """`--async-scheduling` behind the OpenAI server (the embedded model): streamed and whole
+    completions as the synchronous engine's, and /metrics counts the steps dispatched ahead."""
+    from fastapi.testclient import TestClient
+
+    from pagedjax import LLM
+    from pagedjax.serving.app import OpenAIServer
+    from test_server import ENGINE, PROMPTS
+
+    bodies = [{"prompt": prompt, "max_tokens": 12, "temperature": 0.8, "seed": i, "n": 1}
+              for i, prompt in enumerate(PROMPTS)]
+    answers = {}
+    for async_scheduling in (False, True):
+        server = OpenAIServer(LLM(**ENGINE, async_scheduling=async_scheduling).engine, "tiny")
+        with TestClient(server.build_app()) as client:
+            texts = [client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+                     for body in bodies]
+            with client.stream("POST", "/v1/completions",
+                               json={**bodies[0], "stream": True}) as stream:
+                chunks = [line for line in stream.iter_lines() if line.startswith("data: {")]
+            texts.append("".join(json.loads(c[6:])["choices"][0]["text"] for c in chunks))
+            metrics = client.get("/metrics").text
+        answers[async_scheduling] = texts
+        ahead = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                    if line.startswith("pagedjax:async_scheduled_steps_total{"))
+        assert (ahead > 0) == async_scheduling
+    assert answers[True] == answers[False] and answers[True][-1] == answers[True][0]

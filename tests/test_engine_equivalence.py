@@ -73,7 +73,7 @@ def test_greedy_equals_dense_under_preemption(tiny_model, dense_outputs, async_s
     assert engine.stats.num_preemptions > 0, "the pool was meant to force preemption"
     assert outputs == dense_outputs
     if async_scheduling:
-        assert engine.async_scheduling.num_ahead_steps > engine.stats.num_steps // 2
+        assert engine.stats.num_ahead_steps > engine.stats.num_steps // 2
 
 
 def test_chunked_prefill_really_chunked(tiny_model):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pagedjax.engine.step_recovery import is_device_oom
 from scheduler.async_steps import advance_ahead, drop_placeholders
 
 if TYPE_CHECKING:
@@ -42,7 +43,6 @@ class AsyncScheduling:
     def __init__(self, engine: "LLMEngine"):
         self.engine = engine
         self.in_flight = None  # the engine's _Started step dispatched ahead, not yet finished
-        self.num_ahead_steps = 0  # steps dispatched before the previous step's results
 
     def step(self, final_only: bool = False) -> list:
         engine = self.engine
@@ -58,6 +58,8 @@ class AsyncScheduling:
             results = engine.runner.fetch(current.pending)
         except Exception as error:  # noqa: BLE001 - the step failed on the device
             self._drop(ahead)
+            if is_device_oom(error):
+                engine.stats.num_oom += 1
             return engine.recompute_running(current.output, error)
         try:
             outputs = engine.complete_step(current, results, final_only)
@@ -65,7 +67,7 @@ class AsyncScheduling:
             self._drop(ahead)
             raise
         self.in_flight = ahead
-        self.num_ahead_steps += 1
+        engine.stats.num_ahead_steps += 1
         return outputs
 
     def can_run_ahead(self, started) -> bool:

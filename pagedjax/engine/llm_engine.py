@@ -83,6 +83,9 @@ class LLMEngine(StepRecovery):
                              f"pagedjax.parallel.data_parallel.make_engine (one LLMEngine a replica)")
         tp = config.tensor_parallel_size
         self.devices, self.multihost, self.backend = place(model_config, config, devices)
+        if config.async_scheduling and self.multihost:
+            raise ValueError("async_scheduling is not supported multi-host (the followers "
+                             "replay the leader's plans); turn it off")
         # KV cache groups: a block id is a page in each of num_slots layer slots
         self.kv_groups = kv_cache_groups(model_config, not config.disable_hybrid_kv_cache_manager)
         # each layer's attention window (None: full), for the step-time features
@@ -140,12 +143,7 @@ class LLMEngine(StepRecovery):
         self._oom_retries: collections.Counter[str] = collections.Counter()  # by request id
         self.usage_history: collections.deque[UsageSample] = collections.deque(maxlen=100_000)
         self.last_schedule = None
-        self.async_scheduling = None
-        if config.async_scheduling:
-            if self.multihost:
-                raise ValueError("async_scheduling is not supported multi-host (the followers "
-                                 "replay the leader's plans); turn it off")
-            self.async_scheduling = AsyncScheduling(self)
+        self.async_scheduling = AsyncScheduling(self) if config.async_scheduling else None
 
     # ---- requests ----------------------------------------------------------------------------
 

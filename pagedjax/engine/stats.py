@@ -31,6 +31,8 @@ class EngineStats:
     num_prompt_tokens_computed: int = 0
     num_allocation_failures: int = 0  # KV block allocations the free blocks could not meet
     num_oom: int = 0  # steps that ran out of device memory
+    # async scheduling: steps scheduled and dispatched before the previous step's results
+    num_ahead_steps: int = 0
     # Speculative decoding (vLLM's spec_decode counters; scheduler.state.SchedulerState's)
     num_spec_drafts: int = 0  # rows that verified drafts
     num_spec_draft_tokens: int = 0  # drafts verified

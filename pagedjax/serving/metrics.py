@@ -34,7 +34,8 @@ COUNTED = (("num_generated_tokens", "generation_tokens"), ("num_preemptions", "n
            ("num_prompt_tokens_computed", "prompt_tokens_computed"),
            ("num_spec_drafts", "spec_decode_num_drafts"),
            ("num_spec_draft_tokens", "spec_decode_num_draft_tokens"),
-           ("num_spec_accepted_tokens", "spec_decode_num_accepted_tokens"))
+           ("num_spec_accepted_tokens", "spec_decode_num_accepted_tokens"),
+           ("num_ahead_steps", "async_scheduled_steps"))
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
 
@@ -149,6 +150,9 @@ class ServerMetrics:
             "(each preempts a sequence or keeps a request waiting).")
         self.oom_errors = f.counter("oom_errors", "Engine steps that ran out of device memory "
                                     "(their requests recomputed or failed; the engine serves on).")
+        self.async_scheduled_steps = f.counter(
+            "async_scheduled_steps", "Engine steps scheduled and dispatched while the step "
+            "before them ran (--async-scheduling).")
         self.degradation_changes = f.counter("degradation_changes", "Automatic degradation "
                                              "steps, by direction (degrade, recover).",
                                              ["direction"])
