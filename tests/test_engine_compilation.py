@@ -8,8 +8,11 @@ import jax
 import numpy as np
 import pytest
 
+from models import get_config, init_model
 from pagedjax import LLM, EngineConfig, LLMEngine, SamplingParams
 from pagedjax.engine.runner import _step, num_step_compiles, num_step_traces, padding_plan
+from pagedjax.engine.warmup import warmup_shapes
+from pagedjax.text.tokenizer import ByteTokenizer
 from benchmarks.aot.xla_tpu import whole_copies
 from scheduler import DECODE
 
@@ -21,7 +24,9 @@ def test_no_compilation_after_warmup(tiny_model):
                           min_token_bucket=16, min_seq_bucket=2, block_size=8, num_blocks=48)
     engine = LLMEngine(tiny_model, config)
     num_shapes = engine.warmup()
-    assert num_shapes == engine.buckets.num_programs == engine.num_compiled_programs
+    # the step programs and their prompt-logprobs variants (one a prefill shape)
+    assert num_shapes == engine.num_compiled_programs == engine.buckets.num_programs + len(
+        engine.buckets.prefill_shapes())
     traces_after_warmup, compiles_after_warmup = num_step_traces(), num_step_compiles()
 
     rng = np.random.default_rng(0)
@@ -41,7 +46,58 @@ def test_no_compilation_after_warmup(tiny_model):
     assert engine.stats.num_prefill_steps > 0 and engine.stats.num_decode_steps > 0
     assert num_step_traces() == traces_after_warmup, "a step program traced after warmup"
     assert num_step_compiles() == compiles_after_warmup, "a step program compiled after warmup"
-    assert engine.num_compiled_programs <= engine.buckets.num_programs
+    assert engine.num_compiled_programs == num_shapes
+
+
+class BackendCompiles:
+    """Counts XLA backend compiles (any program: steps, samplers, fills, a stray jnp op) while
+    it is on (JAX's monitoring event; the suite runs without the persistent cache)."""
+
+    def __init__(self):
+        self.on, self.count = False, 0
+        jax.monitoring.register_event_duration_secs_listener(self._event)
+
+    def _event(self, event, duration, **kwargs):
+        if self.on and event == "/jax/core/compile/backend_compile_duration":
+            self.count += 1
+
+
+@pytest.fixture(scope="module")
+def backend_compiles():
+    return BackendCompiles()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_no_request_compiles_anything_after_warmup(async_scheduling, backend_compiles):
+    """After warmup() requests of every kind (prompt logprobs, penalties, a grammar, allowed
+    tokens, logit bias, min_p, logprobs, n > 1, best_of) of every length compile nothing at
+    all: no step program, no sampler variant, no token fill, nothing else."""
+    byte = dataclasses.replace(get_config("debug-tiny"), vocab_size=264, eos_token_id=257)
+    config = EngineConfig(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
+                          min_token_bucket=16, min_seq_bucket=2, block_size=8,
+                          async_scheduling=async_scheduling)
+    engine = LLMEngine(init_model(byte, seed=5), config, tokenizer=ByteTokenizer())
+    engine.warmup()
+    backend_compiles.on = True
+    try:
+        kinds = [dict(), dict(temperature=0.8, top_k=20, top_p=0.9), dict(logprobs=3),
+                 dict(prompt_logprobs=2), dict(repetition_penalty=1.2, presence_penalty=0.3),
+                 dict(logit_bias={5: 2.0}), dict(min_p=0.1), dict(allowed_token_ids=[97, 98]),
+                 dict(structured_outputs={"regex": "[a-z]{2,6}"}), dict(n=2, seed=1),
+                 dict(best_of=3, seed=2), dict(min_tokens=3)]
+        rng = np.random.default_rng(1)
+        for i, kind in enumerate(kinds * 2):
+            prompt = rng.integers(0, 256, int(rng.integers(1, 90))).tolist()
+            engine.add_request(prompt, SamplingParams(max_tokens=int(rng.integers(1, 30)),
+                                                      **kind))
+            if i % 3 == 2:
+                engine.step()
+        for _ in until_done(engine):
+            engine.step()
+    finally:
+        backend_compiles.on = False
+    assert engine.stats.num_finished == 2 * len(kinds)
+    assert backend_compiles.count == 0, f"{backend_compiles.count} compiles after warmup"
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
@@ -86,12 +142,13 @@ def test_background_warmup_serves_meanwhile_and_compiles_each_program_once(tiny_
             outputs[output.request_id] = output
     assert warmup.wait(timeout=300) and warmup.error is None
     assert [outputs[i].output_token_ids for i in ids] == reference
-    assert engine.num_compiled_programs == engine.buckets.num_programs == warmup.num_programs
-    assert num_step_compiles() - compiles == engine.buckets.num_programs  # none twice
+    assert engine.num_compiled_programs == warmup.num_programs == len(
+        warmup_shapes(engine.buckets, variants=True))
+    assert num_step_compiles() - compiles == warmup.num_programs  # none twice
     engine.add_request(prompts[1], params)
     for _ in until_done(engine):
         engine.step()
-    assert num_step_compiles() - compiles == engine.buckets.num_programs
+    assert num_step_compiles() - compiles == warmup.num_programs
 
 
 def vars_of(config: EngineConfig) -> dict:

@@ -228,9 +228,10 @@ def test_disconnecting_clients_are_aborted_at_once():
     """A burst of streaming and non-streaming clients that all go away mid-request: within a
     second of the last disconnect every block is free and every gauge at 0."""
     # Its own engine (one engine thread steps an engine), with one prefill and one decode
-    # program, compiled first: no step compiles while the clients go away.
+    # program (and the prefill's prompt-logprobs variant), compiled first: no step compiles
+    # while the clients go away.
     llm = LLM(**ENGINE, min_token_bucket=128, min_seq_bucket=8)
-    assert llm.engine.warmup() == 2
+    assert llm.engine.warmup() == 3
     server = OpenAIServer(llm.engine, "tiny", chat_template=ROLE_TEMPLATE)
     body = {"prompt": "copy:abc=", "max_tokens": 100, "ignore_eos": True, "temperature": 1}
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100,

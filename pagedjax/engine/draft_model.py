@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.engine.runner import ModelRunner, forward_fn, padding_plan
+from pagedjax.engine.warmup import warm
 from scheduler import (DECODE, FORWARD_FIELDS, PREFILL, KVCacheManager, Request, SamplingParams,
                        ScheduledSeq, SchedulerOutput, ShapeBuckets, build_plan)
 
@@ -195,7 +196,7 @@ class DraftModelProposer:
         """Compiles the draft's step programs and its fused loop for every seq bucket (the
         loop by running it on padding: every write lands in the null block); returns how
         many programs."""
-        count = self.runner.warmup(self.buckets)
+        count = warm(self.runner, self.buckets)
         if self.k > 1:
             runner = self.runner
             for b in self.buckets.seq_buckets:

@@ -28,6 +28,7 @@ from pagedjax.engine.speculative import Speculator
 from pagedjax.engine.step_recovery import StepRecovery, describe
 from pagedjax.engine.stats import EngineStats, ReplicaLoad
 from pagedjax.engine.token_masks import TokenMasks, step_rows
+from pagedjax.engine.warmup import BackgroundWarmup, warm
 from pagedjax.parallel import multihost
 from pagedjax.parallel.placement import place
 from pagedjax.parallel.sharding import kv_head_repeats
@@ -425,18 +426,25 @@ class LLMEngine(StepRecovery):
         """The block map of the live requests (for inspection and pictures; O(blocks))."""
         return kv_snapshot(self.scheduler)
 
-    def warmup(self, progress: bool = False) -> int:
-        """Compiles every step program the buckets allow (loaded from the persistent
-        compilation cache when an earlier process compiled them); returns how many. progress
-        shows a bar with each program as it compiles and the seconds taken."""
+    def warmup(self, progress: bool = False, variants: bool = True) -> int:
+        """Compiles every program a step can need (loaded from the persistent compilation cache
+        when an earlier process compiled them): the step programs the buckets allow and, with
+        variants, their prompt-logprobs, token-mask and penalty variants and async scheduling's
+        token fills (pagedjax.engine.warmup); returns how many forward programs. Once it is
+        done no request waits on a compile (without variants, a request using one of them
+        compiles it on first use). progress shows a bar with each program as it compiles."""
         drafter = self.speculator and self.speculator.drafter
-        return self.runner.warmup(self.buckets, progress) + (drafter.warmup() if drafter else 0)
+        return warm(self.runner, self.buckets, progress, **self._warmup_parts(variants)) + (
+            drafter.warmup() if drafter else 0)
 
-    def start_warmup(self, progress: bool = False):
+    def start_warmup(self, progress: bool = False, variants: bool = True) -> BackgroundWarmup:
         """warmup() behind serving: a background thread compiles every program while steps run
-        (a runner.BackgroundWarmup: done(), wait(timeout), error). Once it is done no step
-        compiles."""
-        return self.runner.start_warmup(self.buckets, progress)
+        (done(), wait(timeout), error). Once it is done no step compiles."""
+        return BackgroundWarmup(self.runner, self.buckets, progress,
+                                **self._warmup_parts(variants))
+
+    def _warmup_parts(self, variants: bool) -> dict:
+        return dict(fills=variants and self.async_scheduling is not None, variants=variants)
 
     @property
     def num_compiled_programs(self) -> int:

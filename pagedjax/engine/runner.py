@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
-from tqdm.auto import tqdm
 
 from models import LlamaForCausalLM, ServingGraph, ServingWeights, serving, serving_form
 from models.quantization import chunked_products
@@ -131,6 +129,7 @@ class ModelRunner:
         self.backend = backend
         self.device = jax.devices()[0] if device is None else device
         self.num_top_logprobs = num_top_logprobs
+        self.vocab_size, self.block_size = config.vocab_size, block_size
         self._cache_spec = (self.graph.num_kv_slots, num_blocks, block_size,
                             config.num_kv_heads * repeats, config.head_dim, dtype, backend.name)
         # Parameters and caches committed to their devices, whatever their source (random init
@@ -157,7 +156,8 @@ class ModelRunner:
         self._programs: dict[tuple[str, int, int, bool, int], jax.stages.Compiled] = {}
         # (B, K) -> the forward's logits (B * (K + 1) rows)
         self._logits_shape: dict[tuple[int, int], jax.ShapeDtypeStruct] = {}
-        self._program_locks: dict[tuple[str, int, int, bool, int], threading.Lock] = {}
+        self._program_locks: dict[tuple, threading.Lock] = {}
+        self._fills: dict[tuple[str, int, int], jax.stages.Compiled] = {}  # fill_program's
         self._locks_lock = threading.Lock()
 
     def _abstract(self):
@@ -267,6 +267,36 @@ class ModelRunner:
                 self._programs[key] = lowered.compile()
         return self._programs[key]
 
+    def fill_program(self, num_tokens: int, num_previous: int) -> jax.stages.Compiled:
+        """The program filling a plan's placeholder tokens (i32[num_tokens]) from the previous
+        step's sampled ids (i32[num_previous] on this runner's device): async scheduling."""
+        key = ("fill", num_tokens, num_previous)
+        program = self._fills.get(key)
+        if program is None:
+            with self._locks_lock:
+                lock = self._program_locks.setdefault(key, threading.Lock())
+            with lock:
+                if key not in self._fills:
+                    self._fills[key] = _fill_placeholders.lower(
+                        jax.ShapeDtypeStruct((num_tokens,), np.int32),
+                        jax.ShapeDtypeStruct((num_previous,), np.int32,
+                                             sharding=SingleDeviceSharding(self.device))
+                    ).compile()
+            program = self._fills[key]
+        return program
+
+    def sampler_variants(self, plan: BatchPlan, penalty_width: int, mask_words: int) -> None:
+        """Compiles the sampler programs a step of plan's shape may need besides its plain
+        one: with a token mask (W = mask_words words a row), with penalties (their tokens
+        penalty_width wide), with both."""
+        rows = plan.padded_num_seqs * (plan.num_speculative_tokens + 1)
+        penalized = dataclasses.replace(
+            plan, penalty_tokens=np.full((plan.padded_num_seqs, penalty_width), -1, np.int32))
+        mask = np.zeros((rows, mask_words), np.int32)
+        for variant, token_mask in ((plan, mask), (penalized, mask), (
+                penalized, sampling_step.no_token_mask(plan.padded_num_seqs))):
+            self._sampler(variant, token_mask)
+
     def _sampler(self, plan: BatchPlan, token_mask: np.ndarray) -> jax.stages.Compiled:
         return sampling_step.program(self.num_top_logprobs,
                                      self._logits_shape[plan.padded_num_seqs,
@@ -299,9 +329,9 @@ class ModelRunner:
         if previous is not None:
             if self.channel is not None:
                 raise ValueError("async scheduling is not supported multi-host")
-            token_ids = _fill_placeholders(plan.token_ids, previous)
-            inputs["token_ids"] = jax.device_put(
-                token_ids, program.input_shardings[0][2]["token_ids"])
+            fill = self.fill_program(plan.padded_num_tokens, previous.shape[0])
+            inputs["token_ids"] = jax.device_put(fill(plan.token_ids, previous),
+                                                 program.input_shardings[0][2]["token_ids"])
         if self.channel is None:
             logits, prompt, self.kv_cache = program(self.params, self.kv_cache, inputs)
         else:  # multi-host: the followers run it too (multihost.py); a failure is the group's
@@ -339,26 +369,6 @@ class ModelRunner:
                 raise self.channel.broken(error) from error
             raise
 
-    def warmup(self, buckets, progress: bool = False) -> int:
-        """Compiles every program a plan from these buckets can need (without running any);
-        returns how many. progress shows a bar on stderr: programs done of all, the one
-        compiling, seconds."""
-        shapes = warmup_shapes(buckets)
-        with tqdm(shapes, desc="compiling step programs", unit="program",
-                  disable=not progress) as bar:
-            for kind, num_tokens, num_seqs, k in bar:
-                bar.set_postfix_str(f"{kind} T={num_tokens} B={num_seqs}"
-                                    + (f" K={k}" if k else ""))
-                self.program(kind, num_tokens, num_seqs, buckets.table_widths,
-                             num_speculative_tokens=k)
-        return len(shapes)
-
-    def start_warmup(self, buckets, progress: bool = False) -> "BackgroundWarmup":
-        """warmup() in a background thread: steps meanwhile run with the programs there are
-        (a shape not compiled yet compiles on first use, once, whichever thread comes first)."""
-        return BackgroundWarmup(self, buckets, progress)
-
-
 @dataclasses.dataclass(frozen=True)
 class PendingStep:
     """A dispatched step: its device outputs (not waited for), the rows that are real, and the
@@ -367,44 +377,6 @@ class PendingStep:
     sampled: tuple
     num_seqs: int
     prompt: tuple = ()
-
-
-class BackgroundWarmup:
-    """A warmup thread (ModelRunner.start_warmup): done(), wait(timeout), and the error that
-    stopped it, if any (the engine keeps serving; the rest compile on first use)."""
-
-    def __init__(self, runner: ModelRunner, buckets, progress: bool):
-        self.num_programs = len(warmup_shapes(buckets))
-        self.error: BaseException | None = None
-        self.seconds: float | None = None
-        self._thread = threading.Thread(target=self._run, args=(runner, buckets, progress),
-                                        name="pagedjax-warmup", daemon=True)
-        self._thread.start()
-
-    def _run(self, runner, buckets, progress) -> None:
-        start = time.perf_counter()
-        try:
-            runner.warmup(buckets, progress)
-        except BaseException as error:  # noqa: BLE001 - reported through .error
-            self.error = error
-        self.seconds = time.perf_counter() - start
-
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        self._thread.join(timeout)
-        return self.done()
-
-
-def warmup_shapes(buckets) -> list[tuple[str, int, int, int]]:
-    """Every (kind, T, B, K) step shape the buckets allow: decode first (the shapes a serving
-    engine meets most), small before large, then the speculative decode steps' (K drafts a
-    row: ShapeBuckets.speculative_shapes)."""
-    shapes = [(DECODE, b, b, 0) for b in buckets.decode_shapes()]
-    shapes += [(PREFILL, t, b, 0) for t, b in buckets.prefill_shapes()]
-    k = buckets.num_speculative_tokens
-    return shapes + [(PREFILL, t, b, k) for t, b in buckets.speculative_shapes()]
 
 
 def _no_logit_bias(num_seqs: int) -> dict:

@@ -197,12 +197,12 @@ class DataParallelEngine:
     def fail_all(self, error: BaseException) -> list[RequestOutput]:
         return [out for r in self.replicas for out in r.fail_all(error)]
 
-    def warmup(self, progress: bool = False) -> int:
+    def warmup(self, progress: bool = False, variants: bool = True) -> int:
         """Every replica's step programs (a program is compiled for its replica's devices)."""
-        return sum(r.warmup(progress) for r in self.replicas)
+        return sum(r.warmup(progress, variants) for r in self.replicas)
 
-    def start_warmup(self, progress: bool = False) -> "_Warmups":
-        return _Warmups([r.start_warmup(progress) for r in self.replicas])
+    def start_warmup(self, progress: bool = False, variants: bool = True) -> "_Warmups":
+        return _Warmups([r.start_warmup(progress, variants) for r in self.replicas])
 
     @property
     def num_compiled_programs(self) -> int:

@@ -94,7 +94,8 @@ def run(args, parser=None) -> None:
           f"{config.num_layers} layers, {config.num_heads} query / {config.num_kv_heads} KV heads; "
           f"attention backend {engine.runner.backend.name}")
     start = time.perf_counter()
-    num_programs = engine.warmup(progress=True)
+    # the step programs alone: the demo's requests use no prompt logprobs, mask or penalty
+    num_programs = engine.warmup(progress=True, variants=False)
     print(f"{num_programs} step programs (every bucket) ready in "
           f"{time.perf_counter() - start:.1f} s (compiled, or loaded from the compilation cache "
           f"{engine.compilation_cache_dir or 'off'})")
