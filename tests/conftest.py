@@ -17,6 +17,35 @@ import pytest  # noqa: E402
 from models import get_config, init_model  # noqa: E402
 
 
+MAX_MAPS = 20_000  # of the kernel's default vm.max_map_count, 65,530
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """After a test module, when the process holds more than MAX_MAPS memory maps, the programs
+    compiled so far are let go (JAX's caches, the process-wide sampler programs; later modules
+    compile what they need again). Each XLA CPU executable maps its code into the process (~6
+    maps); a worker compiling thousands over the suite reached the kernel's vm.max_map_count
+    (65,530) and its next compile crashed (an abort or a segfault inside backend_compile, near
+    the end of the suite)."""
+    yield
+    try:
+        with open("/proc/self/maps") as maps:  # Linux; elsewhere no such limit
+            if sum(1 for _ in maps) < MAX_MAPS:
+                return
+    except OSError:
+        return
+    import gc
+
+    import jax
+
+    from pagedjax.engine import sampling_step
+
+    sampling_step.clear_programs()
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     """debug-tiny with seeded random weights (initializer_range 0.1 gives peaked logits, so

@@ -140,6 +140,14 @@ def _gauge(client, name: str) -> float:
     raise AssertionError(name)
 
 
+def test_metrics_hold_the_cores_weights_and_pool(servers):
+    """/metrics of the core's server: the weights and the KV pool the core's engine holds,
+    as the in-process engine's server reports its own (the same model and pool)."""
+    local, (_, remote) = servers
+    for name in ("weights_bytes", "kv_cache_pool_bytes"):
+        assert _gauge(remote, name) == _gauge(local, name) > 0
+
+
 def test_disconnected_stream_is_aborted_in_the_core(servers):
     _, (server, client) = servers
     with client.stream("POST", "/v1/completions", json={

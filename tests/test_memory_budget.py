@@ -141,6 +141,10 @@ def test_held_memory_is_the_weights_and_the_pool_by_their_formulas():
     assert weights == sum(x.size * x.dtype.itemsize
                           for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert pool == 40 * llm.engine.bytes_per_block
+    from pagedjax.serving.metrics import ServerMetrics  # and in /metrics
+    metrics = ServerMetrics(llm.engine.stats, "m", held_memory=llm.engine.held_memory)
+    assert (metrics.weights_bytes._value.get(), metrics.kv_cache_pool_bytes._value.get()) == (
+        weights, pool)
     line = memory_budget.describe_held(llm.engine)
     assert f"KV pool {pool / 2**20:,.0f} MiB (39 blocks of 16 tokens: as configured)" in line
     full = memory_budget.describe_held(LLM(model, **SMALL).engine)

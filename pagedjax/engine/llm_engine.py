@@ -261,6 +261,11 @@ class LLMEngine(StepRecovery):
         return self.scheduler.kv_manager.num_blocks_for(num_tokens)
 
     @property
+    def held_memory(self) -> tuple[int, int]:
+        """(weights, KV pool) bytes over the engine's devices (memory_budget.held_memory)."""
+        return memory_budget.held_memory(self)
+
+    @property
     def hybrid_kv_cache(self) -> bool:
         return self.kv_groups.hybrid
 

@@ -32,6 +32,14 @@ def num_sampler_compiles() -> int:
     return _num_compiles
 
 
+def clear_programs() -> None:
+    """Forgets the compiled sampler programs (their executables are freed once no runner
+    holds them): a long-lived process that compiled thousands, as a test worker does."""
+    with _locks_lock:
+        _programs.clear()
+        _locks.clear()
+
+
 def sample_fn(num_top_logprobs: int, logits: jax.Array, inputs: dict,
               token_mask: jax.Array) -> tuple[jax.Array, ...]:
     """sample() on a plan's sampling fields; an empty penalty_tokens (H = 0) or token_mask

@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
+from pagedjax.engine import memory_budget
 from pagedjax.engine.admission import Admission, PromptSpec, check_specs
 from pagedjax.engine.config import EngineConfig
 from pagedjax.engine.llm_engine import LLMEngine
@@ -131,6 +132,11 @@ class DataParallelEngine:
     @property
     def hybrid_kv_cache(self) -> bool:
         return self.replicas[0].hybrid_kv_cache
+
+    @property
+    def held_memory(self) -> tuple[int, int]:
+        """(weights, KV pool) bytes over every replica's devices."""
+        return memory_budget.held_memory(self)
 
     def load(self) -> list[ReplicaLoad]:
         return [load for r in self.replicas for load in r.load()]

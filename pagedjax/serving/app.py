@@ -132,7 +132,8 @@ class OpenAIServer:
         self.open_paths = ("/health", "/metrics") if public_metrics else ("/health",)
         self.created = int(time.time())
         self.degradation = DegradationController(config.degradation, apply=self._apply_level)
-        self.metrics = ServerMetrics(engine.stats, served_model_name, observer=self.degradation)
+        self.metrics = ServerMetrics(engine.stats, served_model_name, observer=self.degradation,
+                                     held_memory=engine.held_memory)
         self.degradation.on_change = self.metrics.degradation_changed
         self.trace = TraceRecorder(trace_out, engine.clock()) if trace_out else None
         if core is None:

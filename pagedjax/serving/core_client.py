@@ -40,14 +40,15 @@ READ_POLL_MS = 100  # the reader's wait for a message before it checks the core 
 
 class EngineView:
     """The engine as the server's process sees it: its configuration, model configuration and
-    tokenizer (the core's own, pickled over), its totals at the start, and the clock its
-    timestamps use (time.perf_counter: CLOCK_MONOTONIC, one clock for every process here)."""
+    tokenizer (the core's own, pickled over), its totals at the start, what it holds (weights,
+    KV pool), and the clock its timestamps use (time.perf_counter: CLOCK_MONOTONIC, one clock for every process here)."""
 
     def __init__(self, description: engine_core.EngineDescription):
         self.config = description.config
         self.model_config = description.model_config
         self.tokenizer = description.tokenizer
         self.stats = description.stats
+        self.held_memory = description.held_memory
         self.clock = time.perf_counter
 
     def close(self) -> None:

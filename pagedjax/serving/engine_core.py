@@ -48,6 +48,7 @@ class EngineDescription:
     stats: Any  # EngineStats at the start
     pid: int
     notes: tuple[str, ...] = ()  # lines for the server's log (the memory budget, warmup)
+    held_memory: tuple[int, int] = (0, 0)  # (weights, KV pool) bytes: LLMEngine.held_memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +106,7 @@ def run(factory: Callable, input_address: str, output_address: str,
             return
         outbox.send_pyobj(("ready", EngineDescription(
             engine.config, engine.model_config, engine.tokenizer, engine.stats,
-            os.getpid(), tuple(notes))))
+            os.getpid(), tuple(notes), engine.held_memory)))
         try:
             _Core(engine, limits, inbox, outbox, parent_pid).serve()
         except BaseException as error:  # noqa: BLE001 - the core is dead; say why

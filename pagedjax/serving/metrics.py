@@ -71,15 +71,19 @@ class _Factory:
 
 
 class ServerMetrics:
-    def __init__(self, stats: EngineStats, model_name: str, observer=None):
+    def __init__(self, stats: EngineStats, model_name: str, observer=None,
+                 held_memory: tuple[int, int] = (0, 0)):
         """stats: the engine's running totals at the start (each step's report brings them
         after it); observer (a DegradationController): told each TTFT and inter-token latency
-        observed and each device OOM counted."""
+        observed and each device OOM counted; held_memory: the (weights, KV pool) bytes the
+        engine holds (LLMEngine.held_memory)."""
         self.observer = observer
         self.registry = prom.CollectorRegistry()
         factory = _Factory(self.registry, model_name)
         self.labels = factory.labels
         self._define_gauges(factory)
+        self.weights_bytes.set(held_memory[0])
+        self.kv_cache_pool_bytes.set(held_memory[1])
         self._define_counters(factory)
         self._define_histograms(factory)
         self._seen_first_token: set[str] = set()
@@ -122,6 +126,11 @@ class ServerMetrics:
         self.degradation_level = f.gauge("degradation_level", "The instance's degradation "
                                          "level: 0 normal, 1 max_tokens cut, 2 + long-context "
                                          "shed, 3 + concurrency lowered.")
+        self.weights_bytes = f.gauge("weights_bytes", "The model's weights over the engine's "
+                                     "devices (as served: quantized ones at their size).")
+        self.kv_cache_pool_bytes = f.gauge("kv_cache_pool_bytes", "The KV cache pool over the "
+                                           "engine's devices, at its configured size (held "
+                                           "whole from the start).")
         self.device_memory_limit = f.gauge("device_memory_limit_bytes",
                                            "What the backend lets JAX allocate over the "
                                            "engine's devices (0: not reported).")
