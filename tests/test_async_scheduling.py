@@ -194,7 +194,6 @@ def test_a_step_failing_on_the_device_with_the_next_dispatched_recomputes(
 
 
 @pytest.mark.parametrize("field, value", [("preemption_mode", "swap"),
-                                          ("data_parallel_size", 2),
                                           ("speculative_config", {"method": "ngram",
                                                                   "num_speculative_tokens": 2,
                                                                   "prompt_lookup_max": 2})])

@@ -37,6 +37,8 @@ RUNS = {
 DP_RUNS = {
     "dp2": dict(data_parallel_size=2),
     "tp2-dp2": dict(tensor_parallel_size=2, data_parallel_size=2),
+    # each replica's next step dispatched before its results: both replicas' devices busy
+    "dp2-async": dict(data_parallel_size=2, async_scheduling=True),
 }
 
 
@@ -370,6 +372,7 @@ def test_data_parallel_greedy_tokens_equal_one_device(report, name):
         assert stats["num_finished"] > 0 and stats["num_prefix_hit_tokens"] > 0
         assert stats["num_preemptions"] > 0
         assert stats["num_blocks"] == BASE["num_blocks"] - 1  # a whole pool each
+        assert (stats["num_ahead_steps"] > 0) == ("async" in name)
     assert run["stats"]["num_finished"] == len(run["tokens"])
     assert run["stats"]["num_blocks"] == 2 * (BASE["num_blocks"] - 1)
 

@@ -23,6 +23,9 @@ failed before the device (its rows are retried one at a time).
 A step whose results cannot be fetched (it failed on the device) while the next was dispatched
 after it: the next is waited for and dropped, and the running requests recompute in a fresh KV
 cache (StepRecovery.recompute_running; a request that keeps failing fails alone).
+
+A data-parallel engine runs each replica's async scheduling (begin every replica's, then finish
+every replica's), so the replicas' devices and the host overlap as well.
 """
 
 from __future__ import annotations
@@ -45,13 +48,27 @@ class AsyncScheduling:
         self.in_flight = None  # the engine's _Started step dispatched ahead, not yet finished
 
     def step(self, final_only: bool = False) -> list:
-        engine = self.engine
+        return self.finish(self.begin(), final_only)
+
+    def begin(self):
+        """The first half of step(): the step to finish (the one in flight, or one dispatched
+        now) and the step dispatched ahead of its results (None when it cannot be); None when
+        there is nothing to step. (A data-parallel engine begins every replica's before
+        finishing any.)"""
         current, self.in_flight = self.in_flight, None
         if current is None:
-            current = engine.begin_step()
+            current = self.engine.begin_step()
             if current is None:
-                return []
-        ahead = self._begin_ahead(current)
+                return None
+        return current, self._begin_ahead(current)
+
+    def finish(self, begun, final_only: bool = False) -> list:
+        """The second half of step(): waits for begin()'s step and advances its requests; the
+        step dispatched ahead stays in flight for the next call."""
+        if begun is None:
+            return []
+        engine = self.engine
+        current, ahead = begun
         if ahead is None:
             return engine.finish_step(current, final_only)
         try:

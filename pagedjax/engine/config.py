@@ -92,8 +92,7 @@ class EngineConfig:
     # dispatches step N + 1 while the device runs step N, whose sampled tokens step N + 1 reads
     # on the device; outputs identical to synchronous stepping. A step whose requests need their
     # last token on the host to go on (penalties, a grammar, bad_words of several tokens, forks
-    # of n > 1) is followed synchronously. Not with speculative decoding, swap preemption or
-    # data parallelism.
+    # of n > 1) is followed synchronously. Not with speculative decoding or swap preemption.
     async_scheduling: bool = False
     # Weight quantization (vLLM's --quantization; models/quantization.py), weight-only (the
     # activations stay in dtype): "int8" and "fp8" (e4m3) per output channel, "int4" per group
@@ -181,8 +180,7 @@ class EngineConfig:
         if not self.async_scheduling:
             return
         for name, value, plain in (("speculative_config", self.speculative_config, None),
-                                   ("preemption_mode", self.preemption_mode, "recompute"),
-                                   ("data_parallel_size", self.data_parallel_size, 1)):
+                                   ("preemption_mode", self.preemption_mode, "recompute")):
             if value != plain:
                 raise ValueError(f"async_scheduling is not supported with {name}={value!r} "
                                  f"(needs {plain!r}); turn one of them off")

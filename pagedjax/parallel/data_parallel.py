@@ -187,7 +187,7 @@ class DataParallelEngine:
         started = []
         for replica in self.replicas:
             try:
-                started.append(replica.begin_step() if replica.has_unfinished() else None)
+                started.append(_begin(replica))
             except Exception as error:  # noqa: BLE001 - that replica alone
                 started.append(error)
         outputs: list[RequestOutput] = []
@@ -195,7 +195,7 @@ class DataParallelEngine:
             try:
                 if isinstance(begun, Exception):
                     raise begun
-                outputs.extend(replica.finish_step(begun, final_only))
+                outputs.extend(_finish(replica, begun, final_only))
             except Exception as error:  # noqa: BLE001 - that replica alone
                 outputs.extend(replica.fail_all(error))
         return outputs
@@ -238,6 +238,19 @@ class DataParallelEngine:
         self._next_id += 1
         taken.add(request_id)
         return request_id
+
+
+def _begin(replica: LLMEngine):
+    """A replica's step dispatched (with async scheduling, the one after it too)."""
+    if replica.async_scheduling is not None:
+        return replica.async_scheduling.begin()
+    return replica.begin_step() if replica.has_unfinished() else None
+
+
+def _finish(replica: LLMEngine, begun, final_only: bool) -> list[RequestOutput]:
+    if replica.async_scheduling is not None:
+        return replica.async_scheduling.finish(begun, final_only)
+    return replica.finish_step(begun, final_only)
 
 
 class _Warmups:
