@@ -18,30 +18,15 @@ from __future__ import annotations
 import argparse
 import time
 
-import numpy as np
 from common import percentiles, write_results
+from host_path import decoding_engine
 
 from models import get_config, init_model
-from pagedjax import EngineConfig, LLMEngine, SamplingParams
 
 
 def run(model, batch: int, async_scheduling: bool, *, steps: int, prompt_len: int) -> dict:
-    config = EngineConfig(max_model_len=prompt_len + steps + 64, max_num_seqs=batch,
-                          max_num_batched_tokens=max(batch, 512), min_seq_bucket=batch,
-                          max_logprobs=0, async_scheduling=async_scheduling)
-    engine = LLMEngine(model, config)
-    rng = np.random.default_rng(0)
-    for _ in range(batch):
-        engine.add_request(rng.integers(0, model.config.vocab_size, prompt_len).tolist(),
-                           SamplingParams(max_tokens=steps + 48, temperature=0.7, top_k=50,
-                                          ignore_eos=True))
-    full = 0
-    for _ in range(10_000):  # prefills, until three steps decode every sequence
-        engine.step()
-        schedule = engine.last_schedule
-        full = full + 1 if schedule.kind == "decode" and len(schedule.scheduled) == batch else 0
-        if full == 3:
-            break
+    engine = decoding_engine(model, batch, steps=steps, prompt_len=prompt_len,
+                             async_scheduling=async_scheduling)
     times, tokens = [], 0
     ahead_before = engine.stats.num_ahead_steps
     start = time.perf_counter()

@@ -115,15 +115,17 @@ def matmul_roofline(config, batch: int, steps: int) -> float:
     return float(np.percentile(times, 50))
 
 
-def measure(num_seqs: int, final_only: bool, *, steps: int, prompt_len: int, model,
-            roofline_s: float) -> dict:
-    max_model_len = prompt_len + steps + 64
-    config = EngineConfig(max_model_len=max_model_len, max_num_seqs=num_seqs,
-                          max_num_batched_tokens=max(num_seqs, 512), min_seq_bucket=num_seqs,
-                          max_logprobs=0)
+def decoding_engine(model, batch: int, *, steps: int, prompt_len: int,
+                    **config) -> LLMEngine:
+    """An engine decoding `batch` sequences (random prompts of prompt_len tokens, top-k
+    sampling, ignore_eos, room for `steps` more steps), stepped through their prefills until
+    three steps in a row decode every sequence. config: more EngineConfig fields."""
+    config = EngineConfig(max_model_len=prompt_len + steps + 64, max_num_seqs=batch,
+                          max_num_batched_tokens=max(batch, 512), min_seq_bucket=batch,
+                          max_logprobs=0, **config)
     engine = LLMEngine(model, config)
     rng = np.random.default_rng(0)
-    for _ in range(num_seqs):
+    for _ in range(batch):
         engine.add_request(rng.integers(0, model.config.vocab_size, prompt_len).tolist(),
                            SamplingParams(max_tokens=steps + 48, temperature=0.7, top_k=50,
                                           ignore_eos=True))
@@ -131,10 +133,15 @@ def measure(num_seqs: int, final_only: bool, *, steps: int, prompt_len: int, mod
     for _ in range(10_000):  # prefills, until three steps decode every sequence
         engine.step()
         schedule = engine.last_schedule
-        full = full + 1 if schedule.kind == "decode" and len(schedule.scheduled) == num_seqs \
-            else 0
+        full = full + 1 if schedule.kind == "decode" and len(schedule.scheduled) == batch else 0
         if full == 3:
             break
+    return engine
+
+
+def measure(num_seqs: int, final_only: bool, *, steps: int, prompt_len: int, model,
+            roofline_s: float) -> dict:
+    engine = decoding_engine(model, num_seqs, steps=steps, prompt_len=prompt_len)
     times = {phase: [] for phase in PHASES + DEVICE_PARTS}
     instrument(engine, times)
     for _ in range(steps):

@@ -3,10 +3,11 @@
 Once a step is dispatched (and before its results are in), `advance_ahead(state, output)` makes
 the state look as if the step had run: each scheduled row's computed tokens advance to the end
 of its chunk (its full blocks published, its blocks out of a sliding window freed, as the
-step's update would), and a row that samples gets a placeholder output token, -(row + 1), whose value
-the device fills from that step's sampled ids (row `row` of its sampler's output). The next
-`schedule` then sees every such request as a decode of one more token, unchanged; `build_plan`
-copies the placeholder into the plan's token_ids, and the engine fills it on the device.
+step's update would), and a row that samples gets a placeholder output token, -(row + 1),
+whose value the device fills from that step's sampled ids (row `row` of its sampler's output:
+pagedjax.engine.runner's _fill_placeholders). The next `schedule` then sees every such request
+as a decode of one more token, unchanged; `build_plan` copies the placeholder into the plan's
+token_ids, and the engine fills it on the device.
 `update` of the step (lifecycle.update) takes the placeholder back before it appends the real
 token. A request its step certainly finishes (max_tokens or max_model_len reached) gets no
 placeholder: nothing is scheduled for it (schedule_running skips a row with nothing to compute).
@@ -26,11 +27,6 @@ from scheduler.state import SchedulerOutput, SchedulerState
 def placeholder(row: int) -> int:
     """The output token standing for row `row`'s sampled token of the step in flight."""
     return -(row + 1)
-
-
-def placeholder_row(token_id: int) -> int:
-    """The sampled row a placeholder stands for (-1 for a real token)."""
-    return -token_id - 1 if token_id < 0 else -1
 
 
 def certainly_finishes(state: SchedulerState, request: Request) -> bool:

@@ -122,8 +122,9 @@ def _settle(state: SchedulerState, output: SchedulerOutput, finished: list[Reque
         kv.free_out_of_window(request)
     for request in finished:
         _release(state, request)
-        if request in state.waiting:  # preempted after its step was dispatched
-            state.waiting.remove(request)
+    for i, seq in enumerate(output.scheduled):  # preempted after its step was dispatched,
+        if not held[i] and seq.request in finished:  # then finished by its token
+            state.waiting.remove(seq.request)
     if finished:
         state.running = [r for r in state.running if not r.status.finished]
 

@@ -157,7 +157,8 @@ class ModelRunner:
         # (B, K) -> the forward's logits (B * (K + 1) rows)
         self._logits_shape: dict[tuple[int, int], jax.ShapeDtypeStruct] = {}
         self._program_locks: dict[tuple, threading.Lock] = {}
-        self._fills: dict[tuple[str, int, int], jax.stages.Compiled] = {}  # fill_program's
+        self._fills: dict[tuple[int, int], jax.stages.Compiled] = {}  # fill_program's
+        self._token_ids_sharding = None  # the forward programs' token_ids' (program())
         self._locks_lock = threading.Lock()
 
     def _abstract(self):
@@ -247,43 +248,49 @@ class ModelRunner:
         table_widths: the block tables' (ShapeBuckets.table_widths). num_speculative_tokens:
         K of a speculative step (K + 1 logits a row, verified by the sampler)."""
         key = (kind, num_tokens, num_seqs, with_prompt_logprobs, num_speculative_tokens)
-        program = self._programs.get(key)
+
+        def build():
+            _count_compile()
+            plan = padding_plan(kind, num_tokens, num_seqs, table_widths[0],
+                                with_prompt_logprobs, self.num_kv_groups, table_widths[1],
+                                num_speculative_tokens)
+            inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
+                                  forward_inputs(plan))
+            lowered = _forward.lower(self.graph, self.backend, kind, self.num_top_logprobs,
+                                     *self._abstract_args, inputs)
+            self._logits_shape[num_seqs, num_speculative_tokens] = lowered.out_info[0]
+            self._sampler(plan, sampling_step.no_token_mask(num_seqs))
+            compiled = lowered.compile()
+            # where every forward program takes its token_ids (over a mesh, the token fills'
+            # output is put there)
+            self._token_ids_sharding = compiled.input_shardings[0][2]["token_ids"]
+            return compiled
+
+        return self._once(self._programs, key, build)
+
+    def fill_program(self, num_tokens: int, num_previous: int) -> jax.stages.Compiled:
+        """The program filling a plan's placeholder tokens (i32[num_tokens]) from the previous
+        step's sampled ids (i32[num_previous] on this runner's device): async scheduling."""
+        def build():
+            return _fill_placeholders.lower(
+                jax.ShapeDtypeStruct((num_tokens,), np.int32),
+                jax.ShapeDtypeStruct((num_previous,), np.int32,
+                                     sharding=SingleDeviceSharding(self.device))).compile()
+
+        return self._once(self._fills, (num_tokens, num_previous), build)
+
+    def _once(self, store: dict, key, build) -> jax.stages.Compiled:
+        """store[key], made by build() on first use: thread-safe, once per key (a warmup
+        thread and the engine's may ask at once)."""
+        program = store.get(key)
         if program is not None:
             return program
         with self._locks_lock:
             lock = self._program_locks.setdefault(key, threading.Lock())
         with lock:
-            if key not in self._programs:
-                _count_compile()
-                plan = padding_plan(kind, num_tokens, num_seqs, table_widths[0],
-                                    with_prompt_logprobs, self.num_kv_groups, table_widths[1],
-                                    num_speculative_tokens)
-                inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
-                                      forward_inputs(plan))
-                lowered = _forward.lower(self.graph, self.backend, kind, self.num_top_logprobs,
-                                         *self._abstract_args, inputs)
-                self._logits_shape[num_seqs, num_speculative_tokens] = lowered.out_info[0]
-                self._sampler(plan, sampling_step.no_token_mask(num_seqs))
-                self._programs[key] = lowered.compile()
-        return self._programs[key]
-
-    def fill_program(self, num_tokens: int, num_previous: int) -> jax.stages.Compiled:
-        """The program filling a plan's placeholder tokens (i32[num_tokens]) from the previous
-        step's sampled ids (i32[num_previous] on this runner's device): async scheduling."""
-        key = ("fill", num_tokens, num_previous)
-        program = self._fills.get(key)
-        if program is None:
-            with self._locks_lock:
-                lock = self._program_locks.setdefault(key, threading.Lock())
-            with lock:
-                if key not in self._fills:
-                    self._fills[key] = _fill_placeholders.lower(
-                        jax.ShapeDtypeStruct((num_tokens,), np.int32),
-                        jax.ShapeDtypeStruct((num_previous,), np.int32,
-                                             sharding=SingleDeviceSharding(self.device))
-                    ).compile()
-            program = self._fills[key]
-        return program
+            if key not in store:
+                store[key] = build()
+        return store[key]
 
     def sampler_variants(self, plan: BatchPlan, penalty_width: int, mask_words: int) -> None:
         """Compiles the sampler programs a step of plan's shape may need besides its plain
@@ -330,8 +337,10 @@ class ModelRunner:
             if self.channel is not None:
                 raise ValueError("async scheduling is not supported multi-host")
             fill = self.fill_program(plan.padded_num_tokens, previous.shape[0])
-            inputs["token_ids"] = jax.device_put(fill(plan.token_ids, previous),
-                                                 program.input_shardings[0][2]["token_ids"])
+            inputs["token_ids"] = fill(plan.token_ids, previous)
+            if self.backend.mesh is not None:  # from this runner's device to the mesh's
+                inputs["token_ids"] = jax.device_put(inputs["token_ids"],
+                                                     self._token_ids_sharding)
         if self.channel is None:
             logits, prompt, self.kv_cache = program(self.params, self.kv_cache, inputs)
         else:  # multi-host: the followers run it too (multihost.py); a failure is the group's
