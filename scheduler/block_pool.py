@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import collections
 
+from scheduler.host_tier import host_hit
+
 NULL_BLOCK = 0  # never allocated, never freed: the target of every padding write and table entry
 
 
@@ -25,6 +27,7 @@ class BlockPool:
         self.cached: dict[bytes, int] = {}  # content hash -> block holding that content
         self._free = collections.OrderedDict.fromkeys(range(1, num_blocks))
         self.num_evictions = 0
+        self.tier = None  # a scheduler.host_tier.HostTier keeping what is evicted, if any
 
     @property
     def num_usable_blocks(self) -> int:
@@ -57,7 +60,19 @@ class BlockPool:
             self.block_hashes[block] = None
             if self.cached.get(block_hash) == block:
                 del self.cached[block_hash]
+                if self.tier is not None:
+                    self.tier.offload(block, block_hash)
             self.num_evictions += 1
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        """The device block holding block_hash, else the host tier's hit (host_tier.host_hit:
+        a negative number), else None."""
+        block = self.cached.get(block_hash)
+        if block is None and self.tier is not None:
+            slot = self.tier.lookup(block_hash)
+            if slot is not None:
+                return host_hit(slot)
+        return block
 
     def touch(self, blocks: list[int]) -> None:
         """Takes a reference on blocks found in the cache, reviving those that were free."""

@@ -23,7 +23,8 @@ from typing import Sequence
 
 from scheduler.block_hash import block_hashes
 from scheduler.block_pool import NULL_BLOCK, BlockPool
-from scheduler.kv_cache_manager import NULL_HOST, KVCacheManager, cdiv
+from scheduler.host_tier import HostTier
+from scheduler.kv_cache_manager import NULL_HOST, KVCacheManager, cdiv, hold_hits
 from scheduler.request import Request
 
 
@@ -66,14 +67,19 @@ class CachedPrefix(list):
 class HybridKVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, windows: Sequence[int | None], *,
                  enable_prefix_caching: bool = False, cache_key: bytes = b"",
-                 num_host_blocks: int = 0, max_tokens_per_step: int | None = None):
+                 num_host_blocks: int = 0, max_tokens_per_step: int | None = None,
+                 num_tier_blocks: int = 0):
         """windows: each group's attention window (None: full attention). max_tokens_per_step
-        (the scheduler's token budget) bounds what a sliding group holds in num_blocks_for."""
+        (the scheduler's token budget) bounds what a sliding group holds in num_blocks_for.
+        num_tier_blocks: the host tier's size (scheduler.host_tier; 0: none), shared by the
+        groups as the pool is."""
         if not windows:
             raise ValueError("a hybrid KV cache needs at least one group")
         self.block_size = block_size
         self.windows = tuple(windows)
         self.pool = BlockPool(num_blocks)
+        if num_tier_blocks:
+            self.pool.tier = HostTier(num_tier_blocks)
         self.num_host_blocks = num_host_blocks
         self._host_free = collections.deque(range(num_host_blocks))
         self.enable_prefix_caching = enable_prefix_caching
@@ -103,8 +109,8 @@ class HybridKVCacheManager:
             return CachedPrefix([])
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = block_hashes(request, self.block_size, max_blocks, self.groups[0].cache_key)
-        found = [[self.pool.cached.get(h + group.hash_suffix) for h in hashes]
-                 for group in self.groups]  # per group: the block or None at each index
+        found = [[self.pool.lookup(h + group.hash_suffix) for h in hashes]
+                 for group in self.groups]  # per group: a block, a host hit or None at each
         # A full group serves no more than its leading run of hits: start there, not at the
         # prompt's end (a miss would otherwise cost a scan of every shorter hit).
         longest = min([next((i for i, b in enumerate(blocks) if b is None), max_blocks)
@@ -147,7 +153,7 @@ class HybridKVCacheManager:
             self.num_allocation_failures += 1
             return None
         for head in heads:  # every group's hits held before any group allocates (evicts)
-            self.pool.touch([b for b in head if b != NULL_BLOCK])
+            hold_hits(self.pool, head)
         taken = []
         for group, head in zip(self.groups, heads):
             blocks = group.allocate_slots(request, num_new_tokens, head, touched=True)
@@ -262,6 +268,10 @@ class HybridKVCacheManager:
     @property
     def num_evictions(self) -> int:
         return self.pool.num_evictions
+
+    @property
+    def host_tier(self) -> HostTier | None:
+        return self.pool.tier
 
     def drop_cached_content(self) -> None:
         for group in self.groups:

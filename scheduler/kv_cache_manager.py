@@ -6,6 +6,7 @@ import collections
 
 from scheduler.block_hash import block_hashes
 from scheduler.block_pool import NULL_BLOCK, BlockPool
+from scheduler.host_tier import HostTier, host_slot
 from scheduler.request import Request
 
 
@@ -14,6 +15,14 @@ NULL_HOST = -1  # a host table's slot for a null device slot: no host block hold
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def hold_hits(pool: BlockPool, cached_blocks) -> None:
+    """Takes references on a prefix hit's device blocks and pins its host tier slots, before
+    anything is allocated: no allocation of the same request may evict its own hits."""
+    pool.touch([b for b in cached_blocks if b > 0])
+    if pool.tier is not None:
+        pool.tier.pin([host_slot(b) for b in cached_blocks if b < 0])
 
 
 class KVCacheManager:
@@ -31,14 +40,18 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False,
                  cache_key: bytes = b"", num_host_blocks: int = 0,
                  sliding_window: int | None = None, pool: BlockPool | None = None,
-                 host_free: collections.deque | None = None, hash_suffix: bytes = b""):
+                 host_free: collections.deque | None = None, hash_suffix: bytes = b"",
+                 num_tier_blocks: int = 0):
         """pool and host_free: shared with the other groups of a hybrid model
         (scheduler.kv_cache_groups), else this manager's own; hash_suffix tells this group's
-        published blocks from the others' (the same tokens, other layers' KV)."""
+        published blocks from the others' (the same tokens, other layers' KV). num_tier_blocks:
+        the host tier under the prefix cache (scheduler.host_tier; 0: none)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks) if pool is None else pool
+        if num_tier_blocks:
+            self.pool.tier = HostTier(num_tier_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_window = sliding_window
         self.cache_key = cache_key
@@ -73,10 +86,10 @@ class KVCacheManager:
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits = []
         for block_hash in block_hashes(request, self.block_size, max_blocks, self.cache_key):
-            block = self.pool.cached.get(block_hash + self.hash_suffix)
+            block = self.pool.lookup(block_hash + self.hash_suffix)
             if block is None:
                 break
-            hits.append(block)
+            hits.append(block)  # a device block, or a host tier's hit (negative)
         return hits
 
     def num_new_blocks(self, request: Request, num_new_tokens: int,
@@ -92,8 +105,9 @@ class KVCacheManager:
                 + shared
         num_computed = request.num_computed_tokens or len(cached_blocks) * self.block_size
         needed = max(0, self.num_blocks_for(num_computed + num_new_tokens) - len(cached_blocks))
-        return needed + sum(self.pool.ref_counts[b] == 0 for b in cached_blocks
-                            if b != NULL_BLOCK)
+        # a free device hit is revived; a host hit is loaded into a new block
+        return needed + sum(b < 0 or (b > 0 and self.pool.ref_counts[b] == 0)
+                            for b in cached_blocks)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        cached_blocks: list[int] = (), touched: bool = False) -> list[int] | None:
@@ -128,8 +142,9 @@ class KVCacheManager:
         table = self.block_tables[request.request_id] = []
         if cached_blocks:
             if not touched:  # before allocating: never evict a hit
-                self.pool.touch([b for b in cached_blocks if b != NULL_BLOCK])
+                hold_hits(self.pool, cached_blocks)
             table.extend(cached_blocks)
+            self._load_host_hits(request, table)
             self._num_published[request.request_id] = len(cached_blocks)
         num_computed = max(request.num_computed_tokens, len(cached_blocks) * self.block_size)
         num_new = self.num_blocks_for(num_computed + num_new_tokens) - len(table)
@@ -138,6 +153,18 @@ class KVCacheManager:
         blocks = self.pool.allocate(num_new)
         table.extend(blocks)
         return blocks
+
+    def _load_host_hits(self, request: Request, table: list[int]) -> None:
+        """Replaces the host tier's hits in table with new device blocks, their loads queued
+        for the next step and the blocks published (their KV is in before the step runs)."""
+        hits = [i for i, b in enumerate(table) if b < 0]
+        if not hits:
+            return
+        hashes = block_hashes(request, self.block_size, hits[-1] + 1, self.cache_key)
+        for i, block in zip(hits, self.pool.allocate(len(hits))):
+            self.pool.tier.load(host_slot(table[i]), block)
+            self.pool.cache_block(block, hashes[i] + self.hash_suffix)
+            table[i] = block
 
     def _copy_on_write(self, table: list[int], index: int) -> None:
         (copy,) = self.pool.allocate(1)
@@ -294,3 +321,7 @@ class KVCacheManager:
     def num_evictions(self) -> int:
         """Cached blocks the pool has reused for other content so far."""
         return self.pool.num_evictions
+
+    @property
+    def host_tier(self) -> HostTier | None:
+        return self.pool.tier

@@ -118,6 +118,7 @@ class _StepBuilder:
                 request.num_cached_tokens = num_cached
                 state.num_prefix_query_tokens += request.num_tokens
                 state.num_prefix_hit_tokens += num_cached
+                _count_tier_lookups(state, request, cached_blocks)
             state.waiting.popleft()
             state.running.append(request)
             state.num_followers += len(request.followers)
@@ -149,15 +150,36 @@ class _StepBuilder:
         self.drop_drafts_beside_prefills(forks)
         num_tokens = sum(s.num_new_tokens for s in self.scheduled)
         kind = DECODE if num_tokens == len(self.scheduled) and not forks else PREFILL
-        copies = self.state.kv_manager.take_pending_copies()
-        swap_out, swap_in = self.state.kv_manager.take_pending_swaps()
+        kv = self.state.kv_manager
+        copies = kv.take_pending_copies()
+        swap_out, swap_in = kv.take_pending_swaps()
+        tier = kv.host_tier
+        transfers = tier.take_transfers() if tier is not None else ((), (), (), ())
         return SchedulerOutput(self.scheduled, self.preempted, kind, num_tokens, now, forks,
-                               copies, swap_out, swap_in)
+                               copies, swap_out, swap_in, *transfers)
+
+
+def _count_tier_lookups(state: SchedulerState, request: Request, cached_blocks) -> None:
+    """A first admission's hits by tier: the prompt blocks served by the host tier (a block
+    index counts as one when any KV cache group's block there came from it) and those the
+    host tier was asked for and did not hold (every group's)."""
+    tier = state.kv_manager.host_tier
+    if tier is None or not state.config.enable_prefix_caching \
+            or request.sampling_params.prompt_logprobs is not None:
+        return
+    heads = getattr(cached_blocks, "groups", None) or [cached_blocks]
+    from_host = sum(any(len(head) > i and head[i] < 0 for head in heads)
+                    for i in range(len(cached_blocks)))
+    state.num_prefix_host_hit_tokens += from_host * state.kv_manager.block_size
+    asked = (request.num_tokens - 1) // state.kv_manager.block_size
+    tier.num_misses += (asked - len(cached_blocks)) * len(heads)
 
 
 def schedule(state: SchedulerState, now: float) -> tuple[SchedulerState, SchedulerOutput]:
     """Chooses the next step's work under the token budget and the configured policy."""
     state.kv_manager.release_host_blocks()  # the previous step has run its swap-ins
+    if state.kv_manager.host_tier is not None:
+        state.kv_manager.host_tier.release()  # and its host tier transfers
     step = _StepBuilder(state)
     policy = state.config.policy
     if policy == MIXED:

@@ -19,20 +19,24 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
                  cache_key: bytes = b"", num_host_blocks: int = 0,
                  sliding_window: int | None = None,
-                 group_windows: tuple[int | None, ...] | None = None):
+                 group_windows: tuple[int | None, ...] | None = None,
+                 num_tier_blocks: int = 0):
         """group_windows: the KV cache groups' windows (scheduler.kv_cache_groups), when the
-        model has several; else one group, sliding_window for all its layers."""
+        model has several; else one group, sliding_window for all its layers. num_tier_blocks:
+        the host tier under the prefix cache (scheduler.host_tier), 0 for none."""
         if group_windows is not None and len(group_windows) > 1:
             kv_manager = HybridKVCacheManager(
                 num_blocks, block_size, group_windows,
                 enable_prefix_caching=config.enable_prefix_caching, cache_key=cache_key,
                 num_host_blocks=num_host_blocks,
-                max_tokens_per_step=config.max_num_batched_tokens)
+                max_tokens_per_step=config.max_num_batched_tokens,
+                num_tier_blocks=num_tier_blocks)
         else:
             window = group_windows[0] if group_windows else sliding_window
             kv_manager = KVCacheManager(num_blocks, block_size, cache_key=cache_key,
                                         enable_prefix_caching=config.enable_prefix_caching,
-                                        num_host_blocks=num_host_blocks, sliding_window=window)
+                                        num_host_blocks=num_host_blocks, sliding_window=window,
+                                        num_tier_blocks=num_tier_blocks)
         self.state = SchedulerState(config, kv_manager)
 
     @property

@@ -98,6 +98,14 @@ class SchedulerOutput:
     # Swaps run at the start of the step, outs before ins: (device, host) and (host, device).
     swap_out: list[tuple[int, int]] = ()
     swap_in: list[tuple[int, int]] = ()
+    # The host tier's transfers (scheduler.host_tier), run at the start of the step in this
+    # order: spills (hash, host slot) read out for the disk tier, offloads (device, host slot)
+    # of evicted cached blocks and overflow (device, hash) for the disk tier, loads (host
+    # slot, device) of host hits.
+    tier_spills: list[tuple[bytes, int]] = ()
+    tier_offloads: list[tuple[int, int]] = ()
+    tier_overflow: list[tuple[int, bytes]] = ()
+    tier_loads: list[tuple[int, int]] = ()
 
 
 @dataclasses.dataclass
@@ -112,6 +120,7 @@ class SchedulerState:
     # its own blocks again, which would overstate the hit rate.
     num_prefix_query_tokens: int = 0
     num_prefix_hit_tokens: int = 0
+    num_prefix_host_hit_tokens: int = 0  # of the hits, blocks loaded from the host tier
     num_followers: int = 0  # parallel samples not forked yet (they count against max_num_seqs)
     num_swap_outs: int = 0
     num_recomputed_tokens: int = 0  # computed tokens thrown away by recompute preemption

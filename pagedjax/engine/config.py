@@ -40,6 +40,13 @@ class EngineConfig:
     victim_policy: str = "lifo"
     preemption_mode: str = "recompute"  # or "swap": preempted KV goes to a host pool
     swap_space_bytes: int = 0  # host pool for swap; 0 with swap falls back to recompute
+    # The tiered prefix cache (pagedjax.engine.kv_tiers): blocks the device prefix cache evicts
+    # are kept in a host pool of kv_offload_bytes (LRU; --kv-offload-gib), and those it evicts
+    # in turn in files under kv_disk_dir up to kv_disk_bytes (--kv-disk-dir, --kv-disk-gib); a
+    # prefix lookup walks device, host, disk. 0 / None: no such tier.
+    kv_offload_bytes: int = 0
+    kv_disk_dir: str | None = None
+    kv_disk_bytes: int = 0
     watermark: float = 0.01
     dtype: str = "float32"  # activations (and the KV cache unless kv_cache_dtype says otherwise)
     kv_cache_dtype: str = "auto"  # auto (= dtype), int8 or fp8 (e4m3), with per-token,
@@ -114,7 +121,7 @@ class EngineConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         for name in ("num_blocks", "kv_cache_memory_bytes", "max_logprobs", "swap_space_bytes",
-                     "seed"):
+                     "seed", "kv_offload_bytes", "kv_disk_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not (value is None or isinstance(value, int)):
                 raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
@@ -173,6 +180,7 @@ class EngineConfig:
             raise ValueError(f"step_programs must be one of {STEP_PROGRAMS}, "
                              f"got {self.step_programs!r}")
         self._check_async_scheduling()
+        self._check_kv_tiers()
         self.buckets()  # ShapeBuckets validates prefill_seqs
         self.scheduler_config()  # SchedulerConfig validates the scheduler's fields (policy, ...)
 
@@ -184,6 +192,24 @@ class EngineConfig:
             if value != plain:
                 raise ValueError(f"async_scheduling is not supported with {name}={value!r} "
                                  f"(needs {plain!r}); turn one of them off")
+
+    def _check_kv_tiers(self) -> None:
+        for name in ("kv_offload_bytes", "kv_disk_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.kv_disk_dir is not None and not isinstance(self.kv_disk_dir, str):
+            raise ValueError(f"kv_disk_dir must be a directory path, got {self.kv_disk_dir!r}")
+        if (self.kv_disk_dir is None) != (self.kv_disk_bytes == 0):
+            raise ValueError("kv_disk_dir and kv_disk_bytes go together (a directory and its "
+                             f"size), got kv_disk_dir={self.kv_disk_dir!r}, "
+                             f"kv_disk_bytes={self.kv_disk_bytes!r}")
+        tiers = self.kv_offload_bytes or self.kv_disk_dir is not None
+        if self.kv_disk_dir is not None and not self.kv_offload_bytes:
+            raise ValueError("kv_disk_dir needs kv_offload_bytes > 0: the disk tier keeps what "
+                             "the host tier evicts")
+        if tiers and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_bytes needs enable_prefix_caching: the tiers keep the "
+                             "prefix cache's evicted blocks")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

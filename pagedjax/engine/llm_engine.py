@@ -20,6 +20,7 @@ from pagedjax.engine.async_scheduling import AsyncScheduling
 from pagedjax.engine.compile_cache import enable_compilation_cache
 from pagedjax.engine.config import EngineConfig
 from pagedjax.engine.draft_model import DraftModelProposer
+from pagedjax.engine.kv_tiers import make_kv_tiers
 from pagedjax.engine.kv_snapshot import KVSnapshot, UsageSample, kv_snapshot, tokens_stored
 from pagedjax.engine.output_processor import TextState
 from pagedjax.engine.outputs import RequestOutput
@@ -37,10 +38,12 @@ from scheduler import (DECODE, Request, RequestStatus, SamplingParams, Scheduler
                        make_samples)
 
 
-def model_cache_key(model: LlamaForCausalLM, config: EngineConfig) -> bytes:
+def model_cache_key(model: LlamaForCausalLM, config: EngineConfig, kv_tiers=None) -> bytes:
     """Names what a cached block's KV depends on besides its tokens: the model's architecture and
-    weights (by object identity within this process) and the KV dtype."""
-    return repr((model.config, id(model), config.dtype)).encode()
+    weights (by object identity within this process; with a disk tier, which other processes
+    read, by the weights' fingerprint) and the KV dtype."""
+    weights = id(model) if kv_tiers is None or kv_tiers.disk is None else kv_tiers.disk.key
+    return repr((model.config, weights, config.dtype, config.kv_cache_dtype)).encode()
 
 
 @dataclasses.dataclass
@@ -119,10 +122,13 @@ class LLMEngine(StepRecovery):
             check_num_slots(num_slots, self.num_blocks, config.block_size)
             self.runner.resize_kv_cache(self.num_blocks)
         num_host_blocks = config.swap_space_bytes // self.bytes_per_block
+        self.kv_tiers = make_kv_tiers(self.runner, config, self.bytes_per_block)
+        cache_key = model_cache_key(model, config, self.kv_tiers)
         self._make_scheduler = lambda: Scheduler(
             config.scheduler_config(), self.num_blocks, config.block_size,
-            cache_key=model_cache_key(model, config), num_host_blocks=num_host_blocks,
-            group_windows=self.kv_groups.windows)
+            cache_key=cache_key, num_host_blocks=num_host_blocks,
+            group_windows=self.kv_groups.windows,
+            num_tier_blocks=0 if self.kv_tiers is None else self.kv_tiers.num_blocks)
         self.scheduler = self._make_scheduler()
         if self.multihost and jax.process_index() == 0:
             self.runner.channel = multihost.LeaderChannel()  # process 0 leads (multihost.py)
@@ -252,9 +258,12 @@ class LLMEngine(StepRecovery):
         return self.scheduler.has_unfinished()
 
     def close(self) -> None:
-        """Done serving: a multi-host leader stops its followers' loops (at exit otherwise)."""
+        """Done serving: a multi-host leader stops its followers' loops (at exit otherwise); a
+        disk tier gets the cached blocks it lacks written down (a restart finds them)."""
         if self.runner.channel is not None:
             self.runner.channel.stop()
+        if self.kv_tiers is not None:
+            self.kv_tiers.close(self.scheduler.kv_manager)
 
     def blocks_for(self, num_tokens: int) -> int:
         """The most KV blocks a sequence of num_tokens holds (over the KV cache groups)."""
@@ -304,6 +313,8 @@ class LLMEngine(StepRecovery):
         sampled tokens on the device)."""
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.state.running)
+        if self.kv_tiers is not None:
+            self.kv_tiers.prefetch(self.scheduler.state)
         output = self.scheduler.schedule(self.clock())
         if not output.scheduled:
             if after is None and self.has_unfinished():
@@ -311,7 +322,11 @@ class LLMEngine(StepRecovery):
             return None
         self.last_schedule = output  # what the step ran (profiling reads its shape)
         start = time.perf_counter()
+        if self.kv_tiers is not None:
+            self.kv_tiers.copy_out(output)
         self.runner.swap(output.swap_out, output.swap_in, self.host_pool)
+        if self.kv_tiers is not None:
+            self.kv_tiers.copy_in(output)
         try:
             return _Started(output, start, self._dispatch(output, after))
         except Exception as error:  # noqa: BLE001 - isolated in finish_step, or re-raised

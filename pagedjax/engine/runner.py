@@ -182,29 +182,34 @@ class ModelRunner:
              host_pool) -> None:
         """Runs a step's swaps before the step: device -> host first (those device blocks may be
         reused by this step), then host -> device. host_pool is laid out like the cache
-        (init_host_pool). Block counts are padded to powers of two (null-block entries), so
-        each direction compiles a bounded number of programs."""
-        num_layers = self.graph.num_kv_slots
+        (init_host_pool)."""
         if swap_out:
             device, host = map(list, zip(*swap_out))
-            ids = layer_blocks(_pad_ids(device), num_layers, self.num_blocks)  # [L, C]
-            blocks = gather_blocks(self.kv_cache, ids.reshape(-1))
-            for pool, data in zip(jax.tree.leaves(host_pool), jax.tree.leaves(blocks)):
-                data = _by_layer(np.asarray(data), num_layers)
-                _by_layer(pool, num_layers)[:, :, :, host] = data[:, :, :, :len(host)]
+            store_blocks(host_pool, host, self.read_blocks(device), self.graph.num_kv_slots)
         if swap_in:
             host, device = map(list, zip(*swap_in))
-            ids = layer_blocks(_pad_ids(device), num_layers, self.num_blocks)
+            self.write_blocks(device, host_pool, host)
 
-            def staged(pool):
-                by_layer = _by_layer(pool, num_layers)
-                data = np.zeros(by_layer.shape[:3] + ids.shape[1:] + by_layer.shape[4:],
-                                pool.dtype)
-                data[:, :, :, :len(host)] = by_layer[:, :, :, host]
-                return data.reshape(pool.shape[:2] + (-1,) + pool.shape[3:])
+    def read_blocks(self, device: list[int]):
+        """Device blocks' content in every layer slot, dispatched (not waited for): a pytree
+        like the cache, of [2, K, L * C, ...] device arrays, C = len(device) padded to a power
+        of two (null-block entries), so each count compiles a bounded number of programs."""
+        ids = layer_blocks(_pad_ids(device), self.graph.num_kv_slots, self.num_blocks)  # [L, C]
+        return gather_blocks(self.kv_cache, ids.reshape(-1))
 
-            data = jax.tree.map(staged, host_pool)
-            self.kv_cache = scatter_blocks(self.kv_cache, ids.reshape(-1), data)
+    def write_blocks(self, device: list[int], host_pool, host: list[int]) -> None:
+        """Copies host_pool's blocks `host` into the cache's blocks `device` (dispatched)."""
+        num_layers = self.graph.num_kv_slots
+        ids = layer_blocks(_pad_ids(device), num_layers, self.num_blocks)
+
+        def staged(pool):
+            by_layer = _by_layer(pool, num_layers)
+            data = np.zeros(by_layer.shape[:3] + ids.shape[1:] + by_layer.shape[4:], pool.dtype)
+            data[:, :, :, :len(host)] = by_layer[:, :, :, host]
+            return data.reshape(pool.shape[:2] + (-1,) + pool.shape[3:])
+
+        self.kv_cache = scatter_blocks(self.kv_cache, ids.reshape(-1),
+                                       jax.tree.map(staged, host_pool))
 
     def init_host_pool(self, num_host_blocks: int):
         """The swap space: host arrays laid out like the device cache, num_host_blocks a layer."""
@@ -433,6 +438,24 @@ def _pad_ids(ids: list[int]) -> np.ndarray:
     padded = np.full(1 << (len(ids) - 1).bit_length(), NULL_BLOCK, np.int32)
     padded[:len(ids)] = ids
     return padded
+
+
+def store_blocks(host_pool, host: list[int], blocks, num_layers: int) -> None:
+    """Writes read_blocks' content (waiting for it) into host_pool's blocks `host`."""
+    for pool, data in zip(jax.tree.leaves(host_pool), jax.tree.leaves(blocks)):
+        data = _by_layer(np.asarray(data), num_layers)
+        _by_layer(pool, num_layers)[:, :, :, host] = data[:, :, :, :len(host)]
+
+
+def host_block(host_pool, slot: int, num_layers: int) -> list[np.ndarray]:
+    """One host block's content, a copy of each of the pool's leaves' [2, K, L, ...] part."""
+    return [_by_layer(pool, num_layers)[:, :, :, slot].copy()
+            for pool in jax.tree.leaves(host_pool)]
+
+
+def set_host_block(host_pool, slot: int, leaves: list[np.ndarray], num_layers: int) -> None:
+    for pool, data in zip(jax.tree.leaves(host_pool), leaves):
+        _by_layer(pool, num_layers)[:, :, :, slot] = data
 
 
 def _by_layer(array: np.ndarray, num_layers: int) -> np.ndarray:

@@ -51,6 +51,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--preemption-mode", choices=["recompute", "swap"],
                        help=f"what a preempted request loses ({_default('preemption_mode')})")
     group.add_argument("--swap-space-gib", type=float, help="host pool for --preemption-mode swap")
+    group.add_argument("--kv-offload-gib", type=float,
+                       help="host tier of the prefix cache: blocks the device evicts are kept "
+                       "in this much host memory and loaded back on a hit (default: none)")
+    group.add_argument("--kv-disk-dir", help="disk tier of the prefix cache: blocks the host "
+                       "tier evicts are written here (with --kv-disk-gib and --kv-offload-gib); "
+                       "a restarted server with the same model and config finds them")
+    group.add_argument("--kv-disk-gib", type=float, help="the disk tier's size")
     group.add_argument("--no-prefix-caching", action="store_true",
                        help="turn automatic prefix caching off (default on)")
     group.add_argument("--no-chunked-prefill", action="store_true",
@@ -115,6 +122,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_memory_gib * 2**30)
     if args.swap_space_gib is not None:
         kwargs["swap_space_bytes"] = int(args.swap_space_gib * 2**30)
+    for flag, field in (("kv_offload_gib", "kv_offload_bytes"), ("kv_disk_gib", "kv_disk_bytes")):
+        if getattr(args, flag) is not None:
+            kwargs[field] = int(getattr(args, flag) * 2**30)
+    if args.kv_disk_dir is not None:
+        kwargs["kv_disk_dir"] = args.kv_disk_dir
     if args.no_prefix_caching:
         kwargs["enable_prefix_caching"] = False
     if args.no_chunked_prefill:

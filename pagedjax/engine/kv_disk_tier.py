@@ -1,0 +1,248 @@
+"""The disk tier of the prefix cache: blocks the host tier evicts, one file a block under a
+directory, found again by their chained hash (LMCache's local disk backend, SGLang HiCache's
+storage tier).
+
+A file is `<hash hex>.kvblock`: a magic line, the header's length, a JSON header (what the
+content depends on: the model key, the layout, dtypes, block size; the block's hash; each
+leaf's shape and dtype; a checksum of the payload) and the payload (the block's leaves, raw).
+A read checks every field and the checksum; a file that fails (corrupt, truncated, another
+model's or layout's) is counted, deleted and never loaded.
+
+Writes never block a step: `write` queues the block for a writer thread (a bounded queue; a
+block that finds it full is dropped and counted). A write that fails (a full disk, a directory
+made unwritable) turns the tier off with a logged warning: the engine goes on with the host
+tier alone. The directory's size is kept under its capacity, least recently used files
+deleted first; a restarted engine indexes the files already there (by modification time).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import logging
+import os
+import queue
+import threading
+import time
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"PAGEDJAX-KV-BLOCK 1\n"
+SUFFIX = ".kvblock"
+
+
+def _dtype(name: str) -> np.dtype:
+    import ml_dtypes  # noqa: F401 - registers bfloat16 and the fp8 types with numpy
+    return np.dtype(getattr(ml_dtypes, name, name))
+
+
+class DiskTier:
+    def __init__(self, directory: str, capacity_bytes: int, key: str, layout: dict,
+                 queue_size: int = 256):
+        """key: names the model and its weights (the content's origin); layout: the block's
+        shape facts (block size, layers, heads, dtype, backend): both must match a file's."""
+        self.directory = directory
+        self.capacity_bytes = capacity_bytes
+        self.key = key
+        self.layout = layout
+        self.enabled = True
+        self._lock = threading.Lock()
+        self._index: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self.bytes_used = 0
+        # counters (blocks unless bytes or seconds)
+        self.num_hits = self.num_misses = self.num_writes = self.num_evictions = 0
+        self.num_dropped_writes = self.num_corrupt = self.num_write_errors = 0
+        self.bytes_read = self.bytes_written = 0
+        self.read_s = self.write_s = 0.0
+        try:
+            os.makedirs(directory, exist_ok=True)
+            probe = os.path.join(directory, f".probe-{os.getpid()}")
+            with open(probe, "wb") as f:
+                f.write(b"x")
+            os.remove(probe)
+        except OSError as error:
+            self._disable(f"cannot write to {directory!r} ({error})")
+            return
+        self._scan()
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._thread = threading.Thread(target=self._writer, name="kv-disk-writer", daemon=True)
+        self._thread.start()
+
+    def _disable(self, why: str) -> None:
+        self.enabled = False
+        logger.warning("KV disk tier off, the host tier goes on alone: %s", why)
+
+    def _scan(self) -> None:
+        found = []
+        for entry in os.scandir(self.directory):
+            if entry.name.endswith(SUFFIX):
+                try:
+                    block_hash = bytes.fromhex(entry.name[:-len(SUFFIX)])
+                    stat = entry.stat()
+                except (ValueError, OSError):
+                    continue
+                found.append((stat.st_mtime, block_hash, stat.st_size))
+        for _, block_hash, size in sorted(found):
+            self._index[block_hash] = size
+            self.bytes_used += size
+
+    # ---- the engine thread ------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return self.enabled and block_hash in self._index
+
+    def write(self, block_hash: bytes, leaves: list[np.ndarray], wait: bool = False) -> None:
+        """Queues a block (a copy of its leaves) for the writer; never waits for room unless
+        told to (a shutdown writing the cache down)."""
+        if not self.enabled or block_hash in self._index:
+            return
+        try:
+            self._queue.put((block_hash, leaves), block=wait, timeout=30.0 if wait else None)
+        except queue.Full:
+            self.num_dropped_writes += 1
+
+    def read(self, block_hash: bytes) -> list[np.ndarray] | None:
+        """The block's leaves, or None: not on disk, or a file that fails a check (counted,
+        deleted)."""
+        if block_hash not in self:
+            self.num_misses += 1
+            return None
+        start = time.perf_counter()
+        path = self._path(block_hash)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+            leaves = self._decode(data, block_hash)
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            logger.warning("KV disk tier: refused %s (%s)", path, error)
+            self.num_corrupt += 1
+            self._forget(block_hash, delete=True)
+            return None
+        finally:
+            self.read_s += time.perf_counter() - start
+        with self._lock:
+            if block_hash in self._index:
+                self._index.move_to_end(block_hash)
+        self.num_hits += 1
+        self.bytes_read += len(data)
+        return leaves
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Writes what is queued and stops the writer."""
+        thread = getattr(self, "_thread", None)
+        if thread is not None and thread.is_alive():
+            self._queue.put(None)
+            thread.join(timeout)
+
+    def drain(self, timeout: float = 30.0) -> None:
+        """Waits until every queued block is written (tests, a clean shutdown)."""
+        if getattr(self, "_thread", None) is None:
+            return
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    # ---- files ------------------------------------------------------------------------------
+
+    def _path(self, block_hash: bytes) -> str:
+        return os.path.join(self.directory, block_hash.hex() + SUFFIX)
+
+    def _encode(self, block_hash: bytes, leaves: list[np.ndarray]) -> bytes:
+        payload = b"".join(np.ascontiguousarray(leaf).tobytes() for leaf in leaves)
+        header = json.dumps({
+            "key": self.key, "layout": self.layout, "hash": block_hash.hex(),
+            "leaves": [[list(leaf.shape), leaf.dtype.name] for leaf in leaves],
+            "checksum": hashlib.blake2b(payload, digest_size=16).hexdigest()}).encode()
+        return MAGIC + len(header).to_bytes(4, "little") + header + payload
+
+    def _decode(self, data: bytes, block_hash: bytes) -> list[np.ndarray]:
+        if not data.startswith(MAGIC):
+            raise ValueError("not a KV block file")
+        start = len(MAGIC) + 4
+        length = int.from_bytes(data[len(MAGIC):start], "little")
+        header = json.loads(data[start:start + length])
+        for field, want in (("key", self.key), ("layout", self.layout),
+                            ("hash", block_hash.hex())):
+            if header[field] != want:
+                raise ValueError(f"its {field} is another engine's")
+        payload = data[start + length:]
+        if hashlib.blake2b(payload, digest_size=16).hexdigest() != header["checksum"]:
+            raise ValueError("checksum mismatch")
+        leaves, offset = [], 0
+        for shape, dtype in header["leaves"]:
+            dtype = _dtype(dtype)
+            size = int(np.prod(shape)) * dtype.itemsize
+            if offset + size > len(payload):
+                raise ValueError("truncated")
+            leaves.append(np.frombuffer(payload, dtype, int(np.prod(shape)), offset)
+                          .reshape(shape))
+            offset += size
+        return leaves
+
+    def _forget(self, block_hash: bytes, delete: bool) -> None:
+        with self._lock:
+            size = self._index.pop(block_hash, None)
+            if size is not None:
+                self.bytes_used -= size
+        if delete:
+            try:
+                os.remove(self._path(block_hash))
+            except OSError:
+                pass
+
+    # ---- the writer thread ------------------------------------------------------------------
+
+    def _writer(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                if self.enabled:
+                    self._write(*item)
+            finally:
+                self._queue.task_done()
+
+    def _write(self, block_hash: bytes, leaves: list[np.ndarray]) -> None:
+        start = time.perf_counter()
+        data = self._encode(block_hash, leaves)
+        if len(data) > self.capacity_bytes:
+            self.num_dropped_writes += 1
+            return
+        path = self._path(block_hash)
+        temporary = f"{path}.{os.getpid()}.tmp"
+        try:
+            self._make_room(len(data))
+            with open(temporary, "wb") as f:
+                f.write(data)
+            os.replace(temporary, path)  # a reader sees a whole file or none
+        except OSError as error:
+            self.num_write_errors += 1
+            try:
+                os.remove(temporary)
+            except OSError:
+                pass
+            self._disable(f"writing {path!r} failed ({error})")
+            return
+        with self._lock:
+            self._index[block_hash] = len(data)
+            self.bytes_used += len(data)
+        self.num_writes += 1
+        self.bytes_written += len(data)
+        self.write_s += time.perf_counter() - start
+
+    def _make_room(self, size: int) -> None:
+        while True:
+            with self._lock:
+                if not self._index or self.bytes_used + size <= self.capacity_bytes:
+                    return
+                oldest = next(iter(self._index))
+            self._forget(oldest, delete=True)
+            self.num_evictions += 1

@@ -1,0 +1,228 @@
+"""The engine's side of the tiered prefix cache (scheduler.host_tier keeps the books): the host
+tier's arrays, the transfers each step's schedule asks for, the disk tier under it, the model
+key that names a block's content across processes, and the tiers' counters.
+
+A step's transfers run before its forward (KVTiers.copy_out, copy_in): the host tier's spills are read
+out for the disk tier, the device blocks the schedule evicted are copied out, then the host hits
+are copied into their new device blocks. The copies out are dispatched and their host copies
+started without waiting (`copy_to_host_async`): they land in the host arrays when something
+needs them (a load of the same slot, a spill, a disk read, the next step's flush), so an
+offload never waits on the step in flight. The loads are dispatched too: the step that reads
+them is ordered after them on the device.
+
+Disk hits come up before a schedule (KVTiers.prefetch): the waiting requests the next step may
+admit have their prefix walked past what the device and host hold, and the blocks found on disk
+are read into host slots, where the schedule finds them as host hits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pagedjax.engine.kv_disk_tier import DiskTier
+from pagedjax.engine.runner import host_block, set_host_block, store_blocks
+from scheduler import RequestStatus
+from scheduler.block_hash import block_hashes
+
+
+def weights_fingerprint(params, samples: int = 64) -> str:
+    """Names a model's weights across processes without reading them all: every leaf's shape,
+    dtype and `samples` values strided over it (two checkpoints of one architecture differ in
+    nearly every weight, fine-tunes included)."""
+    leaves = jax.tree.leaves(params)
+
+    def sample(leaf):
+        flat = leaf.reshape(-1)
+        stride = max(1, flat.size // samples)
+        return flat[::stride][:samples].astype(jnp.float32)
+
+    values = jax.jit(lambda ls: [sample(leaf) for leaf in ls])(leaves)
+    digest = hashlib.blake2b(digest_size=16)
+    for leaf, value in zip(leaves, values):
+        digest.update(repr((leaf.shape, str(leaf.dtype))).encode())
+        digest.update(np.asarray(value).tobytes())
+    return digest.hexdigest()
+
+
+@dataclasses.dataclass
+class TierTransfers:
+    """Blocks and time moved between the device and the host tier."""
+
+    blocks_to_host: int = 0
+    blocks_to_device: int = 0
+    transfer_s: float = 0.0  # host time issuing transfers and waiting for them
+
+
+class KVTiers:
+    def __init__(self, runner, num_blocks: int, bytes_per_block: int,
+                 disk: DiskTier | None = None):
+        self.runner = runner
+        self.num_layers = runner.graph.num_kv_slots
+        self.host_pool = runner.init_host_pool(num_blocks)
+        self.num_blocks = num_blocks
+        self.bytes_per_block = bytes_per_block
+        self.disk = disk
+        self.moved = TierTransfers()
+        self._pending: list[tuple[list[int], object]] = []  # copies out not yet in host_pool
+        self._pending_slots: set[int] = set()
+        self._prefetched: set[str] = set()  # waiting requests whose prefix was walked
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(leaf.nbytes for leaf in jax.tree.leaves(self.host_pool))
+
+    def copy_out(self, output) -> None:
+        """A schedule's spills, offloads and overflow: the first of its transfers, before any
+        write into the device cache (its swaps, its loads). The previous step's copies out land
+        first (dispatched a step ago, they are done unless that step is the one in flight)."""
+        self.flush()
+        if not (output.tier_spills or output.tier_offloads or output.tier_overflow):
+            return
+        start = time.perf_counter()
+        disk = self.disk if self.disk is not None and self.disk.enabled else None
+        if disk is not None:
+            for block_hash, slot in output.tier_spills:
+                if block_hash not in disk:
+                    disk.write(block_hash, host_block(self.host_pool, slot, self.num_layers))
+        if output.tier_offloads:
+            device, slots = map(list, zip(*output.tier_offloads))
+            self._pending.append((slots, self._read(device)))
+            self._pending_slots.update(slots)
+            self.moved.blocks_to_host += len(slots)
+        if output.tier_overflow and disk is not None:
+            device, hashes = map(list, zip(*output.tier_overflow))
+            self._pending.append((hashes, self._read(device)))
+        self.moved.transfer_s += time.perf_counter() - start
+
+    def _read(self, device: list[int]):
+        blocks = self.runner.read_blocks(device)
+        for leaf in jax.tree.leaves(blocks):
+            leaf.copy_to_host_async()
+        return blocks
+
+    def copy_in(self, output) -> None:
+        """A schedule's loads: host hits into their new device blocks, the last transfers."""
+        if not output.tier_loads:
+            return
+        start = time.perf_counter()
+        slots, device = map(list, zip(*output.tier_loads))
+        if self._pending_slots.intersection(slots):
+            self.flush()
+        self.runner.write_blocks(device, self.host_pool, slots)
+        self.moved.blocks_to_device += len(slots)
+        self.moved.transfer_s += time.perf_counter() - start
+
+    def flush(self) -> None:
+        """Lands every copy out (waiting for those still in flight): in the host arrays, or,
+        the overflow's (named by hashes), in the disk tier's queue."""
+        for targets, blocks in self._pending:
+            if isinstance(targets[0], bytes):
+                blocks = jax.tree.map(np.asarray, blocks)
+                for i, block_hash in enumerate(targets):
+                    self.disk.write(block_hash, host_block(blocks, i, self.num_layers))
+            else:
+                store_blocks(self.host_pool, targets, blocks, self.num_layers)
+        self._pending.clear()
+        self._pending_slots.clear()
+
+    def prefetch(self, state) -> None:
+        """Brings the disk tier's blocks of the waiting requests the next step may admit into
+        host slots (see the module docstring); each request's prefix is walked once."""
+        disk = self.disk
+        if disk is None or not disk.enabled or not disk.num_blocks:
+            return
+        kv = state.kv_manager
+        room = max(0, state.config.max_num_seqs - state.num_seqs)
+        walk = [r for r in itertools.islice(state.waiting, room)
+                if r.request_id not in self._prefetched and r.status != RequestStatus.SWAPPED
+                and r.sampling_params.prompt_logprobs is None]
+        if not walk:
+            return
+        start = time.perf_counter()
+        self.flush()  # no copy out may land on a slot after a disk block is written there
+        for request in walk:
+            self._prefetched.add(request.request_id)
+            self._bring_up(kv, request)
+        if len(self._prefetched) > 4 * state.config.max_num_seqs:
+            self._prefetched &= set(state.requests)
+        self.moved.transfer_s += time.perf_counter() - start
+
+    def _bring_up(self, kv, request) -> None:
+        """Walks request's prompt blocks (every KV cache group's) until one is held nowhere."""
+        tier = kv.host_tier
+        suffixes = [group.hash_suffix for group in getattr(kv, "groups", [kv])]
+        cache_key = getattr(kv, "groups", [kv])[0].cache_key
+        max_blocks = (request.num_tokens - 1) // kv.block_size
+        for block_hash in block_hashes(request, kv.block_size, max_blocks, cache_key):
+            held = False
+            for suffix in suffixes:
+                key = block_hash + suffix
+                if kv.pool.lookup(key) is not None:
+                    held = True
+                    continue
+                if not tier.has_room():  # every host slot is in use by this step
+                    return
+                leaves = self.disk.read(key)
+                if leaves is None:
+                    continue
+                slot = tier.insert(key)
+                self._spill(tier)
+                set_host_block(self.host_pool, slot, leaves, self.num_layers)
+                held = True
+            if not held:
+                return
+
+    def _spill(self, tier) -> None:
+        """Writes out what the host tier evicted to make room (before its slot is reused)."""
+        for block_hash, slot in tier.spills:
+            if block_hash not in self.disk:
+                self.disk.write(block_hash, host_block(self.host_pool, slot, self.num_layers))
+        tier.spills.clear()
+
+    def close(self, kv) -> None:
+        """Shutdown: with a disk tier, writes down every cached block the host tier and the
+        device pool (kv's) hold that the disk lacks, so that a restart finds them all, and
+        waits for the writer."""
+        disk = self.disk
+        if disk is None:
+            return
+        if disk.enabled:
+            self.flush()
+            tier = kv.host_tier
+            for block_hash, slot in list(tier.slots.items()):
+                if block_hash not in disk:
+                    disk.write(block_hash, host_block(self.host_pool, slot, self.num_layers),
+                               wait=True)
+            cached = [(h, b) for h, b in kv.pool.cached.items() if h not in disk]
+            for start in range(0, len(cached), 64):
+                chunk = cached[start:start + 64]
+                blocks = jax.tree.map(np.asarray, self.runner.read_blocks([b for _, b in chunk]))
+                for i, (block_hash, _) in enumerate(chunk):
+                    disk.write(block_hash, host_block(blocks, i, self.num_layers), wait=True)
+        disk.close()
+
+
+def make_kv_tiers(runner, config, bytes_per_block: int) -> KVTiers | None:
+    """The engine's tiers from its config (None without kv_offload_bytes)."""
+    if not config.kv_offload_bytes:
+        return None
+    num_blocks = config.kv_offload_bytes // bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(f"kv_offload_bytes ({config.kv_offload_bytes}) holds no KV block "
+                         f"({bytes_per_block} bytes a block)")
+    disk = None
+    if config.kv_disk_dir is not None:
+        leaves = [[[2, a.shape[1], runner.graph.num_kv_slots, *a.shape[3:]], a.dtype.name]
+                  for a in jax.tree.leaves(runner.kv_cache)]
+        layout = {"block_size": config.block_size, "kv_cache_dtype": config.kv_cache_dtype,
+                  "backend": runner.backend.name, "leaves": leaves}
+        key = f"{weights_fingerprint(runner.params)}:{config.dtype}"
+        disk = DiskTier(config.kv_disk_dir, config.kv_disk_bytes, key, layout)
+    return KVTiers(runner, num_blocks, bytes_per_block, disk)

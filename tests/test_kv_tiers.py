@@ -1,0 +1,275 @@
+"""The tiered prefix cache (pagedjax.engine.kv_tiers): prefixes the device pool evicts come back
+from host memory and from disk with the tokens of recomputing them, the KV moved bit for bit,
+corrupt and foreign disk files refused, a failing disk degrading to the host tier alone, and a
+second process finding the first's blocks on disk."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import until_done
+from pagedjax import EngineConfig, LLMEngine, SamplingParams
+from pagedjax.engine.kv_disk_tier import MAGIC, SUFFIX, DiskTier
+from pagedjax.engine.runner import host_block, set_host_block
+from scheduler.block_hash import hash_block, root_hash
+
+BASE = dict(max_model_len=96, max_num_seqs=4, max_num_batched_tokens=32, min_seq_bucket=4,
+            block_size=4, num_blocks=24)
+BLOCK_BYTES = 2048  # debug-tiny: 2 * 2 layers * 4 tokens * 2 KV heads * 16 dims * 4 bytes
+
+
+def sessions(num=4, length=38, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, length).tolist() for _ in range(num)]
+
+
+def run_rounds(engine, docs, rounds=3, concurrent=True):
+    """Each round asks every document again with a new question: greedy, seeded sampling and
+    n = 2 in turn. concurrent: a round's requests together (the pool holds about two)."""
+    outputs = []
+    kinds = [SamplingParams(max_tokens=6, temperature=0.0),
+             SamplingParams(max_tokens=6, temperature=0.8, seed=5),
+             SamplingParams(max_tokens=5, temperature=0.8, seed=3, n=2)]
+    for r in range(rounds):
+        ids = []
+        for i, doc in enumerate(docs):
+            ids.append(engine.add_request(doc + [r, 7, i], kinds[(r + i) % len(kinds)]))
+            if not concurrent:
+                outputs += drain(engine, ids[-1:])
+        if concurrent:
+            outputs += drain(engine, ids)
+    return outputs
+
+
+def drain(engine, ids):
+    done = {}
+    for _ in until_done(engine):
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return [[c.token_ids for c in done[i].outputs] for i in ids]
+
+
+def engine_with(model, **kwargs):
+    return LLMEngine(model, EngineConfig(**{**BASE, **kwargs}))
+
+
+@pytest.fixture(scope="module")
+def recomputed(tiny_model):
+    return run_rounds(engine_with(tiny_model, enable_prefix_caching=False), sessions())
+
+
+@pytest.mark.parametrize("concurrent", [True, False])
+def test_host_tier_hits_give_the_tokens_of_recomputing(tiny_model, recomputed, concurrent):
+    docs = sessions()
+    device_only = engine_with(tiny_model)
+    tiered = engine_with(tiny_model, kv_offload_bytes=64 * BLOCK_BYTES)
+    on = run_rounds(tiered, docs, concurrent=concurrent)
+    off = run_rounds(device_only, docs, concurrent=concurrent)
+    if concurrent:
+        assert on == off == recomputed
+        assert tiered.stats.num_preemptions > 0, "the pool was meant to force preemption"
+    else:
+        assert on == off
+    tier = tiered.scheduler.kv_manager.host_tier
+    assert tier.num_hits > 0 and tiered.kv_tiers.moved.blocks_to_device == tier.num_hits
+    # every hit is a block the device alone had lost
+    assert tiered.stats.num_prefix_hit_tokens > device_only.stats.num_prefix_hit_tokens
+    assert tiered.stats.num_prompt_tokens_computed < device_only.stats.num_prompt_tokens_computed
+    assert tiered.scheduler.kv_manager.num_used_blocks == 0
+
+
+def test_async_scheduling_with_tiers(tiny_model, recomputed):
+    engine = engine_with(tiny_model, kv_offload_bytes=64 * BLOCK_BYTES, async_scheduling=True)
+    assert run_rounds(engine, sessions()) == recomputed
+    assert engine.scheduler.kv_manager.host_tier.num_hits > 0
+
+
+def test_disk_tier_hits_give_the_tokens_of_recomputing(tiny_model, recomputed, tmp_path):
+    # 6 host blocks: most of what the device evicts goes on to disk
+    engine = engine_with(tiny_model, kv_offload_bytes=6 * BLOCK_BYTES,
+                         kv_disk_dir=str(tmp_path), kv_disk_bytes=1 << 22)
+    assert run_rounds(engine, sessions()) == recomputed
+    disk = engine.kv_tiers.disk
+    assert disk.num_hits > 0 and disk.num_corrupt == 0 and disk.num_writes > 0
+    assert engine.scheduler.kv_manager.host_tier.num_overflow > 0  # straight to disk, too
+    engine.close()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_blocks_move_down_and_back_bit_for_bit(tiny_model, tmp_path, kv_cache_dtype):
+    engine = engine_with(tiny_model, kv_cache_dtype=kv_cache_dtype,
+                         kv_offload_bytes=8 * BLOCK_BYTES, kv_disk_dir=str(tmp_path),
+                         kv_disk_bytes=1 << 22)
+    runner, tiers = engine.runner, engine.kv_tiers
+    keys = iter(jax.random.split(jax.random.key(0), 4))
+    runner.kv_cache = jax.tree.map(  # random content in every block (int8: random scales too)
+        lambda a: (jax.random.randint(next(keys), a.shape, -127, 127, a.dtype)
+                   if a.dtype == np.int8 else jax.random.normal(next(keys), a.shape, a.dtype)),
+        runner.kv_cache)
+    before = jax.tree.map(np.asarray, runner.read_blocks([3, 5, 9]))
+
+    class Out:  # the transfers a schedule would ask for
+        tier_spills = tier_overflow = tier_loads = ()
+        tier_offloads = [(3, 0), (5, 1), (9, 2)]
+
+    tiers.copy_out(Out)
+    tiers.flush()
+    for slot in range(3):  # host -> disk -> back
+        tiers.disk.write(bytes([slot]) * 16, host_block(tiers.host_pool, slot, tiers.num_layers))
+    tiers.disk.drain()
+    tiers.host_pool = jax.tree.map(np.zeros_like, tiers.host_pool)  # only the disk has them
+    for slot in range(3):
+        set_host_block(tiers.host_pool, slot, tiers.disk.read(bytes([slot]) * 16),
+                       tiers.num_layers)
+    Out.tier_offloads, Out.tier_loads = (), [(0, 11), (1, 12), (2, 13)]
+    tiers.copy_in(Out)
+    after = jax.tree.map(np.asarray, runner.read_blocks([11, 12, 13]))
+    for i in range(3):  # (the fourth is the null block, a power of two's padding)
+        for a, b in zip(host_block(before, i, tiers.num_layers),
+                        host_block(after, i, tiers.num_layers)):
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    assert len(jax.tree.leaves(before)) == (2 if kv_cache_dtype == "int8" else 1)
+    engine.close()
+
+
+def _files(directory):
+    return sorted(os.path.join(directory, f) for f in os.listdir(directory)
+                  if f.endswith(SUFFIX))
+
+
+def test_corrupt_and_foreign_disk_blocks_are_refused(tiny_model, recomputed, tmp_path):
+    first = engine_with(tiny_model, kv_offload_bytes=6 * BLOCK_BYTES,
+                        kv_disk_dir=str(tmp_path), kv_disk_bytes=1 << 22)
+    run_rounds(first, sessions(), rounds=1)
+    first.close()
+    key = first.scheduler.kv_manager.cache_key
+    # the first block of three documents: every walk of theirs reads it first
+    files = [os.path.join(tmp_path, hash_block(root_hash(key, None), doc[:4]).hex() + SUFFIX)
+             for doc in sessions()[:3]]
+    assert all(os.path.exists(f) for f in files)
+    num_files = len(_files(tmp_path))
+    with open(files[0], "r+b") as f:  # a flipped byte in the payload
+        f.seek(-5, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-5, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0x40]))
+    with open(files[1], "r+b") as f:  # truncated
+        f.truncate(os.path.getsize(files[1]) - 100)
+    with open(files[2], "rb") as f:  # another model's: its header names other weights
+        data = f.read()
+    start = len(MAGIC) + 4
+    length = int.from_bytes(data[len(MAGIC):start], "little")
+    header = json.loads(data[start:start + length])
+    header["key"] = "another-model:float32"
+    encoded = json.dumps(header).encode()
+    with open(files[2], "wb") as f:
+        f.write(MAGIC + len(encoded).to_bytes(4, "little") + encoded + data[start + length:])
+    second = engine_with(tiny_model, kv_offload_bytes=6 * BLOCK_BYTES,
+                         kv_disk_dir=str(tmp_path), kv_disk_bytes=1 << 22)
+    assert second.kv_tiers.disk.num_blocks == num_files
+    # the first round again: its prefixes come from disk, bar the three refused blocks
+    assert run_rounds(second, sessions(), rounds=1) == recomputed[:4]
+    disk = second.kv_tiers.disk
+    assert disk.num_corrupt == 3 and disk.num_hits > 0
+    second.close()
+    # deleted when refused, then written again with the KV their requests recomputed
+    third = DiskTier(str(tmp_path), 1 << 22, disk.key, disk.layout)
+    assert all(third.read(bytes.fromhex(os.path.basename(f)[:-len(SUFFIX)])) is not None
+               for f in files) and third.num_corrupt == 0
+    third.close()
+
+
+def test_unwritable_directory_degrades_to_the_host_tier(tiny_model, recomputed, tmp_path,
+                                                        caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with caplog.at_level(logging.WARNING):
+        engine = engine_with(tiny_model, kv_offload_bytes=6 * BLOCK_BYTES,
+                             kv_disk_dir=str(blocker / "kv"), kv_disk_bytes=1 << 22)
+    assert "KV disk tier off" in caplog.text and not engine.kv_tiers.disk.enabled
+    assert run_rounds(engine, sessions()) == recomputed
+    assert engine.scheduler.kv_manager.host_tier.num_hits > 0
+
+
+def test_a_full_disk_degrades_to_the_host_tier(tiny_model, recomputed, tmp_path, caplog,
+                                               monkeypatch):
+    engine = engine_with(tiny_model, kv_offload_bytes=6 * BLOCK_BYTES,
+                         kv_disk_dir=str(tmp_path), kv_disk_bytes=1 << 22)
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("pagedjax.engine.kv_disk_tier.os.replace", full)
+    with caplog.at_level(logging.WARNING):
+        assert run_rounds(engine, sessions()) == recomputed
+        engine.kv_tiers.disk.drain()
+    disk = engine.kv_tiers.disk
+    assert disk.num_write_errors == 1 and not disk.enabled
+    assert "No space left on device" in caplog.text
+    assert _files(tmp_path) == [] and not [f for f in os.listdir(tmp_path) if ".tmp" in f]
+    engine.close()
+
+
+SECOND_PROCESS = """
+import json, sys
+sys.path.insert(0, "tests")
+from models import get_config, init_model
+from pagedjax import EngineConfig, LLMEngine
+from test_kv_tiers import BASE, BLOCK_BYTES, run_rounds, sessions
+engine = LLMEngine(init_model(get_config("debug-tiny"), seed=0), EngineConfig(
+    **BASE, kv_offload_bytes=6 * BLOCK_BYTES, kv_disk_dir=sys.argv[1], kv_disk_bytes=1 << 22))
+outputs = run_rounds(engine, sessions(), rounds=1)
+engine.close()
+print(json.dumps(outputs))
+"""
+
+
+def test_a_second_process_finds_the_first_ones_blocks(tiny_model, recomputed, tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    first = subprocess.run([sys.executable, "-c", SECOND_PROCESS, str(tmp_path)], env=env,
+                           capture_output=True, text=True, timeout=240, check=True)
+    assert json.loads(first.stdout.splitlines()[-1]) == recomputed[:4]
+    written = len(_files(tmp_path))
+    assert written > 0
+    engine = engine_with(tiny_model, kv_offload_bytes=6 * BLOCK_BYTES,
+                         kv_disk_dir=str(tmp_path), kv_disk_bytes=1 << 22)
+    assert run_rounds(engine, sessions(), rounds=1) == recomputed[:4]
+    disk = engine.kv_tiers.disk
+    assert disk.num_hits > 0 and disk.num_corrupt == 0
+    assert engine.stats.num_prefix_hit_tokens > 0  # a fresh device pool: every hit is disk's
+    engine.close()
+
+
+def test_disk_tier_keeps_under_its_capacity(tmp_path):
+    leaves = [np.arange(256, dtype=np.float32)]
+    tier = DiskTier(str(tmp_path), 3 * 1500, "key", {"block_size": 4})
+    for i in range(6):
+        tier.write(bytes([i]) * 16, leaves)
+    tier.drain()
+    assert tier.num_blocks == 3 and tier.num_evictions == 3
+    assert tier.bytes_used <= 3 * 1500 and len(_files(tmp_path)) == 3
+    assert tier.read(bytes([0]) * 16) is None and tier.num_misses == 1  # the oldest went
+    assert tier.read(bytes([5]) * 16)[0].tolist() == leaves[0].tolist()
+    tier.close()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(kv_offload_bytes=-1), "kv_offload_bytes must be >= 0"),
+    (dict(kv_disk_dir="/tmp/x"), "kv_disk_dir and kv_disk_bytes go together"),
+    (dict(kv_disk_dir="/tmp/x", kv_disk_bytes=10), "kv_disk_dir needs kv_offload_bytes"),
+    (dict(kv_offload_bytes=10, enable_prefix_caching=False), "needs enable_prefix_caching"),
+    (dict(kv_offload_bytes=1.5), "kv_offload_bytes must be an integer"),
+])
+def test_config_refusals_name_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)
+
+
+def test_a_host_tier_smaller_than_a_block_is_refused(tiny_model):
+    with pytest.raises(ValueError, match="kv_offload_bytes .100. holds no KV block"):
+        engine_with(tiny_model, kv_offload_bytes=100)
