@@ -68,3 +68,40 @@ def test_allocation_failures_and_evictions_in_a_small_pool():
     failures = m["pagedjax:kv_allocation_failures_total", ()]
     assert failures == stats.num_allocation_failures >= stats.num_preemptions
     assert m["pagedjax:prefix_cache_evictions_total", ()] == stats.num_evictions > 0
+
+
+def test_tiers_below_the_device_in_metrics(tmp_path):
+    """The tiered prefix cache's series (pagedjax.serving.tier_metrics) follow the engine's
+    totals: prompts asked again after a pool too small for them evicted their prefixes are
+    served from the host tier and the disk tier."""
+    llm = LLM(**dict(ENGINE, num_blocks=12, block_size=8, kv_offload_bytes=4 * 2**14,
+                     kv_disk_dir=str(tmp_path), kv_disk_bytes=2**22))
+    engine = llm.engine
+    server = OpenAIServer(engine, "tiny")
+    prompts = [f"copy:{i} " + "abcdefgh" * 3 + "=" for i in range(6)]  # 32 tokens each
+    with TestClient(server.build_app()) as client:
+        for _ in range(2):
+            for prompt in prompts:
+                assert client.post("/v1/completions", json={
+                    "prompt": prompt, "max_tokens": 4}).status_code == 200
+        time.sleep(0.2)  # the report after the last step
+        m = _samples(client)
+    stats = engine.stats
+    tiers = stats.kv_tiers
+    for tier in ("host", "disk"):
+        label = (("tier", tier),)
+        assert m["pagedjax:kv_tier_hits_total", label] == tiers[tier]["hits"] > 0, tier
+        for direction in ("in", "out"):
+            key = (("direction", direction), ("tier", tier))
+            assert m["pagedjax:kv_tier_blocks_moved_total", key] == \
+                tiers[tier][f"blocks_{direction}"] > 0, (tier, direction)
+            assert m["pagedjax:kv_tier_bytes_moved_total", key] == tiers[tier][f"bytes_{direction}"]
+        assert 0 < m["pagedjax:kv_tier_usage_perc", label] <= 1
+        assert m["pagedjax:kv_tier_capacity_bytes", label] == tiers[tier]["capacity_bytes"]
+    assert m["pagedjax:external_prefix_cache_hits_total", ()] == \
+        stats.num_prefix_host_hit_tokens > 0
+    assert m["pagedjax:prefix_cache_hits_total", ()] == \
+        stats.num_prefix_hit_tokens - stats.num_prefix_host_hit_tokens
+    assert m["pagedjax:external_prefix_cache_queries_total", ()] == \
+        stats.num_prefix_query_tokens - m["pagedjax:prefix_cache_hits_total", ()]
+    engine.close()

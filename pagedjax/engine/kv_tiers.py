@@ -186,6 +186,29 @@ class KVTiers:
                 self.disk.write(block_hash, host_block(self.host_pool, slot, self.num_layers))
         tier.spills.clear()
 
+    def counters(self, kv) -> dict[str, dict[str, float]]:
+        """Each tier's running totals (blocks, bytes, seconds; additive over replicas):
+        hits, misses, evictions, blocks and bytes in (into the tier) and out (back up),
+        transfer time, bytes used and capacity, and what went wrong."""
+        tier, moved, size = kv.host_tier, self.moved, self.bytes_per_block
+        counts = {"host": {
+            "hits": tier.num_hits, "misses": tier.num_misses, "evictions": tier.num_evictions,
+            "blocks_in": moved.blocks_to_host, "blocks_out": moved.blocks_to_device,
+            "bytes_in": moved.blocks_to_host * size, "bytes_out": moved.blocks_to_device * size,
+            "transfer_s": moved.transfer_s, "used_bytes": tier.num_used_blocks * size,
+            "capacity_bytes": tier.num_blocks * size, "overflow": tier.num_overflow}}
+        disk = self.disk
+        if disk is not None:
+            counts["disk"] = {
+                "hits": disk.num_hits, "misses": disk.num_misses,
+                "evictions": disk.num_evictions, "blocks_in": disk.num_writes,
+                "blocks_out": disk.num_hits, "bytes_in": disk.bytes_written,
+                "bytes_out": disk.bytes_read, "transfer_s": disk.read_s + disk.write_s,
+                "used_bytes": disk.bytes_used, "capacity_bytes": disk.capacity_bytes,
+                "corrupt": disk.num_corrupt, "dropped_writes": disk.num_dropped_writes,
+                "write_errors": disk.num_write_errors}
+        return counts
+
     def close(self, kv) -> None:
         """Shutdown: with a disk tier, writes down every cached block the host tier and the
         device pool (kv's) hold that the disk lacks, so that a restart finds them all, and
@@ -226,3 +249,20 @@ def make_kv_tiers(runner, config, bytes_per_block: int) -> KVTiers | None:
         key = f"{weights_fingerprint(runner.params)}:{config.dtype}"
         disk = DiskTier(config.kv_disk_dir, config.kv_disk_bytes, key, layout)
     return KVTiers(runner, num_blocks, bytes_per_block, disk)
+
+
+def tier_rows(counters: dict[str, dict[str, float]]) -> list[tuple[str, str]]:
+    """The engine table's lines for KVTiers.counters (one a tier)."""
+    rows = []
+    for tier, c in counters.items():
+        asked = c["hits"] + c["misses"]
+        ratio = f"{100 * c['hits'] / asked:.1f}%" if asked else "-"
+        failures = ", ".join(f"{c[k]} {k.replace('_', ' ')}" for k in (
+            "overflow", "corrupt", "dropped_writes", "write_errors") if c.get(k))
+        rows.append((f"{tier} tier", (
+            f"{c['hits']} block hits of {asked} asked ({ratio}); {c['blocks_in']} blocks in, "
+            f"{c['blocks_out']} out ({(c['bytes_in'] + c['bytes_out']) / 2**20:.1f} MiB, "
+            f"{c['transfer_s']:.3f} s); {c['evictions']} evicted; "
+            f"{c['used_bytes'] / 2**20:.1f} of {c['capacity_bytes'] / 2**20:.1f} MiB held"
+            + (f"; {failures}" if failures else ""))))
+    return rows

@@ -435,6 +435,8 @@ class LLMEngine(StepRecovery):
                                state, sum(max(0, min(s.start + s.num_new_tokens,
                                                      s.request.num_prompt_tokens) - s.start)
                                           for s in output.scheduled))
+        if self.kv_tiers is not None:
+            self.stats.kv_tiers = self.kv_tiers.counters(state.kv_manager)
         used_blocks = state.kv_manager.num_used_blocks
         self.usage_history.append(UsageSample(self.stats.num_steps, self.clock(), used_blocks,
                                               len(state.running), len(state.waiting)))

@@ -23,7 +23,11 @@ class EngineStats:
     max_running: int = 0  # most sequences holding KV at once
     step_time_s: float = 0.0  # wall time inside runner.step, summed
     num_prefix_query_tokens: int = 0  # prompt tokens looked up at first admission
-    num_prefix_hit_tokens: int = 0  # of those, found in the prefix cache
+    num_prefix_hit_tokens: int = 0  # of those, found in the prefix cache (any tier)
+    num_prefix_host_hit_tokens: int = 0  # of the hits, loaded from the host tier
+    # The tiers under the device cache (pagedjax.engine.kv_tiers.KVTiers.counters): tier name
+    # -> its running totals; empty without tiers.
+    kv_tiers: dict = dataclasses.field(default_factory=dict)
     num_evictions: int = 0  # cached blocks reused for other content
     num_swap_outs: int = 0  # preemptions that moved KV to the host pool
     num_recomputed_tokens: int = 0  # computed tokens thrown away by recompute preemption
@@ -56,6 +60,7 @@ class EngineStats:
         self.num_preemptions = state.num_preemptions
         self.num_prefix_query_tokens = state.num_prefix_query_tokens
         self.num_prefix_hit_tokens = state.num_prefix_hit_tokens
+        self.num_prefix_host_hit_tokens = state.num_prefix_host_hit_tokens
         self.num_evictions = state.kv_manager.num_evictions
         self.num_swap_outs = state.num_swap_outs
         self.num_recomputed_tokens = state.num_recomputed_tokens
@@ -77,6 +82,17 @@ class EngineStats:
         own (vLLM's mean acceptance length); 0 before any."""
         rows = self.num_spec_drafts
         return 1.0 + self.num_spec_accepted_tokens / rows if rows else 0.0
+
+    @property
+    def num_device_hit_tokens(self) -> int:
+        """Prefix hits the device pool held (vLLM's prefix_cache_hits: its local cache's)."""
+        return self.num_prefix_hit_tokens - self.num_prefix_host_hit_tokens
+
+    @property
+    def num_external_query_tokens(self) -> int:
+        """Prompt tokens looked up below the device (vLLM's external_prefix_cache_queries: a
+        KV connector's); 0 without tiers."""
+        return self.num_prefix_query_tokens - self.num_device_hit_tokens if self.kv_tiers else 0
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -35,7 +35,7 @@ from scheduler import SamplingParams
 # Summed over replicas; the peaks and max_running are the sums of each replica's (an upper
 # bound of the engine's: the replicas peak at different times).
 _SUMMED = [f.name for f in dataclasses.fields(EngineStats)
-           if f.name not in ("block_size", "spec_accepted_per_position")]
+           if f.name not in ("block_size", "spec_accepted_per_position", "kv_tiers")]
 
 
 def make_engine(model, config: EngineConfig | None = None, **kwargs):
@@ -120,6 +120,11 @@ class DataParallelEngine:
         total.spec_accepted_per_position = tuple(
             sum(p[j] for p in per_position if j < len(p))
             for j in range(max(map(len, per_position), default=0)))
+        for stats in self.replica_stats:  # each replica's tiers, summed tier by tier
+            for tier, counts in stats.kv_tiers.items():
+                summed = total.kv_tiers.setdefault(tier, {})
+                for name, value in counts.items():
+                    summed[name] = summed.get(name, 0) + value
         return total
 
     @property

@@ -76,6 +76,10 @@ def check_multihost(config, devices) -> None:
     if config.preemption_mode == "swap":
         raise ValueError("preemption_mode='swap' is single-host only (the host pool would be "
                          "split over the processes); use 'recompute'")
+    if config.kv_offload_bytes:
+        raise ValueError("kv_offload_bytes (the host and disk tiers of the prefix cache) is "
+                         "single-host only for now (each process would move its own shards); "
+                         "set it to 0")
 
 
 def add_args(parser) -> None:

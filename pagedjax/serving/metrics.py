@@ -4,7 +4,7 @@ Names follow vLLM's (`vllm:` becomes `pagedjax:`), so dashboards and alerts carr
 the queue, KV usage, device memory and the degradation level, the serving configuration's
 version, counters of tokens (prompt tokens computed too), finished, rejected and cancelled
 requests by reason, preemptions, KV allocation failures, device OOMs, prefix cache lookups and
-evictions, degradation steps, histograms of TTFT, inter-token latency and time per output token
+evictions (the device's, and the tiers' below it: pagedjax.serving.tier_metrics), degradation steps, histograms of TTFT, inter-token latency and time per output token
 (per token, as vLLM V1 observes them), a request's mean time per output token, prefill, decode,
 inference, end-to-end and queue times, tokens per engine step, and the engine step's time.
 Each server has its own registry (no global state), updated after every step from the thread
@@ -18,6 +18,7 @@ import prometheus_client as prom
 
 from pagedjax.engine.stats import EngineStats
 from pagedjax.serving.engine_driver import StepInfo
+from pagedjax.serving.tier_metrics import TierMetrics
 
 # The `_created` timestamp series double every counter and histogram; vLLM turns them off too
 # (a process-wide switch of prometheus_client).
@@ -28,7 +29,9 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 # EngineStats totals -> the counter that follows each.
 COUNTED = (("num_generated_tokens", "generation_tokens"), ("num_preemptions", "num_preemptions"),
            ("num_prefix_query_tokens", "prefix_cache_queries"),
-           ("num_prefix_hit_tokens", "prefix_cache_hits"),
+           ("num_device_hit_tokens", "prefix_cache_hits"),
+           ("num_external_query_tokens", "external_prefix_cache_queries"),
+           ("num_prefix_host_hit_tokens", "external_prefix_cache_hits"),
            ("num_evictions", "prefix_cache_evictions"),
            ("num_allocation_failures", "kv_allocation_failures"), ("num_oom", "oom_errors"),
            ("num_prompt_tokens_computed", "prompt_tokens_computed"),
@@ -86,6 +89,7 @@ class ServerMetrics:
         self.kv_cache_pool_bytes.set(held_memory[1])
         self._define_counters(factory)
         self._define_histograms(factory)
+        self.tiers = TierMetrics(self.registry, self.labels)
         self._seen_first_token: set[str] = set()
         # request id -> sample index -> (its tokens observed, the engine time of the last)
         self._token_times: dict[str, dict[int, tuple[int, float]]] = {}
@@ -143,7 +147,13 @@ class ServerMetrics:
         self.prefix_cache_queries = f.counter("prefix_cache_queries",
                                               "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = f.counter("prefix_cache_hits",
-                                           "Prompt tokens found in the prefix cache.")
+                                           "Prompt tokens found in the device's prefix cache.")
+        self.external_prefix_cache_queries = f.counter(
+            "external_prefix_cache_queries", "Prompt tokens looked up in the tiers below the "
+            "device (host, disk: --kv-offload-gib), those the device did not hold.")
+        self.external_prefix_cache_hits = f.counter(
+            "external_prefix_cache_hits", "Prompt tokens found in the tiers below the device "
+            "(loaded back instead of recomputed).")
         self._request_success = f.counter("request_success", "Finished requests by reason.",
                                           ["finished_reason"])
         self._requests_rejected = f.counter("requests_rejected",
@@ -247,6 +257,7 @@ class ServerMetrics:
             self.iteration_tokens.observe(totals[-1] - self._last[-1])
         self._last = totals
         self._spec_gauges(info.stats)
+        self.tiers.update(info.stats.kv_tiers)
         used, limit, source = info.memory
         self.device_memory.labels(source=source, **self.labels).set(used)
         self.device_memory_limit.set(limit or 0)

@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 from models.tasks import Example, make_examples
+from pagedjax.engine.kv_tiers import tier_rows
 from pagedjax.llm import DEFAULT_MODEL, LLM
 from pagedjax.text.tokenizer import ByteTokenizer
 from pagedjax.tools import chat_demo
@@ -173,6 +174,7 @@ def print_table(engine, outputs, elapsed: float) -> None:
         ("compiled programs", f"{engine.num_compiled_programs} "
                               f"(bound {engine.buckets.num_programs})"),
     ]
+    rows += tier_rows(stats.kv_tiers)
     if stats.num_spec_drafts:
         rows.append(("speculative drafts", f"{stats.num_spec_accepted_tokens} of "
                      f"{stats.num_spec_draft_tokens} accepted "
