@@ -41,6 +41,13 @@ def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
     return digest.digest()
 
 
+def token_block_hashes(token_ids: Sequence[int], block_size: int, cache_key: bytes,
+                       cache_salt: str | None = None) -> list[bytes]:
+    """The chained hashes of token_ids' full blocks, as block_hashes gives a request of them."""
+    return chained_hashes(token_ids, block_size, lambda parent, piece: hash_block(
+        parent, list(piece)), root_hash(cache_key, cache_salt))
+
+
 def block_hashes(request: "Request", block_size: int, num_blocks: int,
                  cache_key: bytes) -> list[bytes]:
     """The chained hashes of request's first num_blocks full blocks, memoised on the request."""

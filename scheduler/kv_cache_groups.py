@@ -92,6 +92,10 @@ class HybridKVCacheManager:
                        for g, window in enumerate(self.windows)]
         self.num_allocation_failures = 0
 
+    @property
+    def cache_key(self) -> bytes:
+        return self.groups[0].cache_key
+
     # ---- sizes ------------------------------------------------------------------------------
 
     def num_blocks_for(self, num_tokens: int) -> int:

@@ -39,3 +39,30 @@ def test_requests_sharing_a_prefix_land_on_one_replica(tiny_model):
     engine.add_request(heads[0] + [230], params)
     fresh = engine.add_request(list(range(150, 166)), params)
     assert _replicas_of(engine, [fresh]) == placed[1]
+
+
+def test_placement_finds_the_replica_whose_tiers_hold_a_prefix(tiny_model, tmp_path):
+    """A restarted data-parallel engine over the same disk directory: its policy has seen no
+    request, but each replica answers for its own disk tier, so a prompt goes to the replica
+    holding its head there (and loads it) even when that replica is the busier one."""
+    device = jax.devices()[0]
+    config = EngineConfig(**CONFIG, kv_offload_bytes=16 * 2048, kv_disk_dir=str(tmp_path),
+                          kv_disk_bytes=1 << 22)
+    params = SamplingParams(max_tokens=2, temperature=0)
+    head = list(range(10, 42))  # eight blocks
+    first = DataParallelEngine(tiny_model, config, devices=[device, device])
+    (holder,) = _replicas_of(first, [first.add_request(head + [1], params)])
+    while first.has_unfinished():
+        first.step()
+    first.close()  # the cached blocks written down, in the holder's directory
+    engine = DataParallelEngine(tiny_model, config, devices=[device, device])
+    assert engine.replicas[holder].kv_tiers.disk.num_blocks >= 8
+    assert engine.replicas[1 - holder].kv_tiers.disk.num_blocks == 0
+    engine.replicas[holder].add_request(list(range(100, 110)), params)  # busier than the other
+    placed = engine.add_request(head + [2], params)
+    assert _replicas_of(engine, [placed]) == {holder}
+    while engine.has_unfinished():
+        engine.step()
+    stats = engine.replica_stats[holder]
+    assert stats.num_prefix_host_hit_tokens >= 28 and stats.kv_tiers["disk"]["hits"] >= 7
+    engine.close()

@@ -332,3 +332,27 @@ def test_router_refuses_hostile_bodies_with_400(backends):
         assert client.get("/v1/nowhere").status_code == 404
         assert client.get("/v1/completions").json()["error"]["type"] == "invalid_request_error"
         _post(client, "copy:ab=")
+
+
+def test_router_cli_sizes_each_instances_picture(monkeypatch):
+    """--index-capacity (what an instance's prefix cache holds with its tiers) reaches every
+    group's policy."""
+    import argparse
+
+    from pagedjax.serving import router as router_module
+    from pagedjax.tools import serve_commands
+
+    built = []
+
+    def fake_run(urls, policy, host, port, log_level, **kwargs):
+        built.append(router_module.Router(urls, policy, **kwargs))
+
+    monkeypatch.setattr(router_module, "run_router", fake_run)
+    parser = argparse.ArgumentParser()
+    serve_commands.router_args(parser)
+    args = parser.parse_args(["--backend", "http://a:1", "--backend", "http://b:1",
+                              "--canary", "http://c:1", "--index-capacity", "7"])
+    serve_commands.router(args, parser)
+    (router,) = built
+    assert {name: group.index_capacity for name, group in router.groups.items()} == {
+        "stable": 7, "canary": 7}

@@ -217,7 +217,7 @@ class DiskTier:
             self.num_dropped_writes += 1
             return
         path = self._path(block_hash)
-        temporary = f"{path}.{os.getpid()}.tmp"
+        temporary = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"
         try:
             self._make_room(len(data))
             with open(temporary, "wb") as f:

@@ -158,9 +158,8 @@ class KVTiers:
         """Walks request's prompt blocks (every KV cache group's) until one is held nowhere."""
         tier = kv.host_tier
         suffixes = [group.hash_suffix for group in getattr(kv, "groups", [kv])]
-        cache_key = getattr(kv, "groups", [kv])[0].cache_key
         max_blocks = (request.num_tokens - 1) // kv.block_size
-        for block_hash in block_hashes(request, kv.block_size, max_blocks, cache_key):
+        for block_hash in block_hashes(request, kv.block_size, max_blocks, kv.cache_key):
             held = False
             for suffix in suffixes:
                 key = block_hash + suffix

@@ -265,6 +265,23 @@ class LLMEngine(StepRecovery):
         if self.kv_tiers is not None:
             self.kv_tiers.close(self.scheduler.kv_manager)
 
+    def cached_prefix_blocks(self, hashes: Sequence[bytes]) -> int:
+        """How many of a prompt's leading KV blocks (scheduler.block_hash.token_block_hashes)
+        this engine holds in any tier of its prefix cache: the device pool, the host tier, the
+        disk tier (its first KV cache group's blocks); 0 without prefix caching."""
+        kv = self.scheduler.kv_manager
+        if not self.config.enable_prefix_caching:
+            return 0
+        suffix = getattr(kv, "groups", [kv])[0].hash_suffix
+        disk = self.kv_tiers.disk if self.kv_tiers is not None else None
+        held = 0
+        for block_hash in hashes:
+            key = block_hash + suffix
+            if kv.pool.lookup(key) is None and (disk is None or key not in disk):
+                break
+            held += 1
+        return held
+
     def blocks_for(self, num_tokens: int) -> int:
         """The most KV blocks a sequence of num_tokens holds (over the KV cache groups)."""
         return self.scheduler.kv_manager.num_blocks_for(num_tokens)

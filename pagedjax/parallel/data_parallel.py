@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import time
 from typing import Callable, Sequence
 
@@ -28,7 +29,8 @@ from pagedjax.engine.config import EngineConfig
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.stats import EngineStats, ReplicaLoad
-from pagedjax.parallel.routing_policy import Backend, RoutingPolicy, prompt_chunks
+from pagedjax.parallel.routing_policy import Backend, RoutingPolicy
+from scheduler.block_hash import token_block_hashes
 from pagedjax.parallel.sharding import check_tensor_parallel, make_data_parallel_mesh
 from scheduler import SamplingParams
 
@@ -67,12 +69,13 @@ class DataParallelEngine:
         self.clock = clock
         one = dataclasses.replace(config, data_parallel_size=1)
         seeds = np.random.SeedSequence(config.seed).spawn(dp)  # distinct sampling streams
-        self.replicas = [LLMEngine(model, one, tokenizer=tokenizer, clock=clock,
-                                   devices=list(self.mesh.devices[r]),
+        self.replicas = [LLMEngine(model, _replica_config(one, r), tokenizer=tokenizer,
+                                   clock=clock, devices=list(self.mesh.devices[r]),
                                    seed_rng=np.random.default_rng(seeds[r]),
                                    draft_model=draft_model)
                          for r in range(dp)]
-        self._backends = [Backend(f"replica:{r}") for r in range(dp)]
+        self._backends = [Backend(f"replica:{r}", lookup=replica.cached_prefix_blocks)
+                          for r, replica in enumerate(self.replicas)]
         self.policy = RoutingPolicy(self._backends, "kv_aware")
         self._next_id = 0
 
@@ -224,12 +227,12 @@ class DataParallelEngine:
     def _place(self, admission: Admission, pending: list[int]) -> int:
         """The replica for a request, by the prefix-affinity rule (loads: unfinished requests,
         and pending[r] placed on replica r by this call already); its prompt's chunks are
-        recorded there. Chunks are KV blocks; a cache salt keys them apart, as the prefix cache
-        does."""
-        chunks = prompt_chunks(admission.prompt_token_ids, ids_chunk=self.config.block_size)
-        salt = admission.spec.cache_salt
-        if salt is not None:
-            chunks = [hash((salt, h)) for h in chunks]
+        recorded there. Chunks are the prompt's KV blocks' chained hashes (the salt in them, as
+        in the prefix cache), so a replica answers for what any tier of its prefix cache holds
+        (LLMEngine.cached_prefix_blocks) beside the policy's picture of what it was sent."""
+        chunks = token_block_hashes(admission.prompt_token_ids, self.config.block_size,
+                                    self.replicas[0].scheduler.kv_manager.cache_key,
+                                    admission.spec.cache_salt)
         for backend, replica, placed in zip(self._backends, self.replicas, pending):
             backend.in_flight = len(replica.request_groups) + placed
         backend, _ = self.policy.choose(chunks)
@@ -243,6 +246,15 @@ class DataParallelEngine:
         self._next_id += 1
         taken.add(request_id)
         return request_id
+
+
+def _replica_config(config: EngineConfig, replica: int) -> EngineConfig:
+    """A replica's config: its disk tier in a directory of its own (of kv_disk_bytes; each
+    replica's index is then the whole of what its directory holds)."""
+    if config.kv_disk_dir is None:
+        return config
+    return dataclasses.replace(config, kv_disk_dir=os.path.join(config.kv_disk_dir,
+                                                                f"replica-{replica}"))
 
 
 def _begin(replica: LLMEngine):

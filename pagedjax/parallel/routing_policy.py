@@ -5,8 +5,12 @@ should go to, so that it lands where its prompt's prefix is most likely cached. 
 
 Nobody outside an instance sees its block hashes, so the policy keeps its own approximate
 picture, as SGLang's cache-aware router does: for each instance, the chained hashes of the
-prompt chunks sent there (about one KV block a chunk), in an LRU of bounded size. A request's
-match on an instance is the number of its leading chunks found there. Policy `kv_aware`:
+prompt chunks sent there (about one KV block a chunk), in an LRU of bounded size (size it to
+what an instance holds: with the host and disk tiers of its prefix cache, far more than its
+device pool). A request's match on an instance is the number of its leading chunks found
+there. An instance that can answer for itself (a data-parallel replica, whose chunks are its
+real block hashes) has a `lookup`: the leading blocks it holds in any tier of its prefix cache
+(device, host, disk), and its match is the larger of the two. Policy `kv_aware`:
 
 1. if the loads (requests in flight) are out of balance (max - min > balance_abs and max >
    balance_rel * min), the least loaded instance;
@@ -23,7 +27,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 from scheduler.block_hash import chained_hashes
 
@@ -36,6 +40,8 @@ class Backend:
     in_flight: int = 0
     down_until: float = 0.0
     index: collections.OrderedDict = dataclasses.field(default_factory=collections.OrderedDict)
+    # chunks -> how many leading ones the instance holds itself (None: the index alone)
+    lookup: Callable[[Sequence], int] | None = dataclasses.field(default=None, compare=False)
 
     def alive(self, now: float) -> bool:
         return now >= self.down_until
@@ -77,12 +83,14 @@ class RoutingPolicy:
         self._turn = 0
 
     @staticmethod
-    def match(backend: Backend, chunks: Sequence[int]) -> int:
+    def match(backend: Backend, chunks: Sequence) -> int:
         n = 0
         for h in chunks:
             if h not in backend.index:
                 break
             n += 1
+        if backend.lookup is not None and n < len(chunks):
+            n = max(n, backend.lookup(chunks))
         return n
 
     def _next_turn(self, candidates: list[Backend]) -> Backend:

@@ -282,6 +282,10 @@ def router_args(parser: argparse.ArgumentParser) -> None:
                         help="in-flight ratio beyond which load wins over cache affinity")
     parser.add_argument("--min-match", type=float, default=0.25,
                         help="least fraction of a prompt's chunks matched to follow affinity")
+    parser.add_argument("--index-capacity", type=int, default=100_000, metavar="CHUNKS",
+                        help="prompt chunks remembered an instance (about a KV block each): "
+                        "size it to what an instance's prefix cache holds, device pool plus "
+                        "its --kv-offload-gib and --kv-disk-gib tiers")
     parser.add_argument("--long-context-backend", action="append", default=[],
                         help="an instance for long-context requests only (repeat for each)")
     parser.add_argument("--long-context-threshold", type=int, default=4096, metavar="TOKENS",
@@ -327,7 +331,8 @@ def router(args, parser: argparse.ArgumentParser) -> None:
                    log_level=args.log_level, canary=args.canary,
                    canary_weight=args.canary_weight, guard=guard, admin_key=args.admin_key,
                    balance_abs=args.balance_abs, balance_rel=args.balance_rel,
-                   min_match=args.min_match, max_request_bytes=args.max_request_bytes,
+                   min_match=args.min_match, index_capacity=args.index_capacity,
+                   max_request_bytes=args.max_request_bytes,
                    long_context=args.long_context_backend,
                    long_context_threshold=args.long_context_threshold)
     except ValueError as e:
