@@ -104,6 +104,7 @@ def child() -> None:
                          for r in replicas],
         }
     report["quantized"] = quantized_runs(prompts, params)
+    report["tiers"] = tiered_runs(model, params)
     report["metrics"] = served_metrics(model, prompts)
     report["placed"] = placed_loading(model)
     report["kernels"] = kernels_under_shard_map()
@@ -119,6 +120,36 @@ def child() -> None:
         errors["4x4"] = str(e)
     report["errors"] = errors
     print(json.dumps(report))
+
+
+def tiered_runs(model, params) -> dict:
+    """The tiered prefix cache over the mesh: documents asked again after a pool too small for
+    them evicted their prefixes, which come back from the host tier and the disk tier (a
+    block's every shard moved with it); tensor parallel 2 over a fresh directory and over the
+    directory one device wrote (the same blocks, laid out whole on the host)."""
+    import tempfile
+
+    import numpy as np
+
+    from pagedjax import LLM
+
+    rng = np.random.default_rng(1)
+    docs = [rng.integers(0, 256, 38).tolist() for _ in range(4)]
+    prompts = [doc + [r, 7] for r in range(2) for doc in docs]
+    runs = {}
+    one_dir = tempfile.mkdtemp()
+    for name, tp, directory in (("off-tp1", 1, None), ("tp1", 1, one_dir),
+                                ("tp2", 2, tempfile.mkdtemp()), ("tp2-reads-tp1", 2, one_dir)):
+        tiers = {} if directory is None else dict(
+            kv_offload_bytes=6 * 2048, kv_disk_dir=directory, kv_disk_bytes=1 << 22)
+        llm = LLM(model, **{**BASE, "num_blocks": 24}, **tiers, tensor_parallel_size=tp)
+        outputs = [o for half in (prompts[:4], prompts[4:])  # a round, then the next
+                   for o in llm.generate(half, params, use_tqdm=False)]
+        llm.engine.close()
+        runs[name] = {"tokens": [o.output_token_ids for o in outputs],
+                      "tiers": llm.engine.stats.kv_tiers,
+                      "host_hit_tokens": llm.engine.stats.num_prefix_host_hit_tokens}
+    return runs
 
 
 QUANT_RUNS = {"int8-tp1": ("int8", 1), "int8-tp2": ("int8", 2), "int8-tp4": ("int8", 4),
@@ -358,6 +389,18 @@ def test_bad_tensor_parallel_sizes_name_the_limit(report):
     assert "num_heads" in report["errors"]["3"]
     assert "exceeds the 8 devices" in report["errors"]["16"]
     assert "data_parallel_size (4) = 16 exceeds the 8 devices" in report["errors"]["4x4"]
+
+
+def test_tiered_prefix_cache_over_the_mesh_equals_one_device(report):
+    runs = report["tiers"]
+    for name in ("tp1", "tp2", "tp2-reads-tp1"):
+        assert runs[name]["tokens"] == runs["off-tp1"]["tokens"], name
+        assert runs[name]["host_hit_tokens"] > 0, name
+        assert runs[name]["tiers"]["host"]["hits"] > 0, name
+        assert runs[name]["tiers"]["disk"]["hits"] > 0 and runs[name]["tiers"]["disk"][
+            "corrupt"] == 0, name
+    # over the directory tensor parallel 1 wrote, the first round's prefixes are disk hits
+    assert runs["tp2-reads-tp1"]["tiers"]["disk"]["hits"] > runs["tp2"]["tiers"]["disk"]["hits"]
 
 
 @pytest.mark.parametrize("name", list(DP_RUNS))
