@@ -153,3 +153,32 @@ def test_background_warmup_serves_meanwhile_and_compiles_each_program_once(tiny_
 
 def vars_of(config: EngineConfig) -> dict:
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
+
+def test_block_moves_compile_nothing_after_warmup(tiny_model, backend_compiles, tmp_path):
+    """Swap preemption and the tiered prefix cache move whole blocks (a gather and a scatter a
+    power of two of them): warmup compiles those too."""
+    config = EngineConfig(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
+                          min_token_bucket=16, min_seq_bucket=2, block_size=8, num_blocks=30,
+                          preemption_mode="swap", swap_space_bytes=64 * 4096,
+                          kv_offload_bytes=8 * 4096, kv_disk_dir=str(tmp_path),
+                          kv_disk_bytes=1 << 22)
+    engine = LLMEngine(tiny_model, config)
+    engine.warmup(variants=False)
+    rng = np.random.default_rng(2)
+    docs = [rng.integers(0, 256, int(rng.integers(40, 90))).tolist() for _ in range(5)]
+    backend_compiles.on = True
+    try:
+        for turn in range(3):
+            for i, doc in enumerate(docs):
+                engine.add_request(doc + [turn, i], SamplingParams(
+                    max_tokens=int(rng.integers(4, 30)), temperature=0.0))
+            for _ in until_done(engine):
+                engine.step()
+    finally:
+        backend_compiles.on = False
+    stats = engine.stats
+    assert stats.num_swap_outs > 0 and stats.kv_tiers["host"]["hits"] > 0
+    assert stats.kv_tiers["disk"]["hits"] > 0
+    assert backend_compiles.count == 0, f"{backend_compiles.count} compiles after warmup"
+    engine.close()

@@ -16,7 +16,7 @@ import pytest
 from helpers import until_done
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
 from pagedjax.engine.kv_disk_tier import MAGIC, SUFFIX, DiskTier
-from pagedjax.engine.runner import host_block, set_host_block
+from pagedjax.engine.block_transfers import host_block, set_host_block
 from scheduler.block_hash import hash_block, root_hash
 
 BASE = dict(max_model_len=96, max_num_seqs=4, max_num_batched_tokens=32, min_seq_bucket=4,

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.engine.kv_disk_tier import DiskTier
-from pagedjax.engine.runner import host_block, set_host_block, store_blocks
+from pagedjax.engine.block_transfers import host_block, set_host_block, store_blocks
 from scheduler import RequestStatus
 from scheduler.block_hash import block_hashes
 

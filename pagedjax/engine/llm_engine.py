@@ -483,7 +483,9 @@ class LLMEngine(StepRecovery):
                                 **self._warmup_parts(variants))
 
     def _warmup_parts(self, variants: bool) -> dict:
-        return dict(fills=variants and self.async_scheduling is not None, variants=variants)
+        moves_blocks = self.kv_tiers is not None or self.scheduler.kv_manager.num_host_blocks
+        return dict(fills=variants and self.async_scheduling is not None, variants=variants,
+                    block_copies=self.num_blocks - 1 if moves_blocks else 0)
 
     @property
     def num_compiled_programs(self) -> int:

@@ -14,10 +14,10 @@ from models.quantization import chunked_products
 from models.kv_groups import KVCacheGroups
 from models.placed_weights import LazyModel
 from pagedjax.engine import prompt_logprobs, sampling_step
+from pagedjax.engine.block_transfers import BlockTransfers
 from pagedjax.parallel.sharding import (kv_cache_sharding, kv_head_repeats, shard_weights,
                                         weight_sharding)
-from pallas_kernels import (AttentionBackend, AttentionMetadata, copy_blocks, gather_blocks,
-                            init_kv_cache, layer_blocks, scatter_blocks)
+from pallas_kernels import AttentionBackend, AttentionMetadata, copy_blocks, init_kv_cache
 from pallas_kernels.dispatch import TP_AXIS
 from scheduler import (ARRAY_FIELDS, DECODE, FORWARD_FIELDS, NULL_BLOCK, PREFILL, STATIC_FIELDS,
                        BatchPlan)
@@ -107,7 +107,7 @@ _forward = jax.jit(forward_fn, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
 _step = jax.jit(step_fn, static_argnums=(0, 1, 2), donate_argnums=(4,))
 
 
-class ModelRunner:
+class ModelRunner(BlockTransfers):
     """Owns the model's parameters and the KV cache on device and runs steps from BatchPlans."""
 
     def __init__(self, model: LlamaForCausalLM | LazyModel, *, num_blocks: int, block_size: int,
@@ -158,6 +158,7 @@ class ModelRunner:
         self._logits_shape: dict[tuple[int, int], jax.ShapeDtypeStruct] = {}
         self._program_locks: dict[tuple, threading.Lock] = {}
         self._fills: dict[tuple[int, int], jax.stages.Compiled] = {}  # fill_program's
+        self._block_copies: dict[tuple[str, int], jax.stages.Compiled] = {}  # block_copy's
         self._token_ids_sharding = None  # the forward programs' token_ids' (program())
         self._locks_lock = threading.Lock()
 
@@ -177,46 +178,6 @@ class ModelRunner:
         self.kv_cache = None  # freed before the new one is allocated
         self.kv_cache = self._new_kv_cache()
         self._abstract_args = self._abstract()
-
-    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
-             host_pool) -> None:
-        """Runs a step's swaps before the step: device -> host first (those device blocks may be
-        reused by this step), then host -> device. host_pool is laid out like the cache
-        (init_host_pool)."""
-        if swap_out:
-            device, host = map(list, zip(*swap_out))
-            store_blocks(host_pool, host, self.read_blocks(device), self.graph.num_kv_slots)
-        if swap_in:
-            host, device = map(list, zip(*swap_in))
-            self.write_blocks(device, host_pool, host)
-
-    def read_blocks(self, device: list[int]):
-        """Device blocks' content in every layer slot, dispatched (not waited for): a pytree
-        like the cache, of [2, K, L * C, ...] device arrays, C = len(device) padded to a power
-        of two (null-block entries), so each count compiles a bounded number of programs."""
-        ids = layer_blocks(_pad_ids(device), self.graph.num_kv_slots, self.num_blocks)  # [L, C]
-        return gather_blocks(self.kv_cache, ids.reshape(-1))
-
-    def write_blocks(self, device: list[int], host_pool, host: list[int]) -> None:
-        """Copies host_pool's blocks `host` into the cache's blocks `device` (dispatched)."""
-        num_layers = self.graph.num_kv_slots
-        ids = layer_blocks(_pad_ids(device), num_layers, self.num_blocks)
-
-        def staged(pool):
-            by_layer = _by_layer(pool, num_layers)
-            data = np.zeros(by_layer.shape[:3] + ids.shape[1:] + by_layer.shape[4:], pool.dtype)
-            data[:, :, :, :len(host)] = by_layer[:, :, :, host]
-            return data.reshape(pool.shape[:2] + (-1,) + pool.shape[3:])
-
-        self.kv_cache = scatter_blocks(self.kv_cache, ids.reshape(-1),
-                                       jax.tree.map(staged, host_pool))
-
-    def init_host_pool(self, num_host_blocks: int):
-        """The swap space: host arrays laid out like the device cache, num_host_blocks a layer."""
-        num_layers = self.graph.num_kv_slots
-        return jax.tree.map(
-            lambda a: np.zeros(a.shape[:2] + (num_layers * num_host_blocks,) + a.shape[3:],
-                               a.dtype), self.kv_cache)
 
     def _new_kv_cache(self):
         """A zeroed cache, on one device or split over the mesh's devices (allocated there)."""
@@ -432,32 +393,3 @@ def padding_plan(kind: str, num_tokens: int, num_seqs: int, max_blocks_per_seq: 
         copy_src=np.zeros(num_seqs, np.int32), copy_dst=np.zeros(num_seqs, np.int32),
         num_copies=np.asarray(0, np.int32), kind=kind,
         padded_num_tokens=num_tokens, padded_num_seqs=num_seqs)
-
-
-def _pad_ids(ids: list[int]) -> np.ndarray:
-    padded = np.full(1 << (len(ids) - 1).bit_length(), NULL_BLOCK, np.int32)
-    padded[:len(ids)] = ids
-    return padded
-
-
-def store_blocks(host_pool, host: list[int], blocks, num_layers: int) -> None:
-    """Writes read_blocks' content (waiting for it) into host_pool's blocks `host`."""
-    for pool, data in zip(jax.tree.leaves(host_pool), jax.tree.leaves(blocks)):
-        data = _by_layer(np.asarray(data), num_layers)
-        _by_layer(pool, num_layers)[:, :, :, host] = data[:, :, :, :len(host)]
-
-
-def host_block(host_pool, slot: int, num_layers: int) -> list[np.ndarray]:
-    """One host block's content, a copy of each of the pool's leaves' [2, K, L, ...] part."""
-    return [_by_layer(pool, num_layers)[:, :, :, slot].copy()
-            for pool in jax.tree.leaves(host_pool)]
-
-
-def set_host_block(host_pool, slot: int, leaves: list[np.ndarray], num_layers: int) -> None:
-    for pool, data in zip(jax.tree.leaves(host_pool), leaves):
-        _by_layer(pool, num_layers)[:, :, :, slot] = data
-
-
-def _by_layer(array: np.ndarray, num_layers: int) -> np.ndarray:
-    """A view [2, K, L, NB, ...] of a cache-layout host array [2, K, L * NB, ...]."""
-    return array.reshape(array.shape[:2] + (num_layers, -1) + array.shape[3:])

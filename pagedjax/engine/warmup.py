@@ -10,8 +10,9 @@ pair). `warm` compiles the step programs first (decode, then prefill, then specu
 serving engine meets most), then the variants; with the persistent compilation cache a second
 process loads them instead (ModelRunner.program).
 
-Not warmed: swap preemption's block copies (a program a power-of-two count of blocks, compiled on
-the first swap of that size).
+An engine that moves whole blocks (swap preemption, the tiered prefix cache) also gets its block
+copies compiled: a gather and a scatter a power-of-two count of blocks, up to its pool's
+(pagedjax.engine.block_transfers).
 """
 
 from __future__ import annotations
@@ -50,11 +51,11 @@ def fill_shapes(buckets) -> list[tuple[int, int]]:
 
 
 def warm(runner: ModelRunner, buckets, progress: bool = False, fills: bool = False,
-         variants: bool = False) -> int:
+         variants: bool = False, block_copies: int = 0) -> int:
     """Compiles (or loads from the persistent cache) every forward program of warmup_shapes,
     each with its plain sampler and, with variants, its sampler's mask / penalty variants;
-    with fills the async token fills (fill_shapes). Returns how many forward programs. progress
-    shows a bar on stderr."""
+    with fills the async token fills (fill_shapes); with block_copies the block copies of up to
+    that many blocks. Returns how many forward programs. progress shows a bar on stderr."""
     shapes = warmup_shapes(buckets, variants)
     mask_words = grammar.mask_words(runner.vocab_size)
     penalty_width = buckets.max_blocks_per_seq * runner.block_size
@@ -74,6 +75,8 @@ def warm(runner: ModelRunner, buckets, progress: bool = False, fills: bool = Fal
     if fills:
         for num_tokens, num_previous in fill_shapes(buckets):
             runner.fill_program(num_tokens, num_previous)
+    if block_copies:
+        runner.warm_block_copies(block_copies)
     return len(shapes)
 
 
@@ -83,19 +86,19 @@ class BackgroundWarmup:
     stopped it, if any (the engine keeps serving; the rest compile on first use)."""
 
     def __init__(self, runner: ModelRunner, buckets, progress: bool, fills: bool = False,
-                 variants: bool = False):
+                 variants: bool = False, block_copies: int = 0):
         self.num_programs = len(warmup_shapes(buckets, variants))
         self.error: BaseException | None = None
         self.seconds: float | None = None
         self._thread = threading.Thread(
-            target=self._run, args=(runner, buckets, progress, fills, variants),
+            target=self._run, args=(runner, buckets, progress, fills, variants, block_copies),
             name="pagedjax-warmup", daemon=True)
         self._thread.start()
 
-    def _run(self, runner, buckets, progress, fills, variants) -> None:
+    def _run(self, runner, buckets, progress, fills, variants, block_copies) -> None:
         start = time.perf_counter()
         try:
-            warm(runner, buckets, progress, fills, variants)
+            warm(runner, buckets, progress, fills, variants, block_copies)
         except BaseException as error:  # noqa: BLE001 - reported through .error
             self.error = error
         self.seconds = time.perf_counter() - start
