@@ -93,6 +93,14 @@ class HostTier:
         self._held.add(slot)
         return slot
 
+    def hold(self, block_hash: bytes) -> None:
+        """Keeps a held block (found by a walk bringing up the rest of a prefix) from reuse
+        until the next schedule's end, as insert does."""
+        slot = self.slots.get(block_hash)
+        if slot is not None:
+            self.slots.move_to_end(block_hash)
+            self._held.add(slot)
+
     def has_room(self) -> bool:
         """Whether insert would find a slot."""
         return bool(self._free) or len(self._pinned | self._held) < len(self.slots)

@@ -219,7 +219,7 @@ class Request:
                  "cache_salt", "block_hashes", "num_cached_tokens", "parent_id",
                  "sample_index", "followers", "cumulative_logprob", "logprobs", "stop_reason",
                  "prompt_logprobs", "spec_token_ids", "num_draft_tokens",
-                 "num_accepted_draft_tokens")
+                 "num_accepted_draft_tokens", "awaiting_kv")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, *, seed: int, arrival_time: float,
@@ -260,6 +260,9 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.num_draft_tokens = 0  # drafts its steps verified
         self.num_accepted_draft_tokens = 0  # of those, the ones the target accepted
+        # Its prefix is still coming up from a tier below the device (pagedjax.engine.kv_tiers
+        # sets it for one schedule, vLLM's WAITING_FOR_REMOTE_KVS): it is not admitted yet.
+        self.awaiting_kv = False
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -87,7 +87,8 @@ class _StepBuilder:
         watermark_blocks = int(config.watermark * kv.pool.num_usable_blocks)
         while state.waiting and self.budget > 0:
             request = state.waiting[0]
-            if state.num_seqs + 1 + len(request.followers) > config.max_num_seqs:
+            if state.num_seqs + 1 + len(request.followers) > config.max_num_seqs \
+                    or request.awaiting_kv:
                 break
             swapped = request.status == RequestStatus.SWAPPED
             cached_blocks = [] if swapped else kv.find_cached_prefix(request)

@@ -273,3 +273,25 @@ def test_config_refusals_name_the_field(kwargs, message):
 def test_a_host_tier_smaller_than_a_block_is_refused(tiny_model):
     with pytest.raises(ValueError, match="kv_offload_bytes .100. holds no KV block"):
         engine_with(tiny_model, kv_offload_bytes=100)
+
+
+def test_a_prompt_waits_a_schedule_for_the_rest_of_its_disk_blocks(tiny_model, tmp_path):
+    """Two prompts whose prefixes are on disk, a host tier with room for one and a third: the
+    first takes its blocks up, the second waits one schedule (Request.awaiting_kv) for the
+    rest of its own instead of recomputing them."""
+    docs = sessions(num=2, length=25)  # 6 full blocks each
+    greedy = SamplingParams(max_tokens=3, temperature=0.0)
+    config = dict(kv_offload_bytes=8 * BLOCK_BYTES, kv_disk_dir=str(tmp_path),
+                  kv_disk_bytes=1 << 22)
+    first = engine_with(tiny_model, **config)
+    before = drain(first, [first.add_request(doc, greedy) for doc in docs])
+    first.close()  # both prefixes written down
+    engine = engine_with(tiny_model, **config)
+    ids = [engine.add_request(doc, greedy) for doc in docs]
+    done = {}
+    for _ in until_done(engine):
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert [[c.token_ids for c in done[i].outputs] for i in ids] == before
+    assert [done[i].metrics.num_cached_tokens for i in ids] == [24, 24]
+    assert engine.kv_tiers.disk.num_hits == 12
+    engine.close()

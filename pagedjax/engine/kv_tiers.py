@@ -12,7 +12,9 @@ them is ordered after them on the device.
 
 Disk hits come up before a schedule (KVTiers.prefetch): the waiting requests the next step may
 admit have their prefix walked past what the device and host hold, and the blocks found on disk
-are read into host slots, where the schedule finds them as host hits.
+are read into host slots, where the schedule finds them as host hits. A request whose walk
+found the host tier full of what the others took up waits one schedule for the rest
+(Request.awaiting_kv), unless nothing else would run.
 """
 
 from __future__ import annotations
@@ -73,6 +75,8 @@ class KVTiers:
         self._pending: list[tuple[list[int], object]] = []  # copies out not yet in host_pool
         self._pending_slots: set[int] = set()
         self._prefetched: set[str] = set()  # waiting requests whose prefix was walked
+        self._retried: set[str] = set()  # those that waited a schedule for the rest of theirs
+        self._awaiting: list = []  # the request waiting this schedule (Request.awaiting_kv)
 
     @property
     def host_bytes(self) -> int:
@@ -135,6 +139,9 @@ class KVTiers:
     def prefetch(self, state) -> None:
         """Brings the disk tier's blocks of the waiting requests the next step may admit into
         host slots (see the module docstring); each request's prefix is walked once."""
+        for request in self._awaiting:
+            request.awaiting_kv = False
+        self._awaiting.clear()
         disk = self.disk
         if disk is None or not disk.enabled or not disk.num_blocks:
             return
@@ -147,15 +154,28 @@ class KVTiers:
             return
         start = time.perf_counter()
         self.flush()  # no copy out may land on a slot after a disk block is written there
+        # and the last step's loads have staged their host blocks: its slots are free to reuse
+        kv.host_tier.release()
         for request in walk:
-            self._prefetched.add(request.request_id)
-            self._bring_up(kv, request)
+            rid = request.request_id
+            if self._bring_up(kv, request) or rid in self._retried:
+                self._prefetched.add(rid)
+                continue
+            # The host tier is full of what this schedule takes up: the request waits one
+            # schedule for the rest of its blocks (if another request makes progress in it).
+            self._retried.add(rid)
+            if state.running or request is not state.waiting[0]:
+                request.awaiting_kv = True
+                self._awaiting.append(request)
+            break
         if len(self._prefetched) > 4 * state.config.max_num_seqs:
             self._prefetched &= set(state.requests)
+            self._retried &= set(state.requests)
         self.moved.transfer_s += time.perf_counter() - start
 
-    def _bring_up(self, kv, request) -> None:
-        """Walks request's prompt blocks (every KV cache group's) until one is held nowhere."""
+    def _bring_up(self, kv, request) -> bool:
+        """Walks request's prompt blocks (every KV cache group's) until one is held nowhere;
+        False when the host tier had no room left for the next (the walk is to be resumed)."""
         tier = kv.host_tier
         suffixes = [group.hash_suffix for group in getattr(kv, "groups", [kv])]
         max_blocks = (request.num_tokens - 1) // kv.block_size
@@ -163,11 +183,17 @@ class KVTiers:
             held = False
             for suffix in suffixes:
                 key = block_hash + suffix
-                if kv.pool.lookup(key) is not None:
+                found = kv.pool.lookup(key)
+                if found is not None:
+                    if found < 0:  # in the host tier: not to be evicted by this walk's own
+                        tier.hold(key)
                     held = True
                     continue
+                if key not in self.disk:
+                    self.disk.num_misses += 1
+                    continue
                 if not tier.has_room():  # every host slot is in use by this step
-                    return
+                    return False
                 leaves = self.disk.read(key)
                 if leaves is None:
                     continue
@@ -176,7 +202,8 @@ class KVTiers:
                 set_host_block(self.host_pool, slot, leaves, self.num_layers)
                 held = True
             if not held:
-                return
+                return True
+        return True
 
     def _spill(self, tier) -> None:
         """Writes out what the host tier evicted to make room (before its slot is reused)."""
