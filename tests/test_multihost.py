@@ -31,7 +31,9 @@ BASE = dict(max_model_len=96, max_num_seqs=4, max_num_batched_tokens=32, block_s
 HEARTBEAT_S = 5
 
 
-def worker(process_id: int, port: int, die_after: int | None) -> None:
+def worker(process_id: int, port: int, die_after: int | None, tiers: bool = False) -> None:
+    """tiers: the prefix cache's host tier on, every prompt asked twice (its second time, its
+    blocks come back from the host: each process its own shards)."""
     import jax
     import numpy as np
 
@@ -58,7 +60,8 @@ def worker(process_id: int, port: int, die_after: int | None) -> None:
         one = LLM(model, **BASE).generate(prompts, params, use_tqdm=False)
         report["reference"] = [o.output_token_ids for o in one]
         report["reference_prompt_logprobs"] = prompt_logprobs(one[-1])
-    llm = LLM(model, **BASE, tensor_parallel_size=4)
+    llm = LLM(model, **BASE, tensor_parallel_size=4,
+              kv_offload_bytes=(64 * 2048) if tiers else 0)
     engine = llm.engine
     shards = engine.runner.params.layers["self_attn"]["q_proj"]["kernel"].get_value()
     report["weight_shards_here"] = [  # (process, columns) of each shard this process holds
@@ -69,6 +72,11 @@ def worker(process_id: int, port: int, die_after: int | None) -> None:
         try:
             outputs = llm.generate(prompts, params, use_tqdm=False)
             report["tokens"] = [o.output_token_ids for o in outputs]
+            if tiers:
+                again = llm.generate(prompts, params, use_tqdm=False)
+                report["tokens_again"] = [o.output_token_ids for o in again]
+                report["host_hits"] = engine.stats.kv_tiers["host"]["hits"]
+                report["host_hit_tokens"] = engine.stats.num_prefix_host_hit_tokens
             report["prompt_logprobs"] = prompt_logprobs(outputs[-1])
             report["preemptions"] = engine.stats.num_preemptions
             report["prefix_hits"] = engine.stats.num_prefix_hit_tokens
@@ -99,7 +107,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_group(die_after: int | None = None, timeout: float = 400) -> list[dict | int]:
+def run_group(die_after: int | None = None, timeout: float = 400,
+              tiers: bool = False) -> list[dict | int]:
     """Starts the leader and the follower; each one's report (or its exit code, when it
     printed none)."""
     port = _free_port()
@@ -107,9 +116,10 @@ def run_group(die_after: int | None = None, timeout: float = 400) -> list[dict |
            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
                         f"--xla_force_host_platform_device_count=2"}
     code = "import sys, test_multihost as t; t.worker(int(sys.argv[1]), int(sys.argv[2]), " \
-           "None if sys.argv[3] == 'none' else int(sys.argv[3]))"
+           "None if sys.argv[3] == 'none' else int(sys.argv[3]), sys.argv[4] == 'tiers')"
     procs = [subprocess.Popen([sys.executable, "-c", code, str(i), str(port), str(die_after)
-                               .lower()], cwd=ROOT / "tests", env=env, text=True,
+                               .lower(), "tiers" if tiers else "-"], cwd=ROOT / "tests",
+                              env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
              for i in range(2)]
     results = []
@@ -147,6 +157,17 @@ def test_two_processes_serve_the_single_device_tokens(group):
     quarter = leader["weight_columns"] // 4
     assert leader["weight_shards_here"] == [[0, quarter], [0, quarter]]
     assert follower["weight_shards_here"] == [[1, quarter], [1, quarter]]
+
+
+def test_two_processes_with_the_host_tier():
+    """The prefix cache's host tier over two processes: each keeps its own devices' KV heads
+    of an evicted block and loads them back on a hit (the leader announces every move); the
+    tokens stay the single device's, the first time and the second, served from the host."""
+    leader, follower = run_group(tiers=True)
+    assert "tokens" in leader, leader
+    assert leader["tokens"] == leader["reference"] == leader["tokens_again"]
+    assert leader["host_hits"] > 0 and leader["host_hit_tokens"] > 0
+    assert follower["steps"] > 6
 
 
 def test_a_dead_follower_ends_the_leader_with_an_error():

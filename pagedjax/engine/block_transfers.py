@@ -6,6 +6,11 @@ scales too), so a block is its L layer slots' pages. Device-side, a copy of C bl
 compiled program (a gather out, a scatter in), C padded to a power of two with null-block
 entries, so each direction compiles a bounded number of programs, which warmup compiles ahead
 (ModelRunner.warm_block_copies).
+
+Multi-host (pagedjax.parallel.multihost), each process's host pool holds its own devices' KV
+heads of every block (K_local of K): the leader announces each move (device blocks, host slots)
+to the followers, every process runs the same gather or scatter program on the global cache
+and copies its own shards to or from its own pool (blocks_to_host, write_blocks).
 """
 
 from __future__ import annotations
@@ -42,8 +47,18 @@ class BlockTransfers:
         flat = layer_blocks(ids, self.graph.num_kv_slots, self.num_blocks).reshape(-1)
         return self.block_copy("read", len(ids))(self.kv_cache, flat)
 
+    def blocks_to_host(self, device: list[int], host_pool, host: list[int]) -> None:
+        """Copies the cache's blocks `device` into host_pool's blocks `host`, waiting for them
+        (multi-host: the followers do the same with theirs)."""
+        if self.channel is not None:
+            self.channel.blocks(False, device, host)
+        store_blocks(host_pool, host, self.read_blocks(device), self.graph.num_kv_slots)
+
     def write_blocks(self, device: list[int], host_pool, host: list[int]) -> None:
-        """Copies host_pool's blocks `host` into the cache's blocks `device` (dispatched)."""
+        """Copies host_pool's blocks `host` into the cache's blocks `device` (dispatched;
+        multi-host: the followers do the same from theirs)."""
+        if self.channel is not None:
+            self.channel.blocks(True, device, host)
         num_layers = self.graph.num_kv_slots
         ids = _pad_ids(device)
 
@@ -54,8 +69,9 @@ class BlockTransfers:
             return data.reshape(pool.shape[:2] + (-1,) + pool.shape[3:])
 
         flat = layer_blocks(ids, num_layers, self.num_blocks).reshape(-1)
-        self.kv_cache = self.block_copy("write", len(ids))(
-            self.kv_cache, flat, jax.tree.map(staged, host_pool))
+        data = jax.tree.map(lambda pool, leaf: _global(staged(pool), leaf),
+                            host_pool, self.kv_cache)
+        self.kv_cache = self.block_copy("write", len(ids))(self.kv_cache, flat, data)
 
     def block_copy(self, direction: str, count: int) -> jax.stages.Compiled:
         """The compiled gather ("read") or scatter ("write", the cache donated) of count
@@ -87,11 +103,12 @@ class BlockTransfers:
             count *= 2
 
     def init_host_pool(self, num_host_blocks: int):
-        """Host arrays laid out like the device cache, num_host_blocks a layer."""
+        """Host arrays laid out like the device cache, num_host_blocks a layer (multi-host:
+        this process's KV heads)."""
         num_layers = self.graph.num_kv_slots
         return jax.tree.map(
-            lambda a: np.zeros(a.shape[:2] + (num_layers * num_host_blocks,) + a.shape[3:],
-                               a.dtype), self.kv_cache)
+            lambda a: np.zeros((a.shape[0], _local_heads(a)[1], num_layers * num_host_blocks)
+                               + a.shape[3:], a.dtype), self.kv_cache)
 
 
 def _pad_ids(ids: list[int]) -> np.ndarray:
@@ -100,10 +117,46 @@ def _pad_ids(ids: list[int]) -> np.ndarray:
     return padded
 
 
+def _local_heads(array) -> tuple[int, int]:
+    """(first, count) of the KV heads (axis 1) this process's devices hold of a cache-layout
+    array: all of them but multi-host (a contiguous range: the mesh orders devices by
+    process)."""
+    if array.is_fully_addressable:
+        return 0, array.shape[1]
+    ranges = {(s.index[1].start or 0, s.index[1].stop or array.shape[1])
+              for s in array.addressable_shards}
+    first = min(start for start, _ in ranges)
+    return first, max(stop for _, stop in ranges) - first
+
+
+def _local(array) -> np.ndarray:
+    """A device array's part this process holds, on the host: all of it but multi-host (its
+    devices' KV heads, each distinct shard once)."""
+    if array.is_fully_addressable:
+        return np.asarray(array)
+    shards = {(s.index[1].start or 0): s for s in array.addressable_shards}
+    return np.concatenate([np.asarray(shards[k].data) for k in sorted(shards)], axis=1)
+
+
+def _global(local: np.ndarray, like):
+    """The host data of this process's KV heads as an input of like's sharding: the array
+    itself but multi-host (each process gives its devices' shards)."""
+    if like.is_fully_addressable:
+        return local
+    first, _ = _local_heads(like)
+    shape = (like.shape[0], like.shape[1]) + local.shape[2:]
+
+    def piece(index):
+        heads = slice((index[1].start or 0) - first, (index[1].stop or shape[1]) - first)
+        return local[(index[0], heads) + tuple(index[2:])]
+
+    return jax.make_array_from_callback(shape, like.sharding, piece)
+
+
 def store_blocks(host_pool, host: list[int], blocks, num_layers: int) -> None:
     """Writes read_blocks' content (waiting for it) into host_pool's blocks `host`."""
     for pool, data in zip(jax.tree.leaves(host_pool), jax.tree.leaves(blocks)):
-        data = _by_layer(np.asarray(data), num_layers)
+        data = _by_layer(_local(data), num_layers)
         _by_layer(pool, num_layers)[:, :, :, host] = data[:, :, :, :len(host)]
 
 

@@ -68,6 +68,11 @@ class KVTiers:
         self.runner = runner
         self.num_layers = runner.graph.num_kv_slots
         self.host_pool = runner.init_host_pool(num_blocks)
+        runner.tier_pool = self.host_pool  # a multi-host follower's moves use it
+        # Multi-host, every copy out is announced to the followers and waited for (each
+        # process stores its own shards at once); single-host they land asynchronously.
+        self._synchronous = runner.channel is not None or not all(
+            leaf.is_fully_addressable for leaf in jax.tree.leaves(runner.kv_cache))
         self.num_blocks = num_blocks
         self.bytes_per_block = bytes_per_block
         self.disk = disk
@@ -95,7 +100,11 @@ class KVTiers:
             for block_hash, slot in output.tier_spills:
                 if block_hash not in disk:
                     disk.write(block_hash, host_block(self.host_pool, slot, self.num_layers))
-        if output.tier_offloads:
+        if output.tier_offloads and self._synchronous:
+            device, slots = map(list, zip(*output.tier_offloads))
+            self.runner.blocks_to_host(device, self.host_pool, slots)
+            self.moved.blocks_to_host += len(slots)
+        elif output.tier_offloads:
             device, slots = map(list, zip(*output.tier_offloads))
             self._pending.append((slots, self._read(device)))
             self._pending_slots.update(slots)

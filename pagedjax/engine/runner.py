@@ -149,6 +149,7 @@ class ModelRunner(BlockTransfers):
         self._abstract_args = self._abstract()
         self.step_shapes: set[tuple[str, int, int]] = set()  # the shapes steps have run
         self.channel = None  # multi-host leader: a multihost.LeaderChannel
+        self.tier_pool = None  # the prefix cache's host tier (kv_tiers), for the followers
         # (kind, T, B, with prompt logprobs, K) -> the compiled forward program. A program is
         # compiled ahead of time from abstract arguments (nothing runs, no buffer is touched),
         # so a warmup thread can compile while the engine thread steps; each shape compiles

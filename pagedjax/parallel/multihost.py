@@ -18,7 +18,8 @@ the BatchPlan's arrays, whose shapes the header gives. Every process then runs t
 program on its shards, in the same order. A plan is everything a step needs, so the followers
 need neither the added nor the aborted requests. A failed step that lost the KV cache is
 followed by a reset broadcast (every process reallocates its shards), and the leader's exit
-by a stop.
+by a stop. The host tier of the prefix cache moves blocks between the cache and host memory
+with the same announcements (BLOCKS: each process its own shards, to or from its own pool).
 
 A follower that dies fails the leader's next collective (gloo: the peer's connection closed)
 or, failing that, JAX's coordination service reports the missing heartbeat after
@@ -39,7 +40,7 @@ from scheduler import DECODE, FORWARD_FIELDS, PREFILL
 
 logger = logging.getLogger("pagedjax.parallel.multihost")
 
-STEP, RESET, STOP = 1, 2, 3
+STEP, RESET, STOP, BLOCKS = 1, 2, 3, 4
 KINDS = (DECODE, PREFILL)
 # int32s: command, kind, T, B, max blocks per sequence, prompt targets, the other KV cache
 # groups' table width, unused
@@ -76,10 +77,10 @@ def check_multihost(config, devices) -> None:
     if config.preemption_mode == "swap":
         raise ValueError("preemption_mode='swap' is single-host only (the host pool would be "
                          "split over the processes); use 'recompute'")
-    if config.kv_offload_bytes:
-        raise ValueError("kv_offload_bytes (the host and disk tiers of the prefix cache) is "
-                         "single-host only for now (each process would move its own shards); "
-                         "set it to 0")
+    if config.kv_disk_dir is not None:
+        raise ValueError("kv_disk_dir (the prefix cache's disk tier) is single-host only for "
+                         "now (each process would read its own shards' files); the host tier "
+                         "(kv_offload_bytes) works multi-host")
 
 
 def add_args(parser) -> None:
@@ -171,6 +172,14 @@ class LeaderChannel:
                            plan.num_speculative_tokens))
         self._send({name: np.asarray(getattr(plan, name)) for name in FORWARD_FIELDS})
 
+    def blocks(self, to_device: bool, device: list[int], host: list[int]) -> None:
+        """A move of whole blocks between the cache and the host tier (block_transfers):
+        every process moves its own shards, to or from its own host pool."""
+        header = np.zeros(HEADER, np.int32)
+        header[:3] = (BLOCKS, int(to_device), len(device))
+        self._send(header)
+        self._send({"device": np.asarray(device, np.int32), "host": np.asarray(host, np.int32)})
+
     def reset(self) -> None:
         self._send(_header(RESET))
 
@@ -204,6 +213,15 @@ def follow(runner) -> int:
             return steps
         if command == RESET:
             runner.reset_kv_cache()
+            continue
+        if command == BLOCKS:  # kind: the direction, num_tokens: the count
+            empty = np.zeros(num_tokens, np.int32)
+            moved = _broadcast({"device": empty, "host": empty})
+            device, host = (np.asarray(moved[k]).tolist() for k in ("device", "host"))
+            if kind:
+                runner.write_blocks(device, runner.tier_pool, host)
+            else:
+                runner.blocks_to_host(device, runner.tier_pool, host)
             continue
         if command != STEP:
             raise RuntimeError(f"follower got an unknown command {command} from the leader")
