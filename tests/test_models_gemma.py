@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import tempfile
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -104,6 +106,10 @@ ENGINES = {
     "unscanned_llama_form": dict(block_size=16, scan_layers=False),
     # each step dispatched ahead of the previous one's results, the groups' tables included
     "async_scheduling": dict(block_size=4, num_blocks=40, async_scheduling=True),
+    # the tiered prefix cache: evicted blocks of every group to a small host tier and on to
+    # disk, preempted requests' prefixes loaded back from both
+    "tiers": dict(block_size=4, num_blocks=40, kv_offload_bytes=1 << 12,
+                  kv_disk_dir=tempfile.mkdtemp(prefix="gemma-tiers-"), kv_disk_bytes=1 << 22),
 }
 
 
@@ -123,8 +129,11 @@ def test_gemma_paged_engine_greedy_equals_transformers_generate(gemma, engine):
         # The sliding groups' tables are rings of their bound, ceil((6 - 1 + 16) / 4) + 1
         # blocks, narrower than the 52-token requests' 13 (and max_model_len's 32).
         assert engine_.buckets.table_widths == (32, 7)
-    if engine in ("preemption", "swap", "async_scheduling"):
+    if engine in ("preemption", "swap", "async_scheduling", "tiers"):
         assert engine_.scheduler.state.num_preemptions > 0
+    if engine == "tiers":
+        tiers = engine_.stats.kv_tiers
+        assert tiers["host"]["hits"] > 0 and tiers["disk"]["hits"] > 0
     assert engine_.scheduler.kv_manager.num_used_blocks == 0
 
 

@@ -79,8 +79,10 @@ class KVTiers:
         self.moved = TierTransfers()
         self._pending: list[tuple[list[int], object]] = []  # copies out not yet in host_pool
         self._pending_slots: set[int] = set()
-        self._prefetched: set[str] = set()  # waiting requests whose prefix was walked
-        self._retried: set[str] = set()  # those that waited a schedule for the rest of theirs
+        # (request id, preemptions): a waiting request whose prefix was walked (again once
+        # preempted: its blocks may have gone down the tiers since)
+        self._prefetched: set[tuple[str, int]] = set()
+        self._retried: set[tuple[str, int]] = set()  # those that waited a schedule for more
         self._awaiting: list = []  # the request waiting this schedule (Request.awaiting_kv)
 
     @property
@@ -157,7 +159,8 @@ class KVTiers:
         kv = state.kv_manager
         room = max(0, state.config.max_num_seqs - state.num_seqs)
         walk = [r for r in itertools.islice(state.waiting, room)
-                if r.request_id not in self._prefetched and r.status != RequestStatus.SWAPPED
+                if (r.request_id, r.num_preemptions) not in self._prefetched
+                and r.status != RequestStatus.SWAPPED
                 and r.sampling_params.prompt_logprobs is None]
         if not walk:
             return
@@ -166,7 +169,7 @@ class KVTiers:
         # and the last step's loads have staged their host blocks: its slots are free to reuse
         kv.host_tier.release()
         for request in walk:
-            rid = request.request_id
+            rid = request.request_id, request.num_preemptions
             if self._bring_up(kv, request) or rid in self._retried:
                 self._prefetched.add(rid)
                 continue
@@ -178,8 +181,8 @@ class KVTiers:
                 self._awaiting.append(request)
             break
         if len(self._prefetched) > 4 * state.config.max_num_seqs:
-            self._prefetched &= set(state.requests)
-            self._retried &= set(state.requests)
+            self._prefetched = {k for k in self._prefetched if k[0] in state.requests}
+            self._retried = {k for k in self._retried if k[0] in state.requests}
         self.moved.transfer_s += time.perf_counter() - start
 
     def _bring_up(self, kv, request) -> bool:
