@@ -83,10 +83,25 @@ def test_host_tier_hits_give_the_tokens_of_recomputing(tiny_model, recomputed, c
     assert tiered.scheduler.kv_manager.num_used_blocks == 0
 
 
-def test_async_scheduling_with_tiers(tiny_model, recomputed):
-    engine = engine_with(tiny_model, kv_offload_bytes=64 * BLOCK_BYTES, async_scheduling=True)
+@pytest.mark.parametrize("extra", [
+    dict(async_scheduling=True),
+    dict(speculative_config=dict(method="ngram", num_speculative_tokens=2,
+                                 prompt_lookup_min=1, prompt_lookup_max=2))],
+    ids=["async", "ngram"])
+def test_tiers_under_async_scheduling_and_speculative_decoding(tiny_model, recomputed, tmp_path,
+                                                               extra):
+    """Copies out landing while the next step is already dispatched; drafts' blocks (never
+    published) beside blocks coming back from the host and the disk."""
+    engine = engine_with(tiny_model, kv_offload_bytes=6 * BLOCK_BYTES,
+                         kv_disk_dir=str(tmp_path), kv_disk_bytes=1 << 22, **extra)
     assert run_rounds(engine, sessions()) == recomputed
-    assert engine.scheduler.kv_manager.host_tier.num_hits > 0
+    tiers = engine.stats.kv_tiers
+    assert tiers["host"]["hits"] > 0 and tiers["disk"]["hits"] > 0
+    if "async_scheduling" in extra:
+        assert engine.stats.num_ahead_steps > 0
+    else:
+        assert engine.stats.num_spec_draft_tokens > 0
+    engine.close()
 
 
 def test_disk_tier_hits_give_the_tokens_of_recomputing(tiny_model, recomputed, tmp_path):
@@ -295,3 +310,46 @@ def test_a_prompt_waits_a_schedule_for_the_rest_of_its_disk_blocks(tiny_model, t
     assert [done[i].metrics.num_cached_tokens for i in ids] == [24, 24]
     assert engine.kv_tiers.disk.num_hits == 12
     engine.close()
+
+
+def test_a_restarted_server_answers_from_its_disk_tier(tmp_path):
+    """The RAG service's restart: a server shut down writes its cached blocks down, and the
+    next one over the same directory answers the same document's question from them (the
+    usage's cached_tokens, what an OpenAI client sees)."""
+    from fastapi.testclient import TestClient
+
+    from pagedjax import LLM
+    from pagedjax.serving.app import OpenAIServer
+    from test_server import ENGINE
+
+    config = dict(ENGINE, kv_offload_bytes=1 << 24, kv_disk_dir=str(tmp_path),
+                  kv_disk_bytes=1 << 26)
+    prompt = "copy:" + "a tiered prefix cache " * 4 + "="  # 94 tokens: five full blocks
+    answers = []
+    for _ in range(2):
+        llm = LLM(**config)
+        server = OpenAIServer(llm.engine, "tiny", enable_prompt_tokens_details=True)
+        with TestClient(server.build_app()) as client:
+            response = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4})
+        assert response.status_code == 200
+        answers.append(response.json())
+    cached = [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers]
+    assert cached == [0, 80]
+    assert answers[0]["choices"][0]["text"] == answers[1]["choices"][0]["text"]
+    assert llm.engine.kv_tiers.disk.num_hits == 5
+
+
+def test_flags():
+    import argparse
+
+    from pagedjax.tools.engine_args import add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--kv-offload-gib", "0.5", "--kv-disk-dir", "/tmp/kv",
+                              "--kv-disk-gib", "2"])
+    kwargs = engine_kwargs(args)
+    assert (kwargs["kv_offload_bytes"], kwargs["kv_disk_dir"], kwargs["kv_disk_bytes"]) == (
+        2**29, "/tmp/kv", 2**31)
+    EngineConfig(**kwargs)  # a valid configuration
+    assert "kv_offload_bytes" not in engine_kwargs(parser.parse_args([]))
