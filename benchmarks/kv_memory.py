@@ -72,6 +72,8 @@ class ContiguousKVManager:
     def take_pending_copies(self) -> list:
         return []
 
+    host_tier = None  # no tiered prefix cache under it
+
     def take_pending_swaps(self) -> tuple[list, list]:
         return [], []
 

@@ -96,6 +96,10 @@ class HybridKVCacheManager:
     def cache_key(self) -> bytes:
         return self.groups[0].cache_key
 
+    @property
+    def hash_suffixes(self) -> list[bytes]:
+        return [group.hash_suffix for group in self.groups]
+
     # ---- sizes ------------------------------------------------------------------------------
 
     def num_blocks_for(self, num_tokens: int) -> int:

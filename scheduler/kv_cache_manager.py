@@ -299,6 +299,11 @@ class KVCacheManager:
 
     num_groups = 1  # KV cache groups (scheduler.kv_cache_groups has more)
 
+    @property
+    def hash_suffixes(self) -> list[bytes]:
+        """Each KV cache group's suffix of its published blocks' hashes (one group here)."""
+        return [self.hash_suffix]
+
     def get_block_tables(self, request_id: str) -> list[list[int]]:
         """Each KV cache group's table (one group here)."""
         return [self.get_block_table(request_id)]

@@ -119,6 +119,7 @@ class _StepBuilder:
                 request.num_cached_tokens = num_cached
                 state.num_prefix_query_tokens += request.num_tokens
                 state.num_prefix_hit_tokens += num_cached
+            if not swapped:
                 _count_tier_lookups(state, request, cached_blocks)
             state.waiting.popleft()
             state.running.append(request)
@@ -161,19 +162,21 @@ class _StepBuilder:
 
 
 def _count_tier_lookups(state: SchedulerState, request: Request, cached_blocks) -> None:
-    """A first admission's hits by tier: the prompt blocks served by the host tier (a block
-    index counts as one when any KV cache group's block there came from it) and those the
-    host tier was asked for and did not hold (every group's)."""
+    """An admission's lookups below the device: the prompt blocks the host tier was asked for
+    and did not hold (every group's; its hits count as they load), and, at a first admission,
+    the prompt tokens it served (a block index counts when any group's block there came from
+    it)."""
     tier = state.kv_manager.host_tier
     if tier is None or not state.config.enable_prefix_caching \
             or request.sampling_params.prompt_logprobs is not None:
         return
     heads = getattr(cached_blocks, "groups", None) or [cached_blocks]
-    from_host = sum(any(len(head) > i and head[i] < 0 for head in heads)
-                    for i in range(len(cached_blocks)))
-    state.num_prefix_host_hit_tokens += from_host * state.kv_manager.block_size
     asked = (request.num_tokens - 1) // state.kv_manager.block_size
     tier.num_misses += (asked - len(cached_blocks)) * len(heads)
+    if request.num_preemptions == 0:
+        from_host = sum(any(len(head) > i and head[i] < 0 for head in heads)
+                        for i in range(len(cached_blocks)))
+        state.num_prefix_host_hit_tokens += from_host * state.kv_manager.block_size
 
 
 def schedule(state: SchedulerState, now: float) -> tuple[SchedulerState, SchedulerOutput]:

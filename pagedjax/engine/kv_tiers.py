@@ -85,10 +85,6 @@ class KVTiers:
         self._retried: set[tuple[str, int]] = set()  # those that waited a schedule for more
         self._awaiting: list = []  # the request waiting this schedule (Request.awaiting_kv)
 
-    @property
-    def host_bytes(self) -> int:
-        return sum(leaf.nbytes for leaf in jax.tree.leaves(self.host_pool))
-
     def copy_out(self, output) -> None:
         """A schedule's spills, offloads and overflow: the first of its transfers, before any
         write into the device cache (its swaps, its loads). The previous step's copies out land
@@ -149,7 +145,8 @@ class KVTiers:
 
     def prefetch(self, state) -> None:
         """Brings the disk tier's blocks of the waiting requests the next step may admit into
-        host slots (see the module docstring); each request's prefix is walked once."""
+        host slots (see the module docstring); a request's prefix is walked once a
+        admission (again after a preemption)."""
         for request in self._awaiting:
             request.awaiting_kv = False
         self._awaiting.clear()
@@ -189,7 +186,7 @@ class KVTiers:
         """Walks request's prompt blocks (every KV cache group's) until one is held nowhere;
         False when the host tier had no room left for the next (the walk is to be resumed)."""
         tier = kv.host_tier
-        suffixes = [group.hash_suffix for group in getattr(kv, "groups", [kv])]
+        suffixes = kv.hash_suffixes
         max_blocks = (request.num_tokens - 1) // kv.block_size
         for block_hash in block_hashes(request, kv.block_size, max_blocks, kv.cache_key):
             held = False
@@ -287,6 +284,19 @@ def make_kv_tiers(runner, config, bytes_per_block: int) -> KVTiers | None:
         key = f"{weights_fingerprint(runner.params)}:{config.dtype}"
         disk = DiskTier(config.kv_disk_dir, config.kv_disk_bytes, key, layout)
     return KVTiers(runner, num_blocks, bytes_per_block, disk)
+
+
+def cached_prefix_blocks(kv, disk: DiskTier | None, hashes) -> int:
+    """How many of a prompt's leading blocks (their chained hashes) kv's device pool, its host
+    tier or the disk tier hold (the first KV cache group's blocks)."""
+    suffix = kv.hash_suffixes[0]
+    held = 0
+    for block_hash in hashes:
+        key = block_hash + suffix
+        if kv.pool.lookup(key) is None and (disk is None or key not in disk):
+            break
+        held += 1
+    return held
 
 
 def tier_rows(counters: dict[str, dict[str, float]]) -> list[tuple[str, str]]:

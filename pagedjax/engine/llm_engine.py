@@ -20,7 +20,7 @@ from pagedjax.engine.async_scheduling import AsyncScheduling
 from pagedjax.engine.compile_cache import enable_compilation_cache
 from pagedjax.engine.config import EngineConfig
 from pagedjax.engine.draft_model import DraftModelProposer
-from pagedjax.engine.kv_tiers import make_kv_tiers
+from pagedjax.engine.kv_tiers import cached_prefix_blocks, make_kv_tiers
 from pagedjax.engine.kv_snapshot import KVSnapshot, UsageSample, kv_snapshot, tokens_stored
 from pagedjax.engine.output_processor import TextState
 from pagedjax.engine.outputs import RequestOutput
@@ -267,20 +267,11 @@ class LLMEngine(StepRecovery):
 
     def cached_prefix_blocks(self, hashes: Sequence[bytes]) -> int:
         """How many of a prompt's leading KV blocks (scheduler.block_hash.token_block_hashes)
-        this engine holds in any tier of its prefix cache: the device pool, the host tier, the
-        disk tier (its first KV cache group's blocks); 0 without prefix caching."""
-        kv = self.scheduler.kv_manager
+        any tier of this engine's prefix cache holds (kv_tiers.cached_prefix_blocks)."""
         if not self.config.enable_prefix_caching:
             return 0
-        suffix = getattr(kv, "groups", [kv])[0].hash_suffix
         disk = self.kv_tiers.disk if self.kv_tiers is not None else None
-        held = 0
-        for block_hash in hashes:
-            key = block_hash + suffix
-            if kv.pool.lookup(key) is None and (disk is None or key not in disk):
-                break
-            held += 1
-        return held
+        return cached_prefix_blocks(self.scheduler.kv_manager, disk, hashes)
 
     def blocks_for(self, num_tokens: int) -> int:
         """The most KV blocks a sequence of num_tokens holds (over the KV cache groups)."""
