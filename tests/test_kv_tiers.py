@@ -244,6 +244,7 @@ print(json.dumps(outputs))
 """
 
 
+@pytest.mark.slow  # a second Python starting JAX (make test-slow)
 def test_a_second_process_finds_the_first_ones_blocks(tiny_model, recomputed, tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     first = subprocess.run([sys.executable, "-c", SECOND_PROCESS, str(tmp_path)], env=env,
