@@ -20,8 +20,8 @@ from pagedjax.engine.async_scheduling import AsyncScheduling
 from pagedjax.engine.compile_cache import enable_compilation_cache
 from pagedjax.engine.config import EngineConfig
 from pagedjax.engine.draft_model import DraftModelProposer
-from pagedjax.engine.kv_tiers import cached_prefix_blocks, make_kv_tiers
 from pagedjax.engine.kv_snapshot import KVSnapshot, UsageSample, kv_snapshot, tokens_stored
+from pagedjax.engine.kv_tiers import cached_prefix_blocks, make_kv_tiers
 from pagedjax.engine.output_processor import TextState
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.runner import ModelRunner

@@ -30,9 +30,9 @@ from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.stats import EngineStats, ReplicaLoad
 from pagedjax.parallel.routing_policy import Backend, RoutingPolicy
-from scheduler.block_hash import token_block_hashes
 from pagedjax.parallel.sharding import check_tensor_parallel, make_data_parallel_mesh
 from scheduler import SamplingParams
+from scheduler.block_hash import token_block_hashes
 
 # Summed over replicas; the peaks and max_running are the sums of each replica's (an upper
 # bound of the engine's: the replicas peak at different times).
