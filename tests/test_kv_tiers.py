@@ -354,3 +354,33 @@ def test_flags():
         2**29, "/tmp/kv", 2**31)
     EngineConfig(**kwargs)  # a valid configuration
     assert "kv_offload_bytes" not in engine_kwargs(parser.parse_args([]))
+
+
+def test_a_step_that_loses_the_cache_starts_the_tiers_over(tiny_model, recomputed):
+    """A step that loses the KV cache fails its requests and the engine starts over with a
+    new scheduler: the host tier's books start empty, its counts carry on (the /metrics
+    counters never go back), and the next requests get the tokens of recomputing."""
+    engine = engine_with(tiny_model, kv_offload_bytes=64 * BLOCK_BYTES)
+    run_rounds(engine, sessions(), rounds=2)
+    hits = engine.stats.kv_tiers["host"]["hits"]
+    assert hits > 0
+    dispatch = engine.runner.dispatch_forward
+
+    def loses_the_cache(plan):
+        engine.runner.dispatch_forward = dispatch
+        for leaf in jax.tree.leaves(engine.runner.kv_cache):
+            leaf.delete()
+        raise RuntimeError("device reset")
+
+    engine.runner.dispatch_forward = loses_the_cache
+    old_tier = engine.scheduler.kv_manager.host_tier
+    failed = engine.add_request(sessions()[0] + [9], SamplingParams(max_tokens=3))
+    with pytest.raises(RuntimeError, match="device reset") as raised:
+        engine.step()
+    (output,) = engine.fail_all(raised.value)  # what a server's engine driver does
+    assert output.request_id == failed and output.finish_reason == "error"
+    assert engine.scheduler.kv_manager.host_tier.num_used_blocks == 0
+    assert engine.kv_tiers.counters(engine.scheduler.kv_manager)["host"]["hits"] == \
+        old_tier.num_hits >= hits
+    assert run_rounds(engine, sessions()) == recomputed
+    assert engine.stats.kv_tiers["host"]["hits"] > hits

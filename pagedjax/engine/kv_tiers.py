@@ -84,6 +84,8 @@ class KVTiers:
         self._prefetched: set[tuple[str, int]] = set()
         self._retried: set[tuple[str, int]] = set()  # those that waited a schedule for more
         self._awaiting: list = []  # the request waiting this schedule (Request.awaiting_kv)
+        # the host tier's counts of schedulers before this one (fail_all starts a new one)
+        self._counted = {"hits": 0, "misses": 0, "evictions": 0, "overflow": 0}
 
     def copy_out(self, output) -> None:
         """A schedule's spills, offloads and overflow: the first of its transfers, before any
@@ -225,13 +227,16 @@ class KVTiers:
         """Each tier's running totals (blocks, bytes, seconds; additive over replicas):
         hits, misses, evictions, blocks and bytes in (into the tier) and out (back up),
         transfer time, bytes used and capacity, and what went wrong."""
-        tier, moved, size = kv.host_tier, self.moved, self.bytes_per_block
+        tier, moved, size, before = kv.host_tier, self.moved, self.bytes_per_block, self._counted
         counts = {"host": {
-            "hits": tier.num_hits, "misses": tier.num_misses, "evictions": tier.num_evictions,
+            "hits": before["hits"] + tier.num_hits,
+            "misses": before["misses"] + tier.num_misses,
+            "evictions": before["evictions"] + tier.num_evictions,
             "blocks_in": moved.blocks_to_host, "blocks_out": moved.blocks_to_device,
             "bytes_in": moved.blocks_to_host * size, "bytes_out": moved.blocks_to_device * size,
             "transfer_s": moved.transfer_s, "used_bytes": tier.num_used_blocks * size,
-            "capacity_bytes": tier.num_blocks * size, "overflow": tier.num_overflow}}
+            "capacity_bytes": tier.num_blocks * size,
+            "overflow": before["overflow"] + tier.num_overflow}}
         disk = self.disk
         if disk is not None:
             counts["disk"] = {
@@ -243,6 +248,19 @@ class KVTiers:
                 "corrupt": disk.num_corrupt, "dropped_writes": disk.num_dropped_writes,
                 "write_errors": disk.num_write_errors}
         return counts
+
+    def start_over(self, kv) -> None:
+        """The engine starts over with a new scheduler (StepRecovery.fail_all), its host tier
+        empty: copies out in flight are dropped, kv's tier's counts carried on."""
+        tier = kv.host_tier
+        for name, count in (("hits", tier.num_hits), ("misses", tier.num_misses),
+                            ("evictions", tier.num_evictions), ("overflow", tier.num_overflow)):
+            self._counted[name] += count
+        self._pending.clear()
+        self._pending_slots.clear()
+        self._awaiting.clear()
+        self._prefetched.clear()
+        self._retried.clear()
 
     def close(self, kv) -> None:
         """Shutdown: with a disk tier, writes down every cached block the host tier and the

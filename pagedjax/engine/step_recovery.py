@@ -41,6 +41,8 @@ class StepRecovery:
         for parent_id in failed:
             self._fail(parent_id, message, now)
         outputs = [self._output(parent_id, message) for parent_id in failed]
+        if self.kv_tiers is not None:
+            self.kv_tiers.start_over(self.scheduler.kv_manager)
         self.scheduler = self._make_scheduler()
         self.token_masks.clear()
         self._oom_retries.clear()
