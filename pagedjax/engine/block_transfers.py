@@ -34,7 +34,7 @@ class BlockTransfers:
         (init_host_pool)."""
         if swap_out:
             device, host = map(list, zip(*swap_out))
-            store_blocks(host_pool, host, self.read_blocks(device), self.graph.num_kv_slots)
+            self.blocks_to_host(device, host_pool, host)
         if swap_in:
             host, device = map(list, zip(*swap_in))
             self.write_blocks(device, host_pool, host)

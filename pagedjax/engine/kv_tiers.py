@@ -2,9 +2,9 @@
 tier's arrays, the transfers each step's schedule asks for, the disk tier under it, the model
 key that names a block's content across processes, and the tiers' counters.
 
-A step's transfers run before its forward (KVTiers.copy_out, copy_in): the host tier's spills are read
-out for the disk tier, the device blocks the schedule evicted are copied out, then the host hits
-are copied into their new device blocks. The copies out are dispatched and their host copies
+A step's transfers run before its forward (KVTiers.copy_out, copy_in): the host tier's spills
+are read out for the disk tier, the device blocks the schedule evicted are copied out, then the
+host hits are copied into their new device blocks. The copies out are dispatched and their host copies
 started without waiting (`copy_to_host_async`): they land in the host arrays when something
 needs them (a load of the same slot, a spill, a disk read, the next step's flush), so an
 offload never waits on the step in flight. The loads are dispatched too: the step that reads
@@ -97,17 +97,14 @@ class KVTiers:
         start = time.perf_counter()
         disk = self.disk if self.disk is not None and self.disk.enabled else None
         if disk is not None:
-            for block_hash, slot in output.tier_spills:
-                if block_hash not in disk:
-                    disk.write(block_hash, host_block(self.host_pool, slot, self.num_layers))
-        if output.tier_offloads and self._synchronous:
+            self._write_down(output.tier_spills)
+        if output.tier_offloads:
             device, slots = map(list, zip(*output.tier_offloads))
-            self.runner.blocks_to_host(device, self.host_pool, slots)
-            self.moved.blocks_to_host += len(slots)
-        elif output.tier_offloads:
-            device, slots = map(list, zip(*output.tier_offloads))
-            self._pending.append((slots, self._read(device)))
-            self._pending_slots.update(slots)
+            if self._synchronous:
+                self.runner.blocks_to_host(device, self.host_pool, slots)
+            else:
+                self._pending.append((slots, self._read(device)))
+                self._pending_slots.update(slots)
             self.moved.blocks_to_host += len(slots)
         if output.tier_overflow and disk is not None:
             device, hashes = map(list, zip(*output.tier_overflow))
@@ -147,7 +144,7 @@ class KVTiers:
 
     def prefetch(self, state) -> None:
         """Brings the disk tier's blocks of the waiting requests the next step may admit into
-        host slots (see the module docstring); a request's prefix is walked once a
+        host slots (see the module docstring); a request's prefix is walked once an
         admission (again after a preemption)."""
         for request in self._awaiting:
             request.awaiting_kv = False
@@ -209,19 +206,20 @@ class KVTiers:
                 if leaves is None:
                     continue
                 slot = tier.insert(key)
-                self._spill(tier)
+                self._write_down(tier.spills)  # what it evicted, before its slot is reused
+                tier.spills.clear()
                 set_host_block(self.host_pool, slot, leaves, self.num_layers)
                 held = True
             if not held:
                 return True
         return True
 
-    def _spill(self, tier) -> None:
-        """Writes out what the host tier evicted to make room (before its slot is reused)."""
-        for block_hash, slot in tier.spills:
+    def _write_down(self, spills) -> None:
+        """Queues the host blocks (hash, slot) the host tier evicted for the disk tier (those it
+        does not hold already)."""
+        for block_hash, slot in spills:
             if block_hash not in self.disk:
                 self.disk.write(block_hash, host_block(self.host_pool, slot, self.num_layers))
-        tier.spills.clear()
 
     def counters(self, kv) -> dict[str, dict[str, float]]:
         """Each tier's running totals (blocks, bytes, seconds; additive over replicas):
