@@ -18,7 +18,7 @@ GPU_IMAGE_TESTS := tests/test_gpu_script.py tests/test_kernels_gpu.py \
 
 .PHONY: demo test test-slow test-clients test-gpu-image gpu-image-python bench bench-gpu-image llama-cpp-python llama-server clean
 
-$(STAMP): pyproject.toml requirements/cpu.txt
+$(STAMP): pyproject.toml setup.py requirements/cpu.txt
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements/cpu.txt
@@ -31,7 +31,7 @@ $(TEST_STAMP): $(STAMP) requirements/test.txt requirements/tpu-aot.txt requireme
 	$(PY) -m pip install --quiet --no-deps --upgrade --target $(VENV)/libtpu -r requirements/tpu-aot.txt
 	touch $(TEST_STAMP)
 
-$(GPU_IMAGE_STAMP): pyproject.toml requirements/gpu-image.txt
+$(GPU_IMAGE_STAMP): pyproject.toml setup.py requirements/gpu-image.txt
 	@test -n "$(GPU_IMAGE_PYTHON)" || { echo "test-gpu-image needs Python 3.12 (the GPU image's): none on PATH or under pyenv; set GPU_IMAGE_PYTHON=..."; exit 1; }
 	test -d $(GPU_IMAGE_VENV) || $(GPU_IMAGE_PYTHON) -m venv $(GPU_IMAGE_VENV)
 	$(GPU_IMAGE_VENV)/bin/python -m pip install --quiet --upgrade pip

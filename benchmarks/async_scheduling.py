@@ -21,7 +21,7 @@ import time
 from common import percentiles, write_results
 from host_path import decoding_engine
 
-from models import get_config, init_model
+from pagedjax.models import get_config, init_model
 
 
 def run(model, batch: int, async_scheduling: bool, *, steps: int, prompt_len: int) -> dict:

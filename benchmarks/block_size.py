@@ -29,7 +29,7 @@ import numpy as np
 from common import lognormal_workload, percentiles, write_results
 
 from pagedjax.engine.kv_snapshot import tokens_stored
-from scheduler import (KVCacheManager, Request, SamplingParams, SchedulerConfig, SchedulerState,
+from pagedjax.scheduler import (KVCacheManager, Request, SamplingParams, SchedulerConfig, SchedulerState,
                        ShapeBuckets, add_request, build_plan, schedule, update)
 
 
@@ -77,7 +77,7 @@ def time_attention(block_size: int, args) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels.reference import paged_decode_attention_reference
+    from pagedjax.pallas_kernels.reference import paged_decode_attention_reference
 
     blocks_per_seq = -(-args.context // block_size)
     num_blocks = 1 + args.batch * blocks_per_seq

@@ -25,7 +25,7 @@ import time
 import numpy as np
 from common import recorded_args, write_results
 
-from models import get_config, init_model
+from pagedjax.models import get_config, init_model
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
 
 

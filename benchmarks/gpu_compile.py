@@ -31,8 +31,8 @@ from common import write_results  # noqa: E402
 from jax.experimental.pallas.ops.gpu import paged_attention as jax_gpu_op  # noqa: E402
 
 from benchmarks.aot import triton_gpu  # noqa: E402
-from pallas_kernels.gpu import common as gpu_common  # noqa: E402
-from scheduler.chips import CHIPS, GpuLimits  # noqa: E402
+from pagedjax.pallas_kernels.gpu import common as gpu_common  # noqa: E402
+from pagedjax.scheduler.chips import CHIPS, GpuLimits  # noqa: E402
 from test_kernels_lowering import KERNELS, kernel_args  # noqa: E402
 
 # The chips built for (scheduler.chips), one per compute capability, and their rows' labels.

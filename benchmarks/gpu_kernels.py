@@ -141,7 +141,7 @@ def check_kernels(args, budget: Budget) -> list[dict]:
 
 def check_write(args) -> dict:
     from test_kernels_gpu import write_case
-    from pallas_kernels import write_kv_gpu, write_kv_reference
+    from pagedjax.pallas_kernels import write_kv_gpu, write_kv_reference
     name = "write_kv_gpu == XLA scatter (H=80 in a 128 cache)"
     try:
         cache, k, v, slots = write_case(np.random.default_rng(0), 80, 128)

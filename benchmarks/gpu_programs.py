@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import (paged_decode_attention_gpu, paged_decode_attention_mosaic_gpu,
+from pagedjax.pallas_kernels import (paged_decode_attention_gpu, paged_decode_attention_mosaic_gpu,
                             paged_decode_attention_reference, ragged_paged_attention_gpu,
                             ragged_paged_attention_mosaic_gpu, ragged_paged_attention_reference)
-from pallas_kernels.gpu import mosaic
+from pagedjax.pallas_kernels.gpu import mosaic
 
 MOSAIC = mosaic.problem() is None  # the Mosaic GPU kernel needs jax >= 0.11
 
@@ -174,7 +174,7 @@ def tuning_configs(batch: int, context: int) -> tuple[list[tuple], int]:
     """[(kernel, pages_per_step, num_warps, num_stages, num_splits or None for auto)]: the
     Triton kernel's ("triton"), then where jax has it the Mosaic GPU kernel's ("mosaic", no
     warps); and the auto number of splits (gpu.common.choose_num_splits) at this shape."""
-    from pallas_kernels.gpu.common import choose_num_splits
+    from pagedjax.pallas_kernels.gpu.common import choose_num_splits
     auto = choose_num_splits(batch * HEADS["num_kv_heads"], context // BLOCK_SIZE, 8)
     configs = [("triton", p, w, s, None) for p, w, s in TUNING] + [
         ("triton", 8, 8, 2, splits) for splits in (auto // 2, auto * 2) if splits >= 1]

@@ -35,7 +35,7 @@ from common import write_results  # noqa: E402
 from test_kernels_lowering import abstract_step  # noqa: E402
 
 from benchmarks.aot import xla_gpu  # noqa: E402
-from scheduler.chips import CHIPS  # noqa: E402
+from pagedjax.scheduler.chips import CHIPS  # noqa: E402
 
 def abstract(tree):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)
@@ -109,7 +109,7 @@ def check_rows(chip: str) -> list[dict]:
 def engine_rows(chip: str) -> list[dict]:
     """The device script's engine check: demo-small, block 16, the gpu backend, f32 (its jitted
     step at the buckets it runs: 64 prefill tokens, 8 decode sequences; a pool of 129 blocks)."""
-    from models import CONFIGS
+    from pagedjax.models import CONFIGS
     rows = []
     for kind, tokens in (("prefill", 64), ("decode", 8)):
         step, args = abstract_step(CONFIGS["demo-small"], kind, num_tokens=tokens, num_seqs=8,
@@ -125,7 +125,7 @@ def engine_rows(chip: str) -> list[dict]:
 def serving_step(kind: str, tokens: int, **options):
     """abstract_step of Llama-3-8B (bf16, block 16) at serving sizes: 256 sequences with 32k-
     token block tables over a 30,000-block pool."""
-    from models import CONFIGS
+    from pagedjax.models import CONFIGS
     return abstract_step(CONFIGS["llama-3-8b"], kind, num_tokens=tokens, num_seqs=256,
                          num_blocks=30000, max_blocks_per_seq=32768 // 16,
                          cache_dtype=jnp.bfloat16, **options)

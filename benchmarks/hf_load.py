@@ -53,7 +53,7 @@ def sample():  # the kernel keeps no peak of anonymous memory: sample it every m
 if which == "pagedjax":
     import jax
     from flax import nnx
-    from models.hf import load_hf_model
+    from pagedjax.models.hf import load_hf_model
     jax.devices()
 else:
     import torch, transformers

@@ -33,7 +33,7 @@ from common import write_results
 import pagedjax.engine.llm_engine as engine_module
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
 from pagedjax.engine.runner import PendingStep
-from models import get_config, init_model
+from pagedjax.models import get_config, init_model
 
 PHASES = ("schedule", "build_plan", "dispatch", "device", "fetch", "update", "total")
 DEVICE_PARTS = ("forward", "sample")  # the device time's two programs

@@ -26,11 +26,11 @@ import time
 import numpy as np
 from common import recorded_args, write_results
 
-from models import get_config, init_model
-from models.kv_groups import kv_cache_groups
+from pagedjax.models import get_config, init_model
+from pagedjax.models.kv_groups import kv_cache_groups
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
 from pagedjax.tools.plan_commands import kv_capacity
-from scheduler import ShapeBuckets
+from pagedjax.scheduler import ShapeBuckets
 
 SHAPES = {"gemma-3-1b": 1, "gemma-3-4b": 1, "gemma-3-27b": 8}  # name -> TP
 

@@ -14,9 +14,9 @@ import ml_dtypes
 import numpy as np
 from common import lognormal_workload, write_results
 
-from models import get_config
+from pagedjax.models import get_config
 from pagedjax import EngineConfig, LLMEngine, SamplingParams, load_model
-from pallas_kernels import kv_cache_bytes_per_block
+from pagedjax.pallas_kernels import kv_cache_bytes_per_block
 
 
 def generate(model, prompts, params, **config):

@@ -22,7 +22,7 @@ import argparse
 
 from common import lognormal_workload, write_results
 
-from scheduler import (KVCacheManager, Request, SamplingParams, SchedulerConfig, SchedulerState,
+from pagedjax.scheduler import (KVCacheManager, Request, SamplingParams, SchedulerConfig, SchedulerState,
                        add_request, schedule, update)
 
 

@@ -23,8 +23,8 @@ import numpy as np
 from common import recorded_args, write_results
 from flax import nnx
 
-from models.config import LlamaConfig
-from models.moe import Experts
+from pagedjax.models.config import LlamaConfig
+from pagedjax.models.moe import Experts
 
 
 def time_call(fn, *args, repeats: int) -> float:

@@ -28,7 +28,7 @@ CHILD = textwrap.dedent('''
     import json, sys, time
     import jax
     import numpy as np
-    from models import LlamaConfig, init_model
+    from pagedjax.models import LlamaConfig, init_model
     from pagedjax import EngineConfig, LLMEngine, SamplingParams
     fields = json.loads(sys.argv[1])
     config = LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_layers=4,

@@ -20,10 +20,10 @@ import dataclasses
 import numpy as np
 from common import recorded_args, write_results
 
-from models import get_config
+from pagedjax.models import get_config
 from pagedjax.parallel.plan import roofline_cost
-from scheduler import DECODE
-from scheduler.chips import CHIPS
+from pagedjax.scheduler import DECODE
+from pagedjax.scheduler.chips import CHIPS
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ from common import (add_engine_flags, engine_config, lognormal_workload, percent
                     recorded_args, write_results)
 
 from pagedjax import LLMEngine, SamplingParams, load_model
-from scheduler import POLICIES
+from pagedjax.scheduler import POLICIES
 
 
 def run(engine: LLMEngine, workload, arrivals) -> dict:

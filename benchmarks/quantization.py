@@ -79,7 +79,7 @@ def engine_row(name: str, model, reference, quality_model, batches, tokenizer,
                **fields) -> list[dict]:
     import jax
 
-    from models.quantization_quality import PROMPTS, TEXT, quality
+    from pagedjax.models.quantization_quality import PROMPTS, TEXT, quality
     from pagedjax.engine.config import EngineConfig
     from pagedjax.engine.llm_engine import LLMEngine
 
@@ -165,8 +165,8 @@ def main() -> None:
     if args.anchor:
         return anchor_main(args.anchor, args.batches)
 
-    from models.gguf_loader import lazy_gguf_model, load_gguf_model, metadata, open_gguf
-    from models.quantized_layers import quantize_model
+    from pagedjax.models.gguf_loader import lazy_gguf_model, load_gguf_model, metadata, open_gguf
+    from pagedjax.models.quantized_layers import quantize_model
     from pagedjax.text.gguf_tokenizer import tokenizer_from_gguf
     from pagedjax.tools.chat_demo import smollm2_path
 

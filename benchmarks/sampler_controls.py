@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from pagedjax.engine.sampler import sample
-from scheduler.request import MAX_LOGIT_BIAS
+from pagedjax.scheduler.request import MAX_LOGIT_BIAS
 
 
 def timed(fn, args, calls: int) -> np.ndarray:

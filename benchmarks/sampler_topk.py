@@ -28,9 +28,9 @@ FILTERS = {"top_k 50, top_p 0.95": (50, 0.95), "top_p 0.9": (-1, 0.9),
 
 def real_logits(count: int) -> np.ndarray:
     """f32[count, V]: SmolLM2's next-token logits along its greedy continuations."""
-    from models.generate import _dense_logits, dense_greedy_generate
-    from models.gguf_loader import load_gguf_model, metadata, open_gguf
-    from models.quantization_quality import PROMPTS
+    from pagedjax.models.generate import _dense_logits, dense_greedy_generate
+    from pagedjax.models.gguf_loader import load_gguf_model, metadata, open_gguf
+    from pagedjax.models.quantization_quality import PROMPTS
     from pagedjax.text.gguf_tokenizer import tokenizer_from_gguf
     from pagedjax.tools.chat_demo import smollm2_path
 

@@ -16,7 +16,7 @@ import numpy as np
 from common import write_results
 from donation import decode_plan, interleaved_medians
 
-from models import CONFIGS, DEFAULT_CHECKPOINT, init_model
+from pagedjax.models import CONFIGS, DEFAULT_CHECKPOINT, init_model
 from pagedjax import load_model
 from pagedjax.engine.runner import ModelRunner
 

@@ -38,7 +38,7 @@ from common import (add_engine_flags, engine_config, lognormal_workload, recorde
 from pagedjax import LLMEngine, load_model
 from pagedjax.serving.app import OpenAIServer
 from pagedjax.serving.background import BackgroundServer
-from scheduler import SamplingParams
+from pagedjax.scheduler import SamplingParams
 
 
 def run_offline(engine: LLMEngine, workload) -> dict:

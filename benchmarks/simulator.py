@@ -28,9 +28,9 @@ from common import (add_engine_flags, engine_config, lognormal_workload, recorde
 
 from pagedjax import LLMEngine, load_model
 from pagedjax.tools.profiling import run_trace
-from scheduler.cost_model import StepCostModel
-from scheduler.simulator import simulate
-from scheduler.trace import TraceRequest
+from pagedjax.scheduler.cost_model import StepCostModel
+from pagedjax.scheduler.simulator import simulate
+from pagedjax.scheduler.trace import TraceRequest
 
 
 def trace_of(pairs, arrivals=None) -> list[TraceRequest]:

@@ -33,7 +33,7 @@ CHILD = textwrap.dedent('''
     import json, sys
     import jax
     import numpy as np
-    from models import LlamaConfig, init_model
+    from pagedjax.models import LlamaConfig, init_model
     from pagedjax import LLMEngine, EngineConfig
     from pagedjax.parallel.sharding import kv_bytes_per_block_per_device, weight_bytes_per_device
     args = json.loads(sys.argv[1])
@@ -84,7 +84,7 @@ def measured() -> list[dict]:
 
 
 def planned() -> list[dict]:
-    from models import get_config
+    from pagedjax.models import get_config
     from pagedjax.parallel.sharding import kv_bytes_per_block_per_device, weight_bytes_per_device
 
     config = get_config("llama-3-8b")

@@ -23,7 +23,7 @@ from common import (add_engine_flags, engine_config, lognormal_workload, recorde
                     write_results)
 
 from pagedjax import LLMEngine, load_model
-from scheduler import (DECODE, PREFILL, SamplingParams, ScheduledSeq, SchedulerOutput,
+from pagedjax.scheduler import (DECODE, PREFILL, SamplingParams, ScheduledSeq, SchedulerOutput,
                        build_plan, update)
 
 

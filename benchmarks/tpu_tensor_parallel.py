@@ -90,12 +90,12 @@ def build(name: str, devices):
     from flax import nnx
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from models import CONFIGS, serving_form
-    from models.kv_groups import kv_cache_groups
-    from models.registry import model_class
+    from pagedjax.models import CONFIGS, serving_form
+    from pagedjax.models.kv_groups import kv_cache_groups
+    from pagedjax.models.registry import model_class
     from pagedjax.engine.runner import padding_plan, step_fn
     from pagedjax.parallel.sharding import AXIS, kv_cache_sharding, kv_head_repeats, weight_spec
-    from pallas_kernels import AttentionBackend, init_kv_cache, kv_cache_bytes_per_block
+    from pagedjax.pallas_kernels import AttentionBackend, init_kv_cache, kv_cache_bytes_per_block
 
     case, kind = name.split("|")
     model_name, _, tp, *options = ALL_CASES[case]
@@ -107,7 +107,7 @@ def build(name: str, devices):
     model = nnx.eval_shape(lambda: model_class(config)(
         config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16))
     if quantization is not None:
-        from models.quantized_layers import quantize_model
+        from pagedjax.models.quantized_layers import quantize_model
         model = quantize_model(model, quantization, lm_head=True)
     graph, weights = serving_form(model, kv_head_repeats=repeats, groups=groups)
     weights = jax.tree_util.tree_map_with_path(lambda path, leaf: jax.ShapeDtypeStruct(
@@ -140,7 +140,7 @@ def kv_gib(case: str) -> float:
     model_name, topology, tp, *options = ALL_CASES[case]
     if case not in QUANT_CASES:
         return KV_GIB_PER_DEVICE
-    from models import CONFIGS
+    from pagedjax.models import CONFIGS
     from pagedjax.parallel.sharding import weight_bytes_per_device
     weights = weight_bytes_per_device(CONFIGS[model_name], tp, 2, options[2],
                                       options[2] is not None) / 2**30
@@ -152,8 +152,8 @@ def shard_gib(case: str) -> tuple[float, float, int]:
     """(weights, KV) GiB one device holds (pagedjax capacity's formula, no compile), and the
     CAPACITY_CONTEXT-token sequences the slice's pool holds (a sliding KV cache group bounded
     by an 8,192-token step, the prefill case's)."""
-    from models import CONFIGS
-    from models.kv_groups import kv_cache_groups
+    from pagedjax.models import CONFIGS
+    from pagedjax.models.kv_groups import kv_cache_groups
     from pagedjax.parallel.sharding import weight_bytes_per_device
     from pagedjax.tools.plan_commands import kv_capacity
 
@@ -198,7 +198,7 @@ def main() -> None:
                    "weights_gib": round(weights_gib, 2), "kv_gib": kv_gib,
                    f"seqs_{context // 1024}k": sequences}
             if case in QUANT_CASES:  # a full-precision copy would show in temp beside it
-                from models import CONFIGS
+                from pagedjax.models import CONFIGS
                 from pagedjax.parallel.sharding import weight_bytes_per_device
                 row["bf16_weights_gib"] = round(weight_bytes_per_device(
                     CONFIGS[ALL_CASES[case][0]], ALL_CASES[case][2], 2) / 2**30, 2)

@@ -2,9 +2,9 @@
 
 import os
 
-from models.config import CONFIGS, LlamaConfig, get_config
-from models.llama import LlamaForCausalLM, init_model
-from models.serving import ServingGraph, ServingWeights, serving_form
+from pagedjax.models.config import CONFIGS, LlamaConfig, get_config
+from pagedjax.models.llama import LlamaForCausalLM, init_model
+from pagedjax.models.serving import ServingGraph, ServingWeights, serving_form
 
 # The project's trained byte-level model (models/train.py), shipped in the repository.
 DEFAULT_CHECKPOINT = os.path.join(os.path.dirname(__file__), "checkpoints", "pagedjax-tiny")

@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.config import LlamaConfig
-from models.layers import linear, rms_norm, rope
-from pallas_kernels import AttentionBackend, AttentionMetadata, paged_attention
+from pagedjax.models.config import LlamaConfig
+from pagedjax.models.layers import linear, rms_norm, rope
+from pagedjax.pallas_kernels import AttentionBackend, AttentionMetadata, paged_attention
 
 
 def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:

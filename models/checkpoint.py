@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.config import LlamaConfig
-from models.llama import LlamaForCausalLM
+from pagedjax.models.config import LlamaConfig
+from pagedjax.models.llama import LlamaForCausalLM
 
 CONFIG_FILE = "pagedjax_config.json"
 PARAMS_DIR = "params"
@@ -79,7 +79,7 @@ def checked_checkpoint(directory: str, dtype=jnp.float32, param_dtype=None):
     config, record = read_checkpoint_config(directory)
     saved_dtype = jnp.dtype(record["param_dtype"])
     param_dtype = saved_dtype if param_dtype is None else jnp.dtype(param_dtype)
-    from models.registry import model_class
+    from pagedjax.models.registry import model_class
     abstract = nnx.eval_shape(lambda: model_class(config)(
         config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype))
     params = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.llama import LlamaForCausalLM
+from pagedjax.models.llama import LlamaForCausalLM
 
 
 @nnx.jit

@@ -24,7 +24,7 @@ import dataclasses
 
 import numpy as np
 
-from models.quantization import pack_int4
+from pagedjax.models.quantization import pack_int4
 
 QK_K = 256
 

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.config import LlamaConfig
-from models.llama import LlamaForCausalLM
+from pagedjax.models.config import LlamaConfig
+from pagedjax.models.llama import LlamaForCausalLM
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K",
                    "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -76,7 +76,7 @@ def metadata(reader) -> dict:
 
 
 def config_from_gguf(meta: dict, tensor_names: set[str], path: str = "") -> LlamaConfig:
-    from models.registry import ARCHITECTURES, GGUF_ARCHITECTURES
+    from pagedjax.models.registry import ARCHITECTURES, GGUF_ARCHITECTURES
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported: GGUF files are "
@@ -145,7 +145,7 @@ def checked_gguf(path: str, dtype: str = "float32", reader=None, blocks: bool = 
     jdtype = jnp.dtype(dtype)
     abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0), dtype=jdtype,
                                                        param_dtype=jdtype))
-    from models.hf import EXPERT, _hf_name
+    from pagedjax.models.hf import EXPERT, _hf_name
 
     params = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
     wanted = {_hf_name(p)[0]: (x.shape, _hf_name(p)[1])
@@ -173,7 +173,7 @@ def checked_gguf(path: str, dtype: str = "float32", reader=None, blocks: bool = 
                              f"metadata implies {expected}")
     formats = _block_formats(by_hf) if blocks else {}
     if formats:
-        from models.quantized_layers import Spec, with_quantized_modules
+        from pagedjax.models.quantized_layers import Spec, with_quantized_modules
 
         def spec(key):
             chosen = formats.get(key)
@@ -195,9 +195,9 @@ def _block_formats(by_hf: dict) -> dict:
     """module_key -> the models.gguf_blocks format its weights are served in, for the modules
     whose every layer's tensor is in a served block type (the experts' stacked tensors and
     the router stay dequantized)."""
-    from models.gguf_blocks import common_format
-    from models.hf import EXPERT
-    from models.quantized_layers import QUANTIZED_LINEARS
+    from pagedjax.models.gguf_blocks import common_format
+    from pagedjax.models.hf import EXPERT
+    from pagedjax.models.quantized_layers import QUANTIZED_LINEARS
 
     types: dict[tuple, set] = {}
     for hf, tensor in by_hf.items():
@@ -215,8 +215,8 @@ def _hf_tensors(by_hf: dict, config: LlamaConfig, formats: dict | None = None):
     tensor, stacked experts' names with models.hf.EXPERT). tensor.quantized_parts((HF name,
     transposed)): a weight of a module in formats (module key -> models.gguf_blocks format)
     as models.quantization's stored form, from its blocks."""
-    from models.gguf_blocks import FORMATS, decode, stored_parts
-    from models.hf import EXPERT
+    from pagedjax.models.gguf_blocks import FORMATS, decode, stored_parts
+    from pagedjax.models.hf import EXPERT
 
     permuted = {"self_attn.q_proj": config.num_heads, "self_attn.k_proj": config.num_kv_heads}
 
@@ -272,7 +272,7 @@ def lazy_gguf_model(path: str, dtype: str = "float32", reader=None, blocks: bool
     """A models.placed_weights.LazyModel of a GGUF file: checked, nothing read yet; the weights
     in a served block format (models.gguf_blocks) stay in their blocks (blocks=False: every
     weight dequantized to dtype as it is read)."""
-    from models.placed_weights import lazy_from_tensors
+    from pagedjax.models.placed_weights import lazy_from_tensors
 
     abstract, opened, _ = checked_gguf(path, dtype, reader, blocks=blocks)
     return lazy_from_tensors(abstract, opened, np.dtype(jnp.dtype(dtype)), path)
@@ -280,7 +280,7 @@ def lazy_gguf_model(path: str, dtype: str = "float32", reader=None, blocks: bool
 
 def load_gguf_model(path: str, dtype: str = "float32", reader=None) -> LlamaForCausalLM:
     """The model of a GGUF file, on jax.devices()[0], parameters and activations in dtype."""
-    from models.hf import EXPERT, _hf_name, expert_names
+    from pagedjax.models.hf import EXPERT, _hf_name, expert_names
 
     abstract, opened, _ = checked_gguf(path, dtype, reader)
     np_dtype = np.dtype(jnp.dtype(dtype))
@@ -305,7 +305,7 @@ def inspect_gguf(path: str, kv_dtype: str, block_size: int, attention_backend: s
     headers (nothing dequantized)."""
     import collections
 
-    from models.hf import config_report
+    from pagedjax.models.hf import config_report
 
     reader = _reader(path)
     meta = metadata(reader)
@@ -317,6 +317,6 @@ def inspect_gguf(path: str, kv_dtype: str, block_size: int, attention_backend: s
         config = config_from_gguf(meta, {t.name for t in reader.tensors}, path)
     except ValueError as e:
         return {**report, "supported": False, "reason": str(e)}
-    from models.quantized_loading import weight_report
+    from pagedjax.models.quantized_loading import weight_report
     return {**report, **config_report(config, kv_dtype, block_size, attention_backend),
             **weight_report(abstract)}

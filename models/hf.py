@@ -25,11 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.config import LlamaConfig
-from models.hf_config import (UnsupportedModelError, architecture_of,  # noqa: F401
+from pagedjax.models.config import LlamaConfig
+from pagedjax.models.hf_config import (UnsupportedModelError, architecture_of,  # noqa: F401
                               config_from_hf, supported_summary)
-from models.llama import LlamaForCausalLM
-from models.registry import hf_renames, model_class
+from pagedjax.models.llama import LlamaForCausalLM
+from pagedjax.models.registry import hf_renames, model_class
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -133,7 +133,7 @@ def checked_hf_weights(model_dir: str, dtype: str = "float32"):
                                           param_dtype=jdtype))
     compressed = compressed_scheme(model_dir)
     if compressed is not None:
-        from models.compressed_tensors import quantized_abstract
+        from pagedjax.models.compressed_tensors import quantized_abstract
         abstract = quantized_abstract(abstract, compressed)
     params = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -173,14 +173,14 @@ def checked_hf_weights(model_dir: str, dtype: str = "float32"):
 
 def compressed_scheme(model_dir: str):
     """The checkpoint's models.compressed_tensors.CompressedScheme, or None."""
-    from models import compressed_tensors
+    from pagedjax.models import compressed_tensors
     return compressed_tensors.read(read_json(os.path.join(model_dir, "config.json")))
 
 
 def _check_compressed(model_dir, abstract, scheme, headers, files) -> None:
     """Each quantized module's weight is stored in the scheme's type, with its weight_scale
     ([out, 1] per channel, one value per tensor)."""
-    from models.quantized_loading import quantized_modules
+    from pagedjax.models.quantized_loading import quantized_modules
 
     stored_type = {"fp8": "F8_E4M3", "int8": "I8"}[scheme.scheme]
     renames = hf_renames(abstract.config)
@@ -265,7 +265,7 @@ def inspect_model_dir(model_dir: str, kv_dtype: str = "bfloat16", block_size: in
     models.quantization), support. A `.gguf` file is inspected from its metadata
     (models.gguf_loader), its weights as its blocks are served."""
     _check_inspect_args(kv_dtype, block_size, attention_backend)
-    from models.gguf_loader import inspect_gguf, is_gguf
+    from pagedjax.models.gguf_loader import inspect_gguf, is_gguf
     if is_gguf(model_dir):
         if quantization is not None:
             raise ValueError(f"{model_dir}: a GGUF file is served as its own blocks; "
@@ -284,16 +284,16 @@ def inspect_model_dir(model_dir: str, kv_dtype: str = "bfloat16", block_size: in
             report["attention"] = attention_kind(heads, kv_heads)
         report.update(supported=False, reason=str(e))
         return report
-    from models.quantized_layers import quantize_model
-    from models.quantized_loading import weight_report
-    from models.registry import model_class
+    from pagedjax.models.quantized_layers import quantize_model
+    from pagedjax.models.quantized_loading import weight_report
+    from pagedjax.models.registry import model_class
     dtype = jnp.bfloat16 if report["checkpoint_dtype"] in ("bfloat16", "float16") \
         else jnp.float32
     abstract = nnx.eval_shape(lambda: model_class(config)(config, rngs=nnx.Rngs(0),
                                                           dtype=dtype, param_dtype=dtype))
     compressed = compressed_scheme(model_dir)
     if compressed is not None:
-        from models.compressed_tensors import quantized_abstract
+        from pagedjax.models.compressed_tensors import quantized_abstract
         abstract = quantized_abstract(abstract, compressed)
     elif quantization is not None:
         abstract = quantize_model(abstract, quantization)
@@ -305,7 +305,7 @@ KV_DTYPES = ("float32", "bfloat16", "int8", "fp8")
 
 
 def _check_inspect_args(kv_dtype, block_size, attention_backend) -> None:
-    from pallas_kernels import IMPLEMENTATIONS
+    from pagedjax.pallas_kernels import IMPLEMENTATIONS
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
     if not isinstance(block_size, int) or block_size < 1:
@@ -325,13 +325,13 @@ def config_report(config: LlamaConfig, kv_dtype: str, block_size: int,
     """The served shape of a supported config: heads, RoPE, parameters, KV bytes."""
     import ml_dtypes
 
-    from pallas_kernels import kv_cache_bytes_per_block
+    from pagedjax.pallas_kernels import kv_cache_bytes_per_block
     dtypes = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "int8": np.int8,
               "fp8": ml_dtypes.float8_e4m3fn}
     # int8 / fp8 add an f32 scale per token and KV head (on the TPU, per 128-lane row slot)
     per_block = kv_cache_bytes_per_block(config.num_layers, block_size, config.num_kv_heads,
                                          config.head_dim, dtypes[kv_dtype], attention_backend)
-    from models.kv_groups import kv_cache_groups
+    from pagedjax.models.kv_groups import kv_cache_groups
     groups = kv_cache_groups(config)
     group_block = kv_cache_bytes_per_block(groups.num_slots, block_size, config.num_kv_heads,
                                            config.head_dim, dtypes[kv_dtype], attention_backend)

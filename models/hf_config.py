@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from models.config import ROPE_TYPES, LlamaConfig, RopeScaling
+from pagedjax.models.config import ROPE_TYPES, LlamaConfig, RopeScaling
 
 # Why some well-known architectures are refused (others get the generic reason).
 KNOWN_UNSUPPORTED = {
@@ -34,7 +34,7 @@ class UnsupportedModelError(ValueError):
 
 
 def supported_summary() -> str:
-    from models.registry import ARCHITECTURES
+    from pagedjax.models.registry import ARCHITECTURES
     return ", ".join(ARCHITECTURES)
 
 
@@ -100,7 +100,7 @@ def check_common(raw: dict[str, Any], architecture: str, model_type: str,
         method = raw["quantization_config"].get("quant_method", "?")
         if method != "compressed-tensors":
             raise refuse(architecture, f"a quantized checkpoint ({method})")
-        from models import compressed_tensors
+        from pagedjax.models import compressed_tensors
         try:
             compressed_tensors.read(raw)
         except ValueError as e:
@@ -139,7 +139,7 @@ def config_from_hf(raw: dict[str, Any],
                    generation_config: dict[str, Any] | None = None) -> LlamaConfig:
     """The LlamaConfig for a parsed config.json (its family's reader, models.registry), or
     UnsupportedModelError naming what is not supported."""
-    from models.registry import ARCHITECTURES
+    from pagedjax.models.registry import ARCHITECTURES
     architecture = architecture_of(raw)
     family = ARCHITECTURES.get(architecture)
     if family is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from models.config import LlamaConfig
+from pagedjax.models.config import LlamaConfig
 
 
 @dataclasses.dataclass(frozen=True)

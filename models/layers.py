@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.config import LlamaConfig, RopeScaling
+from pagedjax.models.config import LlamaConfig, RopeScaling
 
 # config.json hidden_act -> the function (gelu_pytorch_tanh: GELU's tanh approximation, Gemma's)
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}

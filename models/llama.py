@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.attention import Attention, soft_cap
-from models.config import LlamaConfig
-from models.layers import MLP, RMSNorm, linear, rms_norm, rope, rope_inv_freq  # noqa: F401
-from models.moe import SparseMoE
-from pallas_kernels import AttentionBackend, AttentionMetadata, for_layer
+from pagedjax.models.attention import Attention, soft_cap
+from pagedjax.models.config import LlamaConfig
+from pagedjax.models.layers import MLP, RMSNorm, linear, rms_norm, rope, rope_inv_freq  # noqa: F401
+from pagedjax.models.moe import SparseMoE
+from pagedjax.pallas_kernels import AttentionBackend, AttentionMetadata, for_layer
 
 
 class DecoderLayer(nnx.Module):
@@ -142,7 +142,7 @@ def init_model(config: LlamaConfig, seed: int = 0, dtype=jnp.float32,
                param_dtype=jnp.float32) -> LlamaForCausalLM:
     """A randomly initialised model of the config's family (models.registry), deterministic in
     seed."""
-    from models.registry import model_class
+    from pagedjax.models.registry import model_class
     return model_class(config)(config, rngs=nnx.Rngs(seed), dtype=dtype,
                                param_dtype=param_dtype)
 
@@ -152,7 +152,7 @@ def read_hf_config(raw: dict, architecture: str, model_type: str, common: dict) 
     layer_types (or use_sliding_window with max_window_layers in the transformers 4 format:
     the layers from max_window_layers on slide), a mix of sliding and full layers running on
     KV cache groups; Mistral gives sliding_window alone, for every layer."""
-    from models.hf_config import refuse, rope_from_params, rope_params
+    from pagedjax.models.hf_config import refuse, rope_from_params, rope_params
     theta, scaling = rope_from_params(rope_params(raw), architecture)
     window = raw.get("sliding_window")
     num_layers = common["num_layers"]

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from models.config import LlamaConfig
+from pagedjax.models.config import LlamaConfig
 
 MIXTRAL_NAMES = ((".mlp.", ".block_sparse_moe."), (".gate_proj.", ".w1."),
                  (".up_proj.", ".w3."), (".down_proj.", ".w2."))
 
 
 def read_hf_config(raw: dict, architecture: str, model_type: str, common: dict) -> LlamaConfig:
-    from models.llama import read_hf_config as read_llama
+    from pagedjax.models.llama import read_hf_config as read_llama
     config = read_llama(raw, architecture, "mistral", common)
     return dataclasses.replace(
         config, model_type=model_type, num_experts=int(raw.get("num_local_experts", 8)),

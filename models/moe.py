@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.config import LlamaConfig
-from models.layers import ACTIVATIONS, MLP, linear
-from models.moe_experts import dropless_experts, sharded_experts
+from pagedjax.models.config import LlamaConfig
+from pagedjax.models.layers import ACTIVATIONS, MLP, linear
+from pagedjax.models.moe_experts import dropless_experts, sharded_experts
 
 
 def route(router_logits: jax.Array, top_k: int,

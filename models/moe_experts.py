@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from models.quantization import QArray
-from pallas_kernels.dispatch import TP_AXIS  # the mesh's model axis
+from pagedjax.models.quantization import QArray
+from pagedjax.pallas_kernels.dispatch import TP_AXIS  # the mesh's model axis
 
 EXPERT_IMPLEMENTATIONS = ("segments", "ragged_dot", "dense")
 # A ragged_dot of the chunked loop takes about this many rows x F elements (its [rows, F]

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from models.config import LlamaConfig
+from pagedjax.models.config import LlamaConfig
 
 
 def read_hf_config(raw: dict, architecture: str, model_type: str, common: dict) -> LlamaConfig:
-    from models.hf_config import rope_from_params, rope_params
+    from pagedjax.models.hf_config import rope_from_params, rope_params
     theta, scaling = rope_from_params(rope_params(raw), architecture)
     bias = bool(raw.get("attention_bias", False))
     return LlamaConfig(

@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.config import LlamaConfig
-from models.llama import LlamaForCausalLM
-from models.serving import repeat_kv_columns
+from pagedjax.models.config import LlamaConfig
+from pagedjax.models.llama import LlamaForCausalLM
+from pagedjax.models.serving import repeat_kv_columns
 
 FIELDS = {"embed": "embed_tokens", "layers": "layers", "norm": "norm", "lm_head": "lm_head"}
 Placement = Callable[[tuple, jax.ShapeDtypeStruct], jax.sharding.Sharding]
@@ -108,7 +108,7 @@ def _is_kv(model_path: tuple, config: LlamaConfig) -> bool:
 # ---- Hugging Face safetensors ----------------------------------------------------------------
 
 def lazy_hf_model(model_dir: str, dtype: str = "float32") -> LazyModel:
-    from models.hf import checked_hf_weights, compressed_scheme
+    from pagedjax.models.hf import checked_hf_weights, compressed_scheme
 
     abstract, _, files = checked_hf_weights(model_dir, dtype)
     compressed = compressed_scheme(model_dir)
@@ -117,7 +117,7 @@ def lazy_hf_model(model_dir: str, dtype: str = "float32") -> LazyModel:
     def opened():
         from safetensors import safe_open
 
-        from models import compressed_tensors
+        from pagedjax.models import compressed_tensors
 
         with contextlib.ExitStack() as stack:
             handles = {}
@@ -147,11 +147,11 @@ def lazy_from_tensors(abstract: LlamaForCausalLM, opened, np_dtype, source: str)
         """modules, scheme: the quantized modules (models.quantized_loading) and the scheme
         a float checkpoint's are quantized by as they are read; default: the abstract
         model's own (a GGUF file's blocks)."""
-        from models.hf import _hf_name
-        from models.quantized_layers import QuantizedWeight
-        from models.quantized_loading import (QUANTIZED_PARTS, QuantizedReader, columns_of,
+        from pagedjax.models.hf import _hf_name
+        from pagedjax.models.quantized_layers import QuantizedWeight
+        from pagedjax.models.quantized_loading import (QUANTIZED_PARTS, QuantizedReader, columns_of,
                                               quantized_modules)
-        from models.registry import hf_renames
+        from pagedjax.models.registry import hf_renames
 
         renames = hf_renames(config)
         modules = quantized_modules(abstract) if modules is None else modules
@@ -200,12 +200,12 @@ def lazy_from_tensors(abstract: LlamaForCausalLM, opened, np_dtype, source: str)
 def _quantizing(tensor, scheme: str | None, num_experts: int = 0):
     """read_parts of a float checkpoint's tensor (stacked experts': every expert's), read
     whole, quantized by scheme."""
-    from models.quantization import quantize
+    from pagedjax.models.quantization import quantize
 
     def read_parts(name_and_transpose):
         if scheme is None:
             raise ValueError(f"{name_and_transpose[0]}: a quantized module without a scheme")
-        from models.hf import EXPERT
+        from pagedjax.models.hf import EXPERT
         whole = (slice(None),) * (3 if EXPERT in name_and_transpose[0] else 2)
         weight = _read(tensor, name_and_transpose, whole, None, np.float32, num_experts)
         data, scale = quantize(weight, scheme)
@@ -229,7 +229,7 @@ def _read(tensor, name_and_transpose, index: tuple, columns, np_dtype,
     its HF tensor ([out, in]): only the shard's rows and columns (a column range spanning the
     repeated KV heads' originals, when repeated). A stacked experts' weight (models.hf.EXPERT
     in its name) reads the shard's experts (index[0]) one tensor each."""
-    from models.hf import EXPERT
+    from pagedjax.models.hf import EXPERT
 
     name, transpose = name_and_transpose
     if EXPERT in name:
@@ -254,7 +254,7 @@ def _read(tensor, name_and_transpose, index: tuple, columns, np_dtype,
 # ---- orbax checkpoints -----------------------------------------------------------------------
 
 def lazy_checkpoint(directory: str, dtype=jnp.float32) -> LazyModel:
-    from models.checkpoint import checked_checkpoint
+    from pagedjax.models.checkpoint import checked_checkpoint
 
     abstract, saved_dtype, restore = checked_checkpoint(directory, dtype)
     config = abstract.config

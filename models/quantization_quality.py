@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.generate import _dense_logits, dense_greedy_generate
+from pagedjax.models.generate import _dense_logits, dense_greedy_generate
 
 # The fixed prompts and text a real model's report uses (benchmarks/quantization.py, the tests).
 PROMPTS = ("The capital of France is", "def fibonacci(n):",

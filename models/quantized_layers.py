@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.moe import Experts
-from models.quantization import (QArray, check_scheme, matmul, num_groups, quantize,
+from pagedjax.models.moe import Experts
+from pagedjax.models.quantization import (QArray, check_scheme, matmul, num_groups, quantize,
                                  storage_dtype, stored_rows)
 
 # The linear layers quantize_model swaps (by attribute name); the LM head is an option.

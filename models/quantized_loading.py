@@ -17,7 +17,7 @@ import functools
 import numpy as np
 from flax import nnx
 
-from models.quantized_layers import (QuantizedEmbed, QuantizedLinear, QuantizedWeight,
+from pagedjax.models.quantized_layers import (QuantizedEmbed, QuantizedLinear, QuantizedWeight,
                                      module_key, quantize_model)
 
 QUANTIZED_PARTS = ("kernel", "scale", "zero")
@@ -37,7 +37,7 @@ def quantize_lazy(lazy, scheme: str, lm_head: bool = False):
     """The LazyModel of the same checkpoint with its linear layers quantized by scheme as they
     are read (quantize_model's choice of layers). A loader that cannot quantize as it reads
     (orbax) is read whole, then quantized (ValueError from there is not raised here)."""
-    from models.placed_weights import LazyModel
+    from pagedjax.models.placed_weights import LazyModel
 
     abstract = quantize_model(lazy.abstract, scheme, lm_head)
     modules = quantized_modules(abstract)
@@ -81,8 +81,8 @@ def for_serving(model, quantization: str | None, lm_head: bool = False):
     """The model an engine serves under EngineConfig.quantization: a float model (in memory or
     a LazyModel) quantized by a scheme; a GGUF file's own blocks ("gguf", or unset). ValueError
     names a mismatch (a scheme on weights already quantized, "gguf" on other weights)."""
-    from models.placed_weights import LazyModel
-    from models.quantization import SCHEMES
+    from pagedjax.models.placed_weights import LazyModel
+    from pagedjax.models.quantization import SCHEMES
 
     abstract = model.abstract if isinstance(model, LazyModel) else model
     stored = sorted({module.scheme for module in quantized_modules(abstract).values()})

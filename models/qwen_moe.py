@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from models.config import LlamaConfig
+from pagedjax.models.config import LlamaConfig
 
 
 def read_hf_config(raw: dict, architecture: str, model_type: str, common: dict) -> LlamaConfig:
-    from models.llama import read_hf_config as read_llama
+    from pagedjax.models.llama import read_hf_config as read_llama
     base = "qwen2" if model_type == "qwen2_moe" else "qwen3"
     config = read_llama(raw, architecture, base, common)
     if model_type == "qwen2_moe":  # q/k/v biases: transformers 5's qkv_bias (4: always)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from models import gemma, llama, mixtral, olmoe, qwen_moe
+from pagedjax.models import gemma, llama, mixtral, olmoe, qwen_moe
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.kv_groups import KVCacheGroups
-from models.llama import LlamaForCausalLM, embed, project_logits
-from models.quantized_layers import quantize_like
-from pallas_kernels import AttentionBackend, AttentionMetadata, for_layer
+from pagedjax.models.kv_groups import KVCacheGroups
+from pagedjax.models.llama import LlamaForCausalLM, embed, project_logits
+from pagedjax.models.quantized_layers import quantize_like
+from pagedjax.pallas_kernels import AttentionBackend, AttentionMetadata, for_layer
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,11 +30,11 @@ import numpy as np
 import optax
 from flax import nnx
 
-from models.checkpoint import save_checkpoint
-from models.config import LlamaConfig
-from models.generate import dense_greedy_generate
-from models.llama import LlamaForCausalLM, init_model
-from models.tasks import (BOS_ID, EOS_ID, MIN_PAIRS, TASKS, VOCAB_SIZE, Example, decode_answer,
+from pagedjax.models.checkpoint import save_checkpoint
+from pagedjax.models.config import LlamaConfig
+from pagedjax.models.generate import dense_greedy_generate
+from pagedjax.models.llama import LlamaForCausalLM, init_model
+from pagedjax.models.tasks import (BOS_ID, EOS_ID, MIN_PAIRS, TASKS, VOCAB_SIZE, Example, decode_answer,
                           encode_example, make_examples, recall_pairs, sample_example, score)
 
 TINY_CONFIG = LlamaConfig(

@@ -8,15 +8,15 @@ from typing import Any, Sequence
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
-from models import CONFIGS, DEFAULT_CHECKPOINT, LlamaForCausalLM, get_config, init_model
-from models.placed_weights import LazyModel
+from pagedjax.models import CONFIGS, DEFAULT_CHECKPOINT, LlamaForCausalLM, get_config, init_model
+from pagedjax.models.placed_weights import LazyModel
 from pagedjax.engine.admission import PromptSpec, encode_text
 from pagedjax.engine.beam_search import BeamSearchParams, BeamSequence, beam_search
 from pagedjax.engine.config import EngineConfig
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.parallel.data_parallel import make_engine
 from pagedjax.text.tokenizer import NO_CHAT_TEMPLATE, ByteTokenizer, Tokenizer, check_chat_template
-from scheduler import RequestError, SamplingParams
+from pagedjax.scheduler import RequestError, SamplingParams
 
 DEFAULT_MODEL = DEFAULT_CHECKPOINT  # the embedded trained model
 
@@ -50,20 +50,20 @@ def resolve_model(model: str | os.PathLike | LlamaForCausalLM, seed: int = 0,
                          f"LlamaForCausalLM, got {type(model).__name__}")
     path = os.fspath(model)
     compute_dtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
-    from models.gguf_loader import is_gguf
+    from pagedjax.models.gguf_loader import is_gguf
     if is_gguf(path):
-        from models.gguf_loader import lazy_gguf_model, load_gguf_model, metadata, open_gguf
+        from pagedjax.models.gguf_loader import lazy_gguf_model, load_gguf_model, metadata, open_gguf
         from pagedjax.text.gguf_tokenizer import tokenizer_from_gguf
         reader = open_gguf(path)
         loaded = (lazy_gguf_model if lazy else load_gguf_model)(path, dtype, reader)
         return loaded, tokenizer_from_gguf(metadata(reader), path)
     if os.path.isdir(path):
-        from models.checkpoint import is_checkpoint, load_checkpoint, read_checkpoint_config
+        from pagedjax.models.checkpoint import is_checkpoint, load_checkpoint, read_checkpoint_config
         has_tokenizer = os.path.isfile(os.path.join(path, "tokenizer.json"))
         tokenizer = Tokenizer.from_dir(path) if has_tokenizer else None
         if is_checkpoint(path):
             if lazy:
-                from models.placed_weights import lazy_checkpoint
+                from pagedjax.models.placed_weights import lazy_checkpoint
                 loaded = lazy_checkpoint(path, dtype=compute_dtype)
             else:
                 loaded = load_checkpoint(path, dtype=compute_dtype)
@@ -73,9 +73,9 @@ def resolve_model(model: str | os.PathLike | LlamaForCausalLM, seed: int = 0,
             return loaded, tokenizer
         if os.path.isfile(os.path.join(path, "config.json")):
             if lazy:
-                from models.placed_weights import lazy_hf_model
+                from pagedjax.models.placed_weights import lazy_hf_model
                 return lazy_hf_model(path, dtype=dtype), tokenizer
-            from models.hf import load_hf_model
+            from pagedjax.models.hf import load_hf_model
             return load_hf_model(path, dtype=dtype), tokenizer
         raise ValueError(f"model directory {path} has neither pagedjax_config.json (an orbax "
                          f"checkpoint from models.checkpoint) nor config.json (a Hugging Face "
@@ -106,7 +106,7 @@ def checkpoint_dtype(model) -> str:
 
 
 def _is_orbax(model) -> bool:
-    from models.checkpoint import is_checkpoint
+    from pagedjax.models.checkpoint import is_checkpoint
     return isinstance(model, (str, os.PathLike)) and os.path.isdir(model) and is_checkpoint(
         os.fspath(model))
 

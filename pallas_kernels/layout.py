@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.quant import QuantizedKV, is_quantized, quantize
+from pagedjax.pallas_kernels.quant import QuantizedKV, is_quantized, quantize
 
 
 PADDED_HEAD_DIM_BACKENDS = ("gpu", "mosaic_gpu")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.quant import QuantizedKV
+from pagedjax.pallas_kernels.quant import QuantizedKV
 
 # Keys read per loop iteration: a few blocks at a time, so the loop count (and its per-iteration
 # overhead) stays small while the working set stays bounded whatever the context length.

@@ -3,18 +3,18 @@
 Pure Python and NumPy: nothing here imports jax, so it can be tested, replayed and simulated alone.
 """
 
-from scheduler.block_pool import NULL_BLOCK, BlockPool
-from scheduler.buckets import ShapeBuckets, pad_to_bucket, power_of_two_buckets
-from scheduler.errors import RequestError
-from scheduler.kv_cache_manager import KVCacheManager, cdiv
-from scheduler.lifecycle import abort_request, add_request, check_admission, check_request, update
-from scheduler.plan import (ARRAY_FIELDS, FORWARD_FIELDS, SAMPLING_FIELDS, STATIC_FIELDS, BatchPlan,
+from pagedjax.scheduler.block_pool import NULL_BLOCK, BlockPool
+from pagedjax.scheduler.buckets import ShapeBuckets, pad_to_bucket, power_of_two_buckets
+from pagedjax.scheduler.errors import RequestError
+from pagedjax.scheduler.kv_cache_manager import KVCacheManager, cdiv
+from pagedjax.scheduler.lifecycle import abort_request, add_request, check_admission, check_request, update
+from pagedjax.scheduler.plan import (ARRAY_FIELDS, FORWARD_FIELDS, SAMPLING_FIELDS, STATIC_FIELDS, BatchPlan,
                             build_plan)
-from scheduler.request import Request, RequestStatus, SamplingParams, fold_seed, make_samples
-from scheduler.schedule import schedule
-from scheduler.scheduler import Scheduler
-from scheduler.structured_outputs import StructuredOutputs
-from scheduler.state import (DECODE, DECODE_FIRST, MIXED, POLICIES, PREFILL, PREFILL_FIRST,
+from pagedjax.scheduler.request import Request, RequestStatus, SamplingParams, fold_seed, make_samples
+from pagedjax.scheduler.schedule import schedule
+from pagedjax.scheduler.scheduler import Scheduler
+from pagedjax.scheduler.structured_outputs import StructuredOutputs
+from pagedjax.scheduler.state import (DECODE, DECODE_FIRST, MIXED, POLICIES, PREFILL, PREFILL_FIRST,
                              VICTIM_POLICIES, ScheduledSeq, SchedulerConfig, SchedulerOutput,
                              SchedulerState)
 

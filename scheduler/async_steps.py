@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from scheduler.request import Request, RequestStatus
-from scheduler.state import SchedulerOutput, SchedulerState
+from pagedjax.scheduler.request import Request, RequestStatus
+from pagedjax.scheduler.state import SchedulerOutput, SchedulerState
 
 
 def placeholder(row: int) -> int:

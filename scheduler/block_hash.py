@@ -9,7 +9,7 @@ import hashlib
 from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
 if TYPE_CHECKING:
-    from scheduler.request import Request
+    from pagedjax.scheduler.request import Request
 
 
 H = TypeVar("H")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 
-from scheduler.host_tier import host_hit
+from pagedjax.scheduler.host_tier import host_hit
 
 NULL_BLOCK = 0  # never allocated, never freed: the target of every padding write and table entry
 

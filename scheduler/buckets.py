@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
-from scheduler.kv_cache_groups import group_table_width
+from pagedjax.scheduler.kv_cache_groups import group_table_width
 
 
 def power_of_two_buckets(minimum: int, maximum: int) -> tuple[int, ...]:

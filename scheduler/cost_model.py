@@ -11,9 +11,9 @@ from typing import Sequence
 
 import numpy as np
 
-from scheduler.buckets import ShapeBuckets
-from scheduler.chips import Chip
-from scheduler.state import DECODE, PREFILL, SchedulerOutput
+from pagedjax.scheduler.buckets import ShapeBuckets
+from pagedjax.scheduler.chips import Chip
+from pagedjax.scheduler.state import DECODE, PREFILL, SchedulerOutput
 
 FEATURES = ("1", "T", "B", "kv_tokens", "attn_pairs")
 

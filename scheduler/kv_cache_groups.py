@@ -21,11 +21,11 @@ from __future__ import annotations
 import collections
 from typing import Sequence
 
-from scheduler.block_hash import block_hashes
-from scheduler.block_pool import NULL_BLOCK, BlockPool
-from scheduler.host_tier import HostTier
-from scheduler.kv_cache_manager import NULL_HOST, KVCacheManager, cdiv, hold_hits
-from scheduler.request import Request
+from pagedjax.scheduler.block_hash import block_hashes
+from pagedjax.scheduler.block_pool import NULL_BLOCK, BlockPool
+from pagedjax.scheduler.host_tier import HostTier
+from pagedjax.scheduler.kv_cache_manager import NULL_HOST, KVCacheManager, cdiv, hold_hits
+from pagedjax.scheduler.request import Request
 
 
 def blocks_for(windows: Sequence[int | None], block_size: int, num_tokens: int,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import collections
 
-from scheduler.block_hash import block_hashes
-from scheduler.block_pool import NULL_BLOCK, BlockPool
-from scheduler.host_tier import HostTier, host_slot
-from scheduler.request import Request
+from pagedjax.scheduler.block_hash import block_hashes
+from pagedjax.scheduler.block_pool import NULL_BLOCK, BlockPool
+from pagedjax.scheduler.host_tier import HostTier, host_slot
+from pagedjax.scheduler.request import Request
 
 
 NULL_HOST = -1  # a host table's slot for a null device slot: no host block holds it

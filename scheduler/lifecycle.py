@@ -6,10 +6,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from scheduler.async_steps import take_placeholder
-from scheduler.errors import RequestError
-from scheduler.request import Logprob, Request, RequestStatus
-from scheduler.state import SchedulerOutput, SchedulerState
+from pagedjax.scheduler.async_steps import take_placeholder
+from pagedjax.scheduler.errors import RequestError
+from pagedjax.scheduler.request import Logprob, Request, RequestStatus
+from pagedjax.scheduler.state import SchedulerOutput, SchedulerState
 
 
 def update(state: SchedulerState, output: SchedulerOutput, sampled_ids, now: float,

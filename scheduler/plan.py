@@ -6,11 +6,11 @@ import dataclasses
 
 import numpy as np
 
-from scheduler.block_pool import NULL_BLOCK
-from scheduler.buckets import ShapeBuckets
-from scheduler.kv_cache_manager import KVCacheManager, cdiv
-from scheduler.request import MAX_LOGIT_BIAS
-from scheduler.state import DECODE, PREFILL, ScheduledSeq, SchedulerOutput
+from pagedjax.scheduler.block_pool import NULL_BLOCK
+from pagedjax.scheduler.buckets import ShapeBuckets
+from pagedjax.scheduler.kv_cache_manager import KVCacheManager, cdiv
+from pagedjax.scheduler.request import MAX_LOGIT_BIAS
+from pagedjax.scheduler.state import DECODE, PREFILL, ScheduledSeq, SchedulerOutput
 
 # What the model's forward reads, and what the sampler reads (kv_lens: the sampled position).
 FORWARD_FIELDS = ("token_ids", "positions", "slot_mapping", "block_tables", "kv_lens",

@@ -6,8 +6,8 @@ import dataclasses
 import enum
 from typing import Sequence
 
-from scheduler.errors import RequestError, check_bool, check_float, check_int
-from scheduler.structured_outputs import StructuredOutputs
+from pagedjax.scheduler.errors import RequestError, check_bool, check_float, check_int
+from pagedjax.scheduler.structured_outputs import StructuredOutputs
 
 INT32_MAX = 2**31 - 1  # integer fields are packed into i32 plan arrays
 MAX_TEMPERATURE = 1e4

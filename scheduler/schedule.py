@@ -7,8 +7,8 @@ function drives the engine, replays a recorded trace and runs inside a simulator
 
 from __future__ import annotations
 
-from scheduler.request import Request, RequestStatus
-from scheduler.state import (DECODE, MIXED, PREFILL, PREFILL_FIRST, VICTIM_POLICIES, ScheduledSeq,
+from pagedjax.scheduler.request import Request, RequestStatus
+from pagedjax.scheduler.state import (DECODE, MIXED, PREFILL, PREFILL_FIRST, VICTIM_POLICIES, ScheduledSeq,
                              SchedulerOutput, SchedulerState)
 
 

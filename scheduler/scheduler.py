@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from scheduler.kv_cache_groups import HybridKVCacheManager
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.lifecycle import abort_request, add_request, check_request, requeue, update
-from scheduler.request import Request, RequestStatus
-from scheduler.schedule import schedule
-from scheduler.state import SchedulerConfig, SchedulerOutput, SchedulerState
+from pagedjax.scheduler.kv_cache_groups import HybridKVCacheManager
+from pagedjax.scheduler.kv_cache_manager import KVCacheManager
+from pagedjax.scheduler.lifecycle import abort_request, add_request, check_request, requeue, update
+from pagedjax.scheduler.request import Request, RequestStatus
+from pagedjax.scheduler.schedule import schedule
+from pagedjax.scheduler.state import SchedulerConfig, SchedulerOutput, SchedulerState
 
 
 class Scheduler:

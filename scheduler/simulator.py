@@ -20,12 +20,12 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from scheduler.buckets import ShapeBuckets
-from scheduler.cost_model import RooflineCost, StepCostModel, step_features
-from scheduler.request import Request, SamplingParams, make_samples
-from scheduler.scheduler import Scheduler
-from scheduler.state import PREFILL, SchedulerConfig
-from scheduler.trace import TraceRequest
+from pagedjax.scheduler.buckets import ShapeBuckets
+from pagedjax.scheduler.cost_model import RooflineCost, StepCostModel, step_features
+from pagedjax.scheduler.request import Request, SamplingParams, make_samples
+from pagedjax.scheduler.scheduler import Scheduler
+from pagedjax.scheduler.state import PREFILL, SchedulerConfig
+from pagedjax.scheduler.trace import TraceRequest
 
 Placement = Callable[[Sequence[int], list[int]], int]
 

@@ -7,8 +7,8 @@ import collections
 import dataclasses
 from typing import Callable, NamedTuple, Sequence
 
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.request import Request
+from pagedjax.scheduler.kv_cache_manager import KVCacheManager
+from pagedjax.scheduler.request import Request
 
 PREFILL = "prefill"  # ragged: each sequence brings 1..n query tokens (decodes may ride along)
 DECODE = "decode"  # every sequence brings exactly one query token

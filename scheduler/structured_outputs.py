@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from scheduler.errors import RequestError, check_bool
+from pagedjax.scheduler.errors import RequestError, check_bool
 
 MAX_GRAMMAR_CHARS = 1 << 20  # a schema, regex or grammar text
 MAX_CHOICES = 4096

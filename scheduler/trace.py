@@ -24,7 +24,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from scheduler.block_hash import chained_hashes
+from pagedjax.scheduler.block_hash import chained_hashes
 
 CHUNK = 16  # tokens a prefix hash covers
 

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from scheduler.trace import TraceRequest
+from pagedjax.scheduler.trace import TraceRequest
 
 PERCENTILES = (50, 95, 99)
 

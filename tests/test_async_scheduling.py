@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from helpers import check_kv_invariants, until_done
-from models import get_config, init_model
+from pagedjax.models import get_config, init_model
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
 from pagedjax.text.tokenizer import ByteTokenizer
-from scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
-from scheduler.async_steps import advance_ahead, placeholder
+from pagedjax.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+from pagedjax.scheduler.async_steps import advance_ahead, placeholder
 
 # A pool of 40 blocks of 4 tokens for ~12 requests of 20-70 tokens: preemption by recompute;
 # a 32-token budget chunks the long prompts.

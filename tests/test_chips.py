@@ -2,8 +2,8 @@
 
 import pytest
 
-from pallas_kernels.gpu.common import shared_memory_limit
-from scheduler.chips import CHIPS, GPU_CHIPS, gpu_chip
+from pagedjax.pallas_kernels.gpu.common import shared_memory_limit
+from pagedjax.scheduler.chips import CHIPS, GPU_CHIPS, gpu_chip
 
 
 def test_gpu_chips_agree_with_the_kernels_shared_memory_rule():

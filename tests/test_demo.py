@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from models import DEFAULT_CHECKPOINT
+from pagedjax.models import DEFAULT_CHECKPOINT
 from pagedjax.tools import demo
 
 

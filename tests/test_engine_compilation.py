@@ -8,13 +8,13 @@ import jax
 import numpy as np
 import pytest
 
-from models import get_config, init_model
+from pagedjax.models import get_config, init_model
 from pagedjax import LLM, EngineConfig, LLMEngine, SamplingParams
 from pagedjax.engine.runner import _step, num_step_compiles, num_step_traces, padding_plan
 from pagedjax.engine.warmup import warmup_shapes
 from pagedjax.text.tokenizer import ByteTokenizer
 from benchmarks.aot.xla_tpu import whole_copies
-from scheduler import DECODE
+from pagedjax.scheduler import DECODE
 
 
 def test_no_compilation_after_warmup(tiny_model):

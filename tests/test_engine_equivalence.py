@@ -4,7 +4,7 @@ from helpers import until_done
 import numpy as np
 import pytest
 
-from models.generate import dense_greedy_generate
+from pagedjax.models.generate import dense_greedy_generate
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
 
 PROMPT_LENS = [3, 17, 1, 40, 9, 25, 64, 2]

@@ -21,7 +21,7 @@ RUNS = {"tp1": {}, "tp2": dict(tensor_parallel_size=2),
 
 
 def gemma_config():
-    from models.config import LlamaConfig, RopeScaling
+    from pagedjax.models.config import LlamaConfig, RopeScaling
     return LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=7, num_heads=4,
         num_kv_heads=2, head_dim=16, initializer_range=0.3, max_position_embeddings=256,
@@ -38,8 +38,8 @@ def child() -> None:
     import jax
     import numpy as np
 
-    from models import init_model
-    from models.generate import dense_greedy_generate
+    from pagedjax.models import init_model
+    from pagedjax.models.generate import dense_greedy_generate
     from pagedjax import LLM, SamplingParams
 
     model = init_model(gemma_config(), seed=0)

@@ -17,8 +17,8 @@ gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from models.gguf_loader import checked_gguf, load_gguf_model  # noqa: E402
-from models.hf import load_hf_model  # noqa: E402
+from pagedjax.models.gguf_loader import checked_gguf, load_gguf_model  # noqa: E402
+from pagedjax.models.hf import load_hf_model  # noqa: E402
 from pagedjax import LLM, SamplingParams  # noqa: E402
 from pagedjax.text.gguf_tokenizer import tokenizer_from_gguf  # noqa: E402
 
@@ -307,7 +307,7 @@ def test_smollm2_tokenizer_equals_transformers(hf_smollm):
     from tokenizers import pre_tokenizers
 
     tokenizer, _ = hf_smollm
-    from models.gguf_loader import metadata
+    from pagedjax.models.gguf_loader import metadata
     ours = tokenizer_from_gguf(metadata(gguf.GGUFReader(smollm_path())))
     reference = copy.deepcopy(tokenizer.backend_tokenizer)
     reference.pre_tokenizer = pre_tokenizers.Sequence([
@@ -335,7 +335,7 @@ def test_a_gguf_tokenizer_saved_as_a_directory_loads_the_same(tmp_path):
     the chat template's rendering."""
     import transformers
 
-    from models.gguf_loader import metadata
+    from pagedjax.models.gguf_loader import metadata
     from pagedjax.text.tokenizer import Tokenizer
     ours = tokenizer_from_gguf(metadata(gguf.GGUFReader(smollm_path())))
     path = ours.save_pretrained(tmp_path / "tokenizer")

@@ -14,12 +14,12 @@ from helpers import assert_same_outputs, run_requests
 
 gguf = pytest.importorskip("gguf")
 
-from models.gguf_blocks import FORMATS, common_format, decode, stored_parts  # noqa: E402
-from models.gguf_loader import lazy_gguf_model, load_gguf_model  # noqa: E402
-from models.quantization import dequantize_np  # noqa: E402
+from pagedjax.models.gguf_blocks import FORMATS, common_format, decode, stored_parts  # noqa: E402
+from pagedjax.models.gguf_loader import lazy_gguf_model, load_gguf_model  # noqa: E402
+from pagedjax.models.quantization import dequantize_np  # noqa: E402
 from pagedjax.engine.config import EngineConfig  # noqa: E402
 from pagedjax.engine.llm_engine import LLMEngine  # noqa: E402
-from scheduler import SamplingParams  # noqa: E402
+from pagedjax.scheduler import SamplingParams  # noqa: E402
 
 # each type's f16 fields (byte offsets in a block): set to sane values in random blocks
 F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
@@ -156,7 +156,7 @@ def test_gguf_blocks_load_without_a_float_copy(tmp_path, monkeypatch):
 
 
 def test_inspect_reports_the_blocks_as_served(tmp_path):
-    from models.hf import inspect_model_dir
+    from pagedjax.models.hf import inspect_model_dir
 
     path = str(tmp_path / "blocks.gguf")
     f32_bytes = write_blocks_gguf(path)

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from pallas_kernels.gpu import mosaic
+from pagedjax.pallas_kernels.gpu import mosaic
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_kernels.py"

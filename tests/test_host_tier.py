@@ -4,9 +4,9 @@ blocks found again as host hits, loaded into new device blocks, LRU, pins and sp
 import pytest
 
 from helpers import check_kv_invariants
-from scheduler import KVCacheManager, Request, SamplingParams
-from scheduler.host_tier import HostTier, host_hit
-from scheduler.kv_cache_groups import HybridKVCacheManager
+from pagedjax.scheduler import KVCacheManager, Request, SamplingParams
+from pagedjax.scheduler.host_tier import HostTier, host_hit
+from pagedjax.scheduler.kv_cache_groups import HybridKVCacheManager
 
 BLOCK = 4
 

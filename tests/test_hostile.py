@@ -19,7 +19,7 @@ from helpers import ROLE_TEMPLATE
 from pagedjax import LLM, SamplingParams
 from pagedjax.serving.app import OpenAIServer
 from pagedjax.serving.background import BackgroundServer
-from scheduler import RequestError
+from pagedjax.scheduler import RequestError
 
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=128)
 MAX_REQUEST_BYTES = 2**20

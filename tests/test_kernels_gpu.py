@@ -6,7 +6,7 @@ import pytest
 from jax.experimental.pallas.ops.gpu import paged_attention as jax_gpu_paged_attention
 
 from test_kernels_reference import build_case, dense_oracle
-from pallas_kernels import (paged_decode_attention_gpu, paged_decode_attention_reference,
+from pagedjax.pallas_kernels import (paged_decode_attention_gpu, paged_decode_attention_reference,
                             ragged_paged_attention_gpu, ragged_paged_attention_reference)
 
 # A covering set rather than the full product (interpret mode is slow): every block size, head
@@ -163,7 +163,7 @@ def assert_same_write(got, want, block_size):
 
 @pytest.mark.parametrize("head_dim, cache_head_dim", [(64, 64), (80, 128)])
 def test_write_kv_gpu_matches_scatter(head_dim, cache_head_dim):
-    from pallas_kernels import write_kv_gpu, write_kv_reference
+    from pagedjax.pallas_kernels import write_kv_gpu, write_kv_reference
     cache, k, v, slots = write_case(np.random.default_rng(head_dim), head_dim, cache_head_dim)
     want = write_kv_reference(jnp.asarray(cache), jnp.asarray(k), jnp.asarray(v), slots)
     got = write_kv_gpu(jnp.asarray(cache), jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots),
@@ -175,7 +175,7 @@ def test_layouts_triton_cannot_build_are_refused_by_name():
     """Triton's tensors have power-of-two dims: a cache whose head dim is not padded (the
     reference layout at head dim 80) or a tile of 3 pages would pass the interpreter and fail
     to lower on a GPU, so the wrappers refuse them on either."""
-    from pallas_kernels import write_kv_gpu
+    from pagedjax.pallas_kernels import write_kv_gpu
     rng = np.random.default_rng(3)
     case = build_case(rng, [(20, 1)], block_size=8, num_heads=4, num_kv_heads=2, head_dim=80)
     assert case["cache"].shape[-1] == 80  # the reference layout

@@ -19,14 +19,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import LlamaConfig, LlamaForCausalLM, serving_form
+from pagedjax.models import LlamaConfig, LlamaForCausalLM, serving_form
 from pagedjax.engine.runner import _step, padding_plan
 from benchmarks.aot import triton_gpu
-from pallas_kernels import (AttentionBackend, init_kv_cache,
+from pagedjax.pallas_kernels import (AttentionBackend, init_kv_cache,
                             paged_decode_attention_gpu, paged_decode_attention_tpu,
                             ragged_paged_attention_gpu, ragged_paged_attention_tpu,
                             write_kv_gpu, write_kv_tpu)
-from scheduler import DECODE, PREFILL
+from pagedjax.scheduler import DECODE, PREFILL
 
 PLATFORM = {"gpu": "cuda", "tpu": "tpu"}
 KERNELS = {
@@ -121,7 +121,7 @@ ESTIMATE_CASES = [
 
 def estimate_case(case, pages_per_step, rows):
     """(kernel fn at pages_per_step, abstract args, gpu.triton.shared_memory_bytes for it)."""
-    from pallas_kernels.gpu import triton
+    from pagedjax.pallas_kernels.gpu import triton
     kind, head_dim, dtype, block_size, width, _ = GPU_CASES[case]
     fn = KERNELS["gpu"][0 if kind == "decode" else 1]
     args = kernel_args(kind, "gpu", head_dim, dtype, block_size=block_size, width=width)
@@ -143,7 +143,7 @@ def abstract_step(config, kind, *, num_tokens, num_seqs, num_blocks, max_blocks_
     from pagedjax.engine.runner import step_fn
     model = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
     if quantization is not None:  # computing in param_dtype, as a bf16 engine does
-        from models.quantized_layers import quantize_model
+        from pagedjax.models.quantized_layers import quantize_model
         model = quantize_model(nnx.eval_shape(lambda: LlamaForCausalLM(
             config, rngs=nnx.Rngs(0), dtype=param_dtype, param_dtype=param_dtype)),
             quantization, lm_head=True)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import (AttentionMetadata, init_kv_cache, kv_cache_shape, paged_attention,
+from pagedjax.pallas_kernels import (AttentionMetadata, init_kv_cache, kv_cache_shape, paged_attention,
                             paged_decode_attention_reference, ragged_paged_attention_reference,
                             write_kv_reference)
 
@@ -201,7 +201,7 @@ def test_paged_attention_writes_then_attends():
 
 
 def test_backend_names_are_checked():
-    from pallas_kernels import AttentionBackend, resolve_backend
+    from pagedjax.pallas_kernels import AttentionBackend, resolve_backend
     assert resolve_backend("auto") == AttentionBackend("reference")  # on CPU
     assert resolve_backend("gpu", interpret=True) == AttentionBackend("gpu", True)
     with pytest.raises(ValueError, match="attention backend"):

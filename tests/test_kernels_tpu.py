@@ -10,10 +10,10 @@ from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as j
 
 from test_kernels_gpu import as_dtype, decode_seqs, ragged_seqs, tolerance
 from test_kernels_reference import build_case, dense_oracle
-from pallas_kernels import (IMPLEMENTATIONS, paged_decode_attention_reference,
+from pagedjax.pallas_kernels import (IMPLEMENTATIONS, paged_decode_attention_reference,
                             paged_decode_attention_tpu, ragged_paged_attention_reference,
                             ragged_paged_attention_tpu)
-from pallas_kernels.layout import NULL_BLOCK
+from pagedjax.pallas_kernels.layout import NULL_BLOCK
 
 # The TPU interpreter is slower than the GPU one: a smaller covering set.
 CASES = [
@@ -120,7 +120,7 @@ def test_write_kv_tpu_matches_scatter(dtype, pattern):
     """Every slot pattern, in a 32-bit and a packed 16-bit cache (whose pages the kernel
     rewrites whole): exactly the scatter's result outside the null block."""
     from test_kernels_gpu import assert_same_write, write_case
-    from pallas_kernels import write_kv_reference, write_kv_tpu
+    from pagedjax.pallas_kernels import write_kv_reference, write_kv_tpu
     cache, k, v, slots = write_case(np.random.default_rng(3), 80, 80, num_tokens=16)
     if pattern == "engine":
         slots = engine_slots()
@@ -136,9 +136,9 @@ def test_write_kv_tpu_quantized_matches_scatter(dtype, pattern):
     size): the kernel quantizes as the scatter does and puts values and scales in place, bit
     for bit, and leaves the padding lanes alone."""
     from test_kernels_gpu import write_case
-    from pallas_kernels import write_kv_reference, write_kv_tpu
-    from pallas_kernels.layout import scale_lanes
-    from pallas_kernels.quant import QuantizedKV, quantize
+    from pagedjax.pallas_kernels import write_kv_reference, write_kv_tpu
+    from pagedjax.pallas_kernels.layout import scale_lanes
+    from pagedjax.pallas_kernels.quant import QuantizedKV, quantize
     cache, k, v, slots = write_case(np.random.default_rng(5), 128, 128, num_tokens=16)
     if pattern == "engine":
         slots = engine_slots()
@@ -159,9 +159,9 @@ def test_write_kv_tpu_quantized_matches_scatter(dtype, pattern):
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
 def test_copy_blocks_tpu_matches_scatter(dtype):
     """Copy-on-write by DMA, every array of the cache, only the first num_copies pairs."""
-    from pallas_kernels import init_kv_cache
-    from pallas_kernels.tpu.write import copy_blocks_tpu
-    from pallas_kernels.layout import copy_blocks
+    from pagedjax.pallas_kernels import init_kv_cache
+    from pagedjax.pallas_kernels.tpu.write import copy_blocks_tpu
+    from pagedjax.pallas_kernels.layout import copy_blocks
     rng = np.random.default_rng(6)
     cache = jax.tree.map(
         lambda a: jnp.asarray(rng.standard_normal(a.shape) * 50).astype(a.dtype),
@@ -177,7 +177,7 @@ def test_copy_blocks_tpu_matches_scatter(dtype):
 
 def test_write_kv_tpu_repeated_slots_keep_the_last_token():
     """Tokens sharing a slot: the last one's K/V stays, as a sequential scatter leaves it."""
-    from pallas_kernels import write_kv_tpu
+    from pagedjax.pallas_kernels import write_kv_tpu
     rng = np.random.default_rng(4)
     cache = rng.standard_normal((2, 2, 12, 8, 128)).astype(np.float32)
     k, v = (rng.standard_normal((9, 2, 128)).astype(np.float32) for _ in range(2))
@@ -193,8 +193,8 @@ def test_write_kv_tpu_repeated_slots_keep_the_last_token():
 
 def test_null_block_agrees_with_the_scheduler():
     """The TPU write skips the null block's slots: it must be the scheduler's null block."""
-    from pallas_kernels.layout import NULL_BLOCK
-    from scheduler import NULL_BLOCK as SCHEDULER_NULL_BLOCK
+    from pagedjax.pallas_kernels.layout import NULL_BLOCK
+    from pagedjax.scheduler import NULL_BLOCK as SCHEDULER_NULL_BLOCK
     assert NULL_BLOCK == SCHEDULER_NULL_BLOCK
 
 

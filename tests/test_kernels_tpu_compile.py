@@ -73,10 +73,10 @@ def build_step(name, devices=None):
     from flax import nnx
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from models import LlamaConfig, LlamaForCausalLM, serving_form
+    from pagedjax.models import LlamaConfig, LlamaForCausalLM, serving_form
     from pagedjax.parallel import sharding
     from pagedjax.engine.runner import padding_plan, step_fn
-    from pallas_kernels import AttentionBackend, init_kv_cache
+    from pagedjax.pallas_kernels import AttentionBackend, init_kv_cache
 
     kind, _, dtype = name.removesuffix("-tp4").partition("-")
 
@@ -122,7 +122,7 @@ def build(name, devices=None):
         kind, sizes = LARGE[name]
         args = kernel_args(kind, "tpu", 128, jnp.bfloat16, **sizes)
         if kind == "write":  # the kernel alone: XLA's sort of 64k slots takes 20 s to build
-            from pallas_kernels.tpu.write import write_pages_tpu
+            from pagedjax.pallas_kernels.tpu.write import write_pages_tpu
             i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
             tokens = sizes["tokens"]
             return write_pages_tpu, (*args[:3], i32(()), i32((tokens,)), i32((tokens,)),
@@ -133,11 +133,11 @@ def build(name, devices=None):
     block_size, (num_heads, num_kv_heads) = shape or (16, (32, 8))
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
     if kind == "copy":
-        from pallas_kernels.tpu.write import copy_blocks_tpu
+        from pagedjax.pallas_kernels.tpu.write import copy_blocks_tpu
         return copy_blocks_tpu, (cache_struct("tpu", head_dim, dtype), i32((8,)), i32((8,)),
                                  i32(()))
     if kind == "swap":
-        from pallas_kernels import gather_blocks, scatter_blocks
+        from pagedjax.pallas_kernels import gather_blocks, scatter_blocks
         cache = cache_struct("tpu", head_dim, dtype)
         return scatter_blocks, (cache, i32((8,)),
                                 jax.eval_shape(gather_blocks, cache, i32((8,))))
@@ -231,7 +231,7 @@ def test_kernel_compiles_for_tpu_at_production_sizes(case, compiled):
 
 
 def test_kv_write_refuses_more_tokens_than_smem_holds():
-    from pallas_kernels.tpu.write import MAX_WRITE_TOKENS
+    from pagedjax.pallas_kernels.tpu.write import MAX_WRITE_TOKENS
     args = kernel_args("write", "tpu", 128, jnp.bfloat16, tokens=MAX_WRITE_TOKENS + 1)
     with pytest.raises(ValueError, match=f"at most {MAX_WRITE_TOKENS} tokens a step"):
         jax.eval_shape(KERNELS["tpu"][2], *args)

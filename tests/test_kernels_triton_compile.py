@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("triton", reason="a test dependency: requirements/test.txt")
 
 from benchmarks.aot import triton_gpu  # noqa: E402
-from pallas_kernels.gpu import common as gpu_common  # noqa: E402
+from pagedjax.pallas_kernels.gpu import common as gpu_common  # noqa: E402
 from test_kernels_lowering import GPU_CASES as CASES  # noqa: E402
 from test_kernels_lowering import ESTIMATE_CASES, KERNELS, estimate_case  # noqa: E402
 from test_kernels_lowering import abstract_step, gpu_case, kernel_args  # noqa: E402
@@ -116,7 +116,7 @@ def test_fp8_cache_is_refused_below_sm89(target):
 def test_engine_step_kernels_build_for_h200(kind, target):
     """Every Triton kernel of the engine's jitted step (gpu backend, a Llama-shaped attention:
     32 query / 8 KV heads of 128, block 16, bf16) builds and fits an H200."""
-    from models import LlamaConfig
+    from pagedjax.models import LlamaConfig
 
     target(H200)
     config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_layers=1,

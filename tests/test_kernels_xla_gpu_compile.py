@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks.aot import xla_gpu
-from scheduler.chips import CHIPS
+from pagedjax.scheduler.chips import CHIPS
 
 if (problem := xla_gpu.available()) is not None:
     pytest.skip(problem, allow_module_level=True)
@@ -99,7 +99,7 @@ def test_engine_step_compiles_for_h200(kind, dtype):
     attention kernel compiled once, in the body of the scan over layers, the cache updated
     where it lies (no temporary the size of a layer's pool, the output aliasing it), int8
     caches included."""
-    from models import LlamaConfig
+    from pagedjax.models import LlamaConfig
 
     config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_layers=2,
                          num_heads=32, num_kv_heads=8, head_dim=128)

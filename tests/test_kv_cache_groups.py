@@ -9,9 +9,9 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from helpers import check_kv_invariants, make_request
-from scheduler import NULL_BLOCK
-from scheduler.kv_cache_groups import HybridKVCacheManager
-from scheduler.kv_cache_manager import cdiv
+from pagedjax.scheduler import NULL_BLOCK
+from pagedjax.scheduler.kv_cache_groups import HybridKVCacheManager
+from pagedjax.scheduler.kv_cache_manager import cdiv
 
 
 def grow(kv, request, num_new):

@@ -7,8 +7,8 @@ import pytest
 
 from test_kernels_reference import SEQS, build_case, dense_oracle
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
-from pallas_kernels import kv_cache_bytes_per_block, ragged_paged_attention_reference
-from pallas_kernels.quant import QuantizedKV, dequantize, quantize
+from pagedjax.pallas_kernels import kv_cache_bytes_per_block, ragged_paged_attention_reference
+from pagedjax.pallas_kernels.quant import QuantizedKV, dequantize, quantize
 
 
 def test_quantize_error_is_within_half_a_step():
@@ -85,7 +85,7 @@ def test_int8_engine_tokens_agree_with_f32_and_blocks_shrink(tiny_model):
 @pytest.mark.parametrize("backend, dtype", [("gpu", jnp.int8), ("gpu", jnp.float8_e4m3fn),
                                             ("tpu", jnp.int8), ("tpu", jnp.float8_e4m3fn)])
 def test_pallas_kernels_read_quantized_caches(backend, dtype):
-    from pallas_kernels import IMPLEMENTATIONS, paged_decode_attention_reference
+    from pagedjax.pallas_kernels import IMPLEMENTATIONS, paged_decode_attention_reference
     ragged_kernel = IMPLEMENTATIONS[backend].ragged
     decode_kernel = IMPLEMENTATIONS[backend].decode
     rng = np.random.default_rng(2)

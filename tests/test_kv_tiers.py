@@ -17,7 +17,7 @@ from helpers import until_done
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
 from pagedjax.engine.kv_disk_tier import MAGIC, SUFFIX, DiskTier
 from pagedjax.engine.block_transfers import host_block, set_host_block
-from scheduler.block_hash import hash_block, root_hash
+from pagedjax.scheduler.block_hash import hash_block, root_hash
 
 BASE = dict(max_model_len=96, max_num_seqs=4, max_num_batched_tokens=32, min_seq_bucket=4,
             block_size=4, num_blocks=24)
@@ -233,7 +233,7 @@ def test_a_full_disk_degrades_to_the_host_tier(tiny_model, recomputed, tmp_path,
 SECOND_PROCESS = """
 import json, sys
 sys.path.insert(0, "tests")
-from models import get_config, init_model
+from pagedjax.models import get_config, init_model
 from pagedjax import EngineConfig, LLMEngine
 from test_kv_tiers import BASE, BLOCK_BYTES, run_rounds, sessions
 engine = LLMEngine(init_model(get_config("debug-tiny"), seed=0), EngineConfig(

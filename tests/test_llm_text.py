@@ -14,9 +14,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from models import get_config, init_model  # noqa: E402
-from models.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from models.hf import load_hf_model  # noqa: E402
+from pagedjax.models import get_config, init_model  # noqa: E402
+from pagedjax.models.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from pagedjax.models.hf import load_hf_model  # noqa: E402
 from pagedjax import LLM, SamplingParams  # noqa: E402
 from pagedjax.text.tokenizer import Tokenizer  # noqa: E402
 from tokenizer_builders import LLAMA3_SPECIALS, LLAMA3_TEMPLATE, train_byte_level  # noqa: E402

@@ -111,10 +111,10 @@ def test_a_step_updates_the_pool_in_place(num_kv_heads, kv_cache_dtype):
     a 26-layer model's decode step went from 47 to 595 ms as its pool grew 13x.)"""
     import numpy as np
 
-    from models import get_config, init_model
+    from pagedjax.models import get_config, init_model
     from pagedjax.engine.config import EngineConfig
     from pagedjax.engine.runner import ModelRunner
-    from scheduler import DECODE, PREFILL
+    from pagedjax.scheduler import DECODE, PREFILL
 
     config = dataclasses.replace(get_config("demo-small"), num_layers=2, num_heads=4,
                                  num_kv_heads=num_kv_heads, head_dim=64, hidden_size=256,

@@ -17,8 +17,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from helpers import until_done  # noqa: E402
-from models.hf import inspect_model_dir, load_hf_model, read_hf_config  # noqa: E402
-from models.registry import ARCHITECTURES  # noqa: E402
+from pagedjax.models.hf import inspect_model_dir, load_hf_model, read_hf_config  # noqa: E402
+from pagedjax.models.registry import ARCHITECTURES  # noqa: E402
 from pagedjax import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from test_models_hf import F32_TOL, engine_greedy, hf_greedy, hf_logits, prompts  # noqa: E402
 

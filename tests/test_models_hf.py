@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from models.hf import UnsupportedModelError, inspect_model_dir, load_hf_model, read_hf_config  # noqa: E402
+from pagedjax.models.hf import UnsupportedModelError, inspect_model_dir, load_hf_model, read_hf_config  # noqa: E402
 from pagedjax import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import LlamaConfig, get_config, init_model, serving
-from models.llama import rope
+from pagedjax.models import LlamaConfig, get_config, init_model, serving
+from pagedjax.models.llama import rope
 from pagedjax.engine.runner import padding_plan, step_fn
-from pallas_kernels import AttentionBackend, AttentionMetadata, init_kv_cache
+from pagedjax.pallas_kernels import AttentionBackend, AttentionMetadata, init_kv_cache
 
 CONFIG = get_config("debug-tiny")
 

@@ -16,9 +16,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from helpers import until_done  # noqa: E402,F401
-from models.hf import inspect_model_dir, load_hf_model, read_hf_config  # noqa: E402
-from models.moe import Experts, route  # noqa: E402
-from models.registry import ARCHITECTURES  # noqa: E402
+from pagedjax.models.hf import inspect_model_dir, load_hf_model, read_hf_config  # noqa: E402
+from pagedjax.models.moe import Experts, route  # noqa: E402
+from pagedjax.models.registry import ARCHITECTURES  # noqa: E402
 from test_models_hf import (F32_TOL, engine_greedy, hf_greedy, hf_logits,  # noqa: E402
                             prompts, randomize_vectors)
 
@@ -145,7 +145,7 @@ def test_moe_paged_engine_greedy_equals_transformers_generate(moe, engine):
 def _experts(num_experts=8, seed=0):
     from flax import nnx
 
-    from models.config import LlamaConfig
+    from pagedjax.models.config import LlamaConfig
     config = LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=24, num_layers=1,
                          num_heads=2, num_kv_heads=1, num_experts=num_experts,
                          num_experts_per_tok=2, initializer_range=0.3)
@@ -160,7 +160,7 @@ def test_grouped_experts_equal_every_expert_on_every_token(case, implementation,
     spanning chunks) against every expert on every token mixed by the routing weights: every token on the same two experts (two groups hold everything), an
     expert no token picks (an empty group), and padding tokens past num_valid (routed nowhere:
     zero output, whatever their router said)."""
-    from models import moe_experts
+    from pagedjax.models import moe_experts
     monkeypatch.setattr(moe_experts, "ragged_chunk", lambda width: 16)  # ragged_dot: 5 chunks
     experts = _experts()
     rng = np.random.default_rng(1)
@@ -195,7 +195,7 @@ def test_route_renormalises_only_when_asked():
 def test_expert_parallel_is_refused_where_it_cannot_apply():
     """--enable-expert-parallel on a dense model, or with experts that do not split over the
     devices, is refused by name before anything is built."""
-    from models import LlamaConfig, get_config, init_model
+    from pagedjax.models import LlamaConfig, get_config, init_model
     from pagedjax import EngineConfig, LLMEngine
     from pagedjax.parallel.placement import check_expert_parallel
 

@@ -27,7 +27,7 @@ RUNS = {"tp1": {}, "tp2": dict(tensor_parallel_size=2), "tp4": dict(tensor_paral
 
 
 def moe_configs():
-    from models.config import LlamaConfig
+    from pagedjax.models.config import LlamaConfig
     common = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_heads=4,
                   num_kv_heads=2, head_dim=16, initializer_range=0.3,
                   max_position_embeddings=256, num_experts=8)
@@ -54,9 +54,9 @@ def child() -> None:
     import jax
     import numpy as np
 
-    from models import init_model
-    from models.generate import dense_greedy_generate
-    from models.quantized_layers import quantize_model
+    from pagedjax.models import init_model
+    from pagedjax.models.generate import dense_greedy_generate
+    from pagedjax.models.quantized_layers import quantize_model
     from pagedjax import LLM, SamplingParams
 
     rng = np.random.default_rng(0)

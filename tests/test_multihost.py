@@ -37,7 +37,7 @@ def worker(process_id: int, port: int, die_after: int | None, tiers: bool = Fals
     import jax
     import numpy as np
 
-    from models import get_config, init_model
+    from pagedjax.models import get_config, init_model
     from pagedjax import LLM, SamplingParams
     from pagedjax.parallel import multihost
 

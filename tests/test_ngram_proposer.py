@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scheduler.ngram_proposer import NgramProposer
+from pagedjax.scheduler.ngram_proposer import NgramProposer
 
 
 def reference(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:

@@ -14,7 +14,7 @@ from helpers import run_requests as run
 from pagedjax import LLM, SamplingParams
 from pagedjax.serving.app import OpenAIServer
 from pagedjax.text.tokenizer import ByteTokenizer
-from scheduler import RequestError
+from pagedjax.scheduler import RequestError
 from test_server import ENGINE, ROLE_TEMPLATE
 from test_speculative import NGRAM, byte_model, make_engine  # noqa: F401 - a fixture
 

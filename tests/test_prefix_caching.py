@@ -5,7 +5,7 @@ import pytest
 
 from helpers import check_kv_invariants, make_request, until_done
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
-from scheduler import Scheduler, SchedulerConfig
+from pagedjax.scheduler import Scheduler, SchedulerConfig
 
 BLOCK = 4
 
@@ -158,7 +158,7 @@ def test_hit_is_capped_one_token_short():
 def test_block_hashes_are_chained_to_their_prefix():
     """A block whose tokens equal a cached block's, after a different prefix, is not a hit: its
     K/V depends on everything before it (unchained hashes would find every block here)."""
-    from scheduler import Request, SamplingParams
+    from pagedjax.scheduler import Request, SamplingParams
 
     def request(request_id, *blocks):
         tokens = [t for b in blocks for t in [b] * BLOCK] + [9]

@@ -33,7 +33,7 @@ CHILD = textwrap.dedent('''
         except md.PackageNotFoundError:
             pass
     owners = md.packages_distributions()
-    first_party = {"pagedjax", "scheduler", "models", "pallas_kernels"}
+    first_party = {"pagedjax"}
 
     class Refuse:
         def find_spec(self, fullname, path=None, target=None):

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 import hypothesis.strategies as st
 
 from helpers import make_request, simulate
-from scheduler import (DECODE, DECODE_FIRST, NULL_BLOCK, POLICIES, PREFILL,
+from pagedjax.scheduler import (DECODE, DECODE_FIRST, NULL_BLOCK, POLICIES, PREFILL,
                        PREFILL_FIRST, Scheduler, SchedulerConfig, ShapeBuckets)
 
 

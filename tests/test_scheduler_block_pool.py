@@ -6,7 +6,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import pytest
 
 from helpers import check_kv_invariants, make_request
-from scheduler import NULL_BLOCK, BlockPool, KVCacheManager
+from pagedjax.scheduler import NULL_BLOCK, BlockPool, KVCacheManager
 
 
 class KVCacheMachine(RuleBasedStateMachine):

@@ -26,10 +26,10 @@ from helpers import ROLE_TEMPLATE, complete, wait_healthy
 from pagedjax import LLM, EngineConfig, LLMEngine, SamplingParams, load_model
 from pagedjax.llm import DEFAULT_MODEL
 from pagedjax.serving.app import OpenAIServer
-from scheduler import SchedulerConfig, ShapeBuckets
-from scheduler.cost_model import StepCostModel
-from scheduler.simulator import simulate
-from scheduler.trace import load_trace, prefix_hashes
+from pagedjax.scheduler import SchedulerConfig, ShapeBuckets
+from pagedjax.scheduler.cost_model import StepCostModel
+from pagedjax.scheduler.simulator import simulate
+from pagedjax.scheduler.trace import load_trace, prefix_hashes
 
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=128)
 PROMPTS = ["copy:hello=", "rev:paged=", "copy:kv cache=", "rev:block table="]

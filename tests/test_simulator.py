@@ -11,10 +11,10 @@ import pytest
 
 from pagedjax import LLM
 from pagedjax.tools.profiling import run_trace
-from scheduler import DECODE, PREFILL, SchedulerConfig, ShapeBuckets
-from scheduler.cost_model import StepCostModel
-from scheduler.simulator import simulate
-from scheduler.trace import TraceRequest, load_trace, save_trace
+from pagedjax.scheduler import DECODE, PREFILL, SchedulerConfig, ShapeBuckets
+from pagedjax.scheduler.cost_model import StepCostModel
+from pagedjax.scheduler.simulator import simulate
+from pagedjax.scheduler.trace import TraceRequest, load_trace, save_trace
 
 
 def test_trace_requests_validate_and_round_trip(tmp_path):
@@ -140,9 +140,9 @@ def test_simulate_cli_sweeps_configs(tmp_path, capsys):
 
 
 def test_roofline_estimate_matches_the_formula():
-    from models import get_config
-    from scheduler.chips import CHIPS
-    from scheduler.cost_model import RooflineCost
+    from pagedjax.models import get_config
+    from pagedjax.scheduler.chips import CHIPS
+    from pagedjax.scheduler.cost_model import RooflineCost
 
     config = get_config("llama-3-8b")
     kv_per_token = config.kv_bytes_per_token(2)
@@ -178,10 +178,10 @@ def test_simulate_cli_plans_with_the_roofline(tmp_path, capsys):
 
 
 def test_tensor_parallel_roofline_splits_the_work_and_adds_the_collectives():
-    from models import get_config
+    from pagedjax.models import get_config
     from pagedjax.parallel.plan import roofline_cost
     from pagedjax.parallel.sharding import kv_bytes_per_block_per_device, weight_bytes_per_device
-    from scheduler.chips import CHIPS
+    from pagedjax.scheduler.chips import CHIPS
 
     config = get_config("llama-3-8b")
     chip = CHIPS["tpu-v5e"]
@@ -241,9 +241,9 @@ def test_step_features_count_what_a_sliding_layer_attends():
     """A 100-token chunk from position 1,000 on a model of one full and three 64-window layers:
     the full layer reads 1,100 keys, each sliding one 163 (the window before the chunk's first
     token and the chunk), and their (query, key) pairs are 64 a query."""
-    from scheduler import Request, SamplingParams
-    from scheduler.cost_model import attended, step_features
-    from scheduler.state import ScheduledSeq, SchedulerOutput
+    from pagedjax.scheduler import Request, SamplingParams
+    from pagedjax.scheduler.cost_model import attended, step_features
+    from pagedjax.scheduler.state import ScheduledSeq, SchedulerOutput
 
     assert attended(1000, 100, None) == (1100, 100 * 1000 + 100 * 101 / 2)
     assert attended(1000, 100, 64) == (163, 100 * 64)
@@ -263,10 +263,10 @@ def test_simulate_counts_a_hybrid_models_kv_cache_groups(tmp_path, capsys):
     """Gemma-3-4B on a v5e's 4 GiB of KV, 16k-token prompts: with KV cache groups (a sliding
     group holds its 1,024-token window) the pool holds several times the requests it holds when
     every layer keeps the whole context, and the run preempts less and ends sooner."""
-    from models import get_config
-    from models.kv_groups import kv_cache_groups
+    from pagedjax.models import get_config
+    from pagedjax.models.kv_groups import kv_cache_groups
     from pagedjax.tools.cli import main
-    from scheduler.kv_cache_groups import blocks_for
+    from pagedjax.scheduler.kv_cache_groups import blocks_for
 
     trace = tmp_path / "trace.jsonl"
     save_trace(trace, [TraceRequest(0.05 * i, 16000, 32) for i in range(16)])
@@ -297,9 +297,9 @@ def test_roofline_of_a_mixture_counts_active_parameters_and_picked_experts():
     """Qwen3-30B-A3B: FLOPs from the 3.35B parameters a token reads, not the 30.5B; a decode
     step reads the experts its tokens pick (8 of 128 for one token, nearly all for 256) on top
     of the rest of the weights."""
-    from models import get_config
+    from pagedjax.models import get_config
     from pagedjax.parallel.plan import roofline_cost
-    from scheduler.chips import CHIPS
+    from pagedjax.scheduler.chips import CHIPS
 
     config = get_config("qwen3-30b-a3b")
     cost = roofline_cost(config, CHIPS["h200"])

@@ -7,8 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from models import get_config, init_model
-from models.generate import dense_greedy_generate
+from pagedjax.models import get_config, init_model
+from pagedjax.models.generate import dense_greedy_generate
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
 
 WINDOW = 10

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 from helpers import run_requests as run
-from models import get_config, init_model
+from pagedjax.models import get_config, init_model
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
 from pagedjax.engine.beam_search import BeamSearchParams, beam_search
 from pagedjax.engine.warmup import warmup_shapes
 from pagedjax.engine.speculative import SpeculativeConfig
 from pagedjax.text.tokenizer import ByteTokenizer
-from scheduler import Request, Scheduler, SchedulerConfig
+from pagedjax.scheduler import Request, Scheduler, SchedulerConfig
 
 NGRAM = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
 
@@ -328,8 +328,8 @@ def test_penalties_count_the_drafts_before_each_position():
     """expand_rows: the row verifying draft j sees the request's tokens and its first j drafts
     (what plain decoding's penalties count there), at the position of the token it samples."""
     from pagedjax.engine import rejection_sampler
-    from scheduler import SAMPLING_FIELDS
-    from scheduler.plan import penalty_tokens
+    from pagedjax.scheduler import SAMPLING_FIELDS
+    from pagedjax.scheduler.plan import penalty_tokens
     tokens, prompt_lens = penalty_tokens(
         [Request("p", [3, 4], SamplingParams(presence_penalty=1.0), seed=0, arrival_time=0),
          None], 2, 8)

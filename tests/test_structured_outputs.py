@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from helpers import run_requests as run
-from models import get_config, init_model
+from pagedjax.models import get_config, init_model
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
 from pagedjax.text.tokenizer import ByteTokenizer
 

@@ -46,7 +46,7 @@ def child() -> None:
     import jax
     import numpy as np
 
-    from models import get_config, init_model
+    from pagedjax.models import get_config, init_model
     from pagedjax import LLM, SamplingParams
     from pagedjax.parallel.sharding import kv_bytes_per_block_per_device, weight_bytes_per_device
 
@@ -162,7 +162,7 @@ def quantized_runs(prompts, params) -> dict:
     projection has 2 groups of 128 rows (split with the rows under TP 2; TP 4 refused)."""
     import jax
 
-    from models import get_config, init_model
+    from pagedjax.models import get_config, init_model
     from pagedjax import LLM
     from pagedjax.parallel.sharding import weight_bytes_per_device
 
@@ -211,13 +211,13 @@ def placed_loading(model) -> dict:
     import jax
     import numpy as np
 
-    from models.checkpoint import load_checkpoint, save_checkpoint
-    from models.hf import load_hf_model
+    from pagedjax.models.checkpoint import load_checkpoint, save_checkpoint
+    from pagedjax.models.hf import load_hf_model
     from pagedjax import LLM, SamplingParams
     from pagedjax.parallel.sharding import kv_bytes_per_block_per_device, weight_bytes_per_device
     from test_models_hf import build_hf
 
-    import models.placed_weights as placed
+    import pagedjax.models.placed_weights as placed
 
     read = placed.file_slice
     elements_read = [0]
@@ -275,7 +275,7 @@ def kernels_under_shard_map() -> dict:
     import numpy as np
 
     from pagedjax.parallel.sharding import make_mesh
-    from pallas_kernels import AttentionBackend, AttentionMetadata, paged_attention
+    from pagedjax.pallas_kernels import AttentionBackend, AttentionMetadata, paged_attention
     from test_kernels_reference import build_case
 
     errors = {}

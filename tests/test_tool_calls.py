@@ -16,7 +16,7 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from models import get_config, init_model
+from pagedjax.models import get_config, init_model
 from pagedjax import LLM
 from pagedjax.serving.app import OpenAIServer
 from pagedjax.serving.background import BackgroundServer

@@ -16,8 +16,8 @@ from pagedjax import LLM
 from pagedjax.serving.app import OpenAIServer
 from pagedjax.serving.background import BackgroundServer
 from pagedjax.tools.cli import main as cli_main
-from scheduler.trace import TraceRequest, load_trace
-from scheduler.workload import workload_profile
+from pagedjax.scheduler.trace import TraceRequest, load_trace
+from pagedjax.scheduler.workload import workload_profile
 from test_server import ENGINE
 
 

@@ -26,8 +26,8 @@ import jax
 from jax.sharding import AbstractDevice, AbstractMesh
 from jaxlib.mlir import ir
 
-from pallas_kernels.gpu.common import shared_memory_limit
-from scheduler.chips import GPU_CHIPS
+from pagedjax.pallas_kernels.gpu.common import shared_memory_limit
+from pagedjax.scheduler.chips import GPU_CHIPS
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 # A device kind of each compute capability in the chip table, as jax's Triton lowering knows it

@@ -29,7 +29,7 @@ import re
 import tempfile
 import time
 
-from scheduler.chips import Chip, gpu_chip
+from pagedjax.scheduler.chips import Chip, gpu_chip
 
 
 def target_config(chip: Chip) -> str:

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from scheduler import RequestError, SamplingParams, check_admission
-from scheduler.errors import check_float
+from pagedjax.scheduler import RequestError, SamplingParams, check_admission
+from pagedjax.scheduler.errors import check_float
 
 if TYPE_CHECKING:
     from pagedjax.engine.llm_engine import LLMEngine

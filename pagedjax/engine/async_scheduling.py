@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pagedjax.engine.step_recovery import is_device_oom
-from scheduler.async_steps import advance_ahead, drop_placeholders
+from pagedjax.scheduler.async_steps import advance_ahead, drop_placeholders
 
 if TYPE_CHECKING:
     from pagedjax.engine.llm_engine import LLMEngine

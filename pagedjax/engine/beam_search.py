@@ -11,9 +11,9 @@ import dataclasses
 from typing import Sequence
 
 from pagedjax.engine.admission import PromptSpec, check_prompt_token_ids, check_specs
-from scheduler import RequestError, SamplingParams
-from scheduler.errors import check_bool, check_float, check_int
-from scheduler.request import INT32_MAX
+from pagedjax.scheduler import RequestError, SamplingParams
+from pagedjax.scheduler.errors import check_bool, check_float, check_int
+from pagedjax.scheduler.request import INT32_MAX
 
 
 @dataclasses.dataclass(frozen=True)

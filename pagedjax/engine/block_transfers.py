@@ -19,8 +19,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from pallas_kernels import gather_blocks, layer_blocks, scatter_blocks
-from scheduler import NULL_BLOCK
+from pagedjax.pallas_kernels import gather_blocks, layer_blocks, scatter_blocks
+from pagedjax.scheduler import NULL_BLOCK
 
 
 class BlockTransfers:

@@ -6,10 +6,10 @@ import dataclasses
 
 import numpy as np
 
-from models.quantization import SCHEMES
+from pagedjax.models.quantization import SCHEMES
 from pagedjax.engine.speculative import SpeculativeConfig
-from pallas_kernels import BACKEND_NAMES, check_backend
-from scheduler import SchedulerConfig, ShapeBuckets, cdiv
+from pagedjax.pallas_kernels import BACKEND_NAMES, check_backend
+from pagedjax.scheduler import SchedulerConfig, ShapeBuckets, cdiv
 
 DTYPES = ("float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")

@@ -26,7 +26,7 @@ import numpy as np
 
 from pagedjax.engine.runner import ModelRunner, forward_fn, padding_plan
 from pagedjax.engine.warmup import warm
-from scheduler import (DECODE, FORWARD_FIELDS, PREFILL, KVCacheManager, Request, SamplingParams,
+from pagedjax.scheduler import (DECODE, FORWARD_FIELDS, PREFILL, KVCacheManager, Request, SamplingParams,
                        ScheduledSeq, SchedulerOutput, ShapeBuckets, build_plan)
 
 _GREEDY = SamplingParams(max_tokens=1, temperature=0.0)

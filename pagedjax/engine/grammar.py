@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from scheduler import RequestError, StructuredOutputs
+from pagedjax.scheduler import RequestError, StructuredOutputs
 
 FIELD = "structured_outputs"
 

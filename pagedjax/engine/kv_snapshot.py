@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from scheduler import NULL_BLOCK
+from pagedjax.scheduler import NULL_BLOCK
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,8 +30,8 @@ import numpy as np
 
 from pagedjax.engine.kv_disk_tier import DiskTier
 from pagedjax.engine.block_transfers import host_block, set_host_block, store_blocks
-from scheduler import RequestStatus
-from scheduler.block_hash import block_hashes
+from pagedjax.scheduler import RequestStatus
+from pagedjax.scheduler.block_hash import block_hashes
 
 
 def weights_fingerprint(params, samples: int = 64) -> str:

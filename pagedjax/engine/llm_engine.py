@@ -10,10 +10,10 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from models import LlamaForCausalLM
-from models.kv_groups import kv_cache_groups
-from models.quantized_loading import for_serving as quantized_for_serving
-from scheduler.kv_cache_groups import blocks_for
+from pagedjax.models import LlamaForCausalLM
+from pagedjax.models.kv_groups import kv_cache_groups
+from pagedjax.models.quantized_loading import for_serving as quantized_for_serving
+from pagedjax.scheduler.kv_cache_groups import blocks_for
 from pagedjax.engine import memory_budget, prompt_logprobs
 from pagedjax.engine.admission import Admission, PromptSpec, check_specs
 from pagedjax.engine.async_scheduling import AsyncScheduling
@@ -33,8 +33,8 @@ from pagedjax.engine.warmup import BackgroundWarmup, warm
 from pagedjax.parallel import multihost
 from pagedjax.parallel.placement import place
 from pagedjax.parallel.sharding import kv_head_repeats
-from pallas_kernels import check_num_slots, kv_cache_bytes_per_block
-from scheduler import (DECODE, Request, RequestStatus, SamplingParams, Scheduler, build_plan,
+from pagedjax.pallas_kernels import check_num_slots, kv_cache_bytes_per_block
+from pagedjax.scheduler import (DECODE, Request, RequestStatus, SamplingParams, Scheduler, build_plan,
                        make_samples)
 
 

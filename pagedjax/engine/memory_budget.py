@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from pagedjax.engine import sampling_step
-from scheduler import DECODE, PREFILL
+from pagedjax.scheduler import DECODE, PREFILL
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,7 @@ first stop string, with the tail that could still become one held back."""
 from __future__ import annotations
 
 from pagedjax.text.tokenizer import IncrementalDetokenizer, StopStringMatcher
-from scheduler import Request
+from pagedjax.scheduler import Request
 
 
 class TextState:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from scheduler import Request
-from scheduler.request import Logprob
+from pagedjax.scheduler import Request
+from pagedjax.scheduler.request import Logprob
 
 
 @dataclasses.dataclass(frozen=True)

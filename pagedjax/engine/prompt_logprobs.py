@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from models import serving
-from scheduler.request import Logprob
+from pagedjax.models import serving
+from pagedjax.scheduler.request import Logprob
 
 CHUNK = 128  # tokens projected to the vocabulary at once
 

@@ -9,19 +9,19 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from models import LlamaForCausalLM, ServingGraph, ServingWeights, serving, serving_form
-from models.quantization import chunked_products
-from models.kv_groups import KVCacheGroups
-from models.placed_weights import LazyModel
+from pagedjax.models import LlamaForCausalLM, ServingGraph, ServingWeights, serving, serving_form
+from pagedjax.models.quantization import chunked_products
+from pagedjax.models.kv_groups import KVCacheGroups
+from pagedjax.models.placed_weights import LazyModel
 from pagedjax.engine import prompt_logprobs, sampling_step
 from pagedjax.engine.block_transfers import BlockTransfers
 from pagedjax.parallel.sharding import (kv_cache_sharding, kv_head_repeats, shard_weights,
                                         weight_sharding)
-from pallas_kernels import AttentionBackend, AttentionMetadata, copy_blocks, init_kv_cache
-from pallas_kernels.dispatch import TP_AXIS
-from scheduler import (ARRAY_FIELDS, DECODE, FORWARD_FIELDS, NULL_BLOCK, PREFILL, STATIC_FIELDS,
+from pagedjax.pallas_kernels import AttentionBackend, AttentionMetadata, copy_blocks, init_kv_cache
+from pagedjax.pallas_kernels.dispatch import TP_AXIS
+from pagedjax.scheduler import (ARRAY_FIELDS, DECODE, FORWARD_FIELDS, NULL_BLOCK, PREFILL, STATIC_FIELDS,
                        BatchPlan)
-from scheduler.plan import logit_bias_slots, penalty_tokens
+from pagedjax.scheduler.plan import logit_bias_slots, penalty_tokens
 
 jax.tree_util.register_dataclass(BatchPlan, data_fields=list(ARRAY_FIELDS),
                                  meta_fields=list(STATIC_FIELDS))

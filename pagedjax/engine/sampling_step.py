@@ -19,7 +19,7 @@ from jax.sharding import SingleDeviceSharding
 
 from pagedjax.engine import rejection_sampler
 from pagedjax.engine.sampler import sample
-from scheduler import SAMPLING_FIELDS, BatchPlan
+from pagedjax.scheduler import SAMPLING_FIELDS, BatchPlan
 
 _programs: dict[tuple, jax.stages.Compiled] = {}
 _locks: dict[tuple, threading.Lock] = {}

@@ -25,8 +25,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from scheduler import Request, RequestStatus
-from scheduler.ngram_proposer import NgramProposer
+from pagedjax.scheduler import Request, RequestStatus
+from pagedjax.scheduler.ngram_proposer import NgramProposer
 
 METHODS = ("ngram", "draft_model")
 # vLLM's SpeculativeConfig fields this engine does not serve (yet): refused by name.

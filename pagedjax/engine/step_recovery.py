@@ -7,7 +7,7 @@ import dataclasses
 import logging
 
 from pagedjax.engine.outputs import RequestOutput
-from scheduler import RequestStatus
+from pagedjax.scheduler import RequestStatus
 
 logger = logging.getLogger("pagedjax.engine")
 

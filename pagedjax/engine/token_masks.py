@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from pagedjax.engine import grammar
-from scheduler import Request, RequestError, SamplingParams
+from pagedjax.scheduler import Request, RequestError, SamplingParams
 
 logger = logging.getLogger("pagedjax.token_masks")
 

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from pagedjax.engine import grammar
 from pagedjax.engine.runner import ModelRunner, padding_plan
-from scheduler import DECODE, PREFILL
+from pagedjax.scheduler import DECODE, PREFILL
 
 
 def warmup_shapes(buckets, variants: bool = False) -> list[tuple[str, int, int, int, bool]]:

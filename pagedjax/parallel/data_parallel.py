@@ -31,8 +31,8 @@ from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.stats import EngineStats, ReplicaLoad
 from pagedjax.parallel.routing_policy import Backend, RoutingPolicy
 from pagedjax.parallel.sharding import check_tensor_parallel, make_data_parallel_mesh
-from scheduler import SamplingParams
-from scheduler.block_hash import token_block_hashes
+from pagedjax.scheduler import SamplingParams
+from pagedjax.scheduler.block_hash import token_block_hashes
 
 # Summed over replicas; the peaks and max_running are the sums of each replica's (an upper
 # bound of the engine's: the replicas peak at different times).

@@ -36,7 +36,7 @@ import logging
 import jax
 import numpy as np
 
-from scheduler import DECODE, FORWARD_FIELDS, PREFILL
+from pagedjax.scheduler import DECODE, FORWARD_FIELDS, PREFILL
 
 logger = logging.getLogger("pagedjax.parallel.multihost")
 

@@ -10,7 +10,7 @@ import jax
 
 from pagedjax.parallel import multihost
 from pagedjax.parallel.sharding import check_tensor_parallel, make_mesh
-from pallas_kernels import AttentionBackend, check_backend, resolve_backend
+from pagedjax.pallas_kernels import AttentionBackend, check_backend, resolve_backend
 
 
 def check_expert_parallel(model_config, config) -> None:

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from models import LlamaConfig
+from pagedjax.models import LlamaConfig
 from pagedjax.parallel.routing_policy import Backend, RoutingPolicy, prompt_chunks
 from pagedjax.parallel.sharding import (check_tensor_parallel, kv_bytes_per_block_per_device,
                                         weight_bytes_per_device)
-from scheduler.chips import Chip
-from scheduler.cost_model import RooflineCost
+from pagedjax.scheduler.chips import Chip
+from pagedjax.scheduler.cost_model import RooflineCost
 
 ACTIVATION_BYTES = 2  # bf16 hidden states all-reduced
 LOGIT_BYTES = 4  # f32 logits gathered for sampling

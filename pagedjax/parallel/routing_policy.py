@@ -29,7 +29,7 @@ import dataclasses
 import time
 from typing import Callable, Sequence
 
-from scheduler.block_hash import chained_hashes
+from pagedjax.scheduler.block_hash import chained_hashes
 
 POLICIES = ("kv_aware", "round_robin", "least_loaded")
 

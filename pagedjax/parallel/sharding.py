@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from models import LlamaConfig
+from pagedjax.models import LlamaConfig
 
 AXIS = "tp"
 DATA_AXIS = "dp"
@@ -145,9 +145,9 @@ def weight_bytes_per_device(config: LlamaConfig, tensor_parallel_size: int,
     and f32 scales at theirs."""
     from flax import nnx
 
-    from models import serving_form
-    from models.quantized_layers import quantize_model
-    from models.registry import model_class
+    from pagedjax.models import serving_form
+    from pagedjax.models.quantized_layers import quantize_model
+    from pagedjax.models.registry import model_class
 
     tp = tensor_parallel_size
     model = nnx.eval_shape(lambda: model_class(config)(config, rngs=nnx.Rngs(0)))
@@ -169,7 +169,7 @@ def kv_bytes_per_block_per_device(config: LlamaConfig, block_size: int,
                                   backend: str = "reference", num_slots: int | None = None) -> int:
     """One block's bytes (all layers, or num_slots: a KV cache group's, models.kv_groups) on
     one device: its share of the (repeated) KV heads."""
-    from pallas_kernels import kv_cache_bytes_per_block
+    from pagedjax.pallas_kernels import kv_cache_bytes_per_block
 
     tp = tensor_parallel_size
     heads = config.num_kv_heads * kv_head_repeats(config.num_kv_heads, tp)

@@ -27,8 +27,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
-from scheduler.errors import check_float, check_int
-from scheduler.request import INT32_MAX
+from pagedjax.scheduler.errors import check_float, check_int
+from pagedjax.scheduler.request import INT32_MAX
 
 REASONS = ("token_budget", "kv_pressure", "long_context_cap", "non_streamed_cap",
            "concurrency_cap")

@@ -46,7 +46,7 @@ from pagedjax.serving.serving_config import ConfigHistory, ServingConfig, engine
 from pagedjax.serving.tool_parsers import get_parser
 from pagedjax.serving.trace_recorder import TraceRecorder
 from pagedjax.text.tokenizer import check_chat_template
-from scheduler import RequestError, SamplingParams
+from pagedjax.scheduler import RequestError, SamplingParams
 
 DEFAULT_MAX_TOKENS = 512  # a chat request's when it gives none (vLLM: the context's remainder)
 REJECTED = {400: "invalid", 404: "invalid", 413: "invalid", 429: "overloaded"}  # -> reason

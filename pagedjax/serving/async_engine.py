@@ -24,7 +24,7 @@ from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.serving.admission_control import AdmissionLimits, OverloadedError
 from pagedjax.serving.engine_driver import EngineDriver, StepInfo
-from scheduler import SamplingParams
+from pagedjax.scheduler import SamplingParams
 
 logger = logging.getLogger("pagedjax.engine")
 

@@ -25,8 +25,8 @@ import threading
 
 import numpy as np
 
-from scheduler.errors import check_float, check_int
-from scheduler.request import INT32_MAX
+from pagedjax.scheduler.errors import check_float, check_int
+from pagedjax.scheduler.request import INT32_MAX
 
 logger = logging.getLogger("pagedjax.degradation")
 

@@ -20,7 +20,7 @@ from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.stats import EngineStats
 from pagedjax.serving import admission_control
 from pagedjax.serving.admission_control import AdmissionLimits, Live
-from scheduler import Request
+from pagedjax.scheduler import Request
 
 logger = logging.getLogger("pagedjax.engine")
 

@@ -10,8 +10,8 @@ import fastapi
 from pagedjax.serving.http_common import APIError
 from pagedjax.serving.protocol import _SamplingFields
 from pagedjax.serving.structured import structured_outputs
-from scheduler import RequestError, SamplingParams
-from scheduler.structured_outputs import KINDS
+from pagedjax.scheduler import RequestError, SamplingParams
+from pagedjax.scheduler.structured_outputs import KINDS
 
 STRUCTURED_FIELDS = ("structured_outputs", *(f"structured_outputs.{kind}" for kind in KINDS))
 

@@ -32,8 +32,8 @@ import os
 
 from pagedjax.serving.admission_control import AdmissionLimits
 from pagedjax.serving.degradation import DegradationPolicy
-from scheduler.errors import check_int
-from scheduler.request import INT32_MAX
+from pagedjax.scheduler.errors import check_int
+from pagedjax.scheduler.request import INT32_MAX
 
 SERVER_KEYS = ({f.name for f in dataclasses.fields(AdmissionLimits)}
                | {"max_tokens_cap", "default_max_tokens", "degradation"})

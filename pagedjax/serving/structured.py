@@ -9,7 +9,7 @@ them to the kind another field gives (response_format's schema, a guided_* field
 from __future__ import annotations
 
 from pagedjax.serving.http_common import APIError
-from scheduler import RequestError, StructuredOutputs
+from pagedjax.scheduler import RequestError, StructuredOutputs
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}

@@ -19,7 +19,7 @@ from pagedjax.serving import chat
 from pagedjax.serving.http_common import APIError, parse_body
 from pagedjax.serving.protocol import (DetokenizeRequest, TokenizeChatRequest,
                                        TokenizeCompletionRequest)
-from scheduler import RequestError
+from pagedjax.scheduler import RequestError
 
 if TYPE_CHECKING:
     from pagedjax.serving.app import OpenAIServer

@@ -10,7 +10,7 @@ import secrets
 import threading
 
 from pagedjax.engine.outputs import RequestOutput
-from scheduler.trace import prefix_hashes
+from pagedjax.scheduler.trace import prefix_hashes
 
 
 class TraceRecorder:

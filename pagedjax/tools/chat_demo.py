@@ -16,7 +16,7 @@ import importlib.util
 import os
 import time
 
-from scheduler import SamplingParams
+from pagedjax.scheduler import SamplingParams
 
 SYSTEM = ("You are a helpful assistant. Answer every question in one or two short sentences, "
           "plainly and correctly.")

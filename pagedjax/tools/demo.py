@@ -19,12 +19,12 @@ import time
 
 import numpy as np
 
-from models.tasks import Example, make_examples
+from pagedjax.models.tasks import Example, make_examples
 from pagedjax.engine.kv_tiers import tier_rows
 from pagedjax.llm import DEFAULT_MODEL, LLM
 from pagedjax.text.tokenizer import ByteTokenizer
 from pagedjax.tools import chat_demo
-from scheduler import POLICIES, SamplingParams
+from pagedjax.scheduler import POLICIES, SamplingParams
 
 
 def workload(seed: int) -> list[tuple[list[Example], list[SamplingParams]]]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from pagedjax.engine.config import EngineConfig
-from scheduler import POLICIES
+from pagedjax.scheduler import POLICIES
 
 
 def _default(name: str) -> str:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import argparse
 
-from models import CONFIGS, get_config
+from pagedjax.models import CONFIGS, get_config
 from pagedjax.tools.engine_args import add_engine_args, engine_kwargs
-from scheduler import POLICIES
+from pagedjax.scheduler import POLICIES
 
 
 def capacity_args(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +67,7 @@ def capacity(args, parser: argparse.ArgumentParser) -> None:
         print(f"  experts              {config.num_experts}, {config.num_experts_per_tok} a "
               f"token: {config.num_active_params / 1e9:.2f}B of {config.num_params / 1e9:.2f}B "
               f"parameters active a token (tensor parallel: each device 1/TP of every expert)")
-    from models.kv_groups import kv_cache_groups
+    from pagedjax.models.kv_groups import kv_cache_groups
     groups = kv_cache_groups(config)
     layouts = [("", kv_cache_groups(config, hybrid=False))]
     if groups.hybrid:  # the hybrid KV cache beside every layer keeping the whole context
@@ -83,7 +83,7 @@ def kv_capacity(config, groups, block_size: int, kv_bytes: int, context: int,
     per block, blocks, blocks a sequence of context tokens needs (over its groups), and the
     sequences the pool holds."""
     from pagedjax.parallel.sharding import kv_bytes_per_block_per_device
-    from scheduler.kv_cache_groups import blocks_for
+    from pagedjax.scheduler.kv_cache_groups import blocks_for
     kv_dtype = "float32" if itemsize == 4 else "float16"
     per_block = kv_bytes_per_block_per_device(config, block_size, tensor_parallel_size, kv_dtype,
                                               num_slots=groups.num_slots)
@@ -131,7 +131,7 @@ def inspect_args(parser: argparse.ArgumentParser) -> None:
 def inspect(args, parser: argparse.ArgumentParser) -> None:
     """What the engine makes of a Hugging Face model directory or a .gguf file: architecture,
     attention type, KV-cache bytes per token and per block, and whether it can be served."""
-    from models.hf import inspect_model_dir
+    from pagedjax.models.hf import inspect_model_dir
 
     if args.block_size < 1:
         parser.error("--block-size must be >= 1")
@@ -152,7 +152,7 @@ def inspect(args, parser: argparse.ArgumentParser) -> None:
               + (f", sliding window {window}{where}" if window else ""))
     if not report["supported"]:
         print(f"  supported            no: {report['reason']}")
-        from models.registry import table
+        from pagedjax.models.registry import table
         print("  the model registry   " + "\n                       ".join(
             f"{row['architecture']} ({row['family']}, {row['format']})" for row in table()))
         raise SystemExit(1)
@@ -200,8 +200,8 @@ def profile(args, parser: argparse.ArgumentParser) -> None:
 
     from pagedjax.llm import DEFAULT_MODEL, LLM
     from pagedjax.tools.profiling import run_trace
-    from scheduler.cost_model import StepCostModel
-    from scheduler.trace import load_trace
+    from pagedjax.scheduler.cost_model import StepCostModel
+    from pagedjax.scheduler.trace import load_trace
 
     try:
         trace = load_trace(args.trace)
@@ -222,7 +222,7 @@ def simulate(args, parser: argparse.ArgumentParser) -> None:
     of the given pool sizes and batch limits, with the real scheduler on a step-time model:
     fitted to an engine (`--cost`, from `pagedjax profile`) or a roofline estimate for a model
     on a chip not at hand (`--roofline CHIP --model NAME`). No model runs, no device."""
-    from scheduler.trace import load_trace
+    from pagedjax.scheduler.trace import load_trace
 
     if args.roofline and not args.model:
         parser.error("--roofline needs --model")
@@ -247,7 +247,7 @@ def simulate(args, parser: argparse.ArgumentParser) -> None:
 
 
 def _groups_note(args) -> str:
-    from models.kv_groups import kv_cache_groups
+    from pagedjax.models.kv_groups import kv_cache_groups
 
     groups = kv_cache_groups(get_config(args.model), not args.disable_hybrid_kv_cache_manager)
     if not groups.hybrid:
@@ -257,7 +257,7 @@ def _groups_note(args) -> str:
 
 
 def simulate_args(parser: argparse.ArgumentParser) -> None:
-    from scheduler.chips import CHIPS
+    from pagedjax.scheduler.chips import CHIPS
 
     parser.add_argument("--trace", required=True, help="the trace to replay (JSON lines)")
     model_source = parser.add_mutually_exclusive_group(required=True)
@@ -307,10 +307,10 @@ def simulate_args(parser: argparse.ArgumentParser) -> None:
 def _cost_and_pools(args):
     """The step-time model, the pool sizes to try, the vocabulary size, the model's KV cache
     groups (models.kv_groups) and its layers' windows (without a --model: one full group)."""
-    from models.kv_groups import KVCacheGroups, kv_cache_groups
+    from pagedjax.models.kv_groups import KVCacheGroups, kv_cache_groups
     from pagedjax.parallel.plan import roofline_cost
-    from scheduler.chips import CHIPS
-    from scheduler.cost_model import StepCostModel
+    from pagedjax.scheduler.chips import CHIPS
+    from pagedjax.scheduler.cost_model import StepCostModel
 
     if not args.roofline:
         with open(args.cost) as f:
@@ -332,7 +332,7 @@ def _simulate_rows(args, trace) -> list[dict]:
     """One row a combination of pool size, max_num_seqs and max_num_batched_tokens."""
     from pagedjax.engine.config import EngineConfig
     from pagedjax.parallel.plan import prefix_affinity_placer
-    from scheduler.simulator import simulate as run
+    from pagedjax.scheduler.simulator import simulate as run
 
     cost, pools, vocab, groups, layer_windows = _cost_and_pools(args)
     dp = args.data_parallel_size

@@ -15,10 +15,10 @@ from typing import Sequence
 import numpy as np
 
 from pagedjax.engine.llm_engine import LLMEngine
-from scheduler import SamplingParams
-from scheduler.cost_model import step_features
-from scheduler.simulator import SimResult
-from scheduler.trace import TraceRequest
+from pagedjax.scheduler import SamplingParams
+from pagedjax.scheduler.cost_model import step_features
+from pagedjax.scheduler.simulator import SimResult
+from pagedjax.scheduler.trace import TraceRequest
 
 
 def run_trace(engine: LLMEngine, trace: Sequence[TraceRequest]

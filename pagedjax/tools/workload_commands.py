@@ -21,8 +21,8 @@ def profile_workload(args, parser: argparse.ArgumentParser) -> None:
     """The pre-launch checklist's workload table of a trace: prompt and output tokens at
     p50/p95/p99, the shares of multi-turn, RAG, shared-system-prompt and streamed requests, and
     arrivals per second over time (as text, and as JSON and a picture when asked)."""
-    from scheduler.trace import load_trace
-    from scheduler.workload import format_profile, workload_profile
+    from pagedjax.scheduler.trace import load_trace
+    from pagedjax.scheduler.workload import format_profile, workload_profile
 
     try:
         trace = load_trace(args.trace)

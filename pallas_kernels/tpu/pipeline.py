@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.common import MASK_VALUE, online_softmax_step
-from pallas_kernels.quant import QuantizedKV
+from pagedjax.pallas_kernels.common import MASK_VALUE, online_softmax_step
+from pagedjax.pallas_kernels.quant import QuantizedKV
 
 SUBLANES = 8
 TABLE_ALIGN = 128  # block-table rows padded to whole lane tiles, so each row DMA is aligned

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.common import tpu_interpret_params
-from pallas_kernels.layout import LANES, NULL_BLOCK
-from pallas_kernels.quant import QuantizedKV, quantize
+from pagedjax.pallas_kernels.common import tpu_interpret_params
+from pagedjax.pallas_kernels.layout import LANES, NULL_BLOCK
+from pagedjax.pallas_kernels.quant import QuantizedKV, quantize
 
 ROW_TILE = 8  # rows of an f32 tile in TPU memory
 MAX_WRITE_TOKENS = 65536  # 3 x 4 bytes a token of page table in SMEM (1 MB on v5e)

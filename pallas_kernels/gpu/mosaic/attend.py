@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import MASK_VALUE
-from pallas_kernels.gpu.common import shared_memory_limit
-from pallas_kernels.gpu.mosaic.common import LOG2E, MIN_KEYS
+from pagedjax.pallas_kernels.common import MASK_VALUE
+from pagedjax.pallas_kernels.gpu.common import shared_memory_limit
+from pagedjax.pallas_kernels.gpu.mosaic.common import LOG2E, MIN_KEYS
 
 
 def swizzle_bytes(row_bytes: int) -> int:

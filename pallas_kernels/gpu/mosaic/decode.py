@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.gpu.common import choose_num_splits, combine_splits
-from pallas_kernels.gpu.mosaic.attend import attend_pages, load_queries, pipeline, scratch
-from pallas_kernels.gpu.mosaic.common import LOG2E, ROWS, check_operands, interpret_params
+from pagedjax.pallas_kernels.gpu.common import choose_num_splits, combine_splits
+from pagedjax.pallas_kernels.gpu.mosaic.attend import attend_pages, load_queries, pipeline, scratch
+from pagedjax.pallas_kernels.gpu.mosaic.common import LOG2E, ROWS, check_operands, interpret_params
 
 
 def _decode_kernel(lens_ref, tables_ref, q_ref, kv_ref, o_ref, lm_ref, q_smem, k_smem, v_smem,

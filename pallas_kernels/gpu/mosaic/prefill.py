@@ -15,10 +15,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import tile_layout
-from pallas_kernels.gpu.common import next_power_of_2
-from pallas_kernels.gpu.mosaic.attend import attend_pages, load_queries, pipeline, scratch
-from pallas_kernels.gpu.mosaic.common import ROWS, check_operands, interpret_params
+from pagedjax.pallas_kernels.common import tile_layout
+from pagedjax.pallas_kernels.gpu.common import next_power_of_2
+from pagedjax.pallas_kernels.gpu.mosaic.attend import attend_pages, load_queries, pipeline, scratch
+from pagedjax.pallas_kernels.gpu.mosaic.common import ROWS, check_operands, interpret_params
 
 
 def _ragged_kernel(tile_seq_ref, tile_start_ref, cu_q_lens_ref, lens_ref, tables_ref, q_ref,

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.gpu.mosaic.common import check_cache, interpret_params, problem
+from pagedjax.pallas_kernels.gpu.mosaic.common import check_cache, interpret_params, problem
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(0,))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels.gpu import common as gpu_common
-from pallas_kernels.quant import QuantizedKV
+from pagedjax.pallas_kernels.gpu import common as gpu_common
+from pagedjax.pallas_kernels.quant import QuantizedKV
 
 MIN_DOT_SIZE = 16  # Triton's tl.dot needs every dimension >= 16
 

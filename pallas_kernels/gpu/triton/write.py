@@ -15,9 +15,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gpu.triton.tiling import check_triton_shapes
-from pallas_kernels.layout import write_kv_reference
-from pallas_kernels.quant import QuantizedKV
+from pagedjax.pallas_kernels.gpu.triton.tiling import check_triton_shapes
+from pagedjax.pallas_kernels.layout import write_kv_reference
+from pagedjax.pallas_kernels.quant import QuantizedKV
 
 
 def _write_kernel_gpu(slots_ref, k_ref, v_ref, _cache_in_ref, cache_ref, *, block_size: int):
