@@ -126,9 +126,8 @@ def save_hf(config, directory: str) -> None:
 
 
 def model_rows(name: str, runs: list, max_model_len: int, tmp: str) -> list[dict]:
-    from pagedjax.models import CONFIGS
-    from pagedjax.models.checkpoint import read_checkpoint_config
-    from pagedjax.models import DEFAULT_CHECKPOINT
+    from pagedjax.models import CONFIGS, DEFAULT_CHECKPOINT
+    from pagedjax.models.loading.checkpoint import read_checkpoint_config
     config = (read_checkpoint_config(DEFAULT_CHECKPOINT)[0] if name == "default"
               else CONFIGS[name])
     config = dataclasses.replace(config, max_position_embeddings=max(

@@ -3,7 +3,7 @@ a Llama of the same size.
 
 Gemma 3's layers differ (five sliding-window layers, then a global one, with their own windows
 and RoPE bases, static to the kernels), so one scanned layer cannot stand for all of them. The
-serving form scans over the repeating period instead (models.serving: one scan step runs the
+serving form scans over the repeating period instead (pagedjax.models.paged_forward: one scan step runs the
 period's six layers, each layer's KV cache group and slot traced; the two layers after the
 four whole periods unrolled), or unrolls all 26. The alternative the issue names, one scanned
 layer taking its window and RoPE base as traced per-layer values, is not built: the kernels
@@ -24,8 +24,8 @@ import time
 
 import numpy as np
 from common import recorded_args, write_results
-
 from pagedjax.models import get_config, init_model
+
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
 
 

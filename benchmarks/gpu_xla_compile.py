@@ -32,10 +32,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 import gpu_programs  # noqa: E402
 from common import write_results  # noqa: E402
+from pagedjax.scheduler.chips import CHIPS  # noqa: E402
 from test_kernels_lowering import abstract_step  # noqa: E402
 
 from benchmarks.aot import xla_gpu  # noqa: E402
-from pagedjax.scheduler.chips import CHIPS  # noqa: E402
+
 
 def abstract(tree):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)
@@ -149,7 +150,7 @@ def production_rows(chip: str) -> list[dict]:
 
 
 def quantized_rows(chip: str) -> list[dict]:
-    """production_rows' steps (gpu backend) with int8 / int4 weights (models/quantization.py,
+    """production_rows' steps (gpu backend) with int8 / int4 weights (models/quantization/schemes.py,
     LM head too): each layer dequantizes its weights inside the scan, so temp_mib stays far
     below the 15 GiB a full-precision copy of the weights would take."""
     rows = []

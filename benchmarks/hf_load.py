@@ -3,7 +3,7 @@
 A random Llama checkpoint (sharded safetensors, saved in bf16 by transformers) is loaded in a
 fresh process per measurement, so each peak is its own:
 
-- pagedjax: `models.hf.load_hf_model` (safetensors numpy reader, one tensor at a time, cast and
+- pagedjax: `pagedjax.models.loading.hf.load_hf_model` (safetensors numpy reader, one tensor at a time, cast and
   transposed, then put on the device; on CPU the device buffers are host memory too);
 - transformers: `AutoModelForCausalLM.from_pretrained(dir, dtype=...)` on torch CPU, the baseline.
 
@@ -53,7 +53,7 @@ def sample():  # the kernel keeps no peak of anonymous memory: sample it every m
 if which == "pagedjax":
     import jax
     from flax import nnx
-    from pagedjax.models.hf import load_hf_model
+    from pagedjax.models.loading.hf import load_hf_model
     jax.devices()
 else:
     import torch, transformers

@@ -1,6 +1,6 @@
 """KV cache groups (the hybrid KV cache manager) on Gemma-3-shaped models: memory, and a run.
 
-Capacity (computed from the layouts the engine builds, models.kv_groups and
+Capacity (computed from the layouts the engine builds, pagedjax.models.layers.kv_groups and
 scheduler.kv_cache_groups, no model run): for Gemma-3-1B, 4B and 27B's real shapes at 4k, 8k
 and 32k tokens, the KV blocks and bytes one sequence needs and the sequences a pool holds,
 with KV cache groups (a full group and sliding groups of the same number of layers; a sliding
@@ -25,12 +25,12 @@ import time
 
 import numpy as np
 from common import recorded_args, write_results
-
 from pagedjax.models import get_config, init_model
-from pagedjax.models.kv_groups import kv_cache_groups
+from pagedjax.models.layers.kv_groups import kv_cache_groups
+from pagedjax.scheduler import ShapeBuckets
+
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
 from pagedjax.tools.plan_commands import kv_capacity
-from pagedjax.scheduler import ShapeBuckets
 
 SHAPES = {"gemma-3-1b": 1, "gemma-3-4b": 1, "gemma-3-27b": 8}  # name -> TP
 

@@ -1,4 +1,4 @@
-"""Dropless expert computation (models/moe.py): step time of one MoE layer's experts by
+"""Dropless expert computation (models/layers/moe.py): step time of one MoE layer's experts by
 implementation, batch 1 to 256 tokens, measured in one run on this machine's backend.
 
 Shapes: Qwen3-30B-A3B's expert count and top-k (128 experts, k = 8) with its expert MLP scaled
@@ -22,9 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from common import recorded_args, write_results
 from flax import nnx
-
 from pagedjax.models.config import LlamaConfig
-from pagedjax.models.moe import Experts
+from pagedjax.models.layers.moe import Experts
 
 
 def time_call(fn, *args, repeats: int) -> float:

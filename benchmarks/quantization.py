@@ -11,7 +11,7 @@ Per row: weight bytes (what the engine holds, or the GGUF file's size for llama.
 output tokens/s with B requests decoding together (B = 1, 8, 32; 24-token prompts, 64 output
 tokens each, EOS ignored; all B at once: tokens over wall time) and its TPOT p50; TTFT of one
 512-token prompt (p50 of 3, prefill in one 512-token step); quality against the f32 model
-(models/quantization_quality.py: mean logit error over the logits' spread, teacher-forced
+(models/quantization/quality.py: mean logit error over the logits' spread, teacher-forced
 greedy agreement over 8 prompts x 24 tokens, NLL of a fixed text). Ratios: tokens/s over the
 f32 engine's at the same B.
 
@@ -78,8 +78,8 @@ def ttft(engine) -> float:
 def engine_row(name: str, model, reference, quality_model, batches, tokenizer,
                **fields) -> list[dict]:
     import jax
+    from pagedjax.models.quantization.quality import PROMPTS, TEXT, quality
 
-    from pagedjax.models.quantization_quality import PROMPTS, TEXT, quality
     from pagedjax.engine.config import EngineConfig
     from pagedjax.engine.llm_engine import LLMEngine
 
@@ -165,8 +165,14 @@ def main() -> None:
     if args.anchor:
         return anchor_main(args.anchor, args.batches)
 
-    from pagedjax.models.gguf_loader import lazy_gguf_model, load_gguf_model, metadata, open_gguf
-    from pagedjax.models.quantized_layers import quantize_model
+    from pagedjax.models.layers.quantized import quantize_model
+    from pagedjax.models.loading.gguf import (
+        lazy_gguf_model,
+        load_gguf_model,
+        metadata,
+        open_gguf,
+    )
+
     from pagedjax.text.gguf_tokenizer import tokenizer_from_gguf
     from pagedjax.tools.chat_demo import smollm2_path
 

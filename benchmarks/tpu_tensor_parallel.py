@@ -50,9 +50,9 @@ CASES = {
     "gemma-3-27b TP8 v6e-8 groups": ("gemma-3-27b", "v6e:2x4", 8, True),
     "gemma-3-27b TP8 v6e-8 full": ("gemma-3-27b", "v6e:2x4", 8, False),
 }
-# Mixtures of experts (models/moe.py; --moe, results in tpu_moe.md): tensor parallel experts
+# Mixtures of experts (models/layers/moe.py; --moe, results in tpu_moe.md): tensor parallel experts
 # (each expert's MLP split) against expert parallel (E / TP whole experts a chip); the grouped
-# matmul is lax.ragged_dot (models.moe_experts.default_implementation on a TPU device).
+# matmul is lax.ragged_dot (pagedjax.models.layers.moe_experts.default_implementation on a TPU device).
 # name: (model, topology, TP, KV cache groups, expert parallel)
 MOE_CASES = {
     "qwen3-30b-a3b TP8 v5e-8": ("qwen3-30b-a3b", "v5e:2x4", 8, True, False),
@@ -63,7 +63,7 @@ MOE_CASES = {
     "mixtral-8x7b EP8 v5e-8": ("mixtral-8x7b", "v5e:2x4", 8, True, True),
 }
 # Quantized weights (--quantized, results in tpu_quantized.md): weight-only int8 / int4
-# (models/quantization.py; the LM head too), the pool taking what 90% of HBM leaves past the
+# (models/quantization/schemes.py; the LM head too), the pool taking what 90% of HBM leaves past the
 # weights and a 1 GiB allowance for temporaries; seqs_8k: 8k-token sequences it holds.
 # name: (model, topology, TP, KV cache groups, expert parallel, quantization)
 QUANT_CASES = {
@@ -88,14 +88,24 @@ def build(name: str, devices):
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
     from pagedjax.models import CONFIGS, serving_form
-    from pagedjax.models.kv_groups import kv_cache_groups
+    from pagedjax.models.layers.kv_groups import kv_cache_groups
     from pagedjax.models.registry import model_class
+    from pagedjax.pallas_kernels import (
+        AttentionBackend,
+        init_kv_cache,
+        kv_cache_bytes_per_block,
+    )
+
     from pagedjax.engine.runner import padding_plan, step_fn
-    from pagedjax.parallel.sharding import AXIS, kv_cache_sharding, kv_head_repeats, weight_spec
-    from pagedjax.pallas_kernels import AttentionBackend, init_kv_cache, kv_cache_bytes_per_block
+    from pagedjax.parallel.sharding import (
+        AXIS,
+        kv_cache_sharding,
+        kv_head_repeats,
+        weight_spec,
+    )
 
     case, kind = name.split("|")
     model_name, _, tp, *options = ALL_CASES[case]
@@ -107,7 +117,7 @@ def build(name: str, devices):
     model = nnx.eval_shape(lambda: model_class(config)(
         config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16))
     if quantization is not None:
-        from pagedjax.models.quantized_layers import quantize_model
+        from pagedjax.models.layers.quantized import quantize_model
         model = quantize_model(model, quantization, lm_head=True)
     graph, weights = serving_form(model, kv_head_repeats=repeats, groups=groups)
     weights = jax.tree_util.tree_map_with_path(lambda path, leaf: jax.ShapeDtypeStruct(
@@ -141,6 +151,7 @@ def kv_gib(case: str) -> float:
     if case not in QUANT_CASES:
         return KV_GIB_PER_DEVICE
     from pagedjax.models import CONFIGS
+
     from pagedjax.parallel.sharding import weight_bytes_per_device
     weights = weight_bytes_per_device(CONFIGS[model_name], tp, 2, options[2],
                                       options[2] is not None) / 2**30
@@ -153,7 +164,8 @@ def shard_gib(case: str) -> tuple[float, float, int]:
     CAPACITY_CONTEXT-token sequences the slice's pool holds (a sliding KV cache group bounded
     by an 8,192-token step, the prefill case's)."""
     from pagedjax.models import CONFIGS
-    from pagedjax.models.kv_groups import kv_cache_groups
+    from pagedjax.models.layers.kv_groups import kv_cache_groups
+
     from pagedjax.parallel.sharding import weight_bytes_per_device
     from pagedjax.tools.plan_commands import kv_capacity
 
@@ -199,6 +211,7 @@ def main() -> None:
                    f"seqs_{context // 1024}k": sequences}
             if case in QUANT_CASES:  # a full-precision copy would show in temp beside it
                 from pagedjax.models import CONFIGS
+
                 from pagedjax.parallel.sharding import weight_bytes_per_device
                 row["bf16_weights_gib"] = round(weight_bytes_per_device(
                     CONFIGS[ALL_CASES[case][0]], ALL_CASES[case][2], 2) / 2**30, 2)

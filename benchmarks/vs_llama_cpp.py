@@ -79,8 +79,9 @@ def servers(gguf: str, f32: str, tokenizer: str) -> dict[str, list[str]]:
 def f32_copy(gguf: str) -> tuple[str, str]:
     """The GGUF dequantized to f32 as an orbax checkpoint, and its tokenizer as a directory,
     under build/ (written once)."""
-    from pagedjax.models.checkpoint import is_checkpoint, save_checkpoint
-    from pagedjax.models.gguf_loader import load_gguf_model, metadata, open_gguf
+    from pagedjax.models.loading.checkpoint import is_checkpoint, save_checkpoint
+    from pagedjax.models.loading.gguf import load_gguf_model, metadata, open_gguf
+
     from pagedjax.text.gguf_tokenizer import tokenizer_from_gguf
 
     stem = pathlib.Path(gguf).stem

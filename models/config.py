@@ -7,9 +7,9 @@ import math
 from typing import Any
 
 ROPE_TYPES = ("default", "linear", "llama3")
-HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # models.layers.ACTIVATIONS
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # pagedjax.models.layers.basic.ACTIVATIONS
 LAYER_TYPES = ("full_attention", "sliding_attention")
-MLP_TYPES = ("sparse", "dense")  # a layer's MLP: experts (models/moe.py) or one dense MLP
+MLP_TYPES = ("sparse", "dense")  # a layer's MLP: experts (models/layers/moe.py) or one dense MLP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +59,7 @@ class LlamaConfig:
     mlp_bias: bool = False
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma 3)
     model_type: str = "llama"  # the family member the weights came from (models.registry)
-    # Gemma 2 / 3 (models/gemma.py); the defaults are Llama's.
+    # Gemma 2 / 3 (models/families/gemma.py); the defaults are Llama's.
     hidden_act: str = "silu"  # the gated MLP's activation (HIDDEN_ACTS)
     norm_unit_offset: bool = False  # RMSNorm weights applied as (1 + weight)
     scale_embeddings: bool = False  # embeddings times sqrt(hidden_size)
@@ -71,7 +71,7 @@ class LlamaConfig:
     # None: sliding_window (if any) applies to every layer.
     layer_types: tuple[str, ...] | None = None
     rope_local_theta: float | None = None  # sliding layers' RoPE base, unscaled (Gemma 3)
-    # Mixture of experts (models/moe.py); num_experts 0: every MLP is dense.
+    # Mixture of experts (models/layers/moe.py); num_experts 0: every MLP is dense.
     num_experts: int = 0
     num_experts_per_tok: int = 2  # k: the experts a token's router picks
     moe_intermediate_size: int | None = None  # an expert's MLP dim (None: intermediate_size)
@@ -291,7 +291,7 @@ def _gemma(num_layers: int, period: int, **fields) -> LlamaConfig:
 
 
 CONFIGS.update({
-    # Gemma 2 / 3 text models (models/gemma.py): real shapes, random weights.
+    # Gemma 2 / 3 text models (models/families/gemma.py): real shapes, random weights.
     "gemma-2-2b": _gemma(26, 2, vocab_size=256000, hidden_size=2304, intermediate_size=9216,
                          num_heads=8, num_kv_heads=4, head_dim=256, sliding_window=4096,
                          query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
@@ -316,7 +316,7 @@ CONFIGS.update({
 
 
 CONFIGS.update({
-    # Mixtures of experts (models/moe.py): real shapes, random weights.
+    # Mixtures of experts (models/layers/moe.py): real shapes, random weights.
     "mixtral-8x7b": LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
                                 num_layers=32, num_heads=32, num_kv_heads=8, rope_theta=1e6,
                                 max_position_embeddings=32768, num_experts=8,

@@ -1,7 +1,8 @@
 """The model registry: each supported Hugging Face architecture (config.json `architectures`)
-and GGUF `general.architecture`, mapped to its family: the model class (models/<family>.py),
+and GGUF `general.architecture`, mapped to its family: the model class (models/families/<family>.py),
 the family's config.json reader, the activations its MLP knows, and the model_type its configs
-carry. Adding a family is its module and a line here; `pagedjax inspect` and the refusal of an
+carry. Adding a family is its module and a line here (the families never import this
+table: it imports them); `pagedjax inspect` and the refusal of an
 unknown architecture list this table."""
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from pagedjax.models import gemma, llama, mixtral, olmoe, qwen_moe
+import jax.numpy as jnp
+from flax import nnx
+from pagedjax.models.families import gemma, llama, mixtral, olmoe, qwen_moe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,7 +22,7 @@ class Family:
     read_config: Callable  # (config.json dict, architecture, model_type, common fields) -> config
     model_types: dict  # architecture -> the model_type its config.json carries
     hidden_acts: tuple[str, ...] = ("silu",)
-    # substitutions turning the generic checkpoint names (models.hf._hf_name) into the family's
+    # substitutions turning the generic checkpoint names (pagedjax.models.loading.hf.hf_weight_name) into the family's
     hf_renames: tuple[tuple[str, str], ...] = ()
 
 
@@ -29,7 +32,7 @@ LLAMA = Family("llama", llama.LlamaForCausalLM, llama.read_hf_config,
 GEMMA = Family("gemma", gemma.GemmaForCausalLM, gemma.read_hf_config,
                {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"},
                hidden_acts=("gelu_pytorch_tanh",))
-# Mixtures of experts (models/moe.py): the Llama decoder with expert MLPs.
+# Mixtures of experts (models/layers/moe.py): the Llama decoder with expert MLPs.
 MIXTRAL = Family("mixtral", llama.LlamaForCausalLM, mixtral.read_hf_config,
                  {"MixtralForCausalLM": "mixtral"}, hf_renames=mixtral.MIXTRAL_NAMES)
 QWEN_MOE = Family("qwen_moe", llama.LlamaForCausalLM, qwen_moe.read_hf_config,
@@ -47,6 +50,12 @@ MODEL_TYPES = {model_type: family for family in FAMILIES
 def model_class(config) -> type:
     """The class that builds a model of this config (by its model_type; Llama's otherwise)."""
     return MODEL_TYPES.get(config.model_type, LLAMA).model_class
+
+
+def init_model(config, seed: int = 0, dtype=jnp.float32, param_dtype=jnp.float32):
+    """A randomly initialised model of the config's family, deterministic in seed."""
+    return model_class(config)(config, rngs=nnx.Rngs(seed), dtype=dtype,
+                               param_dtype=param_dtype)
 
 
 def hf_renames(config) -> tuple[tuple[str, str], ...]:

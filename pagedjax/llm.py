@@ -8,15 +8,26 @@ from typing import Any, Sequence
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
-from pagedjax.models import CONFIGS, DEFAULT_CHECKPOINT, LlamaForCausalLM, get_config, init_model
-from pagedjax.models.placed_weights import LazyModel
 from pagedjax.engine.admission import PromptSpec, encode_text
 from pagedjax.engine.beam_search import BeamSearchParams, BeamSequence, beam_search
 from pagedjax.engine.config import EngineConfig
 from pagedjax.engine.outputs import RequestOutput
+from pagedjax.models import (
+    CONFIGS,
+    DEFAULT_CHECKPOINT,
+    LlamaForCausalLM,
+    get_config,
+    init_model,
+)
+from pagedjax.models.loading.placed_weights import LazyModel
 from pagedjax.parallel.data_parallel import make_engine
-from pagedjax.text.tokenizer import NO_CHAT_TEMPLATE, ByteTokenizer, Tokenizer, check_chat_template
 from pagedjax.scheduler import RequestError, SamplingParams
+from pagedjax.text.tokenizer import (
+    NO_CHAT_TEMPLATE,
+    ByteTokenizer,
+    Tokenizer,
+    check_chat_template,
+)
 
 DEFAULT_MODEL = DEFAULT_CHECKPOINT  # the embedded trained model
 
@@ -30,15 +41,15 @@ def load_model(model: str | LlamaForCausalLM, seed: int = 0,
 def resolve_model(model: str | os.PathLike | LlamaForCausalLM, seed: int = 0,
                   dtype: str = "float32", lazy: bool = False):
     """(model, tokenizer or None) for what `model` names, by what it is (lazy: a checkpoint
-    comes back as a models.placed_weights.LazyModel, checked but not read, which an engine reads
+    comes back as a pagedjax.models.loading.placed_weights.LazyModel, checked but not read, which an engine reads
     straight into its devices' shardings):
 
     - a LlamaForCausalLM: used as is;
-    - a directory with `pagedjax_config.json`: an orbax checkpoint from models.checkpoint (the
+    - a directory with `pagedjax_config.json`: an orbax checkpoint from pagedjax.models.loading.checkpoint (the
       training-to-serving path); its tokenizer is the directory's tokenizer.json, or the byte
       vocabulary when the checkpoint's metadata says `"tokenizer": "byte"`;
     - a directory with `config.json`: a Hugging Face model (safetensors), with tokenizer.json;
-    - a `.gguf` file (llama.cpp's format; models.gguf_loader): the Llama family, dequantized to
+    - a `.gguf` file (llama.cpp's format; pagedjax.models.loading.gguf): the Llama family, dequantized to
       dtype, with the tokenizer and chat template it embeds;
     - a name from models.CONFIGS: that config with seeded random weights (parameters in f32,
       activations in dtype), no tokenizer.
@@ -50,20 +61,29 @@ def resolve_model(model: str | os.PathLike | LlamaForCausalLM, seed: int = 0,
                          f"LlamaForCausalLM, got {type(model).__name__}")
     path = os.fspath(model)
     compute_dtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
-    from pagedjax.models.gguf_loader import is_gguf
+    from pagedjax.models.loading.gguf import is_gguf
     if is_gguf(path):
-        from pagedjax.models.gguf_loader import lazy_gguf_model, load_gguf_model, metadata, open_gguf
+        from pagedjax.models.loading.gguf import (
+            lazy_gguf_model,
+            load_gguf_model,
+            metadata,
+            open_gguf,
+        )
         from pagedjax.text.gguf_tokenizer import tokenizer_from_gguf
         reader = open_gguf(path)
         loaded = (lazy_gguf_model if lazy else load_gguf_model)(path, dtype, reader)
         return loaded, tokenizer_from_gguf(metadata(reader), path)
     if os.path.isdir(path):
-        from pagedjax.models.checkpoint import is_checkpoint, load_checkpoint, read_checkpoint_config
+        from pagedjax.models.loading.checkpoint import (
+            is_checkpoint,
+            load_checkpoint,
+            read_checkpoint_config,
+        )
         has_tokenizer = os.path.isfile(os.path.join(path, "tokenizer.json"))
         tokenizer = Tokenizer.from_dir(path) if has_tokenizer else None
         if is_checkpoint(path):
             if lazy:
-                from pagedjax.models.placed_weights import lazy_checkpoint
+                from pagedjax.models.loading.placed_weights import lazy_checkpoint
                 loaded = lazy_checkpoint(path, dtype=compute_dtype)
             else:
                 loaded = load_checkpoint(path, dtype=compute_dtype)
@@ -73,12 +93,12 @@ def resolve_model(model: str | os.PathLike | LlamaForCausalLM, seed: int = 0,
             return loaded, tokenizer
         if os.path.isfile(os.path.join(path, "config.json")):
             if lazy:
-                from pagedjax.models.placed_weights import lazy_hf_model
+                from pagedjax.models.loading.placed_weights import lazy_hf_model
                 return lazy_hf_model(path, dtype=dtype), tokenizer
-            from pagedjax.models.hf import load_hf_model
+            from pagedjax.models.loading.hf import load_hf_model
             return load_hf_model(path, dtype=dtype), tokenizer
         raise ValueError(f"model directory {path} has neither pagedjax_config.json (an orbax "
-                         f"checkpoint from models.checkpoint) nor config.json (a Hugging Face "
+                         f"checkpoint from pagedjax.models.loading.checkpoint) nor config.json (a Hugging Face "
                          f"model)")
     if path in CONFIGS:
         return init_model(get_config(path), seed=seed, dtype=compute_dtype), None
@@ -106,7 +126,7 @@ def checkpoint_dtype(model) -> str:
 
 
 def _is_orbax(model) -> bool:
-    from pagedjax.models.checkpoint import is_checkpoint
+    from pagedjax.models.loading.checkpoint import is_checkpoint
     return isinstance(model, (str, os.PathLike)) and os.path.isdir(model) and is_checkpoint(
         os.fspath(model))
 

@@ -9,15 +9,20 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
-
 from pagedjax.pallas_kernels import layout
 from pagedjax.pallas_kernels.gpu import mosaic, triton
 from pagedjax.pallas_kernels.layout import write_kv_reference
 from pagedjax.pallas_kernels.quant import QuantizedKV
-from pagedjax.pallas_kernels.reference import (paged_decode_attention_reference,
-                                      ragged_paged_attention_reference)
-from pagedjax.pallas_kernels.tpu import (copy_blocks_tpu, paged_decode_attention_tpu,
-                                ragged_paged_attention_tpu, write_kv_tpu)
+from pagedjax.pallas_kernels.reference import (
+    paged_decode_attention_reference,
+    ragged_paged_attention_reference,
+)
+from pagedjax.pallas_kernels.tpu import (
+    copy_blocks_tpu,
+    paged_decode_attention_tpu,
+    ragged_paged_attention_tpu,
+    write_kv_tpu,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +35,7 @@ class AttentionMetadata:
     cu_q_lens: jax.Array  # i32[B + 1]
     num_seqs: jax.Array  # i32[]
     decode_only: bool  # every sequence has exactly one query token (T == B)
-    # KV cache groups past the first (models.kv_groups): their slots and tables, i32[G - 1, T]
+    # KV cache groups past the first (pagedjax.models.layers.kv_groups): their slots and tables, i32[G - 1, T]
     # and i32[G - 1, B, R]; None (or G - 1 = 0 rows) for a model with one group. R < P: each
     # row a ring, logical block p at column p % R (a sliding group's, scheduler.plan).
     group_slot_mapping: jax.Array | None = None
@@ -91,7 +96,7 @@ class AttentionBackend:
     # heads); attention and the cache's writes and copies then run per device under shard_map.
     mesh: jax.sharding.Mesh | None = None
     # Expert parallelism (--enable-expert-parallel): a mixture of experts' layers split their
-    # experts over the mesh's TP_AXIS (models/moe_experts.py) instead of each expert's MLP.
+    # experts over the mesh's TP_AXIS (models/layers/moe_experts.py) instead of each expert's MLP.
     expert_parallel: bool = False
 
     @property

@@ -1,5 +1,5 @@
 """KV cache groups: one block table per request for each group of layers, over one block pool
-(vLLM V1's hybrid KV cache manager; models.kv_groups forms the groups).
+(vLLM V1's hybrid KV cache manager; pagedjax.models.layers.kv_groups forms the groups).
 
 A model whose layers differ in attention (Gemma 2/3: sliding-window and global layers) gets one
 group per kind (several when a kind has more layers than a group holds: every group has the
@@ -24,7 +24,12 @@ from typing import Sequence
 from pagedjax.scheduler.block_hash import block_hashes
 from pagedjax.scheduler.block_pool import NULL_BLOCK, BlockPool
 from pagedjax.scheduler.host_tier import HostTier
-from pagedjax.scheduler.kv_cache_manager import NULL_HOST, KVCacheManager, cdiv, hold_hits
+from pagedjax.scheduler.kv_cache_manager import (
+    NULL_HOST,
+    KVCacheManager,
+    cdiv,
+    hold_hits,
+)
 from pagedjax.scheduler.request import Request
 
 

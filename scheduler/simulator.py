@@ -19,7 +19,6 @@ import dataclasses
 from typing import Callable, Sequence
 
 import numpy as np
-
 from pagedjax.scheduler.buckets import ShapeBuckets
 from pagedjax.scheduler.cost_model import RooflineCost, StepCostModel, step_features
 from pagedjax.scheduler.request import Request, SamplingParams, make_samples
@@ -95,7 +94,7 @@ def simulate(trace: Sequence[TraceRequest], config: SchedulerConfig, *, num_bloc
     """Runs the trace to completion on simulated time; raises ValueError for a request the
     configuration can never serve (as the engine would reject it).
 
-    A hybrid model (models.kv_groups): group_windows, its KV cache groups' windows (the
+    A hybrid model (pagedjax.models.layers.kv_groups): group_windows, its KV cache groups' windows (the
     scheduler's blocks per request, a sliding group's bounded), and layer_windows, each
     layer's (the keys a step's layers attend, step_features).
 

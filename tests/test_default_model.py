@@ -7,12 +7,18 @@ must answer exactly as dense full-recompute decoding of the same weights does, p
 """
 
 import pytest
-
 from pagedjax.models import DEFAULT_CHECKPOINT
-from pagedjax.models.checkpoint import load_checkpoint
-from pagedjax.models.generate import dense_greedy_generate
-from pagedjax.models.tasks import (Example, decode_answer, encode_example, make_examples, recall_queries,
-                          score)
+from pagedjax.models.loading.checkpoint import load_checkpoint
+from pagedjax.models.training.generate import dense_greedy_generate
+from pagedjax.models.training.tasks import (
+    Example,
+    decode_answer,
+    encode_example,
+    make_examples,
+    recall_queries,
+    score,
+)
+
 from pagedjax import LLM, SamplingParams
 
 MAX_TOKENS = 20

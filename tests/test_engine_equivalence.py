@@ -1,10 +1,10 @@
 """The paged engine against dense full-recompute greedy decoding of the same model."""
 
-from helpers import until_done
 import numpy as np
 import pytest
+from helpers import until_done
+from pagedjax.models.training.generate import dense_greedy_generate
 
-from pagedjax.models.generate import dense_greedy_generate
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
 
 PROMPT_LENS = [3, 17, 1, 40, 9, 25, 64, 2]

@@ -37,9 +37,9 @@ def gemma_config():
 def child() -> None:
     import jax
     import numpy as np
-
     from pagedjax.models import init_model
-    from pagedjax.models.generate import dense_greedy_generate
+    from pagedjax.models.training.generate import dense_greedy_generate
+
     from pagedjax import LLM, SamplingParams
 
     model = init_model(gemma_config(), seed=0)

@@ -1,4 +1,4 @@
-"""GGUF weights served from their blocks (models/gguf_blocks.py): each block type's decoding
+"""GGUF weights served from their blocks (models/quantization/gguf_blocks.py): each block type's decoding
 against llama.cpp's own `gguf` dequantization of the same bytes, and a Q8_0 / Q4_0 / Q4_1 file
 written here loading with no float copy of its weights (peak host memory, and gguf's
 dequantizer never called for a block tensor), serving what its dequantized weights serve."""
@@ -14,12 +14,18 @@ from helpers import assert_same_outputs, run_requests
 
 gguf = pytest.importorskip("gguf")
 
-from pagedjax.models.gguf_blocks import FORMATS, common_format, decode, stored_parts  # noqa: E402
-from pagedjax.models.gguf_loader import lazy_gguf_model, load_gguf_model  # noqa: E402
-from pagedjax.models.quantization import dequantize_np  # noqa: E402
+from pagedjax.models.loading.gguf import lazy_gguf_model, load_gguf_model  # noqa: E402
+from pagedjax.models.quantization.gguf_blocks import (  # noqa: E402
+    FORMATS,
+    common_format,
+    decode,
+    stored_parts,
+)
+from pagedjax.models.quantization.schemes import dequantize_np  # noqa: E402
+from pagedjax.scheduler import SamplingParams  # noqa: E402
+
 from pagedjax.engine.config import EngineConfig  # noqa: E402
 from pagedjax.engine.llm_engine import LLMEngine  # noqa: E402
-from pagedjax.scheduler import SamplingParams  # noqa: E402
 
 # each type's f16 fields (byte offsets in a block): set to sane values in random blocks
 F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
@@ -156,7 +162,7 @@ def test_gguf_blocks_load_without_a_float_copy(tmp_path, monkeypatch):
 
 
 def test_inspect_reports_the_blocks_as_served(tmp_path):
-    from pagedjax.models.hf import inspect_model_dir
+    from pagedjax.models.loading.inspect import inspect_model_dir
 
     path = str(tmp_path / "blocks.gguf")
     f32_bytes = write_blocks_gguf(path)

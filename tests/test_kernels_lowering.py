@@ -18,15 +18,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
 from pagedjax.models import LlamaConfig, LlamaForCausalLM, serving_form
-from pagedjax.engine.runner import _step, padding_plan
-from benchmarks.aot import triton_gpu
-from pagedjax.pallas_kernels import (AttentionBackend, init_kv_cache,
-                            paged_decode_attention_gpu, paged_decode_attention_tpu,
-                            ragged_paged_attention_gpu, ragged_paged_attention_tpu,
-                            write_kv_gpu, write_kv_tpu)
+from pagedjax.pallas_kernels import (
+    AttentionBackend,
+    init_kv_cache,
+    paged_decode_attention_gpu,
+    paged_decode_attention_tpu,
+    ragged_paged_attention_gpu,
+    ragged_paged_attention_tpu,
+    write_kv_gpu,
+    write_kv_tpu,
+)
 from pagedjax.scheduler import DECODE, PREFILL
+
+from benchmarks.aot import triton_gpu
+from pagedjax.engine.runner import _step, padding_plan
 
 PLATFORM = {"gpu": "cuda", "tpu": "tpu"}
 KERNELS = {
@@ -138,12 +144,12 @@ def abstract_step(config, kind, *, num_tokens, num_seqs, num_blocks, max_blocks_
                   quantization=None):
     """(the engine's jitted step for `backend`, its caches donated, and abstract (params,
     caches, plan)) for a model config, at one bucket: nothing is allocated. quantization: the
-    weights quantized so (models.quantization; LM head too), their float leaves in
+    weights quantized so (pagedjax.models.quantization.schemes; LM head too), their float leaves in
     param_dtype."""
     from pagedjax.engine.runner import step_fn
     model = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
     if quantization is not None:  # computing in param_dtype, as a bf16 engine does
-        from pagedjax.models.quantized_layers import quantize_model
+        from pagedjax.models.layers.quantized import quantize_model
         model = quantize_model(nnx.eval_shape(lambda: LlamaForCausalLM(
             config, rngs=nnx.Rngs(0), dtype=param_dtype, param_dtype=param_dtype)),
             quantization, lm_head=True)

@@ -4,22 +4,23 @@ path. Token-level references come from transformers on the same weights."""
 
 from __future__ import annotations
 
-from helpers import ROLE_TEMPLATE, until_done
 import json
 import shutil
 
 import numpy as np
 import pytest
+from helpers import ROLE_TEMPLATE, until_done
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from pagedjax.models import get_config, init_model  # noqa: E402
-from pagedjax.models.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from pagedjax.models.hf import load_hf_model  # noqa: E402
+from pagedjax.models.loading.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from pagedjax.models.loading.hf import load_hf_model  # noqa: E402
+from tokenizer_builders import LLAMA3_SPECIALS, LLAMA3_TEMPLATE, train_byte_level  # noqa: E402
+
 from pagedjax import LLM, SamplingParams  # noqa: E402
 from pagedjax.text.tokenizer import Tokenizer  # noqa: E402
-from tokenizer_builders import LLAMA3_SPECIALS, LLAMA3_TEMPLATE, train_byte_level  # noqa: E402
 
 PROMPTS = ["the quick brown fox", "café 東京 😀 and", "a"]
 ENGINE = dict(max_model_len=96, max_num_seqs=4, max_num_batched_tokens=32, min_seq_bucket=4)
@@ -197,7 +198,7 @@ def test_unknown_model_names_and_directories(tmp_path):
 
 
 def test_orbax_round_trip_serves_identical_outputs(llm, model_dir, tmp_path):
-    """Training-to-serving: a model saved with models.checkpoint (plus the tokenizer file) is
+    """Training-to-serving: a model saved with pagedjax.models.loading.checkpoint (plus the tokenizer file) is
     served from the directory with the same tokens and text as the original."""
     checkpoint = tmp_path / "ckpt"
     save_checkpoint(load_hf_model(str(model_dir)), str(checkpoint), {"source": "test"})

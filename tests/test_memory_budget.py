@@ -10,9 +10,9 @@ import jax
 import pytest
 
 from pagedjax import LLM, SamplingParams
-from pagedjax.llm import DEFAULT_MODEL as LLM_DEFAULT
 from pagedjax.engine import memory_budget, sampling_step
 from pagedjax.engine.memory_budget import device_memory
+from pagedjax.llm import DEFAULT_MODEL as LLM_DEFAULT
 from pagedjax.tools.engine_args import add_engine_args, engine_kwargs
 
 SMALL = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=128)
@@ -109,12 +109,12 @@ def test_a_step_updates_the_pool_in_place(num_kv_heads, kv_cache_dtype):
     donated cache is written in place, not copied. (With one KV head, writing through a
     [2, K, NB * S, H] view of the cache made XLA on the CPU copy the whole pool every step:
     a 26-layer model's decode step went from 47 to 595 ms as its pool grew 13x.)"""
-    import numpy as np
 
     from pagedjax.models import get_config, init_model
+    from pagedjax.scheduler import DECODE, PREFILL
+
     from pagedjax.engine.config import EngineConfig
     from pagedjax.engine.runner import ModelRunner
-    from pagedjax.scheduler import DECODE, PREFILL
 
     config = dataclasses.replace(get_config("demo-small"), num_layers=2, num_heads=4,
                                  num_kv_heads=num_kv_heads, head_dim=64, hidden_size=256,

@@ -7,18 +7,24 @@ dropped tensor cannot hide behind an all-ones or all-zeros initialisation.
 
 from __future__ import annotations
 
-from helpers import until_done
 import json
 import os
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import until_done
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from pagedjax.models.hf import UnsupportedModelError, inspect_model_dir, load_hf_model, read_hf_config  # noqa: E402
+from pagedjax.models.loading.hf import (  # noqa: E402
+    UnsupportedModelError,
+    load_hf_model,
+    read_hf_config,
+)
+from pagedjax.models.loading.inspect import inspect_model_dir  # noqa: E402
+
 from pagedjax import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

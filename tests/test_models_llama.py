@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
-from pagedjax.models import LlamaConfig, get_config, init_model, serving
-from pagedjax.models.llama import rope
-from pagedjax.engine.runner import padding_plan, step_fn
+from pagedjax.models import LlamaConfig, get_config, init_model, paged_forward
+from pagedjax.models.families.llama import rope
 from pagedjax.pallas_kernels import AttentionBackend, AttentionMetadata, init_kv_cache
+
+from pagedjax.engine.runner import padding_plan, step_fn
 
 CONFIG = get_config("debug-tiny")
 
@@ -115,14 +115,14 @@ def test_bf16_paged_error_is_the_error_of_bf16_itself():
 
 
 def serving_logits(graph, weights, kv_cache, token_ids, start, table, block_size):
-    """paged_logits on models.serving's form of the weights, jitted as the engine runs it."""
+    """paged_logits on pagedjax.models.paged_forward's form of the weights, jitted as the engine runs it."""
     positions, metadata = chunk_metadata(len(token_ids), start, table, block_size)
 
     @jax.jit
     def run(weights, kv_cache, token_ids, positions, metadata):
-        hidden, kv_cache = serving.forward_paged(graph, weights, kv_cache, token_ids, positions,
+        hidden, kv_cache = paged_forward.forward_paged(graph, weights, kv_cache, token_ids, positions,
                                                  metadata)
-        return serving.logits(graph, weights, hidden), kv_cache
+        return paged_forward.logits(graph, weights, hidden), kv_cache
 
     return run(weights, kv_cache, jnp.asarray(token_ids, jnp.int32), jnp.asarray(positions),
                metadata)
@@ -138,7 +138,7 @@ def test_scanned_and_unrolled_layers_give_the_same_logits_and_cache():
     table = np.array([5, 2, 7, 0], np.int32)
     results = {}
     for scan_layers in (True, False):
-        graph, weights = serving.serving_form(model, scan_layers)
+        graph, weights = paged_forward.serving_form(model, scan_layers)
         kv_cache = init_kv_cache(CONFIG.num_layers, 8, 4, CONFIG.num_kv_heads, CONFIG.head_dim,
                                  jnp.float32)
         first, kv_cache = serving_logits(graph, weights, kv_cache, tokens[:13], 0, table, 4)
@@ -165,7 +165,7 @@ def test_step_program_size_is_independent_of_depth_under_scan(scan_layers, grows
     matmuls. Unrolled, the count grows with the depth."""
     def matmuls(num_layers):
         config = dataclasses.replace(CONFIG, num_layers=num_layers)
-        graph, weights = serving.serving_form(
+        graph, weights = paged_forward.serving_form(
             nnx.eval_shape(lambda: init_model(config)), scan_layers)
         cache = jax.eval_shape(lambda: init_kv_cache(num_layers, 8, 4, config.num_kv_heads,
                                                      config.head_dim, jnp.float32))

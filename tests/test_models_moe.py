@@ -1,4 +1,4 @@
-"""Mixture-of-experts families (models/moe.py, models/{mixtral,qwen_moe,olmoe}.py) against
+"""Mixture-of-experts families (models/layers/moe.py, models/{mixtral,qwen_moe,olmoe}.py) against
 transformers, on small random configs with every switch on: 4-8 experts, top-2 (OLMoE top-3),
 norm_topk_prob on and off, Qwen2-MoE's gated shared expert and its dense layers
 (decoder_sparse_step, mlp_only_layers), Qwen3-MoE's q/k norm, OLMoE's whole-projection q/k norm
@@ -16,11 +16,18 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from helpers import until_done  # noqa: E402,F401
-from pagedjax.models.hf import inspect_model_dir, load_hf_model, read_hf_config  # noqa: E402
-from pagedjax.models.moe import Experts, route  # noqa: E402
+from pagedjax.models.layers.moe import Experts, route  # noqa: E402
+from pagedjax.models.loading.hf import load_hf_model, read_hf_config  # noqa: E402
+from pagedjax.models.loading.inspect import inspect_model_dir  # noqa: E402
 from pagedjax.models.registry import ARCHITECTURES  # noqa: E402
-from test_models_hf import (F32_TOL, engine_greedy, hf_greedy, hf_logits,  # noqa: E402
-                            prompts, randomize_vectors)
+from test_models_hf import (  # noqa: E402
+    F32_TOL,
+    engine_greedy,
+    hf_greedy,
+    hf_logits,
+    prompts,
+    randomize_vectors,
+)
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4,
               num_key_value_heads=2, initializer_range=0.1, max_position_embeddings=256,
@@ -144,7 +151,6 @@ def test_moe_paged_engine_greedy_equals_transformers_generate(moe, engine):
 
 def _experts(num_experts=8, seed=0):
     from flax import nnx
-
     from pagedjax.models.config import LlamaConfig
     config = LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=24, num_layers=1,
                          num_heads=2, num_kv_heads=1, num_experts=num_experts,
@@ -160,13 +166,13 @@ def test_grouped_experts_equal_every_expert_on_every_token(case, implementation,
     spanning chunks) against every expert on every token mixed by the routing weights: every token on the same two experts (two groups hold everything), an
     expert no token picks (an empty group), and padding tokens past num_valid (routed nowhere:
     zero output, whatever their router said)."""
-    from pagedjax.models import moe_experts
+    from pagedjax.models.layers import moe_experts
     monkeypatch.setattr(moe_experts, "ragged_chunk", lambda width: 16)  # ragged_dot: 5 chunks
     experts = _experts()
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.normal(size=(40, 16)), jnp.float32)
     weights = jnp.asarray(rng.uniform(0.1, 1.0, size=(40, 2)), jnp.float32)
-    # 80 rows over 8 experts: tiles of 32 rows (models.moe.tile_rows); all on experts 2 and 0:
+    # 80 rows over 8 experts: tiles of 32 rows (pagedjax.models.layers.moe.tile_rows); all on experts 2 and 0:
     # two groups of 40 rows, two tiles each, the second one part full
     ids = {"one_expert_for_all": np.tile([2, 0], (40, 1)),
            "an_idle_expert": rng.permuted(np.tile([0, 1, 3, 4, 5, 6, 7], (40, 1)),
@@ -196,6 +202,7 @@ def test_expert_parallel_is_refused_where_it_cannot_apply():
     """--enable-expert-parallel on a dense model, or with experts that do not split over the
     devices, is refused by name before anything is built."""
     from pagedjax.models import LlamaConfig, get_config, init_model
+
     from pagedjax import EngineConfig, LLMEngine
     from pagedjax.parallel.placement import check_expert_parallel
 

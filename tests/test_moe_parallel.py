@@ -53,10 +53,10 @@ def _expert_shards(params) -> list[list[int]]:
 def child() -> None:
     import jax
     import numpy as np
-
     from pagedjax.models import init_model
-    from pagedjax.models.generate import dense_greedy_generate
-    from pagedjax.models.quantized_layers import quantize_model
+    from pagedjax.models.layers.quantized import quantize_model
+    from pagedjax.models.training.generate import dense_greedy_generate
+
     from pagedjax import LLM, SamplingParams
 
     rng = np.random.default_rng(0)

@@ -1,4 +1,4 @@
-"""Weight-only quantization (models/quantization.py, models/quantized_layers.py): the stored
+"""Weight-only quantization (models/quantization/schemes.py, models/layers/quantized.py): the stored
 form against an independent NumPy reading of it, the engine against a float model holding the
 NumPy-dequantized weights, the error against the f32 model, a checkpoint quantized as it is
 read, and the refusals."""
@@ -11,17 +11,26 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import assert_same_outputs, run_requests
-
 from pagedjax.models import get_config, init_model
-from pagedjax.models.quantization import (QArray, dequantize_np, pack_int4, quantize,
-                                 unpack_int4_np)
-from pagedjax.models.quantized_layers import (QuantizedEmbed, QuantizedLinear, QuantizedWeight,
-                                     quantize_model)
-from pagedjax.models import quantization_quality
-from pagedjax.models.quantization_quality import quality
+from pagedjax.models.layers.quantized import (
+    QuantizedEmbed,
+    QuantizedLinear,
+    QuantizedWeight,
+    quantize_model,
+)
+from pagedjax.models.quantization import quality as quantization_quality
+from pagedjax.models.quantization.quality import quality
+from pagedjax.models.quantization.schemes import (
+    QArray,
+    dequantize_np,
+    pack_int4,
+    quantize,
+    unpack_int4_np,
+)
+from pagedjax.scheduler import SamplingParams
+
 from pagedjax.engine.config import EngineConfig
 from pagedjax.engine.llm_engine import LLMEngine
-from pagedjax.scheduler import SamplingParams
 
 SCHEMES = ("int8", "fp8", "int4")
 SMALL = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, block_size=4,
@@ -163,7 +172,8 @@ def test_smollm2_int8_keeps_greedy_agreement():
     fixed prompts (128 positions). Measured 97.9% over 192 positions (benchmarks/
     quantization.py): int8's 3% logit error flips only near-ties; the floor 90% leaves room for
     a few more flips and still fails a broken scale or channel order (int4 measures 65%)."""
-    from pagedjax.models.gguf_loader import load_gguf_model, metadata, open_gguf
+    from pagedjax.models.loading.gguf import load_gguf_model, metadata, open_gguf
+
     from pagedjax.text.gguf_tokenizer import tokenizer_from_gguf
     from pagedjax.tools.chat_demo import smollm2_path
 
@@ -183,10 +193,9 @@ def test_hf_checkpoint_is_quantized_as_it_is_read(tmp_path):
     """A safetensors checkpoint read into place, quantized layer by layer on the host,
     stores the very arrays quantize_model makes of the model loaded whole."""
     pytest.importorskip("transformers")
+    from pagedjax.models.loading.hf import load_hf_model
+    from pagedjax.models.loading.placed_weights import lazy_hf_model
     from test_models_hf import build_hf
-
-    from pagedjax.models.hf import load_hf_model
-    from pagedjax.models.placed_weights import lazy_hf_model
 
     build_hf("llama-bias-tied", tmp_path)  # biases, and the tied embedding quantized
     config = EngineConfig(**SMALL, quantization="int4", quantize_lm_head=True)
@@ -282,7 +291,7 @@ def test_compressed_tensors_checkpoint_serves_its_stored_weights(tmp_path, kind)
     """An llm-compressor-format checkpoint (F8_E4M3 / I8 weights, per-channel weight_scale,
     lm_head ignored) is served from its stored values: the same greedy tokens, and logprobs
     within 1e-4, as the float checkpoint of the same weights dequantized by torch."""
-    from pagedjax.models.placed_weights import lazy_hf_model
+    from pagedjax.models.loading.placed_weights import lazy_hf_model
 
     compressed, dequantized = write_compressed(tmp_path, kind)
     engine = LLMEngine(lazy_hf_model(str(compressed)), EngineConfig(**SMALL))
@@ -305,8 +314,8 @@ def test_compressed_tensors_checkpoint_serves_its_stored_weights(tmp_path, kind)
     (dict(quant_method="gptq"), "a quantized checkpoint (gptq)"),
 ])
 def test_compressed_tensors_schemes_not_served_are_refused_by_name(tmp_path, change, words):
-    from pagedjax.models.hf import inspect_model_dir
-    from pagedjax.models.placed_weights import lazy_hf_model
+    from pagedjax.models.loading.inspect import inspect_model_dir
+    from pagedjax.models.loading.placed_weights import lazy_hf_model
 
     compressed, _ = write_compressed(tmp_path, "fp8", **change)
     with pytest.raises(ValueError, match=re_escape(words)):

@@ -6,7 +6,6 @@ seeded row draws the same tokens in any batch."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -8,13 +8,13 @@ import json
 
 import numpy as np
 import pytest
-
-from pagedjax import LLM
-from pagedjax.tools.profiling import run_trace
 from pagedjax.scheduler import DECODE, PREFILL, SchedulerConfig, ShapeBuckets
 from pagedjax.scheduler.cost_model import StepCostModel
 from pagedjax.scheduler.simulator import simulate
 from pagedjax.scheduler.trace import TraceRequest, load_trace, save_trace
+
+from pagedjax import LLM
+from pagedjax.tools.profiling import run_trace
 
 
 def test_trace_requests_validate_and_round_trip(tmp_path):
@@ -179,9 +179,13 @@ def test_simulate_cli_plans_with_the_roofline(tmp_path, capsys):
 
 def test_tensor_parallel_roofline_splits_the_work_and_adds_the_collectives():
     from pagedjax.models import get_config
-    from pagedjax.parallel.plan import roofline_cost
-    from pagedjax.parallel.sharding import kv_bytes_per_block_per_device, weight_bytes_per_device
     from pagedjax.scheduler.chips import CHIPS
+
+    from pagedjax.parallel.plan import roofline_cost
+    from pagedjax.parallel.sharding import (
+        kv_bytes_per_block_per_device,
+        weight_bytes_per_device,
+    )
 
     config = get_config("llama-3-8b")
     chip = CHIPS["tpu-v5e"]
@@ -264,9 +268,10 @@ def test_simulate_counts_a_hybrid_models_kv_cache_groups(tmp_path, capsys):
     group holds its 1,024-token window) the pool holds several times the requests it holds when
     every layer keeps the whole context, and the run preempts less and ends sooner."""
     from pagedjax.models import get_config
-    from pagedjax.models.kv_groups import kv_cache_groups
-    from pagedjax.tools.cli import main
+    from pagedjax.models.layers.kv_groups import kv_cache_groups
     from pagedjax.scheduler.kv_cache_groups import blocks_for
+
+    from pagedjax.tools.cli import main
 
     trace = tmp_path / "trace.jsonl"
     save_trace(trace, [TraceRequest(0.05 * i, 16000, 32) for i in range(16)])
@@ -298,8 +303,9 @@ def test_roofline_of_a_mixture_counts_active_parameters_and_picked_experts():
     step reads the experts its tokens pick (8 of 128 for one token, nearly all for 256) on top
     of the rest of the weights."""
     from pagedjax.models import get_config
-    from pagedjax.parallel.plan import roofline_cost
     from pagedjax.scheduler.chips import CHIPS
+
+    from pagedjax.parallel.plan import roofline_cost
 
     config = get_config("qwen3-30b-a3b")
     cost = roofline_cost(config, CHIPS["h200"])

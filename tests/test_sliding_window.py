@@ -1,14 +1,14 @@
 """Sliding-window attention: the paged engine against a dense windowed reference, and blocks
 outside every window released as sequences grow."""
 
-from helpers import until_done
 import dataclasses
 
 import numpy as np
 import pytest
-
+from helpers import until_done
 from pagedjax.models import get_config, init_model
-from pagedjax.models.generate import dense_greedy_generate
+from pagedjax.models.training.generate import dense_greedy_generate
+
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
 
 WINDOW = 10

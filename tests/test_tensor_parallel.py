@@ -45,10 +45,13 @@ DP_RUNS = {
 def child() -> None:
     import jax
     import numpy as np
-
     from pagedjax.models import get_config, init_model
+
     from pagedjax import LLM, SamplingParams
-    from pagedjax.parallel.sharding import kv_bytes_per_block_per_device, weight_bytes_per_device
+    from pagedjax.parallel.sharding import (
+        kv_bytes_per_block_per_device,
+        weight_bytes_per_device,
+    )
 
     model = init_model(get_config("debug-tiny"), seed=0)
     rng = np.random.default_rng(0)
@@ -161,8 +164,8 @@ def quantized_runs(prompts, params) -> dict:
     bytes against `pagedjax capacity`'s formula. debug-tiny with a 256-wide MLP: int4's down
     projection has 2 groups of 128 rows (split with the rows under TP 2; TP 4 refused)."""
     import jax
-
     from pagedjax.models import get_config, init_model
+
     from pagedjax import LLM
     from pagedjax.parallel.sharding import weight_bytes_per_device
 
@@ -203,21 +206,23 @@ PLACED_RUNS = {"tp1": {}, "tp2": dict(tensor_parallel_size=2),
 
 
 def placed_loading(model) -> dict:
-    """Checkpoints read straight into the engine's shardings (models.placed_weights): an HF
+    """Checkpoints read straight into the engine's shardings (pagedjax.models.loading.placed_weights): an HF
     directory (biases, tied embeddings) and an orbax one, at each parallelism; the tokens the
     model loaded whole gives, and what device 0 holds once loaded (every live array's shard)."""
     import tempfile
 
     import jax
     import numpy as np
-
-    from pagedjax.models.checkpoint import load_checkpoint, save_checkpoint
-    from pagedjax.models.hf import load_hf_model
-    from pagedjax import LLM, SamplingParams
-    from pagedjax.parallel.sharding import kv_bytes_per_block_per_device, weight_bytes_per_device
+    import pagedjax.models.loading.placed_weights as placed
+    from pagedjax.models.loading.checkpoint import load_checkpoint, save_checkpoint
+    from pagedjax.models.loading.hf import load_hf_model
     from test_models_hf import build_hf
 
-    import pagedjax.models.placed_weights as placed
+    from pagedjax import LLM, SamplingParams
+    from pagedjax.parallel.sharding import (
+        kv_bytes_per_block_per_device,
+        weight_bytes_per_device,
+    )
 
     read = placed.file_slice
     elements_read = [0]
@@ -273,10 +278,14 @@ def kernels_under_shard_map() -> dict:
 
     import jax.numpy as jnp
     import numpy as np
+    from pagedjax.pallas_kernels import (
+        AttentionBackend,
+        AttentionMetadata,
+        paged_attention,
+    )
+    from test_kernels_reference import build_case
 
     from pagedjax.parallel.sharding import make_mesh
-    from pagedjax.pallas_kernels import AttentionBackend, AttentionMetadata, paged_attention
-    from test_kernels_reference import build_case
 
     errors = {}
     for name, seqs, decode in (("ragged", [(9, 3), (37, 37), (17, 16), (50, 1)], False),
@@ -308,8 +317,8 @@ def served_metrics(model, prompts) -> dict:
     """A DP 2 server's /metrics after the prompts, as {series: value} for the replica series."""
     import httpx
 
-    from pagedjax.parallel.data_parallel import make_engine
     from pagedjax.engine.config import EngineConfig
+    from pagedjax.parallel.data_parallel import make_engine
     from pagedjax.serving.app import build_app
     from pagedjax.serving.background import BackgroundServer
 

@@ -6,8 +6,8 @@ import dataclasses
 
 import numpy as np
 
-from pagedjax.models.quantization import SCHEMES
 from pagedjax.engine.speculative import SpeculativeConfig
+from pagedjax.models.quantization.schemes import SCHEMES
 from pagedjax.pallas_kernels import BACKEND_NAMES, check_backend
 from pagedjax.scheduler import SchedulerConfig, ShapeBuckets, cdiv
 
@@ -72,7 +72,7 @@ class EngineConfig:
     # JAX's persistent compilation cache: "auto" (~/.cache/pagedjax/jax_cache, or
     # $PAGEDJAX_COMPILATION_CACHE), "off", or a directory (pagedjax.engine.compile_cache).
     compilation_cache: str = "auto"
-    # The decoder layers under one jax.lax.scan (models.serving): a step program compiles one
+    # The decoder layers under one jax.lax.scan (pagedjax.models.paged_forward): a step program compiles one
     # layer whatever the depth. False unrolls them (L copies of the layer in every program).
     scan_layers: bool = True
     # KV cache groups (scheduler.kv_cache_groups): a model whose layers differ in attention
@@ -84,7 +84,7 @@ class EngineConfig:
     # style, the KV cache over KV heads; 1 runs on jax.devices()[0].
     tensor_parallel_size: int = 1
     # Expert parallelism (vLLM's --enable-expert-parallel): a mixture of experts' experts split
-    # over the tensor_parallel_size devices (E / TP whole experts each, models/moe_experts.py)
+    # over the tensor_parallel_size devices (E / TP whole experts each, models/layers/moe_experts.py)
     # instead of every expert's MLP split TP ways; attention stays tensor parallel.
     enable_expert_parallel: bool = False
     # Replicas of the model on disjoint groups of tensor_parallel_size devices, each with its
@@ -101,7 +101,7 @@ class EngineConfig:
     # last token on the host to go on (penalties, a grammar, bad_words of several tokens, forks
     # of n > 1) is followed synchronously. Not with speculative decoding or swap preemption.
     async_scheduling: bool = False
-    # Weight quantization (vLLM's --quantization; models/quantization.py), weight-only (the
+    # Weight quantization (vLLM's --quantization; models/quantization/schemes.py), weight-only (the
     # activations stay in dtype): "int8" and "fp8" (e4m3) per output channel, "int4" per group
     # of 128/64/32 rows, quantized as a float checkpoint is read; "gguf": a GGUF file's own
     # blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), what a GGUF file is served as when unset;

@@ -10,32 +10,46 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from pagedjax.models import LlamaForCausalLM
-from pagedjax.models.kv_groups import kv_cache_groups
-from pagedjax.models.quantized_loading import for_serving as quantized_for_serving
-from pagedjax.scheduler.kv_cache_groups import blocks_for
 from pagedjax.engine import memory_budget, prompt_logprobs
 from pagedjax.engine.admission import Admission, PromptSpec, check_specs
 from pagedjax.engine.async_scheduling import AsyncScheduling
 from pagedjax.engine.compile_cache import enable_compilation_cache
 from pagedjax.engine.config import EngineConfig
 from pagedjax.engine.draft_model import DraftModelProposer
-from pagedjax.engine.kv_snapshot import KVSnapshot, UsageSample, kv_snapshot, tokens_stored
+from pagedjax.engine.kv_snapshot import (
+    KVSnapshot,
+    UsageSample,
+    kv_snapshot,
+    tokens_stored,
+)
 from pagedjax.engine.kv_tiers import cached_prefix_blocks, make_kv_tiers
 from pagedjax.engine.output_processor import TextState
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.runner import ModelRunner
 from pagedjax.engine.speculative import Speculator
-from pagedjax.engine.step_recovery import StepRecovery, describe
 from pagedjax.engine.stats import EngineStats, ReplicaLoad
+from pagedjax.engine.step_recovery import StepRecovery, describe
 from pagedjax.engine.token_masks import TokenMasks, step_rows
 from pagedjax.engine.warmup import BackgroundWarmup, warm
+from pagedjax.models import LlamaForCausalLM
+from pagedjax.models.layers.kv_groups import kv_cache_groups
+from pagedjax.models.loading.quantized_loading import (
+    for_serving as quantized_for_serving,
+)
+from pagedjax.pallas_kernels import check_num_slots, kv_cache_bytes_per_block
 from pagedjax.parallel import multihost
 from pagedjax.parallel.placement import place
 from pagedjax.parallel.sharding import kv_head_repeats
-from pagedjax.pallas_kernels import check_num_slots, kv_cache_bytes_per_block
-from pagedjax.scheduler import (DECODE, Request, RequestStatus, SamplingParams, Scheduler, build_plan,
-                       make_samples)
+from pagedjax.scheduler import (
+    DECODE,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    Scheduler,
+    build_plan,
+    make_samples,
+)
+from pagedjax.scheduler.kv_cache_groups import blocks_for
 
 
 def model_cache_key(model: LlamaForCausalLM, config: EngineConfig, kv_tiers=None) -> bytes:

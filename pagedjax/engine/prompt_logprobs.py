@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from pagedjax.models import serving
+from pagedjax.models import paged_forward
 from pagedjax.scheduler.request import Logprob
 
 CHUNK = 128  # tokens projected to the vocabulary at once
@@ -35,7 +36,7 @@ def compute(graph, params, hidden: jax.Array, targets: jax.Array, num_top: int,
 
     def one_chunk(args):
         h, t = args
-        logits = serving.logits(graph, params, h)  # f32[C, V]
+        logits = paged_forward.logits(graph, params, h)  # f32[C, V]
         if mesh is not None:  # vocab-split: whole rows on every device
             logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))
         log_probs = jax.nn.log_softmax(logits, axis=-1)

@@ -7,20 +7,42 @@ import threading
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
-from pagedjax.models import LlamaForCausalLM, ServingGraph, ServingWeights, serving, serving_form
-from pagedjax.models.quantization import chunked_products
-from pagedjax.models.kv_groups import KVCacheGroups
-from pagedjax.models.placed_weights import LazyModel
 from pagedjax.engine import prompt_logprobs, sampling_step
 from pagedjax.engine.block_transfers import BlockTransfers
-from pagedjax.parallel.sharding import (kv_cache_sharding, kv_head_repeats, shard_weights,
-                                        weight_sharding)
-from pagedjax.pallas_kernels import AttentionBackend, AttentionMetadata, copy_blocks, init_kv_cache
+from pagedjax.models import (
+    LlamaForCausalLM,
+    ServingGraph,
+    ServingWeights,
+    paged_forward,
+    serving_form,
+)
+from pagedjax.models.layers.kv_groups import KVCacheGroups
+from pagedjax.models.loading.placed_weights import LazyModel
+from pagedjax.models.quantization.schemes import chunked_products
+from pagedjax.pallas_kernels import (
+    AttentionBackend,
+    AttentionMetadata,
+    copy_blocks,
+    init_kv_cache,
+)
 from pagedjax.pallas_kernels.dispatch import TP_AXIS
-from pagedjax.scheduler import (ARRAY_FIELDS, DECODE, FORWARD_FIELDS, NULL_BLOCK, PREFILL, STATIC_FIELDS,
-                       BatchPlan)
+from pagedjax.parallel.sharding import (
+    kv_cache_sharding,
+    kv_head_repeats,
+    shard_weights,
+    weight_sharding,
+)
+from pagedjax.scheduler import (
+    ARRAY_FIELDS,
+    DECODE,
+    FORWARD_FIELDS,
+    NULL_BLOCK,
+    STATIC_FIELDS,
+    BatchPlan,
+)
 from pagedjax.scheduler.plan import logit_bias_slots, penalty_tokens
 
 jax.tree_util.register_dataclass(BatchPlan, data_fields=list(ARRAY_FIELDS),
@@ -63,9 +85,9 @@ def forward_fn(graph: ServingGraph, backend: AttentionBackend, kind: str, num_to
         group_block_tables=inputs["group_block_tables"]).with_logical_group_tables()
     # quantized weights: large products in cache-sized chunks on the CPU reference only
     with chunked_products(backend.name == "reference" and backend.mesh is None):
-        hidden, kv_cache = serving.forward_paged(graph, params, kv_cache, inputs["token_ids"],
+        hidden, kv_cache = paged_forward.forward_paged(graph, params, kv_cache, inputs["token_ids"],
                                                  inputs["positions"], metadata, backend)
-        logits = serving.logits(graph, params, hidden[inputs["logits_indices"]])  # f32[B, V]
+        logits = paged_forward.logits(graph, params, hidden[inputs["logits_indices"]])  # f32[B, V]
         if backend.mesh is not None:  # vocab-split: one all-gather, so every device holds
             # whole rows for the sampler
             logits = jax.lax.with_sharding_constraint(logits, NamedSharding(backend.mesh, P()))
@@ -116,7 +138,7 @@ class ModelRunner(BlockTransfers):
                  device: jax.Device | None = None, kv_groups: KVCacheGroups | None = None):
         """backend.mesh, when set, splits the model over its devices (pagedjax.parallel.sharding);
         otherwise everything lives on device (jax.devices()[0] by default). kv_groups: the KV
-        cache groups (models.kv_groups; default: one group of every layer)."""
+        cache groups (pagedjax.models.layers.kv_groups; default: one group of every layer)."""
         config = model.config
         mesh = backend.mesh
         repeats = 1 if mesh is None else kv_head_repeats(config.num_kv_heads,

@@ -7,7 +7,7 @@
 Every process calls `initialize` (jax.distributed.initialize; on CPU with gloo collectives),
 then builds the same engine: the mesh spans all processes' devices (jax.devices() is global)
 and each process reads and holds only its own devices' shards of the weights and the KV cache
-(models.placed_weights: make_array_from_callback calls back for addressable devices only).
+(pagedjax.models.loading.placed_weights: make_array_from_callback calls back for addressable devices only).
 
 Process 0, the leader, runs the scheduler, the server and every other piece of host state;
 the others, followers, hold no requests at all: they are the runner's other hands. Each time

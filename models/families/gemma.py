@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import jax
 from flax import nnx
-
 from pagedjax.models.config import LlamaConfig
-from pagedjax.models.layers import rms_norm
-from pagedjax.models.llama import DecoderLayer, LlamaForCausalLM
+from pagedjax.models.families.hf_fields import refuse, rope_from_params, rope_params
+from pagedjax.models.families.llama import DecoderLayer, LlamaForCausalLM
+from pagedjax.models.layers.basic import rms_norm
 
 
 class GemmaDecoderLayer(DecoderLayer):
@@ -47,7 +47,6 @@ def read_hf_config(raw: dict, architecture: str, model_type: str, common: dict) 
     `sliding_window_pattern` (Gemma 3: every Nth layer global) or alternation (Gemma 2: even
     layers sliding); Gemma 3's RoPE per layer type (transformers 5's rope_parameters by layer
     type, or rope_theta + rope_scaling for the global layers and rope_local_base_freq)."""
-    from pagedjax.models.hf_config import refuse, rope_from_params, rope_params
     num_layers = common["num_layers"]
     layer_types = raw.get("layer_types")
     if layer_types is None:

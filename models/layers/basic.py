@@ -1,6 +1,6 @@
 """Layers the model families share: RMSNorm, rotary embeddings, linear projections and the gated
-MLP. A family's module (models/llama.py, models/gemma.py) builds its decoder layer from these and
-models/attention.py."""
+MLP. A family's module (models/families/llama.py, models/families/gemma.py) builds its decoder layer from these and
+models/layers/attention.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
 from pagedjax.models.config import LlamaConfig, RopeScaling
 
 # config.json hidden_act -> the function (gelu_pytorch_tanh: GELU's tanh approximation, Gemma's)

@@ -18,7 +18,7 @@ three arrays, `QArray`:
   Q4_K).
 
 w = values * scale (+ zero), group by group. Activations stay in the compute dtype: a layer
-dequantizes its weight inside the step (models.serving's scan: one layer at a time), or, with
+dequantizes its weight inside the step (pagedjax.models.paged_forward's scan: one layer at a time), or, with
 one group and no offset, multiplies the values and scales the product's columns.
 
 Quantizing (`quantize`, NumPy, on the host): symmetric, scale = max|w| / qmax over each group

@@ -1,11 +1,11 @@
-"""Quantized weights read straight into place (models.placed_weights' lazy loaders).
+"""Quantized weights read straight into place (pagedjax.models.loading.placed_weights' lazy loaders).
 
-A LazyModel whose abstract model has quantized modules (models.quantized_layers: swapped by
+A LazyModel whose abstract model has quantized modules (pagedjax.models.layers.quantized: swapped by
 `quantize_lazy`, or a GGUF file's own blocks) builds each of their leaves (`kernel`, `scale`,
 `zero`) from a per-layer reading of the whole weight in the serving layout: `parts(name)` ->
 {"kernel", "scale", "zero"}, one layer's tensor at a time on the host. For a float checkpoint
-it reads the tensor and quantizes it (models.quantization.quantize); a GGUF file's reader
-converts its blocks (models.gguf_blocks), with no float copy. The small `scale` / `zero` parts
+it reads the tensor and quantizes it (pagedjax.models.quantization.schemes.quantize); a GGUF file's reader
+converts its blocks (pagedjax.models.quantization.gguf_blocks), with no float copy. The small `scale` / `zero` parts
 are kept for the leaves that follow their kernel's (one read of a tensor, not three).
 """
 
@@ -16,9 +16,14 @@ import functools
 
 import numpy as np
 from flax import nnx
-
-from pagedjax.models.quantized_layers import (QuantizedEmbed, QuantizedLinear, QuantizedWeight,
-                                     module_key, quantize_model)
+from pagedjax.models.layers.quantized import (
+    QuantizedEmbed,
+    QuantizedLinear,
+    QuantizedWeight,
+    module_key,
+    quantize_model,
+)
+from pagedjax.models.loading.lazy_model import LazyModel
 
 QUANTIZED_PARTS = ("kernel", "scale", "zero")
 
@@ -37,8 +42,6 @@ def quantize_lazy(lazy, scheme: str, lm_head: bool = False):
     """The LazyModel of the same checkpoint with its linear layers quantized by scheme as they
     are read (quantize_model's choice of layers). A loader that cannot quantize as it reads
     (orbax) is read whole, then quantized (ValueError from there is not raised here)."""
-    from pagedjax.models.placed_weights import LazyModel
-
     abstract = quantize_model(lazy.abstract, scheme, lm_head)
     modules = quantized_modules(abstract)
     if not getattr(lazy.place, "reads_quantized", False):
@@ -71,7 +74,7 @@ class QuantizedReader:
 
 
 def columns_of(part: np.ndarray | None, columns) -> np.ndarray | None:
-    """A part with the repeated KV heads' columns (models.placed_weights.kv_columns)."""
+    """A part with the repeated KV heads' columns (pagedjax.models.loading.placed_weights.kv_columns)."""
     if part is None or columns is None:
         return part
     return np.ascontiguousarray(part[..., columns])
@@ -81,8 +84,7 @@ def for_serving(model, quantization: str | None, lm_head: bool = False):
     """The model an engine serves under EngineConfig.quantization: a float model (in memory or
     a LazyModel) quantized by a scheme; a GGUF file's own blocks ("gguf", or unset). ValueError
     names a mismatch (a scheme on weights already quantized, "gguf" on other weights)."""
-    from pagedjax.models.placed_weights import LazyModel
-    from pagedjax.models.quantization import SCHEMES
+    from pagedjax.models.quantization.schemes import SCHEMES
 
     abstract = model.abstract if isinstance(model, LazyModel) else model
     stored = sorted({module.scheme for module in quantized_modules(abstract).values()})

@@ -1,6 +1,6 @@
-"""Train the shipped tiny model on the synthetic tasks of models.tasks.
+"""Train the shipped tiny model on the synthetic tasks of pagedjax.models.training.tasks.
 
-    python -m models.train --out models/checkpoints/pagedjax-tiny
+    python -m pagedjax.models.training.train --out models/checkpoints/pagedjax-tiny
 
 A batch holds one group of rows per task, right-padded: causal attention means padding never
 changes a real position. A copy row holds one example. A recall row holds one context and
@@ -29,13 +29,25 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-
-from pagedjax.models.checkpoint import save_checkpoint
 from pagedjax.models.config import LlamaConfig
-from pagedjax.models.generate import dense_greedy_generate
-from pagedjax.models.llama import LlamaForCausalLM, init_model
-from pagedjax.models.tasks import (BOS_ID, EOS_ID, MIN_PAIRS, TASKS, VOCAB_SIZE, Example, decode_answer,
-                          encode_example, make_examples, recall_pairs, sample_example, score)
+from pagedjax.models.families.llama import LlamaForCausalLM
+from pagedjax.models.loading.checkpoint import save_checkpoint
+from pagedjax.models.registry import init_model
+from pagedjax.models.training.generate import dense_greedy_generate
+from pagedjax.models.training.tasks import (
+    BOS_ID,
+    EOS_ID,
+    MIN_PAIRS,
+    TASKS,
+    VOCAB_SIZE,
+    Example,
+    decode_answer,
+    encode_example,
+    make_examples,
+    recall_pairs,
+    sample_example,
+    score,
+)
 
 TINY_CONFIG = LlamaConfig(
     vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=512, num_layers=4, num_heads=4,
@@ -246,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                            log_every=args.log_every)
     accuracy = evaluate(model, args.eval_per_task)
     print("held-out accuracy: " + ", ".join(f"{t} {a:.3f}" for t, a in accuracy.items()))
-    command = "python -m models.train " + " ".join(shlex.quote(a) for a in
+    command = "python -m pagedjax.models.training.train " + " ".join(shlex.quote(a) for a in
                                                    (argv if argv is not None else sys.argv[1:]))
     metadata = {
         "tokenizer": "byte",  # pagedjax.text.tokenizer.ByteTokenizer: LLM(dir) picks it from this

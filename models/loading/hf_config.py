@@ -1,12 +1,21 @@
 """Hugging Face config.json -> LlamaConfig: what every family's reader shares (the fields all
 decoders have, RoPE in both config formats, EOS ids, the refusals), and config_from_hf, which
-hands a config to its family's reader through models.registry."""
+hands a config to its family's reader through pagedjax.models.registry (what the readers share
+themselves is pagedjax.models.families.hf_fields)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from pagedjax.models.config import ROPE_TYPES, LlamaConfig, RopeScaling
+from pagedjax.models.config import ROPE_TYPES, LlamaConfig
+from pagedjax.models.families.hf_fields import (  # noqa: F401
+    UnsupportedModelError,
+    architecture_of,
+    rope_from_params,
+    rope_params,
+)
+from pagedjax.models.families.hf_fields import refuse as family_refusal
+from pagedjax.models.registry import ARCHITECTURES
 
 # Why some well-known architectures are refused (others get the generic reason).
 KNOWN_UNSUPPORTED = {
@@ -29,59 +38,18 @@ KNOWN_UNSUPPORTED = {
 }
 
 
-class UnsupportedModelError(ValueError):
-    """The directory holds a model this engine cannot serve correctly."""
-
-
 def supported_summary() -> str:
-    from pagedjax.models.registry import ARCHITECTURES
     return ", ".join(ARCHITECTURES)
 
 
+def with_summary(error: UnsupportedModelError) -> UnsupportedModelError:
+    """A family's refusal, naming what is supported."""
+    return UnsupportedModelError(f"{error}; supported architectures: {supported_summary()} "
+                                 f"(RoPE types {', '.join(ROPE_TYPES)})")
+
+
 def refuse(architecture: str, what: str) -> UnsupportedModelError:
-    return UnsupportedModelError(f"architecture {architecture}: {what} is not supported; "
-                                 f"supported architectures: {supported_summary()} (RoPE types "
-                                 f"{', '.join(ROPE_TYPES)})")
-
-
-def architecture_of(raw: dict[str, Any]) -> str:
-    archs = raw.get("architectures") or []
-    if archs:
-        return str(archs[0])
-    return str(raw.get("model_type", "unknown"))
-
-
-def rope_from_params(params: Any, architecture: str) -> tuple[float, RopeScaling | None]:
-    """(theta, scaling) of one RoPE parameter dict (`rope_theta`, `rope_type`, `factor`...)."""
-    if not isinstance(params, dict) or "rope_theta" not in params:
-        raise refuse(architecture, f"rope_parameters {params!r}")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise refuse(architecture, f"RoPE type {rope_type!r}")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise refuse(architecture, f"partial_rotary_factor {params['partial_rotary_factor']}")
-    theta = float(params["rope_theta"])
-    if rope_type == "default":
-        return theta, None
-    fields = {"factor": params.get("factor")}
-    if rope_type == "llama3":
-        for name in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-            if name not in params:
-                raise ValueError(f"llama3 RoPE scaling needs {name} in the config")
-            fields[name] = params[name]
-    if fields["factor"] is None:
-        raise ValueError(f"{rope_type} RoPE scaling needs a factor in the config")
-    return theta, RopeScaling(rope_type=rope_type, **fields)
-
-
-def rope_params(raw: dict[str, Any]) -> Any:
-    """The RoPE parameters of either config format: transformers 5's `rope_parameters` (a dict,
-    or a dict of dicts by layer type), or transformers 4's `rope_theta` + `rope_scaling`."""
-    params = raw.get("rope_parameters")
-    if params is None:
-        params = dict(raw.get("rope_scaling") or {})
-        params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
-    return params
+    return with_summary(family_refusal(architecture, what))
 
 
 def eos_ids(value) -> tuple[int, ...]:
@@ -100,7 +68,7 @@ def check_common(raw: dict[str, Any], architecture: str, model_type: str,
         method = raw["quantization_config"].get("quant_method", "?")
         if method != "compressed-tensors":
             raise refuse(architecture, f"a quantized checkpoint ({method})")
-        from pagedjax.models import compressed_tensors
+        from pagedjax.models.loading import compressed_tensors
         try:
             compressed_tensors.read(raw)
         except ValueError as e:
@@ -139,7 +107,6 @@ def config_from_hf(raw: dict[str, Any],
                    generation_config: dict[str, Any] | None = None) -> LlamaConfig:
     """The LlamaConfig for a parsed config.json (its family's reader, models.registry), or
     UnsupportedModelError naming what is not supported."""
-    from pagedjax.models.registry import ARCHITECTURES
     architecture = architecture_of(raw)
     family = ARCHITECTURES.get(architecture)
     if family is None:
@@ -149,5 +116,8 @@ def config_from_hf(raw: dict[str, Any],
                                     f"supported architectures: {supported_summary()}")
     model_type = family.model_types[architecture]
     check_common(raw, architecture, model_type, family.hidden_acts)
-    return family.read_config(raw, architecture, model_type,
-                              common_fields(raw, generation_config))
+    try:
+        return family.read_config(raw, architecture, model_type,
+                                  common_fields(raw, generation_config))
+    except UnsupportedModelError as e:
+        raise with_summary(e) from None

@@ -4,7 +4,7 @@
 - `forward_paged(kv_cache, token_ids, positions, metadata)`: the serving path over a flat [T]
   batch of tokens from many sequences, reading and writing the paged KV cache; it returns
   `(hidden, new_kv_cache)` and `logits(hidden)` projects only the rows that are sampled. Its
-  layers are unrolled; the engine runs models.serving's form of the same weights, stacked and
+  layers are unrolled; the engine runs pagedjax.models.paged_forward's form of the same weights, stacked and
   scanned, which traces one layer whatever the depth.
 
 Axis letters: B batch, L sequence length, T flat tokens, D model dim, N query heads, K KV heads,
@@ -16,16 +16,23 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-
-from pagedjax.models.attention import Attention, soft_cap
 from pagedjax.models.config import LlamaConfig
-from pagedjax.models.layers import MLP, RMSNorm, linear, rms_norm, rope, rope_inv_freq  # noqa: F401
-from pagedjax.models.moe import SparseMoE
+from pagedjax.models.families.hf_fields import refuse, rope_from_params, rope_params
+from pagedjax.models.layers.attention import Attention, soft_cap
+from pagedjax.models.layers.basic import (  # noqa: F401
+    MLP,
+    RMSNorm,
+    linear,
+    rms_norm,
+    rope,
+    rope_inv_freq,
+)
+from pagedjax.models.layers.moe import SparseMoE
 from pagedjax.pallas_kernels import AttentionBackend, AttentionMetadata, for_layer
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm attention and MLP (dense, or a mixture of experts: models/moe.py), each added
+    """Pre-norm attention and MLP (dense, or a mixture of experts: models/layers/moe.py), each added
     to the residual stream."""
 
     def __init__(self, config: LlamaConfig, layer: int = 0, *, rngs: nnx.Rngs, dtype,
@@ -68,7 +75,7 @@ def num_real_tokens(metadata: AttentionMetadata) -> jax.Array:
 class LlamaForCausalLM(nnx.Module):
     """The decoder: embeddings, layers (layer_class, one per layer), final norm, vocabulary
     projection (tied to the embeddings without lm_head). A family with other layers subclasses
-    it (models/gemma.py), so everything that serves a model takes either."""
+    it (models/families/gemma.py), so everything that serves a model takes either."""
 
     layer_class = DecoderLayer
 
@@ -109,7 +116,7 @@ class LlamaForCausalLM(nnx.Module):
         backend: AttentionBackend = AttentionBackend(),
     ) -> tuple[jax.Array, jax.Array]:  # ([T, D] pre-norm hidden, new cache)
         """The layers unrolled in Python (one copy of the layer per layer in a traced program):
-        the reference for models.serving's scanned form."""
+        the reference for pagedjax.models.paged_forward's scanned form."""
         x = self.embed(token_ids)
         blocks_per_layer = kv_cache.shape[2] // len(self.layers)
         block_size = kv_cache.shape[3]
@@ -138,21 +145,11 @@ def project_logits(norm: RMSNorm, embed_tokens: nnx.Embed, lm_head: nnx.Linear |
     return soft_cap(lm_head(hidden).astype(jnp.float32), cap)
 
 
-def init_model(config: LlamaConfig, seed: int = 0, dtype=jnp.float32,
-               param_dtype=jnp.float32) -> LlamaForCausalLM:
-    """A randomly initialised model of the config's family (models.registry), deterministic in
-    seed."""
-    from pagedjax.models.registry import model_class
-    return model_class(config)(config, rngs=nnx.Rngs(seed), dtype=dtype,
-                               param_dtype=param_dtype)
-
-
 def read_hf_config(raw: dict, architecture: str, model_type: str, common: dict) -> LlamaConfig:
     """The Llama family's config.json (Llama 2/3/3.1, Mistral, Qwen2, Qwen3). Qwen2/3 give
     layer_types (or use_sliding_window with max_window_layers in the transformers 4 format:
     the layers from max_window_layers on slide), a mix of sliding and full layers running on
     KV cache groups; Mistral gives sliding_window alone, for every layer."""
-    from pagedjax.models.hf_config import refuse, rope_from_params, rope_params
     theta, scaling = rope_from_params(rope_params(raw), architecture)
     window = raw.get("sliding_window")
     num_layers = common["num_layers"]

@@ -1,16 +1,14 @@
 """OLMoE (`OlmoeForCausalLM`): the Llama decoder with a mixture of experts in every layer
-(models/moe.py, experts intermediate_size wide, `norm_topk_prob` as configured), q/k RMSNorm
+(models/layers/moe.py, experts intermediate_size wide, `norm_topk_prob` as configured), q/k RMSNorm
 over the whole projection (not a head) and, when `clip_qkv` is set, q, k and v clamped."""
 
 from __future__ import annotations
 
-import dataclasses
-
 from pagedjax.models.config import LlamaConfig
+from pagedjax.models.families.hf_fields import rope_from_params, rope_params
 
 
 def read_hf_config(raw: dict, architecture: str, model_type: str, common: dict) -> LlamaConfig:
-    from pagedjax.models.hf_config import rope_from_params, rope_params
     theta, scaling = rope_from_params(rope_params(raw), architecture)
     bias = bool(raw.get("attention_bias", False))
     return LlamaConfig(

@@ -1,5 +1,5 @@
 """GGUF block formats served as they are stored: each block's integers and scales become
-models.quantization's stored form (int8 or int4 values, a scale and an offset per group) with
+pagedjax.models.quantization.schemes's stored form (int8 or int4 values, a scale and an offset per group) with
 no float copy of the weight.
 
 llama.cpp's formats (ggml-quants.c; the `gguf` package's NumPy dequantizers read the same
@@ -23,8 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-
-from pagedjax.models.quantization import pack_int4
+from pagedjax.models.quantization.schemes import pack_int4
 
 QK_K = 256
 
@@ -123,7 +122,7 @@ def decode(raw: np.ndarray, type_name: str, shape: tuple[int, ...]):
 
 def stored_parts(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None,
                  target: BlockFormat, native_group: int) -> dict:
-    """A 2-D weight's decoded blocks ([out, in]) as models.quantization's stored form in the
+    """A 2-D weight's decoded blocks ([out, in]) as pagedjax.models.quantization.schemes's stored form in the
     serving layout ([in, out]) under target (the layers' common format)."""
     repeat = native_group // target.group
     scale = np.repeat(scale, repeat, axis=-1).T

@@ -1,6 +1,6 @@
 """Hugging Face checkpoints quantized by llm-compressor in the `compressed-tensors` format
 (`quantization_config.quant_method`), as RedHatAI's `*-FP8-dynamic` and `*-quantized.w8a8`
-ship them, served as models.quantization's stored form with no float copy:
+ship them, served as pagedjax.models.quantization.schemes's stored form with no float copy:
 
 - weights: 8 bits, `type` float (e4m3: scheme fp8) or int (scheme int8), symmetric, strategy
   `channel` (`weight_scale` [out, 1]) or `tensor` (one scale, broadcast to every channel);
@@ -123,7 +123,11 @@ def quantized_abstract(abstract, scheme: CompressedScheme):
     engine quantizes, and the LM head, unless ignored) as QuantizedLinear; ValueError when an
     ignore entry splits a weight's layers (stacked layers share one form) or the model has
     experts (their stored form is not read)."""
-    from pagedjax.models.quantized_layers import QUANTIZED_LINEARS, Spec, with_quantized_modules
+    from pagedjax.models.layers.quantized import (
+        QUANTIZED_LINEARS,
+        Spec,
+        with_quantized_modules,
+    )
 
     config = abstract.config
     if config.num_experts:

@@ -9,7 +9,7 @@ through its gated MLP, then each row scaled by its routing weight and summed bac
 token. Rows past num_valid (a BatchPlan's padding tokens) route to no expert: they sort last,
 outside every group, and cost nothing.
 
-The grouped matmul: models/moe_experts.py.
+The grouped matmul: models/layers/moe_experts.py.
 
 Axis letters: T tokens, D model dim, E experts, F an expert's MLP dim, A = T x k assignments.
 """
@@ -19,10 +19,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-
 from pagedjax.models.config import LlamaConfig
-from pagedjax.models.layers import ACTIVATIONS, MLP, linear
-from pagedjax.models.moe_experts import dropless_experts, sharded_experts
+from pagedjax.models.layers.basic import ACTIVATIONS, MLP, linear
+from pagedjax.models.layers.moe_experts import dropless_experts, sharded_experts
 
 
 def route(router_logits: jax.Array, top_k: int,
@@ -58,7 +57,7 @@ class Experts(nnx.Module):
                  expert_parallel: bool = False) -> jax.Array:
         """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) for each token t < num_valid
         (every token when None); 0 for the others. [T, D] -> [T, D]. implementation:
-        models.moe_experts.EXPERT_IMPLEMENTATIONS (None: the platform's). mesh: the experts
+        pagedjax.models.layers.moe_experts.EXPERT_IMPLEMENTATIONS (None: the platform's). mesh: the experts
         split over its TP axis, whole experts a device when expert_parallel, else each
         expert's MLP (moe_experts.sharded_experts)."""
         kernels = self.kernels()

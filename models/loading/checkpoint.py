@@ -15,9 +15,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-
 from pagedjax.models.config import LlamaConfig
-from pagedjax.models.llama import LlamaForCausalLM
+from pagedjax.models.families.llama import LlamaForCausalLM
 
 CONFIG_FILE = "pagedjax_config.json"
 PARAMS_DIR = "params"
@@ -104,7 +103,7 @@ def checked_checkpoint(directory: str, dtype=jnp.float32, param_dtype=None):
 
 def load_checkpoint(directory: str, dtype=jnp.float32, param_dtype=None) -> LlamaForCausalLM:
     """The model saved by save_checkpoint, on jax.devices()[0]. dtype is the activation dtype;
-    param_dtype defaults to the dtype the parameters were saved in. (models.placed_weights
+    param_dtype defaults to the dtype the parameters were saved in. (pagedjax.models.loading.placed_weights
     reads it straight into an engine's shardings.)"""
     abstract, saved_dtype, restore = checked_checkpoint(directory, dtype, param_dtype)
     param_dtype = jax.tree.leaves(nnx.state(abstract.embed_tokens))[0].dtype

@@ -30,8 +30,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
-
-from pagedjax.models.quantization import QArray
+from pagedjax.models.quantization.schemes import QArray
 from pagedjax.pallas_kernels.dispatch import TP_AXIS  # the mesh's model axis
 
 EXPERT_IMPLEMENTATIONS = ("segments", "ragged_dot", "dense")
@@ -126,7 +125,7 @@ def sharded_experts(x, weights, experts, num_valid, kernels: tuple, mesh,
 
 
 def _leaf_specs(kernel, spec: P):
-    """A kernel's spec, or a quantized one's (models.quantization.QArray) per array: its
+    """A kernel's spec, or a quantized one's (pagedjax.models.quantization.schemes.QArray) per array: its
     scales [E, G, out] split as the values, but not on a per-channel G of 1."""
     if not isinstance(kernel, QArray):
         return spec

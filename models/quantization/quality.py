@@ -1,5 +1,5 @@
 """The quality a quantized model keeps, against the model it was quantized from, measured on
-the dense forward (models.llama: the same weights the engine serves, no scheduling):
+the dense forward (pagedjax.models.families.llama: the same weights the engine serves, no scheduling):
 
 - logit error: |logits - reference logits| over every position, its mean and max, and the mean
   relative to the reference logits' standard deviation (scale-free across models);
@@ -15,8 +15,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from pagedjax.models.generate import _dense_logits, dense_greedy_generate
+from pagedjax.models.training.generate import _dense_logits, dense_greedy_generate
 
 # The fixed prompts and text a real model's report uses (benchmarks/quantization.py, the tests).
 PROMPTS = ("The capital of France is", "def fibonacci(n):",

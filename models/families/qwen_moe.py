@@ -1,5 +1,5 @@
 """Qwen2-MoE and Qwen3-MoE (`Qwen2MoeForCausalLM`, `Qwen3MoeForCausalLM`): Qwen2's / Qwen3's
-attention with mixture-of-experts MLPs (models/moe.py). A layer is sparse unless it is in
+attention with mixture-of-experts MLPs (models/layers/moe.py). A layer is sparse unless it is in
 `mlp_only_layers` or off the `decoder_sparse_step` (then a dense MLP of intermediate_size);
 experts are moe_intermediate_size wide; `norm_topk_prob` renormalises the routing weights or
 not; Qwen2-MoE adds a shared expert every token takes, gated by sigmoid(x @ W)."""
@@ -9,10 +9,10 @@ from __future__ import annotations
 import dataclasses
 
 from pagedjax.models.config import LlamaConfig
+from pagedjax.models.families.llama import read_hf_config as read_llama
 
 
 def read_hf_config(raw: dict, architecture: str, model_type: str, common: dict) -> LlamaConfig:
-    from pagedjax.models.llama import read_hf_config as read_llama
     base = "qwen2" if model_type == "qwen2_moe" else "qwen3"
     config = read_llama(raw, architecture, base, common)
     if model_type == "qwen2_moe":  # q/k/v biases: transformers 5's qkv_bias (4: always)

@@ -17,10 +17,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-
-from pagedjax.models.kv_groups import KVCacheGroups
-from pagedjax.models.llama import LlamaForCausalLM, embed, project_logits
-from pagedjax.models.quantized_layers import quantize_like
+from pagedjax.models.families.llama import LlamaForCausalLM, embed, project_logits
+from pagedjax.models.layers.kv_groups import KVCacheGroups
+from pagedjax.models.layers.quantized import quantize_like
 from pagedjax.pallas_kernels import AttentionBackend, AttentionMetadata, for_layer
 
 
@@ -39,7 +38,7 @@ class ServingGraph:
     layers: tuple[nnx.GraphDef, ...] | None = None
     scale_embeddings: bool = False
     final_logit_softcapping: float | None = None
-    # KV cache groups (models.kv_groups): each layer's (group, cache slot), and the cache's
+    # KV cache groups (pagedjax.models.layers.kv_groups): each layer's (group, cache slot), and the cache's
     # slots; None: one group, layer l in slot l.
     layer_groups: tuple[tuple[int, int], ...] | None = None
     kv_slots: int | None = None
@@ -70,7 +69,7 @@ def serving_form(model: LlamaForCausalLM, scan_layers: bool = True,
     """Splits a model into (static graph, weights); scan_layers stacks the layers' weights (a
     copy: the model's own arrays stay as they are, freed with the model). kv_head_repeats > 1
     repeats each KV head that many times in the k/v projections (tensor parallelism past the
-    model's KV heads, pagedjax.parallel.sharding). groups (models.kv_groups): the KV cache
+    model's KV heads, pagedjax.parallel.sharding). groups (pagedjax.models.layers.kv_groups): the KV cache
     groups the layers read, when there are several. Works on an abstract model (nnx.eval_shape)
     too, stacking shapes."""
     embed_def, embed = nnx.split(model.embed_tokens)

@@ -3,7 +3,7 @@ one host's memory.
 
 `lazy_hf_model(dir)` and `lazy_checkpoint(dir)` check a checkpoint against its config (every
 name, shape and dtype) and return a LazyModel: the config and a shape-only model, nothing read.
-The engine's runner asks it for the serving form of the weights (models.serving: layers stacked
+The engine's runner asks it for the serving form of the weights (pagedjax.models.paged_forward: layers stacked
 on [L], KV heads repeated for tensor parallelism past the model's) with a sharding for each
 leaf, and each leaf is built where it lives:
 
@@ -19,7 +19,6 @@ leaf, and each leaf is built where it lives:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import re
 from typing import Callable
 
@@ -27,29 +26,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
 from pagedjax.models.config import LlamaConfig
-from pagedjax.models.llama import LlamaForCausalLM
-from pagedjax.models.serving import repeat_kv_columns
+from pagedjax.models.families.llama import LlamaForCausalLM
+from pagedjax.models.loading.lazy_model import LazyModel
+from pagedjax.models.paged_forward import repeat_kv_columns
 
 FIELDS = {"embed": "embed_tokens", "layers": "layers", "norm": "norm", "lm_head": "lm_head"}
 Placement = Callable[[tuple, jax.ShapeDtypeStruct], jax.sharding.Sharding]
-
-
-@dataclasses.dataclass(eq=False)
-class LazyModel:
-    """A checked checkpoint, not read: `config`, `abstract` (the model, shapes only) and
-    place(weights, placement) -> the serving-form weights, each leaf built in
-    placement(path, leaf)."""
-
-    config: LlamaConfig
-    abstract: LlamaForCausalLM
-    place: Callable
-    source: str
-
-    @property
-    def dtype(self):
-        return self.abstract.dtype
 
 
 def leaf_names(path: tuple) -> tuple[str, tuple]:
@@ -66,7 +49,7 @@ def leaf_names(path: tuple) -> tuple[str, tuple]:
     return field, (FIELDS[field], *keys[1:])
 
 
-# The serving form's keys of layers that differ (models.serving.ServingGraph.period).
+# The serving form's keys of layers that differ (pagedjax.models.paged_forward.ServingGraph.period).
 _PERIODIC = re.compile(r"^(?:every(\d+)_from(\d+)|layer(\d+))$")
 
 
@@ -108,16 +91,15 @@ def _is_kv(model_path: tuple, config: LlamaConfig) -> bool:
 # ---- Hugging Face safetensors ----------------------------------------------------------------
 
 def lazy_hf_model(model_dir: str, dtype: str = "float32") -> LazyModel:
-    from pagedjax.models.hf import checked_hf_weights, compressed_scheme
+    from pagedjax.models.loading.hf import checked_hf_weights, compressed_scheme
 
     abstract, _, files = checked_hf_weights(model_dir, dtype)
     compressed = compressed_scheme(model_dir)
 
     @contextlib.contextmanager
     def opened():
+        from pagedjax.models.loading import compressed_tensors
         from safetensors import safe_open
-
-        from pagedjax.models import compressed_tensors
 
         with contextlib.ExitStack() as stack:
             handles = {}
@@ -144,20 +126,24 @@ def lazy_from_tensors(abstract: LlamaForCausalLM, opened, np_dtype, source: str)
 
     def place(weights, placement: Placement, modules: dict | None = None,
               scheme: str | None = None):
-        """modules, scheme: the quantized modules (models.quantized_loading) and the scheme
+        """modules, scheme: the quantized modules (pagedjax.models.loading.quantized_loading) and the scheme
         a float checkpoint's are quantized by as they are read; default: the abstract
         model's own (a GGUF file's blocks)."""
-        from pagedjax.models.hf import _hf_name
-        from pagedjax.models.quantized_layers import QuantizedWeight
-        from pagedjax.models.quantized_loading import (QUANTIZED_PARTS, QuantizedReader, columns_of,
-                                              quantized_modules)
+        from pagedjax.models.layers.quantized import QuantizedWeight
+        from pagedjax.models.loading.names import hf_weight_name
+        from pagedjax.models.loading.quantized_loading import (
+            QUANTIZED_PARTS,
+            QuantizedReader,
+            columns_of,
+            quantized_modules,
+        )
         from pagedjax.models.registry import hf_renames
 
         renames = hf_renames(config)
         modules = quantized_modules(abstract) if modules is None else modules
 
         def name_of(model_path):
-            return _hf_name(model_path, renames)
+            return hf_weight_name(model_path, renames)
 
         with opened() as tensor:
             reader = QuantizedReader(getattr(tensor, "quantized_parts", None)
@@ -200,12 +186,12 @@ def lazy_from_tensors(abstract: LlamaForCausalLM, opened, np_dtype, source: str)
 def _quantizing(tensor, scheme: str | None, num_experts: int = 0):
     """read_parts of a float checkpoint's tensor (stacked experts': every expert's), read
     whole, quantized by scheme."""
-    from pagedjax.models.quantization import quantize
+    from pagedjax.models.quantization.schemes import quantize
 
     def read_parts(name_and_transpose):
         if scheme is None:
             raise ValueError(f"{name_and_transpose[0]}: a quantized module without a scheme")
-        from pagedjax.models.hf import EXPERT
+        from pagedjax.models.loading.names import EXPERT
         whole = (slice(None),) * (3 if EXPERT in name_and_transpose[0] else 2)
         weight = _read(tensor, name_and_transpose, whole, None, np.float32, num_experts)
         data, scale = quantize(weight, scheme)
@@ -227,9 +213,9 @@ def _read(tensor, name_and_transpose, index: tuple, columns, np_dtype,
           num_experts: int = 0) -> np.ndarray:
     """One shard of a weight in the serving layout ([in, out] for a Linear kernel), read from
     its HF tensor ([out, in]): only the shard's rows and columns (a column range spanning the
-    repeated KV heads' originals, when repeated). A stacked experts' weight (models.hf.EXPERT
+    repeated KV heads' originals, when repeated). A stacked experts' weight (pagedjax.models.loading.hf.EXPERT
     in its name) reads the shard's experts (index[0]) one tensor each."""
-    from pagedjax.models.hf import EXPERT
+    from pagedjax.models.loading.names import EXPERT
 
     name, transpose = name_and_transpose
     if EXPERT in name:
@@ -254,7 +240,7 @@ def _read(tensor, name_and_transpose, index: tuple, columns, np_dtype,
 # ---- orbax checkpoints -----------------------------------------------------------------------
 
 def lazy_checkpoint(directory: str, dtype=jnp.float32) -> LazyModel:
-    from pagedjax.models.checkpoint import checked_checkpoint
+    from pagedjax.models.loading.checkpoint import checked_checkpoint
 
     abstract, saved_dtype, restore = checked_checkpoint(directory, dtype)
     config = abstract.config

@@ -22,9 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
 from pagedjax.models.config import LlamaConfig
-from pagedjax.models.llama import LlamaForCausalLM
+from pagedjax.models.families.llama import LlamaForCausalLM
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K",
                    "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -37,7 +36,7 @@ TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
              "output": "lm_head"}
 # A mixture of experts (llama.cpp writes Mixtral as `llama` with llama.expert_count): the
 # router, and each projection of all the experts stacked in one tensor [E, out, in], read as
-# the HF names of its experts (models.hf.EXPERT for the index).
+# the HF names of its experts (pagedjax.models.loading.hf.EXPERT for the index).
 MOE_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.{expert}.gate_proj",
              "ffn_up_exps": "mlp.experts.{expert}.up_proj",
              "ffn_down_exps": "mlp.experts.{expert}.down_proj"}
@@ -116,7 +115,7 @@ def config_from_gguf(meta: dict, tensor_names: set[str], path: str = "") -> Llam
 
 def hf_name(gguf_name: str) -> str:
     """The HF tensor name of a GGUF tensor name (a stacked experts' tensor: with
-    models.hf.EXPERT for the expert)."""
+    pagedjax.models.loading.hf.EXPERT for the expert)."""
     parts = gguf_name.split(".")
     if parts[0] == "blk":
         module = LAYER_NAMES.get(parts[2]) or MOE_NAMES[parts[2]]
@@ -136,7 +135,7 @@ def checked_gguf(path: str, dtype: str = "float32", reader=None, blocks: bool = 
     """(abstract model in dtype, opened, metadata) where opened() yields tensor(HF name) -> the
     tensor dequantized to f32 in HF's layout; every tensor's name, type and shape checked
     first. reader: the file's gguf.GGUFReader when already open (parsing one takes seconds).
-    blocks: the weights in a served block format (models.gguf_blocks) stay quantized: the
+    blocks: the weights in a served block format (pagedjax.models.quantization.gguf_blocks) stay quantized: the
     abstract model has their quantized modules, and tensor.quantized_parts(name) reads them."""
     reader = _reader(path) if reader is None else reader
     meta = metadata(reader)
@@ -145,10 +144,10 @@ def checked_gguf(path: str, dtype: str = "float32", reader=None, blocks: bool = 
     jdtype = jnp.dtype(dtype)
     abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0), dtype=jdtype,
                                                        param_dtype=jdtype))
-    from pagedjax.models.hf import EXPERT, _hf_name
+    from pagedjax.models.loading.names import EXPERT, hf_weight_name
 
     params = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
-    wanted = {_hf_name(p)[0]: (x.shape, _hf_name(p)[1])
+    wanted = {hf_weight_name(p)[0]: (x.shape, hf_weight_name(p)[1])
               for p, x in jax.tree_util.tree_leaves_with_path(params)}
     by_hf = {}
     for name, tensor in tensors.items():
@@ -173,7 +172,7 @@ def checked_gguf(path: str, dtype: str = "float32", reader=None, blocks: bool = 
                              f"metadata implies {expected}")
     formats = _block_formats(by_hf) if blocks else {}
     if formats:
-        from pagedjax.models.quantized_layers import Spec, with_quantized_modules
+        from pagedjax.models.layers.quantized import Spec, with_quantized_modules
 
         def spec(key):
             chosen = formats.get(key)
@@ -184,7 +183,7 @@ def checked_gguf(path: str, dtype: str = "float32", reader=None, blocks: bool = 
 
 
 def _module_key(hf: str) -> tuple:
-    """The models.quantized_layers.module_key of an HF weight's module."""
+    """The pagedjax.models.layers.quantized.module_key of an HF weight's module."""
     parts = hf.split(".")[:-1]
     if parts[:2] == ["model", "layers"]:
         return ("layers", "{layer}", *parts[3:])
@@ -192,12 +191,12 @@ def _module_key(hf: str) -> tuple:
 
 
 def _block_formats(by_hf: dict) -> dict:
-    """module_key -> the models.gguf_blocks format its weights are served in, for the modules
+    """module_key -> the pagedjax.models.quantization.gguf_blocks format its weights are served in, for the modules
     whose every layer's tensor is in a served block type (the experts' stacked tensors and
     the router stay dequantized)."""
-    from pagedjax.models.gguf_blocks import common_format
-    from pagedjax.models.hf import EXPERT
-    from pagedjax.models.quantized_layers import QUANTIZED_LINEARS
+    from pagedjax.models.layers.quantized import QUANTIZED_LINEARS
+    from pagedjax.models.loading.names import EXPERT
+    from pagedjax.models.quantization.gguf_blocks import common_format
 
     types: dict[tuple, set] = {}
     for hf, tensor in by_hf.items():
@@ -212,11 +211,11 @@ def _block_formats(by_hf: dict) -> dict:
 def _hf_tensors(by_hf: dict, config: LlamaConfig, formats: dict | None = None):
     """opened(): a context yielding tensor(HF name) -> f32 in HF's layout, the q/k permutation
     undone; one expert's tensor is its slice of the stacked one (by_hf: HF name -> GGUF
-    tensor, stacked experts' names with models.hf.EXPERT). tensor.quantized_parts((HF name,
-    transposed)): a weight of a module in formats (module key -> models.gguf_blocks format)
-    as models.quantization's stored form, from its blocks."""
-    from pagedjax.models.gguf_blocks import FORMATS, decode, stored_parts
-    from pagedjax.models.hf import EXPERT
+    tensor, stacked experts' names with pagedjax.models.loading.hf.EXPERT). tensor.quantized_parts((HF name,
+    transposed)): a weight of a module in formats (module key -> pagedjax.models.quantization.gguf_blocks format)
+    as pagedjax.models.quantization.schemes's stored form, from its blocks."""
+    from pagedjax.models.loading.names import EXPERT
+    from pagedjax.models.quantization.gguf_blocks import FORMATS, decode, stored_parts
 
     permuted = {"self_attn.q_proj": config.num_heads, "self_attn.k_proj": config.num_kv_heads}
 
@@ -269,10 +268,10 @@ def _hf_tensors(by_hf: dict, config: LlamaConfig, formats: dict | None = None):
 
 
 def lazy_gguf_model(path: str, dtype: str = "float32", reader=None, blocks: bool = True):
-    """A models.placed_weights.LazyModel of a GGUF file: checked, nothing read yet; the weights
-    in a served block format (models.gguf_blocks) stay in their blocks (blocks=False: every
+    """A pagedjax.models.loading.placed_weights.LazyModel of a GGUF file: checked, nothing read yet; the weights
+    in a served block format (pagedjax.models.quantization.gguf_blocks) stay in their blocks (blocks=False: every
     weight dequantized to dtype as it is read)."""
-    from pagedjax.models.placed_weights import lazy_from_tensors
+    from pagedjax.models.loading.placed_weights import lazy_from_tensors
 
     abstract, opened, _ = checked_gguf(path, dtype, reader, blocks=blocks)
     return lazy_from_tensors(abstract, opened, np.dtype(jnp.dtype(dtype)), path)
@@ -280,7 +279,7 @@ def lazy_gguf_model(path: str, dtype: str = "float32", reader=None, blocks: bool
 
 def load_gguf_model(path: str, dtype: str = "float32", reader=None) -> LlamaForCausalLM:
     """The model of a GGUF file, on jax.devices()[0], parameters and activations in dtype."""
-    from pagedjax.models.hf import EXPERT, _hf_name, expert_names
+    from pagedjax.models.loading.names import EXPERT, expert_names, hf_weight_name
 
     abstract, opened, _ = checked_gguf(path, dtype, reader)
     np_dtype = np.dtype(jnp.dtype(dtype))
@@ -288,7 +287,7 @@ def load_gguf_model(path: str, dtype: str = "float32", reader=None) -> LlamaForC
     params = nnx.to_pure_dict(state)
     with opened() as tensor:
         def read(p, _):
-            name, transpose = _hf_name(p)
+            name, transpose = hf_weight_name(p)
             parts = [np.ascontiguousarray(w.T if transpose else w, np_dtype)
                      for w in map(tensor, expert_names(name, abstract.config.num_experts))]
             weight = np.stack(parts) if EXPERT in name else parts[0]
@@ -298,25 +297,3 @@ def load_gguf_model(path: str, dtype: str = "float32", reader=None) -> LlamaForC
     nnx.replace_by_pure_dict(state, loaded)
     nnx.update(abstract, state)
     return abstract
-
-
-def inspect_gguf(path: str, kv_dtype: str, block_size: int, attention_backend: str) -> dict:
-    """models.hf.inspect_model_dir's report of a GGUF file, from its metadata and tensor
-    headers (nothing dequantized)."""
-    import collections
-
-    from pagedjax.models.hf import config_report
-
-    reader = _reader(path)
-    meta = metadata(reader)
-    types = collections.Counter(t.tensor_type.name for t in reader.tensors)
-    report = {"architecture": meta.get("general.architecture"), "model_type": "gguf",
-              "checkpoint_dtype": ", ".join(f"{k} x{n}" for k, n in types.most_common())}
-    try:
-        abstract = checked_gguf(path, reader=reader, blocks=True)[0]
-        config = config_from_gguf(meta, {t.name for t in reader.tensors}, path)
-    except ValueError as e:
-        return {**report, "supported": False, "reason": str(e)}
-    from pagedjax.models.quantized_loading import weight_report
-    return {**report, **config_report(config, kv_dtype, block_size, attention_backend),
-            **weight_report(abstract)}

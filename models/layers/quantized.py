@@ -1,4 +1,4 @@
-"""Quantized modules (models.quantization's stored form) and `quantize_model`, which swaps a
+"""Quantized modules (pagedjax.models.quantization.schemes's stored form) and `quantize_model`, which swaps a
 model's linear layers for them.
 
 QuantizedLinear replaces nnx.Linear: parameters `kernel` (the stored values, [in, out] or
@@ -19,10 +19,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
-from pagedjax.models.moe import Experts
-from pagedjax.models.quantization import (QArray, check_scheme, matmul, num_groups, quantize,
-                                 storage_dtype, stored_rows)
+from pagedjax.models.layers.moe import Experts
+from pagedjax.models.quantization.schemes import (
+    QArray,
+    check_scheme,
+    matmul,
+    num_groups,
+    quantize,
+    storage_dtype,
+    stored_rows,
+)
 
 # The linear layers quantize_model swaps (by attribute name); the LM head is an option.
 QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -95,7 +101,7 @@ EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 class QuantizedExperts(Experts):
-    """models.moe.Experts with its three stacked projections quantized (each expert's own
+    """pagedjax.models.layers.moe.Experts with its three stacked projections quantized (each expert's own
     scales): the grouped matmuls dequantize an expert's weights as they take them."""
 
     def __init__(self, experts: Experts, spec: "Spec"):  # noqa: super().__init__ not called:
@@ -115,7 +121,7 @@ def quantize_model(model, scheme: str, lm_head: bool = False):
     """A copy of model (arrays shared, the original unchanged) with every linear layer of
     QUANTIZED_LINEARS, and the LM head when lm_head (the embedding, when tied), quantized by
     scheme. An abstract model (nnx.eval_shape) gives the abstract quantized one (nothing
-    computed: the loaders quantize as they read, models.quantized_loading)."""
+    computed: the loaders quantize as they read, pagedjax.models.loading.quantized_loading)."""
     check_scheme(scheme)
     tied = model.lm_head is None
 
@@ -131,7 +137,7 @@ def quantize_model(model, scheme: str, lm_head: bool = False):
 @dataclasses.dataclass(frozen=True)
 class Spec:
     """How one module is quantized: scheme, rows a group (None: the scheme's choice,
-    models.quantization.num_groups) and whether groups have an offset."""
+    pagedjax.models.quantization.schemes.num_groups) and whether groups have an offset."""
 
     scheme: str
     group: int | None = None
@@ -233,7 +239,7 @@ def _quantized_embed(embed: nnx.Embed, spec: Spec) -> QuantizedEmbed:
 
 def quantize_like(template, module):
     """module (a fresh float one of template's structure, other widths allowed: the layers
-    models.serving widens for repeated KV heads) with the linear layers quantized that are in
+    pagedjax.models.paged_forward widens for repeated KV heads) with the linear layers quantized that are in
     template, by the same scheme and groups: zeros, for shapes (call under nnx.eval_shape)."""
     for path, node in nnx.graph.iter_graph(template):
         if isinstance(node, QuantizedExperts):

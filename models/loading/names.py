@@ -1,0 +1,33 @@
+"""The checkpoint names of a model's weights: the Hugging Face tensor a parameter path reads
+(transposed or not), a stacked experts' name with its expert index. What every loader
+(safetensors, GGUF, placed weights) shares, below them all."""
+
+from __future__ import annotations
+
+EXPERT = "{expert}"  # in a stacked experts' HF name: the expert index (models/layers/moe.py)
+
+
+def hf_weight_name(path: tuple, renames: tuple[tuple[str, str], ...] = ()) -> tuple[str, bool]:
+    """HF tensor name for a path in the NNX parameter dict, and whether HF stores it
+    transposed ([out, in] for a Linear kernel [in, out]). A stacked experts' weight [E, in,
+    out] names its experts' tensors with EXPERT for the index (experts.{expert}.gate_proj...).
+    renames: the family's (models.registry.Family.hf_renames) substitutions of the generic name."""
+    parts = [str(getattr(k, "key", k)) for k in path]
+    leaf = parts[-1]
+    prefix = "" if parts[0] == "lm_head" else "model."
+    if len(parts) > 1 and parts[-2] == "experts":
+        name, transpose = prefix + ".".join(parts[:-1] + [EXPERT, leaf, "weight"]), True
+    else:
+        transpose = leaf == "kernel"
+        parts[-1] = "weight" if leaf in ("kernel", "embedding", "weight") else leaf
+        name = prefix + ".".join(parts)
+    for old, new in renames:
+        name = name.replace(old, new)
+    return name, transpose
+
+
+def expert_names(name: str, num_experts: int) -> list[str]:
+    """The HF tensors a weight reads: one, or one an expert for a stacked experts' name."""
+    if EXPERT not in name:
+        return [name]
+    return [name.replace(EXPERT, str(e)) for e in range(num_experts)]
