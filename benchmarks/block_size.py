@@ -29,8 +29,9 @@ import numpy as np
 from common import lognormal_workload, percentiles, write_results
 
 from pagedjax.engine.kv_snapshot import tokens_stored
-from pagedjax.scheduler import (KVCacheManager, Request, SamplingParams, SchedulerConfig, SchedulerState,
-                       ShapeBuckets, add_request, build_plan, schedule, update)
+from pagedjax.scheduler import (KVCacheManager, Request, SamplingParams, SchedulerConfig,
+                                SchedulerState, ShapeBuckets, add_request, build_plan, schedule,
+                                update)
 
 
 def run_scheduler(block_size: int, args) -> dict:

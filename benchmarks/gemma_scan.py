@@ -24,9 +24,9 @@ import time
 
 import numpy as np
 from common import recorded_args, write_results
-from pagedjax.models import get_config, init_model
 
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
+from pagedjax.models import get_config, init_model
 
 
 def configs(num_layers: int, window: int):

@@ -29,11 +29,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 from common import write_results  # noqa: E402
 from jax.experimental.pallas.ops.gpu import paged_attention as jax_gpu_op  # noqa: E402
+from test_kernels_lowering import KERNELS, kernel_args  # noqa: E402
 
 from benchmarks.aot import triton_gpu  # noqa: E402
 from pagedjax.pallas_kernels.gpu import common as gpu_common  # noqa: E402
 from pagedjax.scheduler.chips import CHIPS, GpuLimits  # noqa: E402
-from test_kernels_lowering import KERNELS, kernel_args  # noqa: E402
 
 # The chips built for (scheduler.chips), one per compute capability, and their rows' labels.
 BUILD_CHIPS = {"h200": "sm_90 (H100/H200)", "a100-80gb": "sm_80 (A100)", "l4": "sm_89 (L4)"}

@@ -141,6 +141,7 @@ def check_kernels(args, budget: Budget) -> list[dict]:
 
 def check_write(args) -> dict:
     from test_kernels_gpu import write_case
+
     from pagedjax.pallas_kernels import write_kv_gpu, write_kv_reference
     name = "write_kv_gpu == XLA scatter (H=80 in a 128 cache)"
     try:

@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.pallas_kernels import (paged_decode_attention_gpu, paged_decode_attention_mosaic_gpu,
-                            paged_decode_attention_reference, ragged_paged_attention_gpu,
-                            ragged_paged_attention_mosaic_gpu, ragged_paged_attention_reference)
+                                     paged_decode_attention_reference, ragged_paged_attention_gpu,
+                                     ragged_paged_attention_mosaic_gpu,
+                                     ragged_paged_attention_reference)
 from pagedjax.pallas_kernels.gpu import mosaic
 
 MOSAIC = mosaic.problem() is None  # the Mosaic GPU kernel needs jax >= 0.11
@@ -50,6 +51,7 @@ def check_operands(kind: str, case: tuple):
     from test_kernels_reference import build_case
     if kind.startswith("mosaic"):
         import functools
+
         from test_kernels_mosaic_gpu import kernel_options, make_args
         *shape, tunables = case
         kind = kind.split()[1]

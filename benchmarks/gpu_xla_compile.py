@@ -32,10 +32,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 import gpu_programs  # noqa: E402
 from common import write_results  # noqa: E402
-from pagedjax.scheduler.chips import CHIPS  # noqa: E402
 from test_kernels_lowering import abstract_step  # noqa: E402
 
 from benchmarks.aot import xla_gpu  # noqa: E402
+from pagedjax.scheduler.chips import CHIPS  # noqa: E402
 
 
 def abstract(tree):

@@ -14,8 +14,8 @@ import ml_dtypes
 import numpy as np
 from common import lognormal_workload, write_results
 
-from pagedjax.models import get_config
 from pagedjax import EngineConfig, LLMEngine, SamplingParams, load_model
+from pagedjax.models import get_config
 from pagedjax.pallas_kernels import kv_cache_bytes_per_block
 
 

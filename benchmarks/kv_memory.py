@@ -22,8 +22,8 @@ import argparse
 
 from common import lognormal_workload, write_results
 
-from pagedjax.scheduler import (KVCacheManager, Request, SamplingParams, SchedulerConfig, SchedulerState,
-                       add_request, schedule, update)
+from pagedjax.scheduler import (KVCacheManager, Request, SamplingParams, SchedulerConfig,
+                                SchedulerState, add_request, schedule, update)
 
 
 class ContiguousKVManager:

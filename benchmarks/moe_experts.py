@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from common import recorded_args, write_results
 from flax import nnx
+
 from pagedjax.models.config import LlamaConfig
 from pagedjax.models.layers.moe import Experts
 

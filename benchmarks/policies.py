@@ -21,8 +21,8 @@ import argparse
 import time
 
 import numpy as np
-from common import (add_engine_flags, engine_config, lognormal_workload, percentiles,
-                    recorded_args, write_results)
+from common import (add_engine_flags, engine_config, lognormal_workload, percentiles, recorded_args,
+                    write_results)
 
 from pagedjax import LLMEngine, SamplingParams, load_model
 from pagedjax.scheduler import POLICIES

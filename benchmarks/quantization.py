@@ -78,10 +78,10 @@ def ttft(engine) -> float:
 def engine_row(name: str, model, reference, quality_model, batches, tokenizer,
                **fields) -> list[dict]:
     import jax
-    from pagedjax.models.quantization.quality import PROMPTS, TEXT, quality
 
     from pagedjax.engine.config import EngineConfig
     from pagedjax.engine.llm_engine import LLMEngine
+    from pagedjax.models.quantization.quality import PROMPTS, TEXT, quality
 
     engine = LLMEngine(model, EngineConfig(**ENGINE, **fields))
     engine.warmup()
@@ -166,13 +166,7 @@ def main() -> None:
         return anchor_main(args.anchor, args.batches)
 
     from pagedjax.models.layers.quantized import quantize_model
-    from pagedjax.models.loading.gguf import (
-        lazy_gguf_model,
-        load_gguf_model,
-        metadata,
-        open_gguf,
-    )
-
+    from pagedjax.models.loading.gguf import lazy_gguf_model, load_gguf_model, metadata, open_gguf
     from pagedjax.text.gguf_tokenizer import tokenizer_from_gguf
     from pagedjax.tools.chat_demo import smollm2_path
 

@@ -15,11 +15,10 @@ from __future__ import annotations
 import argparse
 import time
 
-import numpy as np
-from common import write_results
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+from common import write_results
 
 from pagedjax.engine.sampler import sample
 from pagedjax.scheduler.request import MAX_LOGIT_BIAS

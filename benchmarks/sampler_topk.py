@@ -31,7 +31,6 @@ def real_logits(count: int) -> np.ndarray:
     from pagedjax.models.loading.gguf import load_gguf_model, metadata, open_gguf
     from pagedjax.models.quantization.quality import PROMPTS
     from pagedjax.models.training.generate import _dense_logits, dense_greedy_generate
-
     from pagedjax.text.gguf_tokenizer import tokenizer_from_gguf
     from pagedjax.tools.chat_demo import smollm2_path
 

@@ -16,9 +16,9 @@ import numpy as np
 from common import write_results
 from donation import decode_plan, interleaved_medians
 
-from pagedjax.models import CONFIGS, DEFAULT_CHECKPOINT, init_model
 from pagedjax import load_model
 from pagedjax.engine.runner import ModelRunner
+from pagedjax.models import CONFIGS, DEFAULT_CHECKPOINT, init_model
 
 
 def main() -> None:

@@ -12,7 +12,8 @@ import time
 import numpy as np
 from common import percentiles, write_results
 
-from pagedjax.scheduler import Request, SamplingParams, Scheduler, SchedulerConfig, ShapeBuckets, build_plan
+from pagedjax.scheduler import (Request, SamplingParams, Scheduler, SchedulerConfig, ShapeBuckets,
+                                build_plan)
 
 
 def measure(num_seqs: int, *, prompt_len: int, block_size: int, max_model_len: int,

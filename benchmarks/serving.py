@@ -36,9 +36,9 @@ from common import (add_engine_flags, engine_config, lognormal_workload, recorde
                     stream_completion, write_results)
 
 from pagedjax import LLMEngine, load_model
+from pagedjax.scheduler import SamplingParams
 from pagedjax.serving.app import OpenAIServer
 from pagedjax.serving.background import BackgroundServer
-from pagedjax.scheduler import SamplingParams
 
 
 def run_offline(engine: LLMEngine, workload) -> dict:

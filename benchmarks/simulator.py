@@ -23,14 +23,13 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from common import (add_engine_flags, engine_config, lognormal_workload, recorded_args,
-                    write_results)
+from common import add_engine_flags, engine_config, lognormal_workload, recorded_args, write_results
 
 from pagedjax import LLMEngine, load_model
-from pagedjax.tools.profiling import run_trace
 from pagedjax.scheduler.cost_model import StepCostModel
 from pagedjax.scheduler.simulator import simulate
 from pagedjax.scheduler.trace import TraceRequest
+from pagedjax.tools.profiling import run_trace
 
 
 def trace_of(pairs, arrivals=None) -> list[TraceRequest]:

@@ -120,7 +120,7 @@ def early_exit_draft(path: str, num_layers: int):
 
     from flax import nnx
 
-    from pagedjax.llm import resolve_model
+    from pagedjax.frontend.llm import resolve_model
 
     target, tokenizer = resolve_model(path)
     draft = nnx.clone(target)

@@ -113,9 +113,8 @@ def sampler_rows(batch: int, vocab: int, history: int, calls: int, seed: int) ->
     import jax
     import jax.numpy as jnp
 
-    from pagedjax.engine.sampling_step import sample_fn
-    from pagedjax.engine.runner import padding_plan
-    from pagedjax.engine.sampling_step import sampling_inputs
+    from pagedjax.engine.sampling_step import sample_fn, sampling_inputs
+    from pagedjax.scheduler.plan import padding_plan
     rng = np.random.default_rng(seed)
     plan = padding_plan("decode", batch, batch, history // 16)
     base = {k: jnp.asarray(v) for k, v in sampling_inputs(plan).items()}

@@ -19,12 +19,11 @@ import argparse
 import time
 
 import numpy as np
-from common import (add_engine_flags, engine_config, lognormal_workload, recorded_args,
-                    write_results)
+from common import add_engine_flags, engine_config, lognormal_workload, recorded_args, write_results
 
 from pagedjax import LLMEngine, load_model
 from pagedjax.scheduler import (DECODE, PREFILL, SamplingParams, ScheduledSeq, SchedulerOutput,
-                       build_plan, update)
+                                build_plan, update)
 
 
 def run_engine(engine: LLMEngine, prompts, params) -> tuple[dict, float]:

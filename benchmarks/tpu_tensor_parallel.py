@@ -88,24 +88,15 @@ def build(name: str, devices):
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from pagedjax.engine.runner import step_fn
     from pagedjax.models import CONFIGS, serving_form
     from pagedjax.models.layers.kv_groups import kv_cache_groups
     from pagedjax.models.registry import model_class
-    from pagedjax.pallas_kernels import (
-        AttentionBackend,
-        init_kv_cache,
-        kv_cache_bytes_per_block,
-    )
-
-    from pagedjax.engine.runner import padding_plan, step_fn
-    from pagedjax.parallel.sharding import (
-        AXIS,
-        kv_cache_sharding,
-        kv_head_repeats,
-        weight_spec,
-    )
+    from pagedjax.pallas_kernels import AttentionBackend, init_kv_cache, kv_cache_bytes_per_block
+    from pagedjax.parallel.sharding import AXIS, kv_cache_sharding, kv_head_repeats, weight_spec
+    from pagedjax.scheduler.plan import padding_plan
 
     case, kind = name.split("|")
     model_name, _, tp, *options = ALL_CASES[case]
@@ -151,7 +142,6 @@ def kv_gib(case: str) -> float:
     if case not in QUANT_CASES:
         return KV_GIB_PER_DEVICE
     from pagedjax.models import CONFIGS
-
     from pagedjax.parallel.sharding import weight_bytes_per_device
     weights = weight_bytes_per_device(CONFIGS[model_name], tp, 2, options[2],
                                       options[2] is not None) / 2**30
@@ -165,7 +155,6 @@ def shard_gib(case: str) -> tuple[float, float, int]:
     by an 8,192-token step, the prefill case's)."""
     from pagedjax.models import CONFIGS
     from pagedjax.models.layers.kv_groups import kv_cache_groups
-
     from pagedjax.parallel.sharding import weight_bytes_per_device
     from pagedjax.tools.plan_commands import kv_capacity
 
@@ -211,7 +200,6 @@ def main() -> None:
                    f"seqs_{context // 1024}k": sequences}
             if case in QUANT_CASES:  # a full-precision copy would show in temp beside it
                 from pagedjax.models import CONFIGS
-
                 from pagedjax.parallel.sharding import weight_bytes_per_device
                 row["bf16_weights_gib"] = round(weight_bytes_per_device(
                     CONFIGS[ALL_CASES[case][0]], ALL_CASES[case][2], 2) / 2**30, 2)

@@ -81,7 +81,6 @@ def f32_copy(gguf: str) -> tuple[str, str]:
     under build/ (written once)."""
     from pagedjax.models.loading.checkpoint import is_checkpoint, save_checkpoint
     from pagedjax.models.loading.gguf import load_gguf_model, metadata, open_gguf
-
     from pagedjax.text.gguf_tokenizer import tokenizer_from_gguf
 
     stem = pathlib.Path(gguf).stem

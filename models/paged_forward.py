@@ -17,6 +17,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
 from pagedjax.models.families.llama import LlamaForCausalLM, embed, project_logits
 from pagedjax.models.layers.kv_groups import KVCacheGroups
 from pagedjax.models.layers.quantized import quantize_like

@@ -12,6 +12,7 @@ from typing import Callable
 
 import jax.numpy as jnp
 from flax import nnx
+
 from pagedjax.models.families import gemma, llama, mixtral, olmoe, qwen_moe
 
 

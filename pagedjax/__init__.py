@@ -20,8 +20,8 @@ _EXPORTS = {
     "CompletionOutput": ("pagedjax.engine.outputs", "CompletionOutput"),
     "RequestMetrics": ("pagedjax.engine.outputs", "RequestMetrics"),
     "RequestOutput": ("pagedjax.engine.outputs", "RequestOutput"),
-    "LLM": ("pagedjax.llm", "LLM"),
-    "load_model": ("pagedjax.llm", "load_model"),
+    "LLM": ("pagedjax.frontend.llm", "LLM"),
+    "load_model": ("pagedjax.frontend.llm", "load_model"),
     "SamplingParams": ("pagedjax.scheduler", "SamplingParams"),
     "StructuredOutputs": ("pagedjax.scheduler", "StructuredOutputs"),
     "StructuredOutputsParams": ("pagedjax.scheduler", "StructuredOutputs"),  # vLLM's name

@@ -9,20 +9,15 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+
 from pagedjax.pallas_kernels import layout
 from pagedjax.pallas_kernels.gpu import mosaic, triton
 from pagedjax.pallas_kernels.layout import write_kv_reference
 from pagedjax.pallas_kernels.quant import QuantizedKV
-from pagedjax.pallas_kernels.reference import (
-    paged_decode_attention_reference,
-    ragged_paged_attention_reference,
-)
-from pagedjax.pallas_kernels.tpu import (
-    copy_blocks_tpu,
-    paged_decode_attention_tpu,
-    ragged_paged_attention_tpu,
-    write_kv_tpu,
-)
+from pagedjax.pallas_kernels.reference import (paged_decode_attention_reference,
+                                               ragged_paged_attention_reference)
+from pagedjax.pallas_kernels.tpu import (copy_blocks_tpu, paged_decode_attention_tpu,
+                                         ragged_paged_attention_tpu, write_kv_tpu)
 
 
 @dataclasses.dataclass(frozen=True)

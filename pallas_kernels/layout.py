@@ -31,7 +31,6 @@ import numpy as np
 
 from pagedjax.pallas_kernels.quant import QuantizedKV, is_quantized, quantize
 
-
 PADDED_HEAD_DIM_BACKENDS = ("gpu", "mosaic_gpu")
 PADDED_SCALE_BACKENDS = ("tpu",)
 LANES = 128  # a TPU vector register's lanes

@@ -7,16 +7,18 @@ from pagedjax.scheduler.block_pool import NULL_BLOCK, BlockPool
 from pagedjax.scheduler.buckets import ShapeBuckets, pad_to_bucket, power_of_two_buckets
 from pagedjax.scheduler.errors import RequestError
 from pagedjax.scheduler.kv_cache_manager import KVCacheManager, cdiv
-from pagedjax.scheduler.lifecycle import abort_request, add_request, check_admission, check_request, update
-from pagedjax.scheduler.plan import (ARRAY_FIELDS, FORWARD_FIELDS, SAMPLING_FIELDS, STATIC_FIELDS, BatchPlan,
-                            build_plan)
-from pagedjax.scheduler.request import Request, RequestStatus, SamplingParams, fold_seed, make_samples
+from pagedjax.scheduler.lifecycle import (abort_request, add_request, check_admission,
+                                          check_request, update)
+from pagedjax.scheduler.plan import (ARRAY_FIELDS, FORWARD_FIELDS, SAMPLING_FIELDS, STATIC_FIELDS,
+                                     BatchPlan, build_plan)
+from pagedjax.scheduler.request import (Request, RequestStatus, SamplingParams, fold_seed,
+                                        make_samples)
 from pagedjax.scheduler.schedule import schedule
 from pagedjax.scheduler.scheduler import Scheduler
-from pagedjax.scheduler.structured_outputs import StructuredOutputs
 from pagedjax.scheduler.state import (DECODE, DECODE_FIRST, MIXED, POLICIES, PREFILL, PREFILL_FIRST,
-                             VICTIM_POLICIES, ScheduledSeq, SchedulerConfig, SchedulerOutput,
-                             SchedulerState)
+                                      VICTIM_POLICIES, ScheduledSeq, SchedulerConfig,
+                                      SchedulerOutput, SchedulerState)
+from pagedjax.scheduler.structured_outputs import StructuredOutputs
 
 __all__ = [
     "NULL_BLOCK", "BlockPool", "ShapeBuckets", "pad_to_bucket", "power_of_two_buckets",

@@ -24,12 +24,7 @@ from typing import Sequence
 from pagedjax.scheduler.block_hash import block_hashes
 from pagedjax.scheduler.block_pool import NULL_BLOCK, BlockPool
 from pagedjax.scheduler.host_tier import HostTier
-from pagedjax.scheduler.kv_cache_manager import (
-    NULL_HOST,
-    KVCacheManager,
-    cdiv,
-    hold_hits,
-)
+from pagedjax.scheduler.kv_cache_manager import NULL_HOST, KVCacheManager, cdiv, hold_hits
 from pagedjax.scheduler.request import Request
 
 

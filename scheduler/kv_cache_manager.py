@@ -9,7 +9,6 @@ from pagedjax.scheduler.block_pool import NULL_BLOCK, BlockPool
 from pagedjax.scheduler.host_tier import HostTier, host_slot
 from pagedjax.scheduler.request import Request
 
-
 NULL_HOST = -1  # a host table's slot for a null device slot: no host block holds it
 
 

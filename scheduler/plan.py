@@ -318,3 +318,44 @@ def build_plan(output: SchedulerOutput, kv_manager: KVCacheManager,
         num_draft_tokens=num_drafts, copy_src=copy_src, copy_dst=copy_dst,
         num_copies=np.asarray(len(output.copies), np.int32), kind=kind,
         padded_num_tokens=padded_tokens, padded_num_seqs=padded_seqs)
+
+
+def _no_logit_bias(num_seqs: int) -> dict:
+    bias_ids, bias_values = logit_bias_slots([()] * num_seqs, num_seqs)
+    tokens, prompt_lens = penalty_tokens([None] * num_seqs, num_seqs, 0)
+    return dict(bias_ids=bias_ids, bias_values=bias_values,
+                presence_penalty=np.zeros(num_seqs, np.float32),
+                frequency_penalty=np.zeros(num_seqs, np.float32),
+                repetition_penalty=np.ones(num_seqs, np.float32), penalty_tokens=tokens,
+                penalty_prompt_lens=prompt_lens)
+
+
+def padding_plan(kind: str, num_tokens: int, num_seqs: int, max_blocks_per_seq: int,
+                 with_prompt_logprobs: bool = False, num_kv_groups: int = 1,
+                 group_table_width: int | None = None,
+                 num_speculative_tokens: int = 0) -> BatchPlan:
+    """A plan of nothing but padding (num_seqs = 0): every write lands in the null block.
+    with_prompt_logprobs gives it prompt_targets (all -1) for the forward's prompt variant;
+    group_table_width: the other KV cache groups' tables' (default max_blocks_per_seq);
+    num_speculative_tokens: K draft columns (K + 1 logits a row)."""
+    k = num_speculative_tokens
+    zeros_t = np.zeros(num_tokens, np.int32)
+    return BatchPlan(
+        token_ids=zeros_t, positions=zeros_t, slot_mapping=zeros_t,
+        block_tables=np.full((num_seqs, max_blocks_per_seq), NULL_BLOCK, np.int32),
+        group_slot_mapping=np.zeros((num_kv_groups - 1, num_tokens), np.int32),
+        group_block_tables=np.full(
+            (num_kv_groups - 1, num_seqs, group_table_width or max_blocks_per_seq), NULL_BLOCK,
+            np.int32),
+        kv_lens=np.zeros(num_seqs, np.int32), cu_q_lens=np.zeros(num_seqs + 1, np.int32),
+        logits_indices=np.zeros(num_seqs * (k + 1), np.int32),
+        num_seqs=np.asarray(0, np.int32),
+        temperature=np.zeros(num_seqs, np.float32), top_k=np.full(num_seqs, -1, np.int32),
+        top_p=np.ones(num_seqs, np.float32), min_p=np.zeros(num_seqs, np.float32),
+        seeds=np.zeros(num_seqs, np.uint32), **_no_logit_bias(num_seqs),
+        draft_token_ids=np.zeros((num_seqs, k), np.int32),
+        num_draft_tokens=np.zeros(num_seqs, np.int32),
+        prompt_targets=np.full(num_tokens if with_prompt_logprobs else 0, -1, np.int32),
+        copy_src=np.zeros(num_seqs, np.int32), copy_dst=np.zeros(num_seqs, np.int32),
+        num_copies=np.asarray(0, np.int32), kind=kind,
+        padded_num_tokens=num_tokens, padded_num_seqs=num_seqs)

@@ -260,7 +260,7 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.num_draft_tokens = 0  # drafts its steps verified
         self.num_accepted_draft_tokens = 0  # of those, the ones the target accepted
-        # Its prefix is still coming up from a tier below the device (pagedjax.engine.kv_tiers
+        # Its prefix is still coming up from a tier below the device (pagedjax.kv_offload.tiers
         # sets it for one schedule, vLLM's WAITING_FOR_REMOTE_KVS): it is not admitted yet.
         self.awaiting_kv = False
 

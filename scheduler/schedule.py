@@ -8,8 +8,8 @@ function drives the engine, replays a recorded trace and runs inside a simulator
 from __future__ import annotations
 
 from pagedjax.scheduler.request import Request, RequestStatus
-from pagedjax.scheduler.state import (DECODE, MIXED, PREFILL, PREFILL_FIRST, VICTIM_POLICIES, ScheduledSeq,
-                             SchedulerOutput, SchedulerState)
+from pagedjax.scheduler.state import (DECODE, MIXED, PREFILL, PREFILL_FIRST, VICTIM_POLICIES,
+                                      ScheduledSeq, SchedulerOutput, SchedulerState)
 
 
 def _is_decode(request: Request) -> bool:

@@ -19,6 +19,7 @@ import dataclasses
 from typing import Callable, Sequence
 
 import numpy as np
+
 from pagedjax.scheduler.buckets import ShapeBuckets
 from pagedjax.scheduler.cost_model import RooflineCost, StepCostModel, step_features
 from pagedjax.scheduler.request import Request, SamplingParams, make_samples
@@ -98,7 +99,7 @@ def simulate(trace: Sequence[TraceRequest], config: SchedulerConfig, *, num_bloc
     scheduler's blocks per request, a sliding group's bounded), and layer_windows, each
     layer's (the keys a step's layers attend, step_features).
 
-    replicas > 1 simulates data parallelism as pagedjax.parallel.data_parallel runs it: a
+    replicas > 1 simulates data parallelism as pagedjax.frontend.data_parallel runs it: a
     scheduler and a pool of num_blocks each, stepped in lockstep (every replica with work runs a
     step; the step takes the slowest one's time), each arrival placed by place(prompt token ids,
     each replica's unfinished requests) -> replica index."""

@@ -16,7 +16,6 @@ import pytest  # noqa: E402
 
 from pagedjax.models import get_config, init_model  # noqa: E402
 
-
 MAX_MAPS = 20_000  # of the kernel's default vm.max_map_count, 65,530
 
 

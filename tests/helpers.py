@@ -11,7 +11,8 @@ import sys
 
 import numpy as np
 
-from pagedjax.scheduler import NULL_BLOCK, KVCacheManager, Request, SamplingParams, Scheduler, build_plan
+from pagedjax.scheduler import (NULL_BLOCK, KVCacheManager, Request, SamplingParams, Scheduler,
+                                build_plan)
 
 # The embedded byte model has no chat template of its own (chat to it is refused); the server
 # tests pass this one, as a vLLM user passes --chat-template.

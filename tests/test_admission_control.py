@@ -9,12 +9,12 @@ import time
 
 import httpx
 import pytest
+from test_server import ENGINE
 
 from pagedjax import LLM
-from pagedjax.serving.admission_control import AdmissionLimits
+from pagedjax.frontend.admission_control import AdmissionLimits
 from pagedjax.serving.app import OpenAIServer
 from pagedjax.serving.background import BackgroundServer
-from test_server import ENGINE
 
 LONG = "copy:" + "x" * 40 + "="  # 47 tokens with BOS
 SHORT = "copy:ab="

@@ -12,13 +12,13 @@ import json
 
 import numpy as np
 import pytest
-
 from helpers import check_kv_invariants, until_done
-from pagedjax.models import get_config, init_model
+
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
-from pagedjax.text.tokenizer import ByteTokenizer
+from pagedjax.models import get_config, init_model
 from pagedjax.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 from pagedjax.scheduler.async_steps import advance_ahead, placeholder
+from pagedjax.text.tokenizer import ByteTokenizer
 
 # A pool of 40 blocks of 4 tokens for ~12 requests of 20-70 tokens: preemption by recompute;
 # a 32-token budget chunks the long prompts.
@@ -273,10 +273,10 @@ def test_a_server_with_async_scheduling_answers_as_one_without(caplog):
     """`--async-scheduling` behind the OpenAI server (the embedded model): streamed and whole
     completions as the synchronous engine's, and /metrics counts the steps dispatched ahead."""
     from fastapi.testclient import TestClient
+    from test_server import ENGINE, PROMPTS
 
     from pagedjax import LLM
     from pagedjax.serving.app import OpenAIServer
-    from test_server import ENGINE, PROMPTS
 
     bodies = [{"prompt": prompt, "max_tokens": 12, "temperature": 0.8, "seed": i, "n": 1}
               for i, prompt in enumerate(PROMPTS)]

@@ -8,9 +8,9 @@ from __future__ import annotations
 import jax
 
 from pagedjax import SamplingParams
-from pagedjax.engine.admission import PromptSpec
 from pagedjax.engine.config import EngineConfig
-from pagedjax.parallel.data_parallel import DataParallelEngine
+from pagedjax.engine.request_checks import PromptSpec
+from pagedjax.frontend.data_parallel import DataParallelEngine
 
 CONFIG = dict(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32, block_size=4,
               data_parallel_size=2)

@@ -7,19 +7,13 @@ must answer exactly as dense full-recompute decoding of the same weights does, p
 """
 
 import pytest
+
+from pagedjax import LLM, SamplingParams
 from pagedjax.models import DEFAULT_CHECKPOINT
 from pagedjax.models.loading.checkpoint import load_checkpoint
 from pagedjax.models.training.generate import dense_greedy_generate
-from pagedjax.models.training.tasks import (
-    Example,
-    decode_answer,
-    encode_example,
-    make_examples,
-    recall_queries,
-    score,
-)
-
-from pagedjax import LLM, SamplingParams
+from pagedjax.models.training.tasks import (Example, decode_answer, encode_example, make_examples,
+                                            recall_queries, score)
 
 MAX_TOKENS = 20
 

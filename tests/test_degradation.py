@@ -10,14 +10,13 @@ import time
 
 import httpx
 import pytest
+from test_server import ENGINE
 
 from pagedjax import LLM
-from pagedjax.serving.admission_control import AdmissionLimits
+from pagedjax.frontend.admission_control import AdmissionLimits
 from pagedjax.serving.app import OpenAIServer
 from pagedjax.serving.background import BackgroundServer
-from pagedjax.serving.degradation import (DegradationController, DegradationPolicy,
-                                          settings_for)
-from test_server import ENGINE
+from pagedjax.serving.degradation import DegradationController, DegradationPolicy, settings_for
 
 
 class Clock:
@@ -157,7 +156,6 @@ def test_a_slowed_instance_degrades_then_recovers():
 
 def test_max_tokens_cap_and_the_chat_default():
     from fastapi.testclient import TestClient
-
     from helpers import ROLE_TEMPLATE
     llm = LLM(**ENGINE)
     messages = [{"role": "user", "content": "hi"}]

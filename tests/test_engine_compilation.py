@@ -3,18 +3,19 @@ place."""
 
 import dataclasses
 
-from helpers import until_done
 import jax
 import numpy as np
 import pytest
+from helpers import until_done
 
-from pagedjax.models import get_config, init_model
-from pagedjax import LLM, EngineConfig, LLMEngine, SamplingParams
-from pagedjax.engine.runner import _step, num_step_compiles, num_step_traces, padding_plan
-from pagedjax.engine.warmup import warmup_shapes
-from pagedjax.text.tokenizer import ByteTokenizer
 from benchmarks.aot.xla_tpu import whole_copies
+from pagedjax import LLM, EngineConfig, LLMEngine, SamplingParams
+from pagedjax.engine.runner import _step, num_step_compiles, num_step_traces
+from pagedjax.engine.warmup import warmup_shapes
+from pagedjax.models import get_config, init_model
 from pagedjax.scheduler import DECODE
+from pagedjax.scheduler.plan import padding_plan
+from pagedjax.text.tokenizer import ByteTokenizer
 
 
 def test_no_compilation_after_warmup(tiny_model):

@@ -1,4 +1,4 @@
-"""The engine core in its own process (pagedjax.serving.engine_core, core_client) against the
+"""The engine core in its own process (pagedjax.frontend.engine_core, core_client) against the
 in-process engine on the same model and settings: the same responses, token for token (greedy,
 seeded sampling with n and best_of, stop strings, structured outputs, logprobs and prompt
 logprobs, chat, streaming), aborts free the core's blocks, admission control and bad requests
@@ -17,19 +17,18 @@ import sys
 import time
 
 import psutil
-
 import pytest
 from fastapi.testclient import TestClient
+from helpers import ROLE_TEMPLATE
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import ROLE_TEMPLATE
 from pagedjax import LLM
 from pagedjax.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from pagedjax.llm import DEFAULT_MODEL
+from pagedjax.frontend.core_client import CoreClient
+from pagedjax.frontend.engine_core import LLMFactory
+from pagedjax.frontend.llm import DEFAULT_MODEL
+from pagedjax.frontend.output_deltas import DeltaDecoder, DeltaEncoder
 from pagedjax.serving.app import OpenAIServer
-from pagedjax.serving.core_client import CoreClient
-from pagedjax.serving.engine_core import LLMFactory
-from pagedjax.serving.output_deltas import DeltaDecoder, DeltaEncoder
 
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=128)
 PROMPTS = ["copy:hello=", "rev:paged=", "copy:kv cache=", "rev:block table="]
@@ -213,8 +212,8 @@ def test_a_bad_model_fails_the_start_with_its_message():
 
 def test_core_exits_when_the_server_process_dies():
     script = ("import time\n"
-              "from pagedjax.serving.core_client import CoreClient\n"
-              "from pagedjax.serving.engine_core import LLMFactory\n"
+              "from pagedjax.frontend.core_client import CoreClient\n"
+              "from pagedjax.frontend.engine_core import LLMFactory\n"
               f"core = CoreClient(LLMFactory({DEFAULT_MODEL!r}, engine_kwargs={ENGINE!r}))\n"
               "print(core.process.pid, flush=True)\n"
               "time.sleep(600)\n")

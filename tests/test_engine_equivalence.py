@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 from helpers import until_done
-from pagedjax.models.training.generate import dense_greedy_generate
 
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
+from pagedjax.models.training.generate import dense_greedy_generate
 
 PROMPT_LENS = [3, 17, 1, 40, 9, 25, 64, 2]
 MAX_TOKENS = 12

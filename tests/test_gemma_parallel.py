@@ -37,10 +37,10 @@ def gemma_config():
 def child() -> None:
     import jax
     import numpy as np
-    from pagedjax.models import init_model
-    from pagedjax.models.training.generate import dense_greedy_generate
 
     from pagedjax import LLM, SamplingParams
+    from pagedjax.models import init_model
+    from pagedjax.models.training.generate import dense_greedy_generate
 
     model = init_model(gemma_config(), seed=0)
     rng = np.random.default_rng(0)

@@ -17,10 +17,9 @@ gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from pagedjax import LLM, SamplingParams  # noqa: E402
 from pagedjax.models.loading.gguf import checked_gguf, load_gguf_model  # noqa: E402
 from pagedjax.models.loading.hf import load_hf_model  # noqa: E402
-
-from pagedjax import LLM, SamplingParams  # noqa: E402
 from pagedjax.text.gguf_tokenizer import tokenizer_from_gguf  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -335,8 +334,8 @@ def test_a_gguf_tokenizer_saved_as_a_directory_loads_the_same(tmp_path):
     transformers' AutoTokenizer and through Tokenizer.from_dir: ids, special tokens, EOS ids,
     the chat template's rendering."""
     import transformers
-    from pagedjax.models.loading.gguf import metadata
 
+    from pagedjax.models.loading.gguf import metadata
     from pagedjax.text.tokenizer import Tokenizer
     ours = tokenizer_from_gguf(metadata(gguf.GGUFReader(smollm_path())))
     path = ours.save_pretrained(tmp_path / "tokenizer")

@@ -14,18 +14,13 @@ from helpers import assert_same_outputs, run_requests
 
 gguf = pytest.importorskip("gguf")
 
-from pagedjax.models.loading.gguf import lazy_gguf_model, load_gguf_model  # noqa: E402
-from pagedjax.models.quantization.gguf_blocks import (  # noqa: E402
-    FORMATS,
-    common_format,
-    decode,
-    stored_parts,
-)
-from pagedjax.models.quantization.schemes import dequantize_np  # noqa: E402
-from pagedjax.scheduler import SamplingParams  # noqa: E402
-
 from pagedjax.engine.config import EngineConfig  # noqa: E402
 from pagedjax.engine.llm_engine import LLMEngine  # noqa: E402
+from pagedjax.models.loading.gguf import lazy_gguf_model, load_gguf_model  # noqa: E402
+from pagedjax.models.quantization.gguf_blocks import (FORMATS, common_format, decode,  # noqa: E402
+                                                      stored_parts)
+from pagedjax.models.quantization.schemes import dequantize_np  # noqa: E402
+from pagedjax.scheduler import SamplingParams  # noqa: E402
 
 # each type's f16 fields (byte offsets in a block): set to sane values in random blocks
 F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}

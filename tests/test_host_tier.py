@@ -2,8 +2,8 @@
 blocks found again as host hits, loaded into new device blocks, LRU, pins and spill order."""
 
 import pytest
-
 from helpers import check_kv_invariants
+
 from pagedjax.scheduler import KVCacheManager, Request, SamplingParams
 from pagedjax.scheduler.host_tier import HostTier, host_hit
 from pagedjax.scheduler.kv_cache_groups import HybridKVCacheManager

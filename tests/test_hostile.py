@@ -12,14 +12,13 @@ import time
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from helpers import ROLE_TEMPLATE
+from hypothesis import HealthCheck, given, settings, strategies as st
+
 from pagedjax import LLM, SamplingParams
+from pagedjax.scheduler import RequestError
 from pagedjax.serving.app import OpenAIServer
 from pagedjax.serving.background import BackgroundServer
-from pagedjax.scheduler import RequestError
 
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=128)
 MAX_REQUEST_BYTES = 2**20

@@ -4,10 +4,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas.ops.gpu import paged_attention as jax_gpu_paged_attention
-
 from test_kernels_reference import build_case, dense_oracle
+
 from pagedjax.pallas_kernels import (paged_decode_attention_gpu, paged_decode_attention_reference,
-                            ragged_paged_attention_gpu, ragged_paged_attention_reference)
+                                     ragged_paged_attention_gpu, ragged_paged_attention_reference)
 
 # A covering set rather than the full product (interpret mode is slow): every block size, head
 # dim, GQA ratio and dtype appears, lengths 1 / a block / a block + 1 / long, plus padded rows.

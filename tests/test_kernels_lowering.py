@@ -18,21 +18,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from pagedjax.models import LlamaConfig, LlamaForCausalLM, serving_form
-from pagedjax.pallas_kernels import (
-    AttentionBackend,
-    init_kv_cache,
-    paged_decode_attention_gpu,
-    paged_decode_attention_tpu,
-    ragged_paged_attention_gpu,
-    ragged_paged_attention_tpu,
-    write_kv_gpu,
-    write_kv_tpu,
-)
-from pagedjax.scheduler import DECODE, PREFILL
 
 from benchmarks.aot import triton_gpu
-from pagedjax.engine.runner import _step, padding_plan
+from pagedjax.engine.runner import _step
+from pagedjax.models import LlamaConfig, LlamaForCausalLM, serving_form
+from pagedjax.pallas_kernels import (AttentionBackend, init_kv_cache, paged_decode_attention_gpu,
+                                     paged_decode_attention_tpu, ragged_paged_attention_gpu,
+                                     ragged_paged_attention_tpu, write_kv_gpu, write_kv_tpu)
+from pagedjax.scheduler import DECODE, PREFILL
+from pagedjax.scheduler.plan import padding_plan
 
 PLATFORM = {"gpu": "cuda", "tpu": "tpu"}
 KERNELS = {

@@ -12,19 +12,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_kernels_gpu import assert_same_write, ragged_seqs, reference_layout, write_case
+from test_kernels_reference import build_case
 
 from benchmarks.aot import xla_gpu
-from pagedjax.scheduler.chips import CHIPS
 from pagedjax.pallas_kernels.gpu import mosaic
 from pagedjax.pallas_kernels.gpu.mosaic import (paged_decode_attention_mosaic_gpu,
-                                       ragged_paged_attention_mosaic_gpu, write_kv_mosaic_gpu)
-from pagedjax.pallas_kernels.gpu.triton import paged_decode_attention_gpu, ragged_paged_attention_gpu
+                                                ragged_paged_attention_mosaic_gpu,
+                                                write_kv_mosaic_gpu)
+from pagedjax.pallas_kernels.gpu.triton import (paged_decode_attention_gpu,
+                                                ragged_paged_attention_gpu)
 from pagedjax.pallas_kernels.layout import write_kv_reference
 from pagedjax.pallas_kernels.quant import QuantizedKV
 from pagedjax.pallas_kernels.reference import (paged_decode_attention_reference,
-                                      ragged_paged_attention_reference)
-from test_kernels_gpu import assert_same_write, ragged_seqs, reference_layout, write_case
-from test_kernels_reference import build_case
+                                               ragged_paged_attention_reference)
+from pagedjax.scheduler.chips import CHIPS
 
 pytestmark = pytest.mark.skipif(mosaic.problem() is not None,
                                 reason=str(mosaic.problem()))
@@ -298,8 +300,9 @@ def test_engine_step_builds_for_h200_in_place(kind):
     """The engine's steps on the mosaic_gpu backend (Mosaic GPU KV writes and attention in every
     layer, no Triton kernel) build for an H200 with the donated caches updated where they
     lie."""
-    from pagedjax.models import LlamaConfig
     from test_kernels_lowering import abstract_step
+
+    from pagedjax.models import LlamaConfig
 
     config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_layers=2,
                          num_heads=32, num_kv_heads=8, head_dim=128)

@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pagedjax.pallas_kernels import (AttentionMetadata, init_kv_cache, kv_cache_shape, paged_attention,
-                            paged_decode_attention_reference, ragged_paged_attention_reference,
-                            write_kv_reference)
+from pagedjax.pallas_kernels import (AttentionMetadata, init_kv_cache, kv_cache_shape,
+                                     paged_attention, paged_decode_attention_reference,
+                                     ragged_paged_attention_reference, write_kv_reference)
 
 
 def dense_oracle(q, keys, values, q_lens, kv_lens, *, scale, sliding_window=None, soft_cap=None):

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as jax_tpu_op
-
 from test_kernels_gpu import as_dtype, decode_seqs, ragged_seqs, tolerance
 from test_kernels_reference import build_case, dense_oracle
+
 from pagedjax.pallas_kernels import (IMPLEMENTATIONS, paged_decode_attention_reference,
-                            paged_decode_attention_tpu, ragged_paged_attention_reference,
-                            ragged_paged_attention_tpu)
+                                     paged_decode_attention_tpu, ragged_paged_attention_reference,
+                                     ragged_paged_attention_tpu)
 from pagedjax.pallas_kernels.layout import NULL_BLOCK
 
 # The TPU interpreter is slower than the GPU one: a smaller covering set.
@@ -120,6 +120,7 @@ def test_write_kv_tpu_matches_scatter(dtype, pattern):
     """Every slot pattern, in a 32-bit and a packed 16-bit cache (whose pages the kernel
     rewrites whole): exactly the scatter's result outside the null block."""
     from test_kernels_gpu import assert_same_write, write_case
+
     from pagedjax.pallas_kernels import write_kv_reference, write_kv_tpu
     cache, k, v, slots = write_case(np.random.default_rng(3), 80, 80, num_tokens=16)
     if pattern == "engine":
@@ -136,6 +137,7 @@ def test_write_kv_tpu_quantized_matches_scatter(dtype, pattern):
     size): the kernel quantizes as the scatter does and puts values and scales in place, bit
     for bit, and leaves the padding lanes alone."""
     from test_kernels_gpu import write_case
+
     from pagedjax.pallas_kernels import write_kv_reference, write_kv_tpu
     from pagedjax.pallas_kernels.layout import scale_lanes
     from pagedjax.pallas_kernels.quant import QuantizedKV, quantize
@@ -160,8 +162,8 @@ def test_write_kv_tpu_quantized_matches_scatter(dtype, pattern):
 def test_copy_blocks_tpu_matches_scatter(dtype):
     """Copy-on-write by DMA, every array of the cache, only the first num_copies pairs."""
     from pagedjax.pallas_kernels import init_kv_cache
-    from pagedjax.pallas_kernels.tpu.write import copy_blocks_tpu
     from pagedjax.pallas_kernels.layout import copy_blocks
+    from pagedjax.pallas_kernels.tpu.write import copy_blocks_tpu
     rng = np.random.default_rng(6)
     cache = jax.tree.map(
         lambda a: jnp.asarray(rng.standard_normal(a.shape) * 50).astype(a.dtype),

@@ -15,8 +15,8 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import pytest
-
 from test_kernels_lowering import KERNELS, cache_struct, kernel_args
+
 from benchmarks.aot import xla_tpu
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -73,10 +73,11 @@ def build_step(name, devices=None):
     from flax import nnx
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+    from pagedjax.engine.runner import step_fn
     from pagedjax.models import LlamaConfig, LlamaForCausalLM, serving_form
-    from pagedjax.parallel import sharding
-    from pagedjax.engine.runner import padding_plan, step_fn
     from pagedjax.pallas_kernels import AttentionBackend, init_kv_cache
+    from pagedjax.parallel import sharding
+    from pagedjax.scheduler.plan import padding_plan
 
     kind, _, dtype = name.removesuffix("-tp4").partition("-")
 

@@ -15,11 +15,11 @@ import pytest
 
 pytest.importorskip("triton", reason="a test dependency: requirements/test.txt")
 
+from test_kernels_lowering import (ESTIMATE_CASES, GPU_CASES as CASES, KERNELS,  # noqa: E402
+                                   abstract_step, estimate_case, gpu_case, kernel_args)
+
 from benchmarks.aot import triton_gpu  # noqa: E402
 from pagedjax.pallas_kernels.gpu import common as gpu_common  # noqa: E402
-from test_kernels_lowering import GPU_CASES as CASES  # noqa: E402
-from test_kernels_lowering import ESTIMATE_CASES, KERNELS, estimate_case  # noqa: E402
-from test_kernels_lowering import abstract_step, gpu_case, kernel_args  # noqa: E402
 
 H200, A100, L4 = (9, 0), (8, 0), (8, 9)
 

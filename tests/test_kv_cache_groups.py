@@ -5,10 +5,10 @@ property-based state machine (prefix caching, forks, frees) whose every cache hi
 hit's tokens in every group."""
 
 import hypothesis.strategies as st
+from helpers import check_kv_invariants, make_request
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from helpers import check_kv_invariants, make_request
 from pagedjax.scheduler import NULL_BLOCK
 from pagedjax.scheduler.kv_cache_groups import HybridKVCacheManager
 from pagedjax.scheduler.kv_cache_manager import cdiv
@@ -218,8 +218,8 @@ def test_kv_pressure_counts_what_each_group_holds():
 
     import pytest
 
-    from pagedjax.serving import admission_control
-    from pagedjax.serving.admission_control import AdmissionLimits, Live, OverloadedError
+    from pagedjax.frontend import admission_control
+    from pagedjax.frontend.admission_control import AdmissionLimits, Live, OverloadedError
 
     kv = HybridKVCacheManager(81, 4, (None, 8), max_tokens_per_step=8)
     assert kv.num_blocks_for(200) == 50 + 5

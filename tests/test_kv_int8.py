@@ -1,11 +1,11 @@
 """int8 KV cache: per-token, per-head scales; attention on dequantized values; the engine."""
 
-from helpers import until_done
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
+from helpers import until_done
 from test_kernels_reference import SEQS, build_case, dense_oracle
+
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
 from pagedjax.pallas_kernels import kv_cache_bytes_per_block, ragged_paged_attention_reference
 from pagedjax.pallas_kernels.quant import QuantizedKV, dequantize, quantize

@@ -1,4 +1,4 @@
-"""The tiered prefix cache (pagedjax.engine.kv_tiers): prefixes the device pool evicts come back
+"""The tiered prefix cache (pagedjax.kv_offload.tiers): prefixes the device pool evicts come back
 from host memory and from disk with the tokens of recomputing them, the KV moved bit for bit,
 corrupt and foreign disk files refused, a failing disk degrading to the host tier alone, and a
 second process finding the first's blocks on disk."""
@@ -12,11 +12,11 @@ import sys
 import jax
 import numpy as np
 import pytest
-
 from helpers import until_done
+
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
-from pagedjax.engine.kv_disk_tier import MAGIC, SUFFIX, DiskTier
-from pagedjax.engine.block_transfers import host_block, set_host_block
+from pagedjax.kv_offload.block_transfers import host_block, set_host_block
+from pagedjax.kv_offload.disk_tier import MAGIC, SUFFIX, DiskTier
 from pagedjax.scheduler.block_hash import hash_block, root_hash
 
 BASE = dict(max_model_len=96, max_num_seqs=4, max_num_batched_tokens=32, min_seq_bucket=4,
@@ -219,7 +219,7 @@ def test_a_full_disk_degrades_to_the_host_tier(tiny_model, recomputed, tmp_path,
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("pagedjax.engine.kv_disk_tier.os.replace", full)
+    monkeypatch.setattr("pagedjax.kv_offload.disk_tier.os.replace", full)
     with caplog.at_level(logging.WARNING):
         assert run_rounds(engine, sessions()) == recomputed
         engine.kv_tiers.disk.drain()
@@ -318,10 +318,10 @@ def test_a_restarted_server_answers_from_its_disk_tier(tmp_path):
     next one over the same directory answers the same document's question from them (the
     usage's cached_tokens, what an OpenAI client sees)."""
     from fastapi.testclient import TestClient
+    from test_server import ENGINE
 
     from pagedjax import LLM
     from pagedjax.serving.app import OpenAIServer
-    from test_server import ENGINE
 
     config = dict(ENGINE, kv_offload_bytes=1 << 24, kv_disk_dir=str(tmp_path),
                   kv_disk_bytes=1 << 26)

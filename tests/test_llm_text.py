@@ -14,12 +14,12 @@ from helpers import ROLE_TEMPLATE, until_done
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from pagedjax.models import get_config, init_model  # noqa: E402
-from pagedjax.models.loading.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from pagedjax.models.loading.hf import load_hf_model  # noqa: E402
 from tokenizer_builders import LLAMA3_SPECIALS, LLAMA3_TEMPLATE, train_byte_level  # noqa: E402
 
 from pagedjax import LLM, SamplingParams  # noqa: E402
+from pagedjax.models import get_config, init_model  # noqa: E402
+from pagedjax.models.loading.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from pagedjax.models.loading.hf import load_hf_model  # noqa: E402
 from pagedjax.text.tokenizer import Tokenizer  # noqa: E402
 
 PROMPTS = ["the quick brown fox", "café 東京 😀 and", "a"]

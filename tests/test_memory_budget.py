@@ -12,7 +12,7 @@ import pytest
 from pagedjax import LLM, SamplingParams
 from pagedjax.engine import memory_budget, sampling_step
 from pagedjax.engine.memory_budget import device_memory
-from pagedjax.llm import DEFAULT_MODEL as LLM_DEFAULT
+from pagedjax.frontend.llm import DEFAULT_MODEL as LLM_DEFAULT
 from pagedjax.tools.engine_args import add_engine_args, engine_kwargs
 
 SMALL = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=128)
@@ -110,11 +110,10 @@ def test_a_step_updates_the_pool_in_place(num_kv_heads, kv_cache_dtype):
     [2, K, NB * S, H] view of the cache made XLA on the CPU copy the whole pool every step:
     a 26-layer model's decode step went from 47 to 595 ms as its pool grew 13x.)"""
 
-    from pagedjax.models import get_config, init_model
-    from pagedjax.scheduler import DECODE, PREFILL
-
     from pagedjax.engine.config import EngineConfig
     from pagedjax.engine.runner import ModelRunner
+    from pagedjax.models import get_config, init_model
+    from pagedjax.scheduler import DECODE, PREFILL
 
     config = dataclasses.replace(get_config("demo-small"), num_layers=2, num_heads=4,
                                  num_kv_heads=num_kv_heads, head_dim=64, hidden_size=256,
@@ -133,7 +132,7 @@ def test_held_memory_is_the_weights_and_the_pool_by_their_formulas():
     from the model) and the pool's (num_blocks x the KV-cache formula's bytes a block)."""
     from flax import nnx
 
-    from pagedjax.llm import load_model
+    from pagedjax.frontend.llm import load_model
 
     model = load_model(LLM_DEFAULT, seed=0)
     llm = LLM(model, **SMALL, num_blocks=40)

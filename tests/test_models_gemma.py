@@ -17,12 +17,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from helpers import until_done  # noqa: E402
-from pagedjax.models.loading.hf import load_hf_model, read_hf_config  # noqa: E402
-from pagedjax.models.loading.inspect import inspect_model_dir  # noqa: E402
-from pagedjax.models.registry import ARCHITECTURES  # noqa: E402
 from test_models_hf import F32_TOL, engine_greedy, hf_greedy, hf_logits, prompts  # noqa: E402
 
 from pagedjax import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from pagedjax.models.loading.hf import load_hf_model, read_hf_config  # noqa: E402
+from pagedjax.models.loading.inspect import inspect_model_dir  # noqa: E402
+from pagedjax.models.registry import ARCHITECTURES  # noqa: E402
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, initializer_range=0.1,

@@ -18,14 +18,10 @@ from helpers import until_done
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from pagedjax.models.loading.hf import (  # noqa: E402
-    UnsupportedModelError,
-    load_hf_model,
-    read_hf_config,
-)
-from pagedjax.models.loading.inspect import inspect_model_dir  # noqa: E402
-
 from pagedjax import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from pagedjax.models.loading.hf import (UnsupportedModelError, load_hf_model,  # noqa: E402
+                                        read_hf_config)
+from pagedjax.models.loading.inspect import inspect_model_dir  # noqa: E402
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1,
@@ -126,7 +122,7 @@ def engine_greedy(model, token_prompts, max_tokens, **config):
 def test_dtype_auto_takes_the_checkpoint_dtype(tmp_path):
     """vLLM's dtype="auto": a float32 checkpoint runs in float32, a 16-bit one in bfloat16."""
     from pagedjax import LLM
-    from pagedjax.llm import checkpoint_dtype
+    from pagedjax.frontend.llm import checkpoint_dtype
     build_hf("qwen2", tmp_path)
     assert LLM(str(tmp_path), dtype="auto", max_model_len=64).engine.config.dtype == "float32"
     config_file = tmp_path / "config.json"

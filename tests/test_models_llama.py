@@ -8,11 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+
+from pagedjax.engine.runner import step_fn
 from pagedjax.models import LlamaConfig, get_config, init_model, paged_forward
 from pagedjax.models.families.llama import rope
 from pagedjax.pallas_kernels import AttentionBackend, AttentionMetadata, init_kv_cache
-
-from pagedjax.engine.runner import padding_plan, step_fn
+from pagedjax.scheduler.plan import padding_plan
 
 CONFIG = get_config("debug-tiny")
 

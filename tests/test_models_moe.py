@@ -16,18 +16,13 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from helpers import until_done  # noqa: E402,F401
+from test_models_hf import (F32_TOL, engine_greedy, hf_greedy, hf_logits, prompts,  # noqa: E402
+                            randomize_vectors)
+
 from pagedjax.models.layers.moe import Experts, route  # noqa: E402
 from pagedjax.models.loading.hf import load_hf_model, read_hf_config  # noqa: E402
 from pagedjax.models.loading.inspect import inspect_model_dir  # noqa: E402
 from pagedjax.models.registry import ARCHITECTURES  # noqa: E402
-from test_models_hf import (  # noqa: E402
-    F32_TOL,
-    engine_greedy,
-    hf_greedy,
-    hf_logits,
-    prompts,
-    randomize_vectors,
-)
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4,
               num_key_value_heads=2, initializer_range=0.1, max_position_embeddings=256,
@@ -151,6 +146,7 @@ def test_moe_paged_engine_greedy_equals_transformers_generate(moe, engine):
 
 def _experts(num_experts=8, seed=0):
     from flax import nnx
+
     from pagedjax.models.config import LlamaConfig
     config = LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=24, num_layers=1,
                          num_heads=2, num_kv_heads=1, num_experts=num_experts,
@@ -201,9 +197,8 @@ def test_route_renormalises_only_when_asked():
 def test_expert_parallel_is_refused_where_it_cannot_apply():
     """--enable-expert-parallel on a dense model, or with experts that do not split over the
     devices, is refused by name before anything is built."""
-    from pagedjax.models import LlamaConfig, get_config, init_model
-
     from pagedjax import EngineConfig, LLMEngine
+    from pagedjax.models import LlamaConfig, get_config, init_model
     from pagedjax.parallel.placement import check_expert_parallel
 
     with pytest.raises(ValueError, match="enable_expert_parallel needs a mixture-of-experts"):

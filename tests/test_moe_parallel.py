@@ -53,11 +53,11 @@ def _expert_shards(params) -> list[list[int]]:
 def child() -> None:
     import jax
     import numpy as np
+
+    from pagedjax import LLM, SamplingParams
     from pagedjax.models import init_model
     from pagedjax.models.layers.quantized import quantize_model
     from pagedjax.models.training.generate import dense_greedy_generate
-
-    from pagedjax import LLM, SamplingParams
 
     rng = np.random.default_rng(0)
     head = rng.integers(0, 256, 16).tolist()

@@ -18,7 +18,6 @@ import sys
 import time
 
 import pytest
-
 from helpers import complete, wait_healthy
 
 # The slow suite (make test-slow, run by .ci/run beside make test): several processes under
@@ -37,8 +36,8 @@ def worker(process_id: int, port: int, die_after: int | None, tiers: bool = Fals
     import jax
     import numpy as np
 
-    from pagedjax.models import get_config, init_model
     from pagedjax import LLM, SamplingParams
+    from pagedjax.models import get_config, init_model
     from pagedjax.parallel import multihost
 
     multihost.initialize(f"127.0.0.1:{port}", 2, process_id,

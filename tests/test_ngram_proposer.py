@@ -1,4 +1,4 @@
-"""The n-gram proposer (scheduler/ngram_proposer.py) against a plain-Python reading of its rule
+"""The n-gram proposer (pagedjax/engine/spec_decode/ngram_proposer.py) against a plain-Python reading of its rule
 on random token lists over small vocabularies (many repeats), and on worked examples."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pagedjax.scheduler.ngram_proposer import NgramProposer
+from pagedjax.engine.spec_decode.ngram_proposer import NgramProposer
 
 
 def reference(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:

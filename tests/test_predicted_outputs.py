@@ -9,14 +9,14 @@ import json
 
 import pytest
 from fastapi.testclient import TestClient
-
 from helpers import run_requests as run
-from pagedjax import LLM, SamplingParams
-from pagedjax.serving.app import OpenAIServer
-from pagedjax.text.tokenizer import ByteTokenizer
-from pagedjax.scheduler import RequestError
 from test_server import ENGINE, ROLE_TEMPLATE
 from test_speculative import NGRAM, byte_model, make_engine  # noqa: F401 - a fixture
+
+from pagedjax import LLM, SamplingParams
+from pagedjax.scheduler import RequestError
+from pagedjax.serving.app import OpenAIServer
+from pagedjax.text.tokenizer import ByteTokenizer
 
 SPECULATIVE = dict(NGRAM, prompt_lookup_min=4, prompt_lookup_max=4)  # n-grams rarely match
 

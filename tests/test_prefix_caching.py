@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
-
 from helpers import check_kv_invariants, make_request, until_done
+
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
 from pagedjax.scheduler import Scheduler, SchedulerConfig
 

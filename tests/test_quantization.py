@@ -11,26 +11,17 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import assert_same_outputs, run_requests
-from pagedjax.models import get_config, init_model
-from pagedjax.models.layers.quantized import (
-    QuantizedEmbed,
-    QuantizedLinear,
-    QuantizedWeight,
-    quantize_model,
-)
-from pagedjax.models.quantization import quality as quantization_quality
-from pagedjax.models.quantization.quality import quality
-from pagedjax.models.quantization.schemes import (
-    QArray,
-    dequantize_np,
-    pack_int4,
-    quantize,
-    unpack_int4_np,
-)
-from pagedjax.scheduler import SamplingParams
 
 from pagedjax.engine.config import EngineConfig
 from pagedjax.engine.llm_engine import LLMEngine
+from pagedjax.models import get_config, init_model
+from pagedjax.models.layers.quantized import (QuantizedEmbed, QuantizedLinear, QuantizedWeight,
+                                              quantize_model)
+from pagedjax.models.quantization import quality as quantization_quality
+from pagedjax.models.quantization.quality import quality
+from pagedjax.models.quantization.schemes import (QArray, dequantize_np, pack_int4, quantize,
+                                                  unpack_int4_np)
+from pagedjax.scheduler import SamplingParams
 
 SCHEMES = ("int8", "fp8", "int4")
 SMALL = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, block_size=4,
@@ -173,7 +164,6 @@ def test_smollm2_int8_keeps_greedy_agreement():
     quantization.py): int8's 3% logit error flips only near-ties; the floor 90% leaves room for
     a few more flips and still fails a broken scale or channel order (int4 measures 65%)."""
     from pagedjax.models.loading.gguf import load_gguf_model, metadata, open_gguf
-
     from pagedjax.text.gguf_tokenizer import tokenizer_from_gguf
     from pagedjax.tools.chat_demo import smollm2_path
 
@@ -193,9 +183,10 @@ def test_hf_checkpoint_is_quantized_as_it_is_read(tmp_path):
     """A safetensors checkpoint read into place, quantized layer by layer on the host,
     stores the very arrays quantize_model makes of the model loaded whole."""
     pytest.importorskip("transformers")
+    from test_models_hf import build_hf
+
     from pagedjax.models.loading.hf import load_hf_model
     from pagedjax.models.loading.placed_weights import lazy_hf_model
-    from test_models_hf import build_hf
 
     build_hf("llama-bias-tied", tmp_path)  # biases, and the tied embedding quantized
     config = EngineConfig(**SMALL, quantization="int4", quantize_lm_head=True)

@@ -1,4 +1,4 @@
-"""The speculative-decoding rejection sampler (pagedjax/engine/rejection_sampler.py): greedy rows
+"""The speculative-decoding rejection sampler (pagedjax/engine/spec_decode/rejection_sampler.py): greedy rows
 give plain greedy decoding's tokens; random rows give tokens distributed as the target's (a
 chi-square test over 20,000 rows on a 5-token vocabulary, for one-hot drafts right half the
 time, drafts the target never samples, and drafts from a draft model's own distribution); a
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pagedjax.engine.rejection_sampler import rejection_sample, target_probs
+from pagedjax.engine.spec_decode.rejection_sampler import rejection_sample, target_probs
 
 # chi-square, 4 degrees of freedom (5 tokens), at p = 0.001: a correct sampler fails one run in
 # a thousand; a distribution off by a few percent of 20,000 draws fails every time.
@@ -110,7 +110,7 @@ def test_the_engines_coupled_verification_is_distributed_as_the_target(drafter):
     import dataclasses
 
     from pagedjax.engine import sampling_step
-    from pagedjax.engine.runner import padding_plan
+    from pagedjax.scheduler.plan import padding_plan
 
     p = _target()
     rng = np.random.default_rng(13)

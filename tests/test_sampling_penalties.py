@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import run_requests as run
-from pagedjax.models import get_config, init_model
 
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
 from pagedjax.engine.sampler import apply_penalties, apply_token_mask
+from pagedjax.models import get_config, init_model
 from pagedjax.text.tokenizer import ByteTokenizer
 
 CONFIG = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, min_seq_bucket=4,
@@ -85,8 +85,9 @@ def test_frequency_and_presence_penalties_equal_a_dense_greedy_reference(tiny_mo
 
 def test_greedy_repetition_penalty_equals_transformers_generate(tmp_path):
     torch = pytest.importorskip("torch")
-    from pagedjax.models.loading.hf import load_hf_model
     from test_models_hf import build_hf
+
+    from pagedjax.models.loading.hf import load_hf_model
     hf = build_hf("llama3.1", tmp_path)
     rng = np.random.default_rng(2)
     token_prompts = [rng.integers(3, 20, n).tolist() for n in (5, 23)]  # repeats to penalize

@@ -1,13 +1,13 @@
 """The scheduler and plan builder, host only: budgets, chunking, preemption, order, padding."""
 
+import hypothesis.strategies as st
 import numpy as np
 import pytest
-from hypothesis import given, settings
-import hypothesis.strategies as st
-
 from helpers import make_request, simulate
-from pagedjax.scheduler import (DECODE, DECODE_FIRST, NULL_BLOCK, POLICIES, PREFILL,
-                       PREFILL_FIRST, Scheduler, SchedulerConfig, ShapeBuckets)
+from hypothesis import given, settings
+
+from pagedjax.scheduler import (DECODE, DECODE_FIRST, NULL_BLOCK, POLICIES, PREFILL, PREFILL_FIRST,
+                                Scheduler, SchedulerConfig, ShapeBuckets)
 
 
 def make_scheduler(*, num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,

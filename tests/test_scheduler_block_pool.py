@@ -1,11 +1,11 @@
 """Property-based state machine over the block pool and the KV cache manager."""
 
 import hypothesis.strategies as st
+import pytest
+from helpers import check_kv_invariants, make_request
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-import pytest
 
-from helpers import check_kv_invariants, make_request
 from pagedjax.scheduler import NULL_BLOCK, BlockPool, KVCacheManager
 
 

@@ -20,16 +20,16 @@ import urllib.request
 import psutil
 import pytest
 from fastapi.testclient import TestClient
+from helpers import ROLE_TEMPLATE, complete, wait_healthy
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import ROLE_TEMPLATE, complete, wait_healthy
 from pagedjax import LLM, EngineConfig, LLMEngine, SamplingParams, load_model
-from pagedjax.llm import DEFAULT_MODEL
-from pagedjax.serving.app import OpenAIServer
+from pagedjax.frontend.llm import DEFAULT_MODEL
 from pagedjax.scheduler import SchedulerConfig, ShapeBuckets
 from pagedjax.scheduler.cost_model import StepCostModel
 from pagedjax.scheduler.simulator import simulate
 from pagedjax.scheduler.trace import load_trace, prefix_hashes
+from pagedjax.serving.app import OpenAIServer
 
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=128)
 PROMPTS = ["copy:hello=", "rev:paged=", "copy:kv cache=", "rev:block table="]

@@ -54,7 +54,7 @@ def test_request_failing_inside_a_step_fails_alone():
         assert llm.engine.scheduler.kv_manager.num_used_blocks == 0
 
 
-def test_internal_errors_answer_500_with_a_request_id_and_the_engine_serves_on(caplog):
+def test_internal_errors_answer_500_with_a_request_id_and_the_engine_serves_on(caplog, monkeypatch):
     """A handler bug answers 500 with a request id (logged with its traceback); a step that
     loses the KV cache itself fails the requests it held, and the engine starts over with a
     fresh cache and serves the next request right."""
@@ -74,10 +74,10 @@ def test_internal_errors_answer_500_with_a_request_id_and_the_engine_serves_on(c
         return step(plan)
 
     with TestClient(server.build_app(), raise_server_exceptions=False) as client:
-        def broken_template(body):
+        def broken_template(*args):
             raise KeyError("a bug")
 
-        server.chat_prompt = broken_template
+        monkeypatch.setattr("pagedjax.serving.chat.render_prompt", broken_template)
         with caplog.at_level("ERROR", logger="pagedjax.http"):
             response = client.post("/v1/chat/completions",
                                    json={"messages": [{"role": "user", "content": "hi"}]})

@@ -8,12 +8,12 @@ import json
 
 import numpy as np
 import pytest
+
+from pagedjax import LLM
 from pagedjax.scheduler import DECODE, PREFILL, SchedulerConfig, ShapeBuckets
 from pagedjax.scheduler.cost_model import StepCostModel
 from pagedjax.scheduler.simulator import simulate
 from pagedjax.scheduler.trace import TraceRequest, load_trace, save_trace
-
-from pagedjax import LLM
 from pagedjax.tools.profiling import run_trace
 
 
@@ -179,13 +179,9 @@ def test_simulate_cli_plans_with_the_roofline(tmp_path, capsys):
 
 def test_tensor_parallel_roofline_splits_the_work_and_adds_the_collectives():
     from pagedjax.models import get_config
-    from pagedjax.scheduler.chips import CHIPS
-
     from pagedjax.parallel.plan import roofline_cost
-    from pagedjax.parallel.sharding import (
-        kv_bytes_per_block_per_device,
-        weight_bytes_per_device,
-    )
+    from pagedjax.parallel.sharding import kv_bytes_per_block_per_device, weight_bytes_per_device
+    from pagedjax.scheduler.chips import CHIPS
 
     config = get_config("llama-3-8b")
     chip = CHIPS["tpu-v5e"]
@@ -270,7 +266,6 @@ def test_simulate_counts_a_hybrid_models_kv_cache_groups(tmp_path, capsys):
     from pagedjax.models import get_config
     from pagedjax.models.layers.kv_groups import kv_cache_groups
     from pagedjax.scheduler.kv_cache_groups import blocks_for
-
     from pagedjax.tools.cli import main
 
     trace = tmp_path / "trace.jsonl"
@@ -303,9 +298,8 @@ def test_roofline_of_a_mixture_counts_active_parameters_and_picked_experts():
     step reads the experts its tokens pick (8 of 128 for one token, nearly all for 256) on top
     of the rest of the weights."""
     from pagedjax.models import get_config
-    from pagedjax.scheduler.chips import CHIPS
-
     from pagedjax.parallel.plan import roofline_cost
+    from pagedjax.scheduler.chips import CHIPS
 
     config = get_config("qwen3-30b-a3b")
     cost = roofline_cost(config, CHIPS["h200"])

@@ -6,10 +6,10 @@ import dataclasses
 import numpy as np
 import pytest
 from helpers import until_done
-from pagedjax.models import get_config, init_model
-from pagedjax.models.training.generate import dense_greedy_generate
 
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
+from pagedjax.models import get_config, init_model
+from pagedjax.models.training.generate import dense_greedy_generate
 
 WINDOW = 10
 BLOCK = 4

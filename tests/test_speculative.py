@@ -1,6 +1,6 @@
 """Speculative decoding in the engine (issue 38): with n-gram drafts the engine's tokens equal
 plain decoding's token for token, greedy and seeded sampling alike (the drafts are verified by
-coupling with plain sampling: pagedjax/engine/rejection_sampler.py), over a batch with chunked
+coupling with plain sampling: pagedjax/engine/spec_decode/rejection_sampler.py), over a batch with chunked
 prefill, preemption, prefix hits, stop strings, stop token ids, a grammar, penalties, logprobs and
 n > 1; rejected drafts roll back to the block tables and pool counts of plain decoding; the
 per-step switch-off, the config's validation and beam search's refusal."""
@@ -11,15 +11,15 @@ import dataclasses
 
 import numpy as np
 import pytest
-
 from helpers import run_requests as run
-from pagedjax.models import get_config, init_model
+
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
 from pagedjax.engine.beam_search import BeamSearchParams, beam_search
+from pagedjax.engine.spec_decode.config import SpeculativeConfig
 from pagedjax.engine.warmup import warmup_shapes
-from pagedjax.engine.speculative import SpeculativeConfig
-from pagedjax.text.tokenizer import ByteTokenizer
+from pagedjax.models import get_config, init_model
 from pagedjax.scheduler import Request, Scheduler, SchedulerConfig
+from pagedjax.text.tokenizer import ByteTokenizer
 
 NGRAM = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
 
@@ -327,7 +327,7 @@ def test_the_mask_at_each_draft_position_is_plain_decodings_there(byte_model):
 def test_penalties_count_the_drafts_before_each_position():
     """expand_rows: the row verifying draft j sees the request's tokens and its first j drafts
     (what plain decoding's penalties count there), at the position of the token it samples."""
-    from pagedjax.engine import rejection_sampler
+    from pagedjax.engine.spec_decode import rejection_sampler
     from pagedjax.scheduler import SAMPLING_FIELDS
     from pagedjax.scheduler.plan import penalty_tokens
     tokens, prompt_lens = penalty_tokens(

@@ -10,10 +10,10 @@ import re
 
 import jsonschema
 import pytest
-
 from helpers import run_requests as run
-from pagedjax.models import get_config, init_model
+
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
+from pagedjax.models import get_config, init_model
 from pagedjax.text.tokenizer import ByteTokenizer
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 from helpers import make_request, until_done
-from pagedjax.models.training.generate import dense_greedy_generate
-from pagedjax.scheduler import RequestStatus, Scheduler, SchedulerConfig
 
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
+from pagedjax.models.training.generate import dense_greedy_generate
+from pagedjax.scheduler import RequestStatus, Scheduler, SchedulerConfig
 
 PROMPT_LENS = [3, 17, 1, 40, 9, 25, 30, 2]
 MAX_TOKENS = 12

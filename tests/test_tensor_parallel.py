@@ -45,13 +45,10 @@ DP_RUNS = {
 def child() -> None:
     import jax
     import numpy as np
-    from pagedjax.models import get_config, init_model
 
     from pagedjax import LLM, SamplingParams
-    from pagedjax.parallel.sharding import (
-        kv_bytes_per_block_per_device,
-        weight_bytes_per_device,
-    )
+    from pagedjax.models import get_config, init_model
+    from pagedjax.parallel.sharding import kv_bytes_per_block_per_device, weight_bytes_per_device
 
     model = init_model(get_config("debug-tiny"), seed=0)
     rng = np.random.default_rng(0)
@@ -164,9 +161,9 @@ def quantized_runs(prompts, params) -> dict:
     bytes against `pagedjax capacity`'s formula. debug-tiny with a 256-wide MLP: int4's down
     projection has 2 groups of 128 rows (split with the rows under TP 2; TP 4 refused)."""
     import jax
-    from pagedjax.models import get_config, init_model
 
     from pagedjax import LLM
+    from pagedjax.models import get_config, init_model
     from pagedjax.parallel.sharding import weight_bytes_per_device
 
     config = dataclasses.replace(get_config("debug-tiny"), intermediate_size=256)
@@ -213,16 +210,13 @@ def placed_loading(model) -> dict:
 
     import jax
     import numpy as np
-    import pagedjax.models.loading.placed_weights as placed
-    from pagedjax.models.loading.checkpoint import load_checkpoint, save_checkpoint
-    from pagedjax.models.loading.hf import load_hf_model
     from test_models_hf import build_hf
 
+    import pagedjax.models.loading.placed_weights as placed
     from pagedjax import LLM, SamplingParams
-    from pagedjax.parallel.sharding import (
-        kv_bytes_per_block_per_device,
-        weight_bytes_per_device,
-    )
+    from pagedjax.models.loading.checkpoint import load_checkpoint, save_checkpoint
+    from pagedjax.models.loading.hf import load_hf_model
+    from pagedjax.parallel.sharding import kv_bytes_per_block_per_device, weight_bytes_per_device
 
     read = placed.file_slice
     elements_read = [0]
@@ -278,13 +272,9 @@ def kernels_under_shard_map() -> dict:
 
     import jax.numpy as jnp
     import numpy as np
-    from pagedjax.pallas_kernels import (
-        AttentionBackend,
-        AttentionMetadata,
-        paged_attention,
-    )
     from test_kernels_reference import build_case
 
+    from pagedjax.pallas_kernels import AttentionBackend, AttentionMetadata, paged_attention
     from pagedjax.parallel.sharding import make_mesh
 
     errors = {}
@@ -318,7 +308,7 @@ def served_metrics(model, prompts) -> dict:
     import httpx
 
     from pagedjax.engine.config import EngineConfig
-    from pagedjax.parallel.data_parallel import make_engine
+    from pagedjax.frontend.data_parallel import make_engine
     from pagedjax.serving.app import build_app
     from pagedjax.serving.background import BackgroundServer
 

@@ -16,8 +16,8 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from pagedjax.models import get_config, init_model
 from pagedjax import LLM
+from pagedjax.models import get_config, init_model
 from pagedjax.serving.app import OpenAIServer
 from pagedjax.serving.background import BackgroundServer
 from pagedjax.text.tokenizer import read_chat_template

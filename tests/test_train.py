@@ -6,27 +6,13 @@ import re
 import jax
 import numpy as np
 import pytest
+
 from pagedjax.models.config import LlamaConfig
 from pagedjax.models.loading.checkpoint import load_checkpoint, read_checkpoint_config
-from pagedjax.models.training.tasks import (
-    BOS_ID,
-    EOS_ID,
-    TASKS,
-    VOCAB_SIZE,
-    Example,
-    decode_answer,
-    encode_example,
-    make_examples,
-    score,
-)
-from pagedjax.models.training.train import (
-    evaluate,
-    make_batch,
-    pad_batch,
-    recall_row_len,
-    recall_rows,
-    train,
-)
+from pagedjax.models.training.tasks import (BOS_ID, EOS_ID, TASKS, VOCAB_SIZE, Example,
+                                            decode_answer, encode_example, make_examples, score)
+from pagedjax.models.training.train import (evaluate, make_batch, pad_batch, recall_row_len,
+                                            recall_rows, train)
 
 CHECKPOINT = os.path.join(os.path.dirname(__file__), "..", "models", "checkpoints",
                           "pagedjax-tiny")

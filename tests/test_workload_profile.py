@@ -10,15 +10,15 @@ import json
 import httpx
 import numpy as np
 import pytest
-
 from helpers import RAG_TEMPLATE
+from test_server import ENGINE
+
 from pagedjax import LLM
+from pagedjax.scheduler.trace import TraceRequest, load_trace
+from pagedjax.scheduler.workload import workload_profile
 from pagedjax.serving.app import OpenAIServer
 from pagedjax.serving.background import BackgroundServer
 from pagedjax.tools.cli import main as cli_main
-from pagedjax.scheduler.trace import TraceRequest, load_trace
-from pagedjax.scheduler.workload import workload_profile
-from test_server import ENGINE
 
 
 def test_profile_of_a_synthetic_trace():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 from flax import nnx
+
 from pagedjax.models.config import LlamaConfig
 from pagedjax.models.families.hf_fields import refuse, rope_from_params, rope_params
 from pagedjax.models.families.llama import DecoderLayer, LlamaForCausalLM

@@ -16,17 +16,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
 from pagedjax.models.config import LlamaConfig
 from pagedjax.models.families.hf_fields import refuse, rope_from_params, rope_params
 from pagedjax.models.layers.attention import Attention, soft_cap
-from pagedjax.models.layers.basic import (  # noqa: F401
-    MLP,
-    RMSNorm,
-    linear,
-    rms_norm,
-    rope,
-    rope_inv_freq,
-)
+from pagedjax.models.layers.basic import (MLP, RMSNorm, linear, rms_norm, rope,  # noqa: F401
+                                          rope_inv_freq)
 from pagedjax.models.layers.moe import SparseMoE
 from pagedjax.pallas_kernels import AttentionBackend, AttentionMetadata, for_layer
 

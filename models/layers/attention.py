@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
 from pagedjax.models.config import LlamaConfig
 from pagedjax.models.layers.basic import linear, rms_norm, rope
 from pagedjax.pallas_kernels import AttentionBackend, AttentionMetadata, paged_attention

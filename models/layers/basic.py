@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
 from pagedjax.models.config import LlamaConfig, RopeScaling
 
 # config.json hidden_act -> the function (gelu_pytorch_tanh: GELU's tanh approximation, Gemma's)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
 from pagedjax.models.config import LlamaConfig
 from pagedjax.models.layers.basic import ACTIVATIONS, MLP, linear
 from pagedjax.models.layers.moe_experts import dropless_experts, sharded_experts

@@ -30,6 +30,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+
 from pagedjax.models.quantization.schemes import QArray
 from pagedjax.pallas_kernels.dispatch import TP_AXIS  # the mesh's model axis
 

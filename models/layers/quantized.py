@@ -19,16 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
 from pagedjax.models.layers.moe import Experts
-from pagedjax.models.quantization.schemes import (
-    QArray,
-    check_scheme,
-    matmul,
-    num_groups,
-    quantize,
-    storage_dtype,
-    stored_rows,
-)
+from pagedjax.models.quantization.schemes import (QArray, check_scheme, matmul, num_groups,
+                                                  quantize, storage_dtype, stored_rows)
 
 # The linear layers quantize_model swaps (by attribute name); the LM head is an option.
 QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
 from pagedjax.models.config import LlamaConfig
 from pagedjax.models.families.llama import LlamaForCausalLM
 

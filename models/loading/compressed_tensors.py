@@ -123,11 +123,7 @@ def quantized_abstract(abstract, scheme: CompressedScheme):
     engine quantizes, and the LM head, unless ignored) as QuantizedLinear; ValueError when an
     ignore entry splits a weight's layers (stacked layers share one form) or the model has
     experts (their stored form is not read)."""
-    from pagedjax.models.layers.quantized import (
-        QUANTIZED_LINEARS,
-        Spec,
-        with_quantized_modules,
-    )
+    from pagedjax.models.layers.quantized import QUANTIZED_LINEARS, Spec, with_quantized_modules
 
     config = abstract.config
     if config.num_experts:

@@ -24,14 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
 from pagedjax.models.config import LlamaConfig
 from pagedjax.models.families.llama import LlamaForCausalLM
-from pagedjax.models.loading.hf_config import (  # noqa: F401
-    UnsupportedModelError,
-    architecture_of,
-    config_from_hf,
-    supported_summary,
-)
+from pagedjax.models.loading.hf_config import (UnsupportedModelError, architecture_of,  # noqa: F401
+                                               config_from_hf, supported_summary)
 from pagedjax.models.loading.names import EXPERT, expert_names, hf_weight_name
 from pagedjax.models.registry import hf_renames, model_class
 

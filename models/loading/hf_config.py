@@ -8,13 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 from pagedjax.models.config import ROPE_TYPES, LlamaConfig
-from pagedjax.models.families.hf_fields import (  # noqa: F401
-    UnsupportedModelError,
-    architecture_of,
-    rope_from_params,
-    rope_params,
-)
-from pagedjax.models.families.hf_fields import refuse as family_refusal
+from pagedjax.models.families.hf_fields import (UnsupportedModelError,  # noqa: F401
+                                                architecture_of, refuse as family_refusal,
+                                                rope_from_params, rope_params)
 from pagedjax.models.registry import ARCHITECTURES
 
 # Why some well-known architectures are refused (others get the generic reason).

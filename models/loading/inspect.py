@@ -11,24 +11,13 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
 from pagedjax.models.config import LlamaConfig
 from pagedjax.models.layers.quantized import quantize_model
 from pagedjax.models.loading.compressed_tensors import quantized_abstract
-from pagedjax.models.loading.gguf import (
-    _reader,
-    checked_gguf,
-    config_from_gguf,
-    is_gguf,
-    metadata,
-)
-from pagedjax.models.loading.hf import (
-    UnsupportedModelError,
-    architecture_of,
-    checkpoint_dtype,
-    compressed_scheme,
-    read_hf_config,
-    read_json,
-)
+from pagedjax.models.loading.gguf import _reader, checked_gguf, config_from_gguf, is_gguf, metadata
+from pagedjax.models.loading.hf import (UnsupportedModelError, architecture_of, checkpoint_dtype,
+                                        compressed_scheme, read_hf_config, read_json)
 from pagedjax.models.loading.quantized_loading import weight_report
 from pagedjax.models.registry import model_class
 
@@ -96,6 +85,7 @@ def config_report(config: LlamaConfig, kv_dtype: str, block_size: int,
                   attention_backend: str) -> dict[str, Any]:
     """The served shape of a supported config: heads, RoPE, parameters, KV bytes."""
     import ml_dtypes
+
     from pagedjax.pallas_kernels import kv_cache_bytes_per_block
     dtypes = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "int8": np.int8,
               "fp8": ml_dtypes.float8_e4m3fn}

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
 from pagedjax.models.config import LlamaConfig
 from pagedjax.models.families.llama import LlamaForCausalLM
 from pagedjax.models.loading.lazy_model import LazyModel
@@ -98,8 +99,9 @@ def lazy_hf_model(model_dir: str, dtype: str = "float32") -> LazyModel:
 
     @contextlib.contextmanager
     def opened():
-        from pagedjax.models.loading import compressed_tensors
         from safetensors import safe_open
+
+        from pagedjax.models.loading import compressed_tensors
 
         with contextlib.ExitStack() as stack:
             handles = {}
@@ -131,12 +133,8 @@ def lazy_from_tensors(abstract: LlamaForCausalLM, opened, np_dtype, source: str)
         model's own (a GGUF file's blocks)."""
         from pagedjax.models.layers.quantized import QuantizedWeight
         from pagedjax.models.loading.names import hf_weight_name
-        from pagedjax.models.loading.quantized_loading import (
-            QUANTIZED_PARTS,
-            QuantizedReader,
-            columns_of,
-            quantized_modules,
-        )
+        from pagedjax.models.loading.quantized_loading import (QUANTIZED_PARTS, QuantizedReader,
+                                                               columns_of, quantized_modules)
         from pagedjax.models.registry import hf_renames
 
         renames = hf_renames(config)

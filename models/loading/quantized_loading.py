@@ -16,13 +16,9 @@ import functools
 
 import numpy as np
 from flax import nnx
-from pagedjax.models.layers.quantized import (
-    QuantizedEmbed,
-    QuantizedLinear,
-    QuantizedWeight,
-    module_key,
-    quantize_model,
-)
+
+from pagedjax.models.layers.quantized import (QuantizedEmbed, QuantizedLinear, QuantizedWeight,
+                                              module_key, quantize_model)
 from pagedjax.models.loading.lazy_model import LazyModel
 
 QUANTIZED_PARTS = ("kernel", "scale", "zero")

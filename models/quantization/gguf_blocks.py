@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+
 from pagedjax.models.quantization.schemes import pack_int4
 
 QK_K = 256

@@ -15,6 +15,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from pagedjax.models.training.generate import _dense_logits, dense_greedy_generate
 
 # The fixed prompts and text a real model's report uses (benchmarks/quantization.py, the tests).

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
 from pagedjax.models.families.llama import LlamaForCausalLM
 
 

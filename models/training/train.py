@@ -29,25 +29,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+
 from pagedjax.models.config import LlamaConfig
 from pagedjax.models.families.llama import LlamaForCausalLM
 from pagedjax.models.loading.checkpoint import save_checkpoint
 from pagedjax.models.registry import init_model
 from pagedjax.models.training.generate import dense_greedy_generate
-from pagedjax.models.training.tasks import (
-    BOS_ID,
-    EOS_ID,
-    MIN_PAIRS,
-    TASKS,
-    VOCAB_SIZE,
-    Example,
-    decode_answer,
-    encode_example,
-    make_examples,
-    recall_pairs,
-    sample_example,
-    score,
-)
+from pagedjax.models.training.tasks import (BOS_ID, EOS_ID, MIN_PAIRS, TASKS, VOCAB_SIZE, Example,
+                                            decode_answer, encode_example, make_examples,
+                                            recall_pairs, sample_example, score)
 
 TINY_CONFIG = LlamaConfig(
     vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=512, num_layers=4, num_heads=4,

@@ -30,20 +30,15 @@ every replica's), so the replicas' devices and the host overlap as well.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pagedjax.engine.step_recovery import is_device_oom
 from pagedjax.scheduler.async_steps import advance_ahead, drop_placeholders
-
-if TYPE_CHECKING:
-    from pagedjax.engine.llm_engine import LLMEngine
 
 
 class AsyncScheduling:
     """An LLMEngine's step() under async scheduling: at most one step in flight between two
     calls, dispatched ahead of the results of the step before it."""
 
-    def __init__(self, engine: "LLMEngine"):
+    def __init__(self, engine):
         self.engine = engine
         self.in_flight = None  # the engine's _Started step dispatched ahead, not yet finished
 

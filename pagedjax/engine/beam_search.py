@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from pagedjax.engine.admission import PromptSpec, check_prompt_token_ids, check_specs
+from pagedjax.engine.request_checks import PromptSpec, check_prompt_token_ids, check_specs
 from pagedjax.scheduler import RequestError, SamplingParams
 from pagedjax.scheduler.errors import check_bool, check_float, check_int
 from pagedjax.scheduler.request import INT32_MAX

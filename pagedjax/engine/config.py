@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from pagedjax.engine.speculative import SpeculativeConfig
+from pagedjax.engine.spec_decode.config import SpeculativeConfig
 from pagedjax.models.quantization.schemes import SCHEMES
 from pagedjax.pallas_kernels import BACKEND_NAMES, check_backend
 from pagedjax.scheduler import SchedulerConfig, ShapeBuckets, cdiv
@@ -40,7 +40,7 @@ class EngineConfig:
     victim_policy: str = "lifo"
     preemption_mode: str = "recompute"  # or "swap": preempted KV goes to a host pool
     swap_space_bytes: int = 0  # host pool for swap; 0 with swap falls back to recompute
-    # The tiered prefix cache (pagedjax.engine.kv_tiers): blocks the device prefix cache evicts
+    # The tiered prefix cache (pagedjax.kv_offload.tiers): blocks the device prefix cache evicts
     # are kept in a host pool of kv_offload_bytes (LRU; --kv-offload-gib), and those it evicts
     # in turn in files under kv_disk_dir up to kv_disk_bytes (--kv-disk-dir, --kv-disk-gib); a
     # prefix lookup walks device, host, disk. 0 / None: no such tier.
@@ -88,11 +88,11 @@ class EngineConfig:
     # instead of every expert's MLP split TP ways; attention stays tensor parallel.
     enable_expert_parallel: bool = False
     # Replicas of the model on disjoint groups of tensor_parallel_size devices, each with its
-    # own KV pool and scheduler, behind one engine (pagedjax.parallel.data_parallel): requests placed by
+    # own KV pool and scheduler, behind one engine (pagedjax.frontend.data_parallel): requests placed by
     # the router's prefix-affinity rule. The pool size (num_blocks, kv_cache_memory_bytes) is
     # each replica's.
     data_parallel_size: int = 1
-    # Speculative decoding (pagedjax.engine.speculative): vLLM's speculative_config, as a
+    # Speculative decoding (pagedjax.engine.spec_decode.speculator): vLLM's speculative_config, as a
     # SpeculativeConfig, a dict of its fields or their JSON; None: none.
     speculative_config: SpeculativeConfig | dict | str | None = None
     # vLLM's --async-scheduling (pagedjax.engine.async_scheduling): the host schedules and

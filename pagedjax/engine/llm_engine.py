@@ -11,44 +11,30 @@ import jax
 import numpy as np
 
 from pagedjax.engine import memory_budget, prompt_logprobs
-from pagedjax.engine.admission import Admission, PromptSpec, check_specs
 from pagedjax.engine.async_scheduling import AsyncScheduling
 from pagedjax.engine.compile_cache import enable_compilation_cache
 from pagedjax.engine.config import EngineConfig
-from pagedjax.engine.draft_model import DraftModelProposer
-from pagedjax.engine.kv_snapshot import (
-    KVSnapshot,
-    UsageSample,
-    kv_snapshot,
-    tokens_stored,
-)
-from pagedjax.engine.kv_tiers import cached_prefix_blocks, make_kv_tiers
+from pagedjax.engine.kv_snapshot import KVSnapshot, UsageSample, kv_snapshot, tokens_stored
 from pagedjax.engine.output_processor import TextState
 from pagedjax.engine.outputs import RequestOutput
+from pagedjax.engine.request_checks import Admission, PromptSpec, check_specs
 from pagedjax.engine.runner import ModelRunner
-from pagedjax.engine.speculative import Speculator
+from pagedjax.engine.spec_decode.draft_model import DraftModelProposer
+from pagedjax.engine.spec_decode.speculator import Speculator
 from pagedjax.engine.stats import EngineStats, ReplicaLoad
 from pagedjax.engine.step_recovery import StepRecovery, describe
 from pagedjax.engine.token_masks import TokenMasks, step_rows
 from pagedjax.engine.warmup import BackgroundWarmup, warm
+from pagedjax.kv_offload.tiers import cached_prefix_blocks, make_kv_tiers
 from pagedjax.models import LlamaForCausalLM
 from pagedjax.models.layers.kv_groups import kv_cache_groups
-from pagedjax.models.loading.quantized_loading import (
-    for_serving as quantized_for_serving,
-)
+from pagedjax.models.loading.quantized_loading import for_serving as quantized_for_serving
 from pagedjax.pallas_kernels import check_num_slots, kv_cache_bytes_per_block
 from pagedjax.parallel import multihost
 from pagedjax.parallel.placement import place
 from pagedjax.parallel.sharding import kv_head_repeats
-from pagedjax.scheduler import (
-    DECODE,
-    Request,
-    RequestStatus,
-    SamplingParams,
-    Scheduler,
-    build_plan,
-    make_samples,
-)
+from pagedjax.scheduler import (DECODE, Request, RequestStatus, SamplingParams, Scheduler,
+                                build_plan, make_samples)
 from pagedjax.scheduler.kv_cache_groups import blocks_for
 
 
@@ -98,7 +84,7 @@ class LLMEngine(StepRecovery):
         self.clock = clock
         if config.data_parallel_size > 1:
             raise ValueError(f"data_parallel_size ({config.data_parallel_size}) needs "
-                             f"pagedjax.parallel.data_parallel.make_engine (one LLMEngine a replica)")
+                             f"pagedjax.frontend.data_parallel.make_engine (one LLMEngine a replica)")
         tp = config.tensor_parallel_size
         self.devices, self.multihost, self.backend = place(model_config, config, devices)
         if config.async_scheduling and self.multihost:

@@ -70,7 +70,8 @@ def _program_bytes(compiled) -> int:
 def activation_bytes(runner, buckets) -> int:
     """The largest prefill and decode programs' bytes, the larger one, plus the sampler's at the
     most sequences (compiled, not run)."""
-    from pagedjax.engine.runner import _forward, forward_inputs, padding_plan
+    from pagedjax.engine.runner import _forward, forward_inputs
+    from pagedjax.scheduler.plan import padding_plan
 
     shapes = [(PREFILL, *max(buckets.prefill_shapes()), True)]
     if buckets.decode_programs:

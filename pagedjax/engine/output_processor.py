@@ -3,8 +3,8 @@ first stop string, with the tail that could still become one held back."""
 
 from __future__ import annotations
 
-from pagedjax.text.tokenizer import IncrementalDetokenizer, StopStringMatcher
 from pagedjax.scheduler import Request
+from pagedjax.text.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
 class TextState:

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pagedjax.models import paged_forward
 from pagedjax.scheduler.request import Logprob

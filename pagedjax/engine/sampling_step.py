@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from pagedjax.engine import rejection_sampler
 from pagedjax.engine.sampler import sample
+from pagedjax.engine.spec_decode import rejection_sampler
 from pagedjax.scheduler import SAMPLING_FIELDS, BatchPlan
 
 _programs: dict[tuple, jax.stages.Compiled] = {}

@@ -25,7 +25,7 @@ class EngineStats:
     num_prefix_query_tokens: int = 0  # prompt tokens looked up at first admission
     num_prefix_hit_tokens: int = 0  # of those, found in the prefix cache (any tier)
     num_prefix_host_hit_tokens: int = 0  # of the hits, loaded from the host tier
-    # The tiers under the device cache (pagedjax.engine.kv_tiers.KVTiers.counters): tier name
+    # The tiers under the device cache (pagedjax.kv_offload.tiers.KVTiers.counters): tier name
     # -> its running totals; empty without tiers.
     kv_tiers: dict = dataclasses.field(default_factory=dict)
     num_evictions: int = 0  # cached blocks reused for other content

@@ -12,7 +12,7 @@ process loads them instead (ModelRunner.program).
 
 An engine that moves whole blocks (swap preemption, the tiered prefix cache) also gets its block
 copies compiled: a gather and a scatter a power-of-two count of blocks, up to its pool's
-(pagedjax.engine.block_transfers).
+(pagedjax.kv_offload.block_transfers).
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ import time
 from tqdm.auto import tqdm
 
 from pagedjax.engine import grammar
-from pagedjax.engine.runner import ModelRunner, padding_plan
+from pagedjax.engine.runner import ModelRunner
 from pagedjax.scheduler import DECODE, PREFILL
+from pagedjax.scheduler.plan import padding_plan
 
 
 def warmup_shapes(buckets, variants: bool = False) -> list[tuple[str, int, int, int, bool]]:

@@ -201,7 +201,7 @@ class LeaderChannel:
 def follow(runner) -> int:
     """A follower's loop: runs every program the leader broadcasts, on this process's shards,
     until the leader stops (then leaves jax.distributed with it); returns the steps run."""
-    from pagedjax.engine.runner import padding_plan
+    from pagedjax.scheduler.plan import padding_plan
 
     steps = 0
     while True:

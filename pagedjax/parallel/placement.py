@@ -8,9 +8,9 @@ from typing import Sequence
 
 import jax
 
+from pagedjax.pallas_kernels import AttentionBackend, check_backend, resolve_backend
 from pagedjax.parallel import multihost
 from pagedjax.parallel.sharding import check_tensor_parallel, make_mesh
-from pagedjax.pallas_kernels import AttentionBackend, check_backend, resolve_backend
 
 
 def check_expert_parallel(model_config, config) -> None:

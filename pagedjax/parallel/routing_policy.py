@@ -1,7 +1,7 @@
 """Prefix-affinity placement, pure bookkeeping (no I/O): which of several instances a request
 should go to, so that it lands where its prompt's prefix is most likely cached. The router
 (pagedjax.serving.router) places requests on server instances with it, the data-parallel engine
-(pagedjax.parallel.data_parallel) on its replicas.
+(pagedjax.frontend.data_parallel) on its replicas.
 
 Nobody outside an instance sees its block hashes, so the policy keeps its own approximate
 picture, as SGLang's cache-aware router does: for each instance, the chained hashes of the

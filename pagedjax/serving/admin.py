@@ -13,16 +13,12 @@ key alone opens these routes: with an `--api-key` too, they do not take it (nor 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import fastapi
 
-from pagedjax.serving.http_common import (error_response, get_route, key_matches,
-                                          parse_json_object)
+from pagedjax.serving.http_common import error_response, get_route, key_matches, parse_json_object
+from pagedjax.serving.server_state import ServerState
 from pagedjax.serving.serving_config import NeedsNewInstance, ServingConfig
-
-if TYPE_CHECKING:
-    from pagedjax.serving.app import OpenAIServer
 
 logger = logging.getLogger("pagedjax.admin")
 
@@ -30,7 +26,7 @@ CONFIG_PATH, ROLLBACK_PATH = "/admin/config", "/admin/config/rollback"
 PATHS = (CONFIG_PATH, ROLLBACK_PATH)
 
 
-def admin_routes(server: OpenAIServer, app: fastapi.FastAPI) -> None:
+def admin_routes(server: ServerState, app: fastapi.FastAPI) -> None:
     def admin(handler):
         async def guarded(request: fastapi.Request):
             if not key_matches(request.headers.get("authorization"), server.admin_key):

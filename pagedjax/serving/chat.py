@@ -8,22 +8,19 @@ import dataclasses
 import json
 import secrets
 import time
-from typing import TYPE_CHECKING
 
 import fastapi
 
 from pagedjax.engine.outputs import CompletionOutput, RequestOutput
-from pagedjax.serving.async_engine import PromptSpec, RequestGroup
-from pagedjax.serving.http_common import APIError, parse_body
-from pagedjax.serving.protocol import ChatCompletionRequest, prompt_logprobs_json, usage_json
-from pagedjax.serving.streaming import DONE, DeltaTracker, guard, sse
+from pagedjax.frontend.async_engine import PromptSpec, RequestGroup
 from pagedjax.serving import tool_calls
 from pagedjax.serving.chat_replies import ReplyReader
+from pagedjax.serving.http_common import APIError, parse_body
+from pagedjax.serving.protocol import ChatCompletionRequest, prompt_logprobs_json, usage_json
+from pagedjax.serving.server_state import ServerState
+from pagedjax.serving.streaming import DONE, DeltaTracker, guard, sse
 from pagedjax.serving.tool_calls import ToolRequest
 from pagedjax.text.tokenizer import NO_CHAT_TEMPLATE
-
-if TYPE_CHECKING:
-    from pagedjax.serving.app import OpenAIServer
 
 
 def _message(i: int, message) -> dict:
@@ -69,7 +66,7 @@ def _continued(text: str, final: str) -> str:
     return text[:at + len(final.strip())]
 
 
-def render_prompt(server: OpenAIServer, body: ChatCompletionRequest,
+def render_prompt(server: ServerState, body: ChatCompletionRequest,
                   tools: ToolRequest | None = None) -> list[int]:
     """The conversation's token ids through the server's chat template (400 without one)."""
     tokenizer = server.tokenizer
@@ -102,7 +99,7 @@ def render_prompt(server: OpenAIServer, body: ChatCompletionRequest,
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def logprobs_of(server: OpenAIServer, choice: CompletionOutput, start: int, top_n: int) -> dict:
+def logprobs_of(server: ServerState, choice: CompletionOutput, start: int, top_n: int) -> dict:
     """OpenAI's chat logprobs: per token its logprob, bytes and top_n alternatives."""
     content = []
     for token_id, top in zip(choice.token_ids[start:], (choice.logprobs or [])[start:]):
@@ -115,7 +112,7 @@ def logprobs_of(server: OpenAIServer, choice: CompletionOutput, start: int, top_
     return {"content": content}
 
 
-def _max_tokens(server: OpenAIServer, body: ChatCompletionRequest,
+def _max_tokens(server: ServerState, body: ChatCompletionRequest,
                 num_prompt: int) -> tuple[int, int | None]:
     """(max_tokens, the cap that cut it or None): max_completion_tokens, else max_tokens, else
     the server's default (at most what the context leaves)."""
@@ -139,12 +136,12 @@ class ChatRun:
     capped: int | None  # the max_tokens cap that cut the request's, or None
 
 
-async def start(server: OpenAIServer, body: ChatCompletionRequest, request: fastapi.Request,
+async def start(server: ServerState, body: ChatCompletionRequest, request: fastapi.Request,
                 request_id: str, params_of: dict[str, str]) -> ChatRun:
     """Renders, checks and queues a chat request (APIError naming the field otherwise)."""
     server.check_model(body)
     tools = tool_calls.tool_request(body, server.tool_parser)
-    ids = await asyncio.to_thread(server.chat_prompt, body, tools)
+    ids = await asyncio.to_thread(render_prompt, server, body, tools)
     max_tokens, capped = _max_tokens(server, body, len(ids))
     schema = None if tools is None else tools.schema()
     constraint = None if schema is None else (
@@ -159,7 +156,7 @@ async def start(server: OpenAIServer, body: ChatCompletionRequest, request: fast
     return ChatRun(request_id, group, reader, len(ids), capped)
 
 
-async def chat_completions(server: OpenAIServer, request: fastapi.Request):
+async def chat_completions(server: ServerState, request: fastapi.Request):
     body = parse_body(await request.body(), ChatCompletionRequest)
     top_n = body.top_logprobs or 0
     params_of = {"prompt_token_ids": "messages", "prompts": "messages",
@@ -201,7 +198,7 @@ async def chat_completions(server: OpenAIServer, request: fastapi.Request):
     return server.stream(guard(events), capped)
 
 
-async def _events(server: OpenAIServer, body: ChatCompletionRequest, group, chunk: dict, extra,
+async def _events(server: ServerState, body: ChatCompletionRequest, group, chunk: dict, extra,
                   reader: ReplyReader, num_prompt: int):
     options = body.stream_options
     continuous = options is not None and options.continuous_usage_stats

@@ -5,24 +5,21 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import TYPE_CHECKING
 
 import fastapi
 
 from pagedjax.engine.outputs import CompletionOutput, RequestOutput
-from pagedjax.serving.async_engine import PromptSpec
+from pagedjax.frontend.async_engine import PromptSpec
 from pagedjax.serving.http_common import APIError, parse_body
 from pagedjax.serving.protocol import (CompletionRequest, prompt_logprobs_json, split_prompts,
                                        usage_json)
+from pagedjax.serving.server_state import ServerState
 from pagedjax.serving.streaming import DONE, DeltaTracker, guard, sse
-
-if TYPE_CHECKING:
-    from pagedjax.serving.app import OpenAIServer
 
 PARAMS_OF = {"prompt_token_ids": "prompt", "prompts": "prompt"}  # engine field -> body field
 
 
-def logprobs_of(server: OpenAIServer, token_ids, entries, offset: int,
+def logprobs_of(server: ServerState, token_ids, entries, offset: int,
                 num_top: int | None = None) -> dict:
     """OpenAI's completion logprobs (tokens, token_logprobs, top_logprobs, text_offset) of
     token_ids, entries their engine logprobs (None for an echoed prompt's first token); num_top
@@ -48,7 +45,7 @@ def _joined(first: dict, second: dict) -> dict:
 class _Choices:
     """Builds the choice dicts of one completion request (its prompts, their echo, n)."""
 
-    def __init__(self, server: OpenAIServer, body: CompletionRequest, specs, echo: list[str]):
+    def __init__(self, server: ServerState, body: CompletionRequest, specs, echo: list[str]):
         self.server, self.body, self.echo = server, body, echo
         self.index_of = {spec.request_id: i for i, spec in enumerate(specs)}
 
@@ -93,7 +90,7 @@ class _Choices:
         return choices
 
 
-async def completions(server: OpenAIServer, request: fastapi.Request):
+async def completions(server: ServerState, request: fastapi.Request):
     body = parse_body(await request.body(), CompletionRequest)
     server.check_model(body)
     try:
@@ -127,7 +124,7 @@ async def completions(server: OpenAIServer, request: fastapi.Request):
     return server.stream(guard(_events(server, body, group, choices, base, num_prompt)), capped)
 
 
-async def _events(server: OpenAIServer, body: CompletionRequest, group, choices: _Choices,
+async def _events(server: ServerState, body: CompletionRequest, group, choices: _Choices,
                   base: dict, num_prompt: int):
     # Without a tokenizer there is no text: every token is news.
     tracker = DeltaTracker(body.logprobs is not None or body.return_token_ids

@@ -17,7 +17,7 @@ from __future__ import annotations
 import prometheus_client as prom
 
 from pagedjax.engine.stats import EngineStats
-from pagedjax.serving.engine_driver import StepInfo
+from pagedjax.frontend.engine_driver import StepInfo
 from pagedjax.serving.tier_metrics import TierMetrics
 
 # The `_created` timestamp series double every counter and histogram; vLLM turns them off too

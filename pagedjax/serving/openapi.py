@@ -12,9 +12,8 @@ import fastapi
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict
 
-from pagedjax.serving.protocol import (ChatCompletionRequest, CompletionRequest,
-                                       DetokenizeRequest, TokenizeChatRequest,
-                                       TokenizeCompletionRequest)
+from pagedjax.serving.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                       TokenizeChatRequest, TokenizeCompletionRequest)
 from pagedjax.serving.responses_input import ResponsesRequest
 
 

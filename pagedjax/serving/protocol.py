@@ -3,7 +3,7 @@
 Bodies are parsed strictly (no string-to-number coercion, no booleans for integers) and unknown
 fields are refused by name: a field a client sends is served or refused, never dropped. Limits
 that depend on the engine (n against max_num_seqs, top_k against the vocabulary, ...) are the
-engine's admission path's (pagedjax.engine.admission); these models check only the shape.
+engine's admission path's (pagedjax.engine.request_checks); these models check only the shape.
 """
 
 from __future__ import annotations

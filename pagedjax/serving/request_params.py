@@ -7,11 +7,11 @@ from typing import Any
 
 import fastapi
 
+from pagedjax.scheduler import RequestError, SamplingParams
+from pagedjax.scheduler.structured_outputs import KINDS
 from pagedjax.serving.http_common import APIError
 from pagedjax.serving.protocol import _SamplingFields
 from pagedjax.serving.structured import structured_outputs
-from pagedjax.scheduler import RequestError, SamplingParams
-from pagedjax.scheduler.structured_outputs import KINDS
 
 STRUCTURED_FIELDS = ("structured_outputs", *(f"structured_outputs.{kind}" for kind in KINDS))
 

@@ -15,17 +15,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import fastapi
 
+from pagedjax.frontend.async_engine import EngineDeadError, RequestFailedError
 from pagedjax.serving import chat, responses_output as output
-from pagedjax.serving.async_engine import EngineDeadError, RequestFailedError
 from pagedjax.serving.http_common import APIError, get_route, parse_body
 from pagedjax.serving.responses_input import PARAM_NAMES, ResponsesRequest, chat_request
-
-if TYPE_CHECKING:
-    from pagedjax.serving.app import OpenAIServer
+from pagedjax.serving.server_state import ServerState
 
 logger = logging.getLogger("pagedjax.responses")
 PARAMS_OF = {"prompt_token_ids": "input", "prompts": "input", "max_tokens": "max_output_tokens"}
@@ -44,7 +41,7 @@ def _renamed(error: APIError) -> APIError:
 class _Run:
     """One Responses request on its way: the body, its chat run, what the response says."""
 
-    def __init__(self, server: OpenAIServer, body: ResponsesRequest, response_id: str,
+    def __init__(self, server: ServerState, body: ResponsesRequest, response_id: str,
                  keep: bool):
         self.server, self.body, self.id, self.keep = server, body, response_id, keep
         self.created = int(time.time())
@@ -92,7 +89,7 @@ class _Run:
         return response
 
 
-async def create(server: OpenAIServer, request: fastapi.Request):
+async def create(server: ServerState, request: fastapi.Request):
     body = parse_body(await request.body(), ResponsesRequest)
     server.check_model_name(body.model)
     store = server.responses
@@ -185,7 +182,7 @@ def _background(run: _Run):
     return queued
 
 
-def _stored(server: OpenAIServer, response_id: str):
+def _stored(server: ServerState, response_id: str):
     entry = server.responses.get(response_id)
     if entry is None:
         raise APIError(404, "no stored response has that id (never stored, expired or "
@@ -193,11 +190,11 @@ def _stored(server: OpenAIServer, response_id: str):
     return entry
 
 
-async def retrieve(server: OpenAIServer, response_id: str):
+async def retrieve(server: ServerState, response_id: str):
     return _stored(server, response_id).response
 
 
-async def delete(server: OpenAIServer, response_id: str):
+async def delete(server: ServerState, response_id: str):
     _stored(server, response_id)
     task = server.background_responses.get(response_id)
     if task is not None:
@@ -206,7 +203,7 @@ async def delete(server: OpenAIServer, response_id: str):
     return {"id": response_id, "object": "response", "deleted": True}
 
 
-async def cancel(server: OpenAIServer, response_id: str):
+async def cancel(server: ServerState, response_id: str):
     entry = _stored(server, response_id)
     task = server.background_responses.get(response_id)
     if not entry.response.get("background"):
@@ -217,7 +214,7 @@ async def cancel(server: OpenAIServer, response_id: str):
     return _stored(server, response_id).response
 
 
-def responses_routes(server: OpenAIServer, app: fastapi.FastAPI) -> None:
+def responses_routes(server: ServerState, app: fastapi.FastAPI) -> None:
     async def create_route(request: fastapi.Request):
         return await create(server, request)
 

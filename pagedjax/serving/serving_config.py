@@ -30,10 +30,10 @@ import dataclasses
 import json
 import os
 
-from pagedjax.serving.admission_control import AdmissionLimits
-from pagedjax.serving.degradation import DegradationPolicy
+from pagedjax.frontend.admission_control import AdmissionLimits
 from pagedjax.scheduler.errors import check_int
 from pagedjax.scheduler.request import INT32_MAX
+from pagedjax.serving.degradation import DegradationPolicy
 
 SERVER_KEYS = ({f.name for f in dataclasses.fields(AdmissionLimits)}
                | {"max_tokens_cap", "default_max_tokens", "degradation"})

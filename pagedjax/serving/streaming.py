@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from pagedjax.engine.outputs import CompletionOutput
-from pagedjax.serving.async_engine import EngineDeadError, RequestFailedError
+from pagedjax.frontend.async_engine import EngineDeadError, RequestFailedError
 from pagedjax.serving.http_common import error_body
 
 DONE = "data: [DONE]\n\n"

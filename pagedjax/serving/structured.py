@@ -8,8 +8,8 @@ them to the kind another field gives (response_format's schema, a guided_* field
 
 from __future__ import annotations
 
-from pagedjax.serving.http_common import APIError
 from pagedjax.scheduler import RequestError, StructuredOutputs
+from pagedjax.serving.http_common import APIError
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}

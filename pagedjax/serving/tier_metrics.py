@@ -1,4 +1,4 @@
-"""/metrics of the tiered prefix cache (pagedjax.engine.kv_tiers), one series a tier
+"""/metrics of the tiered prefix cache (pagedjax.kv_offload.tiers), one series a tier
 (tier="host" | "disk"): hits, misses, evictions, blocks and bytes moved each way (direction
 "in": into the tier, "out": back up toward the device), transfer time, failures by kind, and the
 bytes used against the capacity. They follow the engine's running totals (EngineStats.kv_tiers)

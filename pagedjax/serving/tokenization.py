@@ -10,19 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import TYPE_CHECKING
 
 import fastapi
 
-from pagedjax.engine.admission import encode_text
+from pagedjax.engine.request_checks import encode_text
+from pagedjax.scheduler import RequestError
 from pagedjax.serving import chat
 from pagedjax.serving.http_common import APIError, parse_body
 from pagedjax.serving.protocol import (DetokenizeRequest, TokenizeChatRequest,
                                        TokenizeCompletionRequest)
-from pagedjax.scheduler import RequestError
-
-if TYPE_CHECKING:
-    from pagedjax.serving.app import OpenAIServer
+from pagedjax.serving.server_state import ServerState
 
 
 def _is_chat(raw: bytes) -> bool:
@@ -33,14 +30,14 @@ def _is_chat(raw: bytes) -> bool:
         return False  # parse_body answers the malformed JSON
 
 
-def _tokenizer(server: OpenAIServer, field: str):
+def _tokenizer(server: ServerState, field: str):
     if server.tokenizer is None:
         raise APIError(400, "this model has no tokenizer: there is nothing to tokenize with "
                        "(send token ids to /v1/completions)", field)
     return server.tokenizer
 
 
-async def tokenize(server: OpenAIServer, request: fastapi.Request):
+async def tokenize(server: ServerState, request: fastapi.Request):
     raw = await request.body()
     if _is_chat(raw):
         body = parse_body(raw, TokenizeChatRequest)
@@ -65,7 +62,7 @@ async def tokenize(server: OpenAIServer, request: fastapi.Request):
             "tokens": ids, "token_strs": token_strs}
 
 
-async def detokenize(server: OpenAIServer, request: fastapi.Request):
+async def detokenize(server: ServerState, request: fastapi.Request):
     body = parse_body(await request.body(), DetokenizeRequest)
     server.check_model_name(body.model)
     tokenizer = _tokenizer(server, "tokens")

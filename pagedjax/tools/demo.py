@@ -19,8 +19,8 @@ import time
 
 import numpy as np
 
-from pagedjax.engine.kv_tiers import tier_rows
-from pagedjax.llm import DEFAULT_MODEL, LLM
+from pagedjax.frontend.llm import DEFAULT_MODEL, LLM
+from pagedjax.kv_offload.tiers import tier_rows
 from pagedjax.models.training.tasks import Example, make_examples
 from pagedjax.scheduler import POLICIES, SamplingParams
 from pagedjax.text.tokenizer import ByteTokenizer

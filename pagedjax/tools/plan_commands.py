@@ -43,10 +43,7 @@ def capacity(args, parser: argparse.ArgumentParser) -> None:
                      "must be positive")
     if args.tensor_parallel_size < 1 or args.data_parallel_size < 1:
         parser.error("--tensor-parallel-size and --data-parallel-size must be >= 1")
-    from pagedjax.parallel.sharding import (
-        check_tensor_parallel,
-        weight_bytes_per_device,
-    )
+    from pagedjax.parallel.sharding import check_tensor_parallel, weight_bytes_per_device
 
     config = get_config(args.model)
     tp, dp = args.tensor_parallel_size, args.data_parallel_size
@@ -200,7 +197,7 @@ def profile(args, parser: argparse.ArgumentParser) -> None:
     prefix_len]) on the engine in real time and fits the simulator's step-time model to its
     steps (written as JSON for `pagedjax simulate`)."""
 
-    from pagedjax.llm import DEFAULT_MODEL, LLM
+    from pagedjax.frontend.llm import DEFAULT_MODEL, LLM
     from pagedjax.scheduler.cost_model import StepCostModel
     from pagedjax.scheduler.trace import load_trace
     from pagedjax.tools.profiling import run_trace

@@ -44,7 +44,7 @@ def serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name",
                         help="the name clients send as `model` (default: the model's)")
     admission = parser.add_argument_group(
-        "admission control (HTTP 429 with its reason; pagedjax/serving/admission_control.py)")
+        "admission control (HTTP 429 with its reason; pagedjax/frontend/admission_control.py)")
     admission.add_argument("--max-outstanding-tokens", type=int,
                            help="refuse a request that would raise the tokens still to compute "
                            "over all requests above this")
@@ -149,7 +149,7 @@ def serve(args, parser: argparse.ArgumentParser) -> None:
         except ValueError as e:
             parser.error(str(e))
 
-    from pagedjax.llm import DEFAULT_MODEL
+    from pagedjax.frontend.llm import DEFAULT_MODEL
     from pagedjax.serving.app import run_server
 
     model = args.model or config.model or DEFAULT_MODEL
@@ -186,7 +186,7 @@ SERVER_FLAGS = ("max_outstanding_tokens", "kv_overcommit", "long_context_thresho
 def _serving_config(args, parser: argparse.ArgumentParser):
     """The instance's versioned serving configuration: --config's file, or the flags' (version
     "cli"). With --config, engine and serving flags beside it are refused by name."""
-    from pagedjax.serving.admission_control import AdmissionLimits
+    from pagedjax.frontend.admission_control import AdmissionLimits
     from pagedjax.serving.degradation import DegradationPolicy
     from pagedjax.serving.serving_config import ServingConfig
 
@@ -218,10 +218,10 @@ def _serving_config(args, parser: argparse.ArgumentParser):
 
 
 def _start_engine_core(model, args, config):
-    """The engine in a process of its own (pagedjax.serving.engine_core), built and warmed
+    """The engine in a process of its own (pagedjax.frontend.engine_core), built and warmed
     up (--warmup) before this returns; --warmup-background compiles there while serving."""
-    from pagedjax.serving.core_client import CoreClient
-    from pagedjax.serving.engine_core import LLMFactory
+    from pagedjax.frontend.core_client import CoreClient
+    from pagedjax.frontend.engine_core import LLMFactory
 
     start = time.perf_counter()
     core = CoreClient(LLMFactory(model, args.tokenizer, dict(config.engine), args.warmup))
@@ -239,7 +239,7 @@ def _in_process_engine(model, args, config, follower: bool):
     import jax
 
     from pagedjax.engine.memory_budget import describe_held
-    from pagedjax.llm import LLM
+    from pagedjax.frontend.llm import LLM
     from pagedjax.parallel import multihost
 
     llm = LLM(model, tokenizer=args.tokenizer, **config.engine)
@@ -259,7 +259,7 @@ def _in_process_engine(model, args, config, follower: bool):
               f"{time.perf_counter() - start:.1f} s (compilation cache: "
               f"{llm.engine.compilation_cache_dir or 'off'})", flush=True)
     if args.warmup_background:
-        from pagedjax.serving.engine_core import report_warmup
+        from pagedjax.frontend.engine_core import report_warmup
         threading.Thread(target=report_warmup, args=(llm.engine.start_warmup(progress=True),),
                          daemon=True).start()
     return llm.engine

@@ -20,9 +20,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pagedjax.pallas_kernels.common import tile_layout, tpu_interpret_params
-from pagedjax.pallas_kernels.tpu.pipeline import (SUBLANES, PagePipeline, attend_sequence, check_operands,
-                                         compiler_params, compute_dtype, default_pages_per_step,
-                                         fetch_table_row, flat_tables, page_scratch, table_width)
+from pagedjax.pallas_kernels.tpu.pipeline import (SUBLANES, PagePipeline, attend_sequence,
+                                                  check_operands, compiler_params, compute_dtype,
+                                                  default_pages_per_step, fetch_table_row,
+                                                  flat_tables, page_scratch, table_width)
 
 
 def _ragged_kernel(

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from pagedjax.pallas_kernels.quant import QuantizedKV
+
 ROWS = 64  # one warpgroup's WGMMA tile height: a query-head group is padded to a multiple
 # Keys a step: a multiple of 64, since the V tile a step zeroes past kv_len is held in the WGMMA
 # register layout, whose tiles are 64 rows (the interpreter, which ignores layouts, would take

@@ -21,7 +21,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pagedjax.pallas_kernels.common import MASK_VALUE, online_softmax_step
 from pagedjax.pallas_kernels.gpu.common import choose_num_splits, combine_splits, next_power_of_2
-from pagedjax.pallas_kernels.gpu.triton.tiling import MIN_DOT_SIZE, check_operands, fit_pipeline, load_pages
+from pagedjax.pallas_kernels.gpu.triton.tiling import (MIN_DOT_SIZE, check_operands, fit_pipeline,
+                                                       load_pages)
 
 
 def _decode_kernel(

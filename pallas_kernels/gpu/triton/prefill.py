@@ -22,7 +22,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pagedjax.pallas_kernels.common import MASK_VALUE, online_softmax_step, tile_layout
 from pagedjax.pallas_kernels.gpu.common import next_power_of_2
-from pagedjax.pallas_kernels.gpu.triton.tiling import MIN_DOT_SIZE, check_operands, fit_pipeline, load_pages
+from pagedjax.pallas_kernels.gpu.triton.tiling import (MIN_DOT_SIZE, check_operands, fit_pipeline,
+                                                       load_pages)
 
 
 def _ragged_kernel(

@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pagedjax.engine.kv_disk_tier import DiskTier
-from pagedjax.engine.block_transfers import host_block, set_host_block, store_blocks
+from pagedjax.kv_offload.block_transfers import host_block, set_host_block, store_blocks
+from pagedjax.kv_offload.disk_tier import DiskTier
 from pagedjax.scheduler import RequestStatus
 from pagedjax.scheduler.block_hash import block_hashes
 

@@ -1,6 +1,6 @@
 """EngineDriver: what serving adds around an LLMEngine's steps, wherever the engine runs (a
-thread of the server's process, pagedjax.serving.async_engine, or a process of its own,
-pagedjax.serving.engine_core): the live requests, admission control against them, one step with
+thread of the server's process, pagedjax.frontend.async_engine, or a process of its own,
+pagedjax.frontend.engine_core): the live requests, admission control against them, one step with
 its failures isolated, and the report metrics read after it.
 
 Not thread-safe: one thread drives it (the engine thread, or the engine core's loop).
@@ -14,12 +14,12 @@ import logging
 import time
 from typing import Sequence
 
-from pagedjax.engine.admission import Admission, PromptSpec
 from pagedjax.engine.memory_budget import memory_in_use
 from pagedjax.engine.outputs import RequestOutput
+from pagedjax.engine.request_checks import Admission, PromptSpec
 from pagedjax.engine.stats import EngineStats
-from pagedjax.serving import admission_control
-from pagedjax.serving.admission_control import AdmissionLimits, Live
+from pagedjax.frontend import admission_control
+from pagedjax.frontend.admission_control import AdmissionLimits, Live
 from pagedjax.scheduler import Request
 
 logger = logging.getLogger("pagedjax.engine")

@@ -15,7 +15,7 @@ A proposal is one ragged step (each request's catch-up, sampling d1 at its last 
 k - 1 decode steps over the requests still drafting, fused into one program (lax.scan: each
 greedy token fed back on device, its slot from the block table), every draft greedy (argmax):
 the drafts are deterministic, so the target verifies them by coupling with its own sampling
-(pagedjax.engine.rejection_sampler). The draft runs on the target's first device.
+(pagedjax.engine.spec_decode.rejection_sampler). The draft runs on the target's first device.
 """
 
 from __future__ import annotations
@@ -24,10 +24,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pagedjax.engine.runner import ModelRunner, forward_fn, padding_plan
+from pagedjax.engine.runner import ModelRunner, forward_fn
 from pagedjax.engine.warmup import warm
-from pagedjax.scheduler import (DECODE, FORWARD_FIELDS, PREFILL, KVCacheManager, Request, SamplingParams,
-                       ScheduledSeq, SchedulerOutput, ShapeBuckets, build_plan)
+from pagedjax.scheduler import (DECODE, FORWARD_FIELDS, PREFILL, KVCacheManager, Request,
+                                SamplingParams, ScheduledSeq, SchedulerOutput, ShapeBuckets,
+                                build_plan)
+from pagedjax.scheduler.plan import padding_plan
 
 _GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 

@@ -5,7 +5,7 @@ inspections are closures queued to that thread and run between steps; outputs go
 request's asyncio queue through its event loop. A step blocks in JAX for milliseconds to seconds;
 the event loop keeps accepting and streaming meanwhile.
 
-Admission control (pagedjax.serving.admission_control) runs on the engine thread against the
+Admission control (pagedjax.frontend.admission_control) runs on the engine thread against the
 live requests: a refused request gets OverloadedError at once (the server's HTTP 429, with its
 reason) instead of queueing behind minutes of work.
 """
@@ -19,11 +19,11 @@ import queue
 import threading
 from typing import AsyncIterator, Callable, Sequence
 
-from pagedjax.engine.admission import PromptSpec
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.outputs import RequestOutput
-from pagedjax.serving.admission_control import AdmissionLimits, OverloadedError
-from pagedjax.serving.engine_driver import EngineDriver, StepInfo
+from pagedjax.engine.request_checks import PromptSpec
+from pagedjax.frontend.admission_control import AdmissionLimits, OverloadedError
+from pagedjax.frontend.engine_driver import EngineDriver, StepInfo
 from pagedjax.scheduler import SamplingParams
 
 logger = logging.getLogger("pagedjax.engine")

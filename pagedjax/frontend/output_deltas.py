@@ -1,4 +1,4 @@
-"""A request's outputs as deltas over the engine core's channel (pagedjax.serving.engine_core).
+"""A request's outputs as deltas over the engine core's channel (pagedjax.frontend.engine_core).
 
 The engine hands back cumulative RequestOutputs (every token so far, every step); sent whole
 across a process boundary, a request of L tokens would cost O(L^2) bytes. DeltaEncoder (the core's

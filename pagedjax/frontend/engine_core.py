@@ -4,7 +4,7 @@ and steps, so the step's host work and the device step never wait on the server'
 share its interpreter lock.
 
 The channel is two ZeroMQ sockets over IPC, pickled messages, both bound by the server's side
-(pagedjax.serving.core_client) and connected from here:
+(pagedjax.frontend.core_client) and connected from here:
 
     server -> core   ("add", call id, [PromptSpec], streamed)   admission + queueing, all or none
                      ("abort", request id)   ("limits", AdmissionLimits)
@@ -29,9 +29,9 @@ import traceback
 from typing import Any, Callable
 
 from pagedjax.engine.memory_budget import describe_held
-from pagedjax.serving.admission_control import AdmissionLimits
-from pagedjax.serving.engine_driver import EngineDriver
-from pagedjax.serving.output_deltas import DeltaEncoder
+from pagedjax.frontend.admission_control import AdmissionLimits
+from pagedjax.frontend.engine_driver import EngineDriver
+from pagedjax.frontend.output_deltas import DeltaEncoder
 
 logger = logging.getLogger("pagedjax.engine_core")
 
@@ -64,7 +64,7 @@ class LLMFactory:
     def __call__(self):
         import time
 
-        from pagedjax.llm import LLM
+        from pagedjax.frontend.llm import LLM
 
         engine = LLM(self.model, tokenizer=self.tokenizer, **self.engine_kwargs).engine
         notes = [describe_held(engine)]

@@ -1,5 +1,5 @@
 """Whole KV blocks between the device cache and host memory: swap preemption's moves and the
-tiered prefix cache's (pagedjax.engine.kv_tiers).
+tiered prefix cache's (pagedjax.kv_offload.tiers).
 
 A host pool is laid out like the cache, [2, K, L * NB, ...] for each leaf (an int8 / fp8 cache's
 scales too), so a block is its L layer slots' pages. Device-side, a copy of C blocks is one

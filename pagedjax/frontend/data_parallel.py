@@ -24,10 +24,10 @@ import jax
 import numpy as np
 
 from pagedjax.engine import memory_budget
-from pagedjax.engine.admission import Admission, PromptSpec, check_specs
 from pagedjax.engine.config import EngineConfig
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.outputs import RequestOutput
+from pagedjax.engine.request_checks import Admission, PromptSpec, check_specs
 from pagedjax.engine.stats import EngineStats, ReplicaLoad
 from pagedjax.parallel.routing_policy import Backend, RoutingPolicy
 from pagedjax.parallel.sharding import check_tensor_parallel, make_data_parallel_mesh

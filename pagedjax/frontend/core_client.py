@@ -1,4 +1,4 @@
-"""The server's side of the engine core (pagedjax.serving.engine_core): starts the core's
+"""The server's side of the engine core (pagedjax.frontend.engine_core): starts the core's
 process, and serves the server exactly as AsyncLLMEngine does (add_requests, abort, limits,
 pause, health), over the channel instead of a thread.
 
@@ -25,13 +25,13 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from pagedjax.engine.admission import PromptSpec
-from pagedjax.serving import engine_core
-from pagedjax.serving.admission_control import AdmissionLimits
-from pagedjax.serving.async_engine import (EngineDeadError, EngineFrontend, RequestGroup,
-                                           as_delivered, hand_over)
-from pagedjax.serving.engine_driver import StepInfo
-from pagedjax.serving.output_deltas import DeltaDecoder
+from pagedjax.engine.request_checks import PromptSpec
+from pagedjax.frontend import engine_core
+from pagedjax.frontend.admission_control import AdmissionLimits
+from pagedjax.frontend.async_engine import (EngineDeadError, EngineFrontend, RequestGroup,
+                                            as_delivered, hand_over)
+from pagedjax.frontend.engine_driver import StepInfo
+from pagedjax.frontend.output_deltas import DeltaDecoder
 
 logger = logging.getLogger("pagedjax.engine_core")
 

@@ -8,7 +8,7 @@ since the occurrence repeated, as a periodic run would continue (vLLM stops at t
 repetition proposes one token a step).
 
 A proposal costs O(L x n) comparisons a request for L tokens, on the host before each step is
-scheduled (pagedjax.engine.speculative)."""
+scheduled (pagedjax.engine.spec_decode.speculator)."""
 
 from __future__ import annotations
 

@@ -10,15 +10,12 @@ A rejected call changes nothing: no Request objects, no samples, no blocks, no q
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from pagedjax.scheduler import RequestError, SamplingParams, check_admission
 from pagedjax.scheduler.errors import check_float
-
-if TYPE_CHECKING:
-    from pagedjax.engine.llm_engine import LLMEngine
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_CACHE_SALT_CHARS = 1024
@@ -105,7 +102,7 @@ def encode_text(tokenizer, text, field: str = "prompt", add_special_tokens: bool
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
-def _check_prediction(engine: "LLMEngine", prediction: Sequence[int]) -> None:
+def _check_prediction(engine, prediction: Sequence[int]) -> None:
     """A prediction is the drafts' source: only an engine that speculates can use it."""
     if engine.config.speculative_config is None:
         raise RequestError("prediction", "prediction (Predicted Outputs) needs an engine with "
@@ -116,7 +113,7 @@ def _check_prediction(engine: "LLMEngine", prediction: Sequence[int]) -> None:
                            f"max_model_len ({engine.config.max_model_len})")
 
 
-def check_spec(engine: "LLMEngine", spec: PromptSpec) -> Admission:
+def check_spec(engine, spec: PromptSpec) -> Admission:
     """Every limit the engine puts on one request; raises RequestError naming the field."""
     if not isinstance(spec, PromptSpec):
         raise RequestError(None, f"a request must be a PromptSpec, got {type(spec).__name__}")
@@ -171,7 +168,7 @@ def check_spec(engine: "LLMEngine", spec: PromptSpec) -> Admission:
     return Admission(spec, ids, spec.request_id, engine.token_masks.constraints(params))
 
 
-def check_specs(engine: "LLMEngine", specs: Sequence[PromptSpec]) -> list[Admission]:
+def check_specs(engine, specs: Sequence[PromptSpec]) -> list[Admission]:
     """check_spec for each, with unique ids across them; a batch's error names its index."""
     if isinstance(specs, (str, bytes)) or not isinstance(specs, (list, tuple)) or not specs:
         raise RequestError("prompts", "prompts must be a non-empty list of requests")

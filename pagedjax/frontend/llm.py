@@ -8,26 +8,15 @@ from typing import Any, Sequence
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
-from pagedjax.engine.admission import PromptSpec, encode_text
 from pagedjax.engine.beam_search import BeamSearchParams, BeamSequence, beam_search
 from pagedjax.engine.config import EngineConfig
 from pagedjax.engine.outputs import RequestOutput
-from pagedjax.models import (
-    CONFIGS,
-    DEFAULT_CHECKPOINT,
-    LlamaForCausalLM,
-    get_config,
-    init_model,
-)
+from pagedjax.engine.request_checks import PromptSpec, encode_text
+from pagedjax.frontend.data_parallel import make_engine
+from pagedjax.models import CONFIGS, DEFAULT_CHECKPOINT, LlamaForCausalLM, get_config, init_model
 from pagedjax.models.loading.placed_weights import LazyModel
-from pagedjax.parallel.data_parallel import make_engine
 from pagedjax.scheduler import RequestError, SamplingParams
-from pagedjax.text.tokenizer import (
-    NO_CHAT_TEMPLATE,
-    ByteTokenizer,
-    Tokenizer,
-    check_chat_template,
-)
+from pagedjax.text.tokenizer import NO_CHAT_TEMPLATE, ByteTokenizer, Tokenizer, check_chat_template
 
 DEFAULT_MODEL = DEFAULT_CHECKPOINT  # the embedded trained model
 
@@ -63,22 +52,15 @@ def resolve_model(model: str | os.PathLike | LlamaForCausalLM, seed: int = 0,
     compute_dtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
     from pagedjax.models.loading.gguf import is_gguf
     if is_gguf(path):
-        from pagedjax.models.loading.gguf import (
-            lazy_gguf_model,
-            load_gguf_model,
-            metadata,
-            open_gguf,
-        )
+        from pagedjax.models.loading.gguf import (lazy_gguf_model, load_gguf_model, metadata,
+                                                  open_gguf)
         from pagedjax.text.gguf_tokenizer import tokenizer_from_gguf
         reader = open_gguf(path)
         loaded = (lazy_gguf_model if lazy else load_gguf_model)(path, dtype, reader)
         return loaded, tokenizer_from_gguf(metadata(reader), path)
     if os.path.isdir(path):
-        from pagedjax.models.loading.checkpoint import (
-            is_checkpoint,
-            load_checkpoint,
-            read_checkpoint_config,
-        )
+        from pagedjax.models.loading.checkpoint import (is_checkpoint, load_checkpoint,
+                                                        read_checkpoint_config)
         has_tokenizer = os.path.isfile(os.path.join(path, "tokenizer.json"))
         tokenizer = Tokenizer.from_dir(path) if has_tokenizer else None
         if is_checkpoint(path):
