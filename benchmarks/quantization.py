@@ -11,7 +11,7 @@ Per row: weight bytes (what the engine holds, or the GGUF file's size for llama.
 output tokens/s with B requests decoding together (B = 1, 8, 32; 24-token prompts, 64 output
 tokens each, EOS ignored; all B at once: tokens over wall time) and its TPOT p50; TTFT of one
 512-token prompt (p50 of 3, prefill in one 512-token step); quality against the f32 model
-(models/quantization/quality.py: mean logit error over the logits' spread, teacher-forced
+(models/training/quantization_quality.py: mean logit error over the logits' spread, teacher-forced
 greedy agreement over 8 prompts x 24 tokens, NLL of a fixed text). Ratios: tokens/s over the
 f32 engine's at the same B.
 
@@ -81,7 +81,7 @@ def engine_row(name: str, model, reference, quality_model, batches, tokenizer,
 
     from pagedjax.engine.config import EngineConfig
     from pagedjax.engine.llm_engine import LLMEngine
-    from pagedjax.models.quantization.quality import PROMPTS, TEXT, quality
+    from pagedjax.models.training.quantization_quality import PROMPTS, TEXT, quality
 
     engine = LLMEngine(model, EngineConfig(**ENGINE, **fields))
     engine.warmup()

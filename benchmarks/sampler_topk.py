@@ -3,7 +3,7 @@
 
 Each row times the jitted `pagedjax.engine.sampler.sample` on f32[B, V] logits SmolLM2-135M-
 Instruct gave (its 49,152-token vocabulary; the next-token logits at 32 positions of its greedy
-continuations of pagedjax.models.quantization.quality.PROMPTS: real distributions, whose nuclei are what
+continuations of pagedjax.models.training.quantization_quality.PROMPTS: real distributions, whose nuclei are what
 decides the path), every row sampled at temperature 0.7 with the filters named: vLLM-style chat defaults (top_k 50, top_p 0.95), top_p 0.9 alone, and top_k 1000 (past
 the candidates: this path sorts too). "sort" is the same sampler with TOP_CANDIDATES set to the
 vocabulary (every step sorts). p50/p95/p99 over the timed calls after a compile and warm-up;
@@ -29,8 +29,8 @@ FILTERS = {"top_k 50, top_p 0.95": (50, 0.95), "top_p 0.9": (-1, 0.9),
 def real_logits(count: int) -> np.ndarray:
     """f32[count, V]: SmolLM2's next-token logits along its greedy continuations."""
     from pagedjax.models.loading.gguf import load_gguf_model, metadata, open_gguf
-    from pagedjax.models.quantization.quality import PROMPTS
     from pagedjax.models.training.generate import _dense_logits, dense_greedy_generate
+    from pagedjax.models.training.quantization_quality import PROMPTS
     from pagedjax.text.gguf_tokenizer import tokenizer_from_gguf
     from pagedjax.tools.chat_demo import smollm2_path
 

@@ -291,10 +291,8 @@ def build_plan(output: SchedulerOutput, kv_manager: KVCacheManager,
     positions = _positions(output, rows["start"], q_lens, kv_lens, seq_of_token, padded_tokens)
     cu_q_lens = np.zeros(padded_seqs + 1, np.int32)
     np.cumsum(q_lens, out=cu_q_lens[1:])
-    bias_ids, bias_values = logit_bias_slots(rows["logit_bias"], padded_seqs)
-    pen_tokens, pen_prompt_lens = penalty_tokens(
-        [r for r, _, _ in scheduled], padded_seqs,
-        buckets.max_blocks_per_seq * kv_manager.block_size)
+    sampling = _sampling_arrays(rows, [r for r, _, _ in scheduled], padded, padded_seqs,
+                                buckets.max_blocks_per_seq * kv_manager.block_size)
     copy_src = np.zeros(padded_seqs, np.int32)
     copy_dst = np.zeros(padded_seqs, np.int32)
     if output.copies:
@@ -304,20 +302,31 @@ def build_plan(output: SchedulerOutput, kv_manager: KVCacheManager,
     return BatchPlan(
         token_ids=token_ids, positions=positions, slot_mapping=slot_mapping[0],
         block_tables=tables[0], group_slot_mapping=slot_mapping[1:],
-        group_block_tables=_stack(tables[1:], padded_seqs, widths[1]), kv_lens=kv_lens, cu_q_lens=cu_q_lens,
+        group_block_tables=_stack(tables[1:], padded_seqs, widths[1]), kv_lens=kv_lens,
+        cu_q_lens=cu_q_lens,
         logits_indices=_logits_indices(output, cu_q_lens, num_drafts, k),
-        num_seqs=np.asarray(num_seqs, np.int32), temperature=padded("temperature", 0.0, np.float32),
-        top_k=padded("top_k", -1, np.int32), top_p=padded("top_p", 1.0, np.float32),
-        min_p=padded("min_p", 0.0, np.float32), bias_ids=bias_ids, bias_values=bias_values,
-        presence_penalty=padded("presence_penalty", 0.0, np.float32),
-        frequency_penalty=padded("frequency_penalty", 0.0, np.float32),
-        repetition_penalty=padded("repetition_penalty", 1.0, np.float32),
-        penalty_tokens=pen_tokens, penalty_prompt_lens=pen_prompt_lens,
-        prompt_targets=prompt_targets(output.scheduled, padded_tokens),
-        seeds=padded("seed", 0, np.uint32), draft_token_ids=draft_ids,
+        num_seqs=np.asarray(num_seqs, np.int32), **sampling,
+        prompt_targets=prompt_targets(output.scheduled, padded_tokens), draft_token_ids=draft_ids,
         num_draft_tokens=num_drafts, copy_src=copy_src, copy_dst=copy_dst,
         num_copies=np.asarray(len(output.copies), np.int32), kind=kind,
         padded_num_tokens=padded_tokens, padded_num_seqs=padded_seqs)
+
+
+def _sampling_arrays(rows: dict, requests: list, padded, padded_seqs: int,
+                     penalty_width: int) -> dict:
+    """The plan's per-row sampling arrays: temperature, top-k/p, min-p, seeds, logit bias
+    slots, penalties and their tokens (padded(name, fill, dtype): a row field padded)."""
+    bias_ids, bias_values = logit_bias_slots(rows["logit_bias"], padded_seqs)
+    pen_tokens, pen_prompt_lens = penalty_tokens(requests, padded_seqs, penalty_width)
+    return dict(
+        temperature=padded("temperature", 0.0, np.float32),
+        top_k=padded("top_k", -1, np.int32), top_p=padded("top_p", 1.0, np.float32),
+        min_p=padded("min_p", 0.0, np.float32), seeds=padded("seed", 0, np.uint32),
+        bias_ids=bias_ids, bias_values=bias_values,
+        presence_penalty=padded("presence_penalty", 0.0, np.float32),
+        frequency_penalty=padded("frequency_penalty", 0.0, np.float32),
+        repetition_penalty=padded("repetition_penalty", 1.0, np.float32),
+        penalty_tokens=pen_tokens, penalty_prompt_lens=pen_prompt_lens)
 
 
 def _no_logit_bias(num_seqs: int) -> dict:

@@ -17,10 +17,10 @@ from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.models import get_config, init_model
 from pagedjax.models.layers.quantized import (QuantizedEmbed, QuantizedLinear, QuantizedWeight,
                                               quantize_model)
-from pagedjax.models.quantization import quality as quantization_quality
-from pagedjax.models.quantization.quality import quality
 from pagedjax.models.quantization.schemes import (QArray, dequantize_np, pack_int4, quantize,
                                                   unpack_int4_np)
+from pagedjax.models.training import quantization_quality
+from pagedjax.models.training.quantization_quality import quality
 from pagedjax.scheduler import SamplingParams
 
 SCHEMES = ("int8", "fp8", "int4")

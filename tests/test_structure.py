@@ -34,3 +34,123 @@ def test_nothing_imports_the_folders_by_their_top_level_names():
              for path in python_files(*SOURCE, "tests", "benchmarks", "notebooks")
              for line, name in imported_names(path) if name.split(".")[0] in MAPPED]
     assert not found, "\n".join(found)
+
+
+def module_name(path: pathlib.Path) -> str:
+    """The installed name of a source file (models/x.py -> pagedjax.models.x)."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts if parts[0] == "pagedjax" else ["pagedjax", *parts])
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the project's modules it imports (at any depth of the file)."""
+    modules = {module_name(p): p for p in python_files(*SOURCE)}
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for module, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [f"{node.module}.{alias.name}" for alias in node.names]
+            targets.update(t for t in map(resolve, names)
+                           if t and t != module and not module.startswith(t + "."))
+        graph[module] = targets
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan's, iterative)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(graph[root]))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            for nxt in edges:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(graph.get(nxt, ()))))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+def room(module: str) -> str:
+    """A module's room: pagedjax.<room>, and pagedjax.models.<room> inside models/."""
+    parts = module.split(".")
+    return ".".join(parts[:3] if parts[1:2] == ["models"] else parts[:2])
+
+
+def test_no_import_circle_between_files():
+    assert not cycles(import_graph())
+
+
+def test_no_import_circle_between_rooms():
+    """Rooms import one way: engine -> parallel, frontend -> engine, models' families ->
+    layers, loading -> registry -> families, ..."""
+    graph = import_graph()
+    rooms: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        rooms.setdefault(room(module), set()).update(
+            room(t) for t in targets if room(t) != room(module))
+    assert not cycles(rooms)
+
+
+def test_the_scheduler_imports_nothing_above_it():
+    """pagedjax.scheduler is NumPy only: no jax, and none of the project's other rooms."""
+    found = [f"{path.relative_to(ROOT)}: {name}" for path in python_files("scheduler")
+             for _, name in imported_names(path)
+             if name.split(".")[0] in ("jax", "jaxlib", "flax")
+             or (name.startswith("pagedjax.") and not name.startswith("pagedjax.scheduler"))]
+    assert not found, "\n".join(found)
+
+
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 60
+
+
+def test_files_and_functions_stay_small():
+    """No file over 400 lines and no function over 60 in pagedjax/, models/, scheduler/ (the
+    kernels in pallas_kernels/ are written as one body each and are not held to it)."""
+    found = []
+    for path in python_files("pagedjax", "models", "scheduler"):
+        source = path.read_text()
+        if len(source.splitlines()) > MAX_FILE_LINES:
+            found.append(f"{path.relative_to(ROOT)}: {len(source.splitlines())} lines")
+        for node in ast.walk(ast.parse(source, str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: "
+                                 f"{length} lines")
+    assert not found, "\n".join(found)

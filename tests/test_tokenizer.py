@@ -5,12 +5,12 @@ import json
 import random
 
 import pytest
-
 from helpers import ROLE_TEMPLATE
-from pagedjax.text.tokenizer import (ByteTokenizer, IncrementalDetokenizer, StopStringMatcher,
-                                     Tokenizer, render_chat_template)
 from tokenizer_builders import (LLAMA3_SPECIALS, LLAMA3_TEMPLATE, WORDS, corpus, train_byte_level,
                                 write_dir)
+
+from pagedjax.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from pagedjax.text.tokenizer import ByteTokenizer, Tokenizer, render_chat_template
 
 tokenizers = pytest.importorskip("tokenizers")
 

@@ -114,6 +114,16 @@ class EngineConfig:
     def __post_init__(self):
         object.__setattr__(self, "speculative_config",
                            SpeculativeConfig.create(self.speculative_config))
+        self._check_types()
+        self._check_pool_size()
+        self._check_choices()
+        self._check_async_scheduling()
+        self._check_kv_tiers()
+        self.buckets()  # ShapeBuckets validates prefill_seqs
+        self.scheduler_config()  # SchedulerConfig validates the scheduler's fields (policy, ...)
+
+    def _check_types(self) -> None:
+        """The integer, optional-integer and boolean fields."""
         for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                      "min_token_bucket", "min_seq_bucket", "tensor_parallel_size",
                      "data_parallel_size"):
@@ -133,6 +143,10 @@ class EngineConfig:
                                  f"{type(getattr(self, name)).__name__}")
         if self.max_logprobs is None or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
+
+    def _check_pool_size(self) -> None:
+        """The KV pool's size (one of num_blocks, kv_cache_memory_bytes,
+        gpu_memory_utilization) and the swap space."""
         sizes = [name for name in ("num_blocks", "kv_cache_memory_bytes",
                                    "gpu_memory_utilization") if getattr(self, name) is not None]
         if len(sizes) > 1:
@@ -153,6 +167,10 @@ class EngineConfig:
         if not isinstance(self.swap_space_bytes, int) or self.swap_space_bytes < 0:
             raise ValueError(f"swap_space_bytes must be an integer >= 0, "
                              f"got {self.swap_space_bytes!r}")
+
+    def _check_choices(self) -> None:
+        """The fields that name one of a set: dtypes, the attention backend, quantization, step
+        programs, the compilation cache; and max_num_seqs against the token budget."""
         if not isinstance(self.compilation_cache, str) or not self.compilation_cache:
             raise ValueError(f"compilation_cache must be 'auto', 'off' or a directory, "
                              f"got {self.compilation_cache!r}")
@@ -179,10 +197,6 @@ class EngineConfig:
         if self.step_programs not in STEP_PROGRAMS:
             raise ValueError(f"step_programs must be one of {STEP_PROGRAMS}, "
                              f"got {self.step_programs!r}")
-        self._check_async_scheduling()
-        self._check_kv_tiers()
-        self.buckets()  # ShapeBuckets validates prefill_seqs
-        self.scheduler_config()  # SchedulerConfig validates the scheduler's fields (policy, ...)
 
     def _check_async_scheduling(self) -> None:
         if not self.async_scheduling:

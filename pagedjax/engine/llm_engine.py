@@ -14,11 +14,11 @@ from pagedjax.engine import memory_budget, prompt_logprobs
 from pagedjax.engine.async_scheduling import AsyncScheduling
 from pagedjax.engine.compile_cache import enable_compilation_cache
 from pagedjax.engine.config import EngineConfig
+from pagedjax.engine.kv_pool import size_kv_pool
 from pagedjax.engine.kv_snapshot import KVSnapshot, UsageSample, kv_snapshot, tokens_stored
 from pagedjax.engine.output_processor import TextState
 from pagedjax.engine.outputs import RequestOutput
-from pagedjax.engine.request_checks import Admission, PromptSpec, check_specs
-from pagedjax.engine.runner import ModelRunner
+from pagedjax.engine.request_intake import RequestIntake
 from pagedjax.engine.spec_decode.draft_model import DraftModelProposer
 from pagedjax.engine.spec_decode.speculator import Speculator
 from pagedjax.engine.stats import EngineStats, ReplicaLoad
@@ -27,15 +27,10 @@ from pagedjax.engine.token_masks import TokenMasks, step_rows
 from pagedjax.engine.warmup import BackgroundWarmup, warm
 from pagedjax.kv_offload.tiers import cached_prefix_blocks, make_kv_tiers
 from pagedjax.models import LlamaForCausalLM
-from pagedjax.models.layers.kv_groups import kv_cache_groups
 from pagedjax.models.loading.quantized_loading import for_serving as quantized_for_serving
-from pagedjax.pallas_kernels import check_num_slots, kv_cache_bytes_per_block
 from pagedjax.parallel import multihost
 from pagedjax.parallel.placement import place
-from pagedjax.parallel.sharding import kv_head_repeats
-from pagedjax.scheduler import (DECODE, Request, RequestStatus, SamplingParams, Scheduler,
-                                build_plan, make_samples)
-from pagedjax.scheduler.kv_cache_groups import blocks_for
+from pagedjax.scheduler import DECODE, Request, RequestStatus, Scheduler, build_plan
 
 
 def model_cache_key(model: LlamaForCausalLM, config: EngineConfig, kv_tiers=None) -> bytes:
@@ -57,7 +52,9 @@ class _Started:
     error: Exception | None = None
 
 
-class LLMEngine(StepRecovery):
+class LLMEngine(RequestIntake, StepRecovery):
+    """Requests in, one step at a time (ARCHITECTURE.md: one engine step)."""
+
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig | None = None, *,
                  tokenizer=None, clock: Callable[[], float] = time.perf_counter,
                  devices: Sequence | None = None, seed_rng: np.random.Generator | None = None,
@@ -85,42 +82,21 @@ class LLMEngine(StepRecovery):
         if config.data_parallel_size > 1:
             raise ValueError(f"data_parallel_size ({config.data_parallel_size}) needs "
                              f"pagedjax.frontend.data_parallel.make_engine (one LLMEngine a replica)")
-        tp = config.tensor_parallel_size
         self.devices, self.multihost, self.backend = place(model_config, config, devices)
         if config.async_scheduling and self.multihost:
             raise ValueError("async_scheduling is not supported multi-host (the followers "
                              "replay the leader's plans); turn it off")
-        # KV cache groups: a block id is a page in each of num_slots layer slots
-        self.kv_groups = kv_cache_groups(model_config, not config.disable_hybrid_kv_cache_manager)
-        # each layer's attention window (None: full), for the step-time features
-        self.layer_windows = tuple(model_config.layer_window(i)
-                                   for i in range(model_config.num_layers))
-        num_slots = self.kv_groups.num_slots
-        self.bytes_per_block = kv_cache_bytes_per_block(  # over all devices
-            num_slots, config.block_size,
-            model_config.num_kv_heads * kv_head_repeats(model_config.num_kv_heads, tp),
-            model_config.head_dim, config.kv_np_dtype, self.backend.name)
-        # each device holds 1/TP of every block (its KV heads): the pool's budget is a device's
-        self.bytes_per_block_per_device = self.bytes_per_block // tp
-        self.num_blocks = config.resolve_num_blocks(
-            self.bytes_per_block_per_device,
-            blocks_for(self.kv_groups.windows, config.block_size, config.max_model_len,
-                       config.max_num_batched_tokens))
-        check_num_slots(num_slots, self.num_blocks, config.block_size)
-        self.buckets = config.buckets(self.kv_groups.windows)
-        self.runner = ModelRunner(model, num_blocks=self.num_blocks,
-                                  block_size=config.block_size, dtype=config.kv_np_dtype,
-                                  backend=self.backend,
-                                  num_top_logprobs=config.max_logprobs,
-                                  scan_layers=config.scan_layers, device=self.devices[0],
-                                  kv_groups=self.kv_groups)
-        self.memory_budget = None  # how gpu_memory_utilization sized the pool
-        if config.gpu_memory_utilization is not None:
-            self.memory_budget = memory_budget.measure(self.runner, config, self.buckets,
-                                                       self.bytes_per_block_per_device)
-            self.num_blocks = self.memory_budget.num_blocks
-            check_num_slots(num_slots, self.num_blocks, config.block_size)
-            self.runner.resize_kv_cache(self.num_blocks)
+        pool = size_kv_pool(model, config, self.devices, self.backend)
+        self.kv_groups, self.layer_windows = pool.kv_groups, pool.layer_windows
+        self.bytes_per_block = pool.bytes_per_block
+        self.bytes_per_block_per_device = pool.bytes_per_block_per_device
+        self.num_blocks, self.buckets = pool.num_blocks, pool.buckets
+        self.runner, self.memory_budget = pool.runner, pool.memory_budget
+        self._init_scheduling(model, config)
+        self._init_requests(tokenizer, model_config, config, seed_rng, draft_model)
+
+    def _init_scheduling(self, model, config: EngineConfig) -> None:
+        """The tiers, the scheduler over the pool, the multi-host channel, the swap space."""
         num_host_blocks = config.swap_space_bytes // self.bytes_per_block
         self.kv_tiers = make_kv_tiers(self.runner, config, self.bytes_per_block)
         cache_key = model_cache_key(model, config, self.kv_tiers)
@@ -135,6 +111,10 @@ class LLMEngine(StepRecovery):
         self.stats = EngineStats(num_blocks=self.num_blocks - 1, block_size=config.block_size)
         # The swap space: host arrays like the device cache, num_host_blocks a layer.
         self.host_pool = self.runner.init_host_pool(num_host_blocks)
+
+    def _init_requests(self, tokenizer, model_config, config: EngineConfig, seed_rng,
+                       draft_model) -> None:
+        """The requests' books: ids, samples, texts, token masks, the speculator."""
         self._seed_rng = np.random.default_rng(config.seed) if seed_rng is None else seed_rng
         self._next_id = 0
         self._groups: dict[str, list[Request]] = {}  # request_id -> its samples, until finished
@@ -151,108 +131,6 @@ class LLMEngine(StepRecovery):
         self.usage_history: collections.deque[UsageSample] = collections.deque(maxlen=100_000)
         self.last_schedule = None
         self.async_scheduling = AsyncScheduling(self) if config.async_scheduling else None
-
-    # ---- requests ----------------------------------------------------------------------------
-
-    @property
-    def request_groups(self) -> dict[str, list[Request]]:
-        """request_id -> its samples, for every unfinished request."""
-        return self._groups
-
-    def add_requests(self, specs: Sequence[PromptSpec],
-                     admit: Callable[[list[Admission]], None] | None = None) -> list[str]:
-        """Queues several requests all or none and returns their ids: each is checked against
-        the engine's limits (admission.check_specs) before anything is built; admit, when given,
-        sees the checked requests next and may refuse them all by raising. On any error nothing
-        is built or queued."""
-        admissions = check_specs(self, specs)
-        if admit is not None:
-            admit(admissions)
-        return self.queue_admitted(admissions)
-
-    def queue_admitted(self, admissions: Sequence[Admission]) -> list[str]:
-        """Builds and queues requests check_specs passed (and returns their ids)."""
-        taken = {a.request_id for a in admissions}
-        requests = [self._build(a, taken) for a in admissions]
-        for request, admission in zip(requests, admissions):
-            self.queue(request, admission.constraints or False)
-            if admission.spec.prompt_text is not None:
-                self._prompts[request.parent_id] = admission.spec.prompt_text
-        return [r.parent_id for r in requests]
-
-    def scheduler_states(self) -> list:
-        """The scheduler state of each replica (one here) admission checks a request against."""
-        return [self.scheduler.state]
-
-    def add_request(self, prompt_token_ids: Sequence[int],
-                    sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None,
-                    cache_salt: str | None = None) -> str:
-        """Queues a request and returns its id; on bad input raises RequestError (a ValueError
-        naming the field) and queues nothing.
-
-        Requests share prefix-cached blocks only when their cache_salt is equal (None included).
-        """
-        spec = PromptSpec(prompt_token_ids, sampling_params or SamplingParams(), request_id,
-                          cache_salt=cache_salt, arrival_time=arrival_time)
-        return self.add_requests([spec])[0]
-
-    def make_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
-                     request_id: str | None = None, arrival_time: float | None = None,
-                     cache_salt: str | None = None) -> Request:
-        """A checked request with its samples, not queued (benchmarks drive it by hand)."""
-        spec = PromptSpec(prompt_token_ids, sampling_params, request_id, cache_salt=cache_salt,
-                          arrival_time=arrival_time)
-        return self._build(check_specs(self, [spec])[0])
-
-    def _build(self, admission: Admission, taken: set = frozenset()) -> Request:
-        spec = admission.spec
-        seed = spec.params.seed
-        if seed is None:
-            seed = int(self._seed_rng.integers(0, 2**32))
-        request_id = admission.request_id
-        if request_id is None:
-            request_id = str(self._next_id)
-            while request_id in self._groups or request_id in taken:
-                self._next_id += 1
-                request_id = str(self._next_id)
-            self._next_id += 1
-        arrival_time = self.clock() if spec.arrival_time is None else spec.arrival_time
-        return make_samples(request_id, admission.prompt_token_ids, spec.params, seed=seed,
-                            arrival_time=arrival_time, cache_salt=spec.cache_salt,
-                            eos_token_ids=self.model_config.eos_token_ids)
-
-    def queue(self, request: Request, constraints=None) -> None:
-        """Queues a request from make_request (with its parallel samples). constraints: its
-        token_masks.Constraints from admission (False: it has none; None: built here)."""
-        if constraints is None:
-            constraints = self.token_masks.constraints(request.sampling_params)
-        self.scheduler.add_request(request)
-        samples = [request, *request.followers]
-        self.token_masks.add(samples, constraints or None)
-        self._groups[request.parent_id] = samples
-        if self.tokenizer is not None:
-            for sample in samples:
-                self._texts[sample.request_id] = TextState(self.tokenizer, sample)
-
-    def set_prompt_text(self, request_id: str, prompt: str) -> None:
-        """Records the text a queued request's prompt came from (returned in its outputs)."""
-        if request_id in self._groups:
-            self._prompts[request_id] = prompt
-
-    def abort(self, request_id: str) -> None:
-        """Finishes a request (all its samples) at once and frees its blocks; unknown or
-        finished ids are ignored."""
-        samples = self._groups.pop(request_id, None)
-        if samples is None:
-            return
-        now = self.clock()
-        for sample in samples:
-            self.scheduler.abort(sample.request_id, now)
-            self._forget(sample.request_id)
-        self._prompts.pop(request_id, None)
-        self._oom_retries.pop(request_id, None)
-        self.stats.num_aborted += 1
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -4,7 +4,7 @@ first stop string, with the tail that could still become one held back."""
 from __future__ import annotations
 
 from pagedjax.scheduler import Request
-from pagedjax.text.tokenizer import IncrementalDetokenizer, StopStringMatcher
+from pagedjax.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
 class TextState:

@@ -52,33 +52,8 @@ class OpenAIServer(ServerState):
 
     # ---- the app ---------------------------------------------------------------------------
 
-    def build_app(self) -> fastapi.FastAPI:
-        @contextlib.asynccontextmanager
-        async def lifespan(app):
-            if not self.async_engine.healthy:
-                self.async_engine.start()
-            try:
-                yield
-            finally:
-                self.async_engine.shutdown()
-                if not self.async_engine.running:
-                    self.async_engine.engine.close()  # a multi-host leader stops its followers
-                if self.trace is not None:
-                    self.trace.close()
-
-        app = fastapi.FastAPI(title="pagedjax", lifespan=lifespan)
-        app.state.server = self
-
-        def on_error(error: APIError) -> None:
-            reason = error.reason or REJECTED.get(error.status)
-            if reason is not None:
-                self.metrics.rejected(reason)
-
-        install_error_handlers(app, on_error)
-        # The admin routes answer to the admin key alone (an API key would shut them).
-        open_paths = self.open_paths + (ADMIN_PATHS if self.admin_key is not None else ())
-        app.add_middleware(GuardMiddleware, max_request_bytes=self.max_request_bytes,
-                           api_key=self.api_key, open_paths=open_paths)
+    def _info_routes(self, app: fastapi.FastAPI) -> None:
+        """/health, /v1/models (and one model), /version, /metrics."""
 
         @get_route(app, "/health")
         async def health():
@@ -107,6 +82,37 @@ class OpenAIServer(ServerState):
             return responses.Response(self.metrics.render(),
                                       media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def build_app(self) -> fastapi.FastAPI:
+        """The FastAPI app: its lifespan starts and stops the engine's front-end."""
+
+        @contextlib.asynccontextmanager
+        async def lifespan(app):
+            if not self.async_engine.healthy:
+                self.async_engine.start()
+            try:
+                yield
+            finally:
+                self.async_engine.shutdown()
+                if not self.async_engine.running:
+                    self.async_engine.engine.close()  # a multi-host leader stops its followers
+                if self.trace is not None:
+                    self.trace.close()
+
+        app = fastapi.FastAPI(title="pagedjax", lifespan=lifespan)
+        app.state.server = self
+
+        def on_error(error: APIError) -> None:
+            reason = error.reason or REJECTED.get(error.status)
+            if reason is not None:
+                self.metrics.rejected(reason)
+
+        install_error_handlers(app, on_error)
+        # The admin routes answer to the admin key alone (an API key would shut them).
+        open_paths = self.open_paths + (ADMIN_PATHS if self.admin_key is not None else ())
+        app.add_middleware(GuardMiddleware, max_request_bytes=self.max_request_bytes,
+                           api_key=self.api_key, open_paths=open_paths)
+
+        self._info_routes(app)
         if self.admin_key is not None:
             admin_routes(self, app)
         app.post("/v1/completions")(self.completions)
@@ -116,6 +122,7 @@ class OpenAIServer(ServerState):
         app.post("/detokenize")(self.detokenize)
         openapi.install(app)
         return app
+
 
 def build_app(engine: LLMEngine, served_model_name: str = "pagedjax",
               **server_kwargs) -> fastapi.FastAPI:

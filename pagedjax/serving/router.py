@@ -41,47 +41,20 @@ from pagedjax.serving.http_common import (DEFAULT_MAX_REQUEST_BYTES, GuardMiddle
                                           error_response, get_route, install_error_handlers,
                                           key_matches, parse_json_object)
 from pagedjax.serving.rollout import RolloutGuard
+from pagedjax.serving.routing_keys import prompt_tokens, routing_key
 
 __all__ = ["POLICIES", "Backend", "RolloutGuard", "Router", "RoutingPolicy", "prompt_chunks",
            "prompt_tokens", "routing_key", "run_router"]
 
 
-CHARS_PER_TOKEN = 4  # a text prompt's tokens, estimated (the chunk rule's 64 characters ~ 16)
-
-
-def prompt_tokens(key: str | list[int]) -> int:
-    """A routing key's length in tokens: token ids counted, text estimated at CHARS_PER_TOKEN
-    characters a token (the router does not tokenize)."""
-    return len(key) if isinstance(key, list) else len(key) // CHARS_PER_TOKEN
-
-
-def routing_key(path: str, body: dict) -> str | list[int] | None:
-    """What a request's prefix is: the completion prompt (the first, for a batch), or the
-    conversation rendered role by role (a conversation's earlier turns are a prefix of it)."""
-    if path.endswith("/chat/completions"):
-        messages = body.get("messages")
-        if not isinstance(messages, list):
-            return None
-        parts = []
-        for m in messages:
-            if not isinstance(m, dict):
-                return None
-            content = m.get("content")
-            if isinstance(content, list):
-                content = "".join(p["text"] for p in content
-                                  if isinstance(p, dict) and isinstance(p.get("text"), str))
-            if not isinstance(content, str):
-                content = ""
-            role = m.get("role") if isinstance(m.get("role"), str) else ""
-            parts.append(f"<|{role}|>{content}")
-        return "".join(parts)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str) or (isinstance(prompt, list)
-                                   and all(isinstance(t, int) for t in prompt)):
-        return prompt
-    return None
+def _urls(group: str, values: Sequence[str]) -> list[str]:
+    """A group's backend URLs without a trailing slash; ValueError for one that is not
+    http(s)."""
+    values = [u.rstrip("/") for u in values]
+    for url in values:
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ValueError(f"{group} must be an http(s):// URL, got {url!r}")
+    return values
 
 
 class Router:
@@ -98,15 +71,8 @@ class Router:
         """admin_key: the /router/* admin endpoints exist only with one (and need it).
         long_context: instances of their own for prompts over long_context_threshold tokens
         (estimated for text, see prompt_tokens); they take no other traffic."""
-        def clean(group, values):
-            values = [u.rstrip("/") for u in values]
-            for url in values:
-                if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-                    raise ValueError(f"{group} must be an http(s):// URL, got {url!r}")
-            return values
-
-        urls, canary = clean("backend", urls), clean("canary", canary)
-        long_context = clean("long_context", long_context)
+        urls, canary = _urls("backend", urls), _urls("canary", canary)
+        long_context = _urls("long_context", long_context)
         everyone = urls + canary + long_context
         if len(set(everyone)) != len(everyone):
             raise ValueError(f"backends must be distinct, got {everyone}")
@@ -132,6 +98,11 @@ class Router:
         self.max_request_bytes = max_request_bytes
         self.retry_after_s = retry_after_s
         self.timeout_s = timeout_s
+        self._init_metrics()
+        self.client: httpx.AsyncClient | None = None
+
+    def _init_metrics(self) -> None:
+        """The router's Prometheus series, in a registry of its own."""
         self.registry = prom.CollectorRegistry()
         self.routed = prom.Counter("pagedjax_router:requests", "Requests sent, by backend.",
                                    ["backend"], registry=self.registry)
@@ -158,7 +129,6 @@ class Router:
         self.canary_weight.set_function(lambda: self.guard.weight)
         self.in_flight = prom.Gauge("pagedjax_router:in_flight", "Requests in flight, by "
                                     "backend.", ["backend"], registry=self.registry)
-        self.client: httpx.AsyncClient | None = None
 
     @property
     def backends(self) -> list[Backend]:

@@ -36,7 +36,27 @@ DEFAULT_MAX_TOKENS = 512  # a chat request's when it gives none (vLLM: the conte
 
 class ServerState:
     """What the endpoints share over one engine front-end: its settings, metrics, degradation,
-    stores, and the helpers every route uses (pagedjax.serving.app.OpenAIServer adds the routes)."""
+    stores, and the helpers every route uses (pagedjax.serving.app.OpenAIServer adds the routes).
+
+    engine: an LLMEngine (stepped on a thread of this process, AsyncLLMEngine) or a
+    started engine core (pagedjax.frontend.core_client.CoreClient: the engine in a process
+    of its own). api_key guards every route but /health (and /metrics with public_metrics, for a
+    scraper); bodies over max_request_bytes answer 413 unread; chat_template replaces the
+    tokenizer's (a model with neither refuses chat requests, 400).
+
+    The serving configuration, as a versioned ServingConfig (config), or by its parts:
+    admission (admission control's rules; max_outstanding_tokens alone is the token
+    budget's shorthand), max_tokens_cap (every request's max_tokens is cut to it, its
+    response saying so in X-PagedJAX-Max-Tokens-Capped), default_max_tokens (a chat
+    request's when it gives none; None: what the context leaves, as vLLM) and degradation
+    (pagedjax.serving.degradation). admin_key enables /admin/config (new versions, live)
+    and /admin/config/rollback behind it. enable_auto_tool_choice with tool_call_parser
+    (a name of pagedjax.serving.tool_parsers.PARSERS) serves tool_choice "auto";
+    reasoning_parser (pagedjax.serving.reasoning.PARSERS) splits a thinking model's reasoning
+    from its answer. The Responses API keeps up to responses_store_size responses (0:
+    none) for responses_store_ttl_s seconds. enable_prompt_tokens_details adds the prompt
+    tokens served from the prefix cache to every usage object (prompt_tokens_details).
+    """
 
     def __init__(self, engine: LLMEngine, served_model_name: str = "pagedjax", *,
                  max_outstanding_tokens: int | None = None, api_key: str | None = None,
@@ -52,24 +72,6 @@ class ServerState:
                  responses_store_size: int = DEFAULT_MAX_ENTRIES,
                  responses_store_ttl_s: float = DEFAULT_TTL_S,
                  enable_prompt_tokens_details: bool = False):
-        """engine: an LLMEngine (stepped on a thread of this process, AsyncLLMEngine) or a
-        started engine core (pagedjax.frontend.core_client.CoreClient: the engine in a process
-        of its own). api_key guards every route but /health (and /metrics with public_metrics, for a
-        scraper); bodies over max_request_bytes answer 413 unread; chat_template replaces the
-        tokenizer's (a model with neither refuses chat requests, 400).
-
-        The serving configuration, as a versioned ServingConfig (config), or by its parts:
-        admission (admission control's rules; max_outstanding_tokens alone is the token
-        budget's shorthand), max_tokens_cap (every request's max_tokens is cut to it, its
-        response saying so in X-PagedJAX-Max-Tokens-Capped), default_max_tokens (a chat
-        request's when it gives none; None: what the context leaves, as vLLM) and degradation
-        (pagedjax.serving.degradation). admin_key enables /admin/config (new versions, live)
-        and /admin/config/rollback behind it. enable_auto_tool_choice with tool_call_parser
-        (a name of pagedjax.serving.tool_parsers.PARSERS) serves tool_choice "auto";
-        reasoning_parser (pagedjax.serving.reasoning.PARSERS) splits a thinking model's reasoning
-        from its answer. The Responses API keeps up to responses_store_size responses (0:
-        none) for responses_store_ttl_s seconds. enable_prompt_tokens_details adds the prompt
-        tokens served from the prefix cache to every usage object (prompt_tokens_details)."""
         core = engine if isinstance(engine, CoreClient) else None
         engine = core.engine if core is not None else engine
         config = serving_config(engine, config, max_outstanding_tokens, admission, max_tokens_cap,

@@ -15,8 +15,14 @@ def _default(name: str) -> str:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """EngineConfig's fields as flags (defaults: EngineConfig's own)."""
+    """EngineConfig's fields as flags (defaults: EngineConfig's own), in one group."""
     group = parser.add_argument_group("engine")
+    for add in (_pool_args, _cache_args, _parallel_args, _program_args):
+        add(group)
+
+
+def _pool_args(group) -> None:
+    """The KV pool, the step's budget and policy, the dtypes, the attention backend."""
     group.add_argument("--max-model-len", type=int,
                        help="longest prompt + output a request may hold "
                        f"({_default('max_model_len')})")
@@ -48,6 +54,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        choices=["auto", "reference", "gpu", "mosaic_gpu", "tpu"],
                        help="the paged attention kernels: auto picks by the platform "
                        f"({_default('attention_backend')})")
+
+
+def _cache_args(group) -> None:
+    """Preemption, swap, the prefix cache and its tiers, the layers' form, logprobs, seeds."""
     group.add_argument("--preemption-mode", choices=["recompute", "swap"],
                        help=f"what a preempted request loses ({_default('preemption_mode')})")
     group.add_argument("--swap-space-gib", type=float, help="host pool for --preemption-mode swap")
@@ -74,6 +84,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int,
                        help="draws the seeds of requests that give none "
                        f"({_default('seed')})")
+
+
+def _parallel_args(group) -> None:
+    """Tensor, expert and data parallelism."""
     group.add_argument("--tensor-parallel-size", type=int,
                        help="split the model over this many local devices (default 1)")
     group.add_argument("--enable-expert-parallel", action="store_true",
@@ -83,6 +97,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--data-parallel-size", type=int,
                        help="replicas of the (tensor-parallel) model on disjoint devices, each "
                        "with its own KV pool and scheduler, behind one server (default 1)")
+
+
+def _program_args(group) -> None:
+    """The step programs, speculative decoding, quantization, async scheduling, the
+    compilation cache."""
     group.add_argument("--step-programs", choices=["split", "ragged"],
                        help="decode programs beside the ragged ones (split, the default), or "
                        "every step on the ragged programs (ragged: half the programs)")

@@ -11,8 +11,17 @@ from pagedjax.tools.engine_args import add_engine_args, engine_kwargs
 
 
 def serve_args(parser: argparse.ArgumentParser) -> None:
-    import os
+    _model_args(parser)
+    _server_args(parser)
+    _admission_args(parser)
+    _degradation_args(parser)
+    add_engine_args(parser)
+    from pagedjax.parallel import multihost
+    multihost.add_args(parser)
 
+
+def _model_args(parser: argparse.ArgumentParser) -> None:
+    """The model, its tokenizer and chat template, tools, reasoning, the Responses store."""
     parser.add_argument("model", nargs="?", default=None,
                         help="a Hugging Face or orbax directory, a .gguf file, or a config name "
                         "(default: the embedded trained model)")
@@ -39,46 +48,17 @@ def serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", default=None,
                         help="how the model writes tool calls: hermes (<tool_call> JSON "
                         "</tool_call>: ChatML, Qwen) or llama3_json (Llama 3.1/3.2 JSON)")
+
+
+def _server_args(parser: argparse.ArgumentParser) -> None:
+    """Where and how the server listens: address, name, configuration file, keys, limits,
+    warmup, where the engine steps, the trace, logging."""
+    import os
+
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="the port to listen on")
     parser.add_argument("--served-model-name",
                         help="the name clients send as `model` (default: the model's)")
-    admission = parser.add_argument_group(
-        "admission control (HTTP 429 with its reason; pagedjax/frontend/admission_control.py)")
-    admission.add_argument("--max-outstanding-tokens", type=int,
-                           help="refuse a request that would raise the tokens still to compute "
-                           "over all requests above this")
-    admission.add_argument("--kv-overcommit", type=float, metavar="F",
-                           help="refuse a request when the KV blocks in use, plus those the live "
-                           "requests may still take, plus its own would exceed F x the pool")
-    admission.add_argument("--long-context-threshold", type=int, metavar="TOKENS",
-                           help="prompts longer than this are long-context requests (with "
-                           "--max-long-context-requests)")
-    admission.add_argument("--max-long-context-requests", type=int, metavar="N",
-                           help="at most N live long-context requests")
-    admission.add_argument("--max-non-streamed-requests", type=int, metavar="N",
-                           help="at most N live requests whose client does not stream")
-    admission.add_argument("--max-concurrent-requests", type=int, metavar="N",
-                           help="at most N live requests")
-    admission.add_argument("--max-tokens-cap", type=int, metavar="N",
-                           help="cut every request's max_tokens to N (the response's "
-                           "X-PagedJAX-Max-Tokens-Capped header says so)")
-    admission.add_argument("--default-max-tokens", type=int, default=512, metavar="N",
-                           help="a chat request's max_tokens when it gives none (at most what "
-                           "the context leaves; 0: all of it, as vLLM)")
-    degrade = parser.add_argument_group(
-        "automatic degradation (pagedjax/serving/degradation.py): levels 1 cut max_tokens, 2 "
-        "shed long-context requests, 3 lower concurrency")
-    degrade.add_argument("--degrade-ttft-p99", type=float, metavar="SECONDS",
-                         help="step down while the window's p99 time to first token exceeds it")
-    degrade.add_argument("--degrade-itl-p99", type=float, metavar="SECONDS",
-                         help="step down while the window's p99 inter-token latency exceeds it")
-    degrade.add_argument("--degrade-oom-burst", type=int, metavar="N",
-                         help="step down when N device OOMs fall in the window")
-    degrade.add_argument("--degrade-window", type=float, default=60.0, metavar="SECONDS",
-                         help="the sliding window the signals are judged over")
-    degrade.add_argument("--degrade-hold", type=float, default=30.0, metavar="SECONDS",
-                         help="time between two steps, and healthy time before a step back up")
     parser.add_argument("--config", metavar="FILE",
                         help="a versioned serving configuration (.yaml / .json: version, model, "
                         "engine and server settings; pagedjax/serving/serving_config.py) instead "
@@ -110,9 +90,48 @@ def serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="uvicorn's log level")
-    add_engine_args(parser)
-    from pagedjax.parallel import multihost
-    multihost.add_args(parser)
+
+
+def _admission_args(parser: argparse.ArgumentParser) -> None:
+    admission = parser.add_argument_group(
+        "admission control (HTTP 429 with its reason; pagedjax/frontend/admission_control.py)")
+    admission.add_argument("--max-outstanding-tokens", type=int,
+                           help="refuse a request that would raise the tokens still to compute "
+                           "over all requests above this")
+    admission.add_argument("--kv-overcommit", type=float, metavar="F",
+                           help="refuse a request when the KV blocks in use, plus those the live "
+                           "requests may still take, plus its own would exceed F x the pool")
+    admission.add_argument("--long-context-threshold", type=int, metavar="TOKENS",
+                           help="prompts longer than this are long-context requests (with "
+                           "--max-long-context-requests)")
+    admission.add_argument("--max-long-context-requests", type=int, metavar="N",
+                           help="at most N live long-context requests")
+    admission.add_argument("--max-non-streamed-requests", type=int, metavar="N",
+                           help="at most N live requests whose client does not stream")
+    admission.add_argument("--max-concurrent-requests", type=int, metavar="N",
+                           help="at most N live requests")
+    admission.add_argument("--max-tokens-cap", type=int, metavar="N",
+                           help="cut every request's max_tokens to N (the response's "
+                           "X-PagedJAX-Max-Tokens-Capped header says so)")
+    admission.add_argument("--default-max-tokens", type=int, default=512, metavar="N",
+                           help="a chat request's max_tokens when it gives none (at most what "
+                           "the context leaves; 0: all of it, as vLLM)")
+
+
+def _degradation_args(parser: argparse.ArgumentParser) -> None:
+    degrade = parser.add_argument_group(
+        "automatic degradation (pagedjax/serving/degradation.py): levels 1 cut max_tokens, 2 "
+        "shed long-context requests, 3 lower concurrency")
+    degrade.add_argument("--degrade-ttft-p99", type=float, metavar="SECONDS",
+                         help="step down while the window's p99 time to first token exceeds it")
+    degrade.add_argument("--degrade-itl-p99", type=float, metavar="SECONDS",
+                         help="step down while the window's p99 inter-token latency exceeds it")
+    degrade.add_argument("--degrade-oom-burst", type=int, metavar="N",
+                         help="step down when N device OOMs fall in the window")
+    degrade.add_argument("--degrade-window", type=float, default=60.0, metavar="SECONDS",
+                         help="the sliding window the signals are judged over")
+    degrade.add_argument("--degrade-hold", type=float, default=30.0, metavar="SECONDS",
+                         help="time between two steps, and healthy time before a step back up")
 
 
 def serve(args, parser: argparse.ArgumentParser) -> None:

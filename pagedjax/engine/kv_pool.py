@@ -1,0 +1,59 @@
+"""The KV pool an engine sizes before it serves: its KV cache groups (one block id is a page in
+each layer slot of every group), the bytes of a block over the devices and on each, the number of
+blocks (EngineConfig's num_blocks or memory budget, or gpu_memory_utilization measured on the
+built runner), the step shapes, and the ModelRunner holding the weights and that pool."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pagedjax.engine import memory_budget
+from pagedjax.engine.config import EngineConfig
+from pagedjax.engine.runner import ModelRunner
+from pagedjax.models.layers.kv_groups import KVCacheGroups, kv_cache_groups
+from pagedjax.pallas_kernels import check_num_slots, kv_cache_bytes_per_block
+from pagedjax.parallel.sharding import kv_head_repeats
+from pagedjax.scheduler import ShapeBuckets
+from pagedjax.scheduler.kv_cache_groups import blocks_for
+
+
+@dataclasses.dataclass
+class KVPool:
+    kv_groups: KVCacheGroups
+    layer_windows: tuple  # each layer's attention window (None: full), for step-time features
+    bytes_per_block: int  # over all devices
+    bytes_per_block_per_device: int  # each device holds 1/TP of every block (its KV heads)
+    num_blocks: int
+    buckets: ShapeBuckets
+    runner: ModelRunner
+    memory_budget: object = None  # how gpu_memory_utilization sized the pool, if it did
+
+
+def size_kv_pool(model, config: EngineConfig, devices, backend) -> KVPool:
+    """The pool of `model` served under config on devices (placement's) with backend's layout."""
+    model_config, tp = model.config, config.tensor_parallel_size
+    kv_groups = kv_cache_groups(model_config, not config.disable_hybrid_kv_cache_manager)
+    num_slots = kv_groups.num_slots
+    bytes_per_block = kv_cache_bytes_per_block(
+        num_slots, config.block_size,
+        model_config.num_kv_heads * kv_head_repeats(model_config.num_kv_heads, tp),
+        model_config.head_dim, config.kv_np_dtype, backend.name)
+    per_device = bytes_per_block // tp  # the pool's budget is a device's
+    num_blocks = config.resolve_num_blocks(
+        per_device, blocks_for(kv_groups.windows, config.block_size, config.max_model_len,
+                               config.max_num_batched_tokens))
+    check_num_slots(num_slots, num_blocks, config.block_size)
+    buckets = config.buckets(kv_groups.windows)
+    runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size,
+                         dtype=config.kv_np_dtype, backend=backend,
+                         num_top_logprobs=config.max_logprobs, scan_layers=config.scan_layers,
+                         device=devices[0], kv_groups=kv_groups)
+    budget = None
+    if config.gpu_memory_utilization is not None:
+        budget = memory_budget.measure(runner, config, buckets, per_device)
+        num_blocks = budget.num_blocks
+        check_num_slots(num_slots, num_blocks, config.block_size)
+        runner.resize_kv_cache(num_blocks)
+    windows = tuple(model_config.layer_window(i) for i in range(model_config.num_layers))
+    return KVPool(kv_groups, windows, bytes_per_block, per_device, num_blocks, buckets, runner,
+                  budget)

@@ -1,0 +1,115 @@
+"""LLMEngine's request intake (a mixin): requests checked all or none (request_checks), built
+into their samples with seeds and ids, queued with their token masks and texts, and aborted."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from pagedjax.engine.output_processor import TextState
+from pagedjax.engine.request_checks import Admission, PromptSpec, check_specs
+from pagedjax.scheduler import Request, SamplingParams, make_samples
+
+
+class RequestIntake:
+    """LLMEngine's requests in (it has scheduler, token_masks, tokenizer, clock, model_config,
+    stats, _groups, _texts, _prompts, _seed_rng, _next_id, _oom_retries and _forget)."""
+
+    @property
+    def request_groups(self) -> dict[str, list[Request]]:
+        """request_id -> its samples, for every unfinished request."""
+        return self._groups
+
+    def add_requests(self, specs: Sequence[PromptSpec],
+                     admit: Callable[[list[Admission]], None] | None = None) -> list[str]:
+        """Queues several requests all or none and returns their ids: each is checked against
+        the engine's limits (admission.check_specs) before anything is built; admit, when given,
+        sees the checked requests next and may refuse them all by raising. On any error nothing
+        is built or queued."""
+        admissions = check_specs(self, specs)
+        if admit is not None:
+            admit(admissions)
+        return self.queue_admitted(admissions)
+
+    def queue_admitted(self, admissions: Sequence[Admission]) -> list[str]:
+        """Builds and queues requests check_specs passed (and returns their ids)."""
+        taken = {a.request_id for a in admissions}
+        requests = [self._build(a, taken) for a in admissions]
+        for request, admission in zip(requests, admissions):
+            self.queue(request, admission.constraints or False)
+            if admission.spec.prompt_text is not None:
+                self._prompts[request.parent_id] = admission.spec.prompt_text
+        return [r.parent_id for r in requests]
+
+    def scheduler_states(self) -> list:
+        """The scheduler state of each replica (one here) admission checks a request against."""
+        return [self.scheduler.state]
+
+    def add_request(self, prompt_token_ids: Sequence[int],
+                    sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    cache_salt: str | None = None) -> str:
+        """Queues a request and returns its id; on bad input raises RequestError (a ValueError
+        naming the field) and queues nothing.
+
+        Requests share prefix-cached blocks only when their cache_salt is equal (None included).
+        """
+        spec = PromptSpec(prompt_token_ids, sampling_params or SamplingParams(), request_id,
+                          cache_salt=cache_salt, arrival_time=arrival_time)
+        return self.add_requests([spec])[0]
+
+    def make_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
+                     request_id: str | None = None, arrival_time: float | None = None,
+                     cache_salt: str | None = None) -> Request:
+        """A checked request with its samples, not queued (benchmarks drive it by hand)."""
+        spec = PromptSpec(prompt_token_ids, sampling_params, request_id, cache_salt=cache_salt,
+                          arrival_time=arrival_time)
+        return self._build(check_specs(self, [spec])[0])
+
+    def _build(self, admission: Admission, taken: set = frozenset()) -> Request:
+        spec = admission.spec
+        seed = spec.params.seed
+        if seed is None:
+            seed = int(self._seed_rng.integers(0, 2**32))
+        request_id = admission.request_id
+        if request_id is None:
+            request_id = str(self._next_id)
+            while request_id in self._groups or request_id in taken:
+                self._next_id += 1
+                request_id = str(self._next_id)
+            self._next_id += 1
+        arrival_time = self.clock() if spec.arrival_time is None else spec.arrival_time
+        return make_samples(request_id, admission.prompt_token_ids, spec.params, seed=seed,
+                            arrival_time=arrival_time, cache_salt=spec.cache_salt,
+                            eos_token_ids=self.model_config.eos_token_ids)
+
+    def queue(self, request: Request, constraints=None) -> None:
+        """Queues a request from make_request (with its parallel samples). constraints: its
+        token_masks.Constraints from admission (False: it has none; None: built here)."""
+        if constraints is None:
+            constraints = self.token_masks.constraints(request.sampling_params)
+        self.scheduler.add_request(request)
+        samples = [request, *request.followers]
+        self.token_masks.add(samples, constraints or None)
+        self._groups[request.parent_id] = samples
+        if self.tokenizer is not None:
+            for sample in samples:
+                self._texts[sample.request_id] = TextState(self.tokenizer, sample)
+
+    def set_prompt_text(self, request_id: str, prompt: str) -> None:
+        """Records the text a queued request's prompt came from (returned in its outputs)."""
+        if request_id in self._groups:
+            self._prompts[request_id] = prompt
+
+    def abort(self, request_id: str) -> None:
+        """Finishes a request (all its samples) at once and frees its blocks; unknown or
+        finished ids are ignored."""
+        samples = self._groups.pop(request_id, None)
+        if samples is None:
+            return
+        now = self.clock()
+        for sample in samples:
+            self.scheduler.abort(sample.request_id, now)
+            self._forget(sample.request_id)
+        self._prompts.pop(request_id, None)
+        self._oom_retries.pop(request_id, None)
+        self.stats.num_aborted += 1
