@@ -10,6 +10,7 @@ import sys
 import textwrap
 
 import jax
+import pytest
 
 from pagedjax.engine.compile_cache import enable_compilation_cache, resolve_cache_dir
 
@@ -39,6 +40,7 @@ def _run(cache: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # a second process compiling everything: make test-slow
 def test_second_process_compiles_nothing(tmp_path):
     cache = str(tmp_path / "jax_cache")
     first = _run(cache)

@@ -84,6 +84,7 @@ def _strip(data: dict) -> dict:
     return {k: v for k, v in data.items() if k not in ("id", "created")}
 
 
+@pytest.mark.slow  # two servers answering a whole request mix: make test-slow
 def test_core_process_answers_as_the_in_process_engine(servers):
     local, (_, remote) = servers
     expected = [_answer(local, "/v1/completions", body) for body in BODIES]

@@ -271,6 +271,7 @@ def hf_smollm():
 
 
 @needs_smollm
+@pytest.mark.slow  # a real model (SmolLM2-135M) against transformers: make test-slow
 def test_smollm2_greedy_tokens_equal_transformers(hf_smollm):
     """The Q4_1 file dequantized by each side (gguf's dequantize here, transformers' own
     loader there), f32: the greedy answers are token for token the same."""
@@ -295,6 +296,7 @@ def test_smollm2_greedy_tokens_equal_transformers(hf_smollm):
 
 
 @needs_smollm
+@pytest.mark.slow  # transformers reads SmolLM2 from its GGUF: make test-slow
 def test_smollm2_tokenizer_equals_transformers(hf_smollm):
     """transformers' GGUF tokenizer (its vocabulary, merges and special tokens) on 300 strings of
     unicode, whitespace, digits and special tokens. One difference, by design: the file's

@@ -79,6 +79,7 @@ def test_mosaic_kernel_check_runs(tmp_path):
     assert len(mosaic) == 1 and mosaic[0].startswith("- PASS"), mosaic
 
 
+@pytest.mark.slow  # tensor parallel over the host devices: make test-slow
 def test_engine_section_runs_tensor_parallel_over_the_devices(tmp_path):
     """The engine check runs the gpu backend over every device the model splits over (here 2
     CPU devices, the kernels interpreted under shard_map; one GPU on the lent H200 is TP 1)."""

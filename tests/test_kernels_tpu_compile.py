@@ -192,7 +192,9 @@ def compile_topology(topology: str, stem: pathlib.Path) -> dict:
     return {line["name"]: line for line in lines}
 
 
-@pytest.mark.parametrize("topology", TOPOLOGIES)
+# The second generation's build: make test-slow (the first's runs in make test).
+@pytest.mark.parametrize("topology", [TOPOLOGIES[0],
+                                      pytest.param(TOPOLOGIES[1], marks=pytest.mark.slow)])
 @pytest.mark.parametrize("case", CASES)
 def test_kernel_compiles_for_tpu(case, topology, compiled):
     """And copies no cache whole: the kernels read and write it in place."""

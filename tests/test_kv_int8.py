@@ -107,7 +107,9 @@ def test_pallas_kernels_read_quantized_caches(backend, dtype):
         rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+# The TPU kernels interpreted over a whole engine run: make test-slow (test_kernels_tpu.py checks
+# the int8 TPU kernels themselves in make test).
+@pytest.mark.parametrize("backend", ["gpu", pytest.param("tpu", marks=pytest.mark.slow)])
 def test_int8_engine_on_pallas_kernels_equals_reference_backend(tiny_model, backend):
     # The TPU interpreter simulates each DMA (~3 s a step here): 6 tokens still take the run
     # through chunked prefill, mixed and decode steps; blocks of 16 (TPU-sized) keep the

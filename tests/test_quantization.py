@@ -157,6 +157,7 @@ def test_error_against_the_f32_model_is_bounded(tiny_model, scheme):
     assert report["nll"] == pytest.approx(report["nll_reference"], rel=0.1)
 
 
+@pytest.mark.slow  # a real model (SmolLM2-135M): make test-slow
 def test_smollm2_int8_keeps_greedy_agreement():
     """SmolLM2-135M-Instruct (the GGUF's weights dequantized: the f32 model) against itself
     quantized to int8 per channel, teacher-forced along its own greedy continuations of 8

@@ -137,6 +137,7 @@ def test_a_draft_model_gives_plain_decodings_tokens(byte_model):
     assert not engine.speculator.drafter.kv.block_tables  # every request's blocks given back
 
 
+@pytest.mark.slow  # a draft model as large as its target: make test-slow
 def test_the_target_as_its_own_draft_is_accepted_every_time(byte_model):
     """Drafting with the target's own weights: its greedy drafts are the target's greedy tokens,
     so all are accepted: the draft's KV holds exactly what the target's does."""
