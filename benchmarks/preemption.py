@@ -2,7 +2,11 @@
 
 Same model, workload (log-normal lengths, greedy) and pool on every row; outputs are checked
 equal across rows. Recomputed tokens are computed tokens thrown away by recompute preemption;
-their ratio to generated tokens is the wasted work per useful token.
+their ratio to generated tokens is the wasted work per useful token. Prompt tokens computed
+count every prompt position a step computed (recomputation included, prefix-cache hits not):
+the rows with the prefix cache and its host tier show how much of the recomputation the cache
+serves instead (the tier the size of swap's pool: the question is whether the tiered prefix
+cache can be swap preemption's offload, one host pool instead of two).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ def run(model, prompts, params, config):
     stats = engine.stats
     generated = sum(len(t) for t in done.values())
     return {"preemptions": stats.num_preemptions, "swap_outs": stats.num_swap_outs,
+            "prompt_tokens_computed": stats.num_prompt_tokens_computed,
+            "host_tier_blocks_loaded": stats.kv_tiers.get("host", {}).get("blocks_out", 0),
             "recomputed_tokens": stats.num_recomputed_tokens,
             "recomputed_per_generated": stats.num_recomputed_tokens / generated,
             "steps": stats.num_steps, "seconds": seconds,
@@ -56,6 +62,14 @@ def main() -> None:
         ("recompute, fewest_computed", dict(preemption_mode="recompute",
                                             victim_policy="fewest_computed")),
         ("swap, lifo", dict(preemption_mode="swap", swap_space_bytes=swap_bytes)),
+        # The tiered prefix cache as the offload (vLLM V1's choice: no swap, a CPU offloading
+        # connector): a preempted request's full blocks stay cached, evicted blocks go to a
+        # host tier of swap's size, and readmission loads them back instead of recomputing.
+        ("recompute, lifo, prefix cache", dict(preemption_mode="recompute",
+                                               enable_prefix_caching=True)),
+        ("recompute, lifo, prefix cache + host tier",
+         dict(preemption_mode="recompute", enable_prefix_caching=True,
+              kv_offload_bytes=swap_bytes)),
     ]
     rows, reference = [], None
     for name, extra in variants:

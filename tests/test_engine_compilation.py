@@ -123,6 +123,7 @@ def test_compiled_step_updates_the_cache_in_place(tiny_model, kv_cache_dtype):
     assert temps[0] == temps[1], temps
 
 
+@pytest.mark.slow  # every program compiled in the background: make test-slow
 def test_background_warmup_serves_meanwhile_and_compiles_each_program_once(tiny_model):
     """start_warmup compiles in a thread while the engine steps: requests are answered as
     they would be without it, every shape compiles exactly once (whichever thread comes

@@ -189,6 +189,7 @@ def test_killed_core_answers_503_within_a_second():
         assert answer.status_code == 503 and answer.json()["error"]["code"] == "engine_dead"
 
 
+@pytest.mark.slow  # data parallel: make test-slow
 def test_a_data_parallel_engine_in_the_core(monkeypatch):
     """The core builds whatever LLM builds: two replicas over two host devices (the core's
     process sees the flag it inherits)."""

@@ -1,9 +1,10 @@
 """Sampling on device: seeded reproducibility, the top-k / top-p / min-p filters and
 logit_bias."""
 
-from helpers import until_done
 import jax.numpy as jnp
 import numpy as np
+import pytest
+from helpers import until_done
 
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
 from pagedjax.engine.sampler import _filter_min_p, _filter_top_k_top_p, sample
@@ -179,6 +180,7 @@ def _reference_kept(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
     return logits >= head[max(int(keep.sum()), 1) - 1]
 
 
+@pytest.mark.slow  # a large vocabulary: make test-slow
 def test_filters_over_a_large_vocabulary_match_the_reference():
     """Past TOP_CANDIDATES tokens the filter looks at the top candidates only, sorting the row
     when a filter reaches past them (top_k 600; a flat row's 0.999 nucleus) or when no row does

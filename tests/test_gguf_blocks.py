@@ -120,6 +120,7 @@ def _placed_peak(model) -> tuple[LLMEngine, int]:
         tracemalloc.stop()
 
 
+@pytest.mark.slow  # a memory peak over a whole load: make test-slow
 def test_gguf_blocks_load_without_a_float_copy(tmp_path, monkeypatch):
     """The blocks load into int8 / packed int4 arrays: the host's peak stays under a fifth of
     the weights' f32 bytes (the f32 path peaks above it: a stacked leaf and its per-layer

@@ -169,20 +169,25 @@ def compiled(tmp_path_factory):
                     "(requirements/tpu-aot.txt), or set PAGEDJAX_LIBTPU")
     shared = shared_dir(tmp_path_factory)
 
-    def get(topology: str) -> dict:
-        stem = shared / f"tpu_aot_{topology.replace(':', '_')}"
+    def get(topology: str, part: str = "kernels") -> dict:
+        stem = shared / f"tpu_aot_{topology.replace(':', '_')}_{part}"
         with open(stem.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             results = stem.with_suffix(".json")
             if not results.exists():
-                results.write_text(json.dumps(compile_topology(topology, stem)))
+                results.write_text(json.dumps(compile_topology(topology, part, stem)))
         return json.loads(results.read_text())
 
     return functools.cache(get)
 
 
-def compile_topology(topology: str, stem: pathlib.Path) -> dict:
-    names = [*CASES] + ([*STEPS, *SHARDED_STEPS, *LARGE] if topology == TOPOLOGIES[0] else [])
+def compile_topology(topology: str, part: str, stem: pathlib.Path) -> dict:
+    """One child process's builds: the kernels (and, on the first topology, the engine's
+    steps), or the large part (tensor-parallel steps, production sizes: make test-slow)."""
+    if part == "large":
+        names = [*SHARDED_STEPS, *LARGE]
+    else:
+        names = [*CASES] + ([*STEPS] if topology == TOPOLOGIES[0] else [])
     lines, stderr = xla_tpu.run_in_child(
         [{"name": name, "module": "test_kernels_tpu_compile", "function": "build",
           "sharded": name in SHARDED_STEPS} for name in names],
@@ -212,12 +217,13 @@ def test_engine_step_compiles_for_tpu_and_updates_the_cache_in_place(case, compi
     assert result["arg_copies"] == {}, result["arg_copies"]
 
 
+@pytest.mark.slow  # tensor parallel: make test-slow
 @pytest.mark.parametrize("case", SHARDED_STEPS)
 def test_tensor_parallel_step_compiles_for_a_v5e_slice(case, compiled):
     """Split over the 4 chips of a v5e 2x2: each chip's program updates its shard of the
     cache in place (aliased, no copy), and XLA joins the row-parallel matmuls with
     all-reduces (the o and down projections of the scanned layer)."""
-    result = compiled(TOPOLOGIES[0])[case]
+    result = compiled(TOPOLOGIES[0], "large")[case]
     assert result["ok"], result.get("error")
     assert result["devices"] == 4
     assert result["arg_copies"] == {}, result["arg_copies"]
@@ -226,10 +232,11 @@ def test_tensor_parallel_step_compiles_for_a_v5e_slice(case, compiled):
     assert result["alias_gib"] >= shard_gib
 
 
+@pytest.mark.slow  # production sizes: make test-slow
 @pytest.mark.parametrize("case", LARGE)
 def test_kernel_compiles_for_tpu_at_production_sizes(case, compiled):
     """On v5e, whose SMEM (1 MB) the block tables and the write's page table must fit."""
-    result = compiled(TOPOLOGIES[0])[case]
+    result = compiled(TOPOLOGIES[0], "large")[case]
     assert result["ok"], result.get("error")
 
 

@@ -94,6 +94,7 @@ def test_kv_bytes_per_token_formula():
     assert config.kv_bytes_per_token(2) == 131072
 
 
+@pytest.mark.slow  # bf16 error statistics over many positions: make test-slow
 def test_bf16_paged_error_is_the_error_of_bf16_itself():
     """bf16 changes tokens, so compare errors: the paged bf16 path may stray from the f32
     reference no further than the dense bf16 path does (within 2x), i.e. paging adds no error

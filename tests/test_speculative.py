@@ -66,6 +66,9 @@ def first_new(tokens: list[int], printable: bool = False) -> int:
     raise AssertionError(f"no new token after the 10th in {tokens}")
 
 
+# The n-gram proposer over a whole mixed batch (a draft model's and Predicted Outputs' equal-tokens
+# tests run in make test).
+@pytest.mark.slow
 def test_tokens_equal_plain_decoding_over_a_mixed_batch(byte_model):
     tok = ByteTokenizer()
     # the stop string and stop token: from the plain engine's own outputs, mid-way
