@@ -1,1 +1,3 @@
-"""The engine core: LLMEngine (schedule -> plan -> run -> postprocess), the model runner, sampling, outputs, stats, config."""
+"""The engine: LLMEngine (schedule -> plan -> run -> postprocess), its request checks and intake,
+the KV pool and the model runner, sampling, token masks, outputs, stats, config, and speculative
+decoding (spec_decode/)."""
