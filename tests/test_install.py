@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import signal
 import socket
 import subprocess
@@ -38,9 +39,16 @@ def run(*args, **kwargs) -> subprocess.CompletedProcess:
 def installed(tmp_path_factory):
     """(the fresh venv's python, its site-packages, a working directory full of shadows)."""
     tmp = tmp_path_factory.mktemp("install")
-    wheels = tmp / "wheels"
+    source, wheels = tmp / "source", tmp / "wheels"
+    # A copy of the checkout's files (tracked, and untracked but not ignored): setuptools builds
+    # in the source tree, and a checkout's stale build/ must not reach the wheel.
+    listed = run("git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", cwd=ROOT)
+    for name in filter(None, listed.stdout.split("\0")):
+        if (ROOT / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
     run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-        "--wheel-dir", str(wheels), str(ROOT), cwd=tmp)
+        "--wheel-dir", str(wheels), str(source), cwd=tmp)
     env_dir = tmp / "venv"
     venv.create(env_dir, with_pip=False)
     python = env_dir / "bin" / "python"
