@@ -172,6 +172,41 @@ def test_bad_chats_get_400_naming_the_field(served):
     _check_serving(server, client)
 
 
+DEEP = "[" * 5000 + "]" * 5000  # JSON nested deeper than Python's parser recurses
+
+
+def _answered_call(arguments) -> list[dict]:
+    return [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "25C"}]
+
+
+def test_an_earlier_calls_arguments_are_json_or_refused_by_name(served):
+    """vLLM's rule for an assistant turn's tool call arguments: JSON text parsed (None or ""
+    an empty object); text that is not JSON, or nested past the parser, is a 400 naming where it
+    is, on chat, /tokenize's chat form and a Responses function_call item alike (not a 500)."""
+    server, client = served
+    for bad, why in ((DEEP, "nested too deeply"), ("{not json", "not valid JSON")):
+        where = f"messages[1].tool_calls[0].function.arguments is {why}"
+        for path, body in (("/v1/chat/completions", {"messages": _answered_call(bad),
+                                                     "max_tokens": 1}),
+                           ("/tokenize", {"messages": _answered_call(bad)})):
+            error = _check_error(client.post(path, json=body), 400, "messages")
+            assert where in error["message"], error
+        items = [{"type": "function_call", "call_id": "c1", "name": "get_weather",
+                  "arguments": bad}, {"type": "function_call_output", "call_id": "c1",
+                                      "output": "25C"}]
+        error = _check_error(client.post("/v1/responses", json={
+            "input": items, "max_output_tokens": 1}), 400, "input")
+        assert f"input[0].arguments is {why}" in error["message"], error
+    for fine in (None, "", '{"city": "Rome"}', "[1, 2]"):
+        response = client.post("/tokenize", json={"messages": _answered_call(fine)})
+        assert response.status_code == 200, response.text
+    _check_serving(server, client)
+
+
 def test_unparseable_bodies_get_400(served):
     server, client = served
     for path, raw in RAW:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import secrets
 import time
 
@@ -19,7 +18,7 @@ from pagedjax.serving.http_common import APIError, parse_body
 from pagedjax.serving.protocol import ChatCompletionRequest, prompt_logprobs_json, usage_json
 from pagedjax.serving.server_state import ServerState
 from pagedjax.serving.streaming import DONE, DeltaTracker, guard, sse
-from pagedjax.serving.tool_calls import ToolRequest
+from pagedjax.serving.tool_calls import ToolRequest, call_arguments
 from pagedjax.text.tokenizer import NO_CHAT_TEMPLATE
 
 
@@ -42,18 +41,10 @@ def _message(i: int, message) -> dict:
                 isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
             raise APIError(400, f"messages[{i}].tool_calls must be a list of "
                            "{'function': {'name', 'arguments'}}", "messages")
-        out["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _arguments(
-            c["function"].get("arguments"))}} for c in calls]
+        out["tool_calls"] = [{**c, "function": {**c["function"], "arguments": call_arguments(
+            c["function"].get("arguments"), f"messages[{i}].tool_calls[{j}].function.arguments",
+            "messages")}} for j, c in enumerate(calls)]
     return out
-
-
-def _arguments(value):
-    if isinstance(value, str):
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError:
-            return value  # as the client sent it
-    return value
 
 
 def _continued(text: str, final: str) -> str:

@@ -4,8 +4,7 @@ as a stream's deltas."""
 
 from __future__ import annotations
 
-from pagedjax.serving import reasoning as reasoning_lib
-from pagedjax.serving import tool_calls
+from pagedjax.serving import reasoning as reasoning_lib, tool_calls
 from pagedjax.serving.tool_calls import ToolRequest
 
 

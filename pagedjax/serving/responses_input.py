@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pagedjax.serving.http_common import APIError
 from pagedjax.serving.protocol import REASONING_EFFORTS, ChatCompletionRequest
+from pagedjax.serving.tool_calls import call_arguments
 
 # Errors of the chat request name chat's fields; these are their Responses names.
 PARAM_NAMES = {"messages": "input", "max_tokens": "max_output_tokens",
@@ -129,6 +130,7 @@ def input_messages(items: str | list[dict]) -> list[dict]:
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise APIError(400, f"{where}: a function_call needs call_id, name and "
                                "arguments (strings)", "input")
+            call_arguments(item["arguments"], f"{where}.arguments", "input")  # JSON, or 400
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             last = messages[-1] if messages else None

@@ -26,8 +26,8 @@ def _is_chat(raw: bytes) -> bool:
     """A body with "messages" is the chat form (vLLM tells the two apart the same way)."""
     try:
         return isinstance(data := json.loads(raw), dict) and "messages" in data
-    except ValueError:
-        return False  # parse_body answers the malformed JSON
+    except (ValueError, RecursionError):
+        return False  # parse_body answers the malformed (or too deeply nested) JSON
 
 
 def _tokenizer(server: ServerState, field: str):

@@ -111,6 +111,21 @@ def tool_request(body, parser: ToolParser | None) -> ToolRequest | None:
     return ToolRequest(tools, choice, name, body.parallel_tool_calls, legacy, field)
 
 
+def call_arguments(value, where: str, param: str):
+    """An earlier assistant turn's tool call arguments as chat templates read them (vLLM's
+    rule): JSON text parsed, nothing (None, "") an empty object, a parsed value as it is. Text
+    that is not JSON, or nested deeper than the parser reads, is refused (400) by where."""
+    if value is None or value == "":
+        return {}
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except (json.JSONDecodeError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else "not valid JSON"
+        raise APIError(400, f"{where} is {why}", param) from None
+
+
 def _call_json(call: Call, index: int, legacy: bool) -> dict:
     if legacy:
         return {"name": call.name, "arguments": call.arguments}
