@@ -207,6 +207,36 @@ def test_an_earlier_calls_arguments_are_json_or_refused_by_name(served):
     _check_serving(server, client)
 
 
+def test_background_responses_stay_reachable_past_the_stores_size(llm):
+    """More background responses than the store holds, all queued (the engine paused): each is
+    still there for GET and cancel (evicted, they ran on unreachable and were written back over
+    finished entries); ended, they are evictable again."""
+    server = OpenAIServer(llm.engine, "tiny", chat_template=ROLE_TEMPLATE,
+                          responses_store_size=2)
+    with BackgroundServer(server.build_app()) as url, \
+            httpx.Client(base_url=url, timeout=TIMEOUT_S) as client:
+        server.async_engine.pause()
+        try:
+            ids = [client.post("/v1/responses", json={
+                "input": "hi", "background": True, "max_output_tokens": 4}).json()["id"]
+                for _ in range(5)]
+            assert all(client.get(f"/v1/responses/{i}").status_code == 200 for i in ids)
+            for i in ids[:4]:
+                cancelled = client.post(f"/v1/responses/{i}/cancel")
+                assert cancelled.status_code == 200 and \
+                    cancelled.json()["status"] == "cancelled", cancelled.text
+        finally:
+            server.async_engine.resume()
+        deadline = time.monotonic() + 60
+        while client.get(f"/v1/responses/{ids[4]}").json()["status"] in ("queued",
+                                                                          "in_progress"):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert len(server.responses) == 2  # the bound holds again once they ended
+        assert client.delete(f"/v1/responses/{ids[4]}").status_code == 200
+        _check_serving(server, client)
+
+
 def test_unparseable_bodies_get_400(served):
     server, client = served
     for path, raw in RAW:

@@ -156,7 +156,7 @@ async def _events(run: _Run):
 def _background(run: _Run):
     server = run.server
     queued = run.response("queued", [])
-    server.responses.put(run.id, queued, run.conversation)
+    server.responses.put(run.id, queued, run.conversation, running=True)
 
     async def finish():
         try:
@@ -170,11 +170,11 @@ def _background(run: _Run):
             message, _ = run.chat.reader.message(choice.text or "", choice.finish_reason)
             run.finished(final, output.output_items(message))
         except asyncio.CancelledError:
-            server.responses.update(run.id, run.response("cancelled", []))
+            server.responses.update(run.id, run.response("cancelled", []), running=False)
         except Exception as e:  # noqa: BLE001 - the response says it failed
             logger.warning("background response %s failed: %s", run.id, e)
             server.responses.update(run.id, run.response("failed", [], error={
-                "code": "server_error", "message": str(e)[:500]}))
+                "code": "server_error", "message": str(e)[:500]}), running=False)
         finally:
             server.background_responses.pop(run.id, None)
 

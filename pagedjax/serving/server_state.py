@@ -25,7 +25,8 @@ from pagedjax.serving.http_common import DEFAULT_MAX_REQUEST_BYTES, APIError
 from pagedjax.serving.metrics import ServerMetrics
 from pagedjax.serving.protocol import _SamplingFields, usage_json
 from pagedjax.serving.request_params import rejected, sampling_params, trace_note
-from pagedjax.serving.response_store import DEFAULT_MAX_ENTRIES, DEFAULT_TTL_S, ResponseStore
+from pagedjax.serving.response_store import (DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, DEFAULT_TTL_S,
+                                             ResponseStore)
 from pagedjax.serving.serving_config import ConfigHistory, ServingConfig, engine_fields
 from pagedjax.serving.tool_parsers import get_parser
 from pagedjax.serving.trace_recorder import TraceRecorder
@@ -54,7 +55,8 @@ class ServerState:
     (a name of pagedjax.serving.tool_parsers.PARSERS) serves tool_choice "auto";
     reasoning_parser (pagedjax.serving.reasoning.PARSERS) splits a thinking model's reasoning
     from its answer. The Responses API keeps up to responses_store_size responses (0:
-    none) for responses_store_ttl_s seconds. enable_prompt_tokens_details adds the prompt
+    none) and responses_store_max_bytes of their JSON for responses_store_ttl_s seconds (a
+    running background response whatever the bounds). enable_prompt_tokens_details adds the prompt
     tokens served from the prefix cache to every usage object (prompt_tokens_details).
     """
 
@@ -71,6 +73,7 @@ class ServerState:
                  reasoning_parser: str | None = None,
                  responses_store_size: int = DEFAULT_MAX_ENTRIES,
                  responses_store_ttl_s: float = DEFAULT_TTL_S,
+                 responses_store_max_bytes: int = DEFAULT_MAX_BYTES,
                  enable_prompt_tokens_details: bool = False):
         core = engine if isinstance(engine, CoreClient) else None
         engine = core.engine if core is not None else engine
@@ -90,7 +93,8 @@ class ServerState:
         self.reasoning_parser = reasoning.get_parser(reasoning_parser) if reasoning_parser \
             else None
         self.prompt_tokens_details = bool(enable_prompt_tokens_details)
-        self.responses = ResponseStore(responses_store_size, responses_store_ttl_s)
+        self.responses = ResponseStore(responses_store_size, responses_store_ttl_s,
+                                       max_bytes=responses_store_max_bytes)
         self.background_responses: dict[str, asyncio.Future] = {}
         self.api_key, self.admin_key = api_key, admin_key
         self.max_request_bytes = max_request_bytes

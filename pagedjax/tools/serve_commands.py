@@ -39,6 +39,10 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--responses-store-size", type=int, default=1000,
                         help="responses the Responses API keeps (for GET /v1/responses/{id} and "
                         "previous_response_id), the oldest dropped first; 0 keeps none")
+    parser.add_argument("--responses-store-max-bytes", type=int, default=256 * 2**20,
+                        help="the most bytes (the responses' and their conversations' JSON) "
+                        "the Responses API's store holds, the oldest ended response dropped "
+                        "first (default 256 MiB); a running background response is kept")
     parser.add_argument("--responses-store-ttl", type=float, default=3600.0,
                         help="seconds a stored response is kept")
     parser.add_argument("--reasoning-parser", default=None,
@@ -145,28 +149,7 @@ def serve(args, parser: argparse.ArgumentParser) -> None:
     if not 0 < args.port < 65536:
         parser.error(f"--port must be in 1..65535, got {args.port}")
     config = _serving_config(args, parser)
-    if args.max_request_bytes < 1:
-        parser.error(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
-    if args.responses_store_size < 0 or not args.responses_store_ttl > 0:
-        parser.error("--responses-store-size must be >= 0 and --responses-store-ttl > 0")
-    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
-        parser.error("--enable-auto-tool-choice and --tool-call-parser go together")
-    if args.reasoning_parser is not None:
-        from pagedjax.serving.reasoning import PARSERS as REASONING
-        if args.reasoning_parser not in REASONING:
-            parser.error(f"--reasoning-parser must be one of {', '.join(sorted(REASONING))}, "
-                         f"got {args.reasoning_parser!r}")
-    if args.tool_call_parser is not None:
-        from pagedjax.serving.tool_parsers import PARSERS
-        if args.tool_call_parser not in PARSERS:
-            parser.error(f"--tool-call-parser must be one of {', '.join(sorted(PARSERS))}, got "
-                         f"{args.tool_call_parser!r}")
-    if args.chat_template is not None:
-        from pagedjax.text.tokenizer import read_chat_template
-        try:
-            args.chat_template = read_chat_template(args.chat_template)
-        except ValueError as e:
-            parser.error(str(e))
+    _check_server_flags(args, parser)
 
     from pagedjax.frontend.llm import DEFAULT_MODEL
     from pagedjax.serving.app import run_server
@@ -192,7 +175,36 @@ def serve(args, parser: argparse.ArgumentParser) -> None:
                reasoning_parser=args.reasoning_parser,
                responses_store_size=args.responses_store_size,
                responses_store_ttl_s=args.responses_store_ttl,
+               responses_store_max_bytes=args.responses_store_max_bytes,
                enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+
+
+def _check_server_flags(args, parser: argparse.ArgumentParser) -> None:
+    """parser.error naming the first server flag out of its range; a chat template read."""
+    if args.max_request_bytes < 1:
+        parser.error(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    if args.responses_store_size < 0 or not args.responses_store_ttl > 0 \
+            or args.responses_store_max_bytes < 1:
+        parser.error("--responses-store-size must be >= 0, --responses-store-max-bytes >= 1 "
+                     "and --responses-store-ttl > 0")
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        parser.error("--enable-auto-tool-choice and --tool-call-parser go together")
+    if args.reasoning_parser is not None:
+        from pagedjax.serving.reasoning import PARSERS as REASONING
+        if args.reasoning_parser not in REASONING:
+            parser.error(f"--reasoning-parser must be one of {', '.join(sorted(REASONING))}, "
+                         f"got {args.reasoning_parser!r}")
+    if args.tool_call_parser is not None:
+        from pagedjax.serving.tool_parsers import PARSERS
+        if args.tool_call_parser not in PARSERS:
+            parser.error(f"--tool-call-parser must be one of {', '.join(sorted(PARSERS))}, got "
+                         f"{args.tool_call_parser!r}")
+    if args.chat_template is not None:
+        from pagedjax.text.tokenizer import read_chat_template
+        try:
+            args.chat_template = read_chat_template(args.chat_template)
+        except ValueError as e:
+            parser.error(str(e))
 
 
 SERVER_FLAGS = ("max_outstanding_tokens", "kv_overcommit", "long_context_threshold",
