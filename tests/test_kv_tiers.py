@@ -3,11 +3,13 @@ from host memory and from disk with the tokens of recomputing them, the KV moved
 corrupt and foreign disk files refused, a failing disk degrading to the host tier alone, and a
 second process finding the first's blocks on disk."""
 
+import hashlib
 import json
 import logging
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -166,6 +168,9 @@ def test_corrupt_and_foreign_disk_blocks_are_refused(tiny_model, recomputed, tmp
     # the first block of three documents: every walk of theirs reads it first
     files = [os.path.join(tmp_path, hash_block(root_hash(key, None), doc[:4]).hex() + SUFFIX)
              for doc in sessions()[:3]]
+    doc = sessions()[3]  # its second block: the first still reads from disk
+    files.append(os.path.join(tmp_path, hash_block(hash_block(root_hash(key, None), doc[:4]),
+                                                   doc[4:8]).hex() + SUFFIX))
     assert all(os.path.exists(f) for f in files)
     num_files = len(_files(tmp_path))
     with open(files[0], "r+b") as f:  # a flipped byte in the payload
@@ -184,13 +189,24 @@ def test_corrupt_and_foreign_disk_blocks_are_refused(tiny_model, recomputed, tmp
     encoded = json.dumps(header).encode()
     with open(files[2], "wb") as f:
         f.write(MAGIC + len(encoded).to_bytes(4, "little") + encoded + data[start + length:])
+    with open(files[3], "rb") as f:  # well-formed, checksum valid, leaves of another shape
+        data = f.read()
+    header = json.loads(data[start:start + int.from_bytes(data[len(MAGIC):start], "little")])
+    wrong = np.zeros(3, np.float32)
+    header["leaves"] = [[[3], "float32"]] * len(header["leaves"])
+    header["checksum"] = hashlib.blake2b(wrong.tobytes() * len(header["leaves"]),
+                                         digest_size=16).hexdigest()
+    encoded = json.dumps(header).encode()
+    with open(files[3], "wb") as f:
+        f.write(MAGIC + len(encoded).to_bytes(4, "little") + encoded
+                + wrong.tobytes() * len(header["leaves"]))
     second = engine_with(tiny_model, kv_offload_bytes=6 * BLOCK_BYTES,
                          kv_disk_dir=str(tmp_path), kv_disk_bytes=1 << 22)
     assert second.kv_tiers.disk.num_blocks == num_files
     # the first round again: its prefixes come from disk, bar the three refused blocks
     assert run_rounds(second, sessions(), rounds=1) == recomputed[:4]
     disk = second.kv_tiers.disk
-    assert disk.num_corrupt == 3 and disk.num_hits > 0
+    assert disk.num_corrupt == 4 and disk.num_hits > 0
     second.close()
     # deleted when refused, then written again with the KV their requests recomputed
     third = DiskTier(str(tmp_path), 1 << 22, disk.key, disk.layout)
@@ -272,6 +288,60 @@ def test_disk_tier_keeps_under_its_capacity(tmp_path):
     assert tier.read(bytes([0]) * 16) is None and tier.num_misses == 1  # the oldest went
     assert tier.read(bytes([5]) * 16)[0].tolist() == leaves[0].tolist()
     tier.close()
+
+
+def _block_file(tier, block_hash: bytes, leaves: list[np.ndarray]) -> bytes:
+    """A well-formed block file of these leaves: the tier's key and layout, a valid checksum."""
+    return tier._encode(block_hash, leaves)
+
+
+def test_disk_reads_follow_no_link_wait_on_no_fifo_and_trust_no_shape(tmp_path):
+    """Issue 57: a block path that is a link (to a FIFO, to a large file, to a file outside),
+    a FIFO itself, or a well-formed file whose leaves are not the layout's (a valid checksum,
+    shapes [3] or scalars) is refused at once without reading past a block file's size:
+    counted, deleted, a miss; the good blocks beside them read on."""
+    layout = {"block_size": 4, "leaves": [[[2, 4], "float32"]]}
+    tier = DiskTier(str(tmp_path), 1 << 22, "key", layout)
+    good = [np.arange(8, dtype=np.float32).reshape(2, 4)]
+    names = [bytes([i]) * 16 for i in range(7)]
+    for block_hash in names:
+        tier.write(block_hash, good)
+    tier.drain()
+    path = {h: os.path.join(tmp_path, h.hex() + SUFFIX) for h in names}
+    os.mkfifo(tmp_path / "fifo")
+    big = tmp_path / "big"
+    with open(big, "wb") as f:
+        f.truncate(256 << 20)  # sparse: 256 MiB a reader that reads whole would hold
+    for block_hash, target in zip(names[:3], (tmp_path / "fifo", big, "/etc/passwd")):
+        os.remove(path[block_hash])
+        os.symlink(target, path[block_hash])
+    os.remove(path[names[3]])
+    os.mkfifo(path[names[3]])
+    for block_hash, leaf in ((names[4], np.zeros(3, np.float32)),
+                             (names[5], np.float32(1.0).reshape(()))):
+        data = bytearray(_block_file(tier, block_hash, [leaf]))
+        start = len(MAGIC) + 4
+        length = int.from_bytes(data[len(MAGIC):start], "little")
+        header = json.loads(data[start:start + length])
+        header["layout"] = layout  # claims the layout, carries other leaves
+        header["checksum"] = hashlib.blake2b(leaf.tobytes(), digest_size=16).hexdigest()
+        encoded = json.dumps(header).encode()
+        with open(path[block_hash], "wb") as f:
+            f.write(MAGIC + len(encoded).to_bytes(4, "little") + encoded + leaf.tobytes())
+    start = time.monotonic()
+    assert [tier.read(h) for h in names[:6]] == [None] * 6
+    assert time.monotonic() - start < 10  # no wait on a FIFO, no 256 MiB read
+    assert tier.num_corrupt == 6 and tier.bytes_read == 0 and tier.num_hits == 0
+    assert not any(os.path.lexists(path[h]) for h in names[:6])
+    assert os.path.exists("/etc/passwd") and big.stat().st_size == 256 << 20
+    assert tier.read(names[6])[0].tolist() == good[0].tolist()
+    tier.close()
+    # a restarted tier indexes no link and nothing but regular files
+    os.symlink(big, path[names[0]])
+    os.mkfifo(path[names[1]])
+    again = DiskTier(str(tmp_path), 1 << 22, "key", layout)
+    assert again.num_blocks == 1 and names[6] in again
+    again.close()
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -5,8 +5,11 @@ storage tier).
 A file is `<hash hex>.kvblock`: a magic line, the header's length, a JSON header (what the
 content depends on: the model key, the layout, dtypes, block size; the block's hash; each
 leaf's shape and dtype; a checksum of the payload) and the payload (the block's leaves, raw).
-A read checks every field and the checksum; a file that fails (corrupt, truncated, another
-model's or layout's) is counted, deleted and never loaded.
+A read opens the file without following a link and without waiting on it (a FIFO, a device),
+reads a regular file of at most a block file's size, and checks every field, every leaf's shape
+and dtype against the layout, and the checksum; a file that fails (a link, not a regular file,
+too large, corrupt, truncated, another model's or layout's) is counted, deleted and never
+loaded: its blocks are recomputed.
 
 Writes never block a step: `write` queues the block for a writer thread (a bounded queue; a
 block that finds it full is dropped and counted). A write that fails (a full disk, a directory
@@ -23,6 +26,7 @@ import json
 import logging
 import os
 import queue
+import stat
 import threading
 import time
 
@@ -32,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 MAGIC = b"PAGEDJAX-KV-BLOCK 1\n"
 SUFFIX = ".kvblock"
+MAX_HEADER_BYTES = 1 << 16  # a header is a few hundred bytes: key, layout, hash, checksum
 
 
 def _dtype(name: str) -> np.dtype:
@@ -48,6 +53,12 @@ class DiskTier:
         self.capacity_bytes = capacity_bytes
         self.key = key
         self.layout = layout
+        # Each leaf's [shape, dtype] when the layout names them (an engine's always does).
+        self.leaves = layout.get("leaves")
+        payload = None if self.leaves is None else sum(
+            int(np.prod(shape)) * _dtype(dtype).itemsize for shape, dtype in self.leaves)
+        self.max_file_bytes = None if payload is None else \
+            len(MAGIC) + 4 + MAX_HEADER_BYTES + payload
         self.enabled = True
         self._lock = threading.Lock()
         self._index: collections.OrderedDict[bytes, int] = collections.OrderedDict()
@@ -79,12 +90,14 @@ class DiskTier:
         found = []
         for entry in os.scandir(self.directory):
             if entry.name.endswith(SUFFIX):
-                try:
+                try:  # a link or anything but a regular file is never a block
+                    if not entry.is_file(follow_symlinks=False):
+                        continue
                     block_hash = bytes.fromhex(entry.name[:-len(SUFFIX)])
-                    stat = entry.stat()
+                    info = entry.stat(follow_symlinks=False)
                 except (ValueError, OSError):
                     continue
-                found.append((stat.st_mtime, block_hash, stat.st_size))
+                found.append((info.st_mtime, block_hash, info.st_size))
         for _, block_hash, size in sorted(found):
             self._index[block_hash] = size
             self.bytes_used += size
@@ -117,8 +130,7 @@ class DiskTier:
         start = time.perf_counter()
         path = self._path(block_hash)
         try:
-            with open(path, "rb") as f:
-                data = f.read()
+            data = self._read_file(path)
             leaves = self._decode(data, block_hash)
         except (OSError, ValueError, KeyError, TypeError) as error:
             logger.warning("KV disk tier: refused %s (%s)", path, error)
@@ -151,6 +163,22 @@ class DiskTier:
 
     # ---- files ------------------------------------------------------------------------------
 
+    def _read_file(self, path: str) -> bytes:
+        """A regular file's bytes, opened without following a link or waiting on a FIFO, and
+        no more than a block file's size read."""
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise ValueError("not a regular file")
+            limit = self.max_file_bytes
+            if limit is not None and info.st_size > limit:
+                raise ValueError(f"{info.st_size} bytes, more than a block file's {limit}")
+            data = f.read() if limit is None else f.read(limit + 1)
+        if limit is not None and len(data) > limit:
+            raise ValueError("it grew past a block file's size while read")
+        return data
+
     def _path(self, block_hash: bytes) -> str:
         return os.path.join(self.directory, block_hash.hex() + SUFFIX)
 
@@ -167,12 +195,16 @@ class DiskTier:
             raise ValueError("not a KV block file")
         start = len(MAGIC) + 4
         length = int.from_bytes(data[len(MAGIC):start], "little")
+        if length > MAX_HEADER_BYTES:
+            raise ValueError(f"a header of {length} bytes")
         header = json.loads(data[start:start + length])
         for field, want in (("key", self.key), ("layout", self.layout),
                             ("hash", block_hash.hex())):
             if header[field] != want:
                 raise ValueError(f"its {field} is another engine's")
         payload = data[start + length:]
+        if self.leaves is not None and header["leaves"] != self.leaves:
+            raise ValueError("its leaves' shapes or dtypes are not the layout's")
         if hashlib.blake2b(payload, digest_size=16).hexdigest() != header["checksum"]:
             raise ValueError("checksum mismatch")
         leaves, offset = [], 0
@@ -184,6 +216,8 @@ class DiskTier:
             leaves.append(np.frombuffer(payload, dtype, int(np.prod(shape)), offset)
                           .reshape(shape))
             offset += size
+        if offset != len(payload):
+            raise ValueError(f"{len(payload) - offset} bytes past its leaves")
         return leaves
 
     def _forget(self, block_hash: bytes, delete: bool) -> None:
