@@ -264,3 +264,46 @@ def test_deltas_rebuild_the_cumulative_outputs():
     middle = encoder.encode(steps[0]), encoder.encode(steps[1])
     assert middle[1][2][0][2] == [7] and middle[1][2][0][5] == "z"  # only what is new
     assert middle[1][1] is None  # the prompt went once
+
+
+@pytest.mark.slow  # a whole `pagedjax serve` process: make test-slow
+def test_a_server_whose_core_dies_exits_for_its_supervisor():
+    """Issue 57: a killed core left the server answering 503 for good on its port. It now fails
+    what was in flight, stops within seconds and exits with status 1 (a supervisor restarts
+    it), freeing the port."""
+    import signal
+    import socket
+    import urllib.request
+
+    from helpers import complete, wait_healthy
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedjax.tools.cli", "serve", "--port", str(port),
+         "--max-model-len", "128", "--max-num-batched-tokens", "128"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, [proc])
+        assert complete(url, {"prompt": "rev:ab=", "max_tokens": 2})["choices"]
+        core = next(p for p in psutil.Process(proc.pid).children(recursive=True)
+                    if "resource_tracker" not in " ".join(p.cmdline()))
+        core.kill()
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.communicate(timeout=30)
+    assert proc.returncode == 1, out
+    assert "the engine core died" in out and "engine core exited" in out, out
+    with socket.socket() as s:  # the port is free again for a restarted server (as uvicorn binds)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+    try:
+        urllib.request.urlopen(f"{url}/health", timeout=2)
+        raise AssertionError("a server still answers")
+    except OSError:
+        pass

@@ -69,6 +69,7 @@ class CoreClient(EngineFrontend):
         self._limits = limits or AdmissionLimits()
         self.on_step = on_step
         self.on_abort = on_abort
+        self.on_death: Callable[[str], None] | None = None  # the core died (not stopped)
         self.error: str | None = None
         self._stopped = False
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -223,6 +224,8 @@ class CoreClient(EngineFrontend):
                 self.error = f"the engine core's channel failed: {error!r}"
         finally:
             self._fail_all()
+            if not self._stopped and self.on_death is not None:
+                self.on_death(self.dead_reason())
 
     def _handle(self, message: tuple) -> None:
         kind = message[0]

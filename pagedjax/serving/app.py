@@ -16,6 +16,7 @@ ignore_eos, skip_special_tokens, include_stop_str_in_output, cache_salt, return_
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import fastapi
 from fastapi import responses
@@ -29,6 +30,7 @@ from pagedjax.serving.http_common import (APIError, GuardMiddleware, error_body,
 from pagedjax.serving.responses import responses_routes
 from pagedjax.serving.server_state import DEFAULT_MAX_TOKENS, ServerState  # noqa: F401
 
+logger = logging.getLogger("pagedjax.http")
 REJECTED = {400: "invalid", 404: "invalid", 413: "invalid", 429: "overloaded"}  # -> reason
 # (admission control's 429s carry their own: pagedjax.frontend.admission_control.REASONS)
 
@@ -133,11 +135,26 @@ def build_app(engine: LLMEngine, served_model_name: str = "pagedjax",
 
 
 def run_server(engine: LLMEngine, served_model_name: str = "pagedjax", *, host: str = "127.0.0.1",
-               port: int = 8000, log_level: str = "info", **server_kwargs) -> None:
-    """Serves until interrupted (uvicorn; SIGINT / SIGTERM stop it after in-flight responses).
-    server_kwargs: OpenAIServer's (max_outstanding_tokens, api_key, trace_out)."""
+               port: int = 8000, log_level: str = "info", **server_kwargs) -> int:
+    """Serves until interrupted (uvicorn; SIGINT / SIGTERM stop it after in-flight responses)
+    and returns 0; or, when the engine core's process dies, fails its requests (503), stops
+    and returns 1, so that a supervisor restarts the whole server (vLLM's API server exits when
+    its engine dies). server_kwargs: OpenAIServer's (max_outstanding_tokens, api_key, ...)."""
     import uvicorn
 
-    app = OpenAIServer(engine, served_model_name, **server_kwargs).build_app()
+    server = OpenAIServer(engine, served_model_name, **server_kwargs)
+    http = uvicorn.Server(uvicorn.Config(server.build_app(), host=host, port=port,
+                                         log_level=log_level, timeout_graceful_shutdown=5))
+    died: list[str] = []
+
+    def on_death(reason: str) -> None:
+        logger.error("%s: the server stops (exit status 1) for a supervisor to restart it",
+                     reason)
+        died.append(reason)
+        http.should_exit = True
+
+    if hasattr(server.async_engine, "on_death"):  # an engine core in a process of its own
+        server.async_engine.on_death = on_death
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises SIGINT once shut down
-        uvicorn.run(app, host=host, port=port, log_level=log_level)
+        http.run()
+    return 1 if died else 0

@@ -166,17 +166,21 @@ def serve(args, parser: argparse.ArgumentParser) -> None:
     if engine is None:
         return
     name = args.served_model_name or os.path.basename(os.path.normpath(str(model)))
-    run_server(engine, name, host=args.host, port=args.port,
-               config=config, admin_key=args.admin_key, api_key=args.api_key,
-               trace_out=args.trace_out, log_level=args.log_level,
-               max_request_bytes=args.max_request_bytes, public_metrics=args.public_metrics,
-               chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
-               enable_auto_tool_choice=args.enable_auto_tool_choice,
-               reasoning_parser=args.reasoning_parser,
-               responses_store_size=args.responses_store_size,
-               responses_store_ttl_s=args.responses_store_ttl,
-               responses_store_max_bytes=args.responses_store_max_bytes,
-               enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+    status = run_server(engine, name, host=args.host, port=args.port,
+                        config=config, admin_key=args.admin_key, api_key=args.api_key,
+                        trace_out=args.trace_out, log_level=args.log_level,
+                        max_request_bytes=args.max_request_bytes,
+                        public_metrics=args.public_metrics,
+                        chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
+                        enable_auto_tool_choice=args.enable_auto_tool_choice,
+                        reasoning_parser=args.reasoning_parser,
+                        responses_store_size=args.responses_store_size,
+                        responses_store_ttl_s=args.responses_store_ttl,
+                        responses_store_max_bytes=args.responses_store_max_bytes,
+                        enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+    if status:
+        parser.exit(status, "pagedjax serve: the engine core died; exiting for a supervisor "
+                    "to restart the server\n")
 
 
 def _check_server_flags(args, parser: argparse.ArgumentParser) -> None:
