@@ -44,6 +44,26 @@ def test_lru_pins_and_spills():
     assert tier.take_transfers() == ([], [], [], [])
 
 
+def test_a_hit_is_the_most_recently_used_and_the_coldest_block_goes():
+    """With nothing pinned, LRU order alone picks what goes: a block loaded back (a hit), or
+    offloaded again while held, is the most recently used (issue 57: a hit moved to the front
+    of the LRU, the hottest block evicted first, passed every test)."""
+    tier = HostTier(3)
+    for block, block_hash in ((5, b"a"), (6, b"b"), (7, b"c")):
+        tier.offload(block, block_hash)
+    tier.take_transfers()
+    tier.release()
+    tier.load(tier.lookup(b"a"), 9)  # a hit: a is the most recently used
+    tier.take_transfers()
+    tier.release()  # its copy ran: nothing is pinned
+    tier.offload(4, b"b")  # b held already: a use, no copy
+    tier.offload(8, b"d")
+    assert tier.take_transfers()[0] == [(b"c", 2)]  # c, the coldest, goes
+    tier.release()
+    tier.offload(3, b"e")
+    assert tier.take_transfers()[0] == [(b"a", 0)]  # then a, used before b and d
+
+
 def test_insert_holds_its_slot_until_the_schedule_takes_it():
     tier = HostTier(1)
     assert tier.insert(b"x") == 0
