@@ -45,7 +45,10 @@ def test_llama3_json_reads_one_or_several_calls():
     assert parser.extract(one) == (None, [Call("get_weather", '{"city": "Paris"}')])
     two = f'<|python_tag|>{one}; {{"name": "get_time", "parameters": {{}}}}'
     assert [c.name for c in parser.extract(two)[1]] == ["get_weather", "get_time"]
-    for content in ("Paris is sunny.", '{"name": "x", "parameters": ', "{} trailing"):
+    # Not calls, or cut short (max_tokens) after whole calls too: the reply is content, whole
+    # (issue 57: a truncated second call dropping the text passed every test).
+    for content in ("Paris is sunny.", '{"name": "x", "parameters": ', "{} trailing",
+                    f'{one}; {{"name": "get_time", "param', f"<|python_tag|>{one};{one[:-1]}"):
         assert parser.extract(content) == (content, [])
     assert parser.held("  {") == 0 and parser.held("<|python") == 0
     assert parser.held("Hello") == 5
