@@ -316,6 +316,38 @@ def test_compressed_tensors_schemes_not_served_are_refused_by_name(tmp_path, cha
     assert report["supported"] is False and words in report["reason"]
 
 
+def _compressed_config(**group_change) -> dict:
+    group = {"targets": ["Linear"], "output_activations": None,
+             "input_activations": {"dynamic": True, "num_bits": 8, "strategy": "token",
+                                   "symmetric": True, "type": "float"},
+             "weights": {"dynamic": False, "num_bits": 8, "strategy": "channel",
+                         "symmetric": True, "type": "float", "group_size": None}}
+    return {"quantization_config": {"quant_method": "compressed-tensors",
+                                    "format": "float-quantized", "ignore": ["lm_head"],
+                                    "config_groups": {"group_0": {**group, **group_change}}}}
+
+
+@pytest.mark.parametrize("group_change, words", [
+    # a stored input_scale would be ignored and the activations quantized dynamically: wrong
+    (dict(input_activations={"dynamic": False, "num_bits": 8, "strategy": "tensor",
+                             "type": "float"}), "static input_activations"),
+    (dict(output_activations={"num_bits": 8}), "output_activations"),
+    (dict(weights={"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": False}),
+     "asymmetric or dynamic weights"),
+    (dict(weights={"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}),
+     "weights of 4 bits"),
+    (dict(targets=["Embedding"]), "targets"),
+])
+def test_compressed_tensors_groups_not_served_are_refused_by_name(group_change, words):
+    """Each group setting this engine would serve wrong is refused (issue 57: removing the
+    static input activations' refusal passed every test)."""
+    from pagedjax.models.loading import compressed_tensors
+
+    assert compressed_tensors.read(_compressed_config()).activations == "dynamic"
+    with pytest.raises(ValueError, match=re_escape(words)):
+        compressed_tensors.read(_compressed_config(**group_change))
+
+
 def re_escape(text: str) -> str:
     import re
     return re.escape(text)
