@@ -171,3 +171,25 @@ def test_inspect_reports_the_blocks_as_served(tmp_path):
     assert report["served_weight_bytes"] < f32_bytes / 3
     with pytest.raises(ValueError, match="served as its own blocks"):
         inspect_model_dir(path, quantization="int8")
+
+
+def test_a_quantized_embedding_with_offsets_looks_up_its_dequantized_rows():
+    """A table in an asymmetric format (GGUF's Q4_1, Q5_1, Q4_K: w = q * scale + zero, a zero a
+    group) looks up the rows its dequantization holds (issue 57: the lookup dropping the zeros
+    passed every test), and its tied LM head attends to the same table."""
+    import jax.numpy as jnp
+
+    from pagedjax.models.layers.quantized import QuantizedEmbed
+
+    rng = np.random.default_rng(0)
+    vocab, features = 40, 64
+    embed = QuantizedEmbed(vocab, features, "int4", dtype=jnp.float32, groups=2, has_zero=True)
+    embed.kernel.set_value(jnp.asarray(rng.integers(-128, 128, embed.kernel.shape, np.int8)))
+    embed.scale.set_value(jnp.asarray(rng.uniform(0.01, 0.1, embed.scale.shape), jnp.float32))
+    embed.zero.set_value(jnp.asarray(rng.uniform(-1, 1, embed.zero.shape), jnp.float32))
+    table = embed.weight().astype(jnp.float32).T  # [V, D]
+    ids = jnp.asarray([[3, 0, 39], [7, 7, 12]])
+    np.testing.assert_allclose(np.asarray(embed(ids)), np.asarray(table[ids]), rtol=1e-6)
+    query = jnp.asarray(rng.normal(size=(2, features)), jnp.float32)
+    np.testing.assert_allclose(np.asarray(embed.attend(query)), np.asarray(query @ table.T),
+                               rtol=1e-4, atol=1e-4)
