@@ -19,6 +19,7 @@ from pagedjax import LLM, SamplingParams
 from pagedjax.scheduler import RequestError
 from pagedjax.serving.app import OpenAIServer
 from pagedjax.serving.background import BackgroundServer
+from pagedjax.serving.response_store import ResponseStore
 
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=128)
 MAX_REQUEST_BYTES = 2**20
@@ -207,14 +208,13 @@ def test_an_earlier_calls_arguments_are_json_or_refused_by_name(served):
     _check_serving(server, client)
 
 
-def test_background_responses_stay_reachable_past_the_stores_size(llm):
+def test_background_responses_stay_reachable_past_the_stores_size(served):
     """More background responses than the store holds, all queued (the engine paused): each is
     still there for GET and cancel (evicted, they ran on unreachable and were written back over
     finished entries); ended, they are evictable again."""
-    server = OpenAIServer(llm.engine, "tiny", chat_template=ROLE_TEMPLATE,
-                          responses_store_size=2)
-    with BackgroundServer(server.build_app()) as url, \
-            httpx.Client(base_url=url, timeout=TIMEOUT_S) as client:
+    server, client = served
+    kept, server.responses = server.responses, ResponseStore(2)
+    try:
         server.async_engine.pause()
         try:
             ids = [client.post("/v1/responses", json={
@@ -234,7 +234,9 @@ def test_background_responses_stay_reachable_past_the_stores_size(llm):
             time.sleep(0.05)
         assert len(server.responses) == 2  # the bound holds again once they ended
         assert client.delete(f"/v1/responses/{ids[4]}").status_code == 200
-        _check_serving(server, client)
+    finally:
+        server.responses = kept
+    _check_serving(server, client)
 
 
 def test_unparseable_bodies_get_400(served):
