@@ -239,6 +239,38 @@ def test_background_responses_stay_reachable_past_the_stores_size(served):
     _check_serving(server, client)
 
 
+def test_requests_are_prepared_off_the_event_loop(served, monkeypatch):
+    """A request's rendering, tokenizing and sampling parameters (a megabyte of prediction or
+    tools takes seconds) run off the event loop: /health answers while one is prepared (issue
+    57: a 3.9 MB prediction held /health for 4 s). Held here on purpose: on the loop, /health
+    would wait for it and time out."""
+    import threading
+
+    server, client = served
+    entered, release = threading.Event(), threading.Event()
+    sampling = server.sampling
+
+    def held(*args, **kwargs):
+        entered.set()
+        release.wait(30)
+        return sampling(*args, **kwargs)
+
+    monkeypatch.setattr(server, "sampling", held)
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                 "max_tokens": 1}),
+                       ("/v1/completions", {"prompt": "copy:ab=", "max_tokens": 1})):
+        entered.clear()
+        release.clear()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(httpx.post, f"{client.base_url}{path}", json=body, timeout=60)
+            try:
+                assert entered.wait(30)
+                assert client.get("/health").status_code == 200  # within TIMEOUT_S
+            finally:
+                release.set()
+            assert answer.result(60).status_code == 200
+
+
 def test_unparseable_bodies_get_400(served):
     server, client = served
     for path, raw in RAW:

@@ -127,18 +127,27 @@ class ChatRun:
     capped: int | None  # the max_tokens cap that cut the request's, or None
 
 
-async def start(server: ServerState, body: ChatCompletionRequest, request: fastapi.Request,
-                request_id: str, params_of: dict[str, str]) -> ChatRun:
-    """Renders, checks and queues a chat request (APIError naming the field otherwise)."""
-    server.check_model(body)
+def _prepare(server: ServerState, body: ChatCompletionRequest, params_of: dict[str, str]):
+    """(tools, prompt ids, sampling parameters, the max_tokens cap) of a chat request: the work
+    before it is queued, which a megabyte of tools, messages or prediction makes take seconds
+    (start runs it off the event loop)."""
     tools = tool_calls.tool_request(body, server.tool_parser)
-    ids = await asyncio.to_thread(render_prompt, server, body, tools)
+    ids = render_prompt(server, body, tools)
     max_tokens, capped = _max_tokens(server, body, len(ids))
     schema = None if tools is None else tools.schema()
     constraint = None if schema is None else (
         "function_call" if tools.legacy else "tool_choice", {"json": schema})
     params = server.sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
                              None, params_of, body.prompt_logprobs, constraint)
+    return tools, ids, params, capped
+
+
+async def start(server: ServerState, body: ChatCompletionRequest, request: fastapi.Request,
+                request_id: str, params_of: dict[str, str]) -> ChatRun:
+    """Renders, checks and queues a chat request (APIError naming the field otherwise); the
+    rendering, tokenizing and parameters off the event loop."""
+    server.check_model(body)
+    tools, ids, params, capped = await asyncio.to_thread(_prepare, server, body, params_of)
     reader = ReplyReader(None if tools is None or tools.choice == "none" else tools,
                          server.tool_parser, server.reasoning_parser, body.include_reasoning)
     turns = sum(m.role == "assistant" for m in body.messages)  # earlier turns in the prompt

@@ -3,6 +3,7 @@ streamed."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 
@@ -101,8 +102,9 @@ async def completions(server: ServerState, request: fastapi.Request):
     prompt_logprobs = body.prompt_logprobs
     if body.echo and body.logprobs is not None:  # the echoed prompt's logprobs
         prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
-    params = server.sampling(body, max_tokens, body.logprobs, body.best_of, PARAMS_OF,
-                             prompt_logprobs)
+    params = await asyncio.to_thread(  # a prediction's tokenizing: off the event loop
+        server.sampling, body, max_tokens, body.logprobs, body.best_of, PARAMS_OF,
+        prompt_logprobs)
     encoded = [await server.encode(p, "prompt") for p in prompts]
     request_id = f"cmpl-{secrets.token_hex(12)}"
     specs = [PromptSpec(ids, params, f"{request_id}-{i}", text, body.cache_salt)
