@@ -99,6 +99,22 @@ def assert_same_outputs(got, expected, atol: float = 1e-4) -> None:
                                        [v.logprob for v in ref.values()], atol=atol)
 
 
+def start_serve(*flags: str, command=None, **popen) -> tuple[subprocess.Popen, str]:
+    """`pagedjax serve` on a free port of 127.0.0.1 (command: how to start it, `python -m
+    pagedjax.tools.cli` by default), its output captured: (the process, its URL)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = command or [sys.executable, "-m", "pagedjax.tools.cli"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **popen.pop("env", {})}
+    proc = subprocess.Popen([*command, "serve", "--port", str(port), *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, **popen)
+    return proc, f"http://127.0.0.1:{port}"
+
+
 def wait_healthy(url: str, procs, timeout_s: float = 120) -> None:
     """Waits (bounded) until a served /health answers ok; fails if a process exits first."""
     import json

@@ -275,17 +275,10 @@ def test_a_server_whose_core_dies_exits_for_its_supervisor():
     import socket
     import urllib.request
 
-    from helpers import complete, wait_healthy
+    from helpers import complete, start_serve, wait_healthy
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedjax.tools.cli", "serve", "--port", str(port),
-         "--max-model-len", "128", "--max-num-batched-tokens", "128"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_serve("--max-model-len", "128", "--max-num-batched-tokens", "128")
+    port = int(url.rsplit(":", 1)[1])
     try:
         wait_healthy(url, [proc])
         assert complete(url, {"prompt": "rev:ab=", "max_tokens": 2})["choices"]

@@ -14,14 +14,13 @@ import os
 import pathlib
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
 import venv
 
 import pytest
-from helpers import complete, wait_healthy
+from helpers import complete, start_serve, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -100,15 +99,10 @@ def test_generate_beside_a_users_own_models_and_scheduler(installed):
 
 def test_pagedjax_serve_beside_a_users_own_models_and_scheduler(installed):
     python, _, work = installed
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [str(python.parent / "pagedjax"), "serve", "--port", str(port), "--max-model-len",
-         "128", "--max-num-batched-tokens", "128", "--served-model-name", "tiny"],
-        cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ""})
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_serve("--max-model-len", "128", "--max-num-batched-tokens", "128",
+                            "--served-model-name", "tiny",
+                            command=[str(python.parent / "pagedjax")], cwd=work,
+                            env={"PYTHONPATH": ""})
     try:
         wait_healthy(url, [proc])
         data = complete(url, {"model": "tiny", "prompt": "rev:paged=", "max_tokens": 8,

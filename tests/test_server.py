@@ -10,9 +10,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -20,7 +17,7 @@ import urllib.request
 import psutil
 import pytest
 from fastapi.testclient import TestClient
-from helpers import ROLE_TEMPLATE, complete, wait_healthy
+from helpers import ROLE_TEMPLATE, complete, start_serve, wait_healthy
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedjax import LLM, EngineConfig, LLMEngine, SamplingParams, load_model
@@ -341,16 +338,8 @@ def test_admission_control_api_key_and_token_ids_without_tokenizer(llm, referenc
 
 
 def test_pagedjax_serve_process():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedjax.tools.cli", "serve", "--port", str(port),
-         "--max-model-len", "128", "--max-num-batched-tokens", "128",
-         "--served-model-name", "tiny", "--max-outstanding-tokens", "4096"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_serve("--max-model-len", "128", "--max-num-batched-tokens", "128",
+                            "--served-model-name", "tiny", "--max-outstanding-tokens", "4096")
     try:
         wait_healthy(url, [proc])
         data = complete(url, {"model": "tiny", "prompt": "rev:paged=", "max_tokens": 8,
