@@ -16,7 +16,7 @@ GPU_IMAGE_TESTS := tests/test_gpu_script.py tests/test_kernels_gpu.py \
 	tests/test_kernels_xla_gpu_compile.py tests/test_kernels_mosaic_gpu.py \
 	tests/test_engine_equivalence.py tests/test_speculative.py
 
-.PHONY: demo test test-slow test-clients test-gpu-image gpu-image-python bench bench-gpu-image llama-cpp-python llama-server clean
+.PHONY: mutants demo test test-slow test-clients test-gpu-image gpu-image-python bench bench-gpu-image llama-cpp-python llama-server clean
 
 $(STAMP): pyproject.toml setup.py requirements/cpu.txt
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -52,6 +52,12 @@ demo: $(DEMO_STAMP)
 # worker (--dist loadfile): the programs its tests share compile once, not once a worker.
 test: $(TEST_STAMP)
 	$(PY) -m pytest -n 2 --dist loadfile -q -m "not slow and not clients" tests
+
+# Mutation testing over a change (tests/mutants.py): small bugs planted one at a time in the
+# lines added since BASE, the tests naming each module run against each; survivors listed.
+BASE ?= HEAD
+mutants: $(TEST_STAMP)
+	$(PY) tests/mutants.py --base $(BASE)
 
 # Tensor and data parallel over eight host devices, multi-host over several processes, the
 # notebook run top to bottom.
