@@ -65,3 +65,15 @@ def test_a_running_response_never_expires_and_an_ended_one_does():
 def test_bad_bounds_are_refused_by_name():
     with pytest.raises(ValueError, match="bytes"):
         ResponseStore(max_bytes=0)
+
+
+def test_the_byte_bound_is_inclusive():
+    """An entry exactly the store's size is kept; a store of one byte is a store (make mutants
+    found both boundaries unpinned)."""
+    probe = ResponseStore(max_bytes=1 << 20)
+    probe.put("x", response(), [])
+    size = probe.get("x").size
+    store = ResponseStore(max_bytes=size)
+    assert store.put("x", response(), []) and store.get("x") is not None
+    assert not store.put("y", response(text="z"), [])  # one byte over
+    assert ResponseStore(max_bytes=1).max_bytes == 1
