@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pagedjax.engine.spec_decode.rejection_sampler import rejection_sample, target_probs
+from pagedjax.engine.spec_decode.rejection_sampler import (rejection_sample, target_probs,
+                                                           verified_tokens)
 
 # chi-square, 4 degrees of freedom (5 tokens), at p = 0.001: a correct sampler fails one run in
 # a thousand; a distribution off by a few percent of 20,000 draws fails every time.
@@ -41,6 +42,22 @@ def test_greedy_rows_take_the_argmax_chain():
     assert tokens[0].tolist() == argmax[0].tolist()  # three accepted and the bonus
     assert tokens[1].tolist() == [argmax[1, 0], argmax[1, 1], -1, -1]
     assert tokens[2].tolist() == [argmax[2, 0], -1, -1, -1]
+
+
+def test_padding_past_a_rows_drafts_is_never_accepted():
+    """A row with fewer drafts than the plan's K columns: its padding (id 0, as
+    scheduler.plan.draft_columns pads) is not a draft even where the target's sample there is
+    that id, in the coupled verification and in the general rule alike."""
+    samples = jnp.asarray([[5, 0, 0, 0], [0, 0, 0, 0]], jnp.int32)  # [B, K + 1], K = 3
+    drafts = jnp.asarray([[5, 0, 0], [0, 0, 0]], jnp.int32)
+    num_drafts = jnp.asarray([1, 0], jnp.int32)
+    assert np.asarray(verified_tokens(samples, drafts, num_drafts)).tolist() == [
+        [5, 0, -1, -1], [0, -1, -1, -1]]
+    probs = jnp.asarray(np.eye(7, dtype=np.float32)[np.asarray(samples)])  # greedy: one-hot
+    tokens, count = rejection_sample(probs, drafts, num_drafts, jnp.arange(2, dtype=jnp.uint32),
+                                     jnp.zeros(2, jnp.int32))
+    assert np.asarray(count).tolist() == [2, 1]
+    assert np.asarray(tokens).tolist() == [[5, 0, -1, -1], [0, -1, -1, -1]]
 
 
 def _target():

@@ -188,6 +188,29 @@ def test_k_bounds_the_drafts_and_the_switch_off_turns_speculation_off(byte_model
     assert 1.0 <= stats.spec_mean_acceptance_length <= 4.0
 
 
+def test_drafts_leave_the_last_token_to_plain_sampling(byte_model):
+    """Near max_tokens a request drafts fewer tokens than K: its step's tokens after the drafts
+    are the target's own, so no step computes the position of the request's last token (prompt +
+    max_tokens - 1), which nothing would ever read; and the tokens are plain decoding's."""
+    tok = ByteTokenizer()
+    prompt = tok.encode("ab ab ab ab ab")
+    requests = [(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))]
+    engine = make_engine(byte_model, NGRAM)
+    schedule, ends = engine.scheduler.schedule, []
+
+    def recording(*args, **kwargs):
+        output = schedule(*args, **kwargs)
+        ends.extend(s.start + s.num_new_tokens for s in output.scheduled)
+        return output
+
+    engine.scheduler.schedule = recording
+    outs = run(engine, requests)
+    assert engine.stats.num_spec_draft_tokens > 0
+    assert max(ends) == len(prompt) + 8 - 1
+    plain = run(make_engine(byte_model, None), requests)
+    assert outs[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+
+
 def _scheduler():
     return Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64,
                                      max_model_len=64), num_blocks=16, block_size=4)
@@ -199,34 +222,40 @@ def _request(max_tokens: int = 30):
                    seed=0, arrival_time=0.0)
 
 
-def test_rejected_drafts_roll_back_to_plain_decodings_tables_and_counts():
-    """A request that verified 7 drafts (a fifth block for them) and kept 2 holds what one
-    decoded plainly to the same tokens holds: its computed tokens, its block table, the pool's
-    free count, and nothing unverified published to the prefix cache."""
+@pytest.mark.parametrize("accepted", range(8))
+def test_rejected_drafts_roll_back_to_plain_decodings_tables_and_counts(accepted):
+    """A request that verified 7 drafts (a fifth block for them) and kept `accepted` of them
+    holds what one decoded plainly to the same tokens holds: its computed tokens, its block
+    table (accepted = 1 ends the computed tokens on a block boundary: one rejected draft kept
+    would hold a block too many), the pool's free count, and nothing unverified published to
+    the prefix cache."""
     spec, plain = _scheduler(), _scheduler()
     a, b = _request(), _request()
     for scheduler, request in ((spec, a), (plain, b)):
         scheduler.add_request(request)
         scheduler.update(scheduler.schedule(0.0), np.array([7]), 0.0)  # the prompt
-    a.spec_token_ids = [8, 9, 5, 5, 5, 5, 5]
+    drafts = [8, 9, 5, 5, 5, 5, 5]
+    a.spec_token_ids = list(drafts)
     output = spec.schedule(0.0)
     assert output.num_scheduled_tokens == 8  # the last token and 7 drafts
     assert len(spec.kv_manager.get_block_table("r")) == 5  # slots for all 18 tokens
-    # the target agrees with 8 and 9, then says 4: tokens 8, 9, 4
-    spec.update(output, np.array([[8, 9, 4, -1, -1, -1, -1, -1]]), 0.0)
-    for token in (8, 9, 4):
+    # the target agrees with the first `accepted` drafts, then says 4 (no draft is 4)
+    tokens = drafts[:accepted] + [4]
+    spec.update(output, np.array([tokens + [-1] * (8 - len(tokens))]), 0.0)
+    for token in tokens:
         plain.update(plain.schedule(0.0), np.array([token]), 0.0)
-    assert a.output_token_ids == b.output_token_ids == [7, 8, 9, 4]
-    assert a.num_computed_tokens == b.num_computed_tokens == 13
+    assert a.output_token_ids == b.output_token_ids == [7, *tokens]
+    assert a.num_computed_tokens == b.num_computed_tokens == 11 + accepted
     assert a.spec_token_ids == []
-    assert (spec.kv_manager.get_block_table("r") == [1, 2, 3, 4]
-            and plain.kv_manager.get_block_table("r") == [1, 2, 3, 4])
+    table = plain.kv_manager.get_block_table("r")
+    assert len(table) == -(-(11 + accepted) // 4)  # the blocks of its computed tokens
+    assert spec.kv_manager.get_block_table("r") == table
     assert spec.kv_manager.num_free_blocks == plain.kv_manager.num_free_blocks
     assert spec.kv_manager.pool.cached.keys() == plain.kv_manager.pool.cached.keys()
     state = spec.state
     assert (state.num_spec_drafts, state.num_spec_draft_tokens,
             state.num_spec_accepted_tokens, state.spec_accepted_per_position) == (
-        1, 7, 2, [1, 1, 0, 0, 0, 0, 0])
+        1, 7, accepted, [1] * accepted + [0] * (7 - accepted))
 
 
 def test_a_stop_inside_the_accepted_drafts_ends_where_plain_decoding_does():
