@@ -193,6 +193,33 @@ def test_a_step_failing_on_the_device_with_the_next_dispatched_recomputes(
     assert engine.stats.num_failed == 0 and engine.scheduler.kv_manager.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_step_failing_while_dispatched_is_retried_row_by_row(byte_model, sync_outputs,
+                                                                caplog, ahead):
+    """A step's dispatch raises once (before the device: the KV cache is intact), either a step
+    dispatched ahead of the one before it or one dispatched on its own: no step is dispatched
+    ahead of the failed one (its rows' tokens are not coming), its rows run again one at a time,
+    nothing is recomputed, and every output is still synchronous stepping's."""
+    expected, _ = sync_outputs
+    engine = engine_for(byte_model, True)
+    dispatch = engine.runner.dispatch_forward
+    kinds, failed = [], []  # kinds: whether each dispatch was ahead of its step's results
+
+    def failing_once(plan, previous=None):
+        kinds.append(previous is not None)
+        if kinds[-1] == ahead and kinds.count(ahead) == 4:  # the 4th of its kind
+            failed.append(len(kinds))
+            raise RuntimeError("dispatch failed")
+        return dispatch(plan, previous)
+
+    engine.runner.dispatch_forward = failing_once
+    got = run(engine, mixed_requests())
+    assert len(failed) == 1
+    assert_same(got, expected)
+    assert "lost the KV cache" not in caplog.text
+    assert engine.stats.num_failed == 0 and engine.scheduler.kv_manager.num_used_blocks == 0
+
+
 @pytest.mark.parametrize("field, value", [("preemption_mode", "swap"),
                                           ("speculative_config", {"method": "ngram",
                                                                   "num_speculative_tokens": 2,
