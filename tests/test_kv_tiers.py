@@ -361,6 +361,32 @@ def test_a_host_tier_smaller_than_a_block_is_refused(tiny_model):
         engine_with(tiny_model, kv_offload_bytes=100)
 
 
+def test_a_hit_on_a_block_offloaded_in_the_same_schedule_waits_for_its_copy(tiny_model):
+    """One schedule evicts a cached block to the host tier (A's allocation) and then loads it
+    back for a prompt sharing it (B, admitted after A): the load reads the slot only once the
+    copy out has landed, so B's tokens and logprobs are those of recomputing it."""
+    rng = np.random.default_rng(1)
+    first, other, long = (rng.integers(0, 256, n).tolist() for n in (16, 32, 52))
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1)
+
+    def outputs(**kwargs):
+        engine = engine_with(tiny_model, max_num_batched_tokens=64, **kwargs)
+        for prompt in (first, other):  # cached on the device, `first` the least recent
+            drain(engine, [engine.add_request(prompt, SamplingParams(max_tokens=1))])
+        ids = [engine.add_request(long, greedy), engine.add_request(first + [1, 2, 3, 4], greedy)]
+        done = {}
+        for _ in until_done(engine):
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        return engine, [(c.token_ids, c.cumulative_logprob) for i in ids for c in done[i].outputs]
+
+    tiered, got = outputs(kv_offload_bytes=8 * BLOCK_BYTES)
+    _, expected = outputs(enable_prefix_caching=False)
+    assert tiered.kv_tiers.moved.blocks_to_device == 2  # the two `long` evicted from `first`
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+    # f32: the two runs batch B's rows differently (a hit vs its whole prompt)
+    np.testing.assert_allclose([lp for _, lp in got], [lp for _, lp in expected], atol=1e-4)
+
+
 def test_a_prompt_waits_a_schedule_for_the_rest_of_its_disk_blocks(tiny_model, tmp_path):
     """Two prompts whose prefixes are on disk, a host tier with room for one and a third: the
     first takes its blocks up, the second waits one schedule (Request.awaiting_kv) for the
