@@ -10,6 +10,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pagedjax.scheduler import NULL_BLOCK
+from pagedjax.scheduler.block_hash import block_hashes
 from pagedjax.scheduler.kv_cache_groups import HybridKVCacheManager
 from pagedjax.scheduler.kv_cache_manager import cdiv
 
@@ -94,6 +95,30 @@ def test_a_prefix_hit_is_what_every_group_can_serve():
     assert kv.allocate_slots(evict, 4 * 30) is not None
     kv.free(evict)
     assert len(kv.find_cached_prefix(make_request("d", 30, 4))) < 7
+
+
+def test_a_hit_needs_no_sliding_block_out_of_the_next_tokens_window():
+    """The sliding group's blocks a request freed out of its window are evicted while it runs:
+    a prompt sharing its tokens still hits all 7 blocks (its sliding head is null there, the
+    next token does not see them), not 0."""
+    block, window = 4, 6
+    kv = HybridKVCacheManager(32, block, (None, window), enable_prefix_caching=True)
+    first = make_request("a", 30, 4)
+    for _ in range(0, 28, 4):  # in steps, as a decode frees its blocks: the oldest first
+        grow(kv, first, 4)
+    grow(kv, first, 2)  # still running: its full group's blocks and its window's are held
+    first_seen = (7 * block - window + 1) // block
+    hashes = [h + kv.hash_suffixes[1] for h in block_hashes(first, block, 7, kv.cache_key)]
+    other = make_request("c", 120, 4, token=99)
+    for _ in range(30):  # its allocations evict the blocks `first` freed out of its window
+        if all(kv.pool.lookup(h) is None for h in hashes[:first_seen]):
+            break
+        grow(kv, other, 4)
+    assert all(kv.pool.lookup(h) is None for h in hashes[:first_seen])
+    assert kv.pool.lookup(hashes[first_seen]) is not None  # freed last, still cached
+    hit = kv.find_cached_prefix(make_request("b", 30, 4))
+    assert len(hit) == 7 and hit.groups[1][:first_seen] == [NULL_BLOCK] * first_seen
+    assert hit.groups[0] == kv.get_block_tables("a")[0][:7]
 
 
 class HybridPrefixCacheMachine(RuleBasedStateMachine):
