@@ -69,7 +69,10 @@ REFUSED = {
 }
 # Values of served fields that are refused by name: what cannot be honoured.
 REFUSED_VALUES = {"modalities": ["text", "audio"], "prompt_cache_retention": "24h",
-                  "service_tier": "flex", "priority": 1, "reasoning_effort": "extreme"}
+                  "service_tier": "flex", "priority": 1, "reasoning_effort": "extreme",
+                  # OpenAI's bound on its identifiers (a stored response echoes them)
+                  "user": "u" * 65, "safety_identifier": "s" * 65,
+                  "prompt_cache_key": "k" * 65}
 # Each endpoint's fields the other does not have are refused there by name.
 REFUSED.update({"echo": True, "add_generation_prompt": False, "chat_template_kwargs": {"x": 1},
                 "documents": [{"text": "d"}],
@@ -148,6 +151,16 @@ def test_values_that_cannot_be_honoured_are_refused_by_name(client, name):
     response = client.post(path, json={**base_body(path), name: REFUSED_VALUES[name]})
     assert response.status_code == 400, (name, response.text)
     assert response.json()["error"]["param"] == name
+
+
+@pytest.mark.parametrize("path", sorted(ENDPOINTS))
+def test_identifiers_are_bounded_as_openai_bounds_them(client, path):
+    """user at OpenAI's 64 characters is served on both endpoints, 65 refused by name (the
+    Responses API: tests/test_responses.py)."""
+    assert client.post(path, json={**base_body(path), "user": "u" * 64}).status_code == 200
+    response = client.post(path, json={**base_body(path), "user": "u" * 65})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "user"
+    assert "at most 64 characters" in response.json()["error"]["message"]
 
 
 def _chunks(response) -> list[dict]:

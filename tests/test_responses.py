@@ -176,6 +176,9 @@ def test_store_false_and_a_server_without_a_store():
     ({"text": {"format": {"type": "json_object"}}, "structured_outputs": {"regex": "a"}},
      "structured_outputs"),
     ({"conversation": "conv_1"}, "conversation"),
+    ({"user": "u" * 65}, "user"),  # OpenAI's bound on its identifiers: 64 characters
+    ({"safety_identifier": "s" * 65}, "safety_identifier"),
+    ({"prompt_cache_key": "k" * 65}, "prompt_cache_key"),
 ])
 def test_requests_that_cannot_be_served_are_refused_by_name(served, body, param):
     _, client = served

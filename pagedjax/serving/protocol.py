@@ -8,12 +8,17 @@ engine's admission path's (pagedjax.engine.request_checks); these models check o
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 MAX_PROMPTS = 1024  # prompts in one /v1/completions request
 MAX_METADATA_PAIRS = 16
+# OpenAI's bound on its identifier strings (user, safety_identifier, prompt_cache_key: "string
+# too long. Expected a string with maximum length 64"). A stored response echoes them: bounded,
+# a client cannot grow the store's entries through them.
+MAX_IDENTIFIER_CHARS = 64
+Identifier = Annotated[str, StringConstraints(max_length=MAX_IDENTIFIER_CHARS)] | None
 
 
 # ---- request bodies ------------------------------------------------------------------------------
@@ -51,7 +56,7 @@ class _SamplingFields(BaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: Identifier = None
     cache_salt: str | None = None
     return_token_ids: bool = False
     prompt_logprobs: int | None = None  # vLLM's: per prompt token, its logprob and the top ones
@@ -179,8 +184,8 @@ class ChatCompletionRequest(_SamplingFields):
     # kept while its blocks are not needed ("in_memory"; "24h" is refused).
     store: bool | None = None
     service_tier: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
+    safety_identifier: Identifier = None
+    prompt_cache_key: Identifier = None
     prompt_cache_retention: str | None = None
     modalities: list[str] | None = None
 

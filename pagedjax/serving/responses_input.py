@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedjax.serving.http_common import APIError
-from pagedjax.serving.protocol import REASONING_EFFORTS, ChatCompletionRequest
+from pagedjax.serving.protocol import REASONING_EFFORTS, ChatCompletionRequest, Identifier
 from pagedjax.serving.tool_calls import call_arguments
 
 # Errors of the chat request name chat's fields; these are their Responses names.
@@ -45,9 +45,9 @@ class ResponsesRequest(BaseModel):
     store: bool | None = None
     background: bool = False
     metadata: dict[str, str] | None = None
-    user: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
+    user: Identifier = None
+    safety_identifier: Identifier = None
+    prompt_cache_key: Identifier = None
     service_tier: str | None = None
     truncation: str | None = None
     include: list[str] | None = None
