@@ -290,6 +290,34 @@ def test_disk_tier_keeps_under_its_capacity(tmp_path):
     tier.close()
 
 
+def test_blocks_removed_or_truncated_from_outside_are_written_again(tmp_path):
+    """Issue 57: files of the tier removed or truncated by someone else leave no stale entry
+    that suppresses their rewrite: the next write of each block lands, and reads find it."""
+    leaves = [np.arange(256, dtype=np.float32)]
+    tier = DiskTier(str(tmp_path), 1 << 20, "key", {"block_size": 4})
+    names = [bytes([i]) * 16 for i in range(3)]
+    for name in names:
+        tier.write(name, leaves)
+    tier.drain()
+    used, paths = tier.bytes_used, [tier._path(name) for name in names]
+    os.remove(paths[0])
+    with open(paths[1], "r+b") as f:
+        f.truncate(100)
+    for name in names:  # the device evicts them again
+        tier.write(name, leaves)
+    tier.drain()
+    assert tier.num_writes == 5 and tier.bytes_used == used  # the third was still there
+    assert all(tier.read(name)[0].tolist() == leaves[0].tolist() for name in names)
+    assert tier.num_corrupt == 0
+    # A read that finds its file gone has every entry whose file is gone dropped.
+    for path in paths[:2]:
+        os.remove(path)
+    assert tier.read(names[0]) is None and tier.num_corrupt == 1
+    tier.drain()
+    assert names[1] not in tier and names[2] in tier and tier.bytes_used == used // 3
+    tier.close()
+
+
 def _block_file(tier, block_hash: bytes, leaves: list[np.ndarray]) -> bytes:
     """A well-formed block file of these leaves: the tier's key and layout, a valid checksum."""
     return tier._encode(block_hash, leaves)

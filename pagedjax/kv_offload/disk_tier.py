@@ -16,6 +16,9 @@ block that finds it full is dropped and counted). A write that fails (a full dis
 made unwritable) turns the tier off with a logged warning: the engine goes on with the host
 tier alone. The directory's size is kept under its capacity, least recently used files
 deleted first; a restarted engine indexes the files already there (by modification time).
+Files removed or truncated from outside leave no stale entry for long: a block is written again
+when its file is gone or changed size, and a read that finds a file gone has the writer thread
+drop every entry whose file is.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ MAX_HEADER_BYTES = 1 << 16  # a header is a few hundred bytes: key, layout, hash
 def _dtype(name: str) -> np.dtype:
     import ml_dtypes  # noqa: F401 - registers bfloat16 and the fp8 types with numpy
     return np.dtype(getattr(ml_dtypes, name, name))
+
+
+_RECHECK = ("recheck",)  # the writer's job of dropping entries whose files are gone
 
 
 class DiskTier:
@@ -79,6 +85,7 @@ class DiskTier:
             return
         self._scan()
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._recheck_queued = False
         self._thread = threading.Thread(target=self._writer, name="kv-disk-writer", daemon=True)
         self._thread.start()
 
@@ -113,8 +120,10 @@ class DiskTier:
 
     def write(self, block_hash: bytes, leaves: list[np.ndarray], wait: bool = False) -> None:
         """Queues a block (a copy of its leaves) for the writer; never waits for room unless
-        told to (a shutdown writing the cache down)."""
-        if not self.enabled or block_hash in self._index:
+        told to (a shutdown writing the cache down). A block already indexed is written again
+        only when its file is gone or changed size (removed or truncated from outside: the
+        stale entry is dropped, else it would suppress every rewrite until a read failed)."""
+        if not self.enabled or (block_hash in self._index and self._on_disk(block_hash)):
             return
         try:
             self._queue.put((block_hash, leaves), block=wait, timeout=30.0 if wait else None)
@@ -136,6 +145,8 @@ class DiskTier:
             logger.warning("KV disk tier: refused %s (%s)", path, error)
             self.num_corrupt += 1
             self._forget(block_hash, delete=True)
+            if isinstance(error, FileNotFoundError):  # removed from outside: others too?
+                self._recheck()
             return None
         finally:
             self.read_s += time.perf_counter() - start
@@ -145,6 +156,29 @@ class DiskTier:
         self.num_hits += 1
         self.bytes_read += len(data)
         return leaves
+
+    def _recheck(self) -> None:
+        """Has the writer thread drop every entry whose file is gone or changed size (once
+        queued at a time; skipped when the queue is full)."""
+        if not self._recheck_queued:
+            try:
+                self._queue.put_nowait(_RECHECK)
+                self._recheck_queued = True
+            except queue.Full:
+                pass
+
+    def _on_disk(self, block_hash: bytes) -> bool:
+        """Whether an indexed block's file is still a regular file of its indexed size (one
+        lstat); if not, its entry is dropped."""
+        size = self._index.get(block_hash)
+        try:
+            info = os.lstat(self._path(block_hash))
+            if stat.S_ISREG(info.st_mode) and info.st_size == size:
+                return True
+        except OSError:
+            pass
+        self._forget(block_hash, delete=False)
+        return False
 
     def close(self, timeout: float = 30.0) -> None:
         """Writes what is queued and stops the writer."""
@@ -239,7 +273,14 @@ class DiskTier:
             try:
                 if item is None:
                     return
-                if self.enabled:
+                if item is _RECHECK:
+                    self._recheck_queued = False
+                    with self._lock:
+                        indexed = list(self._index)
+                    for block_hash in indexed:
+                        if block_hash in self._index:
+                            self._on_disk(block_hash)
+                elif self.enabled:
                     self._write(*item)
             finally:
                 self._queue.task_done()
@@ -266,8 +307,8 @@ class DiskTier:
             self._disable(f"writing {path!r} failed ({error})")
             return
         with self._lock:
+            self.bytes_used += len(data) - self._index.pop(block_hash, 0)  # written twice
             self._index[block_hash] = len(data)
-            self.bytes_used += len(data)
         self.num_writes += 1
         self.bytes_written += len(data)
         self.write_s += time.perf_counter() - start
