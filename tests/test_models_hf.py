@@ -306,3 +306,8 @@ def test_inspect_reports_attention_and_kv_bytes(tmp_path, capsys):
     assert tpu["kv_bytes_per_token"] == 2 * 2 * 2 * (16 + 4 * 128 // 16)
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         inspect_model_dir(str(tmp_path), attention_backend="cuda")
+    # a block of one token is the smallest there is; none is refused
+    one = inspect_model_dir(str(tmp_path), kv_dtype="bfloat16", block_size=1)
+    assert one["kv_bytes_per_block"] == report["kv_bytes_per_token"]
+    with pytest.raises(ValueError, match="block_size must be an integer >= 1, got 0"):
+        inspect_model_dir(str(tmp_path), block_size=0)

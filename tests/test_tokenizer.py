@@ -329,6 +329,8 @@ def test_stop_truncation(include, expected):
     # the match that ends first wins, the longest on a tie
     assert StopStringMatcher(["abcd", "bc"], include).check("xabcdx", 6) == (4 if include else 2)
     assert StopStringMatcher(["b", "ab"], include).check("xab", 3) == (3 if include else 1)
+    # a stop string at the very start of the text (the first delta)
+    assert StopStringMatcher(["ab"], include).check("abc", 3) == (2 if include else 0)
 
 
 def test_stop_string_split_across_deltas():
