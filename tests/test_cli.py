@@ -51,3 +51,21 @@ def test_unknown_command_and_missing_command_are_named(capsys):
             main(argv)
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--responses-store-ttl", "0"], "--responses-store-ttl > 0"),
+    (["--responses-store-size", "-1"], "--responses-store-size must be >= 0"),
+    (["--responses-store-max-bytes", "0"], "--responses-store-max-bytes >= 1"),
+    (["--max-request-bytes", "0"], "--max-request-bytes must be >= 1, got 0"),
+])
+def test_serve_flags_out_of_range_are_named_before_an_engine_is_built(flags, message, capsys):
+    from pagedjax.tools.serve_commands import _check_server_flags
+
+    parser = _subparsers(build_parser())["serve"]
+    lowest = parser.parse_args(["--responses-store-size", "0", "--responses-store-ttl", "0.5",
+                                "--responses-store-max-bytes", "1", "--max-request-bytes", "1"])
+    _check_server_flags(lowest, parser)  # the smallest values each flag takes
+    with pytest.raises(SystemExit) as exit_info:
+        _check_server_flags(parser.parse_args(flags), parser)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

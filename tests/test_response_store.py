@@ -56,9 +56,9 @@ def test_a_running_response_never_expires_and_an_ended_one_does():
     clock.now = 120
     assert store.get("done") is None and store.get("bg") is not None
     store.update("bg", response(), running=False)  # its time starts when it ends
-    clock.now = 170
+    clock.now = 179.5
     assert store.get("bg") is not None
-    clock.now = 181
+    clock.now = 180  # ended at 120: its 60 s are up at 180, not after
     assert store.get("bg") is None
 
 
