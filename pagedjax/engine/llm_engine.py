@@ -25,20 +25,13 @@ from pagedjax.engine.stats import EngineStats, ReplicaLoad
 from pagedjax.engine.step_recovery import StepRecovery, describe
 from pagedjax.engine.token_masks import TokenMasks, step_rows
 from pagedjax.engine.warmup import BackgroundWarmup, warm
+from pagedjax.engine.weight_updates import WeightUpdates
 from pagedjax.kv_offload.tiers import cached_prefix_blocks, make_kv_tiers
 from pagedjax.models import LlamaForCausalLM
 from pagedjax.models.loading.quantized_loading import for_serving as quantized_for_serving
 from pagedjax.parallel import multihost
 from pagedjax.parallel.placement import place
 from pagedjax.scheduler import DECODE, Request, RequestStatus, Scheduler, build_plan
-
-
-def model_cache_key(model: LlamaForCausalLM, config: EngineConfig, kv_tiers=None) -> bytes:
-    """Names what a cached block's KV depends on besides its tokens: the model's architecture and
-    weights (by object identity within this process; with a disk tier, which other processes
-    read, by the weights' fingerprint) and the KV dtype."""
-    weights = id(model) if kv_tiers is None or kv_tiers.disk is None else kv_tiers.disk.key
-    return repr((model.config, weights, config.dtype, config.kv_cache_dtype)).encode()
 
 
 @dataclasses.dataclass
@@ -52,7 +45,7 @@ class _Started:
     error: Exception | None = None
 
 
-class LLMEngine(RequestIntake, StepRecovery):
+class LLMEngine(RequestIntake, StepRecovery, WeightUpdates):
     """Requests in, one step at a time (ARCHITECTURE.md: one engine step)."""
 
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig | None = None, *,
@@ -92,17 +85,17 @@ class LLMEngine(RequestIntake, StepRecovery):
         self.bytes_per_block_per_device = pool.bytes_per_block_per_device
         self.num_blocks, self.buckets = pool.num_blocks, pool.buckets
         self.runner, self.memory_budget = pool.runner, pool.memory_budget
-        self._init_scheduling(model, config)
+        self._init_weight_updates(model)
+        self._init_scheduling(config)
         self._init_requests(tokenizer, model_config, config, seed_rng, draft_model)
 
-    def _init_scheduling(self, model, config: EngineConfig) -> None:
+    def _init_scheduling(self, config: EngineConfig) -> None:
         """The tiers, the scheduler over the pool, the multi-host channel, the swap space."""
         num_host_blocks = config.swap_space_bytes // self.bytes_per_block
         self.kv_tiers = make_kv_tiers(self.runner, config, self.bytes_per_block)
-        cache_key = model_cache_key(model, config, self.kv_tiers)
         self._make_scheduler = lambda: Scheduler(
             config.scheduler_config(), self.num_blocks, config.block_size,
-            cache_key=cache_key, num_host_blocks=num_host_blocks,
+            cache_key=self._cache_key(), num_host_blocks=num_host_blocks,
             group_windows=self.kv_groups.windows,
             num_tier_blocks=0 if self.kv_tiers is None else self.kv_tiers.num_blocks)
         self.scheduler = self._make_scheduler()
@@ -133,7 +126,8 @@ class LLMEngine(RequestIntake, StepRecovery):
         self.async_scheduling = AsyncScheduling(self) if config.async_scheduling else None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests not finished, or outputs not yet returned (pausing's: step() returns them)."""
+        return self.scheduler.has_unfinished() or bool(self._held_outputs)
 
     def close(self) -> None:
         """Done serving: a multi-host leader stops its followers' loops (at exit otherwise); a
@@ -187,9 +181,12 @@ class LLMEngine(RequestIntake, StepRecovery):
         With config.async_scheduling the next step is scheduled and dispatched before this
         one's results are waited for (pagedjax.engine.async_scheduling); the outputs are the
         same."""
+        held = self.take_held_outputs(final_only)
+        if self._paused:
+            return held
         if self.async_scheduling is not None:
-            return self.async_scheduling.step(final_only)
-        return self.finish_step(self.begin_step(), final_only)
+            return held + self.async_scheduling.step(final_only)
+        return held + self.finish_step(self.begin_step(), final_only)
 
     def begin_step(self, after: "_Started | None" = None) -> "_Started | None":
         """The first half of step(): schedules and dispatches the device step without waiting
@@ -203,7 +200,7 @@ class LLMEngine(RequestIntake, StepRecovery):
             self.kv_tiers.prefetch(self.scheduler.state)
         output = self.scheduler.schedule(self.clock())
         if not output.scheduled:
-            if after is None and self.has_unfinished():
+            if after is None and self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress with requests pending")
             return None
         self.last_schedule = output  # what the step ran (profiling reads its shape)
@@ -299,9 +296,11 @@ class LLMEngine(RequestIntake, StepRecovery):
             texts = {s.request_id: self._texts[s.request_id].visible_text(s.status.finished)
                      for s in samples}
         out = RequestOutput.from_samples(samples, samples[0].sampling_params.n, texts,
-                                         self._prompts.get(parent_id), error)
+                                         self._prompts.get(parent_id), error,
+                                         self._record_version(parent_id))
         if out.finished:
             del self._groups[parent_id]
+            self._versions.pop(parent_id, None)
             self._prompts.pop(parent_id, None)
             self._oom_retries.pop(parent_id, None)
             for sample in samples:

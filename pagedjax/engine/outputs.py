@@ -60,6 +60,9 @@ class RequestOutput:
     # {token id: Logprob} of the token itself and the most likely ones at its position (the
     # positions computed so far while a long prompt is still being prefilled).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # The weights' version its tokens were sampled under (LLMEngine.update_weights): one, or
+    # the list of them for a request an update with mode "keep" carried over.
+    weight_version: str | list[str] | None = None
 
     @property
     def text(self) -> str | None:
@@ -76,7 +79,8 @@ class RequestOutput:
     @classmethod
     def from_samples(cls, samples: Sequence[Request], n: int,
                      texts: dict[str, str] | None = None,
-                     prompt: str | None = None, error: str | None = None) -> "RequestOutput":
+                     prompt: str | None = None, error: str | None = None,
+                     weight_version: str | list[str] | None = None) -> "RequestOutput":
         """One request's output from its samples (one, or best_of >= n parallel ones); texts
         maps a sample's request_id to its detokenized output."""
         texts = texts or {}
@@ -104,6 +108,6 @@ class RequestOutput:
             sum(s.num_accepted_draft_tokens for s in samples))
         return cls(request_id=leader.parent_id, prompt_token_ids=list(leader.prompt_token_ids),
                    outputs=outputs, finished=finished, metrics=metrics, prompt=prompt,
-                   error=error, cache_salt=leader.cache_salt,
+                   error=error, cache_salt=leader.cache_salt, weight_version=weight_version,
                    prompt_logprobs=(list(leader.prompt_logprobs) if
                                     leader.sampling_params.prompt_logprobs is not None else None))

@@ -112,4 +112,5 @@ class RequestIntake:
             self._forget(sample.request_id)
         self._prompts.pop(request_id, None)
         self._oom_retries.pop(request_id, None)
+        self._versions.pop(request_id, None)
         self.stats.num_aborted += 1

@@ -124,6 +124,7 @@ class ModelRunner(BlockTransfers):
         lazy = isinstance(model, LazyModel)  # read from its checkpoint into place below
         self.graph, params = serving_form(model.abstract if lazy else model, scan_layers,
                                           repeats, kv_groups)
+        self.serving_args = (scan_layers, repeats, kv_groups)  # new weights' form (new_weights)
         self.num_kv_groups = 1 if kv_groups is None else kv_groups.num_groups
         self.num_blocks = num_blocks
         self.backend = backend

@@ -192,13 +192,15 @@ class DataParallelEngine:
         """One step of every replica with work: all dispatched, then all finished. A replica
         whose step fails beyond one request (LLMEngine.step raises) fails its requests alone
         (LLMEngine.fail_all) and starts over."""
+        outputs: list[RequestOutput] = []  # what pausing a replica produced first
+        for replica in self.replicas:
+            outputs.extend(replica.take_held_outputs(final_only))
         started = []
         for replica in self.replicas:
             try:
-                started.append(_begin(replica))
+                started.append(None if replica.is_paused else _begin(replica))
             except Exception as error:  # noqa: BLE001 - that replica alone
                 started.append(error)
-        outputs: list[RequestOutput] = []
         for replica, begun in zip(self.replicas, started):
             try:
                 if isinstance(begun, Exception):
@@ -221,6 +223,33 @@ class DataParallelEngine:
     @property
     def num_compiled_programs(self) -> int:
         return sum(r.num_compiled_programs for r in self.replicas)
+
+    # ---- training to serving (pagedjax.engine.weight_updates): every replica alike ----------
+
+    def update_weights(self, weights, *, version: str | None = None, mode: str = "wait") -> None:
+        for replica in self.replicas:  # each checks the weights before it changes anything
+            replica.update_weights(weights, version=version, mode=mode)
+
+    def pause_generation(self, mode: str = "wait") -> None:
+        for replica in self.replicas:
+            replica.pause_generation(mode)
+
+    def resume_generation(self) -> None:
+        for replica in self.replicas:
+            replica.resume_generation()
+
+    def reset_prefix_cache(self) -> bool:
+        if any(r.scheduler.kv_manager.num_used_blocks for r in self.replicas):
+            return False
+        return all([r.reset_prefix_cache() for r in self.replicas])
+
+    @property
+    def weight_version(self) -> str:
+        return self.replicas[0].weight_version
+
+    @property
+    def is_paused(self) -> bool:
+        return self.replicas[0].is_paused
 
     # ---- placement ---------------------------------------------------------------------------
 

@@ -149,6 +149,7 @@ class LLM:
         draft = None if spec is None or spec.model is None else resolve_model(
             spec.model, seed=config.seed, dtype=config.dtype)[0]
         self.engine = make_engine(loaded, config, tokenizer=self.tokenizer, draft_model=draft)
+        self._dtype = config.dtype
 
     def _token_ids(self, prompt) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
@@ -199,6 +200,9 @@ class LLM:
             raise RequestError("sampling_params", f"sampling_params has {len(sampling_params)} entries for "
                              f"{len(prompts)} prompts")
         engine = self.engine
+        if engine.is_paused:
+            raise ValueError("generation is paused (pause_generation): resume_generation() "
+                             "first")
         specs = []
         for prompt, params in zip(prompts, sampling_params):
             ids, text = self._token_ids(prompt)
@@ -242,3 +246,33 @@ class LLM:
         if self.engine.has_unfinished():
             raise ValueError("beam_search needs an idle engine")
         return beam_search(self.engine, [self._token_ids(p)[0] for p in prompts], params)
+
+    # ---- training to serving (issue 52: pagedjax.engine.weight_updates) ---------------------------
+
+    def update_weights(self, weights, *, version: str | None = None, mode: str = "wait") -> None:
+        """Serves new weights from now on, in place (nothing reloads, nothing recompiles): a
+        model of the engine's config (a trainer's), its nnx.State, or a checkpoint path read as
+        LLM reads its model (an orbax checkpoint, a Hugging Face directory, a GGUF file). mode:
+        what the requests in flight do ("wait", "abort", "keep"); version: the weights' name,
+        on every output from now on (default: the number of updates)."""
+        if isinstance(weights, (str, os.PathLike)):
+            weights = resolve_model(weights, dtype=self._dtype)[0]
+        self.engine.update_weights(weights, version=version, mode=mode)
+
+    def pause_generation(self, mode: str = "wait") -> None:
+        self.engine.pause_generation(mode)
+
+    def resume_generation(self) -> None:
+        self.engine.resume_generation()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets the cached blocks (False while requests hold blocks)."""
+        return self.engine.reset_prefix_cache()
+
+    @property
+    def weight_version(self) -> str:
+        return self.engine.weight_version
+
+    @property
+    def is_paused(self) -> bool:
+        return self.engine.is_paused

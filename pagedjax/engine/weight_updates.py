@@ -1,0 +1,182 @@
+"""Training-to-serving controls of a running engine (issue 52; vLLM's pause_generation /
+update_weights / reset_prefix_cache, SGLang's update_weights_from_tensor): new weights taken in
+place between two steps, generation paused and resumed, and the weights' version recorded with
+every output.
+
+Pausing settles the step in flight (async scheduling) and then, by mode:
+
+- `wait`: the requests in flight (scheduled at least once) run to the end on the current
+  weights; requests that never ran wait, and start after the pause ends;
+- `abort`: every unfinished request ends now with finish_reason "abort";
+- `keep`: everything stops where it is; the requests keep their KV blocks and go on when the
+  pause ends (after an update: on the new weights, over KV the old ones computed; off-policy).
+
+Outputs produced while pausing (the `wait` drain, the aborts) are returned by the next step().
+While paused, step() schedules nothing.
+
+No stale KV: the weights' version is part of the prefix cache's key (the root of every block's
+chained hash), so a block computed by other weights is never a hit again, on the device, in the
+host tier or on disk; the old blocks age out like any other. Requests that had not run keep no
+hash computed under the old key. A `keep` request goes on publishing its blocks under the key it
+started with: no request admitted after the update can hit them.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pagedjax.engine.new_weights import model_of, place_into, serving_weights
+from pagedjax.kv_offload.tiers import weights_fingerprint
+from pagedjax.scheduler import RequestStatus
+
+PAUSE_MODES = ("abort", "wait", "keep")
+MAX_VERSION_CHARS = 256
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+
+
+class WeightUpdates:
+    """LLMEngine's weight updates, pausing and versions (a mixin over its scheduler, runner,
+    request groups and steps)."""
+
+    def _init_weight_updates(self, model) -> None:
+        self._weights_origin = id(model)  # the prefix cache's key names the weights by it
+        self.weight_version = "0"  # the caller's name for the weights served, or a counter
+        self.num_weight_updates = 0
+        self._paused = False
+        self._held_outputs: list = []  # produced while pausing, returned by the next step()
+        self._versions: dict[str, list[str]] = {}  # request id -> versions its tokens came from
+
+    @property
+    def is_paused(self) -> bool:
+        return self._paused
+
+    def pause_generation(self, mode: str = "wait") -> None:
+        """Pauses generation (the module's docstring); a paused engine pauses again as asked
+        (`wait` drains what is in flight, `abort` ends what is unfinished)."""
+        _check_mode(mode)
+        held = self._settle_in_flight()
+        if mode == "abort":
+            held += self._abort_unfinished()
+        elif mode == "wait":
+            held += self._drain_in_flight()
+        self._held_outputs.extend(held)
+        self._paused = True
+
+    def resume_generation(self) -> None:
+        self._paused = False
+
+    def take_held_outputs(self, final_only: bool) -> list:
+        """The outputs pausing produced (step() returns them first; final_only: the finished
+        ones)."""
+        if not self._held_outputs:
+            return []
+        held, self._held_outputs = self._held_outputs, []
+        return [o for o in held if o.finished] if final_only else held
+
+    def update_weights(self, weights, *, version: str | None = None, mode: str = "wait") -> None:
+        """Serves new weights from the next step on (new_weights: a model of the engine's
+        config or its nnx.State; LLM.update_weights also takes a checkpoint path). Checked
+        before anything changes (ValueError naming the leaf); the requests in flight as `mode`
+        says; version: the weights' name (default: the number of updates so far)."""
+        _check_mode(mode)
+        if version is not None and (not isinstance(version, str) or not version
+                                    or len(version) > MAX_VERSION_CHARS):
+            raise ValueError(f"version must be a non-empty string of at most "
+                             f"{MAX_VERSION_CHARS} characters, got {version!r:.80}")
+        if self.multihost:
+            raise ValueError("update_weights is not supported multi-host yet (each process "
+                             "holds its part of the weights); restart with the new checkpoint")
+        model = model_of(weights, self.model_config, jnp.dtype(self.config.dtype))
+        params = serving_weights(model, self.runner, self.config.quantization,
+                                 self.config.quantize_lm_head)
+        was_paused = self._paused
+        self.pause_generation(mode)
+        place_into(self.runner, params)
+        self.num_weight_updates += 1
+        self.weight_version = str(self.num_weight_updates) if version is None else version
+        self._rekey_prefix_cache()
+        if not was_paused:
+            self.resume_generation()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block, on the device and in the host tier (the disk tier's files
+        stay: they are keyed by the weights): False, and nothing done, while requests hold
+        blocks (as vLLM)."""
+        kv = self.scheduler.kv_manager
+        if kv.num_used_blocks:
+            return False
+        if self.kv_tiers is not None:
+            self.kv_tiers.flush()
+        kv.drop_cached_content()
+        if kv.host_tier is not None:
+            kv.host_tier.clear()
+        return True
+
+    # ---- internals ------------------------------------------------------------------------------
+
+    def _settle_in_flight(self) -> list:
+        """Finishes the step async scheduling dispatched ahead (its outputs)."""
+        ahead = None if self.async_scheduling is None else self.async_scheduling.in_flight
+        if ahead is None:
+            return []
+        self.async_scheduling.in_flight = None
+        return self.async_scheduling.finish((ahead, None))
+
+    def _abort_unfinished(self) -> list:
+        now, outputs = self.clock(), []
+        for parent_id in list(self._groups):
+            for sample in self._groups[parent_id]:
+                if not sample.status.finished:
+                    self.scheduler.abort(sample.request_id, now)
+            self.stats.num_aborted += 1
+            outputs.append(self._output(parent_id))
+        return outputs
+
+    def _drain_in_flight(self) -> list:
+        """Steps until every request that has run finishes; the ones that never ran wait aside
+        meanwhile (in arrival order, put back after)."""
+        state = self.scheduler.state
+        held = [r for r in state.waiting if r.first_scheduled_time is None]
+        for request in held:
+            state.waiting.remove(request)
+        outputs = []
+        try:
+            while self.scheduler.has_unfinished() and (state.running or state.waiting):
+                outputs += self.finish_step(self.begin_step())
+        finally:
+            state.waiting.extend(held)
+        return outputs
+
+    def _rekey_prefix_cache(self) -> None:
+        """A new prefix-cache key for the weights now served (the module's docstring)."""
+        tiers = self.kv_tiers
+        if tiers is not None and tiers.disk is not None:  # other processes find them by this
+            tiers.disk.key = f"{weights_fingerprint(self.runner.params)}:{self.config.dtype}"
+        self.scheduler.kv_manager.cache_key = self._cache_key()
+        state = self.scheduler.state
+        for request in list(state.waiting):  # hashes of requests not running: the new key's
+            for sample in [request, *request.followers]:
+                if sample.status is not RequestStatus.RUNNING:
+                    sample.block_hashes = []
+
+    def _cache_key(self) -> bytes:
+        """What a cached block's KV depends on besides its tokens: the model's architecture, its
+        weights (the model the engine was built from, by identity, and the updates since; with a
+        disk tier, which other processes read, the weights' fingerprint), the dtypes."""
+        tiers = self.kv_tiers
+        weights = (tiers.disk.key if tiers is not None and tiers.disk is not None
+                   else (self._weights_origin, self.num_weight_updates))
+        return repr((self.model_config, weights, self.config.dtype,
+                     self.config.kv_cache_dtype)).encode()
+
+    def _record_version(self, parent_id: str) -> str | list[str]:
+        """The versions parent_id's tokens were sampled under, the current one last: one, or
+        (a `keep` request spanning an update) the list of them."""
+        versions = self._versions.setdefault(parent_id, [])
+        if not versions or versions[-1] != self.weight_version:
+            versions.append(self.weight_version)
+        return versions[0] if len(versions) == 1 else list(versions)
