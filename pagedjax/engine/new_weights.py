@@ -55,9 +55,11 @@ def model_of(weights: Any, config, dtype) -> nnx.Module:
     return weights
 
 
-def serving_weights(model, runner, quantization: str | None, quantize_lm_head: bool):
-    """model's weights in the runner's serving form, checked against the ones it serves:
-    ValueError naming the first leaf whose path, shape or dtype differs."""
+def serving_weights(model, runner, quantization: str | None, quantize_lm_head: bool) -> list:
+    """model's weights in the runner's serving form, checked against the ones it serves
+    (ValueError naming the first leaf whose path, shape or dtype differs): its leaves, in the
+    order of the served tree's, each with whether it is one of the caller's arrays (a layer
+    stack made here is not: it needs no copy of its own)."""
     model = quantized_for_serving(model, quantization, quantize_lm_head)
     graph, params = serving_form(model, *runner.serving_args)
     if graph != runner.graph:
@@ -75,27 +77,35 @@ def serving_weights(model, runner, quantization: str | None, quantize_lm_head: b
         if leaf.shape != served.shape or leaf.dtype != served.dtype:
             raise ValueError(f"weights: {_path_name(path)} is {leaf.dtype}{list(leaf.shape)}, "
                              f"the engine serves {served.dtype}{list(served.shape)}")
-    return params
+    callers = {id(leaf) for leaf in jax.tree.leaves(nnx.state(model))}
+    return [(new[path], id(new[path]) in callers)
+            for path, _ in jax.tree_util.tree_leaves_with_path(runner.params)]
 
 
-def place_into(runner, params) -> None:
+def place_into(runner, params: list, on_leaf=None) -> None:
     """runner.params replaced by params, leaf by leaf, each moved into the sharding of the leaf it
-    replaces (a copy, always: the caller's arrays stay theirs, a trainer may donate them next);
+    replaces (the caller's arrays copied: they stay theirs, a trainer may donate them next);
     the engine drops each old leaf as its replacement lands (freed unless someone else, e.g. the
-    model the engine was built from, still holds it). A placement that fails part way (device
-    memory) leaves the weights mixed: RuntimeError, and another update must follow."""
+    model the engine was built from, still holds it). params: serving_weights' (leaf, the
+    caller's) pairs, emptied as they are placed (a leaf made here is the engine's from then on:
+    no second copy). on_leaf(index) after each (measurement). A
+    placement that fails part way (device memory) leaves the weights mixed: RuntimeError, and
+    another update must follow."""
     served, treedef = jax.tree_util.tree_flatten(runner.params)
     runner.params = None
-    new_leaves = jax.tree_util.tree_leaves(params)
-    done = 0
+    total, done = len(params), 0
     try:
-        for done, new in enumerate(new_leaves):
-            leaf = jax.device_put(new, served[done].sharding, may_alias=False)
+        for done in range(total):
+            (new, callers), params[done] = params[done], None
+            leaf = jax.device_put(new, served[done].sharding, may_alias=False if callers else None)
             leaf.block_until_ready()
             served[done] = leaf
-        done = len(new_leaves)
+            del new
+            if on_leaf is not None:
+                on_leaf(done)
+        done = total
     except Exception as error:  # noqa: BLE001 - re-raised, the weights named as mixed
-        raise RuntimeError(f"update_weights failed after {done} of {len(new_leaves)} leaves "
+        raise RuntimeError(f"update_weights failed after {done} of {total} leaves "
                            f"({type(error).__name__}: {error}); the engine's weights are mixed "
                            f"until an update succeeds") from error
     finally:
