@@ -129,16 +129,16 @@ def sampler_rows(batch: int, vocab: int, history: int, calls: int, seed: int) ->
     mask = jnp.asarray(rng.integers(-2**31, 2**31 - 1, (batch, words)), jnp.int32)
     none = jnp.zeros((batch, 0), jnp.int32)
     logits = jnp.asarray(rng.normal(size=(batch, vocab)), jnp.float32)
-    fn = jax.jit(sample_fn, static_argnums=0)
+    fn = jax.jit(sample_fn, static_argnums=(0, 1))
     rows = []
     for name, inputs, token_mask in (("none", base, none), ("mask", base, mask),
                                      ("penalties", penalized, none),
                                      ("mask + penalties", penalized, mask)):
-        jax.block_until_ready(fn(20, logits, inputs, token_mask))
+        jax.block_until_ready(fn(20, "raw_logprobs", logits, inputs, token_mask))
         seconds = []
         for _ in range(calls):
             start = time.perf_counter()
-            jax.block_until_ready(fn(20, logits, inputs, token_mask))
+            jax.block_until_ready(fn(20, "raw_logprobs", logits, inputs, token_mask))
             seconds.append(time.perf_counter() - start)
         ms = np.asarray(seconds) * 1e3
         rows.append({"sampler": name, "batch": batch, "vocab": vocab,

@@ -140,7 +140,8 @@ def test_the_engines_coupled_verification_is_distributed_as_the_target(drafter):
         num_draft_tokens=np.ones(ROWS, np.int32))
     with np.errstate(divide="ignore"):
         logits = jnp.asarray(np.tile(np.log(p), (ROWS, 1)), jnp.float32)  # [ROWS * 2, 5]
-    tokens = np.asarray(sampling_step.sample_fn(0, logits, sampling_step.sampling_inputs(plan),
+    tokens = np.asarray(sampling_step.sample_fn(0, "raw_logprobs", logits,
+                                                sampling_step.sampling_inputs(plan),
                                                 sampling_step.no_token_mask(ROWS))[0])
     assert chi_square(tokens[:, 0], p[0]) < CHI2_4DF_999
     accepted = tokens[:, 1] >= 0

@@ -14,6 +14,8 @@ from pagedjax.scheduler import SchedulerConfig, ShapeBuckets, cdiv
 DTYPES = ("float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 STEP_PROGRAMS = ("split", "ragged")
+# vLLM's logprobs_mode values (pagedjax.engine.sampler.logprob_values)
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 QUANTIZATIONS = (None, *SCHEMES, "gguf", "compressed-tensors")
 
 
@@ -54,6 +56,10 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | reference | gpu | mosaic_gpu | tpu
     attention_interpret: bool = False  # run the Pallas kernels through the interpreter (CPU)
     max_logprobs: int = 20  # most top logprobs a request may ask for (computed on device)
+    # vLLM's: what logprobs report: raw_logprobs (the model's log-softmax before any processing:
+    # what a trainer computes), raw_logits, processed_logprobs / processed_logits (after the
+    # token mask, logit_bias, penalties, temperature, min-p, top-k and top-p: what is sampled)
+    logprobs_mode: str = "raw_logprobs"
     min_token_bucket: int = 16
     min_seq_bucket: int = 1
     # Prefill B: "per_token_bucket" (one program per token bucket, B padded to what T tokens
@@ -194,6 +200,9 @@ class EngineConfig:
         if self.quantize_lm_head and self.quantization not in SCHEMES:
             raise ValueError(f"quantize_lm_head needs quantization in {SCHEMES}, "
                              f"got {self.quantization!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, "
+                             f"got {self.logprobs_mode!r}")
         if self.step_programs not in STEP_PROGRAMS:
             raise ValueError(f"step_programs must be one of {STEP_PROGRAMS}, "
                              f"got {self.step_programs!r}")

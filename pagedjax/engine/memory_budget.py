@@ -92,7 +92,7 @@ def activation_bytes(runner, buckets) -> int:
     sampler = sampling_step.program(runner.num_top_logprobs, shape,
                                     sampling_step.sampling_inputs(plan),
                                     sampling_step.no_token_mask(plan.padded_num_seqs),
-                                    runner.device)
+                                    runner.device, runner.logprobs_mode)
     return forward + _program_bytes(sampler)
 
 

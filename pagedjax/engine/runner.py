@@ -88,7 +88,7 @@ def step_fn(graph: ServingGraph, backend: AttentionBackend, num_top_logprobs: in
     ranks i32[B])."""
     logits, _, kv_cache = forward_fn(graph, backend, plan.kind, num_top_logprobs, params,
                                      kv_cache, forward_inputs(plan))
-    sampled = sampling_step.sample_fn(num_top_logprobs, logits,
+    sampled = sampling_step.sample_fn(num_top_logprobs, "raw_logprobs", logits,
                                       sampling_step.sampling_inputs(plan),
                                       sampling_step.no_token_mask(logits.shape[0]))
     return sampled, kv_cache
@@ -125,6 +125,7 @@ class ModelRunner(BlockTransfers):
         self.graph, params = serving_form(model.abstract if lazy else model, scan_layers,
                                           repeats, kv_groups)
         self.serving_args = (scan_layers, repeats, kv_groups)  # new weights' form (new_weights)
+        self.logprobs_mode = "raw_logprobs"  # what logprobs report (EngineConfig.logprobs_mode)
         self.num_kv_groups = 1 if kv_groups is None else kv_groups.num_groups
         self.num_blocks = num_blocks
         self.backend = backend
@@ -277,7 +278,7 @@ class ModelRunner(BlockTransfers):
                                      self._logits_shape[plan.padded_num_seqs,
                                                         plan.num_speculative_tokens],
                                      sampling_step.sampling_inputs(plan), token_mask,
-                                     self.device)
+                                     self.device, self.logprobs_mode)
 
     def step(self, plan: BatchPlan, token_mask: np.ndarray | None = None) -> tuple:
         """Runs one step; returns, for the first num_seqs rows, the sampled ids, their logprobs,

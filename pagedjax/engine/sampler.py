@@ -109,18 +109,26 @@ def _filter_sorted(logits, top_k, top_p) -> jax.Array:
     return jnp.where(logits < threshold, -jnp.inf, logits)
 
 
-def sample(
+def sample(logits, temperature, top_k, top_p, seeds, positions, num_top_logprobs: int = 0,
+           **options) -> tuple[jax.Array, ...]:
+    """ids i32[B], their logprobs f32[B] and the K most likely tokens of each row (i32[B, K],
+    f32[B, K]): sample_values' ids, and its values' top (options: sample_values' keywords)."""
+    ids, values = sample_values(logits, temperature, top_k, top_p, seeds, positions, **options)
+    return (ids, *top_values(ids, values, num_top_logprobs))
+
+
+def sample_values(
     logits: jax.Array,  # f32[B, V]
     temperature: jax.Array,  # f32[B] 0 means greedy
     top_k: jax.Array,  # i32[B]
     top_p: jax.Array,  # f32[B]
     seeds: jax.Array,  # u32[B]
     positions: jax.Array,  # i32[B] position of the token being sampled
-    num_top_logprobs: int = 0,  # static: K most likely tokens returned per row
     min_p: jax.Array | None = None,  # f32[B] 0 disables; None: none of the rows uses it
     logit_bias: tuple[jax.Array, jax.Array] | None = None,  # (ids i32[B, L], biases f32[B, L])
     penalties: tuple[jax.Array, ...] | None = None,  # apply_penalties' arguments after logits
     token_mask: jax.Array | None = None,  # i32[B, W] (apply_token_mask)
+    logprobs_mode: str = "raw_logprobs",  # static: what the logprobs are (logprob_values)
 ) -> tuple[jax.Array, ...]:
     """Greedy rows take the argmax; the others sample with key fold_in(key(seed), position), so a
     request's tokens depend only on its seed and its context, not on its batch neighbours.
@@ -130,28 +138,45 @@ def sample(
     top-p for the sampled rows. penalties and token_mask are None when no row of the step uses
     them (the program has none of their work).
 
-    Returns ids i32[B], their logprobs f32[B] under the model (raw logits, before the bias,
-    temperature and filtering), and the K most likely tokens of each row: i32[B, K], f32[B, K].
+    Returns ids i32[B] and what a request's logprobs report, f32[B, V] (logprobs_mode; the
+    default: log-softmax under the model, raw logits before the bias, temperature and
+    filtering).
     """
-    def pick(lg):
-        if penalties is not None:
-            lg = apply_penalties(lg, *penalties)
-        return _sample_ids(lg, temperature, top_k, top_p, seeds, positions, min_p)
-
     processed = logits if token_mask is None else apply_token_mask(logits, token_mask)
-    if logit_bias is None:
-        ids = pick(processed)
-    else:  # a step where no row biases runs the sampler on the logits as they are
+    if logit_bias is not None:  # a step where no row biases leaves the logits as they are
         bias_ids, bias_values = logit_bias
         rows = jnp.arange(logits.shape[0])[:, None]
-        ids = jax.lax.cond(
+        processed = jax.lax.cond(
             jnp.any(bias_values != 0),
-            lambda lg: pick(lg.at[rows, bias_ids].add(bias_values.astype(lg.dtype))),
-            pick, processed)
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
-    chosen = jnp.take_along_axis(log_probs, ids[:, None], axis=-1)[:, 0]
-    top_logprobs, top_ids = jax.lax.top_k(log_probs, num_top_logprobs)
-    return ids, chosen, top_ids.astype(jnp.int32), top_logprobs
+            lambda lg: lg.at[rows, bias_ids].add(bias_values.astype(lg.dtype)),
+            lambda lg: lg, processed)
+    if penalties is not None:
+        processed = apply_penalties(processed, *penalties)
+    ids = _sample_ids(processed, temperature, top_k, top_p, seeds, positions, min_p)
+    values = logprob_values(logits, processed, temperature, top_k, top_p, min_p, logprobs_mode)
+    return ids, values
+
+
+def top_values(ids: jax.Array, values: jax.Array, num_top: int) -> tuple[jax.Array, ...]:
+    """(the sampled tokens' values f32[B], the num_top largest values' ids i32[B, K] and values
+    f32[B, K]) of a row's values (logprob_values)."""
+    chosen = jnp.take_along_axis(values, ids[:, None], axis=-1)[:, 0]
+    top, top_ids = jax.lax.top_k(values, num_top)
+    return chosen, top_ids.astype(jnp.int32), top
+
+
+def logprob_values(logits, processed, temperature, top_k, top_p, min_p,
+                   mode: str) -> jax.Array:
+    """f32[B, V]: what a request's logprobs report, by logprobs_mode (vLLM's): raw_logprobs,
+    the model's log-softmax before any processing (a trainer's); raw_logits; processed_logits,
+    what the row draws from (token mask, logit_bias, penalties, then temperature (a greedy row's
+    1), min-p, top-k, top-p: filtered tokens at -inf); processed_logprobs, their log-softmax."""
+    if mode == "raw_logprobs":
+        return jax.nn.log_softmax(logits, axis=-1)
+    if mode == "raw_logits":
+        return logits
+    scored = filtered_logits(processed, temperature, top_k, top_p, min_p)
+    return scored if mode == "processed_logits" else jax.nn.log_softmax(scored, axis=-1)
 
 
 def filtered_logits(logits, temperature, top_k, top_p, min_p) -> jax.Array:

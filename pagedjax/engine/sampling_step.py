@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from pagedjax.engine.sampler import sample
+from pagedjax.engine.sampler import sample_values, top_values
 from pagedjax.engine.spec_decode import rejection_sampler
 from pagedjax.scheduler import SAMPLING_FIELDS, BatchPlan
 
@@ -40,7 +40,7 @@ def clear_programs() -> None:
         _locks.clear()
 
 
-def sample_fn(num_top_logprobs: int, logits: jax.Array, inputs: dict,
+def sample_fn(num_top_logprobs: int, logprobs_mode: str, logits: jax.Array, inputs: dict,
               token_mask: jax.Array) -> tuple[jax.Array, ...]:
     """sample() on a plan's sampling fields; an empty penalty_tokens (H = 0) or token_mask
     (W = 0) leaves their work out of the program. Returns sample()'s four arrays and the
@@ -53,8 +53,8 @@ def sample_fn(num_top_logprobs: int, logits: jax.Array, inputs: dict,
     k = inputs["draft_token_ids"].shape[1]
     if k:
         batch = inputs["draft_token_ids"].shape[0]
-        out = sample_fn(num_top_logprobs, logits, rejection_sampler.expand_rows(inputs, k),
-                        token_mask)
+        out = sample_fn(num_top_logprobs, logprobs_mode, logits,
+                        rejection_sampler.expand_rows(inputs, k), token_mask)
         out = tuple(x.reshape((batch, k + 1) + x.shape[1:]) for x in out)
         ids = rejection_sampler.verified_tokens(out[0], inputs["draft_token_ids"],
                                                 inputs["num_draft_tokens"])
@@ -64,19 +64,19 @@ def sample_fn(num_top_logprobs: int, logits: jax.Array, inputs: dict,
         penalties = (inputs["penalty_tokens"], inputs["penalty_prompt_lens"],
                      inputs["presence_penalty"], inputs["frequency_penalty"],
                      inputs["repetition_penalty"])
-    ids, chosen, top_ids, top_logprobs = sample(
+    ids, values = sample_values(
         logits, inputs["temperature"], inputs["top_k"], inputs["top_p"], inputs["seeds"],
-        inputs["kv_lens"], num_top_logprobs, min_p=inputs["min_p"],
+        inputs["kv_lens"], min_p=inputs["min_p"],
         logit_bias=(inputs["bias_ids"], inputs["bias_values"]), penalties=penalties,
-        token_mask=token_mask if token_mask.shape[1] else None)
+        token_mask=token_mask if token_mask.shape[1] else None, logprobs_mode=logprobs_mode)
+    chosen, top_ids, top_logprobs = top_values(ids, values, num_top_logprobs)
     if not num_top_logprobs:  # no request can ask for logprobs: no rank work
         return ids, chosen, top_ids, top_logprobs, jnp.zeros_like(ids)
-    log_probs = jax.nn.log_softmax(logits, axis=-1)  # the sampler's own, deduplicated by XLA
-    rank = 1 + jnp.sum(log_probs > chosen[:, None], axis=-1, dtype=jnp.int32)
+    rank = 1 + jnp.sum(values > chosen[:, None], axis=-1, dtype=jnp.int32)
     return ids, chosen, top_ids, top_logprobs, rank
 
 
-_sample = jax.jit(sample_fn, static_argnums=(0,))
+_sample = jax.jit(sample_fn, static_argnums=(0, 1))
 
 
 def sampling_inputs(plan: BatchPlan) -> dict:
@@ -88,10 +88,11 @@ def no_token_mask(num_seqs: int) -> np.ndarray:
 
 
 def program(num_top_logprobs: int, logits: jax.ShapeDtypeStruct, inputs: dict,
-            token_mask: np.ndarray, device: jax.Device) -> jax.stages.Compiled:
+            token_mask: np.ndarray, device: jax.Device,
+            logprobs_mode: str = "raw_logprobs") -> jax.stages.Compiled:
     """The sampler program for these shapes on device (compiled once per process)."""
     signature = tuple((k, np.shape(v), np.asarray(v).dtype.str) for k, v in inputs.items())
-    key = (num_top_logprobs, logits.shape, device, signature, token_mask.shape)
+    key = (num_top_logprobs, logprobs_mode, logits.shape, device, signature, token_mask.shape)
     compiled = _programs.get(key)
     if compiled is not None:
         return compiled
@@ -107,7 +108,7 @@ def program(num_top_logprobs: int, logits: jax.ShapeDtypeStruct, inputs: dict,
                 return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=sharding)
 
             _programs[key] = _sample.lower(
-                num_top_logprobs, jax.ShapeDtypeStruct(logits.shape, logits.dtype,
+                num_top_logprobs, logprobs_mode, jax.ShapeDtypeStruct(logits.shape, logits.dtype,
                                                        sharding=sharding),
                 jax.tree.map(abstract, inputs), abstract(token_mask)).compile()
     return _programs[key]

@@ -15,7 +15,8 @@ from pagedjax.frontend.async_engine import PromptSpec, RequestGroup
 from pagedjax.serving import tool_calls
 from pagedjax.serving.chat_replies import ReplyReader
 from pagedjax.serving.http_common import APIError, parse_body
-from pagedjax.serving.protocol import ChatCompletionRequest, prompt_logprobs_json, usage_json
+from pagedjax.serving.protocol import (ChatCompletionRequest, prompt_logprobs_json, usage_json,
+                                       wire_logprob)
 from pagedjax.serving.server_state import ServerState
 from pagedjax.serving.streaming import DONE, DeltaTracker, guard, sse
 from pagedjax.serving.tool_calls import ToolRequest, call_arguments
@@ -97,8 +98,10 @@ def logprobs_of(server: ServerState, choice: CompletionOutput, start: int, top_n
         text = server.token_text(token_id)
         ranked = sorted(top.items(), key=lambda kv: -kv[1].logprob)[:top_n]
         content.append({
-            "token": text, "logprob": top[token_id].logprob, "bytes": list(text.encode()),
-            "top_logprobs": [{"token": (t := server.token_text(i)), "logprob": lp.logprob,
+            "token": text, "logprob": wire_logprob(top[token_id].logprob),
+            "bytes": list(text.encode()),
+            "top_logprobs": [{"token": (t := server.token_text(i)),
+                              "logprob": wire_logprob(lp.logprob),
                               "bytes": list(t.encode())} for i, lp in ranked]})
     return {"content": content}
 

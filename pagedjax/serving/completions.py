@@ -13,7 +13,7 @@ from pagedjax.engine.outputs import CompletionOutput, RequestOutput
 from pagedjax.frontend.async_engine import PromptSpec
 from pagedjax.serving.http_common import APIError, parse_body
 from pagedjax.serving.protocol import (CompletionRequest, prompt_logprobs_json, split_prompts,
-                                       usage_json)
+                                       usage_json, wire_logprob)
 from pagedjax.serving.server_state import ServerState
 from pagedjax.serving.streaming import DONE, DeltaTracker, guard, sse
 
@@ -29,9 +29,9 @@ def logprobs_of(server: ServerState, token_ids, entries, offset: int,
     for token_id, top in zip(token_ids, entries):
         text = server.token_text(token_id)
         tokens.append(text)
-        token_logprobs.append(None if top is None else top[token_id].logprob)
+        token_logprobs.append(None if top is None else wire_logprob(top[token_id].logprob))
         tops.append(None if top is None else {
-            server.token_text(t): lp.logprob for t, lp in top.items()
+            server.token_text(t): wire_logprob(lp.logprob) for t, lp in top.items()
             if num_top is None or t == token_id or lp.rank is not None and lp.rank <= num_top})
         offsets.append(offset)
         offset += len(text)

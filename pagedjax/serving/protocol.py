@@ -261,6 +261,12 @@ def usage_json(prompt_tokens: int, completion_tokens: int, cached_tokens: int | 
     return usage
 
 
+def wire_logprob(value: float) -> float:
+    """A logprob as JSON carries it: a token a processed logprobs_mode filtered out (-inf) is
+    -9999.0, as vLLM sends it (JSON has no infinity)."""
+    return max(value, -9999.0)
+
+
 def prompt_logprobs_json(entries, prompt_token_ids, num_top: int) -> list | None:
     """vLLM's prompt_logprobs on the wire: None for the first prompt token, then per token
     {token id: {"logprob", "rank", "decoded_token"}} of the token itself and the num_top most

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedjax.engine.config import EngineConfig
+from pagedjax.engine.config import LOGPROBS_MODES, EngineConfig
 from pagedjax.scheduler import POLICIES
 
 
@@ -81,6 +81,10 @@ def _cache_args(group) -> None:
     group.add_argument("--max-logprobs", type=int,
                        help="the most logprobs a request may ask for "
                        f"({_default('max_logprobs')})")
+    group.add_argument("--logprobs-mode", choices=LOGPROBS_MODES,
+                       help="what logprobs report: the model's (raw_*) or what is sampled "
+                       f"from (processed_*), as log-probabilities or logits "
+                       f"({_default('logprobs_mode')})")
     group.add_argument("--seed", type=int,
                        help="draws the seeds of requests that give none "
                        f"({_default('seed')})")
@@ -133,7 +137,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs = {name: getattr(args, name) for name in (
         "max_model_len", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
         "policy", "dtype", "kv_cache_dtype", "attention_backend", "preemption_mode",
-        "max_logprobs", "seed", "compilation_cache", "prefill_seqs",
+        "max_logprobs", "logprobs_mode", "seed", "compilation_cache", "prefill_seqs",
         "step_programs", "tensor_parallel_size", "data_parallel_size", "gpu_memory_utilization",
         "speculative_config", "quantization")
         if getattr(args, name) is not None}
