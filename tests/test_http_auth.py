@@ -72,7 +72,10 @@ def test_every_server_route_needs_its_key(comparisons):
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/tiny",
             "/metrics", "/tokenize", "/detokenize", "/openapi.json", "/docs", "/admin/config",
             "/admin/config/rollback"} <= paths
-    admin = lambda path: path.startswith("/admin/")  # noqa: E731
+    weights = {"/update_weights", "/pause", "/resume", "/reset_prefix_cache", "/weight_info",
+               "/is_paused"}  # training to serving: the admin key's (weight_routes)
+    assert weights <= paths
+    admin = lambda path: path.startswith("/admin/") or path in weights  # noqa: E731
     with TestClient(app) as client:
         _check(client, routes, {"/health"}, lambda p: ADMIN if admin(p) else API,
                lambda p: [API] if admin(p) else [ADMIN])

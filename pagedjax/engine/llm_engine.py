@@ -198,9 +198,9 @@ class LLMEngine(RequestIntake, StepRecovery, WeightUpdates):
             self.speculator.propose(self.scheduler.state.running)
         if self.kv_tiers is not None:
             self.kv_tiers.prefetch(self.scheduler.state)
-        output = self.scheduler.schedule(self.clock())
+        output = self.schedule_step()
         if not output.scheduled:
-            if after is None and self.scheduler.has_unfinished():
+            if after is None and self.scheduler.has_unfinished() and not self._holding_new:
                 raise RuntimeError("scheduler made no progress with requests pending")
             return None
         self.last_schedule = output  # what the step ran (profiling reads its shape)

@@ -23,6 +23,8 @@ started with: no request admitted after the update can hit them.
 
 from __future__ import annotations
 
+import collections
+
 import jax.numpy as jnp
 
 from pagedjax.engine.new_weights import model_of, place_into, serving_weights
@@ -48,6 +50,7 @@ class WeightUpdates:
         self.num_weight_updates = 0
         self._paused = False
         self._held_outputs: list = []  # produced while pausing, returned by the next step()
+        self._holding_new = False  # requests that never ran are left waiting (a `wait` pause)
         self._versions: dict[str, list[str]] = {}  # request id -> versions its tokens came from
 
     @property
@@ -67,7 +70,32 @@ class WeightUpdates:
         self._paused = True
 
     def resume_generation(self) -> None:
-        self._paused = False
+        self._paused = self._holding_new = False
+
+    def hold_new_requests(self) -> None:
+        """A `wait` pause that does not block: the steps go on for the requests in flight only
+        (num_in_flight counts them down); requests that never ran wait until
+        resume_generation or release_new_requests. (A server drains so, streaming meanwhile.)"""
+        self._holding_new = True
+
+    def release_new_requests(self) -> None:
+        self._holding_new = False
+
+    @property
+    def has_work(self) -> bool:
+        """Whether step() would do anything: outputs to return, or requests it may schedule
+        (none while paused; only those in flight while new ones are held)."""
+        if self._held_outputs:
+            return True
+        if self._paused:
+            return False
+        return bool(self.num_in_flight if self._holding_new else self.scheduler.has_unfinished())
+
+    @property
+    def num_in_flight(self) -> int:
+        """Unfinished requests that have run (scheduled at least once)."""
+        return sum(1 for request in self.scheduler.state.requests.values()
+                   if request.first_scheduled_time is not None)
 
     def take_held_outputs(self, final_only: bool) -> list:
         """The outputs pausing produced (step() returns them first; final_only: the finished
@@ -137,19 +165,30 @@ class WeightUpdates:
         return outputs
 
     def _drain_in_flight(self) -> list:
-        """Steps until every request that has run finishes; the ones that never ran wait aside
-        meanwhile (in arrival order, put back after)."""
-        state = self.scheduler.state
-        held = [r for r in state.waiting if r.first_scheduled_time is None]
-        for request in held:
-            state.waiting.remove(request)
-        outputs = []
+        """Steps until every request that has run finishes (the others held: step_schedule)."""
+        outputs, holding = [], self._holding_new
+        self._holding_new = True
         try:
-            while self.scheduler.has_unfinished() and (state.running or state.waiting):
+            while self.num_in_flight:
                 outputs += self.finish_step(self.begin_step())
         finally:
-            state.waiting.extend(held)
+            self._holding_new = holding
         return outputs
+
+    def schedule_step(self):
+        """The scheduler's next step; while new requests are held, those that never ran are
+        set aside for it (and put back after, in their order)."""
+        if not self._holding_new:
+            return self.scheduler.schedule(self.clock())
+        state = self.scheduler.state
+        held = [r for r in state.waiting if r.first_scheduled_time is None]
+        if held:
+            state.waiting = collections.deque(
+                r for r in state.waiting if r.first_scheduled_time is not None)
+        try:
+            return self.scheduler.schedule(self.clock())
+        finally:
+            state.waiting.extend(held)
 
     def _rekey_prefix_cache(self) -> None:
         """A new prefix-cache key for the weights now served (the module's docstring)."""

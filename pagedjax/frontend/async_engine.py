@@ -23,6 +23,7 @@ from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.request_checks import PromptSpec
 from pagedjax.frontend.admission_control import AdmissionLimits, OverloadedError
+from pagedjax.frontend.engine_control import run_control
 from pagedjax.frontend.engine_driver import EngineDriver, StepInfo
 from pagedjax.scheduler import SamplingParams
 
@@ -178,6 +179,11 @@ class AsyncLLMEngine(EngineFrontend):
         self._commands.put((fn, future))
         self._wake.set()
         return await asyncio.wrap_future(future)
+
+    async def control(self, name: str, **kwargs):
+        """A training-to-serving control (pagedjax.frontend.engine_control) on the engine
+        thread between steps; its result, or its exception."""
+        return await self.call(lambda engine: run_control(engine, name, kwargs))
 
     async def add_requests(self, prompts: Sequence[PromptSpec],
                            streamed: bool = True) -> "RequestGroup":

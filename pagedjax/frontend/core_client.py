@@ -177,6 +177,16 @@ class CoreClient(EngineFrontend):
         self._send(("add", call_id, list(prompts), streamed))
         return RequestGroup(self, await asyncio.wrap_future(future), outputs)
 
+    async def control(self, name: str, **kwargs):
+        """As AsyncLLMEngine.control, run by the core between its steps."""
+        if not self.healthy:
+            raise EngineDeadError(self.dead_reason())
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        call_id = next(self._call_ids)
+        self._pending[call_id] = (future, None, None)
+        self._send(("control", call_id, name, kwargs))
+        return await asyncio.wrap_future(future)
+
     async def abort(self, request_id: str) -> None:
         self.abort_soon(request_id)
 
@@ -243,6 +253,14 @@ class CoreClient(EngineFrontend):
             for request_id in reply:
                 self._sinks[request_id] = (loop, outputs)
             future.set_result(reply)
+        elif kind == "control_reply":
+            pending = self._pending.pop(message[1], None)
+            if pending is not None:
+                reply = message[2]
+                if isinstance(reply, BaseException):
+                    pending[0].set_exception(reply)
+                else:
+                    pending[0].set_result(reply)
         elif kind == "aborted":
             self._decoder.forget(message[1])
             if self.on_abort is not None:

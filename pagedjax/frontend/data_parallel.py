@@ -238,6 +238,22 @@ class DataParallelEngine:
         for replica in self.replicas:
             replica.resume_generation()
 
+    def hold_new_requests(self) -> None:
+        for replica in self.replicas:
+            replica.hold_new_requests()
+
+    def release_new_requests(self) -> None:
+        for replica in self.replicas:
+            replica.release_new_requests()
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(r.num_in_flight for r in self.replicas)
+
+    @property
+    def has_work(self) -> bool:
+        return any(r.has_work for r in self.replicas)
+
     def reset_prefix_cache(self) -> bool:
         if any(r.scheduler.kv_manager.num_used_blocks for r in self.replicas):
             return False

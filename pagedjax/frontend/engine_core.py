@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 from pagedjax.engine.memory_budget import describe_held
 from pagedjax.frontend.admission_control import AdmissionLimits
+from pagedjax.frontend.engine_control import run_control
 from pagedjax.frontend.engine_driver import EngineDriver
 from pagedjax.frontend.output_deltas import DeltaEncoder
 
@@ -181,6 +182,13 @@ class _Core:
             if self.driver.abort(message[1]):
                 self.encoder.forget(message[1])
                 self.outbox.send_pyobj(("aborted", message[1]))
+        elif kind == "control":  # a training-to-serving control (engine_control)
+            _, call_id, name, kwargs = message
+            try:
+                reply = run_control(self.engine, name, kwargs)
+            except Exception as error:  # noqa: BLE001 - the caller's: a 400
+                reply = error
+            self.outbox.send_pyobj(("control_reply", call_id, reply))
         elif kind == "limits":
             self.driver.limits = message[1]
         elif kind == "pause":

@@ -112,7 +112,7 @@ class EngineDriver:
         return live, step_time
 
     def has_work(self) -> bool:
-        return self.engine.has_unfinished()
+        return self.engine.has_work
 
     def drop_all(self) -> list[str]:
         """Forgets every live request (the engine has stopped); returns their ids."""

@@ -26,15 +26,20 @@ CONFIG_PATH, ROLLBACK_PATH = "/admin/config", "/admin/config/rollback"
 PATHS = (CONFIG_PATH, ROLLBACK_PATH)
 
 
+def admin_only(server: ServerState, handler):
+    """handler behind the admin key (401 without it)."""
+    async def guarded(request: fastapi.Request):
+        if not key_matches(request.headers.get("authorization"), server.admin_key):
+            return error_response(401, "missing or wrong admin key (Authorization: "
+                                  "Bearer ...)", None, "authentication_error",
+                                  "invalid_api_key")
+        return await handler(request)
+    return guarded
+
+
 def admin_routes(server: ServerState, app: fastapi.FastAPI) -> None:
     def admin(handler):
-        async def guarded(request: fastapi.Request):
-            if not key_matches(request.headers.get("authorization"), server.admin_key):
-                return error_response(401, "missing or wrong admin key (Authorization: "
-                                      "Bearer ...)", None, "authentication_error",
-                                      "invalid_api_key")
-            return await handler(request)
-        return guarded
+        return admin_only(server, handler)
 
     def status() -> dict:
         return {"active": server.configs.active.to_dict(),

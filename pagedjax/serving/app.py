@@ -29,6 +29,7 @@ from pagedjax.serving.http_common import (APIError, GuardMiddleware, error_body,
                                           install_error_handlers)
 from pagedjax.serving.responses import responses_routes
 from pagedjax.serving.server_state import DEFAULT_MAX_TOKENS, ServerState  # noqa: F401
+from pagedjax.serving.weight_routes import PATHS as WEIGHT_PATHS, weight_routes
 
 logger = logging.getLogger("pagedjax.http")
 REJECTED = {400: "invalid", 404: "invalid", 413: "invalid", 429: "overloaded"}  # -> reason
@@ -110,13 +111,15 @@ class OpenAIServer(ServerState):
 
         install_error_handlers(app, on_error)
         # The admin routes answer to the admin key alone (an API key would shut them).
-        open_paths = self.open_paths + (ADMIN_PATHS if self.admin_key is not None else ())
+        open_paths = self.open_paths + (ADMIN_PATHS + WEIGHT_PATHS
+                                        if self.admin_key is not None else ())
         app.add_middleware(GuardMiddleware, max_request_bytes=self.max_request_bytes,
                            api_key=self.api_key, open_paths=open_paths)
 
         self._info_routes(app)
         if self.admin_key is not None:
             admin_routes(self, app)
+            weight_routes(self, app)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
         responses_routes(self, app)

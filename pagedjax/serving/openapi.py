@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 from pagedjax.serving.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        TokenizeChatRequest, TokenizeCompletionRequest)
 from pagedjax.serving.responses_input import ResponsesRequest
+from pagedjax.serving.weight_routes import PauseRequest, UpdateWeightsRequest
 
 
 class _Open(BaseModel):
@@ -134,11 +135,29 @@ class AdminStatus(_Open):
     degradation_level: int
 
 
+class WeightInfo(_Open):
+    weight_version: str
+    is_paused: bool
+
+
+class WeightUpdated(_Open):
+    weight_version: str
+
+
+class PausedFlag(_Open):
+    is_paused: bool
+
+
+class PrefixCacheReset(_Open):
+    reset: bool
+
+
 STREAMS = {"/v1/completions", "/v1/chat/completions", "/v1/responses"}
 REQUESTS: dict[str, Any] = {
     "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
     "/v1/responses": ResponsesRequest, "/detokenize": DetokenizeRequest,
-    "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest)}
+    "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest),
+    "/update_weights": UpdateWeightsRequest, "/pause": PauseRequest}
 ANSWERS: dict[tuple[str, str], Any] = {
     ("post", "/v1/completions"): CompletionResponse,
     ("post", "/v1/chat/completions"): ChatCompletionResponse,
@@ -150,14 +169,18 @@ ANSWERS: dict[tuple[str, str], Any] = {
     ("post", "/tokenize"): TokenizeResponse, ("post", "/detokenize"): DetokenizeResponse,
     ("get", "/health"): Health, ("get", "/version"): Version,
     ("get", "/admin/config"): AdminStatus, ("post", "/admin/config"): AdminStatus,
-    ("post", "/admin/config/rollback"): AdminStatus}
+    ("post", "/admin/config/rollback"): AdminStatus,
+    ("post", "/update_weights"): WeightUpdated, ("post", "/pause"): WeightInfo,
+    ("post", "/resume"): WeightInfo, ("get", "/weight_info"): WeightInfo,
+    ("get", "/is_paused"): PausedFlag, ("post", "/reset_prefix_cache"): PrefixCacheReset}
 ERRORS = {400: "a field the server cannot serve, named in `param`",
           401: "a missing or wrong API (or admin) key", 404: "no such model, response or route",
-          405: "a method the route does not take", 409: "a configuration needing a new instance",
+          405: "a method the route does not take",
+          409: "a configuration needing a new instance, or a reset while blocks are held",
           413: "a body over --max-request-bytes",
           429: "refused by admission control (Retry-After)", 499: "the client went away",
           500: "an internal error (a request id to find it in the log)",
-          503: "the engine is dead"}
+          503: "the engine is dead", 504: "requests still in flight past timeout_s"}
 
 
 def _schema(models, components: dict) -> dict:

@@ -1,0 +1,108 @@
+"""Training to serving over HTTP (issue 52; vLLM's and SGLang's RL endpoints), behind the admin
+key as /admin/* is (absent without one), in process or with the engine core process:
+
+    POST /update_weights       {"path": a checkpoint (orbax, HF directory, GGUF), "version":
+                               its name, "mode": "wait" | "abort" | "keep", "timeout_s"}
+    POST /pause                {"mode", "timeout_s"}       POST /resume
+    POST /reset_prefix_cache   409 while requests hold blocks
+    GET  /weight_info          {"weight_version", "is_paused"}   (GET /is_paused: the flag)
+
+`wait` drains here, not on the engine thread: new requests are held (they queue), the requests in
+flight go on streaming to the end, then the update (or the pause) applies; past timeout_s the
+hold is released and the answer is 504, nothing changed. The weights are read on the engine's
+side between two steps (the core process reads them itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Literal
+
+import fastapi
+from pydantic import BaseModel, ConfigDict, Field
+
+from pagedjax.serving.admin import admin_only
+from pagedjax.serving.http_common import APIError, error_response, get_route, parse_body
+from pagedjax.serving.server_state import ServerState
+
+PATHS = ("/update_weights", "/pause", "/resume", "/reset_prefix_cache", "/weight_info",
+         "/is_paused")
+POLL_S = 0.02
+
+
+class PauseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["wait", "abort", "keep"] = "wait"
+    timeout_s: float = Field(600.0, gt=0, le=86_400)
+
+
+class UpdateWeightsRequest(PauseRequest):
+    path: str = Field(..., min_length=1, max_length=4096)
+    version: str | None = Field(None, min_length=1, max_length=256)
+
+
+async def _drain(frontend, timeout_s: float) -> None:
+    """Holds new requests until those in flight are done (APIError 504 past timeout_s, the hold
+    released)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    await frontend.control("hold_new")
+    while await frontend.control("in_flight"):
+        if loop.time() > deadline:
+            await frontend.control("release_new")
+            raise APIError(504, f"requests were still in flight after timeout_s ({timeout_s} "
+                                f"s); nothing changed")
+        await asyncio.sleep(POLL_S)
+
+
+def weight_routes(server: ServerState, app: fastapi.FastAPI) -> None:
+    async def control(name: str, **kwargs):
+        try:
+            return await server.async_engine.control(name, **kwargs)
+        except ValueError as error:  # a bad checkpoint or weights: named by the engine
+            raise APIError(400, str(error)[:2000], "path" if "path" in kwargs else None) from None
+
+    async def update_weights(request: fastapi.Request):
+        body = parse_body(await request.body(), UpdateWeightsRequest)
+        mode = body.mode
+        if mode == "wait":
+            await _drain(server.async_engine, body.timeout_s)
+            mode = "keep"  # nothing in flight any more
+        try:
+            version = await control("update_weights", path=body.path, version=body.version,
+                                    mode=mode)
+        finally:
+            if body.mode == "wait":
+                await server.async_engine.control("release_new")
+        return {"weight_version": version}
+
+    async def pause(request: fastapi.Request):
+        body = parse_body(await request.body() or b"{}", PauseRequest)
+        if body.mode == "wait":
+            await _drain(server.async_engine, body.timeout_s)
+        await control("pause", mode="keep" if body.mode == "wait" else body.mode)
+        return await control("weight_info")
+
+    async def resume(request: fastapi.Request):
+        await control("resume")
+        return await control("weight_info")
+
+    async def reset_prefix_cache(request: fastapi.Request):
+        if not await control("reset_prefix_cache"):
+            return error_response(409, "requests hold KV blocks: the prefix cache resets once "
+                                  "they end", None)
+        return {"reset": True}
+
+    async def weight_info(request: fastapi.Request):
+        return await control("weight_info")
+
+    async def is_paused(request: fastapi.Request):
+        return {"is_paused": (await control("weight_info"))["is_paused"]}
+
+    app.post("/update_weights")(admin_only(server, update_weights))
+    app.post("/pause")(admin_only(server, pause))
+    app.post("/resume")(admin_only(server, resume))
+    app.post("/reset_prefix_cache")(admin_only(server, reset_prefix_cache))
+    get_route(app, "/weight_info")(admin_only(server, weight_info))
+    get_route(app, "/is_paused")(admin_only(server, is_paused))
