@@ -82,6 +82,8 @@ def test_update_weights_over_http_waits_for_the_stream_in_flight(models):
         assert after.json()["choices"][0]["token_ids"] == expected_new
         info = client.get("/weight_info", headers=ADMIN).json()
         assert info == {"weight_version": "step-1", "is_paused": False}
+        assert 'pagedjax:weight_version_info{model_name="tiny",version="step-1"} 1.0' in \
+            client.get("/metrics").text
 
 
 def test_pause_resume_reset_and_refusals(models):

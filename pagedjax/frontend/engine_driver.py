@@ -46,6 +46,7 @@ class StepInfo:
     stats: EngineStats | None = None
     time: float = 0.0
     memory: tuple = (0, None, "engine")
+    weight_version: str = "0"  # the weights served (LLMEngine.update_weights)
 
 
 def remaining_tokens(samples: Sequence[Request]) -> int:
@@ -141,4 +142,4 @@ class EngineDriver:
             sum(r.num_waiting for r in replicas), sum(r.num_swapped for r in replicas),
             sum(r.used_blocks for r in replicas) / max(1, sum(r.usable_blocks for r in replicas)),
             self.outstanding_tokens(), replicas, copy.copy(self.engine.stats),
-            self.engine.clock(), memory_in_use(self.engine))
+            self.engine.clock(), memory_in_use(self.engine), self.engine.weight_version)

@@ -127,6 +127,10 @@ class ServerMetrics:
         self.serving_config = prom.Info("pagedjax:serving_config", "The active serving "
                                         "configuration's version.", f.names,
                                         registry=self.registry).labels(**f.labels)
+        self.weight_version = prom.Info("pagedjax:weight_version", "The version of the weights "
+                                        "served (update_weights).", f.names,
+                                        registry=self.registry).labels(**f.labels)
+        self._weight_version = None
         self.degradation_level = f.gauge("degradation_level", "The instance's degradation "
                                          "level: 0 normal, 1 max_tokens cut, 2 + long-context "
                                          "shed, 3 + concurrency lowered.")
@@ -258,6 +262,9 @@ class ServerMetrics:
         self._last = totals
         self._spec_gauges(info.stats)
         self.tiers.update(info.stats.kv_tiers)
+        if info.weight_version != self._weight_version:
+            self._weight_version = info.weight_version
+            self.weight_version.info({"version": info.weight_version})
         used, limit, source = info.memory
         self.device_memory.labels(source=source, **self.labels).set(used)
         self.device_memory_limit.set(limit or 0)
