@@ -73,7 +73,7 @@ def test_every_server_route_needs_its_key(comparisons):
             "/metrics", "/tokenize", "/detokenize", "/openapi.json", "/docs", "/admin/config",
             "/admin/config/rollback"} <= paths
     weights = {"/update_weights", "/pause", "/resume", "/reset_prefix_cache", "/weight_info",
-               "/is_paused"}  # training to serving: the admin key's (weight_routes)
+               "/is_paused", "/sleep", "/wake_up", "/is_sleeping"}  # the admin key's
     assert weights <= paths
     admin = lambda path: path.startswith("/admin/") or path in weights  # noqa: E731
     with TestClient(app) as client:

@@ -81,7 +81,7 @@ def test_update_weights_over_http_waits_for_the_stream_in_flight(models):
             "return_token_ids": True})
         assert after.json()["choices"][0]["token_ids"] == expected_new
         info = client.get("/weight_info", headers=ADMIN).json()
-        assert info == {"weight_version": "step-1", "is_paused": False}
+        assert info == {"weight_version": "step-1", "is_paused": False, "is_sleeping": False}
         assert 'pagedjax:weight_version_info{model_name="tiny",version="step-1"} 1.0' in \
             client.get("/metrics").text
 
@@ -99,6 +99,16 @@ def test_pause_resume_reset_and_refusals(models):
         assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}
                            ).status_code == 200
         assert client.post("/reset_prefix_cache", headers=ADMIN).json() == {"reset": True}
+        asleep = client.post("/sleep", headers=ADMIN, json={"level": 1})
+        assert asleep.status_code == 200 and asleep.json()["is_sleeping"] is True
+        refused = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_asleep"
+        assert client.post("/sleep", headers=ADMIN, json={"level": 3}).json()["error"][
+            "param"] == "level"
+        assert client.post("/wake_up", headers=ADMIN, json={}).json()["is_sleeping"] is False
+        assert client.get("/is_sleeping", headers=ADMIN).json() == {"is_sleeping": False}
+        assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}
+                           ).status_code == 200
         for body, param in (({"path": path, "mode": "later"}, "mode"),
                             ({"path": path, "timeout_s": 0}, "timeout_s"),
                             ({"path": path, "extra": 1}, "extra"),

@@ -19,6 +19,7 @@ from pagedjax.engine.kv_snapshot import KVSnapshot, UsageSample, kv_snapshot, to
 from pagedjax.engine.output_processor import TextState
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.request_intake import RequestIntake
+from pagedjax.engine.sleep_mode import SleepMode
 from pagedjax.engine.spec_decode.draft_model import DraftModelProposer
 from pagedjax.engine.spec_decode.speculator import Speculator
 from pagedjax.engine.stats import EngineStats, ReplicaLoad
@@ -45,7 +46,7 @@ class _Started:
     error: Exception | None = None
 
 
-class LLMEngine(RequestIntake, StepRecovery, WeightUpdates):
+class LLMEngine(RequestIntake, StepRecovery, WeightUpdates, SleepMode):
     """Requests in, one step at a time (ARCHITECTURE.md: one engine step)."""
 
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig | None = None, *,
@@ -86,6 +87,7 @@ class LLMEngine(RequestIntake, StepRecovery, WeightUpdates):
         self.num_blocks, self.buckets = pool.num_blocks, pool.buckets
         self.runner, self.memory_budget = pool.runner, pool.memory_budget
         self._init_weight_updates(model)
+        self._init_sleep_mode()
         self._init_scheduling(config)
         self._init_requests(tokenizer, model_config, config, seed_rng, draft_model)
 

@@ -24,7 +24,8 @@ class RequestIntake:
         """Queues several requests all or none and returns their ids: each is checked against
         the engine's limits (admission.check_specs) before anything is built; admit, when given,
         sees the checked requests next and may refuse them all by raising. On any error nothing
-        is built or queued."""
+        is built or queued. A sleeping engine refuses them (SleepMode.check_awake)."""
+        self.check_awake()
         admissions = check_specs(self, specs)
         if admit is not None:
             admit(admissions)

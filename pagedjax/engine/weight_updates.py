@@ -119,11 +119,19 @@ class WeightUpdates:
             raise ValueError("update_weights is not supported multi-host yet (each process "
                              "holds its part of the weights); restart with the new checkpoint")
         model = model_of(weights, self.model_config, jnp.dtype(self.config.dtype))
-        params = serving_weights(model, self.runner, self.config.quantization,
-                                 self.config.quantize_lm_head)
+        self._served_weights_for_update()  # asleep (level 2): where the weights were
+        try:
+            params = serving_weights(model, self.runner, self.config.quantization,
+                                     self.config.quantize_lm_head)
+        finally:
+            if "weights" in self._asleep:
+                self.runner.params = None
         was_paused = self._paused
         self.pause_generation(mode)
+        self._served_weights_for_update()
         place_into(self.runner, params)
+        if "weights" in self._asleep:
+            self._weights_awake()  # new weights wake them
         self.num_weight_updates += 1
         self.weight_version = str(self.num_weight_updates) if version is None else version
         self._rekey_prefix_cache()

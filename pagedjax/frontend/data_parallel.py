@@ -155,6 +155,8 @@ class DataParallelEngine:
     def add_requests(self, specs: Sequence[PromptSpec],
                      admit: Callable[[list[Admission]], None] | None = None) -> list[str]:
         """LLMEngine.add_requests: checked all or none, then each placed on a replica."""
+        for replica in self.replicas:
+            replica.check_awake()
         admissions = check_specs(self, specs)
         if admit is not None:
             admit(admissions)
@@ -258,6 +260,18 @@ class DataParallelEngine:
         if any(r.scheduler.kv_manager.num_used_blocks for r in self.replicas):
             return False
         return all([r.reset_prefix_cache() for r in self.replicas])
+
+    def sleep(self, level: int = 1) -> None:
+        for replica in self.replicas:
+            replica.sleep(level)
+
+    def wake_up(self, tags=None) -> None:
+        for replica in self.replicas:
+            replica.wake_up(tags)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.replicas[0].is_sleeping
 
     @property
     def weight_version(self) -> str:

@@ -16,7 +16,8 @@ def _update_weights(engine, path: str, version: str | None, mode: str) -> str:
 
 
 def _weight_info(engine) -> dict:
-    return {"weight_version": engine.weight_version, "is_paused": engine.is_paused}
+    return {"weight_version": engine.weight_version, "is_paused": engine.is_paused,
+            "is_sleeping": engine.is_sleeping}
 
 
 CONTROLS = {
@@ -28,6 +29,8 @@ CONTROLS = {
     "in_flight": lambda engine: engine.num_in_flight,
     "reset_prefix_cache": lambda engine: engine.reset_prefix_cache(),
     "weight_info": _weight_info,
+    "sleep": lambda engine, level: engine.sleep(level),
+    "wake_up": lambda engine, tags: engine.wake_up(tags),
 }
 
 

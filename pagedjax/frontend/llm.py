@@ -276,3 +276,16 @@ class LLM:
     @property
     def is_paused(self) -> bool:
         return self.engine.is_paused
+
+    def sleep(self, level: int = 1) -> None:
+        """Gives the device memory back while idle (pagedjax.engine.sleep_mode): level 1 keeps
+        the weights in host memory, level 2 drops them (update_weights brings new ones)."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags=None) -> None:
+        """The parts named ("weights", "kv_cache"; default both) back on the device."""
+        self.engine.wake_up(tags)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping

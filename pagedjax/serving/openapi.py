@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict
 from pagedjax.serving.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        TokenizeChatRequest, TokenizeCompletionRequest)
 from pagedjax.serving.responses_input import ResponsesRequest
-from pagedjax.serving.weight_routes import PauseRequest, UpdateWeightsRequest
+from pagedjax.serving.weight_routes import (PauseRequest, SleepRequest, UpdateWeightsRequest,
+                                            WakeUpRequest)
 
 
 class _Open(BaseModel):
@@ -138,6 +139,11 @@ class AdminStatus(_Open):
 class WeightInfo(_Open):
     weight_version: str
     is_paused: bool
+    is_sleeping: bool
+
+
+class SleepingFlag(_Open):
+    is_sleeping: bool
 
 
 class WeightUpdated(_Open):
@@ -157,7 +163,8 @@ REQUESTS: dict[str, Any] = {
     "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
     "/v1/responses": ResponsesRequest, "/detokenize": DetokenizeRequest,
     "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest),
-    "/update_weights": UpdateWeightsRequest, "/pause": PauseRequest}
+    "/update_weights": UpdateWeightsRequest, "/pause": PauseRequest, "/sleep": SleepRequest,
+    "/wake_up": WakeUpRequest}
 ANSWERS: dict[tuple[str, str], Any] = {
     ("post", "/v1/completions"): CompletionResponse,
     ("post", "/v1/chat/completions"): ChatCompletionResponse,
@@ -172,7 +179,9 @@ ANSWERS: dict[tuple[str, str], Any] = {
     ("post", "/admin/config/rollback"): AdminStatus,
     ("post", "/update_weights"): WeightUpdated, ("post", "/pause"): WeightInfo,
     ("post", "/resume"): WeightInfo, ("get", "/weight_info"): WeightInfo,
-    ("get", "/is_paused"): PausedFlag, ("post", "/reset_prefix_cache"): PrefixCacheReset}
+    ("get", "/is_paused"): PausedFlag, ("post", "/reset_prefix_cache"): PrefixCacheReset,
+    ("post", "/sleep"): WeightInfo, ("post", "/wake_up"): WeightInfo,
+    ("get", "/is_sleeping"): SleepingFlag}
 ERRORS = {400: "a field the server cannot serve, named in `param`",
           401: "a missing or wrong API (or admin) key", 404: "no such model, response or route",
           405: "a method the route does not take",

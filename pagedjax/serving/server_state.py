@@ -14,6 +14,7 @@ from fastapi import responses
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.request_checks import encode_text
+from pagedjax.engine.sleep_mode import EngineAsleepError
 from pagedjax.frontend.admission_control import AdmissionLimits
 from pagedjax.frontend.async_engine import (AsyncLLMEngine, EngineDeadError, OverloadedError,
                                             PromptSpec, RequestFailedError, RequestGroup)
@@ -220,6 +221,9 @@ class ServerState:
                 raise rejected(e, params_of) from None
             if isinstance(e, EngineDeadError):
                 raise APIError(503, str(e), None, "server_error", "engine_dead") from None
+            if isinstance(e, EngineAsleepError):
+                raise APIError(503, str(e), None, "server_error", "engine_asleep",
+                               {"Retry-After": "1"}) from None
             raise
 
     def _apply_level(self, level: int) -> None:

@@ -5,7 +5,10 @@ key as /admin/* is (absent without one), in process or with the engine core proc
                                its name, "mode": "wait" | "abort" | "keep", "timeout_s"}
     POST /pause                {"mode", "timeout_s"}       POST /resume
     POST /reset_prefix_cache   409 while requests hold blocks
-    GET  /weight_info          {"weight_version", "is_paused"}   (GET /is_paused: the flag)
+    POST /sleep {"level"}      POST /wake_up {"tags"}   (GET /is_sleeping: the flag; asleep, a
+                               request is refused by name, 400)
+    GET  /weight_info          {"weight_version", "is_paused", "is_sleeping"}
+                               (GET /is_paused: the flag)
 
 `wait` drains here, not on the engine thread: new requests are held (they queue), the requests in
 flight go on streaming to the end, then the update (or the pause) applies; past timeout_s the
@@ -26,7 +29,7 @@ from pagedjax.serving.http_common import APIError, error_response, get_route, pa
 from pagedjax.serving.server_state import ServerState
 
 PATHS = ("/update_weights", "/pause", "/resume", "/reset_prefix_cache", "/weight_info",
-         "/is_paused")
+         "/is_paused", "/sleep", "/wake_up", "/is_sleeping")
 POLL_S = 0.02
 
 
@@ -35,6 +38,18 @@ class PauseRequest(BaseModel):
 
     mode: Literal["wait", "abort", "keep"] = "wait"
     timeout_s: float = Field(600.0, gt=0, le=86_400)
+
+
+class SleepRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    level: Literal[1, 2] = 1
+
+
+class WakeUpRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tags: list[Literal["weights", "kv_cache"]] | None = None
 
 
 class UpdateWeightsRequest(PauseRequest):
@@ -63,6 +78,11 @@ def weight_routes(server: ServerState, app: fastapi.FastAPI) -> None:
         except ValueError as error:  # a bad checkpoint or weights: named by the engine
             raise APIError(400, str(error)[:2000], "path" if "path" in kwargs else None) from None
 
+    _update_routes(server, app, control)
+    _sleep_routes(server, app, control)
+
+
+def _update_routes(server: ServerState, app: fastapi.FastAPI, control) -> None:
     async def update_weights(request: fastapi.Request):
         body = parse_body(await request.body(), UpdateWeightsRequest)
         mode = body.mode
@@ -106,3 +126,22 @@ def weight_routes(server: ServerState, app: fastapi.FastAPI) -> None:
     app.post("/reset_prefix_cache")(admin_only(server, reset_prefix_cache))
     get_route(app, "/weight_info")(admin_only(server, weight_info))
     get_route(app, "/is_paused")(admin_only(server, is_paused))
+
+
+def _sleep_routes(server: ServerState, app: fastapi.FastAPI, control) -> None:
+    async def sleep(request: fastapi.Request):
+        body = parse_body(await request.body() or b"{}", SleepRequest)
+        await control("sleep", level=body.level)
+        return await control("weight_info")
+
+    async def wake_up(request: fastapi.Request):
+        body = parse_body(await request.body() or b"{}", WakeUpRequest)
+        await control("wake_up", tags=body.tags)
+        return await control("weight_info")
+
+    async def is_sleeping(request: fastapi.Request):
+        return {"is_sleeping": (await control("weight_info"))["is_sleeping"]}
+
+    app.post("/sleep")(admin_only(server, sleep))
+    app.post("/wake_up")(admin_only(server, wake_up))
+    get_route(app, "/is_sleeping")(admin_only(server, is_sleeping))
