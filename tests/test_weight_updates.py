@@ -270,3 +270,12 @@ def test_every_data_parallel_replica_takes_the_update(models):
     assert summary(after) == summary(run(engine_for(new), batch))
     assert {o.weight_version for o in after} == {"dp"}
     assert engine.reset_prefix_cache() is True
+
+
+def test_a_quantized_engine_quantizes_what_it_receives(models):
+    """An int8 engine's update equals an int8 engine built from the new weights."""
+    old, new = models
+    engine = engine_for(old, quantization="int8")
+    run(engine, requests())
+    engine.update_weights(new)
+    assert_same(run(engine, requests()), run(engine_for(new, quantization="int8"), requests()))
