@@ -4,7 +4,13 @@ weights, float32) and, with --big, Llama-3.2-1B's (bfloat16), on this CPU.
 
 Per model, one process:
 - in_place_s: `llm.update_weights(model)` (serving form, checks, placement leaf by leaf), the
-  engine warm (its programs compiled by a first generate);
+  engine warm (its programs compiled by a first generate); steady_update_s: the best of the next
+  two updates (the small programs an update itself runs are compiled by then: an RL loop's
+  case), steady_speedup: new_engine_s over it;
+- sleep_wake_s: `llm.sleep(1)` then `llm.wake_up()` (weights to host memory and back, the KV
+  pool dropped and zeroed again); freed_asleep_gib: device memory (JAX's live arrays) freed
+  while asleep, of engine_gib (the engine's weights and KV pool; the embedding, norm and head
+  alias the caller's model there, which keeps them);
 - compiles_after_update: XLA backend compiles from the update through a second generate of the
   same prompts (0: the programs take the new leaves as they are);
 - new_engine_s: `LLM(checkpoint_dir)` (an orbax checkpoint of the same weights, read into
@@ -81,6 +87,19 @@ def measure(name: str, dtype: str) -> dict:
     sampler.join()
     got = llm.generate(prompts, greedy, use_tqdm=False)
     compiles = COMPILES[0] - compiles
+    steady = []
+    for model in (old, new):  # later updates: the small programs they use are compiled
+        start = time.perf_counter()
+        llm.update_weights(model)
+        steady.append(time.perf_counter() - start)
+    awake = live_bytes()
+    start = time.perf_counter()
+    llm.sleep(1)
+    asleep = live_bytes()
+    llm.wake_up()
+    wake = time.perf_counter() - start
+    engine_bytes = weights + sum(leaf.nbytes for leaf in jax.tree.leaves(
+        llm.engine.runner.kv_cache))
     with tempfile.TemporaryDirectory() as directory:
         save_checkpoint(new, directory)
         del llm
@@ -89,8 +108,13 @@ def measure(name: str, dtype: str) -> dict:
         expected = fresh.generate(prompts, greedy, use_tqdm=False)
         new_engine = time.perf_counter() - start
     return {"model": name, "dtype": dtype, "weights_gib": round(weights / GIB, 3),
-            "in_place_s": round(in_place, 3), "compiles_after_update": compiles,
+            "in_place_s": round(in_place, 3), "steady_update_s": round(min(steady), 3),
+            "compiles_after_update": compiles,
+            "sleep_wake_s": round(wake, 3),
+            "freed_asleep_gib": round((awake - asleep) / GIB, 3),
+            "engine_gib": round(engine_bytes / GIB, 3),
             "new_engine_s": round(new_engine, 2), "speedup": round(new_engine / in_place, 1),
+            "steady_speedup": round(new_engine / min(steady), 1),
             "peak_extra_gib": round(max(0, sampler.peak - baseline) / GIB, 3),
             "outputs_equal": [o.outputs[0].token_ids for o in got]
             == [o.outputs[0].token_ids for o in expected]}
