@@ -279,3 +279,33 @@ def test_a_quantized_engine_quantizes_what_it_receives(models):
     run(engine, requests())
     engine.update_weights(new)
     assert_same(run(engine, requests()), run(engine_for(new, quantization="int8"), requests()))
+
+
+def test_an_update_that_fails_after_letting_go_leaves_the_weights_asleep(models, monkeypatch):
+    """Checked, then the old weights dropped (never two copies), then making the new ones fails
+    (device memory): the engine refuses requests by name until an update succeeds."""
+    from pagedjax.engine import new_weights
+    from pagedjax.engine.sleep_mode import EngineAsleepError
+
+    old, new = models
+    engine = engine_for(old)
+    forms = []
+
+    def out_of_memory(model, *args):
+        forms.append(model)
+        raise MemoryError("RESOURCE_EXHAUSTED: making the new weights")
+
+    real = new_weights.serving_form
+    monkeypatch.setattr(new_weights, "serving_form", lambda model, *args: (
+        out_of_memory(model, *args) if not isinstance(jax.tree.leaves(nnx.state(model))[0],
+                                                      jax.ShapeDtypeStruct)
+        else real(model, *args)))
+    with pytest.raises(MemoryError, match="RESOURCE_EXHAUSTED"):
+        engine.update_weights(new)
+    assert forms and engine.is_sleeping and engine.runner.params is None
+    with pytest.raises(EngineAsleepError, match="weights off the device"):
+        engine.add_request([1, 2, 3])
+    monkeypatch.setattr(new_weights, "serving_form", real)
+    engine.update_weights(new)
+    assert not engine.is_sleeping
+    assert_same(run(engine, requests()), run(engine_for(new), requests()))

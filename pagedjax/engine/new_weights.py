@@ -2,9 +2,10 @@
 own family and config (what a JAX trainer built on pagedjax.models holds) or its nnx.State, made
 into the engine's serving form (quantized as the engine's were, layers stacked, KV heads
 repeated for tensor parallelism), checked leaf by leaf against the weights the engine serves
-(the same structure, each leaf's shape and dtype, named by its path) before anything changes,
-then moved into the served leaves' shardings, device to device, each old buffer deleted as its
-replacement lands: the engine holds one copy of its weights plus one leaf in flight. The
+(the same structure, each leaf's shape and dtype, named by its path; on the abstract form,
+nothing computed) before anything changes; then, once the engine let go of its old weights, made
+for real and moved into the served leaves' shardings, device to device (a stack of layers made
+here becomes the engine's as it is): the engine never holds two copies of its weights. The
 compiled step programs read the same shapes, dtypes and shardings: nothing recompiles.
 
 A checkpoint path is the frontend's to read (pagedjax.frontend.llm.LLM.update_weights loads it
@@ -55,13 +56,17 @@ def model_of(weights: Any, config, dtype) -> nnx.Module:
     return weights
 
 
-def serving_weights(model, runner, quantization: str | None, quantize_lm_head: bool) -> list:
-    """model's weights in the runner's serving form, checked against the ones it serves
-    (ValueError naming the first leaf whose path, shape or dtype differs): its leaves, in the
-    order of the served tree's, each with whether it is one of the caller's arrays (a layer
-    stack made here is not: it needs no copy of its own)."""
-    model = quantized_for_serving(model, quantization, quantize_lm_head)
-    graph, params = serving_form(model, *runner.serving_args)
+def prepared(model, quantization: str | None, quantize_lm_head: bool):
+    """model as the engine serves it: quantized by the engine's scheme (a new, smaller copy),
+    or itself."""
+    return quantized_for_serving(model, quantization, quantize_lm_head)
+
+
+def check_weights(model, runner) -> None:
+    """ValueError naming the first leaf of a prepared model's serving form (abstract: nothing
+    computed) whose path, shape or dtype differs from the weights the runner serves
+    (runner.params, or their specs while they sleep)."""
+    graph, params = serving_form(nnx.eval_shape(lambda m: m, model), *runner.serving_args)
     if graph != runner.graph:
         raise ValueError("weights: their serving graph differs from the engine's (another "
                          "quantization or layer layout)")
@@ -77,9 +82,15 @@ def serving_weights(model, runner, quantization: str | None, quantize_lm_head: b
         if leaf.shape != served.shape or leaf.dtype != served.dtype:
             raise ValueError(f"weights: {_path_name(path)} is {leaf.dtype}{list(leaf.shape)}, "
                              f"the engine serves {served.dtype}{list(served.shape)}")
+
+
+def serving_weights(model, runner) -> list:
+    """A prepared model's weights in the runner's serving form (check_weights passed): its
+    leaves, in the order of the served tree's, each with whether it is one of the model's arrays
+    (a layer stack made here is not: it needs no copy of its own)."""
+    _, params = serving_form(model, *runner.serving_args)
     callers = {id(leaf) for leaf in jax.tree.leaves(nnx.state(model))}
-    return [(new[path], id(new[path]) in callers)
-            for path, _ in jax.tree_util.tree_leaves_with_path(runner.params)]
+    return [(leaf, id(leaf) in callers) for leaf in jax.tree_util.tree_leaves(params)]
 
 
 def place_into(runner, params: list, on_leaf=None) -> None:

@@ -91,6 +91,17 @@ class SleepMode:
         if not self._asleep:
             self.sleep_level = 0
 
+    def _let_go_of_weights(self) -> None:
+        """Before new weights are made (update_weights, the old ones checked against): the
+        engine drops its own, their specs standing for them, so that it never holds two copies;
+        a failure from here on leaves the weights asleep (update_weights again wakes them)."""
+        if self._weights_spec is None:
+            self._weights_spec = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                self.runner.params)
+        self._host_weights = None
+        self.runner.params = self._weights_spec
+
     def _served_weights_for_update(self) -> None:
         """Before new weights are placed: while the weights sleep, their specs stand for them
         (update_weights places the new leaves where they were)."""

@@ -27,7 +27,8 @@ import collections
 
 import jax.numpy as jnp
 
-from pagedjax.engine.new_weights import model_of, place_into, serving_weights
+from pagedjax.engine.new_weights import (check_weights, model_of, place_into, prepared,
+                                         serving_weights)
 from pagedjax.kv_offload.tiers import weights_fingerprint
 from pagedjax.scheduler import RequestStatus
 
@@ -118,25 +119,32 @@ class WeightUpdates:
         if self.multihost:
             raise ValueError("update_weights is not supported multi-host yet (each process "
                              "holds its part of the weights); restart with the new checkpoint")
-        model = model_of(weights, self.model_config, jnp.dtype(self.config.dtype))
+        model = prepared(model_of(weights, self.model_config, jnp.dtype(self.config.dtype)),
+                         self.config.quantization, self.config.quantize_lm_head)
         self._served_weights_for_update()  # asleep (level 2): where the weights were
         try:
-            params = serving_weights(model, self.runner, self.config.quantization,
-                                     self.config.quantize_lm_head)
+            check_weights(model, self.runner)
         finally:
             if "weights" in self._asleep:
                 self.runner.params = None
         was_paused = self._paused
         self.pause_generation(mode)
-        self._served_weights_for_update()
-        place_into(self.runner, params)
-        if "weights" in self._asleep:
-            self._weights_awake()  # new weights wake them
-        self.num_weight_updates += 1
-        self.weight_version = str(self.num_weight_updates) if version is None else version
-        self._rekey_prefix_cache()
-        if not was_paused:
-            self.resume_generation()
+        try:
+            self._let_go_of_weights()
+            try:
+                place_into(self.runner, serving_weights(model, self.runner))
+            except Exception:  # noqa: BLE001 - no whole weights on the device: they sleep
+                self._asleep.add("weights")
+                self.sleep_level = self.sleep_level or 2
+                self.runner.params = None
+                raise
+            self._weights_awake()  # new weights wake them, if they slept
+            self.num_weight_updates += 1
+            self.weight_version = str(self.num_weight_updates) if version is None else version
+            self._rekey_prefix_cache()
+        finally:
+            if not was_paused:
+                self.resume_generation()
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block, on the device and in the host tier (the disk tier's files
