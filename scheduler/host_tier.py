@@ -135,6 +135,14 @@ class HostTier:
         self._held.clear()  # the schedule has taken what was brought up for it
         return taken
 
+    def clear(self) -> None:
+        """Forgets every entry (the engine's reset_prefix_cache): every slot free again."""
+        self.slots.clear()
+        self.slot_hash = [None] * self.num_blocks
+        self._free = collections.deque(range(self.num_blocks))
+        self._pinned.clear()
+        self._held.clear()
+
     def release(self) -> None:
         """The previous step ran its transfers: its slots may be reused."""
         self._pinned.clear()
