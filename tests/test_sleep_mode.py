@@ -62,6 +62,7 @@ def test_sleep_gives_memory_back_and_waking_answers_as_before(models, level):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     if level == 1:
         llm.wake_up(["weights"])
+        assert llm.engine.sleep_level == 1  # the KV pool still sleeps
         with pytest.raises(EngineAsleepError, match="kv_cache off the device"):
             llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         llm.wake_up()
@@ -69,11 +70,13 @@ def test_sleep_gives_memory_back_and_waking_answers_as_before(models, level):
     else:
         with pytest.raises(ValueError, match="level 2 dropped the weights: update_weights"):
             llm.wake_up()
+        llm.wake_up(["kv_cache"])  # first the pool, then new weights wake the rest
+        assert llm.is_sleeping and llm.engine.sleep_level == 2
         llm.update_weights(new, version="after-sleep")
-        llm.wake_up(["kv_cache"])
         assert answers(llm) == fresh
         assert llm.weight_version == "after-sleep"
-    assert not llm.is_sleeping and num_step_compiles() == compiles
+    assert not llm.is_sleeping and llm.engine.sleep_level == 0
+    assert num_step_compiles() == compiles
 
 
 def test_sleep_needs_an_idle_engine_and_a_level(models):
@@ -89,7 +92,8 @@ def test_sleep_needs_an_idle_engine_and_a_level(models):
     for bad in (0, 3, True):
         with pytest.raises(ValueError, match="level must be 1 .* or 2"):
             llm.sleep(bad)
-    llm.sleep(1)
+    llm.sleep()  # level 1 by default, as vLLM's
+    assert llm.engine.sleep_level == 1 and llm.engine.runner.params is None
     with pytest.raises(ValueError, match="already asleep"):
         llm.sleep(1)
     with pytest.raises(ValueError, match="tags must be among"):

@@ -309,3 +309,16 @@ def test_an_update_that_fails_after_letting_go_leaves_the_weights_asleep(models,
     engine.update_weights(new)
     assert not engine.is_sleeping
     assert_same(run(engine, requests()), run(engine_for(new), requests()))
+
+
+def test_the_callers_arrays_stay_theirs(models):
+    """The engine copies the caller's arrays (a trainer may donate or delete them next): once
+    the update is done, deleting every array of the model it came from changes nothing."""
+    old, _ = models
+    engine = engine_for(old)
+    trainer = init_model(old.config, seed=2)  # the same weights as `new`
+    engine.update_weights(trainer)
+    expected = run(engine_for(models[1]), requests())
+    for leaf in jax.tree.leaves(nnx.state(trainer)):
+        leaf.delete()
+    assert_same(run(engine, requests()), expected)
