@@ -193,7 +193,7 @@ def test_a_step_failing_on_the_device_with_the_next_dispatched_recomputes(
     assert engine.stats.num_failed == 0 and engine.scheduler.kv_manager.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("ahead", [False, True])
+@pytest.mark.parametrize("ahead", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_a_step_failing_while_dispatched_is_retried_row_by_row(byte_model, sync_outputs,
                                                                 caplog, ahead):
     """A step's dispatch raises once (before the device: the KV cache is intact), either a step

@@ -66,8 +66,8 @@ def first_new(tokens: list[int], printable: bool = False) -> int:
     raise AssertionError(f"no new token after the 10th in {tokens}")
 
 
-# The n-gram proposer over a whole mixed batch (a draft model's and Predicted Outputs' equal-tokens
-# tests run in make test).
+# The n-gram proposer over a whole mixed batch (Predicted Outputs' equal-tokens test runs in make
+# test; a draft model's, as this one, in make test-slow).
 @pytest.mark.slow
 def test_tokens_equal_plain_decoding_over_a_mixed_batch(byte_model):
     tok = ByteTokenizer()
@@ -122,6 +122,7 @@ def draft_of(model, **changes):
     return init_model(dataclasses.replace(model.config, **changes), seed=11)
 
 
+@pytest.mark.slow  # a draft model beside its target over the whole mixed batch (23 s)
 def test_a_draft_model_gives_plain_decodings_tokens(byte_model):
     """A one-layer random draft with its own paged KV: greedy and seeded tokens equal plain
     decoding's over the mixed batch (chunked prefill, preemption, a grammar, n = 2)."""
