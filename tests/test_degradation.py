@@ -112,6 +112,7 @@ def _level(text: str) -> float:
     return float(line.rsplit(" ", 1)[1])
 
 
+@pytest.mark.slow  # a served instance slowed, degraded and recovered in real time (15 s)
 def test_a_slowed_instance_degrades_then_recovers():
     llm = LLM(**ENGINE)
     runner = llm.engine.runner

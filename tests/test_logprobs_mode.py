@@ -76,7 +76,9 @@ REFERENCE = {
 }
 
 
-@pytest.mark.parametrize("mode", sorted(REFERENCE))
+# the logits modes (the logprobs modes' inputs) in make test-slow
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.slow) if m.endswith("logits")
+                                  else m for m in sorted(REFERENCE)])
 def test_logprobs_are_what_the_mode_names(model, mode):
     p = params()
     engine = LLMEngine(model, EngineConfig(**CONFIG, logprobs_mode=mode))

@@ -69,7 +69,8 @@ def assert_same(got, expected) -> None:
                                        [v.logprob for v in y.values()], atol=1e-5)
 
 
-@pytest.mark.parametrize("tiers", ["device", "host_and_disk"])
+@pytest.mark.parametrize("tiers", ["device", pytest.param("host_and_disk",
+                                                         marks=pytest.mark.slow)])
 def test_after_an_update_every_output_is_a_fresh_engines(models, tmp_path, tiers):
     old, new = models
     extra = {} if tiers == "device" else dict(
@@ -246,6 +247,7 @@ def test_llm_takes_a_checkpoint_path(models, tmp_path):
     assert llm.weight_version == "ckpt"
 
 
+@pytest.mark.slow  # two replicas; test_weight_updates_parallel runs them on their own devices
 def test_every_data_parallel_replica_takes_the_update(models):
     """Two replicas (over one CPU device, as tests/test_data_parallel_placement.py runs them):
     both serve the new weights, and requests in flight on each finish as `abort` says."""
@@ -272,6 +274,7 @@ def test_every_data_parallel_replica_takes_the_update(models):
     assert engine.reset_prefix_cache() is True
 
 
+@pytest.mark.slow  # an int8 engine twice: make test-slow
 def test_a_quantized_engine_quantizes_what_it_receives(models):
     """An int8 engine's update equals an int8 engine built from the new weights."""
     old, new = models
