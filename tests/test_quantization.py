@@ -111,7 +111,8 @@ def _generate(model, **fields):
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize("kind", ["lm_head", "tied", "moe"])
+# a mixture's experts, each scheme (22 s): make test-slow
+@pytest.mark.parametrize("kind", ["lm_head", "tied", pytest.param("moe", marks=pytest.mark.slow)])
 def test_engine_equals_the_numpy_dequantized_model(tiny_model, scheme, kind):
     """The quantized engine (LM head quantized too: a Linear, or the tied embedding; a
     mixture's experts, each with its own scales) against the float engine over the same

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from pagedjax.engine.new_weights import (check_weights, model_of, place_into, prepared,
                                          serving_weights)
-from pagedjax.kv_offload.tiers import weights_fingerprint
+from pagedjax.kv_offload.tiers import disk_key
 from pagedjax.scheduler import RequestStatus
 
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -210,7 +210,7 @@ class WeightUpdates:
         """A new prefix-cache key for the weights now served (the module's docstring)."""
         tiers = self.kv_tiers
         if tiers is not None and tiers.disk is not None:  # other processes find them by this
-            tiers.disk.key = f"{weights_fingerprint(self.runner.params)}:{self.config.dtype}"
+            tiers.disk.key = disk_key(self.runner, self.config)
         self.scheduler.kv_manager.cache_key = self._cache_key()
         state = self.scheduler.state
         for request in list(state.waiting):  # hashes of requests not running: the new key's

@@ -283,6 +283,12 @@ class KVTiers:
         disk.close()
 
 
+def disk_key(runner, config) -> str:
+    """What a disk tier's files name as their content's origin: the weights the runner serves
+    (their fingerprint) and the engine's dtype."""
+    return f"{weights_fingerprint(runner.params)}:{config.dtype}"
+
+
 def make_kv_tiers(runner, config, bytes_per_block: int) -> KVTiers | None:
     """The engine's tiers from its config (None without kv_offload_bytes)."""
     if not config.kv_offload_bytes:
@@ -297,8 +303,8 @@ def make_kv_tiers(runner, config, bytes_per_block: int) -> KVTiers | None:
                   for a in jax.tree.leaves(runner.kv_cache)]
         layout = {"block_size": config.block_size, "kv_cache_dtype": config.kv_cache_dtype,
                   "backend": runner.backend.name, "leaves": leaves}
-        key = f"{weights_fingerprint(runner.params)}:{config.dtype}"
-        disk = DiskTier(config.kv_disk_dir, config.kv_disk_bytes, key, layout)
+        disk = DiskTier(config.kv_disk_dir, config.kv_disk_bytes, disk_key(runner, config),
+                        layout)
     return KVTiers(runner, num_blocks, bytes_per_block, disk)
 
 
