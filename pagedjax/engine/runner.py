@@ -171,6 +171,12 @@ class ModelRunner(BlockTransfers):
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                             (self.params, self.kv_cache))
 
+    @property
+    def weight_specs(self):
+        """The weights' shapes, dtypes and shardings, as the programs were compiled for them
+        (what new or woken weights must have)."""
+        return self._abstract_args[0]
+
     def resize_kv_cache(self, num_blocks: int) -> None:
         """Replaces the pool with one of num_blocks blocks, before any step program is compiled
         (memory_budget sizes it once the weights are placed)."""

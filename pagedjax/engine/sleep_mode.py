@@ -59,8 +59,7 @@ class SleepMode:
             raise ValueError("sleep needs an idle engine: requests are unfinished (let them "
                              "finish, or pause_generation('abort') first)")
         runner = self.runner
-        self._weights_spec = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), runner.params)
+        self._weights_spec = runner.weight_specs
         self._host_weights = jax.device_get(runner.params) if level == 1 else None
         runner.params = runner.kv_cache = None
         self.scheduler.kv_manager.drop_cached_content()  # the device blocks' content is gone
@@ -96,9 +95,7 @@ class SleepMode:
         engine drops its own, their specs standing for them, so that it never holds two copies;
         a failure from here on leaves the weights asleep (update_weights again wakes them)."""
         if self._weights_spec is None:
-            self._weights_spec = jax.tree.map(
-                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                self.runner.params)
+            self._weights_spec = self.runner.weight_specs
         self._host_weights = None
         self.runner.params = self._weights_spec
 
