@@ -96,6 +96,12 @@ class HybridKVCacheManager:
     def cache_key(self) -> bytes:
         return self.groups[0].cache_key
 
+    @cache_key.setter
+    def cache_key(self, key: bytes) -> None:
+        """Every group's (new weights: no block of the old ones is a hit again)."""
+        for group in self.groups:
+            group.cache_key = key
+
     @property
     def hash_suffixes(self) -> list[bytes]:
         return [group.hash_suffix for group in self.groups]
