@@ -197,15 +197,17 @@ def test_bad_weights_are_refused_by_name_and_change_nothing(models):
         engine.update_weights(other)
     state = nnx.state(new)
     leaf_path, _ = jax.tree_util.tree_flatten_with_path(state)[0][0]
-    bad = jax.tree_util.tree_map_with_path(
-        lambda path, x: x.astype(np.float16) if path == leaf_path else x, state)
-    with pytest.raises(ValueError, match=r"weights: .* is float16\[.*the engine serves float32"):
-        engine.update_weights(bad)
+    for change, refusal in [(lambda x: x.astype(np.int32), r"is int32\[.*a float dtype"),
+                            (lambda x: x[..., :-1], r"is float32\[.*takes a float dtype")]:
+        bad = jax.tree_util.tree_map_with_path(
+            lambda path, x: change(x) if path == leaf_path else x, state)
+        with pytest.raises(ValueError, match=r"weights: embed_tokens/embedding " + refusal):
+            engine.update_weights(bad)
     for bad_version in ("", 7, "v" * 300):
         with pytest.raises(ValueError, match="version must be a non-empty string"):
             engine.update_weights(new, version=bad_version)
     with pytest.raises(ValueError, match="weights must be a model of the engine's family"):
-        engine.update_weights({"model.embed_tokens.weight": np.zeros(3)})
+        engine.update_weights(object())
     assert engine.weight_version == "0" and engine.num_weight_updates == 0
     assert_same(run(engine, requests()), before)
 
@@ -284,31 +286,31 @@ def test_a_quantized_engine_quantizes_what_it_receives(models):
     assert_same(run(engine, requests()), run(engine_for(new, quantization="int8"), requests()))
 
 
-def test_an_update_that_fails_after_letting_go_leaves_the_weights_asleep(models, monkeypatch):
-    """Checked, then the old weights dropped (never two copies), then making the new ones fails
-    (device memory): the engine refuses requests by name until an update succeeds."""
-    from pagedjax.engine import new_weights
+def test_an_update_that_fails_part_way_leaves_the_weights_asleep(models, monkeypatch):
+    """Checked, then written leaf by leaf into the old leaves' buffers (never two copies); a
+    write that fails part way (device memory) leaves mixed weights: the engine refuses requests
+    by name until an update succeeds."""
+    from pagedjax.engine import weight_writer
     from pagedjax.engine.sleep_mode import EngineAsleepError
 
     old, new = models
     engine = engine_for(old)
-    forms = []
+    run(engine, requests())
+    real, written = weight_writer.write_leaf, []
 
-    def out_of_memory(model, *args):
-        forms.append(model)
-        raise MemoryError("RESOURCE_EXHAUSTED: making the new weights")
+    def out_of_memory(*args):
+        if len(written) == 3:
+            raise MemoryError("RESOURCE_EXHAUSTED: writing a leaf")
+        written.append(real(*args))
+        return written[-1]
 
-    real = new_weights.serving_form
-    monkeypatch.setattr(new_weights, "serving_form", lambda model, *args: (
-        out_of_memory(model, *args) if not isinstance(jax.tree.leaves(nnx.state(model))[0],
-                                                      jax.ShapeDtypeStruct)
-        else real(model, *args)))
-    with pytest.raises(MemoryError, match="RESOURCE_EXHAUSTED"):
+    monkeypatch.setattr(weight_writer, "write_leaf", out_of_memory)
+    with pytest.raises(RuntimeError, match=r"failed after 3 of \d+ leaves .*RESOURCE_EXHAUSTED"):
         engine.update_weights(new)
-    assert forms and engine.is_sleeping and engine.runner.params is None
+    assert engine.is_sleeping and engine.runner.params is None
     with pytest.raises(EngineAsleepError, match="weights off the device"):
         engine.add_request([1, 2, 3])
-    monkeypatch.setattr(new_weights, "serving_form", real)
+    monkeypatch.setattr(weight_writer, "write_leaf", real)
     engine.update_weights(new)
     assert not engine.is_sleeping
     assert_same(run(engine, requests()), run(engine_for(new), requests()))
@@ -316,11 +318,16 @@ def test_an_update_that_fails_after_letting_go_leaves_the_weights_asleep(models,
 
 def test_the_callers_arrays_stay_theirs(models):
     """The engine copies the caller's arrays (a trainer may donate or delete them next): once
-    the update is done, deleting every array of the model it came from changes nothing."""
+    the update is done, deleting every array of the model it came from changes nothing; the
+    model the engine was built from keeps its arrays (the leaves the engine shares with it are
+    written anew, not donated)."""
     old, _ = models
     engine = engine_for(old)
+    assert engine.runner.borrowed  # the embedding, norm, head: old's buffers, not copied
     trainer = init_model(old.config, seed=2)  # the same weights as `new`
     engine.update_weights(trainer)
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(nnx.state(old)))
+    assert not engine.runner.borrowed
     expected = run(engine_for(models[1]), requests())
     for leaf in jax.tree.leaves(nnx.state(trainer)):
         leaf.delete()

@@ -31,3 +31,22 @@ def expert_names(name: str, num_experts: int) -> list[str]:
     if EXPERT not in name:
         return [name]
     return [name.replace(EXPERT, str(e)) for e in range(num_experts)]
+
+
+def hf_state_dict(model, renames: tuple[tuple[str, str], ...] = ()) -> dict:
+    """A float model's weights by Hugging Face name, in HF's layout ([out, in] for a Linear's
+    weight, one tensor an expert; transposed where they lie, on their devices): what a
+    checkpoint of it would hold, and what update_weights takes by name. renames: the family's
+    (pagedjax.models.registry.hf_renames)."""
+    from flax import nnx
+
+    tensors = {}
+    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name, transpose = hf_weight_name(path, renames)
+        value = variable.get_value()
+        value = value.swapaxes(-1, -2) if transpose else value
+        if EXPERT in name:
+            tensors.update(zip(expert_names(name, value.shape[0]), value))
+        else:
+            tensors[name] = value
+    return tensors

@@ -54,7 +54,7 @@ def leaf_names(path: tuple) -> tuple[str, tuple]:
 _PERIODIC = re.compile(r"^(?:every(\d+)_from(\d+)|layer(\d+))$")
 
 
-def _layers_of(path: tuple, num_layers: int, leaf) -> tuple[range, bool]:
+def layers_of(path: tuple, num_layers: int, leaf) -> tuple[range, bool]:
     """(the layers a leaf holds, whether they are stacked on its first axis); none for the
     leaves outside the decoder layers."""
     keys = [getattr(k, "name", getattr(k, "idx", getattr(k, "key", None))) for k in path]
@@ -83,7 +83,7 @@ def kv_columns(config: LlamaConfig, width: int) -> np.ndarray | None:
     return (heads[:, None] * config.head_dim + np.arange(config.head_dim)).reshape(-1)
 
 
-def _is_kv(model_path: tuple, config: LlamaConfig) -> bool:
+def is_kv(model_path: tuple, config: LlamaConfig) -> bool:
     """Whether a weight spans the KV heads' columns (repeated with them under TP)."""
     names = ("k_proj", "v_proj") + (("k_norm",) if config.qk_norm_whole else ())
     return any(name in names for name in model_path)
@@ -149,8 +149,8 @@ def lazy_from_tensors(abstract: LlamaForCausalLM, opened, np_dtype, source: str)
 
             def build(path, leaf):
                 field, model_path = leaf_names(path)
-                layers, stacked = _layers_of(path, config.num_layers, leaf)
-                columns = (kv_columns(config, leaf.shape[-1]) if _is_kv(model_path, config)
+                layers, stacked = layers_of(path, config.num_layers, leaf)
+                columns = (kv_columns(config, leaf.shape[-1]) if is_kv(model_path, config)
                            else None)
                 module = modules.get(model_path[:-1])
                 quantized = module is not None and model_path[-1] in QUANTIZED_PARTS
@@ -170,7 +170,7 @@ def lazy_from_tensors(abstract: LlamaForCausalLM, opened, np_dtype, source: str)
                         return one(name_of(stored), index)
                     chosen = layers[index[0]] if stacked else layers
                     inner = index[1:] if stacked else index
-                    parts = [one(name_of(_at(stored, layer)), inner) for layer in chosen]
+                    parts = [one(name_of(at_layer(stored, layer)), inner) for layer in chosen]
                     return np.stack(parts) if stacked else parts[0]
 
                 return jax.make_array_from_callback(leaf.shape, placement(path, leaf), read)
@@ -198,7 +198,7 @@ def _quantizing(tensor, scheme: str | None, num_experts: int = 0):
     return read_parts
 
 
-def _at(model_path: tuple, layer: int) -> tuple:
+def at_layer(model_path: tuple, layer: int) -> tuple:
     return tuple(layer if part == "{layer}" else part for part in model_path)
 
 
@@ -248,9 +248,9 @@ def lazy_checkpoint(directory: str, dtype=jnp.float32) -> LazyModel:
         targets, plans = {}, []  # model path -> restore target; (path, leaf, how to build)
         for path, leaf in jax.tree_util.tree_leaves_with_path(weights):
             field, model_path = leaf_names(path)
-            layers, stacked = _layers_of(path, config.num_layers, leaf)
+            layers, stacked = layers_of(path, config.num_layers, leaf)
             sharding = placement(path, leaf)
-            repeated = (_is_kv(model_path, config)
+            repeated = (is_kv(model_path, config)
                         and kv_columns(config, leaf.shape[-1]) is not None)
             per_layer = _drop_leading(sharding, leaf) if stacked else sharding
             if repeated:  # restored whole on each device, repeated there
@@ -258,7 +258,7 @@ def lazy_checkpoint(directory: str, dtype=jnp.float32) -> LazyModel:
             shape = leaf.shape[1:] if stacked else leaf.shape
             if repeated:
                 shape = shape[:-1] + (config.num_kv_heads * config.head_dim,)
-            names = ([_at(model_path, layer) for layer in layers] if field == "layers"
+            names = ([at_layer(model_path, layer) for layer in layers] if field == "layers"
                      else [model_path])
             for name in names:
                 targets[name] = jax.ShapeDtypeStruct(shape, saved_dtype, sharding=per_layer)

@@ -20,8 +20,10 @@ from typing import Any
 import jax
 from flax import nnx
 
+from pagedjax.engine.weight_writer import Part, check_part
+from pagedjax.models.loading.placed_weights import (at_layer, is_kv, kv_columns, layers_of,
+                                                    leaf_names)
 from pagedjax.models.loading.quantized_loading import for_serving as quantized_for_serving
-from pagedjax.models.paged_forward import serving_form
 from pagedjax.models.registry import init_model
 
 
@@ -59,65 +61,55 @@ def model_of(weights: Any, config, dtype) -> nnx.Module:
 def prepared(model, quantization: str | None, quantize_lm_head: bool):
     """model as the engine serves it: quantized by the engine's scheme (a new, smaller copy),
     or itself."""
+    if quantization is None:  # (a quantized model's parts do not fit a float engine's leaves)
+        return model
     return quantized_for_serving(model, quantization, quantize_lm_head)
 
 
-def check_weights(model, runner) -> None:
-    """ValueError naming the first leaf of a prepared model's serving form (abstract: nothing
-    computed) whose path, shape or dtype differs from the weights the runner serves
-    (runner.params, or their specs while they sleep)."""
-    graph, params = serving_form(nnx.eval_shape(lambda m: m, model), *runner.serving_args)
-    if graph != runner.graph:
-        raise ValueError("weights: their serving graph differs from the engine's (another "
-                         "quantization or layer layout)")
-    new = dict(jax.tree_util.tree_leaves_with_path(params))
-    old = dict(jax.tree_util.tree_leaves_with_path(runner.params))
-    if new.keys() != old.keys():
-        missing = sorted(_path_name(p) for p in old.keys() - new.keys())
-        extra = sorted(_path_name(p) for p in new.keys() - old.keys())
-        raise ValueError(f"weights: the served weights' names differ (missing: {missing[:4]}, "
-                         f"unknown: {extra[:4]})")
-    for path, leaf in new.items():
-        served = old[path]
-        if leaf.shape != served.shape or leaf.dtype != served.dtype:
-            raise ValueError(f"weights: {_path_name(path)} is {leaf.dtype}{list(leaf.shape)}, "
-                             f"the engine serves {served.dtype}{list(served.shape)}")
+def served_sources(runner, config) -> list[tuple[tuple, list[tuple[tuple, tuple]], int]]:
+    """For each served leaf (in the flattened order): its model-level path of layer 0 (with
+    "{layer}"), the (index into the leaf, the model-level path) of each layer it holds, and
+    how many times its KV heads' columns are repeated (1: not a k/v projection, or not
+    repeated)."""
+    sources = []
+    for path, spec in jax.tree_util.tree_leaves_with_path(runner.weight_specs):
+        field, model_path = leaf_names(path)
+        layers, stacked = layers_of(path, config.num_layers, spec)
+        if field != "layers":
+            places = [((), model_path)]
+        else:
+            places = [((i,) if stacked else (), at_layer(model_path, layer))
+                      for i, layer in enumerate(layers)]
+        columns = kv_columns(config, spec.shape[-1]) if is_kv(model_path, config) else None
+        repeats = 1 if columns is None else len(columns) // (config.num_kv_heads
+                                                              * config.head_dim)
+        sources.append((model_path, places, repeats))
+    return sources
 
 
-def serving_weights(model, runner) -> list:
-    """A prepared model's weights in the runner's serving form (check_weights passed): its
-    leaves, in the order of the served tree's, each with whether it is one of the model's arrays
-    (a layer stack made here is not: it needs no copy of its own)."""
-    _, params = serving_form(model, *runner.serving_args)
-    callers = {id(leaf) for leaf in jax.tree.leaves(nnx.state(model))}
-    return [(leaf, id(leaf) in callers) for leaf in jax.tree_util.tree_leaves(params)]
+def model_parts(model, runner, config) -> tuple[dict[int, list[Part]], dict[int, int]]:
+    """A prepared model's arrays as the parts of every served leaf (pagedjax.engine.weight_writer),
+    and the leaves' KV repeats; checked (ValueError naming the first weight missing, or whose
+    shape or dtype family does not fit) before anything changes."""
+    arrays = {path: variable.get_value()
+              for path, variable in nnx.to_flat_state(nnx.state(model))}
+    specs = jax.tree.leaves(runner.weight_specs)
+    parts, repeats = {}, {}
+    for position, (_, places, kv_repeats) in enumerate(sources_of(runner, config)):
+        leaf_parts = []
+        for index, path in places:
+            if path not in arrays:
+                raise ValueError(f"weights: {_path_name(path)} is missing (the engine serves "
+                                 f"it; another quantization or layer layout?)")
+            part = Part(index, arrays[path])
+            check_part(_path_name(path), specs[position], part, kv_repeats)
+            leaf_parts.append(part)
+        parts[position], repeats[position] = leaf_parts, kv_repeats
+    return parts, repeats
 
 
-def place_into(runner, params: list, on_leaf=None) -> None:
-    """runner.params replaced by params, leaf by leaf, each moved into the sharding of the leaf it
-    replaces (the caller's arrays copied: they stay theirs, a trainer may donate them next);
-    the engine drops each old leaf as its replacement lands (freed unless someone else, e.g. the
-    model the engine was built from, still holds it). params: serving_weights' (leaf, the
-    caller's) pairs, emptied as they are placed (a leaf made here is the engine's from then on:
-    no second copy). on_leaf(index) after each (measurement). A
-    placement that fails part way (device memory) leaves the weights mixed: RuntimeError, and
-    another update must follow."""
-    served, treedef = jax.tree_util.tree_flatten(runner.params)
-    runner.params = None
-    total, done = len(params), 0
-    try:
-        for done in range(total):
-            (new, callers), params[done] = params[done], None
-            leaf = jax.device_put(new, served[done].sharding, may_alias=False if callers else None)
-            leaf.block_until_ready()
-            served[done] = leaf
-            del new
-            if on_leaf is not None:
-                on_leaf(done)
-        done = total
-    except Exception as error:  # noqa: BLE001 - re-raised, the weights named as mixed
-        raise RuntimeError(f"update_weights failed after {done} of {total} leaves "
-                           f"({type(error).__name__}: {error}); the engine's weights are mixed "
-                           f"until an update succeeds") from error
-    finally:
-        runner.params = jax.tree_util.tree_unflatten(treedef, served)
+def sources_of(runner, config):
+    """served_sources, kept on the runner (its weights' layout never changes)."""
+    if getattr(runner, "weight_sources", None) is None:
+        runner.weight_sources = served_sources(runner, config)
+    return runner.weight_sources

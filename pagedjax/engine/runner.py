@@ -7,9 +7,11 @@ import threading
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from pagedjax.engine import prompt_logprobs, sampling_step
+from pagedjax.engine.weight_writer import borrowed_leaves
 from pagedjax.kv_offload.block_transfers import BlockTransfers
 from pagedjax.models import (LlamaForCausalLM, ServingGraph, ServingWeights, paged_forward,
                              serving_form)
@@ -147,6 +149,11 @@ class ModelRunner(BlockTransfers):
         else:
             self.params = shard_weights(params, mesh, config.vocab_size,
                                         backend.expert_parallel)
+        # the leaves sharing the buffers of the model given (update_weights never donates them)
+        self.borrowed = frozenset() if lazy else borrowed_leaves(
+            self.params, jax.tree.leaves(nnx.state(model)))
+        self.weight_sources = None  # where each leaf's values come from (new_weights)
+        self.weight_names = None  # their Hugging Face names (named_weights)
         self.kv_cache = self._new_kv_cache()
         self._abstract_args = self._abstract()
         self.step_shapes: set[tuple[str, int, int]] = set()  # the shapes steps have run

@@ -62,6 +62,7 @@ class SleepMode:
         self._weights_spec = runner.weight_specs
         self._host_weights = jax.device_get(runner.params) if level == 1 else None
         runner.params = runner.kv_cache = None
+        runner.borrowed = frozenset()  # woken or new, the weights are the engine's own
         self.scheduler.kv_manager.drop_cached_content()  # the device blocks' content is gone
         self._asleep = set(TAGS)
         self.sleep_level = level
@@ -89,15 +90,6 @@ class SleepMode:
         self._asleep.discard("weights")
         if not self._asleep:
             self.sleep_level = 0
-
-    def _let_go_of_weights(self) -> None:
-        """Before new weights are made (update_weights, the old ones checked against): the
-        engine drops its own, their specs standing for them, so that it never holds two copies;
-        a failure from here on leaves the weights asleep (update_weights again wakes them)."""
-        if self._weights_spec is None:
-            self._weights_spec = self.runner.weight_specs
-        self._host_weights = None
-        self.runner.params = self._weights_spec
 
     def _served_weights_for_update(self) -> None:
         """Before new weights are placed: while the weights sleep, their specs stand for them

@@ -24,11 +24,14 @@ started with: no request admitted after the update can hit them.
 from __future__ import annotations
 
 import collections
+from collections.abc import Mapping
 
 import jax.numpy as jnp
+from flax import nnx
 
-from pagedjax.engine.new_weights import (check_weights, model_of, place_into, prepared,
-                                         serving_weights)
+from pagedjax.engine.named_weights import named_parts
+from pagedjax.engine.new_weights import model_of, model_parts, prepared
+from pagedjax.engine.weight_writer import write_parts
 from pagedjax.kv_offload.tiers import disk_key
 from pagedjax.scheduler import RequestStatus
 
@@ -119,32 +122,48 @@ class WeightUpdates:
         if self.multihost:
             raise ValueError("update_weights is not supported multi-host yet (each process "
                              "holds its part of the weights); restart with the new checkpoint")
-        model = prepared(model_of(weights, self.model_config, jnp.dtype(self.config.dtype)),
-                         self.config.quantization, self.config.quantize_lm_head)
-        self._served_weights_for_update()  # asleep (level 2): where the weights were
-        try:
-            check_weights(model, self.runner)
-        finally:
-            if "weights" in self._asleep:
-                self.runner.params = None
+        parts, repeats = self._new_parts(weights)
         was_paused = self._paused
         self.pause_generation(mode)
         try:
-            self._let_go_of_weights()
-            try:
-                place_into(self.runner, serving_weights(model, self.runner))
-            except Exception:  # noqa: BLE001 - no whole weights on the device: they sleep
-                self._asleep.add("weights")
-                self.sleep_level = self.sleep_level or 2
-                self.runner.params = None
-                raise
-            self._weights_awake()  # new weights wake them, if they slept
+            self._write_weights(parts, repeats)
             self.num_weight_updates += 1
             self.weight_version = str(self.num_weight_updates) if version is None else version
             self._rekey_prefix_cache()
         finally:
             if not was_paused:
                 self.resume_generation()
+
+    def _new_parts(self, weights) -> tuple[dict, dict]:
+        """The served leaves' parts of weights (a model, its nnx.State, or HF-named arrays),
+        checked."""
+        if isinstance(weights, Mapping) and not isinstance(weights, nnx.State):
+            parts, repeats, whole = named_parts(weights, self.runner, self.model_config,
+                                                self.config.quantization)
+            if not whole and "weights" in self._asleep:
+                raise ValueError("weights: a partial update (some of the model's names) needs "
+                                 "the weights awake; sleep level 2 dropped them: give every "
+                                 "weight, or a model")
+            return parts, repeats
+        model = prepared(model_of(weights, self.model_config, jnp.dtype(self.config.dtype)),
+                         self.config.quantization, self.config.quantize_lm_head)
+        return model_parts(model, self.runner, self.model_config)
+
+    def _write_weights(self, parts: dict, repeats: dict) -> None:
+        """parts (checked) written into the served weights (pagedjax.engine.weight_writer);
+        asleep, written anew where they were. A write that fails part way leaves no whole
+        weights on the device: they sleep until an update succeeds."""
+        self._host_weights = None
+        self._served_weights_for_update()
+        try:
+            write_parts(self.runner, parts, repeats, self.model_config.num_kv_heads)
+        except Exception:  # noqa: BLE001 - re-raised; the weights are not whole
+            self._weights_spec = self.runner.weight_specs
+            self._asleep.add("weights")
+            self.sleep_level = self.sleep_level or 2
+            self.runner.params = None
+            raise
+        self._weights_awake()  # new weights wake them, if they slept
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block, on the device and in the host tier (the disk tier's files
