@@ -160,9 +160,10 @@ with BackgroundServer(build_app(llm.engine, "smollm2")) as url:
 ]
 
 
-def notebook() -> dict:
+def notebook(sources=None) -> dict:
+    """A notebook of sources ((kind, source) cells; default: CELLS), unrun."""
     cells = []
-    for index, (kind, source) in enumerate(CELLS):
+    for index, (kind, source) in enumerate(CELLS if sources is None else sources):
         lines = source.splitlines(keepends=True)
         cell = {"cell_type": kind, "id": f"cell-{index}", "metadata": {}, "source": lines}
         if kind == "code":
