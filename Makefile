@@ -9,6 +9,9 @@ GPU_IMAGE_PYTHON ?= $(shell for p in python3.12 $$(pyenv root 2>/dev/null)/versi
 	do "$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && \
 	{ echo "$$p"; break; }; done)
 GPU_IMAGE_VENV := .venv-gpu-image
+# Tunix (google-tunix) and its dependencies in an environment of their own (requirements/tunix.txt)
+TUNIX_VENV := .venv-tunix
+TUNIX_STAMP := $(TUNIX_VENV)/.installed
 GPU_IMAGE_STAMP := $(GPU_IMAGE_VENV)/.installed
 # What the GPU device run touches, under the device image's Python and jax (requirements/gpu-image.txt).
 GPU_IMAGE_TESTS := tests/test_gpu_script.py tests/test_kernels_gpu.py \
@@ -16,7 +19,7 @@ GPU_IMAGE_TESTS := tests/test_gpu_script.py tests/test_kernels_gpu.py \
 	tests/test_kernels_xla_gpu_compile.py tests/test_kernels_mosaic_gpu.py \
 	tests/test_engine_equivalence.py tests/test_speculative.py
 
-.PHONY: mutants gguf-tokenizer-reference demo test test-slow test-clients test-gpu-image gpu-image-python bench bench-gpu-image llama-cpp-python llama-server clean
+.PHONY: mutants gguf-tokenizer-reference demo test test-slow test-clients test-gpu-image test-tunix gpu-image-python bench bench-gpu-image llama-cpp-python llama-server clean
 
 $(STAMP): pyproject.toml setup.py requirements/cpu.txt
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -85,6 +88,19 @@ CLIENT_STAMPS := $(foreach c,$(CLIENTS),.venv-clients/$(c)/.installed)
 
 test-clients: $(TEST_STAMP) $(DEMO_STAMP) $(CLIENT_STAMPS)
 	PAGEDJAX_CLIENT_VENVS=1 $(PY) -m pytest -n 2 -q -m clients tests
+
+# pagedjax as Tunix's rollout engine, against Tunix itself (tests/test_tunix_rollout.py), under
+# Python 3.12 with google-tunix 0.1.7 (requirements/tunix.txt).
+$(TUNIX_STAMP): pyproject.toml setup.py requirements/tunix.txt
+	@test -n "$(GPU_IMAGE_PYTHON)" || { echo "test-tunix needs Python 3.12: none on PATH or under pyenv; set GPU_IMAGE_PYTHON=..."; exit 1; }
+	test -d $(TUNIX_VENV) || $(GPU_IMAGE_PYTHON) -m venv $(TUNIX_VENV)
+	$(TUNIX_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(TUNIX_VENV)/bin/python -m pip install --quiet -r requirements/tunix.txt
+	$(TUNIX_VENV)/bin/python -m pip install --quiet --no-deps -e .
+	touch $(TUNIX_STAMP)
+
+test-tunix: $(TUNIX_STAMP)
+	JAX_PLATFORMS=cpu $(TUNIX_VENV)/bin/python -m pytest -q -W ignore::DeprecationWarning tests/test_tunix_rollout.py
 
 test-gpu-image: $(GPU_IMAGE_STAMP)
 	JAX_PLATFORMS=cpu $(GPU_IMAGE_VENV)/bin/python -m pytest -n 2 -q $(GPU_IMAGE_TESTS) -k "not tpu"
@@ -160,4 +176,4 @@ bench-gpu-image: $(GPU_IMAGE_STAMP)
 	JAX_PLATFORMS=cpu $(GPU_IMAGE_VENV)/bin/python benchmarks/gpu_xla_compile.py
 
 clean:
-	rm -rf $(VENV) $(GPU_IMAGE_VENV) .venv-clients $(LLAMA_CPP_VENV) build *.egg-info
+	rm -rf $(VENV) $(GPU_IMAGE_VENV) $(TUNIX_VENV) .venv-clients $(LLAMA_CPP_VENV) build *.egg-info

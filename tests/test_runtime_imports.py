@@ -9,7 +9,7 @@ import sys
 import textwrap
 
 # Import packages whose distributions are optional extras; their modules are named here.
-OPTIONAL: dict[str, str] = {}  # module -> its extra (none now: matplotlib is a runtime dependency)
+OPTIONAL: dict[str, str] = {"pagedjax.rl.tunix_rollout": "tunix"}  # module -> its extra
 
 CHILD = textwrap.dedent('''
     import importlib, importlib.metadata as md, pkgutil, re, sys
