@@ -106,11 +106,14 @@ WRITE_MODES = ("donate", "copy", "fresh")
 @functools.lru_cache(maxsize=512)
 def _writer(places: tuple, kv: tuple[int, int], spec: tuple, sharding, mode: str):
     """The program writing parts at places ((index, transpose) each) into a leaf of spec
-    ((shape, dtype)) as mode says; kv: (the model's KV heads, the repeats). The writes move the
-    bits as unsigned integers of the dtype's width (XLA's CPU backend copies bfloat16 element by
-    element: 0.7 GB/s against 8 GB/s for the same bytes as uint16)."""
+    ((shape, dtype)) as mode says; kv: (the model's KV heads, the repeats). On a CPU the writes
+    move the bits as unsigned integers of the dtype's width (XLA's CPU backend copies bfloat16
+    element by element: 0.7 GB/s against 8 GB/s for the same bytes as uint16); elsewhere as
+    they are (libtpu makes a whole-leaf temporary of the bitcasts:
+    benchmarks/results/weight_update_tpu.md)."""
     shape, dtype = spec
-    bits = jnp.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}")
+    on_cpu = all(device.platform == "cpu" for device in sharding.device_set)
+    bits = jnp.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}") if on_cpu else dtype
 
     def as_bits(x):
         return jax.lax.bitcast_convert_type(x, bits) if x.dtype != bits else x
@@ -130,16 +133,24 @@ def _writer(places: tuple, kv: tuple[int, int], spec: tuple, sharding, mode: str
 _transposed = jax.jit(lambda value: jnp.swapaxes(value, -1, -2))
 
 
+def write_program(spec, parts: list[Part], kv: tuple[int, int], mode: str):
+    """(the compiled-on-first-call program writing parts into a leaf of spec as mode says,
+    the sharding each part is moved to first): write_leaf's, and what an ahead-of-time compile
+    for a TPU topology measures (benchmarks/weight_update_tpu.py)."""
+    shardings = [_part_sharding(spec.sharding, len(spec.shape), p, kv[1]) for p in parts]
+    places = tuple((p.index, False) for p in parts)  # transposed before (write_leaf)
+    program = _writer(places, kv, (spec.shape, jnp.dtype(spec.dtype)), spec.sharding, mode)
+    return program, shardings
+
+
 def write_leaf(old, spec, parts: list[Part], kv: tuple[int, int], mode: str) -> jax.Array:
     """spec's leaf with parts written into old (the leaf now; None when mode is fresh)."""
+    program, shardings = write_program(spec, parts, kv, mode)
     moved = [jax.device_put(np.asarray(p.value) if not isinstance(p.value, jax.Array)
-                            else p.value, _part_sharding(spec.sharding, len(spec.shape), p, kv[1]))
-             for p in parts]
+                            else p.value, sharding) for p, sharding in zip(parts, shardings)]
     # HF's [out, in] transposed by a program of its own: XLA's CPU backend transposes a
     # bfloat16 [8192, 2048] in 17 ms alone, in 140 ms fused into the write
     moved = [_transposed(value) if p.transpose else value for p, value in zip(parts, moved)]
-    places = tuple((p.index, False) for p in parts)
-    program = _writer(places, kv, (spec.shape, jnp.dtype(spec.dtype)), spec.sharding, mode)
     return program(old, *moved)
 
 
