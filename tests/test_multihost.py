@@ -30,9 +30,11 @@ BASE = dict(max_model_len=96, max_num_seqs=4, max_num_batched_tokens=32, block_s
 HEARTBEAT_S = 5
 
 
-def worker(process_id: int, port: int, die_after: int | None, tiers: bool = False) -> None:
+def worker(process_id: int, port: int, die_after: int | None, tiers: bool = False,
+           update: str | None = None) -> None:
     """tiers: the prefix cache's host tier on, every prompt asked twice (its second time, its
-    blocks come back from the host: each process its own shards)."""
+    blocks come back from the host: each process its own shards). update: a checkpoint the
+    leader's update_weights reads next (every process its own shards), the prompts asked again."""
     import jax
     import numpy as np
 
@@ -59,6 +61,11 @@ def worker(process_id: int, port: int, die_after: int | None, tiers: bool = Fals
         one = LLM(model, **BASE).generate(prompts, params, use_tqdm=False)
         report["reference"] = [o.output_token_ids for o in one]
         report["reference_prompt_logprobs"] = prompt_logprobs(one[-1])
+        if update is not None:  # the checkpoint's weights (read here, orbax would wait for
+            # the other process)
+            report["reference_updated"] = [o.output_token_ids for o in LLM(
+                init_model(get_config("debug-tiny"), seed=1), **BASE).generate(
+                prompts, params, use_tqdm=False)]
     llm = LLM(model, **BASE, tensor_parallel_size=4,
               kv_offload_bytes=(64 * 2048) if tiers else 0)
     engine = llm.engine
@@ -77,6 +84,11 @@ def worker(process_id: int, port: int, die_after: int | None, tiers: bool = Fals
                 report["host_hits"] = engine.stats.kv_tiers["host"]["hits"]
                 report["host_hit_tokens"] = engine.stats.num_prefix_host_hit_tokens
             report["prompt_logprobs"] = prompt_logprobs(outputs[-1])
+            if update is not None:
+                llm.update_weights(update, version="multi-host")
+                updated = llm.generate(prompts, params, use_tqdm=False)
+                report["tokens_updated"] = [o.output_token_ids for o in updated]
+                report["versions"] = sorted({o.weight_version for o in updated})
             report["preemptions"] = engine.stats.num_preemptions
             report["prefix_hits"] = engine.stats.num_prefix_hit_tokens
         except Exception as error:  # noqa: BLE001 - reported: the follower died
@@ -96,7 +108,8 @@ def worker(process_id: int, port: int, die_after: int | None, tiers: bool = Fals
                 return dispatch(plan)
 
             runner.dispatch_forward = dying
-        report["steps"] = multihost.follow(runner)
+        report["steps"] = multihost.follow(runner, reload=llm.update_weights)
+        report["updates"] = engine.num_weight_updates
     print(json.dumps(report), flush=True)
 
 
@@ -107,7 +120,7 @@ def _free_port() -> int:
 
 
 def run_group(die_after: int | None = None, timeout: float = 400,
-              tiers: bool = False) -> list[dict | int]:
+              tiers: bool = False, update: str | None = None) -> list[dict | int]:
     """Starts the leader and the follower; each one's report (or its exit code, when it
     printed none)."""
     port = _free_port()
@@ -115,9 +128,11 @@ def run_group(die_after: int | None = None, timeout: float = 400,
            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
                         f"--xla_force_host_platform_device_count=2"}
     code = "import sys, test_multihost as t; t.worker(int(sys.argv[1]), int(sys.argv[2]), " \
-           "None if sys.argv[3] == 'none' else int(sys.argv[3]), sys.argv[4] == 'tiers')"
+           "None if sys.argv[3] == 'none' else int(sys.argv[3]), sys.argv[4] == 'tiers', " \
+           "None if sys.argv[5] == '-' else sys.argv[5])"
     procs = [subprocess.Popen([sys.executable, "-c", code, str(i), str(port), str(die_after)
-                               .lower(), "tiers" if tiers else "-"], cwd=ROOT / "tests",
+                               .lower(), "tiers" if tiers else "-", update or "-"],
+                              cwd=ROOT / "tests",
                               env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
              for i in range(2)]
@@ -167,6 +182,22 @@ def test_two_processes_with_the_host_tier():
     assert leader["tokens"] == leader["reference"] == leader["tokens_again"]
     assert leader["host_hits"] > 0 and leader["host_hit_tokens"] > 0
     assert follower["steps"] > 6
+
+
+def test_two_processes_take_new_weights_from_a_checkpoint(tmp_path):
+    """update_weights(checkpoint) on the leader: every process reads its own devices' shards
+    of it into its runner in place (the follower told by the leader); the group then answers
+    as one device with the new weights, nothing else restarted."""
+    from pagedjax.models import get_config, init_model
+    from pagedjax.models.loading.checkpoint import save_checkpoint
+
+    # the worker's reference: the same seed's model
+    save_checkpoint(init_model(get_config("debug-tiny"), seed=1), str(tmp_path / "next"))
+    leader, follower = run_group(update=str(tmp_path / "next"))
+    assert "tokens_updated" in leader, leader
+    assert leader["tokens"] == leader["reference"]
+    assert leader["tokens_updated"] == leader["reference_updated"] != leader["tokens"]
+    assert leader["versions"] == ["multi-host"] and follower["updates"] == 1
 
 
 def test_a_dead_follower_ends_the_leader_with_an_error():

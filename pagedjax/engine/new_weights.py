@@ -66,6 +66,24 @@ def prepared(model, quantization: str | None, quantize_lm_head: bool):
     return quantized_for_serving(model, quantization, quantize_lm_head)
 
 
+def check_checkpoint(lazy, runner) -> None:
+    """ValueError naming the first leaf of a checkpoint's serving form (lazy: a LazyModel,
+    prepared; nothing read) whose shape or dtype differs from the weights the runner serves."""
+    from pagedjax.models.paged_forward import serving_form
+
+    graph, params = serving_form(lazy.abstract, *runner.serving_args)
+    if graph != runner.graph:
+        raise ValueError(f"weights: {lazy.source} has another serving graph than the engine's "
+                         f"(another model, quantization or layer layout)")
+    served = dict(jax.tree_util.tree_leaves_with_path(runner.weight_specs))
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        spec = served.get(path)
+        if spec is None or leaf.shape != spec.shape or leaf.dtype != spec.dtype:
+            have = "nothing" if spec is None else f"{spec.dtype}{list(spec.shape)}"
+            raise ValueError(f"weights: {_path_name(path)} of {lazy.source} is "
+                             f"{leaf.dtype}{list(leaf.shape)}, the engine serves {have}")
+
+
 def served_sources(runner, config) -> list[tuple[tuple, list[tuple[tuple, tuple]], int]]:
     """For each served leaf (in the flattened order): its model-level path of layer 0 (with
     "{layer}"), the (index into the leaf, the model-level path) of each layer it holds, and

@@ -30,9 +30,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pagedjax.engine.named_weights import named_parts
-from pagedjax.engine.new_weights import model_of, model_parts, prepared
+from pagedjax.engine.new_weights import check_checkpoint, model_of, model_parts, prepared
 from pagedjax.engine.weight_writer import write_parts
 from pagedjax.kv_offload.tiers import disk_key
+from pagedjax.models.loading.lazy_model import LazyModel
 from pagedjax.scheduler import RequestStatus
 
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -110,29 +111,60 @@ class WeightUpdates:
         return [o for o in held if o.finished] if final_only else held
 
     def update_weights(self, weights, *, version: str | None = None, mode: str = "wait") -> None:
-        """Serves new weights from the next step on (new_weights: a model of the engine's
-        config or its nnx.State; LLM.update_weights also takes a checkpoint path). Checked
-        before anything changes (ValueError naming the leaf); the requests in flight as `mode`
-        says; version: the weights' name (default: the number of updates so far)."""
+        """Serves new weights from the next step on: a model of the engine's config or its
+        nnx.State (new_weights), Hugging Face-named arrays (named_weights), or a checkpoint
+        read into place (a LazyModel: LLM.update_weights(path); the only kind a multi-host
+        engine takes). Checked before anything changes (ValueError naming the leaf); the
+        requests in flight as `mode` says; version: the weights' name (default: the number of
+        updates so far)."""
         _check_mode(mode)
         if version is not None and (not isinstance(version, str) or not version
                                     or len(version) > MAX_VERSION_CHARS):
             raise ValueError(f"version must be a non-empty string of at most "
                              f"{MAX_VERSION_CHARS} characters, got {version!r:.80}")
+        if isinstance(weights, LazyModel):  # a checkpoint, read into place
+            lazy = prepared(weights, self.config.quantization, self.config.quantize_lm_head)
+            check_checkpoint(lazy, self.runner)
+            self._updating(mode, version, lambda: self._place_checkpoint(lazy))
+            return
         if self.multihost:
-            raise ValueError("update_weights is not supported multi-host yet (each process "
-                             "holds its part of the weights); restart with the new checkpoint")
+            raise ValueError("weights: a multi-host engine takes new weights as a checkpoint "
+                             "path (every process reads its own devices' shards of it), not "
+                             f"as {type(weights).__name__}")
         parts, repeats = self._new_parts(weights)
+        self._updating(mode, version, lambda: self._write_weights(parts, repeats))
+
+    def _updating(self, mode: str, version: str | None, write) -> None:
+        """Pauses as mode says, write()s the new weights, names them, and resumes."""
         was_paused = self._paused
         self.pause_generation(mode)
         try:
-            self._write_weights(parts, repeats)
+            write()
             self.num_weight_updates += 1
             self.weight_version = str(self.num_weight_updates) if version is None else version
             self._rekey_prefix_cache()
         finally:
             if not was_paused:
                 self.resume_generation()
+
+    def _place_checkpoint(self, lazy) -> None:
+        """A checkpoint read straight into the served leaves' shardings (each process its own
+        shards; multi-host, the followers told first), once the old weights are let go: never
+        two copies. A read that fails leaves the weights asleep until an update succeeds."""
+        channel = self.runner.channel
+        if channel is not None:
+            channel.update_weights(str(lazy.source))
+        self._host_weights = None
+        self._served_weights_for_update()
+        specs = self.runner.weight_specs
+        self.runner.params = None
+        try:
+            self.runner.params = lazy.place(specs, lambda path, leaf: leaf.sharding)
+        except Exception:  # noqa: BLE001 - re-raised; no whole weights on the device
+            self._weights_asleep()
+            raise
+        self.runner.borrowed = frozenset()
+        self._weights_awake()
 
     def _new_parts(self, weights) -> tuple[dict, dict]:
         """The served leaves' parts of weights (a model, its nnx.State, or HF-named arrays),
@@ -158,12 +190,17 @@ class WeightUpdates:
         try:
             write_parts(self.runner, parts, repeats, self.model_config.num_kv_heads)
         except Exception:  # noqa: BLE001 - re-raised; the weights are not whole
-            self._weights_spec = self.runner.weight_specs
-            self._asleep.add("weights")
-            self.sleep_level = self.sleep_level or 2
-            self.runner.params = None
+            self._weights_asleep()
             raise
         self._weights_awake()  # new weights wake them, if they slept
+
+    def _weights_asleep(self) -> None:
+        """After a write that failed part way: the weights sleep (level 2) until an update
+        succeeds (requests are refused by name meanwhile)."""
+        self._weights_spec = self.runner.weight_specs
+        self._asleep.add("weights")
+        self.sleep_level = self.sleep_level or 2
+        self.runner.params = None
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block, on the device and in the host tier (the disk tier's files

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 def _update_weights(engine, path: str, version: str | None, mode: str) -> str:
     """New weights from a checkpoint path, read as LLM reads a model (pagedjax.frontend.llm)."""
-    from pagedjax.frontend.llm import resolve_model
+    from pagedjax.frontend.llm import checkpoint_for_update
 
-    model = resolve_model(path, dtype=engine.config.dtype)[0]
-    engine.update_weights(model, version=version, mode=mode)
+    engine.update_weights(checkpoint_for_update(engine, path), version=version, mode=mode)
     return engine.weight_version
 
 

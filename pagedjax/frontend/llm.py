@@ -88,6 +88,14 @@ def resolve_model(model: str | os.PathLike | LlamaForCausalLM, seed: int = 0,
                      f"({sorted(CONFIGS)})")
 
 
+def checkpoint_for_update(engine, path):
+    """A checkpoint path as update_weights reads it: straight into the engine's shardings (a
+    LazyModel, each process its own shards), or whole when it must be quantized first (an
+    orbax checkpoint for a quantized engine, as LLM reads one)."""
+    lazy = engine.config.quantization is None or not _is_orbax(path)
+    return resolve_model(path, dtype=engine.config.dtype, lazy=lazy)[0]
+
+
 def checkpoint_dtype(model) -> str:
     """vLLM's dtype="auto": the engine dtype a checkpoint's own asks for. A Hugging Face
     directory stored in 16 bits (config.json's dtype / torch_dtype bfloat16 or float16) runs in
@@ -256,7 +264,7 @@ class LLM:
         what the requests in flight do ("wait", "abort", "keep"); version: the weights' name,
         on every output from now on (default: the number of updates)."""
         if isinstance(weights, (str, os.PathLike)):
-            weights = resolve_model(weights, dtype=self._dtype)[0]
+            weights = checkpoint_for_update(self.engine, weights)
         self.engine.update_weights(weights, version=version, mode=mode)
 
     def pause_generation(self, mode: str = "wait") -> None:

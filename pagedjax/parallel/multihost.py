@@ -40,7 +40,7 @@ from pagedjax.scheduler import DECODE, FORWARD_FIELDS, PREFILL
 
 logger = logging.getLogger("pagedjax.parallel.multihost")
 
-STEP, RESET, STOP, BLOCKS = 1, 2, 3, 4
+STEP, RESET, STOP, BLOCKS, UPDATE = 1, 2, 3, 4, 5
 KINDS = (DECODE, PREFILL)
 # int32s: command, kind, T, B, max blocks per sequence, prompt targets, the other KV cache
 # groups' table width, unused
@@ -183,6 +183,15 @@ class LeaderChannel:
     def reset(self) -> None:
         self._send(_header(RESET))
 
+    def update_weights(self, path: str) -> None:
+        """New weights from a checkpoint path (update_weights): every process reads its own
+        devices' shards of it into its runner."""
+        data = np.frombuffer(path.encode(), np.uint8)
+        header = np.zeros(HEADER, np.int32)
+        header[:2] = (UPDATE, len(data))
+        self._send(header)
+        self._send(data)
+
     def stop(self) -> None:
         """Ends the followers' loops and the group (once; at exit too): every process leaves
         jax.distributed together, so none sees another vanish (which JAX's coordination
@@ -198,9 +207,11 @@ class LeaderChannel:
         jax.distributed.shutdown()
 
 
-def follow(runner) -> int:
+def follow(runner, reload=None) -> int:
     """A follower's loop: runs every program the leader broadcasts, on this process's shards,
-    until the leader stops (then leaves jax.distributed with it); returns the steps run."""
+    until the leader stops (then leaves jax.distributed with it); returns the steps run.
+    reload(path): reads new weights from a checkpoint into this process's runner (the leader's
+    update_weights; LLM.update_weights of the follower's own LLM)."""
     from pagedjax.scheduler.plan import padding_plan
 
     steps = 0
@@ -213,6 +224,13 @@ def follow(runner) -> int:
             return steps
         if command == RESET:
             runner.reset_kv_cache()
+            continue
+        if command == UPDATE:  # kind: the path's length in bytes
+            path = bytes(np.asarray(_broadcast(np.zeros(kind, np.uint8)))).decode()
+            if reload is None:
+                raise RuntimeError("the leader updates the weights; this follower was started "
+                                   "without a way to read them (follow(runner, reload))")
+            reload(path)
             continue
         if command == BLOCKS:  # kind: the direction, num_tokens: the count
             empty = np.zeros(num_tokens, np.int32)

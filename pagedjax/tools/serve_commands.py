@@ -284,7 +284,7 @@ def _in_process_engine(model, args, config, follower: bool):
         print(budget.describe(), flush=True)
     if follower:  # the leader (process 0) serves; this process runs its steps' shards
         print(f"process {jax.process_index()}: following process 0", flush=True)
-        steps = multihost.follow(llm.engine.runner)
+        steps = multihost.follow(llm.engine.runner, reload=llm.update_weights)
         print(f"process {jax.process_index()}: leader stopped after {steps} steps", flush=True)
         return None
     if args.warmup:
