@@ -187,6 +187,36 @@ def test_pause_and_resume(models):
         engine.pause_generation("drop")
 
 
+def test_drafted_structured_and_beam_outputs_after_an_update_are_a_fresh_engines(models):
+    """Prompt-lookup drafts (verified by the new weights), a choice constrained by a grammar
+    (seeded sampling) and beam search: after update_weights each equals what an engine built
+    from the new weights gives."""
+    from pagedjax.engine.beam_search import BeamSearchParams, beam_search
+
+    old, new = models
+    tok = ByteTokenizer()
+    drafting = dict(speculative_config=dict(method="ngram", num_speculative_tokens=2,
+                                            prompt_lookup_min=1, prompt_lookup_max=2))
+    batch = [(tok.encode("ab ab ab ab ab "), SamplingParams(max_tokens=8, temperature=0.0)),
+             (tok.encode("pick one: "), SamplingParams(
+                 max_tokens=8, temperature=0.9, seed=5,
+                 structured_outputs=dict(choice=["red", "green", "blue"])))]
+    engine = engine_for(old, **drafting)
+    run(engine, batch)
+    engine.update_weights(new)
+    fresh = engine_for(new, **drafting)
+    assert_same(run(engine, batch), run(fresh, batch))
+    assert engine.stats.num_spec_draft_tokens > 0
+    beams = BeamSearchParams(beam_width=2, max_tokens=4)  # (an engine without drafts)
+    searching = engine_for(old)
+    beam_search(searching, [tok.encode("beams ")], beams)
+    searching.update_weights(new)
+    got = beam_search(searching, [tok.encode("beams ")], beams)
+    expected = beam_search(engine_for(new), [tok.encode("beams ")], beams)
+    assert [[b.token_ids for b in r] for r in got] == [[b.token_ids for b in r]
+                                                       for r in expected]
+
+
 def test_bad_weights_are_refused_by_name_and_change_nothing(models):
     old, new = models
     engine = engine_for(old)
