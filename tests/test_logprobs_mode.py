@@ -94,7 +94,7 @@ def test_logprobs_are_what_the_mode_names(model, mode):
         finite = np.isfinite(want[order])
         assert [t for _, t, _ in top][:int(finite.sum())] == order[finite].tolist()
         np.testing.assert_allclose([lp for *_, lp in top], want[order], rtol=1e-4, atol=1e-4)
-        assert step[token].rank == 1 + int(np.sum(want > want[token] + 1e-6))
+        assert step[token].rank == int(np.sum(want >= want[token] - 1e-6))  # vLLM's count
 
 
 def test_the_sampled_tokens_do_not_depend_on_the_mode(model):
@@ -130,3 +130,13 @@ def test_the_server_sends_a_filtered_token_as_vllm_does(model):
     for top in response.json()["choices"][0]["logprobs"]["top_logprobs"]:
         values = sorted(top.values(), reverse=True)
         assert values[2:] == [-9999.0] * 3 and all(v > -9999.0 for v in values[:2])
+
+
+def test_a_tied_token_ranks_as_vllm_ranks_it():
+    """vLLM's rank counts the values at or above the token's, itself included
+    (vllm/v1/sample/ops/logprobs.py batched_count_greater_than): a tie ranks after the other."""
+    from pagedjax.engine.sampler import token_ranks
+
+    values = jnp.array([[1.0, 2.0, 2.0, 3.0], [0.5, -1.0, 0.5, 0.5]])
+    assert token_ranks(values, jnp.array([2.0, -1.0])).tolist() == [3, 4]
+    assert token_ranks(values, jnp.array([3.0, 0.5])).tolist() == [1, 3]

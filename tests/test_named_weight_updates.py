@@ -1,5 +1,5 @@
 """New weights by Hugging Face tensor name (issue 52: update_weights with a mapping, whole or
-partial): checkpoints written by transformers (random weights, save_pretrained), their tensors
+partial; pagedjax.engine.named_weights and pagedjax.engine.weight_writer): checkpoints written by transformers (random weights, save_pretrained), their tensors
 as the safetensors file holds them. After an update every served leaf equals, bit for bit, the
 leaf of an engine built from a checkpoint with those tensors (float32: a transpose and a copy
 are exact), and what no name touched stays as it was; bad names, shapes and dtypes are refused

@@ -98,3 +98,6 @@ def test_sleep_needs_an_idle_engine_and_a_level(models):
         llm.sleep(1)
     with pytest.raises(ValueError, match="tags must be among"):
         llm.wake_up(["gpu"])
+    llm.wake_up()
+    llm.engine.sleep()  # the engine's default too
+    assert llm.engine.sleep_level == 1 and llm.engine._host_weights is not None

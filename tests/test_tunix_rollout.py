@@ -81,10 +81,12 @@ def test_greedy_rollouts_equal_tunixs_vanilla_rollout(family):
         assert got.text == expected.text
 
 
-def completions_of(out, length: int, pad: int) -> np.ndarray:
+def completions_of(out, length: int, pad: int, eos: int | None = None) -> np.ndarray:
+    """The rollout's completions right-padded (eos: each ended by it first)."""
     rows = np.full((len(out.tokens), length), pad, np.int32)
     for i, tokens in enumerate(out.tokens):
-        rows[i, :len(tokens)] = tokens
+        ended = list(tokens) + ([] if eos is None else [eos])
+        rows[i, :len(ended)] = ended
     return rows
 
 
@@ -95,18 +97,20 @@ def test_logprobs_equal_tunixs_compute_per_token_logps(family):
     rollout = PagedJaxRollout(model, tok, rollout_config=config(), **ENGINE)
     sampled = config(temperature=1.0, top_p=1.0, seed=7)
     out = rollout.generate(PROMPTS, sampled)
-    completions = completions_of(out, 8, tok.pad_id())
     graphdef, state = nnx.split(model)
-    expected = np.asarray(common.compute_per_token_logps(
-        graphdef, state, prompt_tokens=jax.numpy.asarray(out.left_padded_prompt_tokens),
-        completion_tokens=jax.numpy.asarray(completions), pad_id=tok.pad_id(),
-        eos_id=tok.eos_id()))
-    forced = np.asarray(rollout.get_per_token_logps(out.left_padded_prompt_tokens,
-                                                    completions))
-    for i, tokens in enumerate(out.tokens):
-        n = len(tokens)
-        np.testing.assert_allclose(forced[i, :n], expected[i, :n], atol=1e-4)
-        np.testing.assert_allclose(out.logprobs[i], expected[i, :n], atol=1e-4)
+    for eos in (None, tok.eos_id()):  # padded after the tokens, or ended by EOS first
+        completions = completions_of(out, 10, tok.pad_id(), eos)
+        expected = np.asarray(common.compute_per_token_logps(
+            graphdef, state, prompt_tokens=jax.numpy.asarray(out.left_padded_prompt_tokens),
+            completion_tokens=jax.numpy.asarray(completions), pad_id=tok.pad_id(),
+            eos_id=tok.eos_id()))
+        forced = np.asarray(rollout.get_per_token_logps(out.left_padded_prompt_tokens,
+                                                        completions))
+        for i, tokens in enumerate(out.tokens):
+            n = len(tokens) + (eos is not None)  # the EOS's log-prob too
+            np.testing.assert_allclose(forced[i, :n], expected[i, :n], atol=1e-4)
+            assert not forced[i, n:].any()  # nothing past the completion
+            np.testing.assert_allclose(out.logprobs[i], expected[i, :len(tokens)], atol=1e-4)
     assert len({tuple(t.tolist()) for t in out.tokens}) == len(PROMPTS)  # sampled, not greedy
 
 

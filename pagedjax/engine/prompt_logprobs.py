@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from pagedjax.engine.sampler import token_ranks
 from pagedjax.models import paged_forward
 from pagedjax.scheduler.request import Logprob
 
@@ -40,7 +41,7 @@ def compute(graph, params, hidden: jax.Array, targets: jax.Array, num_top: int,
             logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))
         log_probs = jax.nn.log_softmax(logits, axis=-1)
         chosen = jnp.take_along_axis(log_probs, jnp.maximum(t, 0)[:, None], axis=-1)[:, 0]
-        rank = 1 + jnp.sum(log_probs > chosen[:, None], axis=-1, dtype=jnp.int32)
+        rank = token_ranks(log_probs, chosen)
         top_logprobs, top_ids = jax.lax.top_k(log_probs, num_top)
         return chosen, rank, top_ids.astype(jnp.int32), top_logprobs
 

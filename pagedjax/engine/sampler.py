@@ -157,6 +157,13 @@ def sample_values(
     return ids, values
 
 
+def token_ranks(values: jax.Array, chosen: jax.Array) -> jax.Array:
+    """i32[B]: each row's rank of its token's value chosen[b] among values[b] as vLLM counts it
+    (vllm/v1/sample/ops/logprobs.py: the values at or above it, itself included: ties rank
+    the token after the others)."""
+    return jnp.sum(values >= chosen[:, None], axis=-1, dtype=jnp.int32)
+
+
 def top_values(ids: jax.Array, values: jax.Array, num_top: int) -> tuple[jax.Array, ...]:
     """(the sampled tokens' values f32[B], the num_top largest values' ids i32[B, K] and values
     f32[B, K]) of a row's values (logprob_values)."""

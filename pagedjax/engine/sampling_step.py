@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from pagedjax.engine.sampler import sample_values, top_values
+from pagedjax.engine.sampler import sample_values, token_ranks, top_values
 from pagedjax.engine.spec_decode import rejection_sampler
 from pagedjax.scheduler import SAMPLING_FIELDS, BatchPlan
 
@@ -72,7 +72,7 @@ def sample_fn(num_top_logprobs: int, logprobs_mode: str, logits: jax.Array, inpu
     chosen, top_ids, top_logprobs = top_values(ids, values, num_top_logprobs)
     if not num_top_logprobs:  # no request can ask for logprobs: no rank work
         return ids, chosen, top_ids, top_logprobs, jnp.zeros_like(ids)
-    rank = 1 + jnp.sum(values > chosen[:, None], axis=-1, dtype=jnp.int32)
+    rank = token_ranks(values, chosen)
     return ids, chosen, top_ids, top_logprobs, rank
 
 

@@ -105,7 +105,7 @@ WRITE_MODES = ("donate", "copy", "fresh")
 
 @functools.lru_cache(maxsize=512)
 def _writer(places: tuple, kv: tuple[int, int], spec: tuple, sharding, mode: str):
-    """The program writing parts at places ((index, transpose) each) into a leaf of spec
+    """The program writing parts at places (each part's index) into a leaf of spec
     ((shape, dtype)) as mode says; kv: (the model's KV heads, the repeats). On a CPU the writes
     move the bits as unsigned integers of the dtype's width (XLA's CPU backend copies bfloat16
     element by element: 0.7 GB/s against 8 GB/s for the same bytes as uint16); elsewhere as
@@ -120,10 +120,8 @@ def _writer(places: tuple, kv: tuple[int, int], spec: tuple, sharding, mode: str
 
     def write(old, *values):
         leaf = as_bits(jnp.zeros(shape, dtype) if mode == "fresh" else old)
-        for (index, transpose), value in zip(places, values):
-            value = as_bits(value.astype(dtype))
-            value = jnp.swapaxes(value, -1, -2) if transpose else value
-            leaf = leaf.at[index].set(repeat_kv_columns(value, *kv))
+        for index, value in zip(places, values):
+            leaf = leaf.at[index].set(repeat_kv_columns(as_bits(value.astype(dtype)), *kv))
         return jax.lax.bitcast_convert_type(leaf, dtype) if leaf.dtype != dtype else leaf
 
     return jax.jit(write, donate_argnums=(0,) if mode == "donate" else (),
@@ -138,7 +136,7 @@ def write_program(spec, parts: list[Part], kv: tuple[int, int], mode: str):
     the sharding each part is moved to first): write_leaf's, and what an ahead-of-time compile
     for a TPU topology measures (benchmarks/weight_update_tpu.py)."""
     shardings = [_part_sharding(spec.sharding, len(spec.shape), p, kv[1]) for p in parts]
-    places = tuple((p.index, False) for p in parts)  # transposed before (write_leaf)
+    places = tuple(p.index for p in parts)  # HF's layout transposed before (write_leaf)
     program = _writer(places, kv, (spec.shape, jnp.dtype(spec.dtype)), spec.sharding, mode)
     return program, shardings
 

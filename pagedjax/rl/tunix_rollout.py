@@ -10,7 +10,8 @@
   empty list: the engine keeps no full logits; Tunix's learners do not read them).
 - `get_per_token_logps(prompt_tokens, completion_tokens)`: each completion teacher-forced
   through the engine's paged forward (prompt log-probs of the prompt + completion), zero past
-  the completion's EOS, as `tunix.rl.common.compute_per_token_logps` masks them.
+  the completion's EOS (or, without one, over its right padding), as
+  `tunix.rl.common.compute_per_token_logps` masks them.
 - `update_params(params)`: Tunix's Llama 3 / Qwen 3 parameter state mapped onto pagedjax's
   (`pagedjax.rl.tunix_mapping`) and written into the engine in place (`LLM.update_weights`: no
   restart, no recompile, the prefix cache keyed by the new version).
@@ -85,7 +86,11 @@ class PagedJaxRollout(base_rollout.BaseRollout):
         for prompt, completion in zip(prompts, completions):
             prompt = prompt[np.argmax(prompt != pad):] if (prompt != pad).any() else prompt[:0]
             ends = np.nonzero(completion == eos)[0]
-            length = int(ends[0]) + 1 if len(ends) else len(completion)
+            if len(ends):  # through the first EOS, as Tunix's completion mask
+                length = int(ends[0]) + 1
+            else:  # no EOS: the tokens before the right padding
+                real = np.nonzero(completion != pad)[0]
+                length = int(real[-1]) + 1 if len(real) else 0
             rows.append({"prompt_token_ids": [int(t) for t in prompt]
                          + [int(t) for t in completion[:length]]})
             lengths.append(length)
