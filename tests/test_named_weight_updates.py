@@ -65,8 +65,9 @@ def assert_leaves_equal(got, expected) -> None:
 def test_a_checkpoints_tensors_by_name_update_every_leaf(arch, tmp_path):
     checkpoint(arch, tmp_path / "old", seed=0)
     new = checkpoint(arch, tmp_path / "new", seed=1)
-    if arch == "llama-bias-tied":
-        new["lm_head.weight"] = new["model.embed_tokens.weight"]  # as a torch state dict has it
+    if arch == "llama-bias-tied":  # as a torch state dict has them (older ones: inv_freq)
+        new["lm_head.weight"] = new["model.embed_tokens.weight"]
+        new["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(8, np.float32)
     engine = engine_of(tmp_path / "old")
     greedy(engine)
     engine.update_weights(new, version="by-name")
@@ -110,14 +111,15 @@ def test_names_from_a_jax_model_equal_the_model(tmp_path):
     assert_leaves_equal(leaves(engine), leaves(whole))
 
 
-def test_a_quantized_engine_quantizes_named_tensors(tmp_path):
+@pytest.mark.parametrize("scheme", ["int8", "int4"])  # int4: two rows a byte, in groups
+def test_a_quantized_engine_quantizes_named_tensors(tmp_path, scheme):
     checkpoint("llama3.1", tmp_path / "old", seed=0)
     new = checkpoint("llama3.1", tmp_path / "new", seed=1)
-    engine = engine_of(tmp_path / "old", quantization="int8")
+    engine = engine_of(tmp_path / "old", quantization=scheme)
     part = {"model.layers.0.mlp.up_proj.weight": new["model.layers.0.mlp.up_proj.weight"]}
     engine.update_weights(part)  # partial: data and scales of one layer's weight
     engine.update_weights(new)
-    assert_leaves_equal(leaves(engine), leaves(engine_of(tmp_path / "new", quantization="int8")))
+    assert_leaves_equal(leaves(engine), leaves(engine_of(tmp_path / "new", quantization=scheme)))
 
 
 def test_bad_names_shapes_and_dtypes_are_refused_and_change_nothing(tmp_path):
