@@ -22,7 +22,12 @@ from __future__ import annotations
 import jax
 import numpy as np
 from flax import nnx
-from tunix.rl.rollout import base_rollout
+
+try:  # an optional extra: pip install pagedjax[tunix]
+    from tunix.rl.rollout import base_rollout
+except ImportError as error:  # pragma: no cover - where google-tunix is not installed
+    raise ImportError("pagedjax.rl.tunix_rollout needs google-tunix (pip install "
+                      "'pagedjax[tunix]', or requirements/tunix.txt)") from error
 
 from pagedjax.frontend.llm import LLM
 from pagedjax.models.registry import init_model
