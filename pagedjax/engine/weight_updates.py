@@ -174,8 +174,8 @@ class WeightUpdates:
                                                 self.config.quantization)
             if not whole and "weights" in self._asleep:
                 raise ValueError("weights: a partial update (some of the model's names) needs "
-                                 "the weights awake; sleep level 2 dropped them: give every "
-                                 "weight, or a model")
+                                 "the weights awake (they sleep: wake_up first, or give every "
+                                 "weight, or a model)")
             return parts, repeats
         model = prepared(model_of(weights, self.model_config, jnp.dtype(self.config.dtype)),
                          self.config.quantization, self.config.quantize_lm_head)
