@@ -1,0 +1,151 @@
+"""Hugging Face PEFT LoRA adapters (issue 53): an adapter directory (`adapter_config.json` and
+`adapter_model.safetensors`, what `PeftModel.save_pretrained` writes) read and checked against the
+model it adapts, before anything serves it.
+
+Served: `peft_type` LORA, rank `r`, `lora_alpha`, `use_rslora` (scaling alpha / sqrt(r) instead of
+alpha / r), `target_modules` among the attention and MLP projections (q/k/v/o, gate/up/down;
+"all-linear": all seven), `bias` "none". Anything else PEFT can write that changes what the adapter
+computes is refused by name (DoRA, LoRA biases, modules_to_save, per-module rank or alpha
+patterns, layers_to_transform, fan_in_fan_out, trainable tokens, target_parameters, exclude_modules,
+other PEFT types): serving an adapter without it would silently compute something else.
+Dropout and init options only matter in training.
+
+Each targeted module's pair is kept in the engine's layout: `a` [layers, in, r] and `b`
+[layers, r, out] (HF stores lora_A [r, in], lora_B [out, r]), so the adapted projection is
+x @ W + scaling * (x @ a) @ b; a module an adapter leaves out in some layers holds zeros there.
+`merged_weights` gives W + scaling * a @ b for a model's own kernels: the dense reference the
+engine's adapted step is held to, and a way to serve one adapter merged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+
+import numpy as np
+
+TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
+           "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+# PEFT options that change what an adapter computes: (field, the value that leaves it alone)
+REFUSED = (("use_dora", False), ("lora_bias", False), ("modules_to_save", None),
+           ("rank_pattern", {}), ("alpha_pattern", {}), ("layers_to_transform", None),
+           ("layers_pattern", None), ("fan_in_fan_out", False), ("trainable_token_indices", None),
+           ("target_parameters", None), ("exclude_modules", None))
+_TENSOR = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\."
+                     r"(\w+)\.lora_([AB])\.weight$")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAAdapter:
+    """A checked adapter: its rank, scaling and each targeted module's (a, b) pair."""
+
+    path: str
+    rank: int
+    scaling: float
+    pairs: dict  # module name -> (a f32[L, in, r], b f32[L, r, out])
+
+    @property
+    def target_modules(self) -> tuple[str, ...]:
+        return tuple(sorted(self.pairs))
+
+
+def _refuse(path: str, what: str) -> ValueError:
+    return ValueError(f"LoRA adapter {path}: {what}")
+
+
+def read_config(path: str) -> dict:
+    """adapter_config.json, checked field by field (ValueError naming the first refused)."""
+    file = os.path.join(path, "adapter_config.json")
+    try:
+        with open(file, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as error:
+        raise _refuse(path, f"adapter_config.json could not be read ({error})") from None
+    if raw.get("peft_type", "LORA") != "LORA":
+        raise _refuse(path, f"peft_type {raw['peft_type']!r} is not served (LORA only)")
+    if raw.get("bias", "none") != "none":
+        raise _refuse(path, f"bias {raw['bias']!r} is not served (\"none\" only)")
+    for field, neutral in REFUSED:
+        value = raw.get(field, neutral)
+        if value not in (neutral, None, {}, [], False):
+            raise _refuse(path, f"{field}={value!r} is not served")
+    rank, alpha = raw.get("r"), raw.get("lora_alpha")
+    if not isinstance(rank, int) or rank < 1:
+        raise _refuse(path, f"r must be a positive integer, got {rank!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise _refuse(path, f"lora_alpha must be a number, got {alpha!r}")
+    targets = raw.get("target_modules")
+    targets = list(TARGETS) if targets == "all-linear" else targets
+    if isinstance(targets, str) or not targets:
+        raise _refuse(path, f"target_modules must list projections among {sorted(TARGETS)} "
+                            f"(or be \"all-linear\"), got {targets!r}")
+    unknown = sorted(set(targets) - set(TARGETS))
+    if unknown:
+        raise _refuse(path, f"target_modules {unknown} are not served (among "
+                            f"{sorted(TARGETS)})")
+    return {**raw, "target_modules": sorted(set(targets))}
+
+
+def read_peft_adapter(path: str, config, max_rank: int | None = None) -> LoRAAdapter:
+    """The adapter at path for a model of config (a LlamaConfig), checked: its config, every
+    tensor's name, layer and shape (ValueError naming the first that does not fit)."""
+    from safetensors.numpy import load_file
+
+    raw = read_config(path)
+    rank = raw["r"]
+    if max_rank is not None and rank > max_rank:
+        raise _refuse(path, f"rank {rank} is over max_lora_rank ({max_rank})")
+    file = os.path.join(path, "adapter_model.safetensors")
+    try:
+        tensors = load_file(file)
+    except (OSError, ValueError) as error:
+        raise _refuse(path, f"adapter_model.safetensors could not be read ({error})") from None
+    dims = _module_dims(config)
+    pairs = {name: (np.zeros((config.num_layers, dims[name][0], rank), np.float32),
+                    np.zeros((config.num_layers, rank, dims[name][1]), np.float32))
+             for name in raw["target_modules"]}
+    for name, tensor in tensors.items():
+        layer, module, which = _place(path, name, config, pairs)
+        inputs, outputs = dims[module]
+        expected = (rank, inputs) if which == "A" else (outputs, rank)
+        if tensor.shape != expected:
+            raise _refuse(path, f"{name} is {list(tensor.shape)}, the model takes "
+                                f"{list(expected)}")
+        pairs[module][0 if which == "A" else 1][layer] = tensor.astype(np.float32).T
+    scaling = raw["lora_alpha"] / (math.sqrt(rank) if raw.get("use_rslora") else rank)
+    return LoRAAdapter(path, rank, float(scaling), pairs)
+
+
+def _place(path: str, name: str, config, pairs: dict) -> tuple[int, str, str]:
+    """(layer, module, "A" or "B") of a tensor name (ValueError naming one that is not a
+    targeted module's pair in a layer the model has)."""
+    match = _TENSOR.match(name)
+    if match is None or match.group(3) not in pairs or TARGETS[match.group(3)] != match.group(2):
+        raise _refuse(path, f"tensor {name!r} is not a LoRA pair of a targeted projection "
+                            f"({sorted(pairs)})")
+    layer = int(match.group(1))
+    if layer >= config.num_layers:
+        raise _refuse(path, f"tensor {name!r}: the model has {config.num_layers} layers")
+    return layer, match.group(3), match.group(4)
+
+
+def _module_dims(config) -> dict[str, tuple[int, int]]:
+    """(in, out) of each projection a LoRA may target."""
+    hidden, heads = config.hidden_size, config.num_heads * config.head_dim
+    kv, inner = config.num_kv_heads * config.head_dim, config.intermediate_size
+    return {"q_proj": (hidden, heads), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+            "o_proj": (heads, hidden), "gate_proj": (hidden, inner),
+            "up_proj": (hidden, inner), "down_proj": (inner, hidden)}
+
+
+def merged_weights(model, adapter: LoRAAdapter) -> None:
+    """Adds each targeted module's scaling * a @ b to the model's kernels, in place (a float
+    model of the adapter's config: the dense reference, or one adapter served merged)."""
+    for module, (a, b) in adapter.pairs.items():
+        for layer, block in enumerate(model.layers):
+            kernel = getattr(getattr(block, TARGETS[module]), module).kernel
+            delta = adapter.scaling * (a[layer] @ b[layer])
+            kernel.set_value(kernel.get_value() + delta.astype(kernel.get_value().dtype))
