@@ -20,6 +20,7 @@ from flax import nnx
 
 from pagedjax.models.families.llama import LlamaForCausalLM, embed, project_logits
 from pagedjax.models.layers.kv_groups import KVCacheGroups
+from pagedjax.models.layers.lora import StepLoRA
 from pagedjax.models.layers.quantized import quantize_like
 from pagedjax.pallas_kernels import AttentionBackend, AttentionMetadata, for_layer
 
@@ -168,22 +169,25 @@ def forward_paged(
     positions: jax.Array,  # i32[T]
     metadata: AttentionMetadata,
     backend: AttentionBackend = AttentionBackend(),
+    lora: StepLoRA | None = None,
 ) -> tuple[jax.Array, jax.Array]:  # ([T, D] pre-norm hidden, new cache)
-    """LlamaForCausalLM.forward_paged on the serving form: scanned or unrolled by graph."""
+    """LlamaForCausalLM.forward_paged on the serving form: scanned or unrolled by graph.
+    lora: the engine's adapter slots and each token's (models/layers/lora.py), or None."""
     x = embed(nnx.merge(graph.embed, weights.embed), token_ids, graph.scale_embeddings)
     blocks_per_layer = kv_cache.shape[2] // graph.num_kv_slots
     block_size = kv_cache.shape[3]
 
-    def run(x, kv_cache, layer_def, state, group, slot):
-        """One layer reading its KV cache group (an int, or traced) at its cache slot."""
+    def run(x, kv_cache, layer_def, state, group, slot, index):
+        """One layer (index: an int, or traced) reading its KV cache group at its slot."""
         return nnx.merge(layer_def, state).forward_paged(
             x, positions, kv_cache,
-            for_layer(metadata, slot, blocks_per_layer, block_size, group), backend)
+            for_layer(metadata, slot, blocks_per_layer, block_size, group), backend,
+            None if lora is None else lora.layer(index))
 
     def layer_step(x, kv_cache, index, state):
         group, slot = (0, index) if graph.layer_groups is None else graph.layer_groups[index]
         layer_def = graph.layer if graph.layers is None else graph.layers[index]
-        return run(x, kv_cache, layer_def, state, group, slot)
+        return run(x, kv_cache, layer_def, state, group, slot, index)
 
     if not graph.scan_layers:
         for index, state in enumerate(weights.layers):
@@ -216,7 +220,8 @@ def _forward_periods(graph: ServingGraph, weights: ServingWeights, x, kv_cache, 
             index = period_index * period + j
             group = 0 if graph.layer_groups is None else placement[index, 0]
             layer_def = graph.layer if graph.layers is None else graph.layers[j]
-            x, kv_cache = run(x, kv_cache, layer_def, states[j], group, placement[index, 1])
+            x, kv_cache = run(x, kv_cache, layer_def, states[j], group, placement[index, 1],
+                              index)
         return (x, kv_cache), None
 
     whole = num_layers // period

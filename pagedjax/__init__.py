@@ -21,6 +21,7 @@ _EXPORTS = {
     "RequestMetrics": ("pagedjax.engine.outputs", "RequestMetrics"),
     "RequestOutput": ("pagedjax.engine.outputs", "RequestOutput"),
     "LLM": ("pagedjax.frontend.llm", "LLM"),
+    "LoRARequest": ("pagedjax.lora.request", "LoRARequest"),
     "load_model": ("pagedjax.frontend.llm", "load_model"),
     "SamplingParams": ("pagedjax.scheduler", "SamplingParams"),
     "StructuredOutputs": ("pagedjax.scheduler", "StructuredOutputs"),

@@ -26,10 +26,13 @@ def chained_hashes(items: Sequence, size: int, combine: Callable[[H, Sequence], 
     return hashes
 
 
-def root_hash(cache_key: bytes, cache_salt: str | None) -> bytes:
-    """The parent of a sequence's first block: the model/adapter key and the request's salt, so
-    that different models, adapters or tenants never share blocks."""
+def root_hash(cache_key: bytes, cache_salt: str | None, lora_key: str | None = None) -> bytes:
+    """The parent of a sequence's first block: the model's key, the request's LoRA adapter's
+    (name and version) and its salt, so that different models, adapters or tenants never
+    share blocks."""
     digest = hashlib.blake2b(cache_key, digest_size=16)
+    if lora_key is not None:
+        digest.update(b"\x00lora\x00" + lora_key.encode())
     if cache_salt is not None:
         digest.update(b"\x00salt\x00" + cache_salt.encode())
     return digest.digest()
@@ -42,10 +45,11 @@ def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
 
 
 def token_block_hashes(token_ids: Sequence[int], block_size: int, cache_key: bytes,
-                       cache_salt: str | None = None) -> list[bytes]:
+                       cache_salt: str | None = None,
+                       lora_key: str | None = None) -> list[bytes]:
     """The chained hashes of token_ids' full blocks, as block_hashes gives a request of them."""
     return chained_hashes(token_ids, block_size, lambda parent, piece: hash_block(
-        parent, list(piece)), root_hash(cache_key, cache_salt))
+        parent, list(piece)), root_hash(cache_key, cache_salt, lora_key))
 
 
 def block_hashes(request: "Request", block_size: int, num_blocks: int,
@@ -53,7 +57,8 @@ def block_hashes(request: "Request", block_size: int, num_blocks: int,
     """The chained hashes of request's first num_blocks full blocks, memoised on the request."""
     hashes = request.block_hashes
     if len(hashes) < num_blocks:
-        parent = hashes[-1] if hashes else root_hash(cache_key, request.cache_salt)
+        parent = hashes[-1] if hashes else root_hash(cache_key, request.cache_salt,
+                                                     request.lora_key)
         for i in range(len(hashes), num_blocks):
             parent = hash_block(parent, request.token_ids_slice(i * block_size,
                                                                 (i + 1) * block_size))

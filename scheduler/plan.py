@@ -15,7 +15,7 @@ from pagedjax.scheduler.state import DECODE, PREFILL, ScheduledSeq, SchedulerOut
 # What the model's forward reads, and what the sampler reads (kv_lens: the sampled position).
 FORWARD_FIELDS = ("token_ids", "positions", "slot_mapping", "block_tables", "kv_lens",
                   "cu_q_lens", "logits_indices", "num_seqs", "copy_src", "copy_dst", "num_copies",
-                  "prompt_targets", "group_slot_mapping", "group_block_tables")
+                  "prompt_targets", "group_slot_mapping", "group_block_tables", "lora_slots")
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seeds", "kv_lens", "bias_ids",
                    "bias_values", "presence_penalty", "frequency_penalty", "repetition_penalty",
                    "penalty_tokens", "penalty_prompt_lens", "draft_token_ids",
@@ -73,6 +73,9 @@ class BatchPlan:
     # draft_token_ids[b, :n] (K = 0 columns in a plan without drafts: the plain sampler).
     draft_token_ids: np.ndarray  # i32[B, K]
     num_draft_tokens: np.ndarray  # i32[B]
+    # LoRA (scheduler.lora_slots): each token's adapter slot, -1 for the base model (padding
+    # tokens too); all -1 in an engine without adapters.
+    lora_slots: np.ndarray  # i32[T]
     copy_src: np.ndarray  # i32[B] copy-on-write: block copy_src[i] -> copy_dst[i] before writes
     copy_dst: np.ndarray  # i32[B] (padding pairs copy the null block onto itself)
     num_copies: np.ndarray  # i32[]
@@ -116,7 +119,8 @@ def _rows(scheduled, kv_manager: KVCacheManager, tables: list[np.ndarray]):
     """Each row's query tokens (back to back), its block table in each group (into tables[g],
     see write_table), and its start, query length and sampling settings as lists."""
     tokens: list[int] = []
-    columns = {name: [] for name in ("start", "q_len", "seed", "drafts", *_PARAM_COLUMNS)}
+    columns = {name: [] for name in ("start", "q_len", "seed", "drafts", "lora_slot",
+                                     *_PARAM_COLUMNS)}
     block_size = kv_manager.block_size
     for i, seq in enumerate(scheduled):
         request, start, n = seq
@@ -131,7 +135,8 @@ def _rows(scheduled, kv_manager: KVCacheManager, tables: list[np.ndarray]):
             for out, table in zip(tables, kv_manager.get_block_tables(request.request_id)):
                 write_table(out[i], table, cdiv(start + n, block_size))
         params = request.sampling_params
-        for name, value in (("start", start), ("q_len", n), ("seed", request.seed)):
+        for name, value in (("start", start), ("q_len", n), ("seed", request.seed),
+                            ("lora_slot", request.lora_slot)):
             columns[name].append(value)
         for name in _PARAM_COLUMNS:
             columns[name].append(getattr(params, name))
@@ -288,6 +293,8 @@ def build_plan(output: SchedulerOutput, kv_manager: KVCacheManager,
     token_ids = np.zeros(padded_tokens, np.int32)
     token_ids[:num_tokens] = tokens
     seq_of_token = np.repeat(np.arange(padded_seqs, dtype=np.int32), q_lens)
+    lora_slots = np.full(padded_tokens, -1, np.int32)
+    lora_slots[:num_tokens] = padded("lora_slot", -1, np.int32)[seq_of_token]
     positions = _positions(output, rows["start"], q_lens, kv_lens, seq_of_token, padded_tokens)
     cu_q_lens = np.zeros(padded_seqs + 1, np.int32)
     np.cumsum(q_lens, out=cu_q_lens[1:])
@@ -307,7 +314,8 @@ def build_plan(output: SchedulerOutput, kv_manager: KVCacheManager,
         logits_indices=_logits_indices(output, cu_q_lens, num_drafts, k),
         num_seqs=np.asarray(num_seqs, np.int32), **sampling,
         prompt_targets=prompt_targets(output.scheduled, padded_tokens), draft_token_ids=draft_ids,
-        num_draft_tokens=num_drafts, copy_src=copy_src, copy_dst=copy_dst,
+        num_draft_tokens=num_drafts, lora_slots=lora_slots, copy_src=copy_src,
+        copy_dst=copy_dst,
         num_copies=np.asarray(len(output.copies), np.int32), kind=kind,
         padded_num_tokens=padded_tokens, padded_num_seqs=padded_seqs)
 
@@ -365,6 +373,6 @@ def padding_plan(kind: str, num_tokens: int, num_seqs: int, max_blocks_per_seq: 
         draft_token_ids=np.zeros((num_seqs, k), np.int32),
         num_draft_tokens=np.zeros(num_seqs, np.int32),
         prompt_targets=np.full(num_tokens if with_prompt_logprobs else 0, -1, np.int32),
-        copy_src=np.zeros(num_seqs, np.int32), copy_dst=np.zeros(num_seqs, np.int32),
+        lora_slots=np.full(num_tokens, -1, np.int32), copy_src=np.zeros(num_seqs, np.int32), copy_dst=np.zeros(num_seqs, np.int32),
         num_copies=np.asarray(0, np.int32), kind=kind,
         padded_num_tokens=num_tokens, padded_num_seqs=num_seqs)

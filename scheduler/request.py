@@ -219,11 +219,13 @@ class Request:
                  "cache_salt", "block_hashes", "num_cached_tokens", "parent_id",
                  "sample_index", "followers", "cumulative_logprob", "logprobs", "stop_reason",
                  "prompt_logprobs", "spec_token_ids", "num_draft_tokens",
-                 "num_accepted_draft_tokens", "awaiting_kv")
+                 "num_accepted_draft_tokens", "awaiting_kv", "lora_id", "lora_key",
+                 "lora_slot")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, *, seed: int, arrival_time: float,
-                 eos_token_ids: Sequence[int] = (), cache_salt: str | None = None):
+                 eos_token_ids: Sequence[int] = (), cache_salt: str | None = None,
+                 lora_id: int | None = None, lora_key: str | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -263,6 +265,13 @@ class Request:
         # Its prefix is still coming up from a tier below the device (pagedjax.kv_offload.tiers
         # sets it for one schedule, vLLM's WAITING_FOR_REMOTE_KVS): it is not admitted yet.
         self.awaiting_kv = False
+        # The LoRA adapter it runs under (None: the base model): its id (the scheduler's
+        # device slot key, scheduler.lora_slots), its key in the prefix cache's block hashes
+        # (name and weights' version: KV computed under one adapter serves no other), and its
+        # slot while it runs.
+        self.lora_id = lora_id
+        self.lora_key = lora_key
+        self.lora_slot = -1
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -314,16 +323,18 @@ class Request:
 
 def make_samples(request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                  seed: int, arrival_time: float, eos_token_ids: Sequence[int] = (),
-                 cache_salt: str | None = None) -> Request:
+                 cache_salt: str | None = None, lora_id: int | None = None,
+                 lora_key: str | None = None) -> Request:
     """A request and its parallel samples (params.num_samples of them): sample i is
-    `request_id#i` with seed + i, the others wait as the first one's followers."""
+    `request_id#i` with seed + i, the others wait as the first one's followers. lora_id,
+    lora_key: the adapter they run under (Request)."""
     num_samples = params.num_samples
     samples = []
     for i in range(num_samples):
         sample = Request(request_id if num_samples == 1 else f"{request_id}#{i}",
                          prompt_token_ids, params, seed=fold_seed(seed + i),
                          arrival_time=arrival_time, cache_salt=cache_salt,
-                         eos_token_ids=eos_token_ids)
+                         eos_token_ids=eos_token_ids, lora_id=lora_id, lora_key=lora_key)
         sample.parent_id, sample.sample_index = request_id, i
         samples.append(sample)
     samples[0].followers = samples[1:]

@@ -7,6 +7,7 @@ function drives the engine, replays a recorded trace and runs inside a simulator
 
 from __future__ import annotations
 
+from pagedjax.scheduler.lora_slots import adapters_in_use
 from pagedjax.scheduler.request import Request, RequestStatus
 from pagedjax.scheduler.state import (DECODE, MIXED, PREFILL, PREFILL_FIRST, VICTIM_POLICIES,
                                       ScheduledSeq, SchedulerOutput, SchedulerState)
@@ -85,11 +86,17 @@ class _StepBuilder:
         config = state.config
         kv = state.kv_manager
         watermark_blocks = int(config.watermark * kv.pool.num_usable_blocks)
+        slots = state.lora_slots
+        in_use = adapters_in_use(state.running) if slots is not None else set()
+        held_back = []  # requests whose adapter gets no slot: they keep their place
         while state.waiting and self.budget > 0:
             request = state.waiting[0]
             if state.num_seqs + 1 + len(request.followers) > config.max_num_seqs \
                     or request.awaiting_kv:
                 break
+            if request.lora_id is not None and not slots.can_acquire(request.lora_id, in_use):
+                held_back.append(state.waiting.popleft())
+                continue
             swapped = request.status == RequestStatus.SWAPPED
             cached_blocks = [] if swapped else kv.find_cached_prefix(request)
             num_cached = (request.num_computed_tokens if swapped
@@ -122,12 +129,18 @@ class _StepBuilder:
             if not swapped:
                 _count_tier_lookups(state, request, cached_blocks)
             state.waiting.popleft()
+            if request.lora_id is not None:
+                request.lora_slot = slots.acquire(request.lora_id, in_use)
+                in_use.add(request.lora_id)
+                for follower in request.followers:
+                    follower.lora_slot = request.lora_slot
             state.running.append(request)
             state.num_followers += len(request.followers)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
             self.add(request, num_new)
+        state.waiting.extendleft(reversed(held_back))
 
     def drop_drafts_beside_prefills(self, forks) -> None:
         """Speculative drafts ride only in steps of decodes alone: a step with prefill work
@@ -157,8 +170,10 @@ class _StepBuilder:
         swap_out, swap_in = kv.take_pending_swaps()
         tier = kv.host_tier
         transfers = tier.take_transfers() if tier is not None else ((), (), (), ())
+        slots = self.state.lora_slots
         return SchedulerOutput(self.scheduled, self.preempted, kind, num_tokens, now, forks,
-                               copies, swap_out, swap_in, *transfers)
+                               copies, swap_out, swap_in, *transfers,
+                               lora_loads=slots.take_loads() if slots is not None else ())
 
 
 def _count_tier_lookups(state: SchedulerState, request: Request, cached_blocks) -> None:

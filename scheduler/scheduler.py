@@ -8,6 +8,7 @@ from typing import Sequence
 from pagedjax.scheduler.kv_cache_groups import HybridKVCacheManager
 from pagedjax.scheduler.kv_cache_manager import KVCacheManager
 from pagedjax.scheduler.lifecycle import abort_request, add_request, check_request, requeue, update
+from pagedjax.scheduler.lora_slots import LoRASlots
 from pagedjax.scheduler.request import Request, RequestStatus
 from pagedjax.scheduler.schedule import schedule
 from pagedjax.scheduler.state import SchedulerConfig, SchedulerOutput, SchedulerState
@@ -20,10 +21,11 @@ class Scheduler:
                  cache_key: bytes = b"", num_host_blocks: int = 0,
                  sliding_window: int | None = None,
                  group_windows: tuple[int | None, ...] | None = None,
-                 num_tier_blocks: int = 0):
+                 num_tier_blocks: int = 0, max_loras: int = 0):
         """group_windows: the KV cache groups' windows (scheduler.kv_cache_groups), when the
         model has several; else one group, sliding_window for all its layers. num_tier_blocks:
-        the host tier under the prefix cache (scheduler.host_tier), 0 for none."""
+        the host tier under the prefix cache (scheduler.host_tier), 0 for none. max_loras: the
+        LoRA adapters' device slots (scheduler.lora_slots), 0 for an engine without them."""
         if group_windows is not None and len(group_windows) > 1:
             kv_manager = HybridKVCacheManager(
                 num_blocks, block_size, group_windows,
@@ -37,7 +39,8 @@ class Scheduler:
                                         enable_prefix_caching=config.enable_prefix_caching,
                                         num_host_blocks=num_host_blocks, sliding_window=window,
                                         num_tier_blocks=num_tier_blocks)
-        self.state = SchedulerState(config, kv_manager)
+        self.state = SchedulerState(config, kv_manager,
+                                    lora_slots=LoRASlots(max_loras) if max_loras else None)
 
     @property
     def config(self) -> SchedulerConfig:

@@ -8,6 +8,7 @@ import dataclasses
 from typing import Callable, NamedTuple, Sequence
 
 from pagedjax.scheduler.kv_cache_manager import KVCacheManager
+from pagedjax.scheduler.lora_slots import LoRASlots
 from pagedjax.scheduler.request import Request
 
 PREFILL = "prefill"  # ragged: each sequence brings 1..n query tokens (decodes may ride along)
@@ -106,6 +107,9 @@ class SchedulerOutput:
     tier_offloads: list[tuple[int, int]] = ()
     tier_overflow: list[tuple[int, bytes]] = ()
     tier_loads: list[tuple[int, int]] = ()
+    # LoRA adapters to write into their device slots before the step (slot, adapter id):
+    # scheduler.lora_slots.
+    lora_loads: list[tuple[int, int]] = ()
 
 
 @dataclasses.dataclass
@@ -131,6 +135,7 @@ class SchedulerState:
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
     spec_accepted_per_position: list = dataclasses.field(default_factory=list)
+    lora_slots: LoRASlots | None = None  # the adapters' device slots (an engine serving LoRA)
 
     @property
     def num_seqs(self) -> int:

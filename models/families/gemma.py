@@ -26,17 +26,18 @@ class GemmaDecoderLayer(DecoderLayer):
         self.pre_feedforward_layernorm = rms_norm(config, config.hidden_size, param_dtype)
         self.post_feedforward_layernorm = rms_norm(config, config.hidden_size, param_dtype)
 
-    def _feed_forward(self, x: jax.Array) -> jax.Array:
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+    def _feed_forward(self, x: jax.Array, lora=None) -> jax.Array:
+        return x + self.post_feedforward_layernorm(
+            self.mlp(self.pre_feedforward_layernorm(x), lora))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self._feed_forward(x + self.post_attention_layernorm(self.self_attn(
             self.input_layernorm(x))))
 
-    def forward_paged(self, x, positions, kv_cache, metadata, backend):
+    def forward_paged(self, x, positions, kv_cache, metadata, backend, lora=None):
         attn, kv_cache = self.self_attn.forward_paged(self.input_layernorm(x), positions,
-                                                      kv_cache, metadata, backend)
-        return self._feed_forward(x + self.post_attention_layernorm(attn)), kv_cache
+                                                      kv_cache, metadata, backend, lora)
+        return self._feed_forward(x + self.post_attention_layernorm(attn), lora), kv_cache
 
 
 class GemmaForCausalLM(LlamaForCausalLM):

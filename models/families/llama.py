@@ -22,6 +22,7 @@ from pagedjax.models.families.hf_fields import refuse, rope_from_params, rope_pa
 from pagedjax.models.layers.attention import Attention, soft_cap
 from pagedjax.models.layers.basic import (MLP, RMSNorm, linear, rms_norm, rope,  # noqa: F401
                                           rope_inv_freq)
+from pagedjax.models.layers.lora import LayerLoRA
 from pagedjax.models.layers.moe import SparseMoE
 from pagedjax.pallas_kernels import AttentionBackend, AttentionMetadata, for_layer
 
@@ -40,25 +41,27 @@ class DecoderLayer(nnx.Module):
         self.mlp = mlp(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
 
     def _mlp(self, x: jax.Array, num_valid: jax.Array | None = None,
-             backend: AttentionBackend | None = None) -> jax.Array:
-        """The MLP on x; an MoE layer routes only the first num_valid tokens (a BatchPlan's
-        real ones) to its experts, split over the backend's mesh (whole experts a device
-        under expert parallelism, else each expert's MLP)."""
+             backend: AttentionBackend | None = None, lora: LayerLoRA | None = None) -> jax.Array:
+        """The MLP on x (a dense one adapted by lora); an MoE layer routes only the first
+        num_valid tokens (a BatchPlan's real ones) to its experts, split over the backend's
+        mesh (whole experts a device under expert parallelism, else each expert's MLP)."""
         if isinstance(self.mlp, SparseMoE):
             if backend is None or backend.mesh is None:
                 return self.mlp(x, num_valid)
             return self.mlp(x, num_valid, backend.mesh, backend.expert_parallel)
-        return self.mlp(x)
+        return self.mlp(x, lora)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x + self.self_attn(self.input_layernorm(x))
         return x + self._mlp(self.post_attention_layernorm(x))
 
-    def forward_paged(self, x, positions, kv_cache, metadata, backend):
+    def forward_paged(self, x, positions, kv_cache, metadata, backend, lora=None):
+        """lora: the step's adapters of this layer (models/layers/lora.py) or None."""
         attn, kv_cache = self.self_attn.forward_paged(self.input_layernorm(x), positions,
-                                                      kv_cache, metadata, backend)
+                                                      kv_cache, metadata, backend, lora)
         x = x + attn
-        mlp = self._mlp(self.post_attention_layernorm(x), num_real_tokens(metadata), backend)
+        mlp = self._mlp(self.post_attention_layernorm(x), num_real_tokens(metadata), backend,
+                        lora)
         return x + mlp, kv_cache
 
 

@@ -12,6 +12,7 @@ from flax import nnx
 
 from pagedjax.models.config import LlamaConfig
 from pagedjax.models.layers.basic import linear, rms_norm, rope
+from pagedjax.models.layers.lora import LayerLoRA, apply_lora
 from pagedjax.pallas_kernels import AttentionBackend, AttentionMetadata, paged_attention
 
 
@@ -43,9 +44,10 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def _qkv(self, x: jax.Array, positions: jax.Array):
+    def _qkv(self, x: jax.Array, positions: jax.Array, lora: LayerLoRA | None = None):
         lead = x.shape[:-1]
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = (apply_lora(lora, name, x, getattr(self, name)(x))
+                   for name in ("q_proj", "k_proj", "v_proj"))
         if self.q_norm is not None and self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
@@ -75,9 +77,12 @@ class Attention(nnx.Module):
         return self.o_proj(out.reshape(batch, length, self.num_heads * self.head_dim))
 
     def forward_paged(self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
-                      metadata: AttentionMetadata, backend: AttentionBackend):
-        q, k, v = self._qkv(x, positions)  # [T, N, H], [T, K, H], [T, K, H]
+                      metadata: AttentionMetadata, backend: AttentionBackend,
+                      lora: LayerLoRA | None = None):
+        """lora: the step's adapters (models/layers/lora.py), None for the base model."""
+        q, k, v = self._qkv(x, positions, lora)  # [T, N, H], [T, K, H], [T, K, H]
         out, kv_cache = paged_attention(q, k, v, kv_cache, metadata, scale=self.scale,
                                         backend=backend, sliding_window=self.sliding_window,
                                         soft_cap=self.soft_cap)
-        return self.o_proj(out.reshape(x.shape[0], -1)), kv_cache
+        out = out.reshape(x.shape[0], -1)
+        return apply_lora(lora, "o_proj", out, self.o_proj(out)), kv_cache

@@ -91,5 +91,11 @@ class MLP(nnx.Module):
         self.down_proj = linear(f, d, config, rngs, dtype, param_dtype, bias)
         self.hidden_act = config.hidden_act
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(ACTIVATIONS[self.hidden_act](self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x: jax.Array, lora=None) -> jax.Array:
+        """lora: a LayerLoRA (models/layers/lora.py) adapting the projections, or None."""
+        if lora is None:
+            return self.down_proj(ACTIVATIONS[self.hidden_act](self.gate_proj(x))
+                                  * self.up_proj(x))
+        gate = lora.apply("gate_proj", x, self.gate_proj(x))
+        hidden = ACTIVATIONS[self.hidden_act](gate) * lora.apply("up_proj", x, self.up_proj(x))
+        return lora.apply("down_proj", hidden, self.down_proj(hidden))

@@ -41,9 +41,11 @@ class BeamSequence:
         return self.cumulative_logprob / max(len(self.token_ids), 1) ** length_penalty
 
 
-def beam_search(engine, prompts: Sequence[Sequence[int]],
-                params: BeamSearchParams) -> list[list[BeamSequence]]:
-    """The beam_width best sequences of each prompt, best first."""
+def beam_search(engine, prompts: Sequence[Sequence[int]], params: BeamSearchParams,
+                lora_requests: Sequence | None = None) -> list[list[BeamSequence]]:
+    """The beam_width best sequences of each prompt, best first. lora_requests: each prompt's
+    LoRA adapter (a pagedjax.LoRARequest or None), or None for the base model."""
+    loras = list(lora_requests) if lora_requests is not None else [None] * len(prompts)
     width = params.beam_width
     if engine.config.speculative_config is not None:  # as vLLM: beam search does not speculate
         raise ValueError("beam search does not run with speculative_config: use an engine "
@@ -57,12 +59,13 @@ def beam_search(engine, prompts: Sequence[Sequence[int]],
     # All checked, at their longest, before anything runs.
     prompts = [check_prompt_token_ids(p, engine.model_config.vocab_size,
                                       engine.config.max_model_len) for p in prompts]
-    check_specs(engine, [PromptSpec(p + [0] * (params.max_tokens - 1), step_params)
-                         for p in prompts])
+    check_specs(engine, [PromptSpec(p + [0] * (params.max_tokens - 1), step_params,
+                                    lora_request=lora) for p, lora in zip(prompts, loras)])
     live = [[BeamSequence([], 0.0)] for _ in prompts]
     completed: list[list[BeamSequence]] = [[] for _ in prompts]
     for _ in range(params.max_tokens):
-        ids = {(p, b): engine.add_request(list(prompts[p]) + beam.token_ids, step_params)
+        ids = {(p, b): engine.add_request(list(prompts[p]) + beam.token_ids, step_params,
+                                          lora_request=loras[p])
                for p, beams in enumerate(live) for b, beam in enumerate(beams)}
         if not ids:
             break

@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 
 from pagedjax.engine.spec_decode.config import SpeculativeConfig
+from pagedjax.lora.request import check_lora_limits
 from pagedjax.models.quantization.schemes import SCHEMES
 from pagedjax.pallas_kernels import BACKEND_NAMES, check_backend
 from pagedjax.scheduler import SchedulerConfig, ShapeBuckets, cdiv
@@ -116,6 +117,13 @@ class EngineConfig:
     quantization: str | None = None
     # The LM head quantized too (the tied embedding table of a model without lm_head).
     quantize_lm_head: bool = False
+    # Multi-LoRA (vLLM's): requests name adapters (LoRARequest) over the one base model;
+    # max_loras device slots (a step's adapters all resident), each adapter padded to
+    # max_lora_rank, max_cpu_loras adapters kept read on the host (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "speculative_config",
@@ -125,6 +133,7 @@ class EngineConfig:
         self._check_choices()
         self._check_async_scheduling()
         self._check_kv_tiers()
+        self._check_lora()
         self.buckets()  # ShapeBuckets validates prefill_seqs
         self.scheduler_config()  # SchedulerConfig validates the scheduler's fields (policy, ...)
 
@@ -233,6 +242,15 @@ class EngineConfig:
         if tiers and not self.enable_prefix_caching:
             raise ValueError("kv_offload_bytes needs enable_prefix_caching: the tiers keep the "
                              "prefix cache's evicted blocks")
+
+    def _check_lora(self) -> None:
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be a boolean, got {self.enable_lora!r}")
+        check_lora_limits(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

@@ -10,6 +10,7 @@ import dataclasses
 from pagedjax.engine import memory_budget
 from pagedjax.engine.config import EngineConfig
 from pagedjax.engine.runner import ModelRunner
+from pagedjax.lora.slot_weights import SlotSpec
 from pagedjax.models.layers.kv_groups import KVCacheGroups, kv_cache_groups
 from pagedjax.pallas_kernels import check_num_slots, kv_cache_bytes_per_block
 from pagedjax.parallel.sharding import kv_head_repeats
@@ -44,10 +45,13 @@ def size_kv_pool(model, config: EngineConfig, devices, backend) -> KVPool:
                                config.max_num_batched_tokens))
     check_num_slots(num_slots, num_blocks, config.block_size)
     buckets = config.buckets(kv_groups.windows)
+    lora_spec = SlotSpec.for_model(
+        model_config, config.max_loras, config.max_lora_rank, config.np_dtype,
+        kv_head_repeats(model_config.num_kv_heads, tp)) if config.enable_lora else None
     runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size,
                          dtype=config.kv_np_dtype, backend=backend,
                          num_top_logprobs=config.max_logprobs, scan_layers=config.scan_layers,
-                         device=devices[0], kv_groups=kv_groups)
+                         device=devices[0], kv_groups=kv_groups, lora_spec=lora_spec)
     runner.logprobs_mode = config.logprobs_mode
     budget = None
     if config.gpu_memory_utilization is not None:

@@ -28,6 +28,7 @@ from pagedjax.engine.token_masks import TokenMasks, step_rows
 from pagedjax.engine.warmup import BackgroundWarmup, warm
 from pagedjax.engine.weight_updates import WeightUpdates
 from pagedjax.kv_offload.tiers import cached_prefix_blocks, make_kv_tiers
+from pagedjax.lora.manager import LoRAManager
 from pagedjax.models import LlamaForCausalLM
 from pagedjax.models.loading.quantized_loading import for_serving as quantized_for_serving
 from pagedjax.parallel import multihost
@@ -77,6 +78,9 @@ class LLMEngine(RequestIntake, StepRecovery, WeightUpdates, SleepMode):
             raise ValueError(f"data_parallel_size ({config.data_parallel_size}) needs "
                              f"pagedjax.frontend.data_parallel.make_engine (one LLMEngine a replica)")
         self.devices, self.multihost, self.backend = place(model_config, config, devices)
+        if config.enable_lora and self.multihost:
+            raise ValueError("enable_lora is not supported multi-host yet; serve adapters on "
+                             "one host")
         if config.async_scheduling and self.multihost:
             raise ValueError("async_scheduling is not supported multi-host (the followers "
                              "replay the leader's plans); turn it off")
@@ -99,8 +103,11 @@ class LLMEngine(RequestIntake, StepRecovery, WeightUpdates, SleepMode):
             config.scheduler_config(), self.num_blocks, config.block_size,
             cache_key=self._cache_key(), num_host_blocks=num_host_blocks,
             group_windows=self.kv_groups.windows,
-            num_tier_blocks=0 if self.kv_tiers is None else self.kv_tiers.num_blocks)
+            num_tier_blocks=0 if self.kv_tiers is None else self.kv_tiers.num_blocks,
+            max_loras=config.max_loras if config.enable_lora else 0)
         self.scheduler = self._make_scheduler()
+        self.lora_manager = LoRAManager(self.runner.lora_spec, self.model_config,
+                                        config.num_cpu_loras) if config.enable_lora else None
         if self.multihost and jax.process_index() == 0:
             self.runner.channel = multihost.LeaderChannel()  # process 0 leads (multihost.py)
         self.stats = EngineStats(num_blocks=self.num_blocks - 1, block_size=config.block_size)
@@ -213,6 +220,8 @@ class LLMEngine(RequestIntake, StepRecovery, WeightUpdates, SleepMode):
         if self.kv_tiers is not None:
             self.kv_tiers.copy_in(output)
         try:
+            if output.lora_loads:
+                self.lora_manager.load(self.runner, output.lora_loads)
             return _Started(output, start, self._dispatch(output, after))
         except Exception as error:  # noqa: BLE001 - isolated in finish_step, or re-raised
             return _Started(output, start, None, error)
@@ -297,9 +306,11 @@ class LLMEngine(RequestIntake, StepRecovery, WeightUpdates, SleepMode):
         if self.tokenizer is not None:
             texts = {s.request_id: self._texts[s.request_id].visible_text(s.status.finished)
                      for s in samples}
-        out = RequestOutput.from_samples(samples, samples[0].sampling_params.n, texts,
-                                         self._prompts.get(parent_id), error,
-                                         self._record_version(parent_id))
+        lora_id = samples[0].lora_id
+        out = RequestOutput.from_samples(
+            samples, samples[0].sampling_params.n, texts, self._prompts.get(parent_id), error,
+            self._record_version(parent_id),
+            None if lora_id is None else self.lora_manager.adapters[lora_id])
         if out.finished:
             del self._groups[parent_id]
             self._versions.pop(parent_id, None)

@@ -63,6 +63,12 @@ class RequestOutput:
     # The weights' version its tokens were sampled under (LLMEngine.update_weights): one, or
     # the list of them for a request an update with mode "keep" carried over.
     weight_version: str | list[str] | None = None
+    lora_request: object = None  # the pagedjax.LoRARequest it ran under (None: the base model)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache (vLLM's field)."""
+        return self.metrics.num_cached_tokens
 
     @property
     def text(self) -> str | None:
@@ -80,7 +86,8 @@ class RequestOutput:
     def from_samples(cls, samples: Sequence[Request], n: int,
                      texts: dict[str, str] | None = None,
                      prompt: str | None = None, error: str | None = None,
-                     weight_version: str | list[str] | None = None) -> "RequestOutput":
+                     weight_version: str | list[str] | None = None,
+                     lora_request=None) -> "RequestOutput":
         """One request's output from its samples (one, or best_of >= n parallel ones); texts
         maps a sample's request_id to its detokenized output."""
         texts = texts or {}
@@ -109,5 +116,6 @@ class RequestOutput:
         return cls(request_id=leader.parent_id, prompt_token_ids=list(leader.prompt_token_ids),
                    outputs=outputs, finished=finished, metrics=metrics, prompt=prompt,
                    error=error, cache_salt=leader.cache_salt, weight_version=weight_version,
+                   lora_request=lora_request,
                    prompt_logprobs=(list(leader.prompt_logprobs) if
                                     leader.sampling_params.prompt_logprobs is not None else None))

@@ -32,6 +32,7 @@ class PromptSpec:
     prompt_text: str | None = None
     cache_salt: str | None = None
     arrival_time: float | None = None
+    lora_request: object = None  # a pagedjax.LoRARequest: the adapter it runs under
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,7 @@ class Admission:
     prompt_token_ids: list[int]
     request_id: str | None  # None: the engine numbers it when it builds the request
     constraints: object = None  # token_masks.Constraints, or None
+    lora: tuple[int, str] | None = None  # its adapter's (id, prefix-cache key)
 
     @property
     def num_tokens(self) -> int:
@@ -165,7 +167,20 @@ def check_spec(engine, spec: PromptSpec) -> Admission:
                       [f"{spec.request_id}#{i}" for i in range(params.num_samples)])
     for state in engine.scheduler_states():  # a data-parallel engine: every replica's ids
         check_admission(state, params.num_samples, len(ids), params.max_tokens, sample_ids)
-    return Admission(spec, ids, spec.request_id, engine.token_masks.constraints(params))
+    lora = None if spec.lora_request is None else check_lora(engine, spec.lora_request)
+    return Admission(spec, ids, spec.request_id, engine.token_masks.constraints(params), lora)
+
+
+def check_lora(engine, lora_request) -> tuple[int, str]:
+    """The adapter's (id, prefix-cache key), read and checked (pagedjax.lora.manager)."""
+    manager = engine.lora_manager
+    if manager is None:
+        raise RequestError("lora_request", "this engine serves no LoRA adapters; build it with "
+                           "enable_lora=True")
+    try:
+        return manager.check(lora_request)
+    except ValueError as error:
+        raise RequestError("lora_request", str(error)) from None
 
 
 def check_specs(engine, specs: Sequence[PromptSpec]) -> list[Admission]:

@@ -48,14 +48,17 @@ class RequestIntake:
     def add_request(self, prompt_token_ids: Sequence[int],
                     sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
-                    cache_salt: str | None = None) -> str:
+                    cache_salt: str | None = None, lora_request=None) -> str:
         """Queues a request and returns its id; on bad input raises RequestError (a ValueError
         naming the field) and queues nothing.
 
         Requests share prefix-cached blocks only when their cache_salt is equal (None included).
+        lora_request: the LoRA adapter it runs under (a pagedjax.LoRARequest; None: the base
+        model).
         """
         spec = PromptSpec(prompt_token_ids, sampling_params or SamplingParams(), request_id,
-                          cache_salt=cache_salt, arrival_time=arrival_time)
+                          cache_salt=cache_salt, arrival_time=arrival_time,
+                          lora_request=lora_request)
         return self.add_requests([spec])[0]
 
     def make_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
@@ -79,9 +82,11 @@ class RequestIntake:
                 request_id = str(self._next_id)
             self._next_id += 1
         arrival_time = self.clock() if spec.arrival_time is None else spec.arrival_time
+        lora_id, lora_key = admission.lora or (None, None)
         return make_samples(request_id, admission.prompt_token_ids, spec.params, seed=seed,
                             arrival_time=arrival_time, cache_salt=spec.cache_salt,
-                            eos_token_ids=self.model_config.eos_token_ids)
+                            eos_token_ids=self.model_config.eos_token_ids, lora_id=lora_id,
+                            lora_key=lora_key)
 
     def queue(self, request: Request, constraints=None) -> None:
         """Queues a request from make_request (with its parallel samples). constraints: its

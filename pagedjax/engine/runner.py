@@ -13,9 +13,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from pagedjax.engine import prompt_logprobs, sampling_step
 from pagedjax.engine.weight_writer import borrowed_leaves
 from pagedjax.kv_offload.block_transfers import BlockTransfers
+from pagedjax.lora.slot_weights import SlotSpec, device_slots
 from pagedjax.models import (LlamaForCausalLM, ServingGraph, ServingWeights, paged_forward,
                              serving_form)
 from pagedjax.models.layers.kv_groups import KVCacheGroups
+from pagedjax.models.layers.lora import StepLoRA
 from pagedjax.models.loading.placed_weights import LazyModel
 from pagedjax.models.quantization.schemes import chunked_products
 from pagedjax.pallas_kernels import AttentionBackend, AttentionMetadata, copy_blocks, init_kv_cache
@@ -48,11 +50,13 @@ def _count_compile() -> None:
 
 
 def forward_fn(graph: ServingGraph, backend: AttentionBackend, kind: str, num_top_logprobs: int,
-               params: ServingWeights, kv_cache, inputs: dict):
+               params: ServingWeights, kv_cache, inputs: dict, lora: dict | None = None):
     """The model's part of a step as a pure function: returns (logits f32[B, V], prompt,
     kv_cache). inputs: the plan's FORWARD_FIELDS (kind is static: DECODE runs the decode
     kernels); prompt is () or, when the plan has prompt_targets, prompt_logprobs.compute's
-    arrays for every query token (num_top_logprobs of them a token)."""
+    arrays for every query token (num_top_logprobs of them a token). lora: the LoRA adapters'
+    device slots (pagedjax.lora.slot_weights), each token's in inputs["lora_slots"]; None
+    for an engine without adapters."""
     global _num_traces
     _num_traces += 1  # runs at trace time only
     blocks_per_layer = kv_cache.shape[2] // graph.num_kv_slots
@@ -65,8 +69,10 @@ def forward_fn(graph: ServingGraph, backend: AttentionBackend, kind: str, num_to
         group_block_tables=inputs["group_block_tables"]).with_logical_group_tables()
     # quantized weights: large products in cache-sized chunks on the CPU reference only
     with chunked_products(backend.name == "reference" and backend.mesh is None):
+        step_lora = None if lora is None else StepLoRA(inputs["lora_slots"], lora)
         hidden, kv_cache = paged_forward.forward_paged(graph, params, kv_cache, inputs["token_ids"],
-                                                 inputs["positions"], metadata, backend)
+                                                 inputs["positions"], metadata, backend,
+                                                 step_lora)
         logits = paged_forward.logits(graph, params, hidden[inputs["logits_indices"]])  # f32[B, V]
         if backend.mesh is not None:  # vocab-split: one all-gather, so every device holds
             # whole rows for the sampler
@@ -83,13 +89,13 @@ def forward_inputs(plan: BatchPlan) -> dict:
 
 
 def step_fn(graph: ServingGraph, backend: AttentionBackend, num_top_logprobs: int,
-            params: ServingWeights, kv_cache, plan: BatchPlan):
+            params: ServingWeights, kv_cache, plan: BatchPlan, lora: dict | None = None):
     """One whole engine step as one pure function (the runner runs it as two programs, forward
     and sampler; ahead-of-time analyses compile it whole): returns (sampled, kv_cache) where
     sampled is (ids i32[B], logprobs f32[B], top ids i32[B, K], top logprobs f32[B, K],
     ranks i32[B])."""
     logits, _, kv_cache = forward_fn(graph, backend, plan.kind, num_top_logprobs, params,
-                                     kv_cache, forward_inputs(plan))
+                                     kv_cache, forward_inputs(plan), lora)
     sampled = sampling_step.sample_fn(num_top_logprobs, "raw_logprobs", logits,
                                       sampling_step.sampling_inputs(plan),
                                       sampling_step.no_token_mask(logits.shape[0]))
@@ -115,10 +121,12 @@ class ModelRunner(BlockTransfers):
     def __init__(self, model: LlamaForCausalLM | LazyModel, *, num_blocks: int, block_size: int,
                  dtype, backend: AttentionBackend = AttentionBackend(),
                  num_top_logprobs: int = 0, scan_layers: bool = True,
-                 device: jax.Device | None = None, kv_groups: KVCacheGroups | None = None):
+                 device: jax.Device | None = None, kv_groups: KVCacheGroups | None = None,
+                 lora_spec: SlotSpec | None = None):
         """backend.mesh, when set, splits the model over its devices (pagedjax.parallel.sharding);
         otherwise everything lives on device (jax.devices()[0] by default). kv_groups: the KV
-        cache groups (pagedjax.models.layers.kv_groups; default: one group of every layer)."""
+        cache groups (pagedjax.models.layers.kv_groups; default: one group of every layer).
+        lora_spec: the LoRA adapters' device slots (pagedjax.lora.slot_weights), or None."""
         config = model.config
         mesh = backend.mesh
         repeats = 1 if mesh is None else kv_head_repeats(config.num_kv_heads,
@@ -139,16 +147,7 @@ class ModelRunner(BlockTransfers):
         # Parameters and caches committed to their devices, whatever their source (random init
         # is uncommitted, a checkpoint loader's device_put is committed): the step's outputs
         # are committed, so mixed inputs would compile every program a second time.
-        if lazy:
-            placement = (weight_sharding(mesh, config.vocab_size, backend.expert_parallel)
-                         if mesh is not None else
-                         lambda path, leaf: SingleDeviceSharding(self.device))
-            self.params = model.place(params, placement)
-        elif mesh is None:
-            self.params = jax.device_put(params, self.device)
-        else:
-            self.params = shard_weights(params, mesh, config.vocab_size,
-                                        backend.expert_parallel)
+        self.params = self._place(model, params)
         # the leaves sharing the buffers of the model given (update_weights never donates them)
         self.borrowed = frozenset() if lazy else borrowed_leaves(
             self.params, jax.tree.leaves(nnx.state(model)))
@@ -156,6 +155,10 @@ class ModelRunner(BlockTransfers):
         self.weight_names = None  # their Hugging Face names (named_weights)
         self.kv_cache = self._new_kv_cache()
         self._abstract_args = self._abstract()
+        self.lora_spec = lora_spec  # the LoRA adapters' slots (pagedjax.lora.slot_weights)
+        self.lora, self._abstract_lora, self._lora_writer = device_slots(
+            lora_spec, SingleDeviceSharding(self.device) if mesh is None
+            else NamedSharding(mesh, P()))
         self.step_shapes: set[tuple[str, int, int]] = set()  # the shapes steps have run
         self.channel = None  # multi-host leader: a multihost.LeaderChannel
         self.tier_pool = None  # the prefix cache's host tier (kv_tiers), for the followers
@@ -171,6 +174,19 @@ class ModelRunner(BlockTransfers):
         self._block_copies: dict[tuple[str, int], jax.stages.Compiled] = {}  # block_copy's
         self._token_ids_sharding = None  # the forward programs' token_ids' (program())
         self._locks_lock = threading.Lock()
+
+    def _place(self, model, params) -> ServingWeights:
+        """The serving weights on this runner's device, or split over the backend's mesh (a
+        LazyModel read from its checkpoint into place)."""
+        mesh, vocab_size = self.backend.mesh, model.config.vocab_size
+        if isinstance(model, LazyModel):
+            placement = (weight_sharding(mesh, vocab_size, self.backend.expert_parallel)
+                         if mesh is not None else
+                         lambda path, leaf: SingleDeviceSharding(self.device))
+            return model.place(params, placement)
+        if mesh is None:
+            return jax.device_put(params, self.device)
+        return shard_weights(params, mesh, vocab_size, self.backend.expert_parallel)
 
     def _abstract(self):
         """The parameters' and the cache's shapes, dtypes and shardings (programs compile from
@@ -239,7 +255,7 @@ class ModelRunner(BlockTransfers):
             inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
                                   forward_inputs(plan))
             lowered = _forward.lower(self.graph, self.backend, kind, self.num_top_logprobs,
-                                     *self._abstract_args, inputs)
+                                     *self._abstract_args, inputs, self._abstract_lora)
             self._logits_shape[num_seqs, num_speculative_tokens] = lowered.out_info[0]
             self._sampler(plan, sampling_step.no_token_mask(num_seqs))
             compiled = lowered.compile()
@@ -249,6 +265,10 @@ class ModelRunner(BlockTransfers):
             return compiled
 
         return self._once(self._programs, key, build)
+
+    def write_lora_slot(self, slot: int, arrays: dict) -> None:
+        """Writes one adapter's arrays (SlotSpec.host_arrays) into a LoRA slot, in place."""
+        self.lora = self._lora_writer(self.lora, np.int32(slot), arrays)
 
     def fill_program(self, num_tokens: int, num_previous: int) -> jax.stages.Compiled:
         """The program filling a plan's placeholder tokens (i32[num_tokens]) from the previous
@@ -324,11 +344,13 @@ class ModelRunner(BlockTransfers):
                 inputs["token_ids"] = jax.device_put(inputs["token_ids"],
                                                      self._token_ids_sharding)
         if self.channel is None:
-            logits, prompt, self.kv_cache = program(self.params, self.kv_cache, inputs)
+            logits, prompt, self.kv_cache = program(self.params, self.kv_cache, inputs,
+                                                    self.lora)
         else:  # multi-host: the followers run it too (multihost.py); a failure is the group's
             self.channel.step(plan)
             try:
-                logits, prompt, self.kv_cache = program(self.params, self.kv_cache, inputs)
+                logits, prompt, self.kv_cache = program(self.params, self.kv_cache, inputs,
+                                                        self.lora)
             except Exception as error:
                 raise self.channel.broken(error) from error
         self.step_shapes.add((plan.kind, plan.padded_num_tokens, plan.padded_num_seqs))

@@ -13,6 +13,7 @@ from pagedjax.engine.config import EngineConfig
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.request_checks import PromptSpec, encode_text
 from pagedjax.frontend.data_parallel import make_engine
+from pagedjax.lora.request import LoRARequest
 from pagedjax.models import CONFIGS, DEFAULT_CHECKPOINT, LlamaForCausalLM, get_config, init_model
 from pagedjax.models.loading.placed_weights import LazyModel
 from pagedjax.scheduler import RequestError, SamplingParams
@@ -86,6 +87,19 @@ def resolve_model(model: str | os.PathLike | LlamaForCausalLM, seed: int = 0,
         return init_model(get_config(path), seed=seed, dtype=compute_dtype), None
     raise ValueError(f"model {path!r} is neither a directory nor a known config "
                      f"({sorted(CONFIGS)})")
+
+
+def per_prompt_loras(lora_request, num_prompts: int) -> list:
+    """lora_request (one LoRARequest, None, or a list of one per prompt) as a list a prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    if not isinstance(lora_request, (list, tuple)):
+        raise RequestError("lora_request", f"lora_request must be a LoRARequest or a list of "
+                           f"them, got {type(lora_request).__name__}")
+    if len(lora_request) != num_prompts:
+        raise RequestError("lora_request", f"lora_request has {len(lora_request)} entries for "
+                           f"{num_prompts} prompts")
+    return list(lora_request)
 
 
 def checkpoint_for_update(engine, path):
@@ -182,10 +196,14 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[Any],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 ) -> list[RequestOutput]:
         """Generates for every prompt, vLLM's forms mixed as they come: a string (needs a
         tokenizer), a list of token ids, {"prompt": str} or {"prompt_token_ids": [...]} (with
-        an optional "prompt", its text); outputs come back in prompt order.
+        an optional "prompt", its text); outputs come back in prompt order. lora_request: the
+        LoRA adapter every prompt runs under, or a list of one per prompt (None: the base
+        model; the engine needs enable_lora=True).
 
         Every request is validated before any is queued, so a bad one rejects the whole call and
         leaves the engine as it was.
@@ -212,9 +230,10 @@ class LLM:
             raise ValueError("generation is paused (pause_generation): resume_generation() "
                              "first")
         specs = []
-        for prompt, params in zip(prompts, sampling_params):
+        for prompt, params, lora in zip(prompts, sampling_params,
+                                        per_prompt_loras(lora_request, len(prompts))):
             ids, text = self._token_ids(prompt)
-            specs.append(PromptSpec(ids, params, prompt_text=text))
+            specs.append(PromptSpec(ids, params, prompt_text=text, lora_request=lora))
         request_ids = engine.add_requests(specs)
         outputs: dict[str, RequestOutput] = {}
         with tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm) as bar:
@@ -228,7 +247,9 @@ class LLM:
     def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              add_generation_prompt: bool = True, use_tqdm: bool = True,
-             chat_template: str | None = None, **template_kwargs) -> list[RequestOutput]:
+             chat_template: str | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             **template_kwargs) -> list[RequestOutput]:
         """Generates replies to one conversation (a list of {"role", "content"} messages) or a
         list of them, rendered with chat_template, or else the tokenizer's own (a model without
         one is refused, as vLLM does: a made-up template would feed it garbage)."""
@@ -244,16 +265,20 @@ class LLM:
         prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(
             conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
             chat_template=chat_template, **template_kwargs)} for conversation in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
-    def beam_search(self, prompts: Sequence[Sequence[int]],
-                    params: BeamSearchParams) -> list[list[BeamSequence]]:
-        """The params.beam_width best continuations of each prompt, best first."""
+    def beam_search(self, prompts: Sequence[Sequence[int]], params: BeamSearchParams,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                    ) -> list[list[BeamSequence]]:
+        """The params.beam_width best continuations of each prompt, best first (lora_request:
+        as generate's)."""
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be a non-empty list of token-id lists")
         if self.engine.has_unfinished():
             raise ValueError("beam_search needs an idle engine")
-        return beam_search(self.engine, [self._token_ids(p)[0] for p in prompts], params)
+        return beam_search(self.engine, [self._token_ids(p)[0] for p in prompts], params,
+                           per_prompt_loras(lora_request, len(prompts)))
 
     # ---- training to serving (issue 52: pagedjax.engine.weight_updates) ---------------------------
 

@@ -79,14 +79,32 @@ def read_config(path: str) -> dict:
         raise _refuse(path, f"lora_alpha must be a number, got {alpha!r}")
     targets = raw.get("target_modules")
     targets = list(TARGETS) if targets == "all-linear" else targets
-    if isinstance(targets, str) or not targets:
-        raise _refuse(path, f"target_modules must list projections among {sorted(TARGETS)} "
-                            f"(or be \"all-linear\"), got {targets!r}")
-    unknown = sorted(set(targets) - set(TARGETS))
-    if unknown:
-        raise _refuse(path, f"target_modules {unknown} are not served (among "
-                            f"{sorted(TARGETS)})")
-    return {**raw, "target_modules": sorted(set(targets))}
+    if not targets or not (isinstance(targets, str) or all(isinstance(t, str)
+                                                            for t in targets)):
+        raise _refuse(path, f"target_modules must name projections among {sorted(TARGETS)} "
+                            f"(a list, a regular expression or \"all-linear\"), got "
+                            f"{targets!r}")
+    return {**raw, "target_modules": targets}
+
+
+def targeted_projections(path: str, targets, num_layers: int) -> list[str]:
+    """The projections (q_proj, ..., down_proj) target_modules adapts in some layer, matched
+    as PEFT matches them against a decoder's module names: a list entry is a name or a
+    dotted suffix of one, a string a regular expression of the whole name (ValueError for a
+    list entry that names no projection served)."""
+    names = {f"model.layers.{layer}.{group}.{name}": name
+             for layer in range(num_layers) for name, group in TARGETS.items()}
+    if isinstance(targets, str):
+        return sorted({name for full, name in names.items() if re.fullmatch(targets, full)})
+    found = set()
+    for entry in targets:
+        hits = {name for full, name in names.items()
+                if full == entry or full.endswith("." + entry)}
+        if not hits:
+            raise _refuse(path, f"target_modules entry {entry!r} is not served (the "
+                                f"projections among {sorted(TARGETS)})")
+        found |= hits
+    return sorted(found)
 
 
 def read_peft_adapter(path: str, config, max_rank: int | None = None) -> LoRAAdapter:
@@ -103,10 +121,17 @@ def read_peft_adapter(path: str, config, max_rank: int | None = None) -> LoRAAda
         tensors = load_file(file)
     except (OSError, ValueError) as error:
         raise _refuse(path, f"adapter_model.safetensors could not be read ({error})") from None
-    dims = _module_dims(config)
+    targets = targeted_projections(path, raw["target_modules"], config.num_layers)
+    mlp = sorted(name for name in targets if TARGETS[name] == "mlp")
+    moe = [i for i in range(config.num_layers) if config.layer_is_moe(i)]
+    if mlp and moe:
+        raise _refuse(path, f"target_modules {mlp} adapt a mixture-of-experts MLP (layer "
+                            f"{moe[0]}'s experts): LoRA on experts is not served, on "
+                            f"attention (q/k/v/o_proj) it is")
+    dims = module_dims(config)
     pairs = {name: (np.zeros((config.num_layers, dims[name][0], rank), np.float32),
                     np.zeros((config.num_layers, rank, dims[name][1]), np.float32))
-             for name in raw["target_modules"]}
+             for name in targets}
     for name, tensor in tensors.items():
         layer, module, which = _place(path, name, config, pairs)
         inputs, outputs = dims[module]
@@ -132,7 +157,7 @@ def _place(path: str, name: str, config, pairs: dict) -> tuple[int, str, str]:
     return layer, match.group(3), match.group(4)
 
 
-def _module_dims(config) -> dict[str, tuple[int, int]]:
+def module_dims(config) -> dict[str, tuple[int, int]]:
     """(in, out) of each projection a LoRA may target."""
     hidden, heads = config.hidden_size, config.num_heads * config.head_dim
     kv, inner = config.num_kv_heads * config.head_dim, config.intermediate_size

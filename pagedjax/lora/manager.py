@@ -1,0 +1,103 @@
+"""An engine's LoRA adapters (issue 53): the ones it knows (by id and name), a host cache of
+max_cpu_loras read adapters in least-recently-used order, and the loads into device slots the
+scheduler asks for (scheduler.lora_slots; the slots themselves: pagedjax.lora.slot_weights).
+
+An adapter is read and checked when a request first names it (check, before the request is
+queued: a bad adapter refuses its request and changes nothing else); an adapter evicted from the
+host cache is read again from its path when a slot needs it. Each adapter has a version, bumped
+when its weights change (update), so the prefix cache's blocks computed under the old weights
+are never served again (its key names the version).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+from pagedjax.lora.peft_adapter import LoRAAdapter, read_peft_adapter
+from pagedjax.lora.request import LoRARequest
+from pagedjax.lora.slot_weights import SlotSpec
+
+
+class LoRAManager:
+    def __init__(self, spec: SlotSpec, model_config, max_cpu_loras: int):
+        self.spec = spec
+        self.model_config = model_config
+        self.max_cpu_loras = max_cpu_loras
+        self.adapters: dict[int, LoRARequest] = {}  # id -> the request that named it first
+        self.ids: dict[str, int] = {}  # name -> id
+        self.versions: dict[int, int] = {}
+        self.host: collections.OrderedDict[int, dict] = collections.OrderedDict()  # LRU first
+        self.pinned: set[int] = set()  # held only here (updated in memory): never evicted
+        self.num_reads = 0  # adapters read from disk (again, once the host cache let one go)
+        self.num_slot_loads = 0
+        self.load_time_s = 0.0
+
+    def check(self, lora: LoRARequest) -> tuple[int, str]:
+        """(id, prefix-cache key) of a request's adapter, read and checked the first time
+        (ValueError naming the adapter and what does not fit)."""
+        if not isinstance(lora, LoRARequest):
+            raise ValueError(f"lora_request must be a pagedjax.LoRARequest, got "
+                             f"{type(lora).__name__}")
+        known = self.adapters.get(lora.lora_int_id)
+        if known is not None and (known.lora_name, known.lora_path) != (lora.lora_name,
+                                                                        lora.lora_path):
+            raise ValueError(f"lora_int_id {lora.lora_int_id} is adapter {known.lora_name!r} "
+                             f"({known.lora_path}); a request named it as {lora.lora_name!r} "
+                             f"({lora.lora_path})")
+        other = self.ids.get(lora.lora_name)
+        if other is not None and other != lora.lora_int_id:
+            raise ValueError(f"LoRA adapter {lora.lora_name!r} has lora_int_id {other}, "
+                             f"not {lora.lora_int_id}")
+        if lora.lora_int_id not in self.host:
+            self._cache(lora.lora_int_id, self._read(lora))
+        else:
+            self.host.move_to_end(lora.lora_int_id)
+        if known is None:
+            self.adapters[lora.lora_int_id] = lora
+            self.ids[lora.lora_name] = lora.lora_int_id
+            self.versions.setdefault(lora.lora_int_id, 0)
+        return lora.lora_int_id, self.key(lora.lora_int_id)
+
+    def key(self, lora_id: int) -> str:
+        """The adapter's part of its requests' block hashes: name and weights' version."""
+        return f"{self.adapters[lora_id].lora_name}\x00{self.versions[lora_id]}"
+
+    def _read(self, lora: LoRARequest) -> dict:
+        adapter = read_peft_adapter(lora.lora_path, self.model_config, self.spec.max_rank)
+        self.num_reads += 1
+        return self.host_arrays(adapter)
+
+    def host_arrays(self, adapter: LoRAAdapter) -> dict:
+        missing = sorted(set(adapter.pairs) - set(self.spec.modules))
+        if missing:
+            raise ValueError(f"LoRA adapter {adapter.path}: target_modules {missing} are not "
+                             f"served for this model (it adapts {list(self.spec.modules)})")
+        return self.spec.host_arrays(adapter)
+
+    def _cache(self, lora_id: int, arrays: dict) -> None:
+        self.host[lora_id] = arrays
+        self.host.move_to_end(lora_id)
+        while len(self.host) > self.max_cpu_loras:
+            victim = next((i for i in self.host if i not in self.pinned), None)
+            if victim is None:
+                break
+            del self.host[victim]
+
+    def arrays(self, lora_id: int) -> dict:
+        """The adapter's host arrays, read again from its path when the cache let them go."""
+        arrays = self.host.get(lora_id)
+        if arrays is None:
+            arrays = self._read(self.adapters[lora_id])
+            self._cache(lora_id, arrays)
+        else:
+            self.host.move_to_end(lora_id)
+        return arrays
+
+    def load(self, runner, loads) -> None:
+        """Writes the scheduler's (slot, adapter id) loads into the runner's slots."""
+        for slot, lora_id in loads:
+            start = time.perf_counter()
+            runner.write_lora_slot(slot, self.arrays(lora_id))
+            self.load_time_s += time.perf_counter() - start
+            self.num_slot_loads += 1
