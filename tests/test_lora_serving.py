@@ -201,7 +201,9 @@ def test_bad_adapters_are_refused_by_name_and_change_nothing(four_adapters, tmp_
     for field, value, refusal in [("max_lora_rank", 12, "max_lora_rank must be one of"),
                                   ("max_loras", 0, "max_loras must be an integer >= 1"),
                                   ("max_cpu_loras", 1, "max_cpu_loras \\(1\\) must be >= "
-                                                       "max_loras \\(2\\)")]:
+                                                       "max_loras \\(2\\)"),
+                                  ("data_parallel_size", 2, "not supported with "
+                                                            "data_parallel_size 2")]:
         with pytest.raises(ValueError, match=refusal):
             EngineConfig(enable_lora=True, **{"max_loras": 2, field: value})
     with pytest.raises(ValueError, match="lora_name must be a non-empty string"):
@@ -237,3 +239,40 @@ def test_loading_and_swapping_adapters_under_load_compiles_nothing(four_adapters
         compiles.on = False
     assert engine.scheduler.state.lora_slots.num_evictions >= 3
     assert compiles.count == 0
+
+
+def test_update_lora_serves_new_adapter_weights_in_place(four_adapters):
+    """update_lora: adapter 1 given adapter 4's tensors (PEFT names, lora_B halved against
+    adapter 1's scaling 2 = adapter 4's 1) answers as adapter 4; given its own directory back,
+    as before. Each update bumps its version: the prompt it ran finds no cached block. A bad
+    tensor is refused by name and changes nothing."""
+    from safetensors.numpy import load_file
+    directory, loras = four_adapters
+    engine = engine_for(directory / "base")
+    prompt = np.random.default_rng(6).integers(3, 128, 40).tolist()
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+
+    def answer(lora):
+        out = run(engine, [(prompt, params, lora)])[0]
+        return out.outputs[0].token_ids, out.num_cached_tokens
+
+    before, _ = answer(loras[1])
+    as_four, _ = answer(loras[4])
+    assert before != as_four
+    tensors = load_file(str(directory / "adapter4" / "adapter_model.safetensors"))
+    halved = {name: t * 0.5 if "lora_B" in name else t for name, t in tensors.items()}
+    engine.update_lora("adapter1", halved)
+    assert answer(loras[1]) == (as_four, 0)
+    assert answer(loras[1]) == (as_four, 32)  # cached under the new version
+    engine.update_lora("adapter1", str(directory / "adapter1"))
+    assert answer(loras[1]) == (before, 0)
+    wrong = dict(halved)
+    name = next(n for n in wrong if "q_proj.lora_A" in n)
+    wrong[name] = wrong[name][:, :5]
+    with pytest.raises(ValueError, match="q_proj.lora_A.weight is \\[8, 5\\], the model takes"):
+        engine.update_lora("adapter1", wrong)
+    with pytest.raises(ValueError, match="no LoRA adapter named 'adapter9'"):
+        engine.update_lora("adapter9", halved)
+    assert answer(loras[1]) == (before, 32)
+    assert engine.list_loras() == {1, 4} and engine.remove_lora(1) and not engine.remove_lora(1)
+    assert engine.list_loras() == {4}

@@ -28,6 +28,7 @@ from pagedjax.engine.token_masks import TokenMasks, step_rows
 from pagedjax.engine.warmup import BackgroundWarmup, warm
 from pagedjax.engine.weight_updates import WeightUpdates
 from pagedjax.kv_offload.tiers import cached_prefix_blocks, make_kv_tiers
+from pagedjax.lora.engine_loras import LoRAControls
 from pagedjax.lora.manager import LoRAManager
 from pagedjax.models import LlamaForCausalLM
 from pagedjax.models.loading.quantized_loading import for_serving as quantized_for_serving
@@ -47,7 +48,7 @@ class _Started:
     error: Exception | None = None
 
 
-class LLMEngine(RequestIntake, StepRecovery, WeightUpdates, SleepMode):
+class LLMEngine(RequestIntake, StepRecovery, WeightUpdates, SleepMode, LoRAControls):
     """Requests in, one step at a time (ARCHITECTURE.md: one engine step)."""
 
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig | None = None, *,
@@ -335,6 +336,8 @@ class LLMEngine(RequestIntake, StepRecovery, WeightUpdates, SleepMode):
                                           for s in output.scheduled))
         if self.kv_tiers is not None:
             self.stats.kv_tiers = self.kv_tiers.counters(state.kv_manager)
+        if self.lora_manager is not None:
+            self.stats.loras = self.lora_manager.stats(state)
         used_blocks = state.kv_manager.num_used_blocks
         self.usage_history.append(UsageSample(self.stats.num_steps, self.clock(), used_blocks,
                                               len(state.running), len(state.waiting)))

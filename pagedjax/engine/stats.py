@@ -28,6 +28,9 @@ class EngineStats:
     # The tiers under the device cache (pagedjax.kv_offload.tiers.KVTiers.counters): tier name
     # -> its running totals; empty without tiers.
     kv_tiers: dict = dataclasses.field(default_factory=dict)
+    # LoRA adapters (LoRAManager.stats): running / waiting adapter names, max_loras, slot
+    # loads, evictions and load time; empty without them.
+    loras: dict = dataclasses.field(default_factory=dict)
     num_evictions: int = 0  # cached blocks reused for other content
     num_swap_outs: int = 0  # preemptions that moved KV to the host pool
     num_recomputed_tokens: int = 0  # computed tokens thrown away by recompute preemption

@@ -51,6 +51,8 @@ def make_engine(model, config: EngineConfig | None = None, **kwargs):
 class DataParallelEngine:
     """LLMEngine's interface over config.data_parallel_size replicas (see the module doc)."""
 
+    lora_manager = None  # LoRA is served on one replica (EngineConfig refuses it here)
+
     def __init__(self, model, config: EngineConfig, *, tokenizer=None,
                  clock: Callable[[], float] = time.perf_counter, devices: Sequence | None = None,
                  draft_model=None):

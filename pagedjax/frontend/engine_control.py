@@ -5,6 +5,8 @@ carries the name and plain arguments, never code)."""
 
 from __future__ import annotations
 
+from pagedjax.lora.request import LoRARequest
+
 
 def _update_weights(engine, path: str, version: str | None, mode: str) -> str:
     """New weights from a checkpoint path, read as LLM reads a model (pagedjax.frontend.llm)."""
@@ -30,6 +32,11 @@ CONTROLS = {
     "weight_info": _weight_info,
     "sleep": lambda engine, level: engine.sleep(level),
     "wake_up": lambda engine, tags: engine.wake_up(tags),
+    # LoRA adapters (pagedjax/serving/lora_routes.py): plain arguments, the request built here
+    "add_lora": lambda engine, lora_name, lora_id, path: engine.add_lora(
+        LoRARequest(lora_name, lora_id, path)),
+    "remove_lora": lambda engine, lora_id: engine.remove_lora(lora_id),
+    "update_lora": lambda engine, lora_name, path: engine.update_lora(lora_name, path),
 }
 
 

@@ -292,6 +292,21 @@ class LLM:
             weights = checkpoint_for_update(self.engine, weights)
         self.engine.update_weights(weights, version=version, mode=mode)
 
+    # ---- LoRA adapters (issue 53: pagedjax.lora) ---------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.engine.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.engine.list_loras()
+
+    def update_lora(self, name: str, weights, *, mode: str = "wait") -> None:
+        """Adapter-only training-to-serving sync (LLMEngine.update_lora)."""
+        self.engine.update_lora(name, weights, mode=mode)
+
     def pause_generation(self, mode: str = "wait") -> None:
         self.engine.pause_generation(mode)
 

@@ -29,6 +29,7 @@ class LoRAManager:
         self.versions: dict[int, int] = {}
         self.host: collections.OrderedDict[int, dict] = collections.OrderedDict()  # LRU first
         self.pinned: set[int] = set()  # held only here (updated in memory): never evicted
+        self.shapes: dict[int, tuple] = {}  # id -> (rank, scaling, targets) as last read
         self.num_reads = 0  # adapters read from disk (again, once the host cache let one go)
         self.num_slot_loads = 0
         self.load_time_s = 0.0
@@ -53,10 +54,9 @@ class LoRAManager:
             self._cache(lora.lora_int_id, self._read(lora))
         else:
             self.host.move_to_end(lora.lora_int_id)
-        if known is None:
-            self.adapters[lora.lora_int_id] = lora
-            self.ids[lora.lora_name] = lora.lora_int_id
-            self.versions.setdefault(lora.lora_int_id, 0)
+        self.adapters.setdefault(lora.lora_int_id, lora)
+        self.ids[lora.lora_name] = lora.lora_int_id
+        self.versions.setdefault(lora.lora_int_id, 0)
         return lora.lora_int_id, self.key(lora.lora_int_id)
 
     def key(self, lora_id: int) -> str:
@@ -66,6 +66,7 @@ class LoRAManager:
     def _read(self, lora: LoRARequest) -> dict:
         adapter = read_peft_adapter(lora.lora_path, self.model_config, self.spec.max_rank)
         self.num_reads += 1
+        self.shapes[lora.lora_int_id] = (adapter.rank, adapter.scaling, adapter.target_modules)
         return self.host_arrays(adapter)
 
     def host_arrays(self, adapter: LoRAAdapter) -> dict:
@@ -93,6 +94,37 @@ class LoRAManager:
         else:
             self.host.move_to_end(lora_id)
         return arrays
+
+    def replace(self, lora_id: int, adapter: LoRAAdapter, pinned: bool) -> dict:
+        """New weights for a known adapter (checked, then its host arrays replaced and its
+        version bumped: its requests' block hashes change). pinned: held only here (not
+        read from its path again), never let go by the host cache."""
+        arrays = self.host_arrays(adapter)
+        self.versions[lora_id] += 1
+        (self.pinned.add if pinned else self.pinned.discard)(lora_id)
+        self._cache(lora_id, arrays)
+        self.shapes[lora_id] = (adapter.rank, adapter.scaling, adapter.target_modules)
+        return arrays
+
+    def forget(self, lora_id: int, in_use: bool) -> None:
+        """No new request may name the adapter; its host arrays go unless requests use it."""
+        self.ids.pop(self.adapters[lora_id].lora_name, None)
+        self.pinned.discard(lora_id)
+        if not in_use:
+            self.host.pop(lora_id, None)
+
+    def stats(self, state) -> dict:
+        """The adapters a scheduler state runs and holds waiting (names, as vLLM's
+        lora_requests_info), its slots and the loads so far."""
+        def names(requests):
+            return sorted({self.adapters[r.lora_id].lora_name for r in requests
+                           if r.lora_id is not None})
+
+        slots = state.lora_slots
+        return {"running": names(state.running), "waiting": names(state.waiting),
+                "max_lora": slots.max_loras, "resident": len(slots.slot_of),
+                "slot_loads": self.num_slot_loads, "evictions": slots.num_evictions,
+                "load_seconds": self.load_time_s, "reads": self.num_reads}
 
     def load(self, runner, loads) -> None:
         """Writes the scheduler's (slot, adapter id) loads into the runner's slots."""

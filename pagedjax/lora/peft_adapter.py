@@ -128,6 +128,16 @@ def read_peft_adapter(path: str, config, max_rank: int | None = None) -> LoRAAda
         raise _refuse(path, f"target_modules {mlp} adapt a mixture-of-experts MLP (layer "
                             f"{moe[0]}'s experts): LoRA on experts is not served, on "
                             f"attention (q/k/v/o_proj) it is")
+    scaling = raw["lora_alpha"] / (math.sqrt(rank) if raw.get("use_rslora") else rank)
+    return adapter_from_tensors(path, tensors, config, rank, float(scaling), targets)
+
+
+def adapter_from_tensors(path: str, tensors: dict, config, rank: int, scaling: float,
+                         targets) -> LoRAAdapter:
+    """An adapter from PEFT-named tensors (adapter_model.safetensors' names: `base_model.model.
+    model.layers.{l}.self_attn.q_proj.lora_A.weight` [r, in], `lora_B` [out, r]) of the
+    targeted projections, each checked (ValueError naming the first that does not fit); path
+    names the adapter in the errors. A projection a tensor leaves out holds zeros there."""
     dims = module_dims(config)
     pairs = {name: (np.zeros((config.num_layers, dims[name][0], rank), np.float32),
                     np.zeros((config.num_layers, rank, dims[name][1]), np.float32))
@@ -136,12 +146,11 @@ def read_peft_adapter(path: str, config, max_rank: int | None = None) -> LoRAAda
         layer, module, which = _place(path, name, config, pairs)
         inputs, outputs = dims[module]
         expected = (rank, inputs) if which == "A" else (outputs, rank)
-        if tensor.shape != expected:
-            raise _refuse(path, f"{name} is {list(tensor.shape)}, the model takes "
-                                f"{list(expected)}")
-        pairs[module][0 if which == "A" else 1][layer] = tensor.astype(np.float32).T
-    scaling = raw["lora_alpha"] / (math.sqrt(rank) if raw.get("use_rslora") else rank)
-    return LoRAAdapter(path, rank, float(scaling), pairs)
+        if getattr(tensor, "shape", None) != expected:
+            raise _refuse(path, f"{name} is {list(getattr(tensor, 'shape', ()))}, the model "
+                                f"takes {list(expected)}")
+        pairs[module][0 if which == "A" else 1][layer] = np.asarray(tensor, np.float32).T
+    return LoRAAdapter(path, rank, scaling, pairs)
 
 
 def _place(path: str, name: str, config, pairs: dict) -> tuple[int, str, str]:

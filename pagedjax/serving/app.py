@@ -27,6 +27,7 @@ from pagedjax.serving import chat, completions, openapi, tokenization
 from pagedjax.serving.admin import PATHS as ADMIN_PATHS, admin_routes
 from pagedjax.serving.http_common import (APIError, GuardMiddleware, error_body, get_route,
                                           install_error_handlers)
+from pagedjax.serving.lora_routes import lora_routes
 from pagedjax.serving.responses import responses_routes
 from pagedjax.serving.server_state import DEFAULT_MAX_TOKENS, ServerState  # noqa: F401
 from pagedjax.serving.weight_routes import PATHS as WEIGHT_PATHS, weight_routes
@@ -68,12 +69,12 @@ class OpenAIServer(ServerState):
 
         @get_route(app, "/v1/models")
         async def models():
-            return {"object": "list", "data": [self.model_card()]}
+            return {"object": "list", "data": self.model_cards()}
 
         @get_route(app, "/v1/models/{model:path}")
         async def model(model: str):
             self.check_model_name(model, param=None)
-            return self.model_card()
+            return next(card for card in self.model_cards() if card["id"] == model)
 
         @get_route(app, "/version")
         async def version():
@@ -123,6 +124,8 @@ class OpenAIServer(ServerState):
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
         responses_routes(self, app)
+        if self.loras is not None and self.loras.runtime_updates:
+            lora_routes(self, app)
         app.post("/tokenize")(self.tokenize)
         app.post("/detokenize")(self.detokenize)
         openapi.install(app)

@@ -149,12 +149,13 @@ async def start(server: ServerState, body: ChatCompletionRequest, request: fasta
                 request_id: str, params_of: dict[str, str]) -> ChatRun:
     """Renders, checks and queues a chat request (APIError naming the field otherwise); the
     rendering, tokenizing and parameters off the event loop."""
-    server.check_model(body)
+    lora = server.check_model(body)
     tools, ids, params, capped = await asyncio.to_thread(_prepare, server, body, params_of)
     reader = ReplyReader(None if tools is None or tools.choice == "none" else tools,
                          server.tool_parser, server.reasoning_parser, body.include_reasoning)
     turns = sum(m.role == "assistant" for m in body.messages)  # earlier turns in the prompt
-    group = await server.add([PromptSpec(ids, params, request_id, None, body.cache_salt)],
+    group = await server.add([PromptSpec(ids, params, request_id, None, body.cache_salt,
+                                         lora_request=lora)],
                              params_of, body, request, turns)
     return ChatRun(request_id, group, reader, len(ids), capped)
 
@@ -169,7 +170,7 @@ async def chat_completions(server: ServerState, request: fastapi.Request):
     run = await start(server, body, request, f"chatcmpl-{secrets.token_hex(12)}", params_of)
     request_id, group, reader, capped = run.request_id, run.group, run.reader, run.capped
     base = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
-            "model": server.model_name}
+            "model": server.reply_model(body.model)}
     if body.service_tier is not None:
         base["service_tier"] = "default"
 

@@ -93,7 +93,7 @@ class _Choices:
 
 async def completions(server: ServerState, request: fastapi.Request):
     body = parse_body(await request.body(), CompletionRequest)
-    server.check_model(body)
+    lora = server.check_model(body)
     try:
         prompts = split_prompts(body.prompt)
     except ValueError as e:
@@ -107,15 +107,15 @@ async def completions(server: ServerState, request: fastapi.Request):
         prompt_logprobs)
     encoded = [await server.encode(p, "prompt") for p in prompts]
     request_id = f"cmpl-{secrets.token_hex(12)}"
-    specs = [PromptSpec(ids, params, f"{request_id}-{i}", text, body.cache_salt)
-             for i, (ids, text) in enumerate(encoded)]
+    specs = [PromptSpec(ids, params, f"{request_id}-{i}", text, body.cache_salt,
+                        lora_request=lora) for i, (ids, text) in enumerate(encoded)]
     group = await server.add(specs, PARAMS_OF, body, request)
     tokenizer = server.tokenizer
     echo = [(text if text is not None else tokenizer.decode(list(ids)))
             if body.echo and tokenizer is not None else "" for ids, text in encoded]
     choices = _Choices(server, body, specs, echo)
     base = {"id": request_id, "object": "text_completion", "created": int(time.time()),
-            "model": server.model_name}
+            "model": server.reply_model(body.model)}
     if not body.stream:
         final = await server.collect(group, request)
         if final is None:

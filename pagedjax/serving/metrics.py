@@ -18,6 +18,7 @@ import prometheus_client as prom
 
 from pagedjax.engine.stats import EngineStats
 from pagedjax.frontend.engine_driver import StepInfo
+from pagedjax.serving.lora_metrics import LoRAMetrics
 from pagedjax.serving.tier_metrics import TierMetrics
 
 # The `_created` timestamp series double every counter and histogram; vLLM turns them off too
@@ -90,6 +91,7 @@ class ServerMetrics:
         self._define_counters(factory)
         self._define_histograms(factory)
         self.tiers = TierMetrics(self.registry, self.labels)
+        self.loras = LoRAMetrics(self.registry, self.labels)
         self._seen_first_token: set[str] = set()
         # request id -> sample index -> (its tokens observed, the engine time of the last)
         self._token_times: dict[str, dict[int, tuple[int, float]]] = {}
@@ -262,6 +264,7 @@ class ServerMetrics:
         self._last = totals
         self._spec_gauges(info.stats)
         self.tiers.update(info.stats.kv_tiers)
+        self.loras.update(info.stats.loras)
         if info.weight_version != self._weight_version:
             self._weight_version = info.weight_version
             self.weight_version.info({"version": info.weight_version})

@@ -53,7 +53,7 @@ class _Run:
         body = self.body
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
-            "model": self.server.model_name, "output": items, "usage": usage, "error": error,
+            "model": self.server.reply_model(body.model), "output": items, "usage": usage, "error": error,
             "incomplete_details": incomplete, "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens,
             "temperature": 1.0 if body.temperature is None else body.temperature,

@@ -23,6 +23,7 @@ from pagedjax.scheduler import RequestError, SamplingParams
 from pagedjax.serving import reasoning
 from pagedjax.serving.degradation import DegradationController, DegradationPolicy, settings_for
 from pagedjax.serving.http_common import DEFAULT_MAX_REQUEST_BYTES, APIError
+from pagedjax.serving.lora_routes import ServedLoRAs, runtime_updates_from_env
 from pagedjax.serving.metrics import ServerMetrics
 from pagedjax.serving.protocol import _SamplingFields, usage_json
 from pagedjax.serving.request_params import rejected, sampling_params, trace_note
@@ -75,7 +76,8 @@ class ServerState:
                  responses_store_size: int = DEFAULT_MAX_ENTRIES,
                  responses_store_ttl_s: float = DEFAULT_TTL_S,
                  responses_store_max_bytes: int = DEFAULT_MAX_BYTES,
-                 enable_prompt_tokens_details: bool = False):
+                 enable_prompt_tokens_details: bool = False, lora_modules=(),
+                 allow_runtime_lora_updating: bool | None = None):
         core = engine if isinstance(engine, CoreClient) else None
         engine = core.engine if core is not None else engine
         config = serving_config(engine, config, max_outstanding_tokens, admission, max_tokens_cap,
@@ -90,6 +92,8 @@ class ServerState:
             check_chat_template(chat_template)
         self.chat_template = chat_template or getattr(self.tokenizer, "chat_template", None)
         self.model_name = served_model_name
+        self.loras = served_loras(engine, served_model_name, lora_modules,
+                                  allow_runtime_lora_updating)
         self.tool_parser = get_parser(tool_call_parser) if tool_call_parser else None
         self.reasoning_parser = reasoning.get_parser(reasoning_parser) if reasoning_parser \
             else None
@@ -136,16 +140,26 @@ class ServerState:
 
     # ---- helpers ---------------------------------------------------------------------------
 
-    def check_model_name(self, model: str | None, param: str | None = "model") -> None:
-        """404 unless `model` is None or the served model's name."""
+    def check_model_name(self, model: str | None, param: str | None = "model"):
+        """The LoRA adapter `model` names (pagedjax.serving.lora_routes), None for the served
+        model (or no name); 404 for any other name."""
+        if self.loras is not None:
+            return self.loras.resolve(model, param)
         if model is not None and model != self.model_name:
             raise APIError(404, f"model {model!r} does not exist; this server serves "
                            f"{self.model_name!r}", param, code="model_not_found")
+        return None
 
-    def check_model(self, body: _SamplingFields) -> None:
-        self.check_model_name(body.model)
+    def check_model(self, body: _SamplingFields):
+        """The request's LoRA adapter (or None), once its fields are checked."""
+        lora = self.check_model_name(body.model)
         for param, why in body.unsupported():
             raise APIError(400, why, param)
+        return lora
+
+    def reply_model(self, model: str | None) -> str:
+        """The `model` a reply names: the adapter or model the request named (checked)."""
+        return model or self.model_name
 
     def sampling(self, body: _SamplingFields, max_tokens: int, logprobs: int | None,
                  best_of: int | None, params_of: dict[str, str],
@@ -262,6 +276,12 @@ class ServerState:
                 "max_model_len": self.engine.config.max_model_len,
                 "config_version": self.configs.active.version}
 
+    def model_cards(self) -> list[dict]:
+        """The served model's card, then its LoRA adapters' (parent: the model they adapt)."""
+        adapters = [] if self.loras is None else self.loras.cards(
+            self.created, self.engine.config.max_model_len)
+        return [self.model_card(), *adapters]
+
     async def collect(self, group: RequestGroup, request: fastapi.Request
                       ) -> dict[str, RequestOutput] | None:
         """Every request's finished output, or None when the client disconnected first (its
@@ -309,6 +329,18 @@ def serving_config(engine, config, max_outstanding_tokens, admission, max_tokens
         "default", engine=engine_fields(engine.config), admission=admission,
         max_tokens_cap=max_tokens_cap, default_max_tokens=default_max_tokens,
         degradation=degradation or DegradationPolicy())
+
+
+def served_loras(engine, base_name: str, lora_modules, runtime_updates: bool | None):
+    """The adapters a server answers to (None: an engine without LoRA)."""
+    if not engine.config.enable_lora:
+        if lora_modules or runtime_updates:
+            raise ValueError("--lora-modules and runtime LoRA updating need an engine with "
+                             "enable_lora (--enable-lora)")
+        return None
+    if runtime_updates is None:
+        runtime_updates = runtime_updates_from_env()
+    return ServedLoRAs(base_name, lora_modules, runtime_updates)
 
 
 def check_server_args(served_model_name, api_key, admin_key, max_request_bytes,

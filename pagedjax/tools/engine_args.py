@@ -17,7 +17,7 @@ def _default(name: str) -> str:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """EngineConfig's fields as flags (defaults: EngineConfig's own), in one group."""
     group = parser.add_argument_group("engine")
-    for add in (_pool_args, _cache_args, _parallel_args, _program_args):
+    for add in (_pool_args, _cache_args, _parallel_args, _program_args, _lora_args):
         add(group)
 
 
@@ -132,6 +132,19 @@ def _program_args(group) -> None:
                        "nothing (default auto: ~/.cache/pagedjax/jax_cache)")
 
 
+def _lora_args(group) -> None:
+    """Multi-LoRA serving (vLLM's flags)."""
+    group.add_argument("--enable-lora", action="store_true",
+                       help="serve LoRA adapters over the model (requests pick one by name)")
+    group.add_argument("--max-loras", type=int,
+                       help=f"adapters one step may mix: device slots ({_default('max_loras')})")
+    group.add_argument("--max-lora-rank", type=int,
+                       help="the largest adapter rank served (1, 8, 16, 32, 64, 128, 256, 320 "
+                       f"or 512; {_default('max_lora_rank')})")
+    group.add_argument("--max-cpu-loras", type=int,
+                       help="adapters kept read on the host (default: --max-loras)")
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The EngineConfig fields the flags of add_engine_args set."""
     kwargs = {name: getattr(args, name) for name in (
@@ -139,7 +152,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "policy", "dtype", "kv_cache_dtype", "attention_backend", "preemption_mode",
         "max_logprobs", "logprobs_mode", "seed", "compilation_cache", "prefill_seqs",
         "step_programs", "tensor_parallel_size", "data_parallel_size", "gpu_memory_utilization",
-        "speculative_config", "quantization")
+        "speculative_config", "quantization", "max_loras", "max_lora_rank", "max_cpu_loras")
         if getattr(args, name) is not None}
     if args.kv_cache_memory_gib is not None:
         kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_memory_gib * 2**30)
@@ -164,4 +177,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kwargs["quantize_lm_head"] = True
     if args.async_scheduling:
         kwargs["async_scheduling"] = True
+    if args.enable_lora:
+        kwargs["enable_lora"] = True
     return kwargs

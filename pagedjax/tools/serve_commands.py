@@ -49,6 +49,13 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                         help="split a thinking model's <think>...</think> into "
                         "reasoning_content: deepseek_r1 (the reply starts thinking) or qwen3 "
                         "(it thinks when it opens <think>)")
+    parser.add_argument("--lora-modules", nargs="+", action="extend", default=[],
+                        metavar="NAME=PATH", help="LoRA adapters (PEFT directories) requests "
+                        "pick by the model field: name=path, or JSON {\"name\", \"path\", "
+                        "\"base_model_name\"} (needs --enable-lora)")
+    parser.add_argument("--allow-runtime-lora-updating", action="store_true", default=None,
+                        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (also: "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)")
     parser.add_argument("--tool-call-parser", default=None,
                         help="how the model writes tool calls: hermes (<tool_call> JSON "
                         "</tool_call>: ChatML, Qwen) or llama3_json (Llama 3.1/3.2 JSON)")
@@ -177,7 +184,9 @@ def serve(args, parser: argparse.ArgumentParser) -> None:
                         responses_store_size=args.responses_store_size,
                         responses_store_ttl_s=args.responses_store_ttl,
                         responses_store_max_bytes=args.responses_store_max_bytes,
-                        enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+                        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                        lora_modules=args.lora_modules,
+                        allow_runtime_lora_updating=args.allow_runtime_lora_updating)
     if status:
         parser.exit(status, "pagedjax serve: the engine core died; exiting for a supervisor "
                     "to restart the server\n")

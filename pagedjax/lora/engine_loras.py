@@ -1,0 +1,96 @@
+"""LLMEngine's LoRA controls (a mixin; vLLM's add_lora / remove_lora / list_loras, and
+update_lora for adapter-only training-to-serving sync): adapters known before any request names
+them, dropped, and given new weights in place.
+
+update_lora follows update_weights' rules (pagedjax.engine.weight_updates): the new weights are
+checked whole before anything changes; the requests in flight as `mode` says ("wait": they finish
+first under the old weights, "abort": they end, "keep": they go on under the new ones); the
+adapter's version is bumped, so the prefix cache never serves KV computed under the old weights
+to a new request; a resident adapter's slot is written at once, between two steps (the step
+programs are untouched: nothing compiles).
+"""
+
+from __future__ import annotations
+
+from pagedjax.lora.peft_adapter import LoRAAdapter, adapter_from_tensors, read_peft_adapter
+from pagedjax.lora.request import LoRARequest
+from pagedjax.scheduler.lora_slots import adapters_in_use
+
+
+class LoRAControls:
+    """(LLMEngine has lora_manager, scheduler, runner, model_config and the pause controls.)"""
+
+    def _loras(self):
+        if self.lora_manager is None:
+            raise ValueError("this engine serves no LoRA adapters; build it with "
+                             "enable_lora=True")
+        return self.lora_manager
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Reads and checks an adapter ahead of its requests (ValueError naming what does not
+        fit); True once it is known."""
+        self._loras().check(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Drops an adapter: no new request may name it; requests running under it finish.
+        False for an id the engine does not know."""
+        manager = self._loras()
+        if lora_id not in manager.adapters or manager.adapters[lora_id].lora_name \
+                not in manager.ids:
+            return False
+        in_use = any(r.lora_id == lora_id for r in self.scheduler.state.requests.values())
+        manager.forget(lora_id, in_use)
+        if lora_id not in adapters_in_use(self.scheduler.state.running):
+            self.scheduler.state.lora_slots.evict(lora_id)
+        return True
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters requests may name."""
+        return set(self._loras().ids.values())
+
+    def update_lora(self, name: str, weights, *, mode: str = "wait") -> None:
+        """New weights for the adapter `name` (known: named by a request or add_lora):
+        a PEFT adapter directory, a LoRAAdapter, or a mapping of PEFT tensor names
+        (`base_model.model.model.layers.{l}.self_attn.q_proj.lora_A.weight` [r, in], lora_B
+        [out, r]: what a trainer's adapter state saves) to arrays, for the adapter's own rank,
+        alpha and targets (a projection a mapping leaves out is zero)."""
+        manager = self._loras()
+        lora_id = manager.ids.get(name) if isinstance(name, str) else None
+        if lora_id is None:
+            raise ValueError(f"update_lora: no LoRA adapter named {name!r} (known: "
+                             f"{sorted(manager.ids)})")
+        adapter, pinned = self._new_adapter(manager, lora_id, weights)
+        arrays = manager.host_arrays(adapter)  # checked before anything changes
+        was_paused = self.is_paused
+        self.pause_generation(mode)
+        try:
+            manager.replace(lora_id, adapter, pinned)
+            slot = self.scheduler.state.lora_slots.slot_of.get(lora_id)
+            if slot is not None:
+                self.runner.write_lora_slot(slot, arrays)
+            for request in self.scheduler.state.requests.values():
+                if request.lora_id == lora_id and request.first_scheduled_time is None:
+                    request.lora_key = manager.key(lora_id)  # not hashed against old KV
+                    request.block_hashes.clear()
+        finally:
+            if not was_paused:
+                self.resume_generation()
+
+    def _new_adapter(self, manager, lora_id: int, weights) -> tuple[LoRAAdapter, bool]:
+        """(the adapter weights give, whether it is held only in memory)."""
+        label = f"update_lora({manager.adapters[lora_id].lora_name!r})"
+        if isinstance(weights, str):
+            return read_peft_adapter(weights, self.model_config, manager.spec.max_rank), False
+        if isinstance(weights, LoRAAdapter):
+            if weights.rank > manager.spec.max_rank:
+                raise ValueError(f"{label}: rank {weights.rank} is over max_lora_rank "
+                                 f"({manager.spec.max_rank})")
+            return weights, True
+        if not hasattr(weights, "items"):
+            raise ValueError(f"{label}: weights must be a PEFT adapter directory, a "
+                             f"LoRAAdapter or a mapping of PEFT tensor names to arrays, got "
+                             f"{type(weights).__name__}")
+        rank, scaling, targets = manager.shapes[lora_id]
+        return adapter_from_tensors(label, dict(weights.items()), self.model_config, rank,
+                                    scaling, targets), True
