@@ -91,3 +91,12 @@ def tile_layout(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int, tile
     local = tokens - cu_q_lens[token_seq]
     token_tile = jnp.minimum(cu_tiles[token_seq] + local // tile_q, num_tiles - 1)
     return tile_seq, tile_start.astype(jnp.int32), token_tile, local % tile_q
+
+
+def sort_by_slot(token_slots: jax.Array, num_slots: int):
+    """(order i32[T]: the tokens by slot, base tokens last; group_sizes i32[S]: each slot's
+    tokens) for the grouped kernels; x[order] is grouped, out[argsort(order)] back."""
+    keys = jnp.where(token_slots < 0, num_slots, token_slots)
+    order = jnp.argsort(keys, stable=True).astype(jnp.int32)
+    group_sizes = jnp.sum(jax.nn.one_hot(keys, num_slots, dtype=jnp.int32), axis=0)
+    return order, group_sizes

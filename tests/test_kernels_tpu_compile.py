@@ -48,6 +48,13 @@ CASES = {
     "copy-blocks-int8": ("copy", 128, "int8", {}),
     "swap-in-int8": ("swap", 128, "int8", {}),  # layout.scatter_blocks, an XLA scatter
 }
+# LoRA's grouped shrink and expand (pallas_kernels/tpu/lora.py): tokens, (I, O), rank, slots,
+# dtype: a decode step of Llama-3-8B's q projection, and a prefill chunk at SmolLM2's irregular
+# 576 features.
+LORA_CASES = {
+    "lora-bf16-decode-4096": (64, (4096, 4096), 16, 16, jnp.bfloat16),
+    "lora-f32-prefill-576": (256, (576, 1536), 32, 4, jnp.float32),
+}
 # Production sizes, where SMEM (1 MB on v5e) is the limit: block tables of 128 sequences x 32k
 # tokens (a scalar-prefetched table was 1 MB alone) and the largest step the KV write takes.
 LARGE = {
@@ -119,6 +126,13 @@ def build(name, devices=None):
         return build_step(name.removeprefix("step-"), devices)
     if name in STEPS:
         return build_step(name.removeprefix("step-"))
+    if name in LORA_CASES:
+        from pagedjax.pallas_kernels.tpu.lora import lora_delta_tpu
+        tokens, (inputs, outputs), rank, slots, dtype = LORA_CASES[name]
+        return lora_delta_tpu, (jax.ShapeDtypeStruct((tokens, inputs), dtype),
+                                jax.ShapeDtypeStruct((slots, inputs, rank), dtype),
+                                jax.ShapeDtypeStruct((slots, rank, outputs), dtype),
+                                jax.ShapeDtypeStruct((tokens,), jnp.int32))
     if name in LARGE:
         kind, sizes = LARGE[name]
         args = kernel_args(kind, "tpu", 128, jnp.bfloat16, **sizes)
@@ -187,7 +201,7 @@ def compile_topology(topology: str, part: str, stem: pathlib.Path) -> dict:
     if part == "large":
         names = [*SHARDED_STEPS, *LARGE]
     else:
-        names = [*CASES] + ([*STEPS] if topology == TOPOLOGIES[0] else [])
+        names = [*CASES, *LORA_CASES] + ([*STEPS] if topology == TOPOLOGIES[0] else [])
     lines, stderr = xla_tpu.run_in_child(
         [{"name": name, "module": "test_kernels_tpu_compile", "function": "build",
           "sharded": name in SHARDED_STEPS} for name in names],
@@ -206,6 +220,14 @@ def test_kernel_compiles_for_tpu(case, topology, compiled):
     result = compiled(topology)[case]
     assert result["ok"], result.get("error")
     assert result["arg_copies"] == {}, result["arg_copies"]
+
+
+@pytest.mark.parametrize("topology", [TOPOLOGIES[0],
+                                      pytest.param(TOPOLOGIES[1], marks=pytest.mark.slow)])
+@pytest.mark.parametrize("case", LORA_CASES)
+def test_lora_kernel_compiles_for_tpu(case, topology, compiled):
+    result = compiled(topology)[case]
+    assert result["ok"], result.get("error")
 
 
 @pytest.mark.parametrize("case", STEPS)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from helpers import make_request
 
-from pagedjax.models.layers.lora import lora_delta
+from pagedjax.pallas_kernels.lora import lora_delta
 from pagedjax.scheduler import Scheduler, SchedulerConfig
 from pagedjax.scheduler.lora_slots import LoRASlots
 

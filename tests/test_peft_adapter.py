@@ -82,3 +82,29 @@ def test_what_changes_an_adapter_is_refused_by_name(tmp_path):
               str(adapter_dir / "adapter_model.safetensors"))
     with pytest.raises(ValueError, match="layers.2.self_attn.q_proj.* the model has 2 layers"):
         read_peft_adapter(str(adapter_dir), config)
+
+
+def test_a_saved_adapter_is_what_peft_reads(tmp_path):
+    """save_peft_adapter writes what PeftModel.from_pretrained loads: peft's merge of it equals
+    ours, and read_peft_adapter reads it back unchanged."""
+    from pagedjax.lora.peft_adapter import random_adapter, save_peft_adapter
+    from test_models_hf import build_hf
+    base = build_hf("llama3.1", tmp_path / "base", seed=0)
+    model = load_hf_model(str(tmp_path / "base"))
+    ours = random_adapter(model.config, 4, ["q_proj", "v_proj", "up_proj"], seed=3)
+    save_peft_adapter(ours, str(tmp_path / "saved"))
+    back = read_peft_adapter(str(tmp_path / "saved"), model.config)
+    assert back.rank == 4 and back.scaling == ours.scaling
+    for name, (a, b) in ours.pairs.items():
+        np.testing.assert_array_equal(back.pairs[name][0], a)
+        np.testing.assert_array_equal(back.pairs[name][1], b)
+    merged = peft.PeftModel.from_pretrained(base, str(tmp_path / "saved")).merge_and_unload()
+    merged_weights(model, back)
+    state = merged.state_dict()
+    for layer, block in enumerate(model.layers):
+        for name, group in (("q_proj", "self_attn"), ("v_proj", "self_attn"),
+                            ("up_proj", "mlp")):
+            kernel = np.asarray(getattr(getattr(block, group), name).kernel.get_value())
+            np.testing.assert_allclose(
+                kernel, state[f"model.layers.{layer}.{group}.{name}.weight"].numpy().T,
+                atol=1e-5)

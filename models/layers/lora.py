@@ -7,14 +7,9 @@ slot (-1: the base model alone). A projection y = x @ W then computes
 
     y[t] = x[t] @ W + (x[t] @ a[s]) @ b[s],   s = token_slots[t]   (nothing added when s < 0)
 
-as shrink (x @ a, [T, R]) then expand (@ b, [T, O]), vLLM's Punica order. Implementations:
-
-- "masked" (the jnp reference): every slot's shrink at once as one [T, I] x [I, S * R]
-  product, each token's own R columns kept (the others masked to 0), then one
-  [T, S * R] x [S * R, O] expand. Exact (a masked column adds 0) and two plain matmuls that
-  every backend runs well while S * R is small next to the projection's O.
-- "gather": each token's pair gathered ([T, I, R] and [T, R, O]), a batched product per token.
-  The same sums another way: the independent check the masked form is held to.
+as shrink (x @ a, [T, R]) then expand (@ b, [T, O]), vLLM's Punica order, by the step's
+implementation (pallas_kernels.lora: the masked jnp reference, or the grouped Pallas kernels of
+TPU and GPU, chosen by the attention backend).
 
 Axis letters: T tokens, I a projection's input, O its output, S slots, R max_lora_rank.
 """
@@ -24,13 +19,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
+
+from pagedjax.pallas_kernels.lora import lora_delta
 
 # The projections an adapter may adapt, by where they live in a decoder layer.
 LORA_MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
                 "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp",
                 "down_proj": "mlp"}
-LORA_IMPLEMENTATIONS = ("masked", "gather")
 
 
 class LayerLoRA(NamedTuple):
@@ -40,7 +35,8 @@ class LayerLoRA(NamedTuple):
 
     token_slots: jax.Array  # i32[T]: each token's slot, -1 for the base model
     pairs: dict
-    implementation: str = "masked"
+    implementation: str = "masked"  # pallas_kernels.lora.LORA_IMPLEMENTATIONS
+    interpret: bool = False  # a Pallas implementation through the interpreter
 
     def apply(self, name: str, x: jax.Array, y: jax.Array) -> jax.Array:
         """y (= the base projection of x, [..., O]) plus each token's adapter's delta."""
@@ -48,34 +44,8 @@ class LayerLoRA(NamedTuple):
         if pair is None:
             return y
         flat = x.reshape(-1, x.shape[-1])
-        delta = lora_delta(flat, *pair, self.token_slots, self.implementation)
+        delta = lora_delta(flat, *pair, self.token_slots, self.implementation, self.interpret)
         return y + delta.reshape(y.shape).astype(y.dtype)
-
-
-def lora_delta(x: jax.Array,  # [T, I]
-               a: jax.Array,  # [S, I, R]
-               b: jax.Array,  # [S, R, O]
-               token_slots: jax.Array,  # i32[T], -1: none
-               implementation: str = "masked") -> jax.Array:  # f32[T, O]
-    """(x[t] @ a[s]) @ b[s] for each token t of slot s >= 0, 0 for the others, accumulated
-    in f32 (the shrink's [T, R] kept in f32 between the two products)."""
-    if implementation not in LORA_IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {LORA_IMPLEMENTATIONS}, "
-                         f"got {implementation!r}")
-    num_slots, _, rank = a.shape
-    if implementation == "gather":
-        slots = jnp.maximum(token_slots, 0)
-        shrunk = jnp.einsum("TI,TIR->TR", x, a[slots].astype(x.dtype),
-                            preferred_element_type=jnp.float32)
-        out = jnp.einsum("TR,TRO->TO", shrunk, b[slots].astype(jnp.float32))
-        return jnp.where((token_slots >= 0)[:, None], out, 0.0)
-    wide_a = jnp.moveaxis(a, 0, 1).reshape(a.shape[1], num_slots * rank)  # [I, S * R]
-    shrunk = jnp.einsum("TI,IX->TX", x, wide_a.astype(x.dtype),
-                        preferred_element_type=jnp.float32)
-    mine = jnp.arange(num_slots * rank, dtype=jnp.int32) // rank == token_slots[:, None]
-    shrunk = jnp.where(mine, shrunk, 0.0)  # a base token (-1) keeps no column
-    wide_b = b.reshape(num_slots * rank, b.shape[2])  # [S * R, O]
-    return jnp.einsum("TX,XO->TO", shrunk, wide_b.astype(jnp.float32))
 
 
 def apply_lora(lora: LayerLoRA | None, name: str, x: jax.Array, y: jax.Array) -> jax.Array:
@@ -89,8 +59,11 @@ class StepLoRA(NamedTuple):
 
     token_slots: jax.Array  # i32[T]: -1 for the base model
     pairs: dict
+    implementation: str = "masked"
+    interpret: bool = False
 
     def layer(self, index) -> LayerLoRA:
         """Layer index's (an int, or traced inside the layers' scan)."""
         return LayerLoRA(self.token_slots,
-                         {name: (a[index], b[index]) for name, (a, b) in self.pairs.items()})
+                         {name: (a[index], b[index]) for name, (a, b) in self.pairs.items()},
+                         self.implementation, self.interpret)

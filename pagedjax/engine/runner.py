@@ -22,6 +22,7 @@ from pagedjax.models.loading.placed_weights import LazyModel
 from pagedjax.models.quantization.schemes import chunked_products
 from pagedjax.pallas_kernels import AttentionBackend, AttentionMetadata, copy_blocks, init_kv_cache
 from pagedjax.pallas_kernels.dispatch import TP_AXIS
+from pagedjax.pallas_kernels.lora import lora_implementation
 from pagedjax.parallel.sharding import (kv_cache_sharding, kv_head_repeats, shard_weights,
                                         weight_sharding)
 from pagedjax.scheduler import ARRAY_FIELDS, DECODE, FORWARD_FIELDS, STATIC_FIELDS, BatchPlan
@@ -69,7 +70,8 @@ def forward_fn(graph: ServingGraph, backend: AttentionBackend, kind: str, num_to
         group_block_tables=inputs["group_block_tables"]).with_logical_group_tables()
     # quantized weights: large products in cache-sized chunks on the CPU reference only
     with chunked_products(backend.name == "reference" and backend.mesh is None):
-        step_lora = None if lora is None else StepLoRA(inputs["lora_slots"], lora)
+        step_lora = None if lora is None else StepLoRA(
+            inputs["lora_slots"], lora, lora_implementation(backend), backend.interpret)
         hidden, kv_cache = paged_forward.forward_paged(graph, params, kv_cache, inputs["token_ids"],
                                                  inputs["positions"], metadata, backend,
                                                  step_lora)
@@ -156,9 +158,8 @@ class ModelRunner(BlockTransfers):
         self.kv_cache = self._new_kv_cache()
         self._abstract_args = self._abstract()
         self.lora_spec = lora_spec  # the LoRA adapters' slots (pagedjax.lora.slot_weights)
-        self.lora, self._abstract_lora, self._lora_writer = device_slots(
-            lora_spec, SingleDeviceSharding(self.device) if mesh is None
-            else NamedSharding(mesh, P()))
+        self.lora, self._abstract_lora, self._lora_writer = device_slots(lora_spec,
+                                                                        self.device, mesh)
         self.step_shapes: set[tuple[str, int, int]] = set()  # the shapes steps have run
         self.channel = None  # multi-host leader: a multihost.LeaderChannel
         self.tier_pool = None  # the prefix cache's host tier (kv_tiers), for the followers

@@ -183,3 +183,40 @@ def merged_weights(model, adapter: LoRAAdapter) -> None:
             kernel = getattr(getattr(block, TARGETS[module]), module).kernel
             delta = adapter.scaling * (a[layer] @ b[layer])
             kernel.set_value(kernel.get_value() + delta.astype(kernel.get_value().dtype))
+
+
+def save_peft_adapter(adapter: LoRAAdapter, directory: str) -> str:
+    """Writes an adapter as a PEFT directory (adapter_config.json and
+    adapter_model.safetensors, as PeftModel.save_pretrained does: lora_A [r, in], lora_B
+    [out, r]; lora_alpha = scaling * r), which read_peft_adapter, peft and vLLM read back;
+    returns the directory."""
+    from safetensors.numpy import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    tensors = {}
+    for name, (a, b) in adapter.pairs.items():
+        for layer in range(a.shape[0]):
+            prefix = f"base_model.model.model.layers.{layer}.{TARGETS[name]}.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(
+                np.asarray(a[layer], np.float32).T)
+            tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(
+                np.asarray(b[layer], np.float32).T)
+    save_file(tensors, os.path.join(directory, "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": adapter.rank, "lora_alpha": adapter.scaling * adapter.rank,
+              "target_modules": sorted(adapter.pairs), "bias": "none", "use_rslora": False}
+    with open(os.path.join(directory, "adapter_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    return directory
+
+
+def random_adapter(config, rank: int, targets, seed: int = 0, std: float = 0.05,
+                   scaling: float = 2.0) -> LoRAAdapter:
+    """A random adapter (both A and B non-zero) of config's shapes: tests and benchmarks."""
+    rng = np.random.default_rng(seed)
+    dims = module_dims(config)
+    pairs = {name: (rng.normal(0, std, (config.num_layers, dims[name][0], rank)),
+                    rng.normal(0, std, (config.num_layers, rank, dims[name][1])))
+             for name in targets}
+    return LoRAAdapter(f"random-{seed}", rank, scaling,
+                       {k: (a.astype(np.float32), b.astype(np.float32))
+                        for k, (a, b) in pairs.items()})

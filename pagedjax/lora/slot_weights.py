@@ -19,10 +19,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from pagedjax.lora.peft_adapter import LoRAAdapter, module_dims
 from pagedjax.models.layers.lora import LORA_MODULES
 from pagedjax.models.paged_forward import repeat_kv_columns
+from pagedjax.parallel.sharding import AXIS, ROW
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -80,13 +82,26 @@ class SlotSpec:
         return out
 
 
-def zero_slots(spec: SlotSpec, sharding) -> dict:
-    """The slots, all zero (no adapter adds anything), placed with sharding."""
+def slot_shardings(spec: SlotSpec, device=None, mesh=None) -> dict:
+    """name -> (a's sharding, b's): on one device, or over the mesh's TP axis as the base
+    projection splits: a column-parallel projection's b on O (a replicated), a row-parallel
+    one's a on I (b replicated), so each device adapts the features it computes."""
+    if mesh is None:
+        one = SingleDeviceSharding(device)
+        return {name: (one, one) for name in spec.modules}
+    whole, split_in = NamedSharding(mesh, P()), NamedSharding(mesh, P(None, None, AXIS, None))
+    split_out = NamedSharding(mesh, P(None, None, None, AXIS))
+    return {name: (split_in, whole) if name in ROW else (whole, split_out)
+            for name in spec.modules}
+
+
+def zero_slots(spec: SlotSpec, shardings: dict) -> dict:
+    """The slots, all zero (no adapter adds anything), placed with shardings (slot_shardings)."""
     def zeros():
         return {name: (jnp.zeros(a, spec.dtype), jnp.zeros(b, spec.dtype))
                 for name, (a, b) in spec.shapes().items()}
 
-    return jax.jit(zeros, out_shardings=sharding)()
+    return jax.jit(zeros, out_shardings=shardings)()
 
 
 def _write(slots: dict, slot: jax.Array, arrays: dict) -> dict:
@@ -102,16 +117,17 @@ def slot_writer(spec: SlotSpec, slots: dict) -> jax.stages.Compiled:
     arrays = {name: (jax.ShapeDtypeStruct(a[:1] + a[2:], spec.dtype),
                      jax.ShapeDtypeStruct(b[:1] + b[2:], spec.dtype))
               for name, (a, b) in spec.shapes().items()}
-    return jax.jit(_write, donate_argnums=(0,)).lower(
+    shardings = jax.tree.map(lambda x: x.sharding, slots)
+    return jax.jit(_write, donate_argnums=(0,), out_shardings=shardings).lower(
         abstract, jax.ShapeDtypeStruct((), jnp.int32), arrays).compile()
 
 
-def device_slots(spec: SlotSpec | None, sharding) -> tuple:
-    """(the zeroed slots, their abstract values, their compiled writer) placed with sharding;
-    (None, None, None) for an engine without adapters."""
+def device_slots(spec: SlotSpec | None, device=None, mesh=None) -> tuple:
+    """(the zeroed slots, their abstract values, their compiled writer) on device or over
+    mesh (slot_shardings); (None, None, None) for an engine without adapters."""
     if spec is None:
         return None, None, None
-    slots = zero_slots(spec, sharding)
+    slots = zero_slots(spec, slot_shardings(spec, device, mesh))
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                            sharding=a.sharding), slots)
     return slots, abstract, slot_writer(spec, slots)

@@ -1,0 +1,58 @@
+"""LoRA under tensor parallelism (issue 53), on 8 CPU devices in a child process: the adapters'
+slots split as their projections (column-parallel b on its output, row-parallel a on its input),
+TP 2 and TP 4 (past the model's two KV heads: k/v's b columns repeated with the heads) answer a
+mixed batch (base and two adapters) as one device does; the slots hold the shardings."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import child_report
+
+pytestmark = pytest.mark.slow  # eight host devices in a child process: make test-slow
+
+BASE = dict(max_model_len=96, max_num_seqs=4, max_num_batched_tokens=32, block_size=4,
+            num_blocks=48, enable_lora=True, max_loras=2, max_lora_rank=8)
+
+
+def child() -> None:
+    import json
+    import tempfile
+
+    import jax
+
+    from pagedjax import LLM, LoRARequest, SamplingParams
+    from pagedjax.lora.peft_adapter import TARGETS, random_adapter, save_peft_adapter
+    from pagedjax.models import get_config, init_model
+
+    config = get_config("debug-tiny")
+    model = init_model(config, seed=0)
+    directory = tempfile.mkdtemp()
+    loras = [None] + [LoRARequest(f"a{i}", i, save_peft_adapter(
+        random_adapter(config, 8 if i == 1 else 1, sorted(TARGETS), seed=i, std=0.2),
+        f"{directory}/a{i}")) for i in (1, 2)]
+    prompts = [list(range(10 + i, 40 + i)) for i in range(6)]
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    which = [loras[i % 3] for i in range(len(prompts))]
+    report = {}
+    for name, tp in (("tp1", 1), ("tp2", 2), ("tp4", 4)):
+        llm = LLM(model, **BASE, tensor_parallel_size=tp)
+        outs = llm.generate(prompts, greedy, use_tqdm=False, lora_request=which)
+        slots = llm.engine.runner.lora
+        report[name] = {"tokens": [o.output_token_ids for o in outs],
+                        "q_b": str(getattr(slots["q_proj"][1].sharding, "spec", None)),
+                        "o_a": str(getattr(slots["o_proj"][0].sharding, "spec", None))}
+    base_only = LLM(model, **{**BASE, "enable_lora": False}).generate(
+        prompts, greedy, use_tqdm=False)
+    report["base"] = [o.output_token_ids for o in base_only]
+    print(json.dumps(report))
+
+
+def test_tensor_parallel_lora_equals_one_device():
+    report = child_report("test_lora_parallel")
+    for tp in ("tp2", "tp4"):
+        assert report[tp]["tokens"] == report["tp1"]["tokens"], tp
+        assert report[tp]["q_b"] == "P(None, None, None, 'tp')"
+        assert report[tp]["o_a"] == "P(None, None, 'tp', None)"
+    tokens = report["tp1"]["tokens"]
+    assert tokens[0::3] == report["base"][0::3]  # base rows: the base model's answers
+    assert tokens[1::3] != report["base"][1::3] and tokens[2::3] != report["base"][2::3]
