@@ -1,6 +1,6 @@
 """What the attention kernels of every backend share: the online softmax step and its finite
-mask value, the precision of their dots, the ragged tiling of query tokens, and the TPU
-interpreter's parameters."""
+mask value, the precision of their dots, the ragged tiling of query tokens, the TPU
+interpreter's parameters; and the grouped LoRA kernels' sort of a step's tokens by slot."""
 
 from __future__ import annotations
 

@@ -37,15 +37,25 @@ class LayerLoRA(NamedTuple):
     pairs: dict
     implementation: str = "masked"  # pallas_kernels.lora.LORA_IMPLEMENTATIONS
     interpret: bool = False  # a Pallas implementation through the interpreter
+    # bool[]: whether any token of the step has an adapter (None: compute regardless); a
+    # step of base-model tokens alone skips every delta
+    active: jax.Array | None = None
 
     def apply(self, name: str, x: jax.Array, y: jax.Array) -> jax.Array:
         """y (= the base projection of x, [..., O]) plus each token's adapter's delta."""
         pair = self.pairs.get(name)
         if pair is None:
             return y
-        flat = x.reshape(-1, x.shape[-1])
-        delta = lora_delta(flat, *pair, self.token_slots, self.implementation, self.interpret)
-        return y + delta.reshape(y.shape).astype(y.dtype)
+
+        def adapted():
+            flat = x.reshape(-1, x.shape[-1])
+            delta = lora_delta(flat, *pair, self.token_slots, self.implementation,
+                               self.interpret)
+            return y + delta.reshape(y.shape).astype(y.dtype)
+
+        if self.active is None:
+            return adapted()
+        return jax.lax.cond(self.active, adapted, lambda: y)
 
 
 def apply_lora(lora: LayerLoRA | None, name: str, x: jax.Array, y: jax.Array) -> jax.Array:
@@ -61,9 +71,10 @@ class StepLoRA(NamedTuple):
     pairs: dict
     implementation: str = "masked"
     interpret: bool = False
+    active: jax.Array | None = None  # LayerLoRA.active
 
     def layer(self, index) -> LayerLoRA:
         """Layer index's (an int, or traced inside the layers' scan)."""
         return LayerLoRA(self.token_slots,
                          {name: (a[index], b[index]) for name, (a, b) in self.pairs.items()},
-                         self.implementation, self.interpret)
+                         self.implementation, self.interpret, self.active)

@@ -71,7 +71,8 @@ def forward_fn(graph: ServingGraph, backend: AttentionBackend, kind: str, num_to
     # quantized weights: large products in cache-sized chunks on the CPU reference only
     with chunked_products(backend.name == "reference" and backend.mesh is None):
         step_lora = None if lora is None else StepLoRA(
-            inputs["lora_slots"], lora, lora_implementation(backend), backend.interpret)
+            inputs["lora_slots"], lora, lora_implementation(backend), backend.interpret,
+            jax.numpy.any(inputs["lora_slots"] >= 0))
         hidden, kv_cache = paged_forward.forward_paged(graph, params, kv_cache, inputs["token_ids"],
                                                  inputs["positions"], metadata, backend,
                                                  step_lora)
