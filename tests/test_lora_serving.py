@@ -276,3 +276,29 @@ def test_update_lora_serves_new_adapter_weights_in_place(four_adapters):
     assert answer(loras[1]) == (before, 32)
     assert engine.list_loras() == {1, 4} and engine.remove_lora(1) and not engine.remove_lora(1)
     assert engine.list_loras() == {4}
+
+
+@pytest.mark.slow  # three engines, ~15 s
+def test_beam_search_under_an_adapter_is_the_merged_models(four_adapters):
+    """beam_search(lora_request=...) equals beam search on the model with the adapter merged
+    into its kernels (merged_weights): the same beams, cumulative logprobs within f32
+    tolerance; other prompts of the call on the base model stay the base's."""
+    from pagedjax import LLM
+    from pagedjax.engine.beam_search import BeamSearchParams
+    from pagedjax.lora.peft_adapter import merged_weights, read_peft_adapter
+    directory, loras = four_adapters
+    engine_args = dict(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64,
+                       block_size=16, max_logprobs=8)
+    prompts = [[5, 9, 33, 70, 12], [7, 7, 81]]
+    params = BeamSearchParams(beam_width=3, max_tokens=4)
+    served = LLM(load_hf_model(str(directory / "base")), enable_lora=True, max_lora_rank=8,
+                 **engine_args).beam_search(prompts, params, lora_request=[loras[1], None])
+    merged = load_hf_model(str(directory / "base"))
+    merged_weights(merged, read_peft_adapter(loras[1].lora_path, merged.config))
+    base = LLM(load_hf_model(str(directory / "base")), **engine_args).beam_search(
+        prompts[1:], params)
+    expected = LLM(merged, **engine_args).beam_search(prompts[:1], params) + base
+    for got, want in zip(served, expected):
+        assert [b.token_ids for b in got] == [b.token_ids for b in want]
+        np.testing.assert_allclose([b.cumulative_logprob for b in got],
+                                   [b.cumulative_logprob for b in want], **F32_TOL)

@@ -108,6 +108,11 @@ def test_routing_keys():
     turn = routing_key("/v1/chat/completions", {"messages": [{"role": "system",
                                                               "content": "S"}]})
     assert chat.startswith(turn)
+    # LoRA adapters (issue 53): one prompt under two models shares no chunk; under one, all
+    prompt = "shared context " * 20
+    one, two = (prompt_chunks(prompt, model=m) for m in ("sql-lora", "chat-lora"))
+    assert len(one) == 4 and not set(one) & set(two)
+    assert prompt_chunks(prompt, model="sql-lora") == one != prompt_chunks(prompt)
 
 
 # ---- the router in front of two servers -------------------------------------------------------

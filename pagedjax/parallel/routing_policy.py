@@ -48,14 +48,17 @@ class Backend:
 
 
 def prompt_chunks(prompt: str | Sequence[int], text_chunk: int = 64,
-                  ids_chunk: int = 16) -> list[int]:
+                  ids_chunk: int = 16, model: str | None = None) -> list[int]:
     """Chained hashes of a prompt's whole chunks (a chunk's hash covers everything before it,
-    so equal hashes mean equal prefixes)."""
+    so equal hashes mean equal prefixes), rooted in the model the request names: a LoRA
+    adapter's requests match each other's prefixes (and the instance holding that KV), never
+    another adapter's, whose KV no instance would share."""
     if isinstance(prompt, str):
         size, items = text_chunk, prompt
     else:
         size, items = ids_chunk, tuple(prompt)
-    return chained_hashes(items, size, lambda parent, piece: hash((parent, piece)), 0)
+    root = 0 if model is None else hash(("model", model))
+    return chained_hashes(items, size, lambda parent, piece: hash((parent, piece)), root)
 
 
 class RoutingPolicy:

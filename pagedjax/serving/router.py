@@ -149,8 +149,11 @@ class Router:
 
     async def forward(self, path: str, request: fastapi.Request):
         raw = await request.body()
-        key = routing_key(path, parse_json_object(raw))
-        chunks = prompt_chunks(key) if key is not None else []
+        body = parse_json_object(raw)
+        key = routing_key(path, body)
+        model = body.get("model") if isinstance(body, dict) else None
+        chunks = prompt_chunks(key, model=model if isinstance(model, str) else None) \
+            if key is not None else []
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() in ("authorization", "content-type")}
         group = self._group(key)
