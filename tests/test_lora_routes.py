@@ -135,3 +135,42 @@ def test_pagedjax_serve_with_lora_flags_through_the_engine_core(four_adapters): 
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_chat_and_responses_pick_the_adapter_by_model(tmp_path):
+    """/v1/chat/completions and /v1/responses with `model` = an adapter answer as LLM.chat
+    under that adapter does (byte-level model, a role template), and name it in `model`."""
+    import dataclasses
+
+    from helpers import ROLE_TEMPLATE
+
+    from pagedjax import LLM, LoRARequest
+    from pagedjax.lora.peft_adapter import TARGETS, random_adapter, save_peft_adapter
+    from pagedjax.models import get_config, init_model
+    config = dataclasses.replace(get_config("debug-tiny"), vocab_size=264, eos_token_id=257)
+    model = init_model(config, seed=3)
+    path = save_peft_adapter(random_adapter(config, 8, sorted(TARGETS), seed=4, std=0.3),
+                             str(tmp_path / "tone"))
+    llm = LLM(model, tokenizer="byte", max_model_len=96, max_num_seqs=4,
+              max_num_batched_tokens=64, block_size=4, enable_lora=True, max_lora_rank=8)
+    messages = [{"role": "user", "content": "say something"}]
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = {lora: llm.chat(messages, greedy, use_tqdm=False, chat_template=ROLE_TEMPLATE,
+                           lora_request=lora)[0].outputs[0].text
+            for lora in (None, LoRARequest("tone", 1, path))}
+    assert len(set(want.values())) == 2
+    server = OpenAIServer(llm.engine, "tiny", chat_template=ROLE_TEMPLATE,
+                          lora_modules=[f"tone={path}"])
+    with BackgroundServer(server.build_app()) as url, httpx.Client(
+            base_url=url, timeout=120) as client:
+        for model_name, lora in (("tiny", None), ("tone", "tone")):
+            chat = client.post("/v1/chat/completions", json={
+                "model": model_name, "messages": messages, "max_tokens": 6,
+                "temperature": 0, "ignore_eos": True}).json()
+            key = None if lora is None else LoRARequest("tone", 1, path)
+            assert chat["model"] == model_name
+            assert chat["choices"][0]["message"]["content"] == want[key]
+        response = client.post("/v1/responses", json={
+            "model": "tone", "input": messages, "max_output_tokens": 6, "temperature": 0})
+        assert response.status_code == 200, response.text
+        assert response.json()["model"] == "tone"
