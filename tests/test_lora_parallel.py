@@ -44,7 +44,36 @@ def child() -> None:
     base_only = LLM(model, **{**BASE, "enable_lora": False}).generate(
         prompts, greedy, use_tqdm=False)
     report["base"] = [o.output_token_ids for o in base_only]
+    report["all_reduces"] = {lora: all_reduces(model, lora) for lora in (False, True)}
     print(json.dumps(report))
+
+
+def all_reduces(model, lora: bool) -> dict:
+    """The all-reduces of the compiled TP 2 prefill step, by where they run: a step with an
+    adapter takes a cond's second branch, one of base tokens alone its first."""
+    import collections
+    import re
+
+    import jax
+    import numpy as np
+
+    from pagedjax import LLM
+    from pagedjax.engine.runner import _forward, forward_inputs
+    from pagedjax.scheduler.plan import padding_plan
+
+    runner = LLM(model, **{**BASE, "enable_lora": lora}, tensor_parallel_size=2).engine.runner
+    inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
+                          forward_inputs(padding_plan("prefill", 32, 4, 24)))
+    text = _forward.lower(runner.graph, runner.backend, "prefill", runner.num_top_logprobs,
+                          *runner._abstract_args, inputs, runner._abstract_lora).compile(
+                          ).as_text()
+    where = collections.Counter()
+    for line in text.splitlines():
+        if re.search(r" all-reduce(-start)?\(", line):
+            name = re.search(r'op_name="([^"]*)"', line).group(1)
+            where["base_branch" if "branch_0" in name else
+                  "adapted_branch" if "branch_1" in name else "always"] += 1
+    return dict(where)
 
 
 def test_tensor_parallel_lora_equals_one_device():
@@ -53,6 +82,11 @@ def test_tensor_parallel_lora_equals_one_device():
         assert report[tp]["tokens"] == report["tp1"]["tokens"], tp
         assert report[tp]["q_b"] == "P(None, None, None, 'tp')"
         assert report[tp]["o_a"] == "P(None, None, 'tp', None)"
+    # the row-parallel o / down projections: one all-reduce each, adapted or not (the
+    # adapters' partial sums join the base's before it)
+    base, adapted = report["all_reduces"]["false"], report["all_reduces"]["true"]
+    assert base == {"always": 2}, base
+    assert adapted == {"base_branch": 2, "adapted_branch": 2}, adapted
     tokens = report["tp1"]["tokens"]
     assert tokens[0::3] == report["base"][0::3]  # base rows: the base model's answers
     assert tokens[1::3] != report["base"][1::3] and tokens[2::3] != report["base"][2::3]

@@ -12,7 +12,7 @@ from flax import nnx
 
 from pagedjax.models.config import LlamaConfig
 from pagedjax.models.layers.basic import linear, rms_norm, rope
-from pagedjax.models.layers.lora import LayerLoRA, apply_lora
+from pagedjax.models.layers.lora import LayerLoRA, apply_lora, row_parallel
 from pagedjax.pallas_kernels import AttentionBackend, AttentionMetadata, paged_attention
 
 
@@ -84,5 +84,4 @@ class Attention(nnx.Module):
         out, kv_cache = paged_attention(q, k, v, kv_cache, metadata, scale=self.scale,
                                         backend=backend, sliding_window=self.sliding_window,
                                         soft_cap=self.soft_cap)
-        out = out.reshape(x.shape[0], -1)
-        return apply_lora(lora, "o_proj", out, self.o_proj(out)), kv_cache
+        return row_parallel(self.o_proj, "o_proj", out.reshape(x.shape[0], -1), lora), kv_cache

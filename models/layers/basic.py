@@ -10,6 +10,7 @@ import numpy as np
 from flax import nnx
 
 from pagedjax.models.config import LlamaConfig, RopeScaling
+from pagedjax.models.layers.lora import row_parallel
 
 # config.json hidden_act -> the function (gelu_pytorch_tanh: GELU's tanh approximation, Gemma's)
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
@@ -98,4 +99,4 @@ class MLP(nnx.Module):
                                   * self.up_proj(x))
         gate = lora.apply("gate_proj", x, self.gate_proj(x))
         hidden = ACTIVATIONS[self.hidden_act](gate) * lora.apply("up_proj", x, self.up_proj(x))
-        return lora.apply("down_proj", hidden, self.down_proj(hidden))
+        return row_parallel(self.down_proj, "down_proj", hidden, lora)

@@ -19,7 +19,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from pagedjax.pallas_kernels.dispatch import TP_AXIS
 from pagedjax.pallas_kernels.lora import lora_delta
 
 # The projections an adapter may adapt, by where they live in a decoder layer.
@@ -40,6 +43,7 @@ class LayerLoRA(NamedTuple):
     # bool[]: whether any token of the step has an adapter (None: compute regardless); a
     # step of base-model tokens alone skips every delta
     active: jax.Array | None = None
+    mesh: object = None  # the TP mesh the step is split over (row_parallel), or None
 
     def apply(self, name: str, x: jax.Array, y: jax.Array) -> jax.Array:
         """y (= the base projection of x, [..., O]) plus each token's adapter's delta."""
@@ -63,6 +67,37 @@ def apply_lora(lora: LayerLoRA | None, name: str, x: jax.Array, y: jax.Array) ->
     return y if lora is None else lora.apply(name, x, y)
 
 
+def row_parallel(linear, name: str, x: jax.Array, lora: LayerLoRA | None) -> jax.Array:
+    """linear(x) for a row-parallel projection (o_proj, down_proj: x and the kernel split on
+    I over the TP mesh), with lora's delta. Split over a mesh, each device adds its partial
+    delta (its slice of a, all of b) to its partial product before the one all-reduce the
+    base projection has anyway; elsewhere (one device, a quantized kernel) the plain sum."""
+    if (lora is None or lora.mesh is None or name not in lora.pairs
+            or type(linear) is not nnx.Linear):
+        return apply_lora(lora, name, x, linear(x))
+    a, b = lora.pairs[name]
+
+    def partial(x, kernel, a, b, slots):  # one device's [T, O] part, summed over the mesh
+        x, kernel = linear.promote_dtype((x, kernel), dtype=linear.dtype)
+        y = linear.dot_general(x, kernel, (((1,), (0,)), ((), ())), precision=linear.precision)
+        delta = lora_delta(x, a, b, slots, "masked")
+        return jax.lax.psum(y + delta.astype(y.dtype), TP_AXIS)
+
+    def adapted():
+        flat = x.reshape(-1, x.shape[-1])
+        y = jax.shard_map(partial, mesh=lora.mesh, in_specs=(
+            P(None, TP_AXIS), P(TP_AXIS, None), P(None, TP_AXIS, None), P(None, None, None),
+            P(None)), out_specs=P(None, None), check_vma=False)(
+                flat, linear.kernel[...], a, b, lora.token_slots)
+        if linear.bias is not None:
+            y = y + linear.bias[...].astype(y.dtype)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    if lora.active is None:
+        return adapted()
+    return jax.lax.cond(lora.active, adapted, lambda: linear(x))
+
+
 class StepLoRA(NamedTuple):
     """A step's adapters for every layer: the slots' pairs stacked over the layers, (a
     [L, S, I, R], b [L, S, R, O]) by projection name, and each token's slot."""
@@ -72,9 +107,10 @@ class StepLoRA(NamedTuple):
     implementation: str = "masked"
     interpret: bool = False
     active: jax.Array | None = None  # LayerLoRA.active
+    mesh: object = None
 
     def layer(self, index) -> LayerLoRA:
         """Layer index's (an int, or traced inside the layers' scan)."""
         return LayerLoRA(self.token_slots,
                          {name: (a[index], b[index]) for name, (a, b) in self.pairs.items()},
-                         self.implementation, self.interpret, self.active)
+                         self.implementation, self.interpret, self.active, self.mesh)

@@ -72,7 +72,7 @@ def forward_fn(graph: ServingGraph, backend: AttentionBackend, kind: str, num_to
     with chunked_products(backend.name == "reference" and backend.mesh is None):
         step_lora = None if lora is None else StepLoRA(
             inputs["lora_slots"], lora, lora_implementation(backend), backend.interpret,
-            jax.numpy.any(inputs["lora_slots"] >= 0))
+            jax.numpy.any(inputs["lora_slots"] >= 0), backend.mesh)
         hidden, kv_cache = paged_forward.forward_paged(graph, params, kv_cache, inputs["token_ids"],
                                                  inputs["positions"], metadata, backend,
                                                  step_lora)
