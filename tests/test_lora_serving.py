@@ -201,9 +201,7 @@ def test_bad_adapters_are_refused_by_name_and_change_nothing(four_adapters, tmp_
     for field, value, refusal in [("max_lora_rank", 12, "max_lora_rank must be one of"),
                                   ("max_loras", 0, "max_loras must be an integer >= 1"),
                                   ("max_cpu_loras", 1, "max_cpu_loras \\(1\\) must be >= "
-                                                       "max_loras \\(2\\)"),
-                                  ("data_parallel_size", 2, "not supported with "
-                                                            "data_parallel_size 2")]:
+                                                       "max_loras \\(2\\)")]:
         with pytest.raises(ValueError, match=refusal):
             EngineConfig(enable_lora=True, **{"max_loras": 2, field: value})
     with pytest.raises(ValueError, match="lora_name must be a non-empty string"):
@@ -302,3 +300,40 @@ def test_beam_search_under_an_adapter_is_the_merged_models(four_adapters):
         assert [b.token_ids for b in got] == [b.token_ids for b in want]
         np.testing.assert_allclose([b.cumulative_logprob for b in got],
                                    [b.cumulative_logprob for b in want], **F32_TOL)
+
+
+def test_data_parallel_replicas_serve_one_set_of_adapters(four_adapters):
+    """Two replicas over one CPU device share the adapters (ids, host cache, versions), each
+    with its own slots: a mixed batch answers as one engine does; a prompt's head under one
+    adapter draws its requests to one replica (its KV is there), the same head under another
+    adapter does not count as cached; update_lora reaches every replica."""
+    import jax
+
+    from pagedjax.frontend.data_parallel import DataParallelEngine
+    directory, loras = four_adapters
+    config = EngineConfig(block_size=16, max_model_len=128, max_num_seqs=8,
+                          max_num_batched_tokens=32, min_seq_bucket=4, enable_lora=True,
+                          max_loras=2, max_lora_rank=8, data_parallel_size=2)
+    device = jax.devices()[0]
+    engine = DataParallelEngine(load_hf_model(str(directory / "base")), config,
+                                devices=[device, device])
+    assert engine.replicas[1].lora_manager is engine.lora_manager
+    requests = mixed_requests(loras[:3])
+    assert answers(run(engine, requests)) == answers(run(engine_for(directory / "base"),
+                                                         requests))
+    head = np.random.default_rng(9).integers(3, 128, 32).tolist()
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    first = engine.add_request(head + [5], params, lora_request=loras[1])
+    placed = {r for r, rep in enumerate(engine.replicas) if first in rep.request_groups}
+    second = engine.add_request(head + [6], params, lora_request=loras[1])
+    assert {r for r, rep in enumerate(engine.replicas) if second in rep.request_groups} == placed
+    other = engine.add_request(head + [7], params, lora_request=loras[2])  # no affinity:
+    assert {r for r, rep in enumerate(engine.replicas) if other in rep.request_groups} \
+        != placed  # the less loaded replica
+    for _ in until_done(engine):
+        engine.step()
+    engine.update_lora("adapter1", loras[4].lora_path)
+    prompt = [(head, SamplingParams(max_tokens=4, temperature=0.0), loras[1])]
+    four = [(head, SamplingParams(max_tokens=4, temperature=0.0), loras[4])]
+    assert answers(run(engine, prompt * 2)) == answers(run(engine_for(directory / "base"),
+                                                           four * 2))

@@ -247,9 +247,6 @@ class EngineConfig:
         if not isinstance(self.enable_lora, bool):
             raise ValueError(f"enable_lora must be a boolean, got {self.enable_lora!r}")
         check_lora_limits(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
-        if self.enable_lora and self.data_parallel_size > 1:
-            raise ValueError(f"enable_lora is not supported with data_parallel_size "
-                             f"{self.data_parallel_size} yet; serve adapters on one replica")
 
     @property
     def num_cpu_loras(self) -> int:

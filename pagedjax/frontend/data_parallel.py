@@ -29,6 +29,7 @@ from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.request_checks import Admission, PromptSpec, check_specs
 from pagedjax.engine.stats import EngineStats, ReplicaLoad
+from pagedjax.lora.engine_loras import lora_id_of, new_adapter
 from pagedjax.parallel.routing_policy import Backend, RoutingPolicy
 from pagedjax.parallel.sharding import check_tensor_parallel, make_data_parallel_mesh
 from pagedjax.scheduler import SamplingParams
@@ -50,8 +51,6 @@ def make_engine(model, config: EngineConfig | None = None, **kwargs):
 
 class DataParallelEngine:
     """LLMEngine's interface over config.data_parallel_size replicas (see the module doc)."""
-
-    lora_manager = None  # LoRA is served on one replica (EngineConfig refuses it here)
 
     def __init__(self, model, config: EngineConfig, *, tokenizer=None,
                  clock: Callable[[], float] = time.perf_counter, devices: Sequence | None = None,
@@ -76,6 +75,9 @@ class DataParallelEngine:
                                    seed_rng=np.random.default_rng(seeds[r]),
                                    draft_model=draft_model)
                          for r in range(dp)]
+        if config.enable_lora:  # one set of adapters (ids, host cache, versions), each
+            for replica in self.replicas[1:]:  # replica its own device slots
+                replica.lora_manager = self.replicas[0].lora_manager
         self._backends = [Backend(f"replica:{r}", lookup=replica.cached_prefix_blocks)
                           for r, replica in enumerate(self.replicas)]
         self.policy = RoutingPolicy(self._backends, "kv_aware")
@@ -178,9 +180,10 @@ class DataParallelEngine:
     def add_request(self, prompt_token_ids: Sequence[int],
                     sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
-                    cache_salt: str | None = None) -> str:
+                    cache_salt: str | None = None, lora_request=None) -> str:
         spec = PromptSpec(prompt_token_ids, sampling_params or SamplingParams(), request_id,
-                          cache_salt=cache_salt, arrival_time=arrival_time)
+                          cache_salt=cache_salt, arrival_time=arrival_time,
+                          lora_request=lora_request)
         return self.add_requests([spec])[0]
 
     def close(self) -> None:
@@ -283,6 +286,43 @@ class DataParallelEngine:
     def is_paused(self) -> bool:
         return self.replicas[0].is_paused
 
+    # ---- LoRA adapters (pagedjax.lora.engine_loras): one set, each replica its slots ---------
+
+    @property
+    def lora_manager(self):
+        return self.replicas[0].lora_manager
+
+    def add_lora(self, lora_request) -> bool:
+        return self.replicas[0].add_lora(lora_request)
+
+    def list_loras(self) -> set[int]:
+        return self.replicas[0].list_loras()
+
+    def remove_lora(self, lora_id: int) -> bool:
+        manager = self.replicas[0]._loras()
+        if not manager.knows(lora_id):
+            return False
+        in_use = [replica.release_lora_slot(lora_id) for replica in self.replicas]
+        manager.forget(lora_id, any(in_use))
+        return True
+
+    def update_lora(self, name: str, weights, *, mode: str = "wait") -> None:
+        """LLMEngine.update_lora on every replica: checked once, the version bumped once,
+        each replica's slot rewritten."""
+        manager = self.replicas[0]._loras()
+        lora_id = lora_id_of(manager, name)
+        adapter, pinned = new_adapter(manager, lora_id, weights, self.model_config)
+        arrays = manager.host_arrays(adapter)
+        was_paused = self.is_paused
+        self.pause_generation(mode)
+        try:
+            manager.replace(lora_id, adapter, pinned)
+            for replica in self.replicas:
+                replica.rewrite_lora(lora_id, arrays)
+        finally:
+            if not was_paused:
+                self.resume_generation()
+
     # ---- placement ---------------------------------------------------------------------------
 
     def _place(self, admission: Admission, pending: list[int]) -> int:
@@ -293,7 +333,8 @@ class DataParallelEngine:
         (LLMEngine.cached_prefix_blocks) beside the policy's picture of what it was sent."""
         chunks = token_block_hashes(admission.prompt_token_ids, self.config.block_size,
                                     self.replicas[0].scheduler.kv_manager.cache_key,
-                                    admission.spec.cache_salt)
+                                    admission.spec.cache_salt,
+                                    admission.lora[1] if admission.lora else None)
         for backend, replica, placed in zip(self._backends, self.replicas, pending):
             backend.in_flight = len(replica.request_groups) + placed
         backend, _ = self.policy.choose(chunks)

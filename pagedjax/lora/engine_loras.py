@@ -36,14 +36,18 @@ class LoRAControls:
         """Drops an adapter: no new request may name it; requests running under it finish.
         False for an id the engine does not know."""
         manager = self._loras()
-        if lora_id not in manager.adapters or manager.adapters[lora_id].lora_name \
-                not in manager.ids:
+        if not manager.knows(lora_id):
             return False
-        in_use = any(r.lora_id == lora_id for r in self.scheduler.state.requests.values())
-        manager.forget(lora_id, in_use)
-        if lora_id not in adapters_in_use(self.scheduler.state.running):
-            self.scheduler.state.lora_slots.evict(lora_id)
+        manager.forget(lora_id, self.release_lora_slot(lora_id))
         return True
+
+    def release_lora_slot(self, lora_id: int) -> bool:
+        """Frees the adapter's slot unless a running request uses it; whether any unfinished
+        request of this engine names it."""
+        state = self.scheduler.state
+        if lora_id not in adapters_in_use(state.running):
+            state.lora_slots.evict(lora_id)
+        return any(r.lora_id == lora_id for r in state.requests.values())
 
     def list_loras(self) -> set[int]:
         """The ids of the adapters requests may name."""
@@ -56,41 +60,54 @@ class LoRAControls:
         [out, r]: what a trainer's adapter state saves) to arrays, for the adapter's own rank,
         alpha and targets (a projection a mapping leaves out is zero)."""
         manager = self._loras()
-        lora_id = manager.ids.get(name) if isinstance(name, str) else None
-        if lora_id is None:
-            raise ValueError(f"update_lora: no LoRA adapter named {name!r} (known: "
-                             f"{sorted(manager.ids)})")
-        adapter, pinned = self._new_adapter(manager, lora_id, weights)
+        lora_id = lora_id_of(manager, name)
+        adapter, pinned = new_adapter(manager, lora_id, weights, self.model_config)
         arrays = manager.host_arrays(adapter)  # checked before anything changes
         was_paused = self.is_paused
         self.pause_generation(mode)
         try:
             manager.replace(lora_id, adapter, pinned)
-            slot = self.scheduler.state.lora_slots.slot_of.get(lora_id)
-            if slot is not None:
-                self.runner.write_lora_slot(slot, arrays)
-            for request in self.scheduler.state.requests.values():
-                if request.lora_id == lora_id and request.first_scheduled_time is None:
-                    request.lora_key = manager.key(lora_id)  # not hashed against old KV
-                    request.block_hashes.clear()
+            self.rewrite_lora(lora_id, arrays)
         finally:
             if not was_paused:
                 self.resume_generation()
 
-    def _new_adapter(self, manager, lora_id: int, weights) -> tuple[LoRAAdapter, bool]:
-        """(the adapter weights give, whether it is held only in memory)."""
-        label = f"update_lora({manager.adapters[lora_id].lora_name!r})"
-        if isinstance(weights, str):
-            return read_peft_adapter(weights, self.model_config, manager.spec.max_rank), False
-        if isinstance(weights, LoRAAdapter):
-            if weights.rank > manager.spec.max_rank:
-                raise ValueError(f"{label}: rank {weights.rank} is over max_lora_rank "
-                                 f"({manager.spec.max_rank})")
-            return weights, True
-        if not hasattr(weights, "items"):
-            raise ValueError(f"{label}: weights must be a PEFT adapter directory, a "
-                             f"LoRAAdapter or a mapping of PEFT tensor names to arrays, got "
-                             f"{type(weights).__name__}")
-        rank, scaling, targets = manager.shapes[lora_id]
-        return adapter_from_tensors(label, dict(weights.items()), self.model_config, rank,
-                                    scaling, targets), True
+    def rewrite_lora(self, lora_id: int, arrays: dict) -> None:
+        """An adapter's new weights (its version bumped) into its slot, if resident, and its
+        requests that never ran keyed by the new version (not hashed against old KV)."""
+        state = self.scheduler.state
+        slot = state.lora_slots.slot_of.get(lora_id)
+        if slot is not None:
+            self.runner.write_lora_slot(slot, arrays)
+        for request in state.requests.values():
+            if request.lora_id == lora_id and request.first_scheduled_time is None:
+                request.lora_key = self.lora_manager.key(lora_id)
+                request.block_hashes.clear()
+
+
+def lora_id_of(manager, name) -> int:
+    """The id of the adapter named name (ValueError naming the known ones otherwise)."""
+    lora_id = manager.ids.get(name) if isinstance(name, str) else None
+    if lora_id is None:
+        raise ValueError(f"update_lora: no LoRA adapter named {name!r} (known: "
+                         f"{sorted(manager.ids)})")
+    return lora_id
+
+
+def new_adapter(manager, lora_id: int, weights, model_config) -> tuple[LoRAAdapter, bool]:
+    """(the adapter update_lora's weights give, whether it is held only in memory)."""
+    label = f"update_lora({manager.adapters[lora_id].lora_name!r})"
+    if isinstance(weights, str):
+        return read_peft_adapter(weights, model_config, manager.spec.max_rank), False
+    if isinstance(weights, LoRAAdapter):
+        if weights.rank > manager.spec.max_rank:
+            raise ValueError(f"{label}: rank {weights.rank} is over max_lora_rank "
+                             f"({manager.spec.max_rank})")
+        return weights, True
+    if not hasattr(weights, "items"):
+        raise ValueError(f"{label}: weights must be a PEFT adapter directory, a "
+                         f"LoRAAdapter or a mapping of PEFT tensor names to arrays, got "
+                         f"{type(weights).__name__}")
+    rank, scaling, targets = manager.shapes[lora_id]
+    return adapter_from_tensors(label, dict(weights.items()), model_config, rank,
+                                scaling, targets), True

@@ -59,6 +59,10 @@ class LoRAManager:
         self.versions.setdefault(lora.lora_int_id, 0)
         return lora.lora_int_id, self.key(lora.lora_int_id)
 
+    def knows(self, lora_id: int) -> bool:
+        """Whether requests may name the adapter (read, and not forgotten since)."""
+        return lora_id in self.adapters and self.adapters[lora_id].lora_name in self.ids
+
     def key(self, lora_id: int) -> str:
         """The adapter's part of its requests' block hashes: name and weights' version."""
         return f"{self.adapters[lora_id].lora_name}\x00{self.versions[lora_id]}"
