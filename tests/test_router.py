@@ -10,14 +10,15 @@ import socket
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from helpers import ROLE_TEMPLATE
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import ROLE_TEMPLATE
 from pagedjax import LLM
-from pagedjax.serving.router import (Backend, RolloutGuard, Router, RoutingPolicy, prompt_chunks,
-                                     routing_key)
 from pagedjax.serving.app import OpenAIServer
 from pagedjax.serving.background import BackgroundServer
+from pagedjax.serving.router import (Backend, RolloutGuard, Router, RoutingPolicy, prompt_chunks,
+                                     routing_key)
+from pagedjax.serving.routing_keys import request_model  # noqa: E402
 
 # ---- the policy -------------------------------------------------------------------------------
 
@@ -113,6 +114,8 @@ def test_routing_keys():
     one, two = (prompt_chunks(prompt, model=m) for m in ("sql-lora", "chat-lora"))
     assert len(one) == 4 and not set(one) & set(two)
     assert prompt_chunks(prompt, model="sql-lora") == one != prompt_chunks(prompt)
+    assert request_model({"model": "sql-lora"}) == "sql-lora"
+    assert request_model({"model": 3}) is None and request_model([]) is None
 
 
 # ---- the router in front of two servers -------------------------------------------------------

@@ -41,7 +41,7 @@ from pagedjax.serving.http_common import (DEFAULT_MAX_REQUEST_BYTES, GuardMiddle
                                           error_response, get_route, install_error_handlers,
                                           key_matches, parse_json_object)
 from pagedjax.serving.rollout import RolloutGuard
-from pagedjax.serving.routing_keys import prompt_tokens, routing_key
+from pagedjax.serving.routing_keys import prompt_tokens, request_model, routing_key
 
 __all__ = ["POLICIES", "Backend", "RolloutGuard", "Router", "RoutingPolicy", "prompt_chunks",
            "prompt_tokens", "routing_key", "run_router"]
@@ -151,9 +151,7 @@ class Router:
         raw = await request.body()
         body = parse_json_object(raw)
         key = routing_key(path, body)
-        model = body.get("model") if isinstance(body, dict) else None
-        chunks = prompt_chunks(key, model=model if isinstance(model, str) else None) \
-            if key is not None else []
+        chunks = prompt_chunks(key, model=request_model(body)) if key is not None else []
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() in ("authorization", "content-type")}
         group = self._group(key)

@@ -40,3 +40,9 @@ def routing_key(path: str, body: dict) -> str | list[int] | None:
                                    and all(isinstance(t, int) for t in prompt)):
         return prompt
     return None
+
+
+def request_model(body) -> str | None:
+    """The model (or LoRA adapter) a request names, if any: its prefixes' KV is that model's."""
+    model = body.get("model") if isinstance(body, dict) else None
+    return model if isinstance(model, str) else None
