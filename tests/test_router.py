@@ -18,7 +18,7 @@ from pagedjax.serving.app import OpenAIServer
 from pagedjax.serving.background import BackgroundServer
 from pagedjax.serving.router import (Backend, RolloutGuard, Router, RoutingPolicy, prompt_chunks,
                                      routing_key)
-from pagedjax.serving.routing_keys import request_model  # noqa: E402
+from pagedjax.serving.routing_keys import request_model
 
 # ---- the policy -------------------------------------------------------------------------------
 
