@@ -6,8 +6,8 @@ scaling folded into b; under tensor parallelism b of k/v has its KV heads' colum
 served k/v kernels do). Writing slot s takes the slot arrays donated and sets [:, s] of each from
 the adapter's host arrays (zeros for a projection it leaves alone): XLA writes in place, and the
 slot is an argument, so loading, swapping or evicting adapters compiles nothing after the first
-write (compiled ahead of time when the slots are made). The model reads them through
-models/layers/lora.py's StepLoRA.
+write (compiled ahead of time when the slots are made). Over a TP mesh the slots split as their
+projections do (slot_shardings). The model reads them through models/layers/lora.py's StepLoRA.
 
 Axis letters: L layers, S slots, I a projection's input, O its output, R max_lora_rank.
 """
