@@ -318,6 +318,7 @@ def test_data_parallel_replicas_serve_one_set_of_adapters(four_adapters):
     engine = DataParallelEngine(load_hf_model(str(directory / "base")), config,
                                 devices=[device, device])
     assert engine.replicas[1].lora_manager is engine.lora_manager
+    assert engine.stats.loras == {}  # nothing ran yet
     requests = mixed_requests(loras[:3])
     assert answers(run(engine, requests)) == answers(run(engine_for(directory / "base"),
                                                          requests))
@@ -332,6 +333,9 @@ def test_data_parallel_replicas_serve_one_set_of_adapters(four_adapters):
         != placed  # the less loaded replica
     for _ in until_done(engine):
         engine.step()
+    totals = engine.stats.loras  # both replicas' counts summed
+    assert totals["max_lora"] == 4 and totals["slot_loads"] == sum(
+        r.stats.loras["slot_loads"] for r in engine.replicas) >= 3
     engine.update_lora("adapter1", loras[4].lora_path)
     prompt = [(head, SamplingParams(max_tokens=4, temperature=0.0), loras[1])]
     four = [(head, SamplingParams(max_tokens=4, temperature=0.0), loras[4])]

@@ -29,7 +29,7 @@ from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.request_checks import Admission, PromptSpec, check_specs
 from pagedjax.engine.stats import EngineStats, ReplicaLoad
-from pagedjax.lora.engine_loras import lora_id_of, new_adapter
+from pagedjax.lora.engine_loras import DataParallelLoRA
 from pagedjax.parallel.routing_policy import Backend, RoutingPolicy
 from pagedjax.parallel.sharding import check_tensor_parallel, make_data_parallel_mesh
 from pagedjax.scheduler import SamplingParams
@@ -38,7 +38,7 @@ from pagedjax.scheduler.block_hash import token_block_hashes
 # Summed over replicas; the peaks and max_running are the sums of each replica's (an upper
 # bound of the engine's: the replicas peak at different times).
 _SUMMED = [f.name for f in dataclasses.fields(EngineStats)
-           if f.name not in ("block_size", "spec_accepted_per_position", "kv_tiers")]
+           if f.name not in ("block_size", "spec_accepted_per_position", "kv_tiers", "loras")]
 
 
 def make_engine(model, config: EngineConfig | None = None, **kwargs):
@@ -49,7 +49,7 @@ def make_engine(model, config: EngineConfig | None = None, **kwargs):
     return LLMEngine(model, config, **kwargs)
 
 
-class DataParallelEngine:
+class DataParallelEngine(DataParallelLoRA):
     """LLMEngine's interface over config.data_parallel_size replicas (see the module doc)."""
 
     def __init__(self, model, config: EngineConfig, *, tokenizer=None,
@@ -132,6 +132,10 @@ class DataParallelEngine:
                 summed = total.kv_tiers.setdefault(tier, {})
                 for name, value in counts.items():
                     summed[name] = summed.get(name, 0) + value
+            for name, value in stats.loras.items():  # adapter names joined, counts summed
+                before = total.loras.get(name)
+                total.loras[name] = (value if before is None else sorted({*before, *value})
+                                     if isinstance(value, list) else before + value)
         return total
 
     @property
@@ -285,43 +289,6 @@ class DataParallelEngine:
     @property
     def is_paused(self) -> bool:
         return self.replicas[0].is_paused
-
-    # ---- LoRA adapters (pagedjax.lora.engine_loras): one set, each replica its slots ---------
-
-    @property
-    def lora_manager(self):
-        return self.replicas[0].lora_manager
-
-    def add_lora(self, lora_request) -> bool:
-        return self.replicas[0].add_lora(lora_request)
-
-    def list_loras(self) -> set[int]:
-        return self.replicas[0].list_loras()
-
-    def remove_lora(self, lora_id: int) -> bool:
-        manager = self.replicas[0]._loras()
-        if not manager.knows(lora_id):
-            return False
-        in_use = [replica.release_lora_slot(lora_id) for replica in self.replicas]
-        manager.forget(lora_id, any(in_use))
-        return True
-
-    def update_lora(self, name: str, weights, *, mode: str = "wait") -> None:
-        """LLMEngine.update_lora on every replica: checked once, the version bumped once,
-        each replica's slot rewritten."""
-        manager = self.replicas[0]._loras()
-        lora_id = lora_id_of(manager, name)
-        adapter, pinned = new_adapter(manager, lora_id, weights, self.model_config)
-        arrays = manager.host_arrays(adapter)
-        was_paused = self.is_paused
-        self.pause_generation(mode)
-        try:
-            manager.replace(lora_id, adapter, pinned)
-            for replica in self.replicas:
-                replica.rewrite_lora(lora_id, arrays)
-        finally:
-            if not was_paused:
-                self.resume_generation()
 
     # ---- placement ---------------------------------------------------------------------------
 

@@ -111,3 +111,43 @@ def new_adapter(manager, lora_id: int, weights, model_config) -> tuple[LoRAAdapt
     rank, scaling, targets = manager.shapes[lora_id]
     return adapter_from_tensors(label, dict(weights.items()), model_config, rank,
                                 scaling, targets), True
+
+
+class DataParallelLoRA:
+    """A data-parallel engine's LoRA controls (a mixin; it has replicas, model_config and the
+    pause controls): one set of adapters, each replica its own slots."""
+
+    @property
+    def lora_manager(self):
+        return self.replicas[0].lora_manager
+
+    def add_lora(self, lora_request) -> bool:
+        return self.replicas[0].add_lora(lora_request)
+
+    def list_loras(self) -> set[int]:
+        return self.replicas[0].list_loras()
+
+    def remove_lora(self, lora_id: int) -> bool:
+        manager = self.replicas[0]._loras()
+        if not manager.knows(lora_id):
+            return False
+        in_use = [replica.release_lora_slot(lora_id) for replica in self.replicas]
+        manager.forget(lora_id, any(in_use))
+        return True
+
+    def update_lora(self, name: str, weights, *, mode: str = "wait") -> None:
+        """LLMEngine.update_lora on every replica: checked once, the version bumped once,
+        each replica's slot rewritten."""
+        manager = self.replicas[0]._loras()
+        lora_id = lora_id_of(manager, name)
+        adapter, pinned = new_adapter(manager, lora_id, weights, self.model_config)
+        arrays = manager.host_arrays(adapter)
+        was_paused = self.is_paused
+        self.pause_generation(mode)
+        try:
+            manager.replace(lora_id, adapter, pinned)
+            for replica in self.replicas:
+                replica.rewrite_lora(lora_id, arrays)
+        finally:
+            if not was_paused:
+                self.resume_generation()
