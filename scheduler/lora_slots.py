@@ -53,16 +53,9 @@ class LoRASlots:
         return slot
 
     def evict(self, lora_id: int) -> None:
-        """Frees lora_id's slot (an adapter unloaded; its requests are gone)."""
-        slot = self.slot_of.pop(lora_id, None)
-        if slot is not None:
-            self.pending_loads = [load for load in self.pending_loads if load[0] != slot]
-
-    def reload(self, lora_id: int) -> None:
-        """Queues lora_id's slot to be written again (its weights were updated)."""
-        slot = self.slot_of.get(lora_id)
-        if slot is not None and (slot, lora_id) not in self.pending_loads:
-            self.pending_loads.append((slot, lora_id))
+        """Frees lora_id's slot (an adapter removed; no running request uses it). Between
+        two schedules no load is pending (output() takes them all)."""
+        self.slot_of.pop(lora_id, None)
 
     def take_loads(self) -> list[tuple[int, int]]:
         loads, self.pending_loads = self.pending_loads, []

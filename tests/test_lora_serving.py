@@ -204,6 +204,15 @@ def test_bad_adapters_are_refused_by_name_and_change_nothing(four_adapters, tmp_
                                                        "max_loras \\(2\\)")]:
         with pytest.raises(ValueError, match=refusal):
             EngineConfig(enable_lora=True, **{"max_loras": 2, field: value})
+    config = EngineConfig()  # vLLM's defaults
+    assert (config.enable_lora, config.max_loras, config.max_lora_rank,
+            config.max_cpu_loras, config.num_cpu_loras) == (False, 1, 16, None, 1)
+    from pagedjax.frontend.llm import per_prompt_loras
+    assert per_prompt_loras(loras[1], 2) == [loras[1]] * 2
+    for value, refusal in [("adapter1", "lora_request must be a LoRARequest or a list"),
+                           ([loras[1]], "lora_request has 1 entries for 2 prompts")]:
+        with pytest.raises(ValueError, match=refusal):
+            per_prompt_loras(value, 2)
     with pytest.raises(ValueError, match="lora_name must be a non-empty string"):
         LoRARequest("", 1, "x")
     with pytest.raises(ValueError, match="lora_int_id must be an integer >= 1"):

@@ -33,6 +33,8 @@ def test_slots_evict_only_idle_adapters_least_recently_used_first():
     slots = LoRASlots(2)
     slots.acquire(1, set()), slots.acquire(2, set())
     assert slots.acquire(3, {1}) == 1  # the least recently used (1) runs: 2 goes instead
+    slots.evict(1)
+    assert slots.acquire(4, {3}) == 0 and slots.slot_of == {3: 1, 4: 0}
     with pytest.raises(ValueError, match="max_loras must be an integer >= 1"):
         LoRASlots(0)
 
