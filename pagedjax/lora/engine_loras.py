@@ -59,18 +59,7 @@ class LoRAControls:
         (`base_model.model.model.layers.{l}.self_attn.q_proj.lora_A.weight` [r, in], lora_B
         [out, r]: what a trainer's adapter state saves) to arrays, for the adapter's own rank,
         alpha and targets (a projection a mapping leaves out is zero)."""
-        manager = self._loras()
-        lora_id = lora_id_of(manager, name)
-        adapter, pinned = new_adapter(manager, lora_id, weights, self.model_config)
-        arrays = manager.host_arrays(adapter)  # checked before anything changes
-        was_paused = self.is_paused
-        self.pause_generation(mode)
-        try:
-            manager.replace(lora_id, adapter, pinned)
-            self.rewrite_lora(lora_id, arrays)
-        finally:
-            if not was_paused:
-                self.resume_generation()
+        update_lora(self, [self], name, weights, mode)
 
     def rewrite_lora(self, lora_id: int, arrays: dict) -> None:
         """An adapter's new weights (its version bumped) into its slot, if resident, and its
@@ -83,6 +72,25 @@ class LoRAControls:
             if request.lora_id == lora_id and request.first_scheduled_time is None:
                 request.lora_key = self.lora_manager.key(lora_id)
                 request.block_hashes.clear()
+
+
+def update_lora(engine, replicas, name, weights, mode: str) -> None:
+    """update_lora's one sequence: the new weights checked whole, then engine paused as
+    mode says, the adapter's weights replaced once (its version bumped) and each replica's
+    slot rewritten, then resumed (unless it was paused before)."""
+    manager = replicas[0]._loras()
+    lora_id = lora_id_of(manager, name)
+    adapter, pinned = new_adapter(manager, lora_id, weights, engine.model_config)
+    arrays = manager.host_arrays(adapter)  # checked before anything changes
+    was_paused = engine.is_paused
+    engine.pause_generation(mode)
+    try:
+        manager.replace(lora_id, adapter, pinned)
+        for replica in replicas:
+            replica.rewrite_lora(lora_id, arrays)
+    finally:
+        if not was_paused:
+            engine.resume_generation()
 
 
 def lora_id_of(manager, name) -> int:
@@ -138,16 +146,4 @@ class DataParallelLoRA:
     def update_lora(self, name: str, weights, *, mode: str = "wait") -> None:
         """LLMEngine.update_lora on every replica: checked once, the version bumped once,
         each replica's slot rewritten."""
-        manager = self.replicas[0]._loras()
-        lora_id = lora_id_of(manager, name)
-        adapter, pinned = new_adapter(manager, lora_id, weights, self.model_config)
-        arrays = manager.host_arrays(adapter)
-        was_paused = self.is_paused
-        self.pause_generation(mode)
-        try:
-            manager.replace(lora_id, adapter, pinned)
-            for replica in self.replicas:
-                replica.rewrite_lora(lora_id, arrays)
-        finally:
-            if not was_paused:
-                self.resume_generation()
+        update_lora(self, self.replicas, name, weights, mode)
