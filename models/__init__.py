@@ -5,8 +5,9 @@ families are built from), loading/ (weights in), quantization/, training/, and p
 
 import os
 
-from pagedjax.models.config import CONFIGS, LlamaConfig, get_config
+from pagedjax.models.config import LlamaConfig
 from pagedjax.models.families.llama import LlamaForCausalLM
+from pagedjax.models.named_configs import CONFIGS, get_config
 from pagedjax.models.paged_forward import ServingGraph, ServingWeights, serving_form
 from pagedjax.models.registry import init_model
 

@@ -1,4 +1,4 @@
-"""Model configuration: one frozen dataclass for the Llama family, plus a table of named configs."""
+"""Model configuration: one frozen dataclass for every family (the named configs: named_configs)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 ROPE_TYPES = ("default", "linear", "llama3")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # pagedjax.models.layers.basic.ACTIVATIONS
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 MLP_TYPES = ("sparse", "dense")  # a layer's MLP: experts (models/layers/moe.py) or one dense MLP
 
 
@@ -81,6 +81,18 @@ class LlamaConfig:
     mlp_types: tuple[str, ...] | None = None
     qk_norm_whole: bool = False  # q/k RMSNorm over the whole projection, not a head (OLMoE)
     clip_qkv: float | None = None  # q, k, v clamped to [-clip_qkv, clip_qkv] (OLMoE)
+    # Qwen3.5 / Qwen3-Next (models/families/qwen3_5.py): RoPE on the first
+    # head_dim * partial_rotary_factor dims, the attention output gated by sigmoid(x @ W_gate)
+    # (q_proj twice as wide), and "linear_attention" layers (Gated DeltaNet,
+    # models/layers/gated_deltanet.py) of these shapes.
+    partial_rotary_factor: float = 1.0
+    attn_output_gate: bool = False
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    linear_fused_projections: bool = False  # Qwen3-Next's in_proj_qkvz / in_proj_ba layout
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -132,6 +144,19 @@ class LlamaConfig:
                              f"{self.num_layers} layers, got {self.layer_types!r}")
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError("sliding_attention layers need a sliding_window")
+        if "linear_attention" in self.layer_types:
+            self._check_linear_fields()
+
+    def _check_linear_fields(self) -> None:
+        for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                     "linear_value_head_dim", "linear_conv_kernel_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1 with linear_attention "
+                                 f"layers, got {value!r}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"linear_num_value_heads ({self.linear_num_value_heads}) must be "
+                             f"divisible by linear_num_key_heads ({self.linear_num_key_heads})")
 
     def _check_moe_fields(self) -> None:
         if not isinstance(self.num_experts, int) or self.num_experts < 0:
@@ -161,6 +186,34 @@ class LlamaConfig:
                 raise ValueError(f"mlp_types must name one of {MLP_TYPES} for each of the "
                                  f"{self.num_layers} layers, got {self.mlp_types!r}")
 
+    def layer_is_linear(self, layer: int) -> bool:
+        """Whether a layer is linear attention (a Gated DeltaNet: a fixed-size state, no KV)."""
+        return self.layer_types is not None and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def num_attention_layers(self) -> int:
+        """The layers that keep KV (every layer but the linear-attention ones)."""
+        return self.num_layers - sum(map(self.layer_is_linear, range(self.num_layers)))
+
+    @property
+    def rotary_dim(self) -> int:
+        """The head dims RoPE rotates (the first ones; the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """The channels of a linear-attention layer's causal conv1d: q, k and v."""
+        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim)
+
+    def linear_state_values(self) -> int:
+        """The values one sequence's state holds in one linear-attention layer: the recurrent
+        matrix (value heads x key dim x value dim) and the conv window's last kernel - 1
+        inputs."""
+        return (self.linear_num_value_heads * self.linear_key_head_dim
+                * self.linear_value_head_dim
+                + (self.linear_conv_kernel_dim - 1) * self.linear_conv_dim)
+
     def layer_is_moe(self, layer: int) -> bool:
         """Whether a layer's MLP is a mixture of experts."""
         return bool(self.num_experts) and (self.mlp_types is None
@@ -179,7 +232,7 @@ class LlamaConfig:
         """The attention window of a layer (None: the whole context)."""
         if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
             return self.sliding_window
-        return None
+        return None  # full (or linear: no window, no KV)
 
     def layer_rope(self, layer: int) -> tuple[float, RopeScaling | None]:
         """(RoPE base, scaling) of a layer: sliding layers take rope_local_theta when set."""
@@ -222,8 +275,14 @@ class LlamaConfig:
         return cls(**data)
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
-        """KV-cache bytes of one token across all layers: 2 * L * K * H * itemsize."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        """KV-cache bytes of one token across the attention layers: 2 * L * K * H * itemsize
+        (linear-attention layers keep a fixed state instead: state_bytes_per_sequence)."""
+        return 2 * self.num_attention_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    def state_bytes_per_sequence(self, itemsize: int) -> int:
+        """The fixed state of one sequence across the linear-attention layers (0 without)."""
+        linear = self.num_layers - self.num_attention_layers
+        return linear * self.linear_state_values() * itemsize
 
     @property
     def num_params(self) -> int:
@@ -238,7 +297,8 @@ class LlamaConfig:
 
     def _params(self, experts: int) -> int:
         d, h = self.hidden_size, self.head_dim
-        attn = d * h * (2 * self.num_heads + 2 * self.num_kv_heads)
+        query = self.num_heads * (2 if self.attn_output_gate else 1)
+        attn = d * h * (query + self.num_heads + 2 * self.num_kv_heads)
         attn += (self.num_heads + 2 * self.num_kv_heads) * h * self.attention_bias
         attn += d * self.o_proj_bias
         attn += (self.num_heads + self.num_kv_heads) * h if self.qk_norm_whole else (
@@ -251,91 +311,15 @@ class LlamaConfig:
         mlps = sparse_layers * sparse + (self.num_layers - sparse_layers) * dense
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         norms = (4 if self.sandwich_norms else 2) * d
-        return self.num_layers * (attn + norms) + mlps + embed + d
+        linear = self.num_layers - self.num_attention_layers
+        return (self.num_attention_layers * attn + linear * self._linear_params()
+                + self.num_layers * norms + mlps + embed + d)
 
-
-CONFIGS: dict[str, LlamaConfig] = {
-    # Tiny seeded models built in code: tests and the CPU demo.
-    "debug-tiny": LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-                              num_heads=4, num_kv_heads=2, max_position_embeddings=512,
-                              initializer_range=0.1, eos_token_id=None),
-    "demo-small": LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=352,
-                              num_layers=4, num_heads=8, num_kv_heads=2,
-                              max_position_embeddings=4096, initializer_range=0.05,
-                              tie_word_embeddings=True, eos_token_id=None),
-    # Real shapes, for capacity planning and shape-accurate benchmarks (random weights).
-    "smollm2-135m": LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                                num_layers=30, num_heads=9, num_kv_heads=3,
-                                rope_theta=100000.0, tie_word_embeddings=True,
-                                max_position_embeddings=8192),
-    "llama-3.2-1b": LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-                                num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
-                                rope_theta=500000.0, tie_word_embeddings=True,
-                                max_position_embeddings=131072),
-    "llama-3-8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                              num_layers=32, num_heads=32, num_kv_heads=8,
-                              rope_theta=500000.0, max_position_embeddings=8192),
-    "llama-3-70b": LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
-                               num_layers=80, num_heads=64, num_kv_heads=8,
-                               rope_theta=500000.0, max_position_embeddings=8192),
-}
-
-
-def _gemma(num_layers: int, period: int, **fields) -> LlamaConfig:
-    """A Gemma config of real shapes: every period-th layer global, the others sliding."""
-    types = tuple("full_attention" if (i + 1) % period == 0 else "sliding_attention"
-                  for i in range(num_layers))
-    return LlamaConfig(num_layers=num_layers, layer_types=types, hidden_act="gelu_pytorch_tanh",
-                       norm_unit_offset=True, scale_embeddings=True, sandwich_norms=True,
-                       tie_word_embeddings=True, rms_norm_eps=1e-6, **fields)
-
-
-CONFIGS.update({
-    # Gemma 2 / 3 text models (models/families/gemma.py): real shapes, random weights.
-    "gemma-2-2b": _gemma(26, 2, vocab_size=256000, hidden_size=2304, intermediate_size=9216,
-                         num_heads=8, num_kv_heads=4, head_dim=256, sliding_window=4096,
-                         query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
-                         final_logit_softcapping=30.0, max_position_embeddings=8192,
-                         model_type="gemma2"),
-    "gemma-3-1b": _gemma(26, 6, vocab_size=262144, hidden_size=1152, intermediate_size=6912,
-                         num_heads=4, num_kv_heads=1, head_dim=256, sliding_window=512,
-                         query_pre_attn_scalar=256, rope_theta=1e6, rope_local_theta=1e4,
-                         qk_norm=True, max_position_embeddings=32768,
-                         model_type="gemma3_text"),
-    "gemma-3-4b": _gemma(34, 6, vocab_size=262208, hidden_size=2560, intermediate_size=10240,
-                         num_heads=8, num_kv_heads=4, head_dim=256, sliding_window=1024,
-                         query_pre_attn_scalar=256, rope_theta=1e6, rope_local_theta=1e4,
-                         rope_scaling=RopeScaling("linear", 8.0), qk_norm=True,
-                         max_position_embeddings=131072, model_type="gemma3_text"),
-    "gemma-3-27b": _gemma(62, 6, vocab_size=262208, hidden_size=5376, intermediate_size=21504,
-                          num_heads=32, num_kv_heads=16, head_dim=128, sliding_window=1024,
-                          query_pre_attn_scalar=168, rope_theta=1e6, rope_local_theta=1e4,
-                          rope_scaling=RopeScaling("linear", 8.0), qk_norm=True,
-                          max_position_embeddings=131072, model_type="gemma3_text"),
-})
-
-
-CONFIGS.update({
-    # Mixtures of experts (models/layers/moe.py): real shapes, random weights.
-    "mixtral-8x7b": LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
-                                num_layers=32, num_heads=32, num_kv_heads=8, rope_theta=1e6,
-                                max_position_embeddings=32768, num_experts=8,
-                                num_experts_per_tok=2, model_type="mixtral"),
-    "qwen3-30b-a3b": LlamaConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-                                 num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
-                                 rope_theta=1e6, rms_norm_eps=1e-6, qk_norm=True,
-                                 max_position_embeddings=40960, num_experts=128,
-                                 num_experts_per_tok=8, moe_intermediate_size=768,
-                                 model_type="qwen3_moe"),
-    "olmoe-1b-7b": LlamaConfig(vocab_size=50304, hidden_size=2048, intermediate_size=1024,
-                               num_layers=16, num_heads=16, num_kv_heads=16, qk_norm=True,
-                               qk_norm_whole=True, max_position_embeddings=4096,
-                               num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
-                               model_type="olmoe"),
-})
-
-
-def get_config(name: str) -> LlamaConfig:
-    if name not in CONFIGS:
-        raise ValueError(f"unknown model config {name!r}; known: {sorted(CONFIGS)}")
-    return CONFIGS[name]
+    def _linear_params(self) -> int:
+        """A Gated DeltaNet layer's: in_proj q/k/v, z, b, a, the conv, dt_bias, A_log, the
+        gated norm, out_proj."""
+        hv, value = self.linear_num_value_heads, (
+            self.linear_num_value_heads * self.linear_value_head_dim)
+        conv = self.linear_conv_dim
+        return (self.hidden_size * (conv + value + 2 * hv) + conv * self.linear_conv_kernel_dim
+                + 2 * hv + self.linear_value_head_dim + value * self.hidden_size)

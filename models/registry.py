@@ -13,7 +13,7 @@ from typing import Callable
 import jax.numpy as jnp
 from flax import nnx
 
-from pagedjax.models.families import gemma, llama, mixtral, olmoe, qwen_moe
+from pagedjax.models.families import gemma, llama, mixtral, olmoe, qwen3_5, qwen_moe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +40,12 @@ QWEN_MOE = Family("qwen_moe", llama.LlamaForCausalLM, qwen_moe.read_hf_config,
                   {"Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe"})
 OLMOE = Family("olmoe", llama.LlamaForCausalLM, olmoe.read_hf_config,
                {"OlmoeForCausalLM": "olmoe"})
-FAMILIES = (LLAMA, GEMMA, MIXTRAL, QWEN_MOE, OLMOE)
+# Hybrid linear attention (models/families/qwen3_5.py): Gated DeltaNet layers beside full ones.
+QWEN3_5 = Family("qwen3_5", qwen3_5.Qwen35ForCausalLM, qwen3_5.read_hf_config,
+                 {"Qwen3_5ForCausalLM": "qwen3_5_text",
+                  "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
+                  "Qwen3NextForCausalLM": "qwen3_next"})
+FAMILIES = (LLAMA, GEMMA, MIXTRAL, QWEN_MOE, OLMOE, QWEN3_5)
 ARCHITECTURES = {arch: family for family in FAMILIES for arch in family.model_types}
 # GGUF general.architecture -> family (llama.cpp writes Mistral and Llama 3 as `llama`).
 GGUF_ARCHITECTURES = {"llama": LLAMA}

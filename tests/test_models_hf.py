@@ -226,8 +226,8 @@ def write_config(directory, **raw):
 @pytest.mark.parametrize("raw, words", [
     (dict(architectures=["MambaForCausalLM"], model_type="mamba"),
      ["MambaForCausalLM", "state-space", "LlamaForCausalLM"]),
-    (dict(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next"),
-     ["Qwen3NextForCausalLM", "linear attention", "Qwen3ForCausalLM"]),
+    (dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2"),
+     ["DeepseekV2ForCausalLM", "latent attention", "Qwen3ForCausalLM"]),
     (dict(architectures=["BloomForCausalLM"], model_type="bloom"), ["ALiBi"]),
     (dict(architectures=["LlamaForCausalLM"], model_type="llama",
           rope_scaling={"rope_type": "yarn", "factor": 4.0}), ["RoPE type 'yarn'", "llama3"]),

@@ -1,7 +1,8 @@
 """Self-attention with RoPE for every family: grouped-query heads, optional q/k biases and q/k
 RMSNorm, the layer's own window and RoPE base (config.layer_window / layer_rope: Gemma's
 alternating sliding and global layers), the attention scale (query_pre_attn_scalar) and logit
-soft-capping. Two paths over the same weights: dense causal (`__call__`) and paged
+soft-capping, RoPE on the first rotary_dim dims of a head only (partial_rotary_factor) and the
+output gated by sigmoid of a second half of q_proj (attn_output_gate: Qwen3.5, Qwen3-Next). Two paths over the same weights: dense causal (`__call__`) and paged
 (`forward_paged`, through pallas_kernels.paged_attention)."""
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ class Attention(nnx.Module):
         self.scale = config.attention_scale
         self.soft_cap = config.attn_logit_softcapping
         bias = config.attention_bias
-        self.q_proj = linear(d, n * h, config, rngs, dtype, param_dtype, bias)
+        self.rotary_dim = config.rotary_dim
+        self.output_gate = config.attn_output_gate  # q_proj: per head its query, then its gate
+        self.q_proj = linear(d, n * h * (2 if self.output_gate else 1), config, rngs, dtype,
+                             param_dtype, bias)
         self.k_proj = linear(d, k * h, config, rngs, dtype, param_dtype, bias)
         self.v_proj = linear(d, k * h, config, rngs, dtype, param_dtype, bias)
         self.o_proj = linear(n * h, d, config, rngs, dtype, param_dtype, config.o_proj_bias)
@@ -48,6 +52,10 @@ class Attention(nnx.Module):
         lead = x.shape[:-1]
         q, k, v = (apply_lora(lora, name, x, getattr(self, name)(x))
                    for name in ("q_proj", "k_proj", "v_proj"))
+        gate = None
+        if self.output_gate:
+            q, gate = jnp.split(q.reshape(*lead, self.num_heads, 2 * self.head_dim), 2, axis=-1)
+            q, gate = q.reshape(*lead, -1), gate.reshape(*lead, -1)
         if self.q_norm is not None and self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
@@ -57,12 +65,24 @@ class Attention(nnx.Module):
         v = v.reshape(*lead, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and not self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
-        return (rope(q, positions, self.rope_theta, self.rope_scaling),
-                rope(k, positions, self.rope_theta, self.rope_scaling), v)
+        return self._rope(q, positions), self._rope(k, positions), v, gate
+
+    def _rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """RoPE on the first rotary_dim dims of each head, the rest as they are."""
+        if self.rotary_dim == self.head_dim:
+            return rope(x, positions, self.rope_theta, self.rope_scaling)
+        rotated = rope(x[..., :self.rotary_dim], positions, self.rope_theta, self.rope_scaling)
+        return jnp.concatenate([rotated, x[..., self.rotary_dim:]], axis=-1)
+
+    def _gated(self, out: jax.Array, gate: jax.Array | None) -> jax.Array:
+        """out [..., N * H] times sigmoid(gate) (attn_output_gate), in out's dtype."""
+        if gate is None:
+            return out
+        return (out * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(out.dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [B, L, D] -> [B, L, D]
         batch, length, _ = x.shape
-        q, k, v = self._qkv(x, jnp.arange(length))
+        q, k, v, gate = self._qkv(x, jnp.arange(length))
         group = self.num_heads // self.num_kv_heads
         q = q.reshape(batch, length, self.num_kv_heads, group, self.head_dim)
         scores = jnp.einsum("BLKGH,BMKH->BKGLM", q.astype(jnp.float32), k.astype(jnp.float32))
@@ -74,14 +94,16 @@ class Attention(nnx.Module):
         scores = jnp.where(visible, scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1)
         out = jnp.einsum("BKGLM,BMKH->BLKGH", probs, v.astype(jnp.float32)).astype(x.dtype)
-        return self.o_proj(out.reshape(batch, length, self.num_heads * self.head_dim))
+        out = self._gated(out.reshape(batch, length, self.num_heads * self.head_dim), gate)
+        return self.o_proj(out)
 
     def forward_paged(self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                       metadata: AttentionMetadata, backend: AttentionBackend,
                       lora: LayerLoRA | None = None):
         """lora: the step's adapters (models/layers/lora.py), None for the base model."""
-        q, k, v = self._qkv(x, positions, lora)  # [T, N, H], [T, K, H], [T, K, H]
+        q, k, v, gate = self._qkv(x, positions, lora)  # [T, N, H], [T, K, H], [T, K, H]
         out, kv_cache = paged_attention(q, k, v, kv_cache, metadata, scale=self.scale,
                                         backend=backend, sliding_window=self.sliding_window,
                                         soft_cap=self.soft_cap)
-        return row_parallel(self.o_proj, "o_proj", out.reshape(x.shape[0], -1), lora), kv_cache
+        out = self._gated(out.reshape(x.shape[0], -1), gate)
+        return row_parallel(self.o_proj, "o_proj", out, lora), kv_cache

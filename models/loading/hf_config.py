@@ -20,7 +20,9 @@ KNOWN_UNSUPPORTED = {
     "jamba": "hybrid attention + Mamba layers",
     "zamba2": "hybrid attention + Mamba layers",
     "falcon_h1": "hybrid attention + Mamba layers",
-    "qwen3_next": "hybrid gated linear attention (Gated DeltaNet) layers",
+    "qwen3_5": "the multimodal Qwen3.5 (vision tower); its text model, Qwen3_5ForCausalLM, is",
+    "qwen3_5_moe": "the multimodal Qwen3.5-MoE (vision tower); its text model, "
+                   "Qwen3_5MoeForCausalLM, is",
     "rwkv": "RWKV linear-attention recurrence",
     "bloom": "ALiBi position bias instead of RoPE",
     "mpt": "ALiBi position bias instead of RoPE",
@@ -87,7 +89,9 @@ def common_fields(raw: dict[str, Any], generation_config: dict[str, Any] | None)
         heads = raw["num_attention_heads"]
         return dict(
             vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"], num_layers=raw["num_hidden_layers"],
+            # (a model of experts alone, Qwen3.5-MoE, declares only moe_intermediate_size)
+            intermediate_size=raw.get("intermediate_size") or raw["moe_intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
             num_heads=heads, num_kv_heads=raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),

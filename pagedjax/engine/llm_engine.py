@@ -70,6 +70,10 @@ class LLMEngine(RequestIntake, StepRecovery, WeightUpdates, SleepMode, LoRAContr
         if config.max_model_len > model_config.max_position_embeddings:
             raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
                              f"max_position_embeddings ({model_config.max_position_embeddings})")
+        if model_config.num_attention_layers < model_config.num_layers:
+            raise ValueError(f"{model_config.model_type}: linear-attention (Gated DeltaNet) "
+                             f"layers are not served by the paged engine yet (their state "
+                             f"group is issue 54's next part); the dense forward runs")
         self.config = config
         self.model_config = model_config
         self.compilation_cache_dir = enable_compilation_cache(config.compilation_cache)

@@ -1,0 +1,128 @@
+"""Gated DeltaNet: the linear-attention layers of Qwen3.5 and Qwen3-Next
+(`layer_types` "linear_attention"), as transformers' Qwen3_5GatedDeltaNet /
+Qwen3NextGatedDeltaNet compute them.
+
+x -> q, k, v (one projection), z (the output gate), b (write strength, beta = sigmoid(b)) and a
+(decay, g = -exp(A_log) * softplus(a + dt_bias)); q, k, v through a causal depthwise conv1d
+(kernel linear_conv_kernel_dim, SiLU); the gated delta rule (pallas_kernels/gated_delta.py);
+a per-head RMSNorm of the output times SiLU(z); out_proj. Qwen3-Next stores the projections
+fused and interleaved by key head (`in_proj_qkvz`, `in_proj_ba`: per key head its q, k, its
+value heads' v, then their z; its value heads' b then a); Qwen3.5 as four (`in_proj_qkv`,
+`in_proj_z`, `in_proj_b`, `in_proj_a`). Both are read as stored and split here.
+
+The layer keeps no per-token KV: a sequence's state is the recurrent matrix
+f32[Hv, Dk, Dv] and the conv's last K - 1 inputs [K - 1, X].
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pagedjax.models.config import LlamaConfig
+from pagedjax.models.layers.basic import linear
+from pagedjax.pallas_kernels.gated_delta import causal_conv1d, chunked_gated_delta
+
+CHUNK_SIZE = 64  # the chunked rule's C (flash-linear-attention's and transformers')
+
+
+class GatedRMSNorm(nnx.Module):
+    """RMSNorm over a head's Dv (weight applied as is, initialised to 1) times SiLU(gate) in f32
+    (transformers' Qwen3NextRMSNormGated)."""
+
+    def __init__(self, dim: int, eps: float, *, param_dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        normed = self.weight[...] * normed.astype(x.dtype)
+        return (normed * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
+
+
+class Conv1d(nnx.Module):
+    """The depthwise conv's weight as transformers stores it: [X, 1, K]."""
+
+    def __init__(self, channels: int, taps: int, config: LlamaConfig, rngs: nnx.Rngs,
+                 param_dtype):
+        init = nnx.initializers.normal(config.initializer_range)
+        self.weight = nnx.Param(init(rngs.params(), (channels, 1, taps), param_dtype))
+
+
+class GatedDeltaNet(nnx.Module):
+    def __init__(self, config: LlamaConfig, layer: int = 0, *, rngs: nnx.Rngs, dtype,
+                 param_dtype):
+        d = config.hidden_size
+        self.num_k_heads, self.num_v_heads = (config.linear_num_key_heads,
+                                              config.linear_num_value_heads)
+        self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = config.linear_conv_dim
+        self.conv_taps = config.linear_conv_kernel_dim
+        self.fused = config.linear_fused_projections
+        make = lambda out: linear(d, out, config, rngs, dtype, param_dtype)  # noqa: E731
+        if self.fused:
+            self.in_proj_qkvz = make(2 * self.key_dim + 2 * self.value_dim)
+            self.in_proj_ba = make(2 * self.num_v_heads)
+        else:
+            self.in_proj_qkv = make(self.conv_dim)
+            self.in_proj_z = make(self.value_dim)
+            self.in_proj_b = make(self.num_v_heads)
+            self.in_proj_a = make(self.num_v_heads)
+        self.conv1d = Conv1d(self.conv_dim, self.conv_taps, config, rngs, param_dtype)
+        self.dt_bias = nnx.Param(jnp.ones((self.num_v_heads,), param_dtype))
+        self.A_log = nnx.Param(jnp.log(jax.random.uniform(
+            rngs.params(), (self.num_v_heads,), param_dtype, 0.01, 16.0)))
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps, param_dtype=param_dtype)
+        self.out_proj = linear(self.value_dim, d, config, rngs, dtype, param_dtype)
+
+    def project(self, x: jax.Array):
+        """x [..., D] -> (qkv [..., X] (the conv's input: q, k then v), z [..., Hv, Dv],
+        b, a [..., Hv])."""
+        lead = x.shape[:-1]
+        if not self.fused:
+            return (self.in_proj_qkv(x), self.in_proj_z(x).reshape(*lead, self.num_v_heads,
+                                                                    self.head_v_dim),
+                    self.in_proj_b(x), self.in_proj_a(x))
+        per = self.num_v_heads // self.num_k_heads  # value heads a key head serves
+        dk, dv = self.head_k_dim, self.head_v_dim
+        qkvz = self.in_proj_qkvz(x).reshape(*lead, self.num_k_heads, 2 * dk + 2 * per * dv)
+        q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + per * dv], axis=-1)
+        ba = self.in_proj_ba(x).reshape(*lead, self.num_k_heads, 2 * per)
+        b, a = (t.reshape(*lead, self.num_v_heads) for t in jnp.split(ba, 2, axis=-1))
+        qkv = jnp.concatenate([t.reshape(*lead, -1) for t in (q, k, v)], axis=-1)
+        return qkv, z.reshape(*lead, self.num_v_heads, dv), b, a
+
+    def conv_weight(self) -> jax.Array:  # [X, K]
+        return self.conv1d.weight[...][:, 0, :]
+
+    def split_heads(self, qkv: jax.Array):
+        """The conv's output [..., X] -> q, k [..., Hk, Dk], v [..., Hv, Dv]."""
+        lead = qkv.shape[:-1]
+        q, k, v = jnp.split(qkv, [self.key_dim, 2 * self.key_dim], axis=-1)
+        return (q.reshape(*lead, self.num_k_heads, self.head_k_dim),
+                k.reshape(*lead, self.num_k_heads, self.head_k_dim),
+                v.reshape(*lead, self.num_v_heads, self.head_v_dim))
+
+    def gates(self, b: jax.Array, a: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)), f32."""
+        a_log = self.A_log[...].astype(jnp.float32)
+        g = -jnp.exp(a_log) * jax.nn.softplus(a.astype(jnp.float32)
+                                              + self.dt_bias[...].astype(jnp.float32))
+        return g, jax.nn.sigmoid(b.astype(jnp.float32))
+
+    def output(self, core: jax.Array, z: jax.Array, dtype) -> jax.Array:
+        """The rule's output [..., Hv, Dv] normed, gated by z, through out_proj -> [..., D]."""
+        gated = self.norm(core.astype(dtype), z)
+        return self.out_proj(gated.reshape(*gated.shape[:-2], self.value_dim))
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [B, L, D] -> [B, L, D], from no state
+        qkv, z, b, a = self.project(x)
+        qkv, _ = causal_conv1d(qkv, self.conv_weight())
+        q, k, v = self.split_heads(qkv)
+        g, beta = self.gates(b, a)
+        core, _ = chunked_gated_delta(q, k, v, g, beta, chunk_size=CHUNK_SIZE)
+        return self.output(core, z, x.dtype)

@@ -1,0 +1,92 @@
+"""Named model configs: tiny seeded models built in code (tests, the CPU demo) and real shapes
+with random weights (capacity planning, shape-accurate benchmarks)."""
+
+from __future__ import annotations
+
+from pagedjax.models.config import LlamaConfig, RopeScaling
+
+CONFIGS: dict[str, LlamaConfig] = {
+    # Tiny seeded models built in code: tests and the CPU demo.
+    "debug-tiny": LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                              num_heads=4, num_kv_heads=2, max_position_embeddings=512,
+                              initializer_range=0.1, eos_token_id=None),
+    "demo-small": LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=352,
+                              num_layers=4, num_heads=8, num_kv_heads=2,
+                              max_position_embeddings=4096, initializer_range=0.05,
+                              tie_word_embeddings=True, eos_token_id=None),
+    # Real shapes, for capacity planning and shape-accurate benchmarks (random weights).
+    "smollm2-135m": LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                num_layers=30, num_heads=9, num_kv_heads=3,
+                                rope_theta=100000.0, tie_word_embeddings=True,
+                                max_position_embeddings=8192),
+    "llama-3.2-1b": LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                                num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
+                                rope_theta=500000.0, tie_word_embeddings=True,
+                                max_position_embeddings=131072),
+    "llama-3-8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                              num_layers=32, num_heads=32, num_kv_heads=8,
+                              rope_theta=500000.0, max_position_embeddings=8192),
+    "llama-3-70b": LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                               num_layers=80, num_heads=64, num_kv_heads=8,
+                               rope_theta=500000.0, max_position_embeddings=8192),
+}
+
+
+def _gemma(num_layers: int, period: int, **fields) -> LlamaConfig:
+    """A Gemma config of real shapes: every period-th layer global, the others sliding."""
+    types = tuple("full_attention" if (i + 1) % period == 0 else "sliding_attention"
+                  for i in range(num_layers))
+    return LlamaConfig(num_layers=num_layers, layer_types=types, hidden_act="gelu_pytorch_tanh",
+                       norm_unit_offset=True, scale_embeddings=True, sandwich_norms=True,
+                       tie_word_embeddings=True, rms_norm_eps=1e-6, **fields)
+
+
+CONFIGS.update({
+    # Gemma 2 / 3 text models (models/families/gemma.py): real shapes, random weights.
+    "gemma-2-2b": _gemma(26, 2, vocab_size=256000, hidden_size=2304, intermediate_size=9216,
+                         num_heads=8, num_kv_heads=4, head_dim=256, sliding_window=4096,
+                         query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+                         final_logit_softcapping=30.0, max_position_embeddings=8192,
+                         model_type="gemma2"),
+    "gemma-3-1b": _gemma(26, 6, vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                         num_heads=4, num_kv_heads=1, head_dim=256, sliding_window=512,
+                         query_pre_attn_scalar=256, rope_theta=1e6, rope_local_theta=1e4,
+                         qk_norm=True, max_position_embeddings=32768,
+                         model_type="gemma3_text"),
+    "gemma-3-4b": _gemma(34, 6, vocab_size=262208, hidden_size=2560, intermediate_size=10240,
+                         num_heads=8, num_kv_heads=4, head_dim=256, sliding_window=1024,
+                         query_pre_attn_scalar=256, rope_theta=1e6, rope_local_theta=1e4,
+                         rope_scaling=RopeScaling("linear", 8.0), qk_norm=True,
+                         max_position_embeddings=131072, model_type="gemma3_text"),
+    "gemma-3-27b": _gemma(62, 6, vocab_size=262208, hidden_size=5376, intermediate_size=21504,
+                          num_heads=32, num_kv_heads=16, head_dim=128, sliding_window=1024,
+                          query_pre_attn_scalar=168, rope_theta=1e6, rope_local_theta=1e4,
+                          rope_scaling=RopeScaling("linear", 8.0), qk_norm=True,
+                          max_position_embeddings=131072, model_type="gemma3_text"),
+})
+
+
+CONFIGS.update({
+    # Mixtures of experts (models/layers/moe.py): real shapes, random weights.
+    "mixtral-8x7b": LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                                num_layers=32, num_heads=32, num_kv_heads=8, rope_theta=1e6,
+                                max_position_embeddings=32768, num_experts=8,
+                                num_experts_per_tok=2, model_type="mixtral"),
+    "qwen3-30b-a3b": LlamaConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                 num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
+                                 rope_theta=1e6, rms_norm_eps=1e-6, qk_norm=True,
+                                 max_position_embeddings=40960, num_experts=128,
+                                 num_experts_per_tok=8, moe_intermediate_size=768,
+                                 model_type="qwen3_moe"),
+    "olmoe-1b-7b": LlamaConfig(vocab_size=50304, hidden_size=2048, intermediate_size=1024,
+                               num_layers=16, num_heads=16, num_kv_heads=16, qk_norm=True,
+                               qk_norm_whole=True, max_position_embeddings=4096,
+                               num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
+                               model_type="olmoe"),
+})
+
+
+def get_config(name: str) -> LlamaConfig:
+    if name not in CONFIGS:
+        raise ValueError(f"unknown model config {name!r}; known: {sorted(CONFIGS)}")
+    return CONFIGS[name]

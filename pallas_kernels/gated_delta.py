@@ -1,0 +1,132 @@
+"""The gated delta rule (Gated DeltaNet's linear attention: Qwen3.5, Qwen3-Next) and the causal
+depthwise conv1d before it, in pure jnp: the references the serving path and any kernel are
+checked against.
+
+Per value head, with a state S [Dk, Dv] and each token's q, k [Dk], v [Dv], decay g <= 0 (log
+space) and write strength beta in (0, 1):
+
+    S <- exp(g) * S                    (forget)
+    S <- S + k (beta * (v - S^T k))^T   (the delta rule: write what S does not yet predict)
+    o  = S^T q
+
+q and k are L2-normalised (FLA's eps 1e-6) and q scaled by Dk ** -0.5, as transformers' and
+flash-linear-attention's kernels do; every product in f32. Two forms: `recurrent_gated_delta`
+(token by token: decode) and `chunked_gated_delta` (chunks of C tokens: the within-chunk part
+as matmuls through a unit lower-triangular solve, the state carried from chunk to chunk:
+prefill). Both start from a given state and return the state they leave, so a prefill split into
+chunks continues exactly where the last one stopped.
+
+Axis letters: B sequences, L tokens, Hk key heads, Hv value heads (a multiple of Hk: each
+q/k head serves Hv / Hk consecutive value heads), Dk key dim, Dv value dim, C chunk, K conv
+kernel, X conv channels.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+L2_EPS = 1e-6
+
+
+def l2_normalize(x: jax.Array) -> jax.Array:
+    """x / sqrt(sum(x^2) + eps) over the last axis, in f32 (flash-linear-attention's l2norm)."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
+
+
+def _prepare(q, k, v, g, beta):
+    """f32 inputs with q and k normalised, q scaled, and q/k repeated to the value heads."""
+    repeats = v.shape[-2] // k.shape[-2]
+    q, k = (jnp.repeat(l2_normalize(x), repeats, axis=-2) for x in (q, k))
+    q = q * q.shape[-1] ** -0.5
+    return q, k, v.astype(jnp.float32), g.astype(jnp.float32), beta.astype(jnp.float32)
+
+
+def delta_step(state: jax.Array, q, k, v, g, beta) -> tuple[jax.Array, jax.Array]:
+    """One token's update of prepared inputs (q, k [..., Hv, Dk], v [..., Hv, Dv], g, beta
+    [..., Hv]) on state f32[..., Hv, Dk, Dv]: (output [..., Hv, Dv], new state)."""
+    state = state * jnp.exp(g)[..., None, None]
+    predicted = jnp.einsum("...kv,...k->...v", state, k)
+    delta = (v - predicted) * beta[..., None]
+    state = state + k[..., :, None] * delta[..., None, :]
+    return jnp.einsum("...kv,...k->...v", state, q), state
+
+
+def recurrent_gated_delta(q, k, v, g, beta, initial_state=None):
+    """Token by token. q, k [B, L, Hk, Dk], v [B, L, Hv, Dv], g, beta [B, L, Hv],
+    initial_state f32[B, Hv, Dk, Dv] (None: zeros) -> (out f32[B, L, Hv, Dv], final state)."""
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    batch, _, heads, dk = k.shape
+    state = (jnp.zeros((batch, heads, dk, v.shape[-1]), jnp.float32) if initial_state is None
+             else initial_state.astype(jnp.float32))
+
+    def body(state, xs):
+        out, state = delta_step(state, *xs)
+        return state, out
+
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta))
+    state, out = jax.lax.scan(body, state, xs)
+    return jnp.moveaxis(out, 0, 1), state
+
+
+def chunked_gated_delta(q, k, v, g, beta, initial_state=None, chunk_size: int = 64):
+    """recurrent_gated_delta's result in chunks of chunk_size tokens (the WY / UT form of
+    transformers' torch_chunk_gated_delta_rule): within a chunk, the delta rule's L writes are
+    one unit lower-triangular solve; from chunk to chunk, the state. Padding past L (to a whole
+    chunk) has beta 0 and g 0: it writes nothing and decays nothing."""
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    batch, length, heads, dk = k.shape
+    dv = v.shape[-1]
+    pad = -length % chunk_size
+    padded = [jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+              for x in (q, k, v, g, beta)]
+    # [B, Hv, N, C, ...]: heads first, then chunks
+    q, k, v, g, beta = (jnp.moveaxis(x.reshape(batch, -1, chunk_size, *x.shape[2:]), 3, 1)
+                        for x in padded)
+    cum = jnp.cumsum(g, axis=-1)  # log decay from the chunk's start to each token
+    causal = jnp.tril(jnp.ones((chunk_size, chunk_size), bool))
+    pair = jnp.where(causal, jnp.exp(jnp.where(causal, cum[..., :, None] - cum[..., None, :],
+                                               0.0)), 0.0)  # decay from token j to token i
+    k_beta = k * beta[..., None]
+    system = jnp.einsum("bhnik,bhnjk->bhnij", k_beta, k) * pair
+    solve = jax.vmap(jax.vmap(jax.vmap(lambda a, b: jax.scipy.linalg.solve_triangular(
+        a, b, lower=True, unit_diagonal=True))))
+    values = solve(system, v * beta[..., None])  # the writes' targets (u)
+    k_decayed = solve(system, k_beta * jnp.exp(cum)[..., None])  # what reads the old state
+    within = jnp.einsum("bhnik,bhnjk->bhnij", q, k) * pair
+    q_decayed = q * jnp.exp(cum)[..., None]
+    k_to_end = k * jnp.exp(cum[..., -1:] - cum)[..., None]
+    chunk_decay = jnp.exp(cum[..., -1])
+    state = (jnp.zeros((batch, heads, dk, dv), jnp.float32) if initial_state is None
+             else initial_state.astype(jnp.float32))
+
+    def body(state, xs):
+        values, k_decayed, within, q_decayed, k_to_end, decay = xs
+        new = values - jnp.einsum("bhck,bhkv->bhcv", k_decayed, state)
+        out = (jnp.einsum("bhck,bhkv->bhcv", q_decayed, state)
+               + jnp.einsum("bhij,bhjv->bhiv", within, new))
+        state = state * decay[..., None, None] + jnp.einsum("bhck,bhcv->bhkv", k_to_end, new)
+        return state, out
+
+    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (values, k_decayed, within, q_decayed,
+                                               k_to_end, chunk_decay))
+    state, out = jax.lax.scan(body, state, xs)  # out [N, B, Hv, C, Dv]
+    out = jnp.moveaxis(out, 0, 2).reshape(batch, heads, -1, dv)[:, :, :length]
+    return jnp.moveaxis(out, 1, 2), state
+
+
+def causal_conv1d(x: jax.Array, weight: jax.Array, window: jax.Array | None = None,
+                  activation=jax.nn.silu) -> tuple[jax.Array, jax.Array]:
+    """Depthwise causal conv over L: out[t, c] = act(sum_j weight[c, j] * x[t - K + 1 + j, c]),
+    inputs before the first read from window (the previous K - 1 inputs; zeros when None).
+    x [B, L, X], weight [X, K], window [B, K - 1, X] -> (out [B, L, X] in x's dtype, the last
+    K - 1 inputs: the next call's window)."""
+    batch, length, channels = x.shape
+    taps = weight.shape[-1]
+    if window is None:
+        window = jnp.zeros((batch, taps - 1, channels), x.dtype)
+    full = jnp.concatenate([window.astype(x.dtype), x], axis=1)  # [B, K - 1 + L, X]
+    out = sum(full[:, j:j + length].astype(jnp.float32) * weight[:, j].astype(jnp.float32)
+              for j in range(taps))
+    return activation(out).astype(x.dtype), full[:, length:]
