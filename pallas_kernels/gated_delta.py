@@ -130,3 +130,61 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, window: jax.Array | None = No
     out = sum(full[:, j:j + length].astype(jnp.float32) * weight[:, j].astype(jnp.float32)
               for j in range(taps))
     return activation(out).astype(x.dtype), full[:, length:]
+
+
+# ---- a step's ragged batch: sequences back to back, each from its own state ------------------
+
+def token_rows(cu_q_lens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """(row i32[T]: each token's sequence, offset i32[T]: its index in the row's query) for
+    T = num_tokens; padding tokens past the last row's get the last row and an offset past it."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    row = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right") - 1, 0, cu_q_lens.shape[0] - 2)
+    return row.astype(jnp.int32), t - cu_q_lens[row]
+
+
+def ragged_causal_conv1d(x: jax.Array, weight: jax.Array, windows: jax.Array,
+                         cu_q_lens: jax.Array, activation=jax.nn.silu):
+    """causal_conv1d over a step's rows: x [T, X] (rows back to back, cu_q_lens i32[B + 1]),
+    windows [B, K - 1, X] each row's last inputs before this step -> (out [T, X], the rows'
+    new windows [B, K - 1, X]; a row with no query tokens keeps its own)."""
+    taps = weight.shape[-1]
+    row, offset = token_rows(cu_q_lens, x.shape[0])
+    t = jnp.arange(x.shape[0])
+    out = jnp.zeros(x.shape, jnp.float32)
+    for j in range(taps):  # tap j reads the input (taps - 1 - j) tokens back
+        back = taps - 1 - j
+        from_x = x[jnp.clip(t - back, 0, None)]
+        from_window = windows[row, jnp.clip(offset - back + taps - 1, 0, taps - 2)]
+        value = jnp.where((offset >= back)[:, None], from_x, from_window.astype(x.dtype))
+        out = out + value.astype(jnp.float32) * weight[:, j].astype(jnp.float32)
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    m = jnp.arange(taps - 1)
+    relative = q_lens[:, None] - (taps - 1) + m[None, :]  # [B, K - 1]: into this step's tokens
+    from_x = x[jnp.clip(cu_q_lens[:-1, None] + relative, 0, x.shape[0] - 1)]
+    from_window = jnp.take_along_axis(
+        windows, jnp.clip(q_lens[:, None] + m[None, :], 0, taps - 2)[..., None], axis=1)
+    new_windows = jnp.where((relative >= 0)[..., None], from_x.astype(windows.dtype),
+                            from_window)
+    return activation(out).astype(x.dtype), new_windows
+
+
+def ragged_gated_delta(q, k, v, g, beta, states: jax.Array, cu_q_lens: jax.Array,
+                       num_real: jax.Array, decode_only: bool = False):
+    """The gated delta rule over a step's rows, token by token from each row's state:
+    q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv], states f32[B, Hv, Dk, Dv] -> (out
+    f32[T, Hv, Dv], the rows' new states). Tokens from num_real on are padding: they change no
+    state. decode_only (one token a row, T == B): every row's update at once."""
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    if decode_only:
+        out, new = delta_step(states, q, k, v, g, beta)
+        return out, new
+    row, _ = token_rows(cu_q_lens, q.shape[0])
+    real = jnp.arange(q.shape[0]) < num_real
+
+    def body(states, xs):
+        r, keep, *token = xs
+        out, new = delta_step(states[r], *token)
+        return states.at[r].set(jnp.where(keep, new, states[r])), out
+
+    states, out = jax.lax.scan(body, states, (row, real, q, k, v, g, beta))
+    return out, states

@@ -26,14 +26,19 @@ from pagedjax.scheduler.block_pool import NULL_BLOCK, BlockPool
 from pagedjax.scheduler.host_tier import HostTier
 from pagedjax.scheduler.kv_cache_manager import NULL_HOST, KVCacheManager, cdiv, hold_hits
 from pagedjax.scheduler.request import Request
+from pagedjax.scheduler.state_group import StateGroupManager, StateWindow
 
 
 def blocks_for(windows: Sequence[int | None], block_size: int, num_tokens: int,
                max_tokens_per_step: int | None = None) -> int:
     """The most blocks a request of num_tokens holds over groups of these windows: every block
-    in a full group; in a sliding one, the window's and a step's (max_tokens_per_step)."""
+    in a full group; in a sliding one, the window's and a step's (max_tokens_per_step); in a
+    state group (scheduler.state_group), its fixed count."""
     total = 0
     for window in windows:
+        if isinstance(window, StateWindow):
+            total += window.num_blocks
+            continue
         blocks = cdiv(num_tokens, block_size)
         if window is not None:
             step = max_tokens_per_step or num_tokens
@@ -82,13 +87,18 @@ class HybridKVCacheManager:
             self.pool.tier = HostTier(num_tier_blocks)
         self.num_host_blocks = num_host_blocks
         self._host_free = collections.deque(range(num_host_blocks))
-        self.enable_prefix_caching = enable_prefix_caching
         self.max_tokens_per_step = max_tokens_per_step
-        self.groups = [KVCacheManager(num_blocks, block_size,
+        # a state group publishes nothing, so no prefix is ever served whole: caching is off
+        self.has_state = any(isinstance(w, StateWindow) for w in self.windows)
+        enable_prefix_caching = enable_prefix_caching and not self.has_state
+        self.enable_prefix_caching = enable_prefix_caching
+        shared = dict(num_host_blocks=num_host_blocks, pool=self.pool,
+                      host_free=self._host_free, cache_key=cache_key)
+        self.groups = [StateGroupManager(window, num_blocks, block_size, **shared)
+                       if isinstance(window, StateWindow) else
+                       KVCacheManager(num_blocks, block_size,
                                       enable_prefix_caching=enable_prefix_caching,
-                                      cache_key=cache_key, num_host_blocks=num_host_blocks,
-                                      sliding_window=window, pool=self.pool,
-                                      host_free=self._host_free, hash_suffix=b"|%d" % g)
+                                      sliding_window=window, hash_suffix=b"|%d" % g, **shared)
                        for g, window in enumerate(self.windows)]
         self.num_allocation_failures = 0
 
@@ -107,6 +117,11 @@ class HybridKVCacheManager:
         return [group.hash_suffix for group in self.groups]
 
     # ---- sizes ------------------------------------------------------------------------------
+
+    @property
+    def state_blocks(self) -> list[int]:
+        """Each group's fixed blocks a request (a state group's), 0 for an attention group."""
+        return [getattr(group, "state_blocks", 0) for group in self.groups]
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return blocks_for(self.windows, self.block_size, num_tokens, self.max_tokens_per_step)
@@ -199,6 +214,15 @@ class HybridKVCacheManager:
     def take_pending_copies(self) -> list[tuple[int, int]]:
         return [copy for group in self.groups for copy in group.take_pending_copies()]
 
+    def take_pending_state_copies(self) -> list[tuple[int, int]]:
+        """The state groups' fork copies (scheduler.state_group), whole blocks."""
+        copies = []
+        for group in self.groups:
+            copies += getattr(group, "pending_state_copies", [])
+            if hasattr(group, "pending_state_copies"):
+                group.pending_state_copies = []
+        return copies
+
     @property
     def pending_copies(self) -> list[tuple[int, int]]:
         return [copy for group in self.groups for copy in group.pending_copies]
@@ -264,11 +288,17 @@ class HybridKVCacheManager:
 
     @property
     def block_tables(self) -> dict[str, list[int]]:
-        """Every block a request holds, over all groups (the null block left out)."""
+        """Every block a request holds, over all groups (the null block left out; a state
+        group's reserved for its followers too)."""
         tables: dict[str, list[int]] = {}
         for group in self.groups:
-            for request_id, table in group.block_tables.items():
-                tables.setdefault(request_id, []).extend(b for b in table if b != NULL_BLOCK)
+            held = [group.block_tables.items()]
+            if isinstance(group, StateGroupManager):
+                held.append(group.reserved_tables().items())
+            for items in held:
+                for request_id, table in items:
+                    tables.setdefault(request_id, []).extend(b for b in table
+                                                             if b != NULL_BLOCK)
         return tables
 
     @property

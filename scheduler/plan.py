@@ -122,6 +122,8 @@ def _rows(scheduled, kv_manager: KVCacheManager, tables: list[np.ndarray]):
     columns = {name: [] for name in ("start", "q_len", "seed", "drafts", "lora_slot",
                                      *_PARAM_COLUMNS)}
     block_size = kv_manager.block_size
+    # a state group's row: its fixed blocks whole (scheduler.state_group)
+    state_blocks = getattr(kv_manager, "state_blocks", [0] * len(tables))
     for i, seq in enumerate(scheduled):
         request, start, n = seq
         drafts = seq.drafts
@@ -132,8 +134,9 @@ def _rows(scheduled, kv_manager: KVCacheManager, tables: list[np.ndarray]):
         tokens.extend(drafts)
         columns["drafts"].append(drafts)
         if n:
-            for out, table in zip(tables, kv_manager.get_block_tables(request.request_id)):
-                write_table(out[i], table, cdiv(start + n, block_size))
+            for out, table, fixed in zip(tables, kv_manager.get_block_tables(request.request_id),
+                                         state_blocks):
+                write_table(out[i], table, fixed or cdiv(start + n, block_size))
         params = request.sampling_params
         for name, value in (("start", start), ("q_len", n), ("seed", request.seed),
                             ("lora_slot", request.lora_slot)):

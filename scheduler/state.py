@@ -110,6 +110,9 @@ class SchedulerOutput:
     # LoRA adapters to write into their device slots before the step (slot, adapter id):
     # scheduler.lora_slots.
     lora_loads: list[tuple[int, int]] = ()
+    # A state group's fork copies (device src, device dst), whole blocks before everything else
+    # of the step (scheduler.state_group).
+    state_copies: list[tuple[int, int]] = ()
 
 
 @dataclasses.dataclass

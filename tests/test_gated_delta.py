@@ -92,3 +92,64 @@ def test_causal_conv1d_equals_transformers_whole_and_step_by_step():
             torch.from_numpy(weight), None, "silu")
         np.testing.assert_allclose(mine, theirs.transpose(1, 2).numpy(), **TOL)
         np.testing.assert_allclose(mine, out[:, t:t + 1], **TOL)
+
+
+def test_a_ragged_step_equals_each_row_from_its_own_state():
+    """Rows of 5, 0 (a fork follower), 1 (a decode) and 3 tokens back to back, then padding:
+    each row's output and new state (recurrent matrix and conv window) equal the dense rule's
+    from that row's state alone; the empty row keeps its state."""
+    import jax.numpy as jnp
+
+    from pagedjax.pallas_kernels.gated_delta import ragged_causal_conv1d, ragged_gated_delta
+    q_lens = [5, 0, 1, 3]
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    total, padded = int(cu[-1]), 12
+    q, k, v, g, beta, _ = inputs(4, batch=1, length=padded)
+    q, k, v, g, beta = (x[0] for x in (q, k, v, g, beta))
+    states = np.random.default_rng(5).normal(size=(4, 4, 8, 6)).astype(np.float32)
+    out, new = ragged_gated_delta(q, k, v, g, beta, jnp.asarray(states), jnp.asarray(cu),
+                                  jnp.asarray(total))
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(padded, 10)).astype(np.float32)
+    weight = rng.normal(size=(10, 4)).astype(np.float32)
+    windows = rng.normal(size=(4, 3, 10)).astype(np.float32)
+    conv, new_windows = ragged_causal_conv1d(jnp.asarray(x), jnp.asarray(weight),
+                                             jnp.asarray(windows), jnp.asarray(cu))
+    for row, (start, stop) in enumerate(zip(cu[:-1], cu[1:])):
+        if start == stop:
+            np.testing.assert_array_equal(new[row], states[row])
+            np.testing.assert_array_equal(new_windows[row], windows[row])
+            continue
+        piece = [t[None, start:stop] for t in (q, k, v, g, beta)]
+        ref_out, ref_state = recurrent_gated_delta(*piece, initial_state=states[row:row + 1])
+        np.testing.assert_allclose(out[start:stop], ref_out[0], **TOL)
+        np.testing.assert_allclose(new[row], ref_state[0], **TOL)
+        ref_conv, ref_window = causal_conv1d(x[None, start:stop], weight, windows[row:row + 1])
+        np.testing.assert_allclose(conv[start:stop], ref_conv[0], **TOL)
+        np.testing.assert_allclose(new_windows[row], ref_window[0], **TOL)
+    decode = ragged_gated_delta(q[:4], k[:4], v[:4], g[:4], beta[:4], jnp.asarray(states),
+                                jnp.arange(5, dtype=jnp.int32), jnp.asarray(4),
+                                decode_only=True)
+    for row in range(4):  # one token a row, every row at once
+        ref_out, ref_state = recurrent_gated_delta(
+            *(t[None, row:row + 1] for t in (q, k, v, g, beta)),
+            initial_state=states[row:row + 1])
+        np.testing.assert_allclose(decode[0][row], ref_out[0, 0], **TOL)
+        np.testing.assert_allclose(decode[1][row], ref_state[0], **TOL)
+
+
+def test_states_round_trip_through_their_pages_and_padding_writes_the_null_block():
+    import jax.numpy as jnp
+
+    from pagedjax.pallas_kernels.state_pages import (page_values, read_states, state_blocks,
+                                                     write_states)
+    cache = jnp.asarray(np.random.default_rng(7).normal(size=(2, 2, 12, 4, 8)), jnp.float32)
+    size = 300  # over 2 pages of 128 values: 3 blocks
+    n = state_blocks(size, page_values(cache))
+    assert n == 3
+    tables = jnp.asarray([[5, 2, 9], [0, 0, 0]], jnp.int32)  # a row, then a padding row
+    states = np.random.default_rng(8).normal(size=(2, size)).astype(np.float32)
+    written = write_states(cache, tables, jnp.asarray(states))
+    np.testing.assert_array_equal(read_states(written, tables[:1], size), states[:1])
+    untouched = [b for b in range(12) if b not in (0, 5, 2, 9)]
+    np.testing.assert_array_equal(written[:, :, untouched], cache[:, :, untouched])

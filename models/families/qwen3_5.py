@@ -16,7 +16,7 @@ from flax import nnx
 
 from pagedjax.models.config import LlamaConfig
 from pagedjax.models.families.hf_fields import refuse, rope_params
-from pagedjax.models.families.llama import (DecoderLayer, LlamaForCausalLM,
+from pagedjax.models.families.llama import (DecoderLayer, LlamaForCausalLM, num_real_tokens,
                                             read_hf_config as read_llama)
 from pagedjax.models.layers.attention import Attention
 from pagedjax.models.layers.basic import MLP, rms_norm
@@ -51,6 +51,19 @@ class HybridDecoderLayer(DecoderLayer):
             return super().__call__(x)
         x = x + self.linear_attn(self.input_layernorm(x))
         return x + self._mlp(self.post_attention_layernorm(x))
+
+
+    def forward_paged(self, x, positions, kv_cache, metadata, backend, lora=None):
+        """A linear layer reads and writes its rows' states in its state group's blocks
+        (models/layers/gated_deltanet.py); a full one is Llama's."""
+        if not self.is_linear:
+            return super().forward_paged(x, positions, kv_cache, metadata, backend, lora)
+        mixed, kv_cache = self.linear_attn.forward_paged(self.input_layernorm(x), kv_cache,
+                                                         metadata)
+        x = x + mixed
+        mlp = self._mlp(self.post_attention_layernorm(x), num_real_tokens(metadata), backend,
+                        lora)
+        return x + mlp, kv_cache
 
 
 class Qwen35ForCausalLM(LlamaForCausalLM):

@@ -10,8 +10,10 @@ fused and interleaved by key head (`in_proj_qkvz`, `in_proj_ba`: per key head it
 value heads' v, then their z; its value heads' b then a); Qwen3.5 as four (`in_proj_qkv`,
 `in_proj_z`, `in_proj_b`, `in_proj_a`). Both are read as stored and split here.
 
-The layer keeps no per-token KV: a sequence's state is the recurrent matrix
-f32[Hv, Dk, Dv] and the conv's last K - 1 inputs [K - 1, X].
+The layer keeps no per-token KV: a sequence's state is the conv's last K - 1 inputs
+[K - 1, X] and the recurrent matrix [Hv, Dk, Dv], kept in its blocks of the KV cache's state
+group (pallas_kernels/state_pages.py) between steps; a row whose first query token is at
+position 0 starts from zeros instead (a new sequence, or one recomputed after preemption).
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ from flax import nnx
 
 from pagedjax.models.config import LlamaConfig
 from pagedjax.models.layers.basic import linear
-from pagedjax.pallas_kernels.gated_delta import causal_conv1d, chunked_gated_delta
+from pagedjax.pallas_kernels import AttentionMetadata
+from pagedjax.pallas_kernels.gated_delta import (causal_conv1d, chunked_gated_delta,
+                                                 ragged_causal_conv1d, ragged_gated_delta)
+from pagedjax.pallas_kernels.state_pages import page_values, read_states, state_blocks, write_states
 
 CHUNK_SIZE = 64  # the chunked rule's C (flash-linear-attention's and transformers')
 
@@ -126,3 +131,35 @@ class GatedDeltaNet(nnx.Module):
         g, beta = self.gates(b, a)
         core, _ = chunked_gated_delta(q, k, v, g, beta, chunk_size=CHUNK_SIZE)
         return self.output(core, z, x.dtype)
+
+    @property
+    def state_values(self) -> int:
+        """A sequence's state: the conv window, then the recurrent matrix."""
+        return ((self.conv_taps - 1) * self.conv_dim
+                + self.num_v_heads * self.head_k_dim * self.head_v_dim)
+
+    def forward_paged(self, x: jax.Array, kv_cache: jax.Array, metadata: AttentionMetadata):
+        """x [T, D] of a step's rows -> ([T, D], the cache with each row's new state).
+        metadata.block_tables: the layer's state blocks a row (its group's, offset to its
+        slot; the first n columns, n from the page and state sizes)."""
+        n = state_blocks(self.state_values, page_values(kv_cache))
+        tables = metadata.block_tables[:, :n]
+        batch = tables.shape[0]
+        q_lens = metadata.cu_q_lens[1:] - metadata.cu_q_lens[:-1]
+        fresh = metadata.kv_lens == q_lens  # the first query token is at position 0
+        flat = jnp.where(fresh[:, None], 0.0, read_states(kv_cache, tables, self.state_values))
+        split = (self.conv_taps - 1) * self.conv_dim
+        windows = flat[:, :split].reshape(batch, self.conv_taps - 1, self.conv_dim)
+        states = flat[:, split:].reshape(batch, self.num_v_heads, self.head_k_dim,
+                                         self.head_v_dim)
+        qkv, z, b, a = self.project(x)
+        qkv, windows = ragged_causal_conv1d(qkv, self.conv_weight(), windows.astype(qkv.dtype),
+                                            metadata.cu_q_lens)
+        q, k, v = self.split_heads(qkv)
+        g, beta = self.gates(b, a)
+        core, states = ragged_gated_delta(q, k, v, g, beta, states, metadata.cu_q_lens,
+                                          metadata.cu_q_lens[metadata.num_seqs],
+                                          metadata.decode_only)
+        flat = jnp.concatenate([windows.reshape(batch, -1).astype(jnp.float32),
+                                states.reshape(batch, -1)], axis=1)
+        return self.output(core, z, x.dtype), write_states(kv_cache, tables, flat)

@@ -6,7 +6,11 @@ With S layers a group (the fewest layers any window has), a window with n layers
 ceil(n / S) groups, the last padded (its missing layers' slots unused). Layer l runs in group
 layer_group[l] at cache slot layer_slot[l]: it reads and writes block b of its group's tables as
 physical block layer_slot[l] * NB + b. A model whose layers share one window has one group of all
-its layers (slot = layer), the layout of every cache before groups."""
+its layers (slot = layer), the layout of every cache before groups.
+
+Linear-attention layers (Gated DeltaNet) form groups of their own, marked LINEAR: they keep a
+fixed state a sequence, in blocks of the same pool (the engine sets how many a request holds:
+scheduler.state_group.StateWindow), so they too fill groups of S layers."""
 
 from __future__ import annotations
 
@@ -15,9 +19,14 @@ import dataclasses
 from pagedjax.models.config import LlamaConfig
 
 
+LINEAR = "linear_attention"  # the window of a group of linear-attention layers
+
+
 @dataclasses.dataclass(frozen=True)
 class KVCacheGroups:
-    windows: tuple[int | None, ...]  # each group's attention window (None: full attention)
+    # each group's attention window (None: full attention; LINEAR, or the engine's StateWindow
+    # once sized: a linear-attention group's state)
+    windows: tuple
     layer_group: tuple[int, ...]  # per layer
     layer_slot: tuple[int, ...]  # per layer: its slot in the cache's layer axis
     num_slots: int  # S: layers a group holds (the cache's layer axis)
@@ -34,11 +43,18 @@ class KVCacheGroups:
 def kv_cache_groups(config: LlamaConfig, hybrid: bool = True) -> KVCacheGroups:
     """The groups of config's layers; hybrid False (vLLM's --disable-hybrid-kv-cache-manager):
     one group of every layer, each keeping the whole context (the window then only masks)."""
-    windows = [config.layer_window(i) for i in range(config.num_layers)]
+    windows = [LINEAR if config.layer_is_linear(i) else config.layer_window(i)
+               for i in range(config.num_layers)]
+    if LINEAR in windows and (not hybrid or set(windows) == {LINEAR}):
+        raise ValueError("linear-attention layers are served beside attention layers, in the "
+                         "hybrid KV cache manager's state group: a model of them alone, or "
+                         "the hybrid manager disabled, is not supported")
     if not hybrid or len(set(windows)) == 1:
         return KVCacheGroups((config.shared_window,), (0,) * config.num_layers,
                              tuple(range(config.num_layers)), config.num_layers)
-    kinds = sorted(set(windows), key=lambda w: (w is not None, w or 0))  # full first
+    # full first, then sliding by window, linear last
+    kinds = sorted(set(windows), key=lambda w: (w == LINEAR, w is not None,
+                                                0 if w in (None, LINEAR) else w))
     by_kind = {w: [i for i, lw in enumerate(windows) if lw == w] for w in kinds}
     size = min(len(layers) for layers in by_kind.values())
     group_windows, layer_group, layer_slot = [], [0] * config.num_layers, [0] * config.num_layers

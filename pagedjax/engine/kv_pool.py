@@ -6,16 +6,22 @@ built runner), the step shapes, and the ModelRunner holding the weights and that
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from pagedjax.engine import memory_budget
 from pagedjax.engine.config import EngineConfig
 from pagedjax.engine.runner import ModelRunner
 from pagedjax.lora.slot_weights import SlotSpec
-from pagedjax.models.layers.kv_groups import KVCacheGroups, kv_cache_groups
+from pagedjax.models.layers.kv_groups import LINEAR, KVCacheGroups, kv_cache_groups
 from pagedjax.pallas_kernels import check_num_slots, kv_cache_bytes_per_block
+from pagedjax.pallas_kernels.layout import cache_head_dim
+from pagedjax.pallas_kernels.state_pages import state_blocks
 from pagedjax.parallel.sharding import kv_head_repeats
 from pagedjax.scheduler import ShapeBuckets
 from pagedjax.scheduler.kv_cache_groups import blocks_for
+from pagedjax.scheduler.state_group import StateWindow
+
+logger = logging.getLogger("pagedjax.engine")
 
 
 @dataclasses.dataclass
@@ -35,10 +41,12 @@ def size_kv_pool(model, config: EngineConfig, devices, backend) -> KVPool:
     model_config, tp = model.config, config.tensor_parallel_size
     kv_groups = kv_cache_groups(model_config, not config.disable_hybrid_kv_cache_manager)
     num_slots = kv_groups.num_slots
+    kv_heads = model_config.num_kv_heads * kv_head_repeats(model_config.num_kv_heads, tp)
     bytes_per_block = kv_cache_bytes_per_block(
-        num_slots, config.block_size,
-        model_config.num_kv_heads * kv_head_repeats(model_config.num_kv_heads, tp),
-        model_config.head_dim, config.kv_np_dtype, backend.name)
+        num_slots, config.block_size, kv_heads, model_config.head_dim, config.kv_np_dtype,
+        backend.name)
+    kv_groups = sized_state_groups(kv_groups, model_config, config.block_size, kv_heads,
+                                   backend.name)
     per_device = bytes_per_block // tp  # the pool's budget is a device's
     num_blocks = config.resolve_num_blocks(
         per_device, blocks_for(kv_groups.windows, config.block_size, config.max_model_len,
@@ -62,3 +70,46 @@ def size_kv_pool(model, config: EngineConfig, devices, backend) -> KVPool:
     windows = tuple(model_config.layer_window(i) for i in range(model_config.num_layers))
     return KVPool(kv_groups, windows, bytes_per_block, per_device, num_blocks, buckets, runner,
                   budget)
+
+
+def sized_state_groups(kv_groups: KVCacheGroups, model_config, block_size: int, kv_heads: int,
+                       backend: str = "reference") -> KVCacheGroups:
+    """kv_groups with each linear-attention group's window (LINEAR) the scheduler's
+    StateWindow: the blocks of a page of kv_heads heads that one sequence's state of a layer
+    takes (pallas_kernels.state_pages)."""
+    if LINEAR not in kv_groups.windows:
+        return kv_groups
+    page = 2 * kv_heads * block_size * cache_head_dim(model_config.head_dim, backend)
+    window = StateWindow(state_blocks(model_config.linear_state_values(), page))
+    return dataclasses.replace(kv_groups, windows=tuple(
+        window if w == LINEAR else w for w in kv_groups.windows))
+
+
+def check_linear_attention(model_config, config: EngineConfig) -> EngineConfig:
+    """A model with linear-attention layers (Qwen3.5, Qwen3-Next) served as its state group can
+    be: the features that cannot hold a state are refused by name, and prefix caching is
+    turned off (a state block is no function of one block's tokens: scheduler.state_group),
+    said in the log. Returns the config to serve with."""
+    if model_config.num_attention_layers == model_config.num_layers:
+        return config
+    name = f"{model_config.model_type} (linear-attention layers)"
+    refused = {"tensor_parallel_size": config.tensor_parallel_size > 1,
+               "kv_cache_dtype": config.kv_cache_dtype != "auto",
+               "speculative_config": config.speculative_config is not None,
+               "enable_lora": config.enable_lora,
+               "async_scheduling": config.async_scheduling}
+    why = {"tensor_parallel_size": "their heads are not split over devices yet",
+           "kv_cache_dtype": "their state is kept in the cache's dtype, unquantized",
+           "speculative_config": "a rejected draft would stay in the recurrent state",
+           "enable_lora": "adapters of their projections are not served yet",
+           "async_scheduling": "a fork's state copy would land a step after its parent "
+                               "moved on"}
+    for field, bad in refused.items():
+        if bad:
+            raise ValueError(f"{field}={getattr(config, field)!r} is not supported for "
+                             f"{name}: {why[field]}")
+    if config.enable_prefix_caching:
+        logger.warning("prefix caching is off for %s: their state blocks hold the state "
+                       "after a sequence's latest token, not a block's", name)
+        config = dataclasses.replace(config, enable_prefix_caching=False)
+    return config

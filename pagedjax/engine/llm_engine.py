@@ -14,7 +14,7 @@ from pagedjax.engine import memory_budget, prompt_logprobs
 from pagedjax.engine.async_scheduling import AsyncScheduling
 from pagedjax.engine.compile_cache import enable_compilation_cache
 from pagedjax.engine.config import EngineConfig
-from pagedjax.engine.kv_pool import size_kv_pool
+from pagedjax.engine.kv_pool import check_linear_attention, size_kv_pool
 from pagedjax.engine.kv_snapshot import KVSnapshot, UsageSample, kv_snapshot, tokens_stored
 from pagedjax.engine.output_processor import TextState
 from pagedjax.engine.outputs import RequestOutput
@@ -70,10 +70,7 @@ class LLMEngine(RequestIntake, StepRecovery, WeightUpdates, SleepMode, LoRAContr
         if config.max_model_len > model_config.max_position_embeddings:
             raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
                              f"max_position_embeddings ({model_config.max_position_embeddings})")
-        if model_config.num_attention_layers < model_config.num_layers:
-            raise ValueError(f"{model_config.model_type}: linear-attention (Gated DeltaNet) "
-                             f"layers are not served by the paged engine yet (their state "
-                             f"group is issue 54's next part); the dense forward runs")
+        config = check_linear_attention(model_config, config)
         self.config = config
         self.model_config = model_config
         self.compilation_cache_dir = enable_compilation_cache(config.compilation_cache)
@@ -213,6 +210,7 @@ class LLMEngine(RequestIntake, StepRecovery, WeightUpdates, SleepMode, LoRAContr
         if self.kv_tiers is not None:
             self.kv_tiers.prefetch(self.scheduler.state)
         output = self.schedule_step()
+        self.runner.copy_device_blocks(output.state_copies)  # before the swaps free them
         if not output.scheduled:
             if after is None and self.scheduler.has_unfinished() and not self._holding_new:
                 raise RuntimeError("scheduler made no progress with requests pending")

@@ -39,6 +39,17 @@ class BlockTransfers:
             host, device = map(list, zip(*swap_in))
             self.write_blocks(device, host_pool, host)
 
+    def copy_device_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Device block copies (src, dst) in every layer slot, outside a step: a state group's
+        forks (scheduler.state_group), run before the step and its swaps."""
+        if not pairs:
+            return
+        src, dst = map(list, zip(*pairs))
+        data = self.read_blocks(src)
+        ids = _pad_ids(dst)
+        flat = layer_blocks(ids, self.graph.num_kv_slots, self.num_blocks).reshape(-1)
+        self.kv_cache = self.block_copy("write", len(ids))(self.kv_cache, flat, data)
+
     def read_blocks(self, device: list[int]):
         """Device blocks' content in every layer slot, dispatched (not waited for): a pytree
         like the cache, of [2, K, L * C, ...] device arrays, C = len(device) padded to a power
