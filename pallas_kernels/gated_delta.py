@@ -81,39 +81,46 @@ def chunked_gated_delta(q, k, v, g, beta, initial_state=None, chunk_size: int = 
     pad = -length % chunk_size
     padded = [jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
               for x in (q, k, v, g, beta)]
-    # [B, Hv, N, C, ...]: heads first, then chunks
-    q, k, v, g, beta = (jnp.moveaxis(x.reshape(batch, -1, chunk_size, *x.shape[2:]), 3, 1)
-                        for x in padded)
+    # [N, B, Hv, C, ...]: chunks, sequences, heads, then a chunk's tokens
+    chunks = [jnp.moveaxis(x.reshape(batch, -1, chunk_size, *x.shape[2:]), (1, 3), (0, 2))
+              for x in padded]
+    state = (jnp.zeros((batch, heads, dk, dv), jnp.float32) if initial_state is None
+             else initial_state.astype(jnp.float32))
+    state, out = jax.lax.scan(chunk_step, state, within_chunks(*chunks))  # [N, B, Hv, C, Dv]
+    out = jnp.moveaxis(out, 0, 2).reshape(batch, heads, -1, dv)[:, :, :length]
+    return jnp.moveaxis(out, 1, 2), state
+
+
+def within_chunks(q, k, v, g, beta) -> tuple:
+    """What each chunk computes without the state (prepared inputs [..., Hv, C, D] and
+    [..., Hv, C]): (u: its writes' targets, the keys that read the old state, decayed, the
+    causal q.k within the chunk, the decayed queries, the keys decayed to the chunk's end, the
+    chunk's whole decay)."""
+    size = g.shape[-1]
     cum = jnp.cumsum(g, axis=-1)  # log decay from the chunk's start to each token
-    causal = jnp.tril(jnp.ones((chunk_size, chunk_size), bool))
+    causal = jnp.tril(jnp.ones((size, size), bool))
     pair = jnp.where(causal, jnp.exp(jnp.where(causal, cum[..., :, None] - cum[..., None, :],
                                                0.0)), 0.0)  # decay from token j to token i
     k_beta = k * beta[..., None]
-    system = jnp.einsum("bhnik,bhnjk->bhnij", k_beta, k) * pair
-    solve = jax.vmap(jax.vmap(jax.vmap(lambda a, b: jax.scipy.linalg.solve_triangular(
-        a, b, lower=True, unit_diagonal=True))))
-    values = solve(system, v * beta[..., None])  # the writes' targets (u)
-    k_decayed = solve(system, k_beta * jnp.exp(cum)[..., None])  # what reads the old state
-    within = jnp.einsum("bhnik,bhnjk->bhnij", q, k) * pair
-    q_decayed = q * jnp.exp(cum)[..., None]
-    k_to_end = k * jnp.exp(cum[..., -1:] - cum)[..., None]
-    chunk_decay = jnp.exp(cum[..., -1])
-    state = (jnp.zeros((batch, heads, dk, dv), jnp.float32) if initial_state is None
-             else initial_state.astype(jnp.float32))
+    system = jnp.einsum("...ik,...jk->...ij", k_beta, k) * pair
+    solve = jnp.vectorize(lambda a, b: jax.scipy.linalg.solve_triangular(
+        a, b, lower=True, unit_diagonal=True), signature="(c,c),(c,d)->(c,d)")
+    values = solve(system, v * beta[..., None])
+    k_decayed = solve(system, k_beta * jnp.exp(cum)[..., None])
+    within = jnp.einsum("...ik,...jk->...ij", q, k) * pair
+    return (values, k_decayed, within, q * jnp.exp(cum)[..., None],
+            k * jnp.exp(cum[..., -1:] - cum)[..., None], jnp.exp(cum[..., -1]))
 
-    def body(state, xs):
-        values, k_decayed, within, q_decayed, k_to_end, decay = xs
-        new = values - jnp.einsum("bhck,bhkv->bhcv", k_decayed, state)
-        out = (jnp.einsum("bhck,bhkv->bhcv", q_decayed, state)
-               + jnp.einsum("bhij,bhjv->bhiv", within, new))
-        state = state * decay[..., None, None] + jnp.einsum("bhck,bhcv->bhkv", k_to_end, new)
-        return state, out
 
-    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (values, k_decayed, within, q_decayed,
-                                               k_to_end, chunk_decay))
-    state, out = jax.lax.scan(body, state, xs)  # out [N, B, Hv, C, Dv]
-    out = jnp.moveaxis(out, 0, 2).reshape(batch, heads, -1, dv)[:, :, :length]
-    return jnp.moveaxis(out, 1, 2), state
+def chunk_step(state: jax.Array, parts: tuple) -> tuple[jax.Array, jax.Array]:
+    """One chunk from state f32[..., Hv, Dk, Dv] (within_chunks' parts of that chunk):
+    (the state after it, its output [..., Hv, C, Dv])."""
+    values, k_decayed, within, q_decayed, k_to_end, decay = parts
+    new = values - jnp.einsum("...ck,...kv->...cv", k_decayed, state)
+    out = (jnp.einsum("...ck,...kv->...cv", q_decayed, state)
+           + jnp.einsum("...ij,...jv->...iv", within, new))
+    state = state * decay[..., None, None] + jnp.einsum("...ck,...cv->...kv", k_to_end, new)
+    return state, out
 
 
 def causal_conv1d(x: jax.Array, weight: jax.Array, window: jax.Array | None = None,
@@ -169,22 +176,52 @@ def ragged_causal_conv1d(x: jax.Array, weight: jax.Array, windows: jax.Array,
 
 
 def ragged_gated_delta(q, k, v, g, beta, states: jax.Array, cu_q_lens: jax.Array,
-                       num_real: jax.Array, decode_only: bool = False):
-    """The gated delta rule over a step's rows, token by token from each row's state:
-    q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv], states f32[B, Hv, Dk, Dv] -> (out
-    f32[T, Hv, Dv], the rows' new states). Tokens from num_real on are padding: they change no
-    state. decode_only (one token a row, T == B): every row's update at once."""
+                       num_real: jax.Array, decode_only: bool = False, chunk_size: int = 64):
+    """The gated delta rule over a step's rows, each from its own state: q, k [T, Hk, Dk],
+    v [T, Hv, Dv], g, beta [T, Hv], states f32[B, Hv, Dk, Dv] -> (out f32[T, Hv, Dv], the rows'
+    new states). Tokens from num_real on are padding: they change no state and read zeros.
+    decode_only (one token a row, T == B): every row's recurrent update at once. Otherwise the
+    chunked form over chunks that never cross a row: each row's query in chunks of
+    min(chunk_size, T) tokens (its last one partial), at most T / C + B of them a step, their
+    within-chunk parts computed together, then one scan over the chunks carrying the rows'
+    states."""
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     if decode_only:
-        out, new = delta_step(states, q, k, v, g, beta)
-        return out, new
-    row, _ = token_rows(cu_q_lens, q.shape[0])
-    real = jnp.arange(q.shape[0]) < num_real
+        return delta_step(states, q, k, v, g, beta)
+    size = min(chunk_size, q.shape[0])
+    row, valid, index = _row_chunks(cu_q_lens, num_real, q.shape[0], states.shape[0], size)
+
+    def chunked(x):  # [T, Hv, ...] -> [N, Hv, C, ...], zeros off the rows
+        taken = jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 1)), x[index], 0.0)
+        return jnp.moveaxis(taken, 1, 2)
+
+    parts = within_chunks(*(chunked(x) for x in (q, k, v, g, beta)))
 
     def body(states, xs):
-        r, keep, *token = xs
-        out, new = delta_step(states[r], *token)
-        return states.at[r].set(jnp.where(keep, new, states[r])), out
+        r, part = xs
+        state, out = chunk_step(states[r], part)
+        return states.at[r].set(state), out
 
-    states, out = jax.lax.scan(body, states, (row, real, q, k, v, g, beta))
-    return out, states
+    states, out = jax.lax.scan(body, states, (row, parts))  # out [N, Hv, C, Dv]
+    out = jnp.moveaxis(out, 1, 2)  # [N, C, Hv, Dv]
+    target = jnp.where(valid, index, q.shape[0])  # off the rows: dropped
+    tokens = jnp.zeros(v.shape, jnp.float32).at[target.reshape(-1)].set(
+        out.reshape(-1, *out.shape[2:]), mode="drop")
+    return tokens, states
+
+
+def _row_chunks(cu_q_lens, num_real, num_tokens: int, num_rows: int, size: int):
+    """The chunks of a step's rows (N = num_tokens // size + num_rows, a bound): each chunk's
+    row i32[N] (empty chunks: the last row, all invalid), which of its size slots hold a token
+    of the row (bool[N, C]) and those tokens' indices i32[N, C]."""
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    count = (q_lens + size - 1) // size
+    ends = jnp.cumsum(count)
+    n = num_tokens // size + num_rows
+    c = jnp.arange(n, dtype=jnp.int32)
+    row = jnp.clip(jnp.searchsorted(ends, c, side="right"), 0, num_rows - 1).astype(jnp.int32)
+    first = (ends - count)[row]
+    index = cu_q_lens[row][:, None] + (c - first)[:, None] * size + jnp.arange(size)[None]
+    valid = ((c < ends[-1])[:, None] & (index < cu_q_lens[row + 1][:, None])
+             & (index < num_real))
+    return row, valid, jnp.where(valid, index, 0)

@@ -94,10 +94,12 @@ def test_causal_conv1d_equals_transformers_whole_and_step_by_step():
         np.testing.assert_allclose(mine, out[:, t:t + 1], **TOL)
 
 
-def test_a_ragged_step_equals_each_row_from_its_own_state():
+@pytest.mark.parametrize("chunk_size", [64, 2])
+def test_a_ragged_step_equals_each_row_from_its_own_state(chunk_size):
     """Rows of 5, 0 (a fork follower), 1 (a decode) and 3 tokens back to back, then padding:
-    each row's output and new state (recurrent matrix and conv window) equal the dense rule's
-    from that row's state alone; the empty row keeps its state."""
+    each row's output and new state (recurrent matrix and conv window) equal the recurrent
+    rule's from that row's state alone, in one chunk a row or in chunks of 2 (rows of several
+    chunks, a partial last one); the empty row keeps its state."""
     import jax.numpy as jnp
 
     from pagedjax.pallas_kernels.gated_delta import ragged_causal_conv1d, ragged_gated_delta
@@ -108,7 +110,8 @@ def test_a_ragged_step_equals_each_row_from_its_own_state():
     q, k, v, g, beta = (x[0] for x in (q, k, v, g, beta))
     states = np.random.default_rng(5).normal(size=(4, 4, 8, 6)).astype(np.float32)
     out, new = ragged_gated_delta(q, k, v, g, beta, jnp.asarray(states), jnp.asarray(cu),
-                                  jnp.asarray(total))
+                                  jnp.asarray(total), chunk_size=chunk_size)
+    np.testing.assert_array_equal(out[total:], 0.0)  # padding reads nothing
     rng = np.random.default_rng(6)
     x = rng.normal(size=(padded, 10)).astype(np.float32)
     weight = rng.normal(size=(10, 4)).astype(np.float32)
