@@ -90,3 +90,28 @@ def get_config(name: str) -> LlamaConfig:
     if name not in CONFIGS:
         raise ValueError(f"unknown model config {name!r}; known: {sorted(CONFIGS)}")
     return CONFIGS[name]
+
+
+def _qwen3_5(num_layers: int, **fields) -> LlamaConfig:
+    """A Qwen3.5 / Qwen3-Next config of real shapes: three Gated DeltaNet layers before each
+    full-attention one (models/families/qwen3_5.py)."""
+    types = tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                  for i in range(num_layers))
+    return LlamaConfig(num_layers=num_layers, layer_types=types, head_dim=256,
+                       partial_rotary_factor=0.25, attn_output_gate=True, qk_norm=True,
+                       norm_unit_offset=True, rms_norm_eps=1e-6, linear_num_key_heads=16,
+                       linear_num_value_heads=32, linear_key_head_dim=128,
+                       linear_value_head_dim=128, linear_conv_kernel_dim=4, **fields)
+
+
+CONFIGS.update({
+    # transformers' Qwen3_5TextConfig defaults (its docstring: "Qwen3.5-9B style")
+    "qwen3.5-9b": _qwen3_5(32, vocab_size=248320, hidden_size=4096, intermediate_size=12288,
+                           num_heads=16, num_kv_heads=4, rope_theta=1e7,
+                           max_position_embeddings=262144, model_type="qwen3_5_text"),
+    "qwen3-next-80b-a3b": _qwen3_5(
+        48, vocab_size=151936, hidden_size=2048, intermediate_size=5120, num_heads=16,
+        num_kv_heads=2, rope_theta=1e7, max_position_embeddings=262144, num_experts=512,
+        num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        linear_fused_projections=True, model_type="qwen3_next"),
+})

@@ -121,6 +121,8 @@ def _repeat_kv_heads(model: LlamaForCausalLM, states: tuple, repeats: int):
         return repeat_kv_columns(x, config.num_kv_heads, repeats)
 
     def widen(state):
+        if "self_attn" not in state:  # a linear-attention layer: no KV heads
+            return state
         state = jax.tree.map(lambda x: x, state)  # a copy of the mapping to edit
         names = ("k_proj", "v_proj") + (("k_norm",) if config.qk_norm_whole else ())
         for name in names:  # OLMoE's k_norm spans the whole projection: repeated with it

@@ -72,8 +72,11 @@ def test_config_is_read_whole(arch, tmp_path):
     # KV for the 2 full layers only; the state: 6 layers x (4 x 8 x 12 + 3 x (2*2*8 + 4*12))
     assert config.kv_bytes_per_token(4) == 2 * 2 * 2 * 16 * 4
     assert config.state_bytes_per_sequence(4) == 6 * (4 * 8 * 12 + 3 * 80) * 4
-    report = inspect_model_dir(str(tmp_path))
+    report = inspect_model_dir(str(tmp_path), kv_dtype="float32")
     assert report["architecture"] == ARCHS[arch][1]
+    assert report["kv_bytes_per_token"] == config.kv_bytes_per_token(4)
+    assert (report["linear_attention_layers"], report["state_bytes_per_sequence"]) == (
+        6, config.state_bytes_per_sequence(4))
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -88,3 +91,23 @@ def test_the_multimodal_model_is_refused_by_name():
     raw = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5"}
     with pytest.raises(UnsupportedModelError, match="vision tower.*Qwen3_5ForCausalLM"):
         config_from_hf(raw)
+
+
+def test_capacity_counts_the_attention_kv_a_token_and_the_state_a_sequence(capsys):
+    """qwen3.5-9b (24 linear and 8 full layers, 4 KV heads of 256, bf16, block 16): a block is
+    a page of each of a group's 8 layers, 2 * 8 * 16 * 4 * 256 * 2 B; a sequence's state is
+    24 x (32 x 128 x 128 + 3 x 8192) values, 17 pages of 32,768 in each of the 3 linear groups;
+    a 4096-token sequence holds 256 + 51 blocks, against 256 blocks four times as wide with
+    every layer keeping KV."""
+    from pagedjax.tools.cli import main as cli_main
+
+    cli_main(["capacity", "--model", "qwen3.5-9b", "--kv-memory-gib", "16", "--context",
+              "4096"])
+    out = capsys.readouterr().out
+    assert "bytes per token      32,768" in out  # 8 attention layers of 4 x 256, bf16
+    assert f"state per sequence   {24 * (32 * 128 * 128 + 3 * 8192) * 2:,}" in out
+    assert "4 groups of 8 layers (full, linear-attention state, 17 blocks a sequence)" in out
+    assert "KV cache groups: bytes per block      524,288" in out
+    assert "KV cache groups: a 4096-token sequence  307 blocks" in out
+    assert f"KV cache groups: sequences of 4096 tokens  {32767 // 307}" in out
+    assert "every layer full: sequences of 4096 tokens  31 " in out  # 8191 // 256

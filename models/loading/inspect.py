@@ -90,7 +90,8 @@ def config_report(config: LlamaConfig, kv_dtype: str, block_size: int,
     dtypes = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "int8": np.int8,
               "fp8": ml_dtypes.float8_e4m3fn}
     # int8 / fp8 add an f32 scale per token and KV head (on the TPU, per 128-lane row slot)
-    per_block = kv_cache_bytes_per_block(config.num_layers, block_size, config.num_kv_heads,
+    per_block = kv_cache_bytes_per_block(config.num_attention_layers, block_size,
+                                         config.num_kv_heads,
                                          config.head_dim, dtypes[kv_dtype], attention_backend)
     from pagedjax.models.layers.kv_groups import kv_cache_groups
     groups = kv_cache_groups(config)
@@ -110,7 +111,19 @@ def config_report(config: LlamaConfig, kv_dtype: str, block_size: int,
         num_params=config.num_params, kv_dtype=kv_dtype, attention_backend=attention_backend,
         kv_bytes_per_token=per_block // block_size, block_size=block_size,
         kv_bytes_per_block=per_block, eos_token_ids=list(config.eos_token_ids),
-        **moe_report(config))
+        **moe_report(config), **linear_report(config, dtypes[kv_dtype]))
+
+
+def linear_report(config: LlamaConfig, dtype) -> dict[str, Any]:
+    """A hybrid linear-attention model's fixed state (empty for others): its layers and the
+    bytes one sequence's state takes over them, whatever its length (its KV bytes a token
+    count the attention layers only)."""
+    linear = config.num_layers - config.num_attention_layers
+    if not linear:
+        return {}
+    return dict(linear_attention_layers=linear,
+                state_bytes_per_sequence=config.state_bytes_per_sequence(
+                    np.dtype(dtype).itemsize))
 
 
 def moe_report(config: LlamaConfig) -> dict[str, Any]:

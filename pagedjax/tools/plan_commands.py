@@ -5,6 +5,7 @@ the engine makes of a model), `pagedjax profile` (fit the step-time model to an 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from pagedjax.models import CONFIGS, get_config
 from pagedjax.scheduler import POLICIES
@@ -55,7 +56,11 @@ def capacity(args, parser: argparse.ArgumentParser) -> None:
     print(f"model {args.model}: L={config.num_layers} K={config.num_kv_heads} "
           f"H={config.head_dim}, KV {args.dtype}, TP {tp} x DP {dp}")
     print(f"  bytes per token      {config.kv_bytes_per_token(itemsize):,} (all devices, every "
-          f"layer)")
+          f"{'attention ' if config.num_attention_layers < config.num_layers else ''}layer)")
+    if config.num_attention_layers < config.num_layers:
+        print(f"  state per sequence   {config.state_bytes_per_sequence(itemsize):,} "
+              f"({config.num_layers - config.num_attention_layers} linear-attention layers, "
+              f"at any length)")
     if args.quantize_lm_head and args.quantization is None:
         parser.error("--quantize-lm-head needs --quantization")
     weights = weight_bytes_per_device(config, tp, itemsize, args.quantization,
@@ -66,13 +71,28 @@ def capacity(args, parser: argparse.ArgumentParser) -> None:
         print(f"  experts              {config.num_experts}, {config.num_experts_per_tok} a "
               f"token: {config.num_active_params / 1e9:.2f}B of {config.num_params / 1e9:.2f}B "
               f"parameters active a token (tensor parallel: each device 1/TP of every expert)")
-    from pagedjax.models.layers.kv_groups import kv_cache_groups
-    groups = kv_cache_groups(config)
-    layouts = [("", kv_cache_groups(config, hybrid=False))]
+    groups, every_layer_full = capacity_layouts(config, args.block_size, tp)
+    layouts = [("", every_layer_full)]
     if groups.hybrid:  # the hybrid KV cache beside every layer keeping the whole context
-        layouts = [("KV cache groups: ", groups), ("every layer full: ", layouts[0][1])]
+        layouts = [("KV cache groups: ", groups), ("every layer full: ", every_layer_full)]
     for label, layout in layouts:
         _capacity_rows(args, config, layout, label)
+
+
+def capacity_layouts(config, block_size: int, tensor_parallel_size: int = 1,
+                     backend: str = "reference"):
+    """(the KV cache groups config is served with, its linear-attention groups' state sized
+    in blocks: pagedjax.engine.kv_pool.sized_state_groups; one group of every layer keeping the
+    whole context, linear-attention layers as full attention ones). Each with the config its
+    blocks are counted by."""
+    from pagedjax.engine.kv_pool import sized_state_groups
+    from pagedjax.models.layers.kv_groups import kv_cache_groups
+    from pagedjax.parallel.sharding import kv_head_repeats
+
+    heads = config.num_kv_heads * kv_head_repeats(config.num_kv_heads, tensor_parallel_size)
+    groups = sized_state_groups(kv_cache_groups(config), config, block_size, heads, backend)
+    full = dataclasses.replace(config, layer_types=None) if config.layer_types else config
+    return groups, kv_cache_groups(full, hybrid=False)
 
 
 def kv_capacity(config, groups, block_size: int, kv_bytes: int, context: int,
@@ -101,8 +121,7 @@ def _capacity_rows(args, config, groups, label: str) -> None:
                     args.context, args.tensor_parallel_size, itemsize,
                     args.max_num_batched_tokens)
     if groups.hybrid:
-        kinds = ", ".join(f"{'full' if w is None else f'window {w}'}"
-                          for w in dict.fromkeys(groups.windows))
+        kinds = ", ".join(window_name(w) for w in dict.fromkeys(groups.windows))
         print(f"  {label}{c['groups']} groups of {c['layers_a_group']} layers ({kinds})")
     print(f"  {label}bytes per block      {c['bytes_per_block']:,} a device (block size "
           f"{args.block_size})")
@@ -112,6 +131,17 @@ def _capacity_rows(args, config, groups, label: str) -> None:
           f"{c['kv_bytes_per_seq'] / 2**20:,.1f} MiB")
     print(f"  {label}sequences of {args.context} tokens  {c['sequences']:,} a replica, "
           f"{c['sequences'] * dp:,} in all")
+
+
+def window_name(window) -> str:
+    """A KV cache group's kind as the plans print it."""
+    if window is None:
+        return "full"
+    if window == "linear_attention":
+        return "linear-attention state"
+    if hasattr(window, "num_blocks"):  # a state group's (scheduler.state_group.StateWindow)
+        return f"linear-attention state, {window.num_blocks} blocks a sequence"
+    return f"window {window}"
 
 
 def inspect_args(parser: argparse.ArgumentParser) -> None:
@@ -251,8 +281,8 @@ def _groups_note(args) -> str:
     groups = kv_cache_groups(get_config(args.model), not args.disable_hybrid_kv_cache_manager)
     if not groups.hybrid:
         return ""
-    return (f"; {groups.num_groups} KV cache groups of {groups.num_slots} layers, windows "
-            f"{'/'.join(str(w or 'full') for w in sorted(set(groups.windows), key=str))}")
+    kinds = "/".join(window_name(w) for w in dict.fromkeys(groups.windows))
+    return f"; {groups.num_groups} KV cache groups of {groups.num_slots} layers: {kinds}"
 
 
 def simulate_args(parser: argparse.ArgumentParser) -> None:
@@ -317,11 +347,14 @@ def _cost_and_pools(args):
                     KVCacheGroups((None,), (0,), (0,), 1), [None])
     config = get_config(args.model)
     groups = kv_cache_groups(config, not args.disable_hybrid_kv_cache_manager)
+    if groups.hybrid:  # a linear-attention group's state, in blocks
+        groups = capacity_layouts(config, args.block_size, args.tensor_parallel_size)[0]
     cost = roofline_cost(config, CHIPS[args.roofline], args.tensor_parallel_size,
                          args.kv_dtype, flops_util=args.flops_util,
                          bw_util=args.bw_util, overhead_s=args.overhead_ms / 1e3)
     # a device's budget: each holds 1/TP of a block, a page of a group's layers
-    block_bytes = cost.kv_bytes_per_token * args.block_size * groups.num_slots // config.num_layers
+    block_bytes = (cost.kv_bytes_per_token * args.block_size * groups.num_slots
+                   // config.num_attention_layers)
     pools = args.num_blocks or [1 + int(gib * 2**30) // block_bytes for gib in args.kv_memory_gib]
     layer_windows = [config.layer_window(i) for i in range(config.num_layers)]
     return cost, pools, config.vocab_size, groups, layer_windows
