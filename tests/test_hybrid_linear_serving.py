@@ -89,7 +89,6 @@ def test_seeded_samples_each_equal_their_seed_alone(qwen3_5):
 
 
 @pytest.mark.parametrize("field, value, words", [
-    ("tensor_parallel_size", 2, "not split over devices"),
     ("kv_cache_dtype", "int8", "unquantized"),
     ("speculative_config", {"method": "ngram", "num_speculative_tokens": 2}, "draft"),
     ("enable_lora", True, "adapters"),

@@ -18,13 +18,17 @@ position 0 starts from zeros instead (a new sequence, or one recomputed after pr
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from pagedjax.models.config import LlamaConfig
 from pagedjax.models.layers.basic import linear
 from pagedjax.pallas_kernels import AttentionMetadata
+from pagedjax.pallas_kernels.dispatch import TP_AXIS
 from pagedjax.pallas_kernels.gated_delta import (causal_conv1d, chunked_gated_delta,
                                                  ragged_causal_conv1d, ragged_gated_delta)
 from pagedjax.pallas_kernels.state_pages import page_values, read_states, state_blocks, write_states
@@ -138,28 +142,58 @@ class GatedDeltaNet(nnx.Module):
         return ((self.conv_taps - 1) * self.conv_dim
                 + self.num_v_heads * self.head_k_dim * self.head_v_dim)
 
-    def forward_paged(self, x: jax.Array, kv_cache: jax.Array, metadata: AttentionMetadata):
+    def forward_paged(self, x: jax.Array, kv_cache: jax.Array, metadata: AttentionMetadata,
+                      mesh: jax.sharding.Mesh | None = None):
         """x [T, D] of a step's rows -> ([T, D], the cache with each row's new state).
         metadata.block_tables: the layer's state blocks a row (its group's, offset to its
-        slot; the first n columns, n from the page and state sizes)."""
-        n = state_blocks(self.state_values, page_values(kv_cache))
-        tables = metadata.block_tables[:, :n]
-        batch = tables.shape[0]
-        q_lens = metadata.cu_q_lens[1:] - metadata.cu_q_lens[:-1]
-        fresh = metadata.kv_lens == q_lens  # the first query token is at position 0
-        flat = jnp.where(fresh[:, None], 0.0, read_states(kv_cache, tables, self.state_values))
-        split = (self.conv_taps - 1) * self.conv_dim
-        windows = flat[:, :split].reshape(batch, self.conv_taps - 1, self.conv_dim)
-        states = flat[:, split:].reshape(batch, self.num_v_heads, self.head_k_dim,
-                                         self.head_v_dim)
+        slot). mesh: tensor parallel, each device runs its heads (paged_core) on its shard of
+        the cache's pages (split over KV heads); q, k and v come split by heads from the
+        projection's columns."""
         qkv, z, b, a = self.project(x)
-        qkv, windows = ragged_causal_conv1d(qkv, self.conv_weight(), windows.astype(qkv.dtype),
-                                            metadata.cu_q_lens)
-        q, k, v = self.split_heads(qkv)
-        g, beta = self.gates(b, a)
-        core, states = ragged_gated_delta(q, k, v, g, beta, states, metadata.cu_q_lens,
-                                          metadata.cu_q_lens[metadata.num_seqs],
-                                          metadata.decode_only)
-        flat = jnp.concatenate([windows.reshape(batch, -1).astype(jnp.float32),
-                                states.reshape(batch, -1)], axis=1)
-        return self.output(core, z, x.dtype), write_states(kv_cache, tables, flat)
+        q, k, v = jnp.split(qkv, [self.key_dim, 2 * self.key_dim], axis=-1)
+        weights = jnp.split(self.conv_weight(), [self.key_dim, 2 * self.key_dim], axis=0)
+        core = functools.partial(paged_core, dims=(self.head_k_dim, self.head_v_dim),
+                                 decode_only=metadata.decode_only)
+        args = (q, k, v, *weights, b, a, self.A_log[...], self.dt_bias[...], kv_cache,
+                metadata.block_tables, metadata.cu_q_lens, metadata.kv_lens,
+                metadata.cu_q_lens[metadata.num_seqs])
+        if mesh is None:
+            out, kv_cache = core(*args)
+        else:
+            heads, cache = P(None, TP_AXIS), P(None, TP_AXIS)
+            out, kv_cache = jax.shard_map(
+                core, mesh=mesh, in_specs=(heads,) * 3 + (P(TP_AXIS),) * 3 + (heads, heads)
+                + (P(TP_AXIS),) * 2 + (cache,) + (P(),) * 4,
+                out_specs=(heads, cache), check_vma=False)(*args)
+        return self.output(out, z, x.dtype), kv_cache
+
+
+def paged_core(q, k, v, conv_q, conv_k, conv_v, b, a, a_log, dt_bias, kv_cache, tables,
+               cu_q_lens, kv_lens, num_real, *, dims: tuple[int, int], decode_only: bool):
+    """The heads a device holds (all of them on one device): q, k [T, Hk * Dk], v [T, Hv * Dv]
+    before the conv, their conv weights [channels, K], b, a [T, Hv], A_log and dt_bias [Hv],
+    the cache (its heads' share of every page) -> (the rule's output f32[T, Hv, Dv], the cache
+    with each row's new state: its conv window [K - 1, X] then its matrix [Hv, Dk, Dv], in the
+    first n of its blocks; a row whose first query token is at position 0 starts from zeros)."""
+    dk, dv = dims
+    heads_k, heads_v = q.shape[-1] // dk, v.shape[-1] // dv
+    weight = jnp.concatenate([conv_q, conv_k, conv_v], axis=0)
+    channels, taps = weight.shape
+    size = (taps - 1) * channels + heads_v * dk * dv
+    tables = tables[:, :state_blocks(size, page_values(kv_cache))]
+    batch = tables.shape[0]
+    fresh = kv_lens == cu_q_lens[1:] - cu_q_lens[:-1]
+    flat = jnp.where(fresh[:, None], 0.0, read_states(kv_cache, tables, size))
+    windows = flat[:, :(taps - 1) * channels].reshape(batch, taps - 1, channels)
+    states = flat[:, (taps - 1) * channels:].reshape(batch, heads_v, dk, dv)
+    mixed, windows = ragged_causal_conv1d(jnp.concatenate([q, k, v], axis=-1), weight,
+                                          windows.astype(q.dtype), cu_q_lens)
+    q, k, v = jnp.split(mixed, [heads_k * dk, 2 * heads_k * dk], axis=-1)
+    g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(
+        a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+    out, states = ragged_gated_delta(
+        q.reshape(-1, heads_k, dk), k.reshape(-1, heads_k, dk), v.reshape(-1, heads_v, dv),
+        g, jax.nn.sigmoid(b.astype(jnp.float32)), states, cu_q_lens, num_real, decode_only)
+    flat = jnp.concatenate([windows.reshape(batch, -1).astype(jnp.float32),
+                            states.reshape(batch, -1)], axis=1)
+    return out, write_states(kv_cache, tables, flat)

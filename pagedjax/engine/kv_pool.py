@@ -93,13 +93,11 @@ def check_linear_attention(model_config, config: EngineConfig) -> EngineConfig:
     if model_config.num_attention_layers == model_config.num_layers:
         return config
     name = f"{model_config.model_type} (linear-attention layers)"
-    refused = {"tensor_parallel_size": config.tensor_parallel_size > 1,
-               "kv_cache_dtype": config.kv_cache_dtype != "auto",
+    refused = {"kv_cache_dtype": config.kv_cache_dtype != "auto",
                "speculative_config": config.speculative_config is not None,
                "enable_lora": config.enable_lora,
                "async_scheduling": config.async_scheduling}
-    why = {"tensor_parallel_size": "their heads are not split over devices yet",
-           "kv_cache_dtype": "their state is kept in the cache's dtype, unquantized",
+    why = {"kv_cache_dtype": "their state is kept in the cache's dtype, unquantized",
            "speculative_config": "a rejected draft would stay in the recurrent state",
            "enable_lora": "adapters of their projections are not served yet",
            "async_scheduling": "a fork's state copy would land a step after its parent "

@@ -25,8 +25,12 @@ from pagedjax.models import LlamaConfig
 
 AXIS = "tp"
 DATA_AXIS = "dp"
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output features split
-ROW = ("o_proj", "down_proj")  # input features split
+# output features split; a Gated DeltaNet's projections too (models/layers/gated_deltanet.py:
+# its heads' q, k, v, z, b and a; in_proj_qkv's columns cut q|k|v unevenly, so its output is
+# redistributed by heads before the per-device core; Qwen3-Next's fused ones group by key head)
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "in_proj_qkv", "in_proj_z",
+          "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba")
+ROW = ("o_proj", "down_proj", "out_proj")  # input features split
 
 
 def check_tensor_parallel(config: LlamaConfig, tensor_parallel_size: int,
@@ -55,6 +59,13 @@ def check_tensor_parallel(config: LlamaConfig, tensor_parallel_size: int,
         if value % tp:
             raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's {name} "
                              f"({value})")
+    if config.num_attention_layers < config.num_layers:  # linear attention: heads a device
+        sizes = [("linear_num_key_heads", config.linear_num_key_heads),
+                 ("linear_num_value_heads", config.linear_num_value_heads)]
+        for name, value in sizes:
+            if value % tp:
+                raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's {name} "
+                                 f"({value})")
     k = config.num_kv_heads
     if k % tp and tp % k:
         raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's num_kv_heads "
@@ -93,7 +104,8 @@ def weight_spec(path: tuple, leaf, vocab_size: int, tp: int,
     ndim = len(leaf.shape)
     if expert_parallel and "experts" in names:
         return P(*([None] * (ndim - 3)), AXIS, None, None)
-    module = next((n for n in reversed(names) if n.endswith("_proj") or n == "lm_head"), None)
+    module = next((n for n in reversed(names)
+                   if n.endswith("_proj") or n.startswith("in_proj_") or n == "lm_head"), None)
     parameter = names[-1] if names[-1] != "value" else names[-2]
     if module in COLUMN or (module == "lm_head" and vocab_size % tp == 0):
         return P(*([None] * (ndim - 1)), AXIS)  # kernel [.., D, out], bias, scale [.., G, out]
