@@ -73,7 +73,17 @@ QUANT_CASES = {
     "llama-3-70b bf16 TP8 v5e-8": ("llama-3-70b", "v5e:2x4", 8, False, False, None),
     "llama-3-70b int8 TP8 v5e-8": ("llama-3-70b", "v5e:2x4", 8, False, False, "int8"),
 }
-ALL_CASES = {**CASES, **MOE_CASES, **QUANT_CASES}
+# Hybrid linear attention (--linear, results in tpu_linear_attention.md): Qwen3.5 / Qwen3-Next,
+# Gated DeltaNet layers in the KV cache's state group (scheduler/state_group.py), their heads
+# split over the chips; seqs_32k counts each sequence's state blocks beside its KV.
+# name: (model, topology, TP, KV cache groups)
+LINEAR_CASES = {
+    "qwen3.5-9b TP4 v5e-4": ("qwen3.5-9b", "v5e:2x2", 4, True),
+    "qwen3.5-9b TP8 v5e-8": ("qwen3.5-9b", "v5e:2x4", 8, True),
+    "qwen3.5-9b TP4 v6e-4": ("qwen3.5-9b", "v6e:2x2", 4, True),
+    "qwen3-next-80b-a3b TP8 v6e-8": ("qwen3-next-80b-a3b", "v6e:2x4", 8, True),
+}
+ALL_CASES = {**CASES, **MOE_CASES, **QUANT_CASES, **LINEAR_CASES}
 QUANT_CONTEXT = 8192
 TEMP_ALLOWANCE_GIB = 1.0
 CAPACITY_CONTEXT = 32768  # the sequences of this many tokens each device's pool holds
@@ -92,7 +102,6 @@ def build(name: str, devices):
 
     from pagedjax.engine.runner import step_fn
     from pagedjax.models import CONFIGS, serving_form
-    from pagedjax.models.layers.kv_groups import kv_cache_groups
     from pagedjax.models.registry import model_class
     from pagedjax.pallas_kernels import AttentionBackend, init_kv_cache, kv_cache_bytes_per_block
     from pagedjax.parallel.sharding import AXIS, kv_cache_sharding, kv_head_repeats, weight_spec
@@ -102,7 +111,7 @@ def build(name: str, devices):
     model_name, _, tp, *options = ALL_CASES[case]
     hybrid, expert_parallel, quantization = (list(options) + [False, False, None])[:3]
     config = CONFIGS[model_name]
-    groups = kv_cache_groups(config, hybrid=hybrid)
+    groups = case_groups(config, hybrid, tp)
     mesh = Mesh(np.array(devices[:tp]), (AXIS,))
     repeats = kv_head_repeats(config.num_kv_heads, tp)
     model = nnx.eval_shape(lambda: model_class(config)(
@@ -135,6 +144,18 @@ def build(name: str, devices):
     return step, (weights, cache, plan)
 
 
+def case_groups(config, hybrid: bool, tp: int):
+    """The KV cache groups the engine builds (a linear-attention group's state sized in
+    blocks: pagedjax.engine.kv_pool.sized_state_groups)."""
+    from pagedjax.engine.kv_pool import sized_state_groups
+    from pagedjax.models.layers.kv_groups import kv_cache_groups
+    from pagedjax.parallel.sharding import kv_head_repeats
+
+    heads = config.num_kv_heads * kv_head_repeats(config.num_kv_heads, tp)
+    return sized_state_groups(kv_cache_groups(config, hybrid=hybrid), config, BLOCK_SIZE,
+                              heads, "tpu")
+
+
 def kv_gib(case: str) -> float:
     """A device's pool: KV_GIB_PER_DEVICE, or (a quantized-table case) what 90% of HBM leaves
     past its weights and TEMP_ALLOWANCE_GIB, in quarter GiB."""
@@ -154,14 +175,13 @@ def shard_gib(case: str) -> tuple[float, float, int]:
     CAPACITY_CONTEXT-token sequences the slice's pool holds (a sliding KV cache group bounded
     by an 8,192-token step, the prefill case's)."""
     from pagedjax.models import CONFIGS
-    from pagedjax.models.layers.kv_groups import kv_cache_groups
     from pagedjax.parallel.sharding import weight_bytes_per_device
     from pagedjax.tools.plan_commands import kv_capacity
 
     model_name, _, tp, *options = ALL_CASES[case]
     hybrid, _, quantization = (list(options) + [False, False, None])[:3]
     config = CONFIGS[model_name]
-    groups = kv_cache_groups(config, hybrid=hybrid)
+    groups = case_groups(config, hybrid, tp)
     context = QUANT_CONTEXT if case in QUANT_CASES else CAPACITY_CONTEXT
     capacity = kv_capacity(config, groups, BLOCK_SIZE, int(kv_gib(case) * 2**30),
                            context, tp, 2, KINDS["prefill"][0])
@@ -177,8 +197,12 @@ def main() -> None:
                         help="the mixture-of-experts table (MOE_CASES, tpu_moe.md)")
     parser.add_argument("--quantized", action="store_true",
                         help="the quantized-weights table (QUANT_CASES, tpu_quantized.md)")
+    parser.add_argument("--linear", action="store_true",
+                        help="the hybrid linear-attention table (LINEAR_CASES, "
+                        "tpu_linear_attention.md)")
     args = parser.parse_args()
-    table = MOE_CASES if args.moe else QUANT_CASES if args.quantized else CASES
+    table = (MOE_CASES if args.moe else QUANT_CASES if args.quantized else LINEAR_CASES
+             if args.linear else CASES)
     args.cases = args.cases or ",".join(table)
     from benchmarks.aot import xla_tpu
 
@@ -213,11 +237,11 @@ def main() -> None:
                 row["error"] = line["error"][:300]
             rows.append(row)
             print(row, flush=True)
-    name = "tpu_moe" if args.moe else "tpu_quantized" if args.quantized else \
-        "tpu_tensor_parallel"
-    title = ("Mixture-of-experts steps" if args.moe else "Quantized-weight steps"
-             if args.quantized else "Tensor-parallel steps")
-    flag = " --moe" if args.moe else " --quantized" if args.quantized else ""
+    name, title, flag = (("tpu_moe", "Mixture-of-experts steps", " --moe") if args.moe else
+                         ("tpu_quantized", "Quantized-weight steps", " --quantized")
+                         if args.quantized else
+                         ("tpu_linear_attention", "Hybrid linear-attention steps", " --linear")
+                         if args.linear else ("tpu_tensor_parallel", "Tensor-parallel steps", ""))
     write_results(name, title + " compiled for TPU slices (libtpu AOT, no TPU): per-device "
                   "memory and collectives", rows,
                   {"kv_gib_per_device": KV_GIB_PER_DEVICE, "block_size": BLOCK_SIZE,

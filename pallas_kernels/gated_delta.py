@@ -176,18 +176,21 @@ def ragged_causal_conv1d(x: jax.Array, weight: jax.Array, windows: jax.Array,
 
 
 def ragged_gated_delta(q, k, v, g, beta, states: jax.Array, cu_q_lens: jax.Array,
-                       num_real: jax.Array, decode_only: bool = False, chunk_size: int = 64):
+                       num_real: jax.Array, decode_only: bool = False, chunk_size: int = 64,
+                       update=None):
     """The gated delta rule over a step's rows, each from its own state: q, k [T, Hk, Dk],
     v [T, Hv, Dv], g, beta [T, Hv], states f32[B, Hv, Dk, Dv] -> (out f32[T, Hv, Dv], the rows'
     new states). Tokens from num_real on are padding: they change no state and read zeros.
-    decode_only (one token a row, T == B): every row's recurrent update at once. Otherwise the
+    decode_only (one token a row, T == B): every row's recurrent update at once (update: a
+    kernel of delta_step's signature, pallas_kernels/gated_delta_step.py; None: delta_step).
+    Otherwise the
     chunked form over chunks that never cross a row: each row's query in chunks of
     min(chunk_size, T) tokens (its last one partial), at most T / C + B of them a step, their
     within-chunk parts computed together, then one scan over the chunks carrying the rows'
     states."""
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     if decode_only:
-        return delta_step(states, q, k, v, g, beta)
+        return (update or delta_step)(states, q, k, v, g, beta)
     size = min(chunk_size, q.shape[0])
     row, valid, index = _row_chunks(cu_q_lens, num_real, q.shape[0], states.shape[0], size)
 

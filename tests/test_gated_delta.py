@@ -100,6 +100,7 @@ def test_a_ragged_step_equals_each_row_from_its_own_state(chunk_size):
     each row's output and new state (recurrent matrix and conv window) equal the recurrent
     rule's from that row's state alone, in one chunk a row or in chunks of 2 (rows of several
     chunks, a partial last one); the empty row keeps its state."""
+    import jax
     import jax.numpy as jnp
 
     from pagedjax.pallas_kernels.gated_delta import ragged_causal_conv1d, ragged_gated_delta
@@ -109,15 +110,16 @@ def test_a_ragged_step_equals_each_row_from_its_own_state(chunk_size):
     q, k, v, g, beta, _ = inputs(4, batch=1, length=padded)
     q, k, v, g, beta = (x[0] for x in (q, k, v, g, beta))
     states = np.random.default_rng(5).normal(size=(4, 4, 8, 6)).astype(np.float32)
-    out, new = ragged_gated_delta(q, k, v, g, beta, jnp.asarray(states), jnp.asarray(cu),
-                                  jnp.asarray(total), chunk_size=chunk_size)
+    out, new = jax.jit(ragged_gated_delta, static_argnames=("chunk_size",))(
+        q, k, v, g, beta, jnp.asarray(states), jnp.asarray(cu), jnp.asarray(total),
+        chunk_size=chunk_size)
     np.testing.assert_array_equal(out[total:], 0.0)  # padding reads nothing
     rng = np.random.default_rng(6)
     x = rng.normal(size=(padded, 10)).astype(np.float32)
     weight = rng.normal(size=(10, 4)).astype(np.float32)
     windows = rng.normal(size=(4, 3, 10)).astype(np.float32)
-    conv, new_windows = ragged_causal_conv1d(jnp.asarray(x), jnp.asarray(weight),
-                                             jnp.asarray(windows), jnp.asarray(cu))
+    conv, new_windows = jax.jit(ragged_causal_conv1d)(jnp.asarray(x), jnp.asarray(weight),
+                                                      jnp.asarray(windows), jnp.asarray(cu))
     for row, (start, stop) in enumerate(zip(cu[:-1], cu[1:])):
         if start == stop:
             np.testing.assert_array_equal(new[row], states[row])

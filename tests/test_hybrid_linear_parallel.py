@@ -9,7 +9,7 @@ import pytest
 from helpers import child_report
 
 pytest.importorskip("torch")
-pytestmark = pytest.mark.slow  # # eight host devices in a child process
+pytestmark = pytest.mark.slow  # eight host devices in a child process
 
 ARCHES = ("qwen3_5", "qwen3_next")
 BASE = dict(block_size=4, max_model_len=96, max_num_seqs=4, max_num_batched_tokens=8,

@@ -25,7 +25,13 @@ BASE = dict(block_size=4, max_model_len=96, max_num_seqs=4, max_num_batched_toke
             min_seq_bucket=4, enable_prefix_caching=False)
 
 
-@pytest.fixture(scope="module", params=sorted(ARCHS))
+# The MoE variants' runs go to make test-slow (the dense one keeps the engine path in make test).
+SLOW = pytest.mark.slow  # the mixtures' engine runs: make test's time budget
+ARCH_PARAMS = [pytest.param(arch, marks=() if arch == "qwen3_5" else SLOW)
+               for arch in sorted(ARCHS)]
+
+
+@pytest.fixture(scope="module", params=ARCH_PARAMS)
 def pair(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     hf = build(request.param, directory)
@@ -107,3 +113,16 @@ def test_prefix_caching_is_turned_off_and_said(qwen3_5, caplog):
         engine = LLMEngine(model, EngineConfig(**{**BASE, "enable_prefix_caching": True}))
     assert "prefix caching is off" in caplog.text
     assert not engine.scheduler.kv_manager.enable_prefix_caching
+
+
+@pytest.mark.slow  # two engines of interpreted Pallas kernels (attention and the decode update)
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_the_pallas_backends_serve_the_same_tokens(backend, tmp_path):
+    """The TPU and GPU attention kernels and decode updates (pallas_kernels/gated_delta_step.py)
+    interpreted: value heads of 32 columns and key heads of 16, shapes Triton's blocks take."""
+    hf = build("qwen3_5", tmp_path, linear_key_head_dim=16, linear_value_head_dim=32)
+    token_prompts = prompts()[:3]
+    outputs, _ = run(load_hf_model(str(tmp_path)), greedy(token_prompts), block_size=16,
+                     max_num_batched_tokens=16, attention_backend=backend,
+                     attention_interpret=True)
+    assert [o.output_token_ids for o in outputs] == hf_greedy(hf, token_prompts, MAX_TOKENS)

@@ -55,6 +55,10 @@ LORA_CASES = {
     "lora-bf16-decode-4096": (64, (4096, 4096), 16, 16, jnp.bfloat16),
     "lora-f32-prefill-576": (256, (576, 1536), 32, 4, jnp.float32),
 }
+# The gated delta rule's decode update (pallas_kernels/gated_delta_step.py): rows, value heads
+# of Qwen3.5's 128 x 128 state: its 32 on one chip, 8 on a chip of TP 4.
+GATED_DELTA_CASES = {"gated-delta-decode-32heads": (64, 32),
+                     "gated-delta-decode-8heads": (256, 8)}
 # Production sizes, where SMEM (1 MB on v5e) is the limit: block tables of 128 sequences x 32k
 # tokens (a scalar-prefetched table was 1 MB alone) and the largest step the KV write takes.
 LARGE = {
@@ -133,6 +137,13 @@ def build(name, devices=None):
                                 jax.ShapeDtypeStruct((slots, inputs, rank), dtype),
                                 jax.ShapeDtypeStruct((slots, rank, outputs), dtype),
                                 jax.ShapeDtypeStruct((tokens,), jnp.int32))
+    if name in GATED_DELTA_CASES:
+        from pagedjax.pallas_kernels.gated_delta_step import recurrent_update
+        rows, heads = GATED_DELTA_CASES[name]
+        f32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
+        return (functools.partial(recurrent_update, implementation="tpu"),
+                (f32((rows, heads, 128)), f32((rows, heads, 128)), f32((rows, heads, 128)),
+                 f32((rows, heads)), f32((rows, heads)), f32((rows, heads, 128, 128))))
     if name in LARGE:
         kind, sizes = LARGE[name]
         args = kernel_args(kind, "tpu", 128, jnp.bfloat16, **sizes)
@@ -201,7 +212,8 @@ def compile_topology(topology: str, part: str, stem: pathlib.Path) -> dict:
     if part == "large":
         names = [*SHARDED_STEPS, *LARGE]
     else:
-        names = [*CASES, *LORA_CASES] + ([*STEPS] if topology == TOPOLOGIES[0] else [])
+        names = [*CASES, *LORA_CASES, *GATED_DELTA_CASES] + (
+            [*STEPS] if topology == TOPOLOGIES[0] else [])
     lines, stderr = xla_tpu.run_in_child(
         [{"name": name, "module": "test_kernels_tpu_compile", "function": "build",
           "sharded": name in SHARDED_STEPS} for name in names],
@@ -226,6 +238,14 @@ def test_kernel_compiles_for_tpu(case, topology, compiled):
                                       pytest.param(TOPOLOGIES[1], marks=pytest.mark.slow)])
 @pytest.mark.parametrize("case", LORA_CASES)
 def test_lora_kernel_compiles_for_tpu(case, topology, compiled):
+    result = compiled(topology)[case]
+    assert result["ok"], result.get("error")
+
+
+@pytest.mark.parametrize("topology", [TOPOLOGIES[0],
+                                      pytest.param(TOPOLOGIES[1], marks=pytest.mark.slow)])
+@pytest.mark.parametrize("case", GATED_DELTA_CASES)
+def test_gated_delta_kernel_compiles_for_tpu(case, topology, compiled):
     result = compiled(topology)[case]
     assert result["ok"], result.get("error")
 

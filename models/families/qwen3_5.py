@@ -59,7 +59,7 @@ class HybridDecoderLayer(DecoderLayer):
         if not self.is_linear:
             return super().forward_paged(x, positions, kv_cache, metadata, backend, lora)
         mixed, kv_cache = self.linear_attn.forward_paged(self.input_layernorm(x), kv_cache,
-                                                         metadata, backend.mesh)
+                                                         metadata, backend)
         x = x + mixed
         mlp = self._mlp(self.post_attention_layernorm(x), num_real_tokens(metadata), backend,
                         lora)
