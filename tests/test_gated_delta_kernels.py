@@ -24,9 +24,10 @@ def inputs(seed, batch=3, heads=4, dk=16, dv=64):
             normal(batch, heads, dk, dv))
 
 
+@pytest.mark.parametrize("heads", [4, 16])  # the TPU kernel: one block of heads, or two of 8
 @pytest.mark.parametrize("implementation", ["tpu", "gpu"])
-def test_the_kernels_equal_the_reference(implementation):
-    q, k, v, g, beta, states = inputs(0)
+def test_the_kernels_equal_the_reference(implementation, heads):
+    q, k, v, g, beta, states = inputs(0, heads=heads)
     expected = delta_step(states, q, k, v, g, beta)
     out, new = recurrent_update(q, k, v, g, beta, states, implementation, interpret=True)
     np.testing.assert_allclose(out, expected[0], rtol=1e-5, atol=1e-5)
@@ -43,3 +44,22 @@ def test_the_backends_pick_their_kernel_and_odd_shapes_the_reference(monkeypatch
     assert calls == []
     with pytest.raises(ValueError, match="implementation must be one of"):
         recurrent_update(q, k, v, g, beta, states, "cuda")
+
+
+def test_the_gpu_kernel_builds_for_an_h200():
+    """Lowered for CUDA and compiled to a cubin by the triton package (no GPU needed): it fits
+    sm_90's shared memory and spills no register, at Qwen3.5's 32 value heads of 128 x 128."""
+    pytest.importorskip("triton", reason="a test dependency: requirements/test.txt")
+    import functools
+
+    import jax
+
+    from benchmarks.aot import triton_gpu
+    f32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
+    args = (f32((64, 32, 128)), f32((64, 32, 128)), f32((64, 32, 128)), f32((64, 32)),
+            f32((64, 32)), f32((64, 32, 128, 128)))
+    update = functools.partial(recurrent_update, implementation="gpu")
+    lowered = triton_gpu.lower_cuda(lambda: jax.jit(update).trace(*args), (9, 0))
+    [kernel] = triton_gpu.compile_lowered(lowered, (9, 0))
+    assert kernel.fits, (kernel.shared_bytes, kernel.shared_limit)
+    assert kernel.spill_bytes == 0, (kernel.spill_bytes, kernel.registers)
