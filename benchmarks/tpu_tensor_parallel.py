@@ -109,7 +109,7 @@ def build(name: str, devices):
 
     case, kind = name.split("|")
     model_name, _, tp, *options = ALL_CASES[case]
-    hybrid, expert_parallel, quantization = (list(options) + [False, False, None])[:3]
+    hybrid, expert_parallel, quantization = (list(options) + [False, False, None][len(options):])[:3]
     config = CONFIGS[model_name]
     groups = case_groups(config, hybrid, tp)
     mesh = Mesh(np.array(devices[:tp]), (AXIS,))
@@ -179,7 +179,7 @@ def shard_gib(case: str) -> tuple[float, float, int]:
     from pagedjax.tools.plan_commands import kv_capacity
 
     model_name, _, tp, *options = ALL_CASES[case]
-    hybrid, _, quantization = (list(options) + [False, False, None])[:3]
+    hybrid, _, quantization = (list(options) + [False, False, None][len(options):])[:3]
     config = CONFIGS[model_name]
     groups = case_groups(config, hybrid, tp)
     context = QUANT_CONTEXT if case in QUANT_CASES else CAPACITY_CONTEXT

@@ -18,6 +18,7 @@ from pagedjax.models.config import LlamaConfig
 from pagedjax.models.families.hf_fields import refuse, rope_params
 from pagedjax.models.families.llama import (DecoderLayer, LlamaForCausalLM, num_real_tokens,
                                             read_hf_config as read_llama)
+from pagedjax.models.families.qwen_moe import sparse_mlp_types
 from pagedjax.models.layers.attention import Attention
 from pagedjax.models.layers.basic import MLP, rms_norm
 from pagedjax.models.layers.gated_deltanet import GatedDeltaNet
@@ -107,12 +108,7 @@ def read_hf_config(raw: dict, architecture: str, model_type: str, common: dict) 
 def _with_experts(config: LlamaConfig, raw: dict, architecture: str,
                   model_type: str) -> LlamaConfig:
     num_experts = int(raw.get("num_experts") or 0)
-    step = int(raw.get("decoder_sparse_step", 1))
-    dense_layers = set(raw.get("mlp_only_layers") or ())
-    if step < 1:
-        raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
-    mlp_types = tuple("sparse" if num_experts and i not in dense_layers and (i + 1) % step == 0
-                      else "dense" for i in range(config.num_layers))
+    mlp_types = sparse_mlp_types(raw, config.num_layers, num_experts)
     if "sparse" not in mlp_types:
         raise refuse(architecture, f"no sparse layer (num_experts {num_experts})")
     shared = int(raw.get("shared_expert_intermediate_size") or 0)

@@ -19,15 +19,11 @@ def read_hf_config(raw: dict, architecture: str, model_type: str, common: dict) 
         config = dataclasses.replace(config, attention_bias=bool(raw.get("qkv_bias", True)))
     # (transformers 5 writes num_experts as num_local_experts for Qwen3-MoE)
     num_experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
-    step = int(raw.get("decoder_sparse_step", 1))
-    dense_layers = set(raw.get("mlp_only_layers") or ())
-    if step < 1:
-        raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
-    mlp_types = tuple("sparse" if num_experts and i not in dense_layers and (i + 1) % step == 0
-                      else "dense" for i in range(config.num_layers))
+    mlp_types = sparse_mlp_types(raw, config.num_layers, num_experts)
     if not num_experts or "sparse" not in mlp_types:
+        dense_layers = sorted(raw.get("mlp_only_layers") or ())
         raise ValueError(f"{architecture} with no sparse layer (num_experts {num_experts}, "
-                         f"mlp_only_layers {sorted(dense_layers)}): serve it as "
+                         f"mlp_only_layers {dense_layers}): serve it as "
                          f"{'Qwen2' if base == 'qwen2' else 'Qwen3'}ForCausalLM")
     return dataclasses.replace(
         config, model_type=model_type, num_experts=num_experts,
@@ -37,3 +33,14 @@ def read_hf_config(raw: dict, architecture: str, model_type: str, common: dict) 
         shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0)
         if model_type == "qwen2_moe" else 0,
         mlp_types=None if "dense" not in mlp_types else mlp_types)
+
+
+def sparse_mlp_types(raw: dict, num_layers: int, num_experts: int) -> tuple[str, ...]:
+    """Each layer's MLP, "sparse" or "dense": sparse unless in `mlp_only_layers` or off the
+    `decoder_sparse_step` (or the model has no experts)."""
+    step = int(raw.get("decoder_sparse_step", 1))
+    dense_layers = set(raw.get("mlp_only_layers") or ())
+    if step < 1:
+        raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
+    return tuple("sparse" if num_experts and i not in dense_layers and (i + 1) % step == 0
+                 else "dense" for i in range(num_layers))
