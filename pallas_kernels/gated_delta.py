@@ -177,20 +177,20 @@ def ragged_causal_conv1d(x: jax.Array, weight: jax.Array, windows: jax.Array,
 
 def ragged_gated_delta(q, k, v, g, beta, states: jax.Array, cu_q_lens: jax.Array,
                        num_real: jax.Array, decode_only: bool = False, chunk_size: int = 64,
-                       update=None):
+                       kernels=None):
     """The gated delta rule over a step's rows, each from its own state: q, k [T, Hk, Dk],
     v [T, Hv, Dv], g, beta [T, Hv], states f32[B, Hv, Dk, Dv] -> (out f32[T, Hv, Dv], the rows'
     new states). Tokens from num_real on are padding: they change no state and read zeros.
-    decode_only (one token a row, T == B): every row's recurrent update at once (update: a
-    kernel of delta_step's signature, pallas_kernels/gated_delta_step.py; None: delta_step).
-    Otherwise the
+    decode_only (one token a row, T == B): every row's recurrent update at once. Otherwise the
     chunked form over chunks that never cross a row: each row's query in chunks of
     min(chunk_size, T) tokens (its last one partial), at most T / C + B of them a step, their
     within-chunk parts computed together, then one scan over the chunks carrying the rows'
-    states."""
+    states. kernels (pallas_kernels/gated_delta_step.py's DeltaKernels): a platform's Pallas
+    update and chunk scan in place of delta_step and the lax.scan (None: the jnp forms)."""
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    update = getattr(kernels, "update", None) or delta_step
     if decode_only:
-        return (update or delta_step)(states, q, k, v, g, beta)
+        return update(states, q, k, v, g, beta)
     size = min(chunk_size, q.shape[0])
     row, valid, index = _row_chunks(cu_q_lens, num_real, q.shape[0], states.shape[0], size)
 
@@ -205,7 +205,10 @@ def ragged_gated_delta(q, k, v, g, beta, states: jax.Array, cu_q_lens: jax.Array
         state, out = chunk_step(states[r], part)
         return states.at[r].set(state), out
 
-    states, out = jax.lax.scan(body, states, (row, parts))  # out [N, Hv, C, Dv]
+    if getattr(kernels, "chunk_scan", None) is not None:
+        out, states = kernels.chunk_scan(parts, row, states)
+    else:
+        states, out = jax.lax.scan(body, states, (row, parts))  # out [N, Hv, C, Dv]
     out = jnp.moveaxis(out, 1, 2)  # [N, C, Hv, Dv]
     target = jnp.where(valid, index, q.shape[0])  # off the rows: dropped
     tokens = jnp.zeros(v.shape, jnp.float32).at[target.reshape(-1)].set(

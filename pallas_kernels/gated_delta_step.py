@@ -1,6 +1,8 @@
 """The gated delta rule's decode update (one token a row: pallas_kernels/gated_delta.py's
 delta_step on a decode step's rows) as Pallas kernels for the TPU and the GPU, beside the jnp
-reference, behind one entry (recurrent_update) picked by the attention backend's name.
+reference, behind one entry (recurrent_update) picked by the attention backend's name; and
+kernels_for, the set a backend's steps run (the TPU's chunk scan for prefill too:
+pallas_kernels/tpu/gated_delta.py).
 
 Each row's state f32[Hv, Dk, Dv] is read once, decayed, corrected by the delta rule, read by
 the query and written back in place (the states array aliased to the new one): one pass over
@@ -20,7 +22,9 @@ q and k come as columns [h, Dk, 1], v as a row [h, 1, c], g and beta as [h, 1, 1
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -47,11 +51,33 @@ def _body(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, out_ref, new_state_re
     new_state_ref[0] = state
 
 
-def update_for(backend_name: str, interpret: bool = False):
-    """The decode update a step on this attention backend runs, delta_step's signature."""
+@dataclasses.dataclass(frozen=True)
+class DeltaKernels:
+    """A platform's kernels for ragged_gated_delta (pallas_kernels/gated_delta.py); None: the
+    jnp form."""
+
+    update: Callable | None = None  # delta_step's signature: a decode step's rows
+    chunk_scan: Callable | None = None  # (parts, rows, states) -> (out, states): prefill
+
+
+def kernels_for(backend_name: str, interpret: bool = False) -> DeltaKernels:
+    """The kernels a step on this attention backend runs: the decode update on the TPU and
+    the GPU, the chunk scan on the TPU (pallas_kernels/tpu/gated_delta.py); the GPU's prefill
+    stays XLA's scan."""
     implementation = FOR_BACKEND.get(backend_name, "reference")
-    return lambda states, q, k, v, g, beta: recurrent_update(
-        q, k, v, g, beta, states, implementation, interpret)
+    if implementation == "reference":
+        return DeltaKernels()
+    update = functools.partial(_update_kernel, implementation=implementation,
+                               interpret=interpret)
+    scan = None
+    if implementation == "tpu":
+        from pagedjax.pallas_kernels.tpu.gated_delta import chunk_scan_tpu
+        scan = functools.partial(chunk_scan_tpu, interpret=interpret)
+    return DeltaKernels(update, scan)
+
+
+def _update_kernel(states, q, k, v, g, beta, *, implementation, interpret):
+    return recurrent_update(q, k, v, g, beta, states, implementation, interpret)
 
 
 def recurrent_update(q, k, v, g, beta, states, implementation: str = "reference",

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pagedjax.pallas_kernels.gated_delta import delta_step
-from pagedjax.pallas_kernels.gated_delta_step import recurrent_update, update_for
+from pagedjax.pallas_kernels.gated_delta_step import kernels_for, recurrent_update
 
 
 def inputs(seed, batch=3, heads=4, dk=16, dv=64):
@@ -34,12 +34,43 @@ def test_the_kernels_equal_the_reference(implementation, heads):
     np.testing.assert_allclose(new, expected[1], rtol=1e-5, atol=1e-5)
 
 
+def test_the_tpu_chunk_scan_equals_the_scan_over_chunks():
+    """pallas_kernels/tpu/gated_delta.py against chunk_step under lax.scan, on a step's chunks:
+    rows of 7, 0, 1 and 11 tokens in chunks of 4 (a row of one chunk, an empty row that keeps
+    its state, a row of three), then the step's empty chunks on the last row."""
+    import jax
+
+    from pagedjax.pallas_kernels.gated_delta import _prepare, _row_chunks, chunk_step, within_chunks
+    from pagedjax.pallas_kernels.tpu.gated_delta import chunk_scan_tpu
+    q, k, v, g, beta, states = inputs(2, batch=24, heads=4, dk=16, dv=32)
+    q, k, v, g, beta = _prepare(q[:, :2], k[:, :2], v, g, beta)  # 2 key heads, 4 value heads
+    states = states[:4]
+    cu = jnp.asarray([0, 7, 7, 8, 19], jnp.int32)
+    row, valid, index = _row_chunks(cu, jnp.asarray(19), 24, 4, 4)
+    parts = within_chunks(*(jnp.moveaxis(jnp.where(
+        valid.reshape(valid.shape + (1,) * (x.ndim - 1)), x[index], 0.0), 1, 2)
+        for x in (q, k, v, g, beta)))
+
+    def body(states, xs):
+        state, out = chunk_step(states[xs[0]], xs[1])
+        return states.at[xs[0]].set(state), out
+
+    expected_states, expected = jax.lax.scan(body, states, (row, parts))
+    out, new = chunk_scan_tpu(parts, row, states, interpret=True)
+    assert list(row) == [0, 0, 2, 3, 3, 3, 3, 3, 3, 3]
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(new, expected_states, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(new[1], states[1])
+
+
 def test_the_backends_pick_their_kernel_and_odd_shapes_the_reference(monkeypatch):
     import pagedjax.pallas_kernels.gated_delta_step as step
     calls = []
     monkeypatch.setattr(step, "_gpu_call", lambda *a: calls.append(a) or (lambda *x: 1 / 0))
     q, k, v, g, beta, states = inputs(1, dk=8, dv=12)  # Triton cannot tile 8 x 12
-    out, _ = update_for("gpu", interpret=True)(states, q, k, v, g, beta)
+    kernels = kernels_for("gpu", interpret=True)
+    assert kernels.chunk_scan is None  # the GPU's prefill: XLA's scan
+    out, _ = kernels.update(states, q, k, v, g, beta)
     np.testing.assert_allclose(out, delta_step(states, q, k, v, g, beta)[0], rtol=1e-6)
     assert calls == []
     with pytest.raises(ValueError, match="implementation must be one of"):

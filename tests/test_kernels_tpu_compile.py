@@ -58,7 +58,10 @@ LORA_CASES = {
 # The gated delta rule's decode update (pallas_kernels/gated_delta_step.py): rows, value heads
 # of Qwen3.5's 128 x 128 state: its 32 on one chip, 8 on a chip of TP 4.
 GATED_DELTA_CASES = {"gated-delta-decode-32heads": (64, 32),
-                     "gated-delta-decode-8heads": (256, 8)}
+                     "gated-delta-decode-8heads": (256, 8),
+                     # the chunk scan (pallas_kernels/tpu/gated_delta.py): an 8k-token prefill
+                     # of 256 rows in chunks of 64, 8 value heads a chip
+                     "gated-delta-chunks-8heads": (8192 // 64 + 256, 8)}
 # Production sizes, where SMEM (1 MB on v5e) is the limit: block tables of 128 sequences x 32k
 # tokens (a scalar-prefetched table was 1 MB alone) and the largest step the KV write takes.
 LARGE = {
@@ -141,6 +144,13 @@ def build(name, devices=None):
         from pagedjax.pallas_kernels.gated_delta_step import recurrent_update
         rows, heads = GATED_DELTA_CASES[name]
         f32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
+        if "chunks" in name:
+            from pagedjax.pallas_kernels.tpu.gated_delta import chunk_scan_tpu
+            parts = (f32((rows, heads, 64, 128)), f32((rows, heads, 64, 128)),
+                     f32((rows, heads, 64, 64)), f32((rows, heads, 64, 128)),
+                     f32((rows, heads, 64, 128)), f32((rows, heads)))
+            return chunk_scan_tpu, (parts, jax.ShapeDtypeStruct((rows,), jnp.int32),
+                                    f32((256, heads, 128, 128)))
         return (functools.partial(recurrent_update, implementation="tpu"),
                 (f32((rows, heads, 128)), f32((rows, heads, 128)), f32((rows, heads, 128)),
                  f32((rows, heads)), f32((rows, heads)), f32((rows, heads, 128, 128))))

@@ -31,7 +31,7 @@ from pagedjax.pallas_kernels import AttentionBackend, AttentionMetadata
 from pagedjax.pallas_kernels.dispatch import TP_AXIS
 from pagedjax.pallas_kernels.gated_delta import (causal_conv1d, chunked_gated_delta,
                                                  ragged_causal_conv1d, ragged_gated_delta)
-from pagedjax.pallas_kernels.gated_delta_step import update_for
+from pagedjax.pallas_kernels.gated_delta_step import kernels_for
 from pagedjax.pallas_kernels.state_pages import page_values, read_states, state_blocks, write_states
 
 CHUNK_SIZE = 64  # the chunked rule's C (flash-linear-attention's and transformers')
@@ -147,7 +147,7 @@ class GatedDeltaNet(nnx.Module):
                       backend: AttentionBackend = AttentionBackend()):
         """x [T, D] of a step's rows -> ([T, D], the cache with each row's new state).
         metadata.block_tables: the layer's state blocks a row (its group's, offset to its
-        slot). backend: its platform's decode kernel (pallas_kernels/gated_delta_step.py);
+        slot). backend: its platform's kernels (pallas_kernels/gated_delta_step.py);
         its mesh, tensor parallel: each device runs its heads (paged_core) on its shard of the
         cache's pages (split over KV heads); q, k and v come split by heads from the
         projection's columns."""
@@ -156,7 +156,7 @@ class GatedDeltaNet(nnx.Module):
         weights = jnp.split(self.conv_weight(), [self.key_dim, 2 * self.key_dim], axis=0)
         core = functools.partial(paged_core, dims=(self.head_k_dim, self.head_v_dim),
                                  decode_only=metadata.decode_only,
-                                 update=update_for(backend.name, backend.interpret))
+                                 kernels=kernels_for(backend.name, backend.interpret))
         mesh = backend.mesh
         args = (q, k, v, *weights, b, a, self.A_log[...], self.dt_bias[...], kv_cache,
                 metadata.block_tables, metadata.cu_q_lens, metadata.kv_lens,
@@ -174,7 +174,7 @@ class GatedDeltaNet(nnx.Module):
 
 def paged_core(q, k, v, conv_q, conv_k, conv_v, b, a, a_log, dt_bias, kv_cache, tables,
                cu_q_lens, kv_lens, num_real, *, dims: tuple[int, int], decode_only: bool,
-               update=None):
+               kernels=None):
     """The heads a device holds (all of them on one device): q, k [T, Hk * Dk], v [T, Hv * Dv]
     before the conv, their conv weights [channels, K], b, a [T, Hv], A_log and dt_bias [Hv],
     the cache (its heads' share of every page) -> (the rule's output f32[T, Hv, Dv], the cache
@@ -199,7 +199,7 @@ def paged_core(q, k, v, conv_q, conv_k, conv_v, b, a, a_log, dt_bias, kv_cache, 
     out, states = ragged_gated_delta(
         q.reshape(-1, heads_k, dk), k.reshape(-1, heads_k, dk), v.reshape(-1, heads_v, dv),
         g, jax.nn.sigmoid(b.astype(jnp.float32)), states, cu_q_lens, num_real, decode_only,
-        update=update)
+        kernels=kernels)
     flat = jnp.concatenate([windows.reshape(batch, -1).astype(jnp.float32),
                             states.reshape(batch, -1)], axis=1)
     return out, write_states(kv_cache, tables, flat)
