@@ -111,3 +111,22 @@ def test_capacity_counts_the_attention_kv_a_token_and_the_state_a_sequence(capsy
     assert "KV cache groups: a 4096-token sequence  307 blocks" in out
     assert f"KV cache groups: sequences of 4096 tokens  {32767 // 307}" in out
     assert "every layer full: sequences of 4096 tokens  31 " in out  # 8191 // 256
+
+
+def test_linear_layer_fields_are_checked_and_a_model_of_linear_layers_alone_refused():
+    import dataclasses
+
+    from pagedjax.models import get_config
+    from pagedjax.models.layers.kv_groups import kv_cache_groups
+    config = get_config("qwen3.5-9b")
+    for field, value, words in (("linear_num_key_heads", 0, "linear_num_key_heads must be"),
+                                ("linear_conv_kernel_dim", 2.5, "linear_conv_kernel_dim must"),
+                                ("linear_num_value_heads", 24, "divisible by")):
+        with pytest.raises(ValueError, match=words):
+            dataclasses.replace(config, **{field: value})
+    linear_only = dataclasses.replace(config, layer_types=("linear_attention",) * 32)
+    with pytest.raises(ValueError, match="beside attention layers"):
+        kv_cache_groups(linear_only)
+    groups = kv_cache_groups(config)
+    assert groups.windows == (None, "linear_attention", "linear_attention", "linear_attention")
+    assert groups.num_slots == 8 and groups.layer_group[:4] == (1, 1, 1, 0)

@@ -46,6 +46,7 @@ class StateGroupMachine(RuleBasedStateMachine):
             return
         assert free - self.kv.num_free_blocks == needed
         request.num_computed_tokens = prompt_len
+        self.kv.publish_full_blocks(request)
         self.live[request.request_id] = request
 
     @precondition(lambda self: self.live)
@@ -57,6 +58,7 @@ class StateGroupMachine(RuleBasedStateMachine):
             request.output_token_ids.pop()
             return
         request.num_computed_tokens += 1
+        self.kv.publish_full_blocks(request)  # as the engine does: nothing may be published
 
     @precondition(lambda self: any(r.followers for r in self.live.values()))
     @rule(data=st.data(), abort=st.booleans())
