@@ -24,7 +24,7 @@ def inputs(seed, batch=3, heads=4, dk=16, dv=64):
             normal(batch, heads, dk, dv))
 
 
-@pytest.mark.parametrize("heads", [4, 16])  # the TPU kernel: one block of heads, or two of 8
+@pytest.mark.parametrize("heads", [16])  # the TPU kernel: two blocks of 8 heads
 @pytest.mark.parametrize("implementation", ["tpu", "gpu"])
 def test_the_kernels_equal_the_reference(implementation, heads):
     q, k, v, g, beta, states = inputs(0, heads=heads)

@@ -57,11 +57,13 @@ LORA_CASES = {
 }
 # The gated delta rule's decode update (pallas_kernels/gated_delta_step.py): rows, value heads
 # of Qwen3.5's 128 x 128 state: its 32 on one chip, 8 on a chip of TP 4.
-GATED_DELTA_CASES = {"gated-delta-decode-32heads": (64, 32),
-                     "gated-delta-decode-8heads": (256, 8),
-                     # the chunk scan (pallas_kernels/tpu/gated_delta.py): an 8k-token prefill
-                     # of 256 rows in chunks of 64, 8 value heads a chip
-                     "gated-delta-chunks-8heads": (8192 // 64 + 256, 8)}
+GATED_DELTA_CASES = {"gated-delta-decode-8heads": (256, 8),
+                     # the chunk scan (pallas_kernels/tpu/gated_delta.py): 256 rows in chunks of
+                     # 64, 8 value heads a chip
+                     "gated-delta-chunks-8heads": (512 // 64 + 256, 8)}
+# The same at production sizes (make test-slow): one chip's 32 heads, an 8k-token prefill.
+GATED_DELTA_LARGE = {"gated-delta-decode-32heads": (64, 32),
+                     "gated-delta-chunks-8heads-8k": (8192 // 64 + 256, 8)}
 # Production sizes, where SMEM (1 MB on v5e) is the limit: block tables of 128 sequences x 32k
 # tokens (a scalar-prefetched table was 1 MB alone) and the largest step the KV write takes.
 LARGE = {
@@ -140,9 +142,9 @@ def build(name, devices=None):
                                 jax.ShapeDtypeStruct((slots, inputs, rank), dtype),
                                 jax.ShapeDtypeStruct((slots, rank, outputs), dtype),
                                 jax.ShapeDtypeStruct((tokens,), jnp.int32))
-    if name in GATED_DELTA_CASES:
+    if name in GATED_DELTA_CASES or name in GATED_DELTA_LARGE:
         from pagedjax.pallas_kernels.gated_delta_step import recurrent_update
-        rows, heads = GATED_DELTA_CASES[name]
+        rows, heads = {**GATED_DELTA_CASES, **GATED_DELTA_LARGE}[name]
         f32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
         if "chunks" in name:
             from pagedjax.pallas_kernels.tpu.gated_delta import chunk_scan_tpu
@@ -220,7 +222,7 @@ def compile_topology(topology: str, part: str, stem: pathlib.Path) -> dict:
     """One child process's builds: the kernels (and, on the first topology, the engine's
     steps), or the large part (tensor-parallel steps, production sizes: make test-slow)."""
     if part == "large":
-        names = [*SHARDED_STEPS, *LARGE]
+        names = [*SHARDED_STEPS, *LARGE, *GATED_DELTA_LARGE]
     else:
         names = [*CASES, *LORA_CASES, *GATED_DELTA_CASES] + (
             [*STEPS] if topology == TOPOLOGIES[0] else [])
@@ -257,6 +259,13 @@ def test_lora_kernel_compiles_for_tpu(case, topology, compiled):
 @pytest.mark.parametrize("case", GATED_DELTA_CASES)
 def test_gated_delta_kernel_compiles_for_tpu(case, topology, compiled):
     result = compiled(topology)[case]
+    assert result["ok"], result.get("error")
+
+
+@pytest.mark.slow  # production sizes: make test-slow
+@pytest.mark.parametrize("case", GATED_DELTA_LARGE)
+def test_gated_delta_kernel_compiles_for_tpu_at_production_sizes(case, compiled):
+    result = compiled(TOPOLOGIES[0], "large")[case]
     assert result["ok"], result.get("error")
 
 

@@ -79,7 +79,12 @@ def test_config_is_read_whole(arch, tmp_path):
         6, config.state_bytes_per_sequence(4))
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHS))
+# the mixtures' logits: make test-slow (the dense one's here)
+MIXTURES_SLOW = [pytest.param(a, marks=() if a == "qwen3_5" else pytest.mark.slow)
+                 for a in sorted(ARCHS)]
+
+
+@pytest.mark.parametrize("arch", MIXTURES_SLOW)
 def test_dense_logits_match_transformers(arch, tmp_path):
     hf = build(arch, tmp_path)
     ids = np.random.default_rng(0).integers(0, 128, (2, 70))  # past one 64-token chunk
