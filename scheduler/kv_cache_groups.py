@@ -121,7 +121,7 @@ class HybridKVCacheManager:
     @property
     def state_blocks(self) -> list[int]:
         """Each group's fixed blocks a request (a state group's), 0 for an attention group."""
-        return [getattr(group, "state_blocks", 0) for group in self.groups]
+        return [n for group in self.groups for n in group.state_blocks]
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return blocks_for(self.windows, self.block_size, num_tokens, self.max_tokens_per_step)
@@ -216,12 +216,7 @@ class HybridKVCacheManager:
 
     def take_pending_state_copies(self) -> list[tuple[int, int]]:
         """The state groups' fork copies (scheduler.state_group), whole blocks."""
-        copies = []
-        for group in self.groups:
-            copies += getattr(group, "pending_state_copies", [])
-            if hasattr(group, "pending_state_copies"):
-                group.pending_state_copies = []
-        return copies
+        return [copy for group in self.groups for copy in group.take_pending_state_copies()]
 
     @property
     def pending_copies(self) -> list[tuple[int, int]]:

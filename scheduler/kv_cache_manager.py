@@ -176,6 +176,15 @@ class KVCacheManager:
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
+    def take_pending_state_copies(self) -> list[tuple[int, int]]:
+        """A state group's fork copies (scheduler.state_group; none here)."""
+        return []
+
+    @property
+    def state_blocks(self) -> list[int]:
+        """Each KV cache group's fixed blocks a request (a state group's; 0 here)."""
+        return [0]
+
     def free_out_of_window(self, request: Request) -> None:
         """Sliding window: frees the blocks no future query of request can see (all positions
         below num_computed_tokens - window + 1), leaving the null block in their table slots."""

@@ -123,7 +123,7 @@ def _rows(scheduled, kv_manager: KVCacheManager, tables: list[np.ndarray]):
                                      *_PARAM_COLUMNS)}
     block_size = kv_manager.block_size
     # a state group's row: its fixed blocks whole (scheduler.state_group)
-    state_blocks = getattr(kv_manager, "state_blocks", [0] * len(tables))
+    state_blocks = kv_manager.state_blocks
     for i, seq in enumerate(scheduled):
         request, start, n = seq
         drafts = seq.drafts

@@ -171,8 +171,7 @@ class _StepBuilder:
         tier = kv.host_tier
         transfers = tier.take_transfers() if tier is not None else ((), (), (), ())
         slots = self.state.lora_slots
-        state_copies = (kv.take_pending_state_copies()
-                        if hasattr(kv, "take_pending_state_copies") else ())
+        state_copies = kv.take_pending_state_copies()
         return SchedulerOutput(self.scheduled, self.preempted, kind, num_tokens, now, forks,
                                copies, swap_out, swap_in, *transfers,
                                lora_loads=slots.take_loads() if slots is not None else (),

@@ -43,24 +43,24 @@ class StateGroupManager(KVCacheManager):
 
     def __init__(self, window: StateWindow, num_blocks: int, block_size: int, **kwargs):
         super().__init__(num_blocks, block_size, **{**kwargs, "enable_prefix_caching": False})
-        self.state_blocks = window.num_blocks
+        self.num_state_blocks = window.num_blocks
         self._reserved: dict[str, tuple[str, list[int]]] = {}  # follower -> (leader, blocks)
         # forks' (src, dst) copies: whole states, run before the next step and its swaps
         # (SchedulerOutput.state_copies), not in the step as a copy-on-write's
         self.pending_state_copies: list[tuple[int, int]] = []
 
     def num_blocks_for(self, num_tokens: int) -> int:
-        return self.state_blocks
+        return self.num_state_blocks
 
     def _follower_blocks(self, request: Request) -> int:
-        return self.state_blocks * len(request.followers)
+        return self.num_state_blocks * len(request.followers)
 
     def num_new_blocks(self, request: Request, num_new_tokens: int, cached_blocks=()) -> int:
         if cached_blocks:
             raise ValueError("a state group serves no prefix-cache hit")
         if request.request_id in self.block_tables:
             return 0
-        return self.state_blocks + self._follower_blocks(request)
+        return self.num_state_blocks + self._follower_blocks(request)
 
     def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks=(),
                        touched: bool = False) -> list[int] | None:
@@ -70,7 +70,7 @@ class StateGroupManager(KVCacheManager):
             return None
         if not needed:
             return []
-        blocks = self.pool.allocate(self.state_blocks)
+        blocks = self.pool.allocate(self.num_state_blocks)
         self.block_tables[request.request_id] = list(blocks)
         return blocks + self._reserve(request)
 
@@ -78,10 +78,18 @@ class StateGroupManager(KVCacheManager):
         """Blocks for each follower of request, held until it forks (or request ends)."""
         taken = []
         for follower in request.followers:
-            blocks = self.pool.allocate(self.state_blocks)
+            blocks = self.pool.allocate(self.num_state_blocks)
             self._reserved[follower.request_id] = (request.request_id, blocks)
             taken += blocks
         return taken
+
+    def take_pending_state_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_state_copies = self.pending_state_copies, []
+        return copies
+
+    @property
+    def state_blocks(self) -> list[int]:
+        return [self.num_state_blocks]
 
     def reserved_tables(self) -> dict[str, list[int]]:
         """The blocks each request holds for its followers not yet forked."""

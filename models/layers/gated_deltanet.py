@@ -118,11 +118,7 @@ class GatedDeltaNet(nnx.Module):
                 v.reshape(*lead, self.num_v_heads, self.head_v_dim))
 
     def gates(self, b: jax.Array, a: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)), f32."""
-        a_log = self.A_log[...].astype(jnp.float32)
-        g = -jnp.exp(a_log) * jax.nn.softplus(a.astype(jnp.float32)
-                                              + self.dt_bias[...].astype(jnp.float32))
-        return g, jax.nn.sigmoid(b.astype(jnp.float32))
+        return gates(self.A_log[...], self.dt_bias[...], b, a)
 
     def output(self, core: jax.Array, z: jax.Array, dtype) -> jax.Array:
         """The rule's output [..., Hv, Dv] normed, gated by z, through out_proj -> [..., D]."""
@@ -172,6 +168,15 @@ class GatedDeltaNet(nnx.Module):
         return self.output(out, z, x.dtype), kv_cache
 
 
+def gates(a_log: jax.Array, dt_bias: jax.Array, b: jax.Array,
+          a: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)), f32: each token's decay
+    and write strength, per value head."""
+    g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(
+        a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+    return g, jax.nn.sigmoid(b.astype(jnp.float32))
+
+
 def paged_core(q, k, v, conv_q, conv_k, conv_v, b, a, a_log, dt_bias, kv_cache, tables,
                cu_q_lens, kv_lens, num_real, *, dims: tuple[int, int], decode_only: bool,
                kernels=None):
@@ -194,11 +199,9 @@ def paged_core(q, k, v, conv_q, conv_k, conv_v, b, a, a_log, dt_bias, kv_cache, 
     mixed, windows = ragged_causal_conv1d(jnp.concatenate([q, k, v], axis=-1), weight,
                                           windows.astype(q.dtype), cu_q_lens)
     q, k, v = jnp.split(mixed, [heads_k * dk, 2 * heads_k * dk], axis=-1)
-    g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(
-        a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
     out, states = ragged_gated_delta(
         q.reshape(-1, heads_k, dk), k.reshape(-1, heads_k, dk), v.reshape(-1, heads_v, dv),
-        g, jax.nn.sigmoid(b.astype(jnp.float32)), states, cu_q_lens, num_real, decode_only,
+        *gates(a_log, dt_bias, b, a), states, cu_q_lens, num_real, decode_only,
         kernels=kernels)
     flat = jnp.concatenate([windows.reshape(batch, -1).astype(jnp.float32),
                             states.reshape(batch, -1)], axis=1)
