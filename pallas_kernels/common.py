@@ -100,3 +100,12 @@ def sort_by_slot(token_slots: jax.Array, num_slots: int):
     order = jnp.argsort(keys, stable=True).astype(jnp.int32)
     group_sizes = jnp.sum(jax.nn.one_hot(keys, num_slots, dtype=jnp.int32), axis=0)
     return order, group_sizes
+
+
+def sink_rows(sinks, num_kv_heads: int, group: int, padded_group: int):
+    """f32[K, Gp]: attention sinks f32[N] by KV head and row of its query-head group, a padded
+    row's MASK_VALUE (it sees nothing); None without sinks."""
+    if sinks is None:
+        return None
+    per_head = sinks.astype(jnp.float32).reshape(num_kv_heads, group)
+    return jnp.pad(per_head, ((0, 0), (0, padded_group - group)), constant_values=MASK_VALUE)

@@ -124,6 +124,8 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                           True),
 }
 BACKEND_NAMES = ("auto", *IMPLEMENTATIONS)
+# The backends whose kernels take attention sinks (gpt-oss); the Mosaic GPU kernels do not.
+SINK_BACKENDS = ("reference", "gpu", "tpu")
 TP_AXIS = "tp"
 
 
@@ -156,16 +158,24 @@ def paged_attention(
     metadata: AttentionMetadata,
     *, scale: float, backend: AttentionBackend = AttentionBackend(),
     sliding_window: int | None = None, soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:  # ([T, N, H], new kv_cache)
-    """Writes the step's K/V into their slots, then attends through the block tables."""
+    """Writes the step's K/V into their slots, then attends through the block tables. sinks:
+    f32[N] attention sinks (gpt-oss: a logit a head joining every softmax, with no value)."""
     if backend.mesh is not None:  # each device its heads, the plan replicated
         heads, cache = P(None, TP_AXIS), P(None, TP_AXIS)
-        local = functools.partial(paged_attention, scale=scale,
-                                  backend=dataclasses.replace(backend, mesh=None),
-                                  sliding_window=sliding_window, soft_cap=soft_cap)
-        return jax.shard_map(local, mesh=backend.mesh, in_specs=(heads, heads, heads, cache, P()),
+
+        def local(q, k, v, kv_cache, metadata, *sinks):
+            return paged_attention(q, k, v, kv_cache, metadata, scale=scale,
+                                   backend=dataclasses.replace(backend, mesh=None),
+                                   sliding_window=sliding_window, soft_cap=soft_cap,
+                                   sinks=sinks[0] if sinks else None)
+
+        extra = () if sinks is None else (sinks,)
+        specs = (heads, heads, heads, cache, P(), *(P(TP_AXIS),) * len(extra))
+        return jax.shard_map(local, mesh=backend.mesh, in_specs=specs,
                              out_specs=(heads, cache), check_vma=False)(q, k, v, kv_cache,
-                                                                        metadata)
+                                                                        metadata, *extra)
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
@@ -176,6 +186,11 @@ def paged_attention(
     pallas_opts = dict(interpret=backend.interpret) if impl.pallas else {}
     kv_cache = impl.write_kv(kv_cache, k, v, metadata.slot_mapping, **pallas_opts)
     opts = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, **pallas_opts)
+    if sinks is not None:
+        if backend.name not in SINK_BACKENDS:
+            raise ValueError(f"attention sinks are built in the {SINK_BACKENDS} backends, "
+                             f"not {backend.name!r}")
+        opts["sinks"] = sinks
     if metadata.decode_only:
         out = impl.decode(q, kv_cache, metadata.kv_lens, metadata.block_tables,
                           metadata.num_seqs, **opts)

@@ -5,7 +5,8 @@ K KV heads, G = N // K query heads per KV head, H head dim, NB physical blocks.
 
 The loop runs over logical blocks up to the longest live context, a few blocks per iteration
 (C = KV_TOKENS_PER_ITER // S), reading each sequence's blocks through its block table, with an
-online softmax in f32. It never touches blocks past a sequence's kv_len, so NaN in unused pages
+online softmax in f32. Attention sinks (gpt-oss): one learned logit a query head, f32[N], that
+joins every softmax's denominator and carries no value. It never touches blocks past a sequence's kv_len, so NaN in unused pages
 cannot reach the output, and its cost follows the attended tokens, not the size of the pool or
 the table width.
 """
@@ -30,7 +31,7 @@ def _attend_blocks(
     token_kv_lens: jax.Array,  # i32[T] kv_len of the token's sequence; 0 masks the token out
     block_tables: jax.Array,  # i32[B, P]
     *, scale: float, sliding_window: int | None, soft_cap: float | None,
-    kv_tokens_per_iter: int = KV_TOKENS_PER_ITER,
+    sinks: jax.Array | None = None, kv_tokens_per_iter: int = KV_TOKENS_PER_ITER,
 ) -> jax.Array:  # [T, N, H]
     num_tokens, num_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size, _ = kv_cache.shape
@@ -69,8 +70,14 @@ def _attend_blocks(
         acc = acc * alpha[..., None] + jnp.einsum("TKGS,KTSH->TKGH", p, v)
         return m_new, l * alpha + jnp.sum(p, axis=-1), acc
 
-    init = (jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
-            jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
+    stats = (num_tokens, num_kv_heads, group)
+    if sinks is None:
+        m0, l0 = jnp.full(stats, -jnp.inf, jnp.float32), jnp.zeros(stats, jnp.float32)
+    else:  # one more logit a head in every softmax, with no value: the running max starts
+        # at it and the denominator at exp(sink - sink) = 1
+        m0 = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(num_kv_heads, group), stats)
+        l0 = jnp.ones(stats, jnp.float32)
+    init = (m0, l0,
             jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32))
     _, l, acc = jax.lax.fori_loop(0, num_iters, body, init)
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
@@ -94,6 +101,7 @@ def ragged_paged_attention_reference(
     cu_q_lens: jax.Array,  # i32[B + 1] start of each sequence's query tokens
     num_seqs: jax.Array,  # i32[] only the first num_seqs rows are valid
     *, scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:  # [T, N, H]; 0 for padding tokens
     """Each sequence's query tokens are the last q_len of its kv_len tokens: causal within the
     chunk, full attention to the cached prefix."""
@@ -107,7 +115,8 @@ def ragged_paged_attention_reference(
     q_positions = kv_lens[seq_ids] - (cu_q_lens[seq_ids + 1] - t)
     token_kv_lens = jnp.where(valid, kv_lens[seq_ids], 0)
     return _attend_blocks(q, kv_cache, seq_ids, q_positions, token_kv_lens, block_tables,
-                          scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+                          scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                          sinks=sinks)
 
 
 def paged_decode_attention_reference(
@@ -117,9 +126,11 @@ def paged_decode_attention_reference(
     block_tables: jax.Array,  # i32[B, P]
     num_seqs: jax.Array,  # i32[] only the first num_seqs rows are valid
     *, scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:  # [B, N, H]; 0 for padding rows
     rows = jnp.arange(q.shape[0], dtype=jnp.int32)
     kv_lens = jnp.asarray(kv_lens)
     token_kv_lens = jnp.where(rows < num_seqs, kv_lens, 0)
     return _attend_blocks(q, kv_cache, rows, kv_lens - 1, token_kv_lens, block_tables,
-                          scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+                          scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                          sinks=sinks)

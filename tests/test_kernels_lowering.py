@@ -76,6 +76,7 @@ def kernel_args(kind, backend, head_dim, dtype, *, block_size=BLOCK_SIZE, width=
     return (cache, new, new, i32((tokens,)))
 
 
+GPT_OSS_SINKS = np.linspace(-2.0, 2.0, 64, dtype=np.float32)
 # kind, head dim, cache dtype, block size, table width (pages), options
 GPU_CASES = {
     "decode-bf16": ("decode", 128, jnp.bfloat16, 16, 8, {}),
@@ -92,6 +93,11 @@ GPU_CASES = {
     "ragged-bf16-h256-mqa": ("ragged", 256, jnp.bfloat16, 16, 64, {}, (8, 1)),
     # One page of 32 f32 keys of 256 overflows an L4 at 2 stages: fit_pipeline drops to 1.
     "decode-f32-h256-block32": ("decode", 256, jnp.float32, 32, 8, {}, (8, 1)),
+    # gpt-oss's attention: 64 query / 8 KV heads of 64, f32 sinks, 128-token windows
+    "decode-bf16-sinks-h64": ("decode", 64, jnp.bfloat16, 16, 64,
+                              dict(sliding_window=128, sinks=GPT_OSS_SINKS), (64, 8)),
+    "ragged-bf16-sinks-h64": ("ragged", 64, jnp.bfloat16, 16, 64,
+                              dict(sliding_window=128, sinks=GPT_OSS_SINKS), (64, 8)),
     "write-bf16": ("write", 128, jnp.bfloat16, 16, 8, {}),
     "write-f32-h80": ("write", 80, jnp.float32, 16, 8, {}),
 }

@@ -14,6 +14,7 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from test_kernels_lowering import KERNELS, cache_struct, kernel_args
 
@@ -22,6 +23,7 @@ from benchmarks.aot import xla_tpu
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LIBTPU = pathlib.Path(os.environ.get("PAGEDJAX_LIBTPU", ROOT / ".venv" / "libtpu"))
 TOPOLOGIES = ["v5e:2x2", "v6e:2x2"]
+GPT_OSS_SINKS = np.linspace(-2.0, 2.0, 64, dtype=np.float32)
 
 # kind, head dim, cache dtype, options; then optionally block size and (query, KV) heads. The
 # default is the benchmark's shape: block 16, 32 query / 8 KV heads.
@@ -39,6 +41,11 @@ CASES = {
                                    dict(sliding_window=40, soft_cap=30.0)),
     "ragged-int8": ("ragged", 128, "int8", {}),
     "ragged-bf16-block32-mqa-h256": ("ragged", 256, jnp.bfloat16, {}, 32, (8, 1)),
+    # gpt-oss's attention: 64 query / 8 KV heads of 64, f32 sinks, 128-token windows
+    "decode-bf16-sinks-window-h64": ("decode", 64, jnp.bfloat16,
+                                     dict(sliding_window=128, sinks=GPT_OSS_SINKS), 16, (64, 8)),
+    "ragged-bf16-sinks-window-h64": ("ragged", 64, jnp.bfloat16,
+                                     dict(sliding_window=128, sinks=GPT_OSS_SINKS), 16, (64, 8)),
     "write-bf16": ("write", 128, jnp.bfloat16, {}),
     "write-f32": ("write", 128, jnp.float32, {}),
     # A row of two lane tiles: the new rows' DMA window must start on a tile row.

@@ -38,8 +38,14 @@ def shared_memory_limit(capability: tuple[int, int] | None = None) -> int:
     return SHARED_MEMORY_LIMIT[max(known)] if known else min(SHARED_MEMORY_LIMIT.values())
 
 
-def combine_splits(o, l, m):
-    """Merges per-split partial softmaxes: o f32[X, ..., Hp], l and m f32[X, ...]."""
+def combine_splits(o, l, m, sinks=None):
+    """Merges per-split partial softmaxes: o f32[X, ..., Hp], l and m f32[X, ...]. sinks:
+    attention sinks broadcastable to l's rows ([..., K, Gp]), or None: each joins as one more
+    split with no value (o 0, m the sink, l 1)."""
+    if sinks is not None:
+        m = jnp.concatenate([m, jnp.broadcast_to(sinks.astype(jnp.float32), m.shape[1:])[None]])
+        l = jnp.concatenate([l, jnp.ones_like(l[:1])])
+        o = jnp.concatenate([o, jnp.zeros_like(o[:1])])
     m_max = jnp.max(m, axis=0)
     weight = jnp.exp(m - m_max[None])
     denom = jnp.sum(l * weight, axis=0)

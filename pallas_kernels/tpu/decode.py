@@ -25,7 +25,8 @@ from pagedjax.pallas_kernels.common import tpu_interpret_params
 from pagedjax.pallas_kernels.tpu.pipeline import (SUBLANES, PagePipeline, attend_sequence,
                                                   check_operands, compiler_params, compute_dtype,
                                                   default_pages_per_step, fetch_table_row,
-                                                  flat_tables, page_scratch, table_width)
+                                                  flat_tables, page_scratch, sink_operands,
+                                                  table_width)
 
 
 def _decode_kernel(
@@ -33,14 +34,16 @@ def _decode_kernel(
     q_ref,  # [Gp, H]                      VMEM block of this (sequence, KV head)
     tables_hbm_ref,  # i32[B * Pp]         HBM, flattened block tables
     kv_hbm_ref,  # [2, K, NB, S, H]        HBM (ANY)
-    *refs,  # [scales f32[2, K, NB, Ss] HBM,] o [Gp, H] VMEM output block, then scratch:
+    *refs,  # [scales f32[2, K, NB, Ss] HBM,] [sinks f32[Gp, 1] VMEM,] o [Gp, H] VMEM output
+    #         block, then scratch:
     #         table_row i32[Pp] SMEM and its DMA semaphore,
     #         kv_buf [2, 2, C, S, H] (+ scale buffer [2, 2, C, Ss]) VMEM double buffers,
     #         page_sems DMA[2], one semaphore per buffer slot
     pages_per_step: int, scale: float, sliding_window: int | None,
-    soft_cap: float | None, quantized: bool,
+    soft_cap: float | None, quantized: bool, has_sinks: bool,
 ):
     scales_hbm_ref, refs = (refs[0], refs[1:]) if quantized else (None, refs)
+    sinks_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
     o_ref, table_row, table_sem, *buffers, page_sems = refs
     seq, head = pl.program_id(0), pl.program_id(1)
     block_size = kv_hbm_ref.shape[3]
@@ -67,7 +70,8 @@ def _decode_kernel(
 
     o = attend_sequence(pipeline, q, first_block, num_blocks, block_k, dtype, key_live=key_live,
                         visible=key_live, scale=scale, soft_cap=soft_cap,
-                        sliding_window=sliding_window)
+                        sliding_window=sliding_window,
+                        sinks=None if sinks_ref is None else sinks_ref[...])
     o_ref[...] = o.astype(o_ref.dtype)
 
 
@@ -80,8 +84,10 @@ def paged_decode_attention_tpu(
     block_tables: jax.Array,  # i32[B, P]
     num_seqs: jax.Array,  # i32[] only the first num_seqs rows are valid
     *, scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-    pages_per_step: int | None = None, interpret: bool = False,
+    sinks: jax.Array | None = None, pages_per_step: int | None = None,
+    interpret: bool = False,
 ) -> jax.Array:  # [B, N, H]; 0 for padding rows
+    """sinks: f32[N] attention sinks (pallas_kernels.reference), or None."""
     batch, num_heads, head_dim = q.shape
     data, scales, group = check_operands(q, kv_cache)
     _, num_kv_heads, _, block_size, _ = data.shape
@@ -95,8 +101,10 @@ def paged_decode_attention_tpu(
 
     kernel = functools.partial(
         _decode_kernel, pages_per_step=pages_per_step, scale=scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, quantized=scales is not None)
+        sliding_window=sliding_window, soft_cap=soft_cap, quantized=scales is not None,
+        has_sinks=sinks is not None)
     quant_operands = [] if scales is None else [scales]
+    sink_inputs, sink_specs = sink_operands(sinks, num_kv_heads, group, padded_group, 1)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -107,7 +115,8 @@ def paged_decode_attention_tpu(
                              lambda b, h, *_: (b, h, 0, 0)),  # q
                 pl.BlockSpec(memory_space=pltpu.HBM),  # block tables: a row DMA'd per program
                 pl.BlockSpec(memory_space=pl.ANY),  # kv_cache stays in HBM
-            ] + [pl.BlockSpec(memory_space=pl.ANY)] * len(quant_operands),  # scales, in HBM
+            ] + [pl.BlockSpec(memory_space=pl.ANY)] * len(quant_operands)  # scales, in HBM
+            + sink_specs,
             out_specs=pl.BlockSpec((None, None, padded_group, head_dim),
                                    lambda b, h, *_: (b, h, 0, 0)),
             scratch_shapes=[
@@ -121,5 +130,5 @@ def paged_decode_attention_tpu(
         compiler_params=compiler_params(),
         interpret=tpu_interpret_params(interpret),
         name="paged_decode_attention_tpu",
-    )(lens, qg, flat_tables(block_tables, padded_width), data, *quant_operands)
+    )(lens, qg, flat_tables(block_tables, padded_width), data, *quant_operands, *sink_inputs)
     return out[:, :, :group].reshape(batch, num_heads, head_dim)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pagedjax.pallas_kernels.common import MASK_VALUE, online_softmax_step
+from pagedjax.pallas_kernels.common import MASK_VALUE, online_softmax_step, sink_rows
 from pagedjax.pallas_kernels.quant import QuantizedKV
 
 SUBLANES = 8
@@ -246,10 +246,12 @@ def attend_blocks(body, first_block, num_blocks, init, *, edge_first: bool):
 
 def attend_sequence(pipeline: PagePipeline, q, first_block, num_blocks, block_k: int, dtype, *,
                     key_live, visible, scale: float, soft_cap: float | None,
-                    sliding_window: int | None):
+                    sliding_window: int | None, sinks=None):
     """q's rows [R, H] attended over the pipeline's compute blocks [first_block, num_blocks)
     (attend_blocks over attend_chunk, started by pipeline.start_first_block), normalised: f32
-    [R, H], 0 for a row that sees no key. Then prefetches the next head's first block."""
+    [R, H], 0 for a row that sees no key. sinks: f32[R, 1], each row's attention sink (a logit
+    in the denominator with no value: the running max starts at it, the sum at 1), or None.
+    Then prefetches the next head's first block."""
     num_rows, head_dim = q.shape
 
     def body(block, carry, zero_v, prefetch):
@@ -257,10 +259,24 @@ def attend_sequence(pipeline: PagePipeline, q, first_block, num_blocks, block_k:
         return attend_chunk(q, chunk, block * block_k, carry, key_live=key_live,
                             visible=visible, scale=scale, soft_cap=soft_cap, zero_v=zero_v)
 
-    init = (jnp.zeros((num_rows, head_dim), jnp.float32),
-            jnp.full((num_rows, 1), MASK_VALUE, jnp.float32),
-            jnp.zeros((num_rows, 1), jnp.float32))
+    m0, l0 = jnp.full((num_rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((num_rows, 1),
+                                                                          jnp.float32)
+    if sinks is not None:
+        m0, l0 = sinks, jnp.ones((num_rows, 1), jnp.float32)
+    init = (jnp.zeros((num_rows, head_dim), jnp.float32), m0, l0)
     o, _, l = attend_blocks(body, first_block, num_blocks, init,
                             edge_first=sliding_window is not None)
     pipeline.prefetch_next_head(first_block, num_blocks, pl.num_programs(1))
     return jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)
+
+
+def sink_operands(sinks, num_kv_heads: int, group: int, padded_group: int, tokens: int):
+    """([rows], [their BlockSpec]) of a kernel whose programs take a KV head's rows, tokens x
+    padded_group of them (token-major): f32[K, rows, 1], each row its query head's sink
+    (common.sink_rows); ([], []) without sinks."""
+    if sinks is None:
+        return [], []
+    per_head = sink_rows(sinks, num_kv_heads, group, padded_group)
+    rows = jnp.tile(per_head, (1, tokens))[..., None]  # [K, tokens * Gp, 1]
+    spec = pl.BlockSpec((None, tokens * padded_group, 1), lambda i, h, *_: (h, 0, 0))
+    return [rows], [spec]

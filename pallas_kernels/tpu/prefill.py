@@ -23,7 +23,8 @@ from pagedjax.pallas_kernels.common import tile_layout, tpu_interpret_params
 from pagedjax.pallas_kernels.tpu.pipeline import (SUBLANES, PagePipeline, attend_sequence,
                                                   check_operands, compiler_params, compute_dtype,
                                                   default_pages_per_step, fetch_table_row,
-                                                  flat_tables, page_scratch, table_width)
+                                                  flat_tables, page_scratch, sink_operands,
+                                                  table_width)
 
 
 def _ragged_kernel(
@@ -34,13 +35,15 @@ def _ragged_kernel(
     tables_hbm_ref,  # i32[B * Pp]     HBM, flattened block tables
     q_hbm_ref,  # [T + BQ, K, Gp, H]   HBM (ANY)
     kv_hbm_ref,  # [2, K, NB, S, H]    HBM (ANY)
-    *refs,  # [scales f32[2, K, NB, Ss] HBM,] o f32[BQ, Gp, H] VMEM output tile, then scratch:
+    *refs,  # [scales f32[2, K, NB, Ss] HBM,] [sinks f32[BQ * Gp, 1] VMEM,] o f32[BQ, Gp, H]
+    #         VMEM output tile, then scratch:
     #         table_row i32[Pp] SMEM, q_buf [BQ, Gp, H], kv_buf [2, 2, C, S, H] (+ scale
     #         buffer [2, 2, C, Ss]) VMEM, table_sem, q_sem, page_sems DMA
     tile_q: int, pages_per_step: int, scale: float,
-    sliding_window: int | None, soft_cap: float | None, quantized: bool,
+    sliding_window: int | None, soft_cap: float | None, quantized: bool, has_sinks: bool,
 ):
     scales_hbm_ref, refs = (refs[0], refs[1:]) if quantized else (None, refs)
+    sinks_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
     o_ref, table_row, q_buf, *buffers, table_sem, q_sem, page_sems = refs
     tile, head = pl.program_id(0), pl.program_id(1)
     block_size, head_dim = kv_hbm_ref.shape[3], kv_hbm_ref.shape[4]
@@ -87,7 +90,8 @@ def _ragged_kernel(
 
     o = attend_sequence(pipeline, q, first_block, num_blocks, block_k, dtype, key_live=key_live,
                         visible=visible, scale=scale, soft_cap=soft_cap,
-                        sliding_window=sliding_window)
+                        sliding_window=sliding_window,
+                        sinks=None if sinks_ref is None else sinks_ref[...])
     o_ref[...] = o.reshape(tile_q, group, head_dim)
 
 
@@ -101,8 +105,10 @@ def ragged_paged_attention_tpu(
     cu_q_lens: jax.Array,  # i32[B + 1]
     num_seqs: jax.Array,  # i32[]
     *, scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-    tile_q: int = 16, pages_per_step: int | None = None, interpret: bool = False,
+    sinks: jax.Array | None = None, tile_q: int = 16, pages_per_step: int | None = None,
+    interpret: bool = False,
 ) -> jax.Array:  # [T, N, H]; 0 for padding tokens
+    """sinks: f32[N] attention sinks (pallas_kernels.reference), or None."""
     num_tokens, num_heads, head_dim = q.shape
     data, scales, group = check_operands(q, kv_cache)
     _, num_kv_heads, _, block_size, _ = data.shape
@@ -119,8 +125,10 @@ def ragged_paged_attention_tpu(
 
     kernel = functools.partial(
         _ragged_kernel, tile_q=tile_q, pages_per_step=pages_per_step, scale=scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, quantized=scales is not None)
+        sliding_window=sliding_window, soft_cap=soft_cap, quantized=scales is not None,
+        has_sinks=sinks is not None)
     quant_operands = [] if scales is None else [scales]
+    sink_inputs, sink_specs = sink_operands(sinks, num_kv_heads, group, padded_group, tile_q)
     tiles = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -129,7 +137,8 @@ def ragged_paged_attention_tpu(
             in_specs=[pl.BlockSpec(memory_space=pltpu.HBM),  # block tables: a row per tile
                       pl.BlockSpec(memory_space=pl.ANY),  # q: rows DMA'd per tile
                       pl.BlockSpec(memory_space=pl.ANY)]  # kv_cache stays in HBM
-            + [pl.BlockSpec(memory_space=pl.ANY)] * len(quant_operands),  # scales, in HBM
+            + [pl.BlockSpec(memory_space=pl.ANY)] * len(quant_operands)  # scales, in HBM
+            + sink_specs,
             out_specs=pl.BlockSpec((None, tile_q, None, padded_group, head_dim),
                                    lambda t, h, *_: (t, 0, h, 0, 0)),
             scratch_shapes=[
@@ -147,7 +156,7 @@ def ragged_paged_attention_tpu(
         interpret=tpu_interpret_params(interpret),
         name="ragged_paged_attention_tpu",
     )(tile_seq, tile_start, cu_q_lens, kv_lens.astype(jnp.int32),
-      flat_tables(block_tables, padded_width), qg, data, *quant_operands)
+      flat_tables(block_tables, padded_width), qg, data, *quant_operands, *sink_inputs)
     out = tiles[token_tile, token_row][:, :, :group]  # [T, K, G, H]
     live = jnp.arange(num_tokens) < cu_q_lens[num_seqs]
     out = jnp.where(live[:, None, None, None], out, 0.0)

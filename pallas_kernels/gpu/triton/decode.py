@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pagedjax.pallas_kernels.common import MASK_VALUE, online_softmax_step
+from pagedjax.pallas_kernels.common import MASK_VALUE, online_softmax_step, sink_rows
 from pagedjax.pallas_kernels.gpu.common import choose_num_splits, combine_splits, next_power_of_2
 from pagedjax.pallas_kernels.gpu.triton.tiling import (MIN_DOT_SIZE, check_operands, fit_pipeline,
                                                        load_pages)
@@ -98,10 +98,12 @@ def paged_decode_attention_gpu(
     block_tables: jax.Array,  # i32[B, P]
     num_seqs: jax.Array,  # i32[] only the first num_seqs rows are valid
     *, scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-    pages_per_step: int | None = None, num_splits: int | None = None, num_warps: int = 8,
-    num_stages: int | None = None, interpret: bool = False,
+    sinks: jax.Array | None = None, pages_per_step: int | None = None,
+    num_splits: int | None = None, num_warps: int = 8, num_stages: int | None = None,
+    interpret: bool = False,
 ) -> jax.Array:  # [B, N, H]; 0 for padding rows
-    """pages_per_step / num_stages None: up to 8 pages (128 keys at block 16) per loop step and
+    """sinks: f32[N] attention sinks (pallas_kernels.reference) or None, merged with the
+    splits' partial softmaxes (combine_splits). pages_per_step / num_stages None: up to 8 pages (128 keys at block 16) per loop step and
     2 pipeline stages, as many as fit the shared memory of the visible GPU (of an H100/H200
     where none is; see fit_pipeline); an explicit value is taken as given. 8 warps: at the
     benchmark's shape 4 warps need 237 registers a thread (255 with an int8 cache), 8 need 119,
@@ -151,5 +153,6 @@ def paged_decode_attention_gpu(
         interpret=interpret,
         name="paged_decode_attention_gpu",
     )(lens, tables, qg, data, *quant_operands)
-    out = combine_splits(o, l, m)[:, :, :group, :head_dim]
+    out = combine_splits(o, l, m, sink_rows(sinks, num_kv_heads, group, padded_group))
+    out = out[:, :, :group, :head_dim]
     return out.reshape(batch, num_heads, head_dim).astype(q.dtype)

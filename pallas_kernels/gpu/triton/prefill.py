@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pagedjax.pallas_kernels.common import MASK_VALUE, online_softmax_step, tile_layout
+from pagedjax.pallas_kernels.common import MASK_VALUE, online_softmax_step, sink_rows, tile_layout
 from pagedjax.pallas_kernels.gpu.common import next_power_of_2
 from pagedjax.pallas_kernels.gpu.triton.tiling import (MIN_DOT_SIZE, check_operands, fit_pipeline,
                                                        load_pages)
@@ -34,11 +34,14 @@ def _ragged_kernel(
     block_tables_ref,  # i32[B, Pp]       (ANY)
     q_ref,  # [T + BQ, K, Gp, Hp]         (ANY)
     kv_ref,  # [2, K, NB, S, Hp]          (ANY)
-    *refs,  # [scales f32[2, K, NB, S] (ANY) if quantized,] o f32[BQ, Gp, Hp] (this tile)
+    *refs,  # [scales f32[2, K, NB, S] (ANY) if quantized,] [sinks f32[Gp] (this head's),]
+    #         o f32[BQ, Gp, Hp] (this tile)
     tile_q: int, pages_per_step: int, scale: float, sliding_window: int | None,
-    soft_cap: float | None, quantized: bool,
+    soft_cap: float | None, quantized: bool, has_sinks: bool,
 ):
-    scales_ref, o_ref = refs if quantized else (None, refs[0])
+    scales_ref, refs = (refs[0], refs[1:]) if quantized else (None, refs)
+    sinks_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
+    o_ref, = refs
     tile, head = pl.program_id(0), pl.program_id(1)
     block_size, head_dim = kv_ref.shape[3], kv_ref.shape[4]
     group = q_ref.shape[2]
@@ -77,9 +80,12 @@ def _ragged_kernel(
         return online_softmax_step(q, k, v, visible, carry, scale=scale, soft_cap=soft_cap)
 
     num_steps = pl.cdiv(jnp.maximum(end_page - first_page, 0), pages_per_step)
-    init = (jnp.zeros((num_rows, head_dim), jnp.float32),
-            jnp.full((num_rows,), MASK_VALUE, jnp.float32),
-            jnp.zeros((num_rows,), jnp.float32))
+    m0 = jnp.full((num_rows,), MASK_VALUE, jnp.float32)
+    l0 = jnp.zeros((num_rows,), jnp.float32)
+    if sinks_ref is not None:  # a logit with no value: the max starts at it, the sum at 1
+        m0 = jnp.broadcast_to(sinks_ref[...][None, :], (tile_q, group)).reshape(num_rows)
+        l0 = jnp.ones((num_rows,), jnp.float32)
+    init = (jnp.zeros((num_rows, head_dim), jnp.float32), m0, l0)
     o, _, l = jax.lax.fori_loop(0, num_steps, body, init)
     o = jnp.where(l[:, None] > 0, o / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
     o_ref[...] = o.reshape(tile_q, group, head_dim)
@@ -112,11 +118,13 @@ def ragged_paged_attention_gpu(
     cu_q_lens: jax.Array,  # i32[B + 1]
     num_seqs: jax.Array,  # i32[]
     *, scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-    tile_q: int | None = None, pages_per_step: int | None = None, num_warps: int = 8,
-    num_stages: int | None = None, interpret: bool = False,
+    sinks: jax.Array | None = None, tile_q: int | None = None,
+    pages_per_step: int | None = None, num_warps: int = 8, num_stages: int | None = None,
+    interpret: bool = False,
 ) -> jax.Array:  # [T, N, H]; 0 for padding tokens
-    """tile_q None: up to 16 query tokens a program, fewer when the GQA group and head dim
-    make the rows x head dim tile larger than MAX_TILE_ELEMENTS (see choose_tile_q).
+    """sinks: f32[N] attention sinks (pallas_kernels.reference) or None. tile_q None: up to
+    16 query tokens a program, fewer when the GQA group and head dim make the rows x head dim
+    tile larger than MAX_TILE_ELEMENTS (see choose_tile_q).
     pages_per_step / num_stages None: up to 4 pages per loop step and 2 stages, as many as fit
     the GPU's shared memory (see gpu.triton.fit_pipeline); an explicit value is taken as given.
     8 warps: with 4, a tile of 16 tokens x a GQA group of 4 needs 223 registers a thread on
@@ -146,14 +154,19 @@ def ragged_paged_attention_gpu(
 
     kernel = functools.partial(
         _ragged_kernel, tile_q=tile_q, pages_per_step=pages_per_step, scale=scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, quantized=scales is not None)
+        sliding_window=sliding_window, soft_cap=soft_cap, quantized=scales is not None,
+        has_sinks=sinks is not None)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     quant_operands = [] if scales is None else [scales]
+    sink_inputs, sink_specs = [], []
+    if sinks is not None:
+        sink_inputs = [sink_rows(sinks, num_kv_heads, group, padded_group)]
+        sink_specs = [pl.BlockSpec((None, padded_group), lambda t, h: (h, 0))]
     tiles = pl.pallas_call(
         kernel,
         grid=(num_tiles, num_kv_heads),
         # tile_seq, tile_start, cu_q_lens, kv_lens, tables, q, cache[, scales]
-        in_specs=[any_spec] * (7 + len(quant_operands)),
+        in_specs=[any_spec] * (7 + len(quant_operands)) + sink_specs,
         out_specs=pl.BlockSpec((None, tile_q, None, padded_group, padded_head_dim),
                                lambda t, h: (t, 0, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct(
@@ -162,7 +175,7 @@ def ragged_paged_attention_gpu(
         interpret=interpret,
         name="ragged_paged_attention_gpu",
     )(tile_seq, tile_start, cu_q_lens, kv_lens.astype(jnp.int32), tables, qg, data,
-      *quant_operands)
+      *quant_operands, *sink_inputs)
     out = tiles[token_tile, token_row][:, :, :group, :head_dim]  # [T, K, G, H]
     live = jnp.arange(num_tokens) < cu_q_lens[num_seqs]
     out = jnp.where(live[:, None, None, None], out, 0.0)
