@@ -6,7 +6,7 @@ import dataclasses
 import math
 from typing import Any
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # pagedjax.models.layers.basic.ACTIVATIONS
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 MLP_TYPES = ("sparse", "dense")  # a layer's MLP: experts (models/layers/moe.py) or one dense MLP
@@ -16,13 +16,23 @@ MLP_TYPES = ("sparse", "dense")  # a layer's MLP: experts (models/layers/moe.py)
 class RopeScaling:
     """RoPE frequency scaling. `linear` divides positions by factor; `llama3` (Llama 3.1) keeps
     high frequencies, divides low ones by factor and interpolates smoothly between the two bands,
-    which are set by low/high_freq_factor relative to original_max_position_embeddings."""
+    which are set by low/high_freq_factor relative to original_max_position_embeddings. `yarn`
+    (gpt-oss, DeepSeek): the dims that turn fewer than beta_slow times over the original context
+    divided by factor, those turning more than beta_fast times kept, a linear ramp between
+    (its ends rounded out when truncate), and cos/sin times attention_factor (None: 0.1 ln(factor)
+    + 1, or DeepSeek's ratio of that with mscale and mscale_all_dim)."""
 
     rope_type: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
 
     def __post_init__(self):
         if self.rope_type not in ROPE_TYPES:
@@ -30,6 +40,9 @@ class RopeScaling:
         if not (isinstance(self.factor, (int, float)) and math.isfinite(self.factor)
                 and self.factor > 0):
             raise ValueError(f"rope factor must be a finite number > 0, got {self.factor!r}")
+        if self.rope_type == "yarn" and not self.beta_fast > self.beta_slow > 0:
+            raise ValueError(f"yarn rope needs beta_fast ({self.beta_fast}) > beta_slow "
+                             f"({self.beta_slow}) > 0")
         if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
             raise ValueError(f"llama3 rope needs high_freq_factor ({self.high_freq_factor}) > "
                              f"low_freq_factor ({self.low_freq_factor})")

@@ -179,6 +179,12 @@ def test_bfloat16_load_error_is_that_of_bfloat16(tmp_path):
     assert 0 < our_error <= 3 * hf_bf16_error + 1e-3
 
 
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 8.0,
+             "beta_slow": 1.0, "original_max_position_embeddings": 4096, "truncate": False}
+YARN_MSCALE_ROPE = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "mscale": 0.9,
+                    "mscale_all_dim": 0.5, "original_max_position_embeddings": 8}
+
+
 def to_transformers4(directory, rope_scaling):
     """Rewrites a saved config.json in the transformers 4 format: rope_theta + rope_scaling,
     torch_dtype, no head_dim."""
@@ -200,6 +206,9 @@ def to_transformers4(directory, rope_scaling):
     ({"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
      {"type": "linear", "factor": 4.0}),  # the oldest spelling: "type"
     ({"rope_type": "default", "rope_theta": 10000.0}, None),
+    # YaRN (gpt-oss's, truncate off; DeepSeek's, with mscale): dims on both sides of the ramp
+    (YARN_ROPE, {k: v for k, v in YARN_ROPE.items() if k != "rope_theta"}),
+    (YARN_MSCALE_ROPE, {k: v for k, v in YARN_MSCALE_ROPE.items() if k != "rope_theta"}),
 ])
 def test_transformers4_config(rope, rope_scaling, tmp_path):
     hf = build_hf("llama3.1", tmp_path, rope_parameters=rope)
@@ -230,7 +239,8 @@ def write_config(directory, **raw):
      ["DeepseekV2ForCausalLM", "latent attention", "Qwen3ForCausalLM"]),
     (dict(architectures=["BloomForCausalLM"], model_type="bloom"), ["ALiBi"]),
     (dict(architectures=["LlamaForCausalLM"], model_type="llama",
-          rope_scaling={"rope_type": "yarn", "factor": 4.0}), ["RoPE type 'yarn'", "llama3"]),
+          rope_scaling={"rope_type": "longrope", "factor": 4.0}),
+     ["RoPE type 'longrope'", "llama3"]),
     (dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="gelu"),
      ["hidden_act 'gelu'"]),
     (dict(architectures=["LlamaForCausalLM"], model_type="llama",

@@ -43,9 +43,31 @@ def rope_from_params(params: Any, architecture: str) -> tuple[float, RopeScaling
             if name not in params:
                 raise ValueError(f"llama3 RoPE scaling needs {name} in the config")
             fields[name] = params[name]
+    if rope_type == "yarn":
+        return theta, yarn_scaling(params)
     if fields["factor"] is None:
         raise ValueError(f"{rope_type} RoPE scaling needs a factor in the config")
     return theta, RopeScaling(rope_type=rope_type, **fields)
+
+
+def yarn_scaling(params: dict[str, Any], max_position_embeddings: int | None = None):
+    """A yarn RopeScaling from its parameters (transformers' names; factor None: the ratio of
+    max_position_embeddings to original_max_position_embeddings, as transformers takes it)."""
+    if "original_max_position_embeddings" not in params:
+        raise ValueError("yarn RoPE scaling needs original_max_position_embeddings in the config")
+    original = int(params["original_max_position_embeddings"])
+    factor = params.get("factor")
+    if factor is None:
+        if max_position_embeddings is None:
+            raise ValueError("yarn RoPE scaling needs a factor in the config")
+        factor = max_position_embeddings / original
+    fields = {name: params[name] for name in ("attention_factor", "mscale", "mscale_all_dim")
+              if params.get(name) is not None}
+    return RopeScaling(rope_type="yarn", factor=float(factor),
+                       original_max_position_embeddings=original,
+                       beta_fast=float(params.get("beta_fast") or 32),
+                       beta_slow=float(params.get("beta_slow") or 1),
+                       truncate=bool(params.get("truncate", True)), **fields)
 
 
 def rope_params(raw: dict[str, Any]) -> Any:

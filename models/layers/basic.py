@@ -4,6 +4,8 @@ models/layers/attention.py."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,6 +50,8 @@ def rope_inv_freq(head_dim: int, theta: float,
         return inv_freq.astype(np.float32)
     if scaling.rope_type == "linear":
         return (inv_freq / scaling.factor).astype(np.float32)
+    if scaling.rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     # llama3: wavelengths above original_len / low_freq_factor are divided by factor, those below
     # original_len / high_freq_factor kept, and the band between interpolated linearly in 1/freq.
     original = scaling.original_max_position_embeddings
@@ -61,13 +65,52 @@ def rope_inv_freq(head_dim: int, theta: float,
     return scaled.astype(np.float32)
 
 
+def _yarn_inv_freq(inv_freq: np.ndarray, dim: int, theta: float,
+                   scaling: RopeScaling) -> np.ndarray:
+    """YaRN (transformers' _compute_yarn_parameters): per frequency a mix of the original
+    (extrapolated) and the divided-by-factor (interpolated) one, by a linear ramp over the dims
+    between the ones that turn beta_fast and beta_slow times in the original context."""
+    original = scaling.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp.astype(np.float64)
+    mixed = inv_freq / scaling.factor * (1 - extrapolation) + inv_freq * extrapolation
+    return mixed.astype(np.float32)
+
+
+def rope_attention_factor(scaling: RopeScaling | None) -> float:
+    """The factor YaRN multiplies cos and sin by (1 for every other scaling)."""
+    if scaling is None or scaling.rope_type != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return float(scaling.attention_factor)
+
+    def mscale(factor: float, m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if scaling.mscale and scaling.mscale_all_dim:
+        return mscale(scaling.factor, scaling.mscale) / mscale(scaling.factor,
+                                                               scaling.mscale_all_dim)
+    return mscale(scaling.factor)
+
+
 def rope(x: jax.Array, positions: jax.Array, theta: float,
          scaling: RopeScaling | None = None) -> jax.Array:
     """Rotary embedding, rotate-half convention (as Hugging Face Llama). x: [..., L, heads, H]."""
     inv_freq = jnp.asarray(rope_inv_freq(x.shape[-1], theta, scaling))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., L, H/2]
-    cos = jnp.cos(angles)[..., None, :]
-    sin = jnp.sin(angles)[..., None, :]
+    factor = rope_attention_factor(scaling)
+    cos = (jnp.cos(angles) * factor)[..., None, :]
+    sin = (jnp.sin(angles) * factor)[..., None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
