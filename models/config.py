@@ -10,6 +10,7 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # pagedjax.models.layers.basic.ACTIVATIONS
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 MLP_TYPES = ("sparse", "dense")  # a layer's MLP: experts (models/layers/moe.py) or one dense MLP
+EXPERT_LAYOUTS = ("split", "interleaved")  # gate/up/down per expert, or gpt-oss's fused form
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +107,14 @@ class LlamaConfig:
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
     linear_fused_projections: bool = False  # Qwen3-Next's in_proj_qkvz / in_proj_ba layout
+    # gpt-oss (models/families/gpt_oss.py): a learned sink logit a head in every softmax, a
+    # router bias, experts "interleaved" (gate_up_proj with gate and up column by column, biases,
+    # the clamped SwiGLU of swiglu_alpha / swiglu_limit: models/layers/moe.InterleavedExperts).
+    attention_sinks: bool = False
+    router_bias: bool = False
+    expert_layout: str = "split"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -172,6 +181,9 @@ class LlamaConfig:
                              f"divisible by linear_num_key_heads ({self.linear_num_key_heads})")
 
     def _check_moe_fields(self) -> None:
+        if self.expert_layout not in EXPERT_LAYOUTS:
+            raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}, "
+                             f"got {self.expert_layout!r}")
         if not isinstance(self.num_experts, int) or self.num_experts < 0:
             raise ValueError(f"num_experts must be an integer >= 0, got {self.num_experts!r}")
         if self.clip_qkv is not None and not self.clip_qkv > 0:
@@ -316,10 +328,13 @@ class LlamaConfig:
         attn += d * self.o_proj_bias
         attn += (self.num_heads + self.num_kv_heads) * h if self.qk_norm_whole else (
             2 * h * self.qk_norm)
+        attn += self.num_heads * self.attention_sinks
         dense = 3 * d * self.intermediate_size + (2 * self.intermediate_size + d) * self.mlp_bias
         shared = self.shared_expert_intermediate_size
-        sparse = (d * self.num_experts + experts * 3 * d * self.expert_intermediate_size
-                  + (3 * d * shared + d if shared else 0))
+        f = self.expert_intermediate_size
+        expert_biases = (2 * f + d) if self.expert_layout == "interleaved" else 0
+        sparse = ((d + self.router_bias) * self.num_experts
+                  + experts * (3 * d * f + expert_biases) + (3 * d * shared + d if shared else 0))
         sparse_layers = self.num_sparse_layers
         mlps = sparse_layers * sparse + (self.num_layers - sparse_layers) * dense
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)

@@ -13,7 +13,7 @@ from typing import Callable
 import jax.numpy as jnp
 from flax import nnx
 
-from pagedjax.models.families import gemma, llama, mixtral, olmoe, qwen3_5, qwen_moe
+from pagedjax.models.families import gemma, gpt_oss, llama, mixtral, olmoe, qwen3_5, qwen_moe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +45,10 @@ QWEN3_5 = Family("qwen3_5", qwen3_5.Qwen35ForCausalLM, qwen3_5.read_hf_config,
                  {"Qwen3_5ForCausalLM": "qwen3_5_text",
                   "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
                   "Qwen3NextForCausalLM": "qwen3_next"})
-FAMILIES = (LLAMA, GEMMA, MIXTRAL, QWEN_MOE, OLMOE, QWEN3_5)
+# Attention sinks, biased experts in a fused layout (models/families/gpt_oss.py).
+GPT_OSS = Family("gpt_oss", llama.LlamaForCausalLM, gpt_oss.read_hf_config,
+                 {"GptOssForCausalLM": "gpt_oss"}, hf_renames=gpt_oss.GPT_OSS_NAMES)
+FAMILIES = (LLAMA, GEMMA, MIXTRAL, QWEN_MOE, OLMOE, QWEN3_5, GPT_OSS)
 ARCHITECTURES = {arch: family for family in FAMILIES for arch in family.model_types}
 # GGUF general.architecture -> family (llama.cpp writes Mistral and Llama 3 as `llama`).
 GGUF_ARCHITECTURES = {"llama": LLAMA}

@@ -41,6 +41,9 @@ class Attention(nnx.Module):
         self.o_proj = linear(n * h, d, config, rngs, dtype, param_dtype, config.o_proj_bias)
         self.qk_norm_whole = config.qk_norm_whole
         self.clip_qkv = config.clip_qkv
+        # gpt-oss: a logit a head joining every softmax with no value (f32, as vLLM and
+        # tpu-inference keep them)
+        self.sinks = nnx.Param(jnp.zeros((n,), jnp.float32)) if config.attention_sinks else None
         if config.qk_norm:  # Qwen3, Gemma 3: over a head; OLMoE: over the whole projection
             whole = config.qk_norm_whole
             self.q_norm = rms_norm(config, n * h if whole else h, param_dtype)
@@ -92,7 +95,12 @@ class Attention(nnx.Module):
         if self.sliding_window is not None:
             visible &= pos[None, :] > pos[:, None] - self.sliding_window
         scores = jnp.where(visible, scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1)
+        if self.sinks is not None:  # one more column, its probability dropped
+            sinks = self.sinks[...].astype(jnp.float32).reshape(self.num_kv_heads, group)
+            column = jnp.broadcast_to(sinks[None, :, :, None, None], (*scores.shape[:-1], 1))
+            probs = jax.nn.softmax(jnp.concatenate([scores, column], axis=-1), axis=-1)[..., :-1]
+        else:
+            probs = jax.nn.softmax(scores, axis=-1)
         out = jnp.einsum("BKGLM,BMKH->BLKGH", probs, v.astype(jnp.float32)).astype(x.dtype)
         out = self._gated(out.reshape(batch, length, self.num_heads * self.head_dim), gate)
         return self.o_proj(out)
@@ -104,6 +112,7 @@ class Attention(nnx.Module):
         q, k, v, gate = self._qkv(x, positions, lora)  # [T, N, H], [T, K, H], [T, K, H]
         out, kv_cache = paged_attention(q, k, v, kv_cache, metadata, scale=self.scale,
                                         backend=backend, sliding_window=self.sliding_window,
-                                        soft_cap=self.soft_cap)
+                                        soft_cap=self.soft_cap,
+                                        sinks=None if self.sinks is None else self.sinks[...])
         out = self._gated(out.reshape(x.shape[0], -1), gate)
         return row_parallel(self.o_proj, "o_proj", out, lora), kv_cache

@@ -18,7 +18,6 @@ import dataclasses
 
 from pagedjax.models.config import LlamaConfig
 
-
 LINEAR = "linear_attention"  # the window of a group of linear-attention layers
 
 

@@ -61,13 +61,52 @@ class Experts(nnx.Module):
         pagedjax.models.layers.moe_experts.EXPERT_IMPLEMENTATIONS (None: the platform's). mesh: the experts
         split over its TP axis, whole experts a device when expert_parallel, else each
         expert's MLP (moe_experts.sharded_experts)."""
-        kernels = self.kernels()
-        run = dict(act=ACTIVATIONS[self.hidden_act], dtype=self.dtype,
-                   implementation=implementation)
+        act = ACTIVATIONS[self.hidden_act]
+        return self._run(x, weights, experts, num_valid, implementation, mesh, expert_parallel,
+                         glu=lambda gate, up: act(gate) * up)
+
+    def _run(self, x, weights, experts, num_valid, implementation, mesh, expert_parallel,
+             **run):
+        run.update(dtype=self.dtype, implementation=implementation)
         if mesh is not None:
-            return sharded_experts(x, weights, experts, num_valid, kernels, mesh,
+            return sharded_experts(x, weights, experts, num_valid, self.kernels(), mesh,
                                    expert_parallel, **run)
-        return dropless_experts(x, weights, experts, num_valid, kernels, **run)
+        return dropless_experts(x, weights, experts, num_valid, self.kernels(), **run)
+
+
+class InterleavedExperts(Experts):
+    """gpt-oss's experts: gate_up_proj [E, D, 2F] (gate and up interleaved column by column)
+    and down_proj [E, F, D], each with a bias ([E, 2F], [E, D]), and the clamped SwiGLU: gate
+    clamped above at limit, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
+        e, d, f = config.num_experts, config.hidden_size, config.expert_intermediate_size
+        init = nnx.initializers.normal(config.initializer_range)
+        self.gate_up_proj = nnx.Param(init(rngs.params(), (e, d, 2 * f), param_dtype))
+        self.gate_up_proj_bias = nnx.Param(init(rngs.params(), (e, 2 * f), param_dtype))
+        self.down_proj = nnx.Param(init(rngs.params(), (e, f, d), param_dtype))
+        self.down_proj_bias = nnx.Param(init(rngs.params(), (e, d), param_dtype))
+        self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
+        self.dtype = dtype
+
+    def kernels(self) -> tuple:
+        return (self.gate_up_proj[...], self.down_proj[...])
+
+    def glu(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        gate = jnp.minimum(gate, self.limit)
+        up = jnp.clip(up, -self.limit, self.limit)
+        return (up + 1) * gate * jax.nn.sigmoid(gate * self.alpha)
+
+    def __call__(self, x, weights, experts, num_valid=None, implementation=None, mesh=None,
+                 expert_parallel=False):
+        out = self._run(x, weights, experts, num_valid, implementation, mesh, expert_parallel,
+                        glu=self.glu, gate_up_bias=self.gate_up_proj_bias[...])
+        # sum_j w_j * b_{e_j}, once (not per device of a sharded product); 0 past num_valid
+        bias = jnp.einsum("tk,tkd->td", weights,
+                          self.down_proj_bias[...].astype(jnp.float32)[experts])
+        if num_valid is not None:
+            bias = jnp.where(jnp.arange(x.shape[0])[:, None] < num_valid, bias, 0.0)
+        return (out.astype(jnp.float32) + bias).astype(out.dtype)
 
 
 class SparseMoE(nnx.Module):
@@ -77,8 +116,10 @@ class SparseMoE(nnx.Module):
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
         d = config.hidden_size
-        self.gate = linear(d, config.num_experts, config, rngs, dtype, param_dtype)
-        self.experts = Experts(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.gate = linear(d, config.num_experts, config, rngs, dtype, param_dtype,
+                           config.router_bias)
+        experts = InterleavedExperts if config.expert_layout == "interleaved" else Experts
+        self.experts = experts(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         shared = config.shared_expert_intermediate_size
@@ -90,8 +131,11 @@ class SparseMoE(nnx.Module):
     def router_logits(self, x: jax.Array) -> jax.Array:
         """f32[..., E]: x @ W_gate accumulated in f32."""
         kernel = self.gate.kernel[...]
-        return jnp.einsum("...d,de->...e", x, kernel.astype(x.dtype),
-                          preferred_element_type=jnp.float32)
+        logits = jnp.einsum("...d,de->...e", x, kernel.astype(x.dtype),
+                            preferred_element_type=jnp.float32)
+        if self.gate.bias is not None:
+            logits = logits + self.gate.bias[...].astype(jnp.float32)
+        return logits
 
     def __call__(self, x: jax.Array, num_valid: jax.Array | None = None,
                  mesh: jax.sharding.Mesh | None = None,

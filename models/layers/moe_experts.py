@@ -21,11 +21,17 @@ device running the assignments to its own experts on the (replicated) tokens; te
 parallelism splits each expert's MLP. Either way one all-reduce of [T, D] sums the devices'
 parts, the collective a tensor-parallel MLP ends with.
 
-kernels: (gate_proj [E, D, F], up_proj [E, D, F], down_proj [E, F, D]). Axis letters: T tokens,
-D model dim, E experts, F an expert's MLP dim, A = T x k assignments.
+kernels: (gate_proj [E, D, F], up_proj [E, D, F], down_proj [E, F, D]), or gpt-oss's fused
+(gate_up_proj [E, D, 2F], gate and up interleaved column by column, down_proj [E, F, D]) with
+gate_up_bias [E, 2F]. glu(gate, up) -> the hidden [.., F] (act(gate) * up, or gpt-oss's clamped
+SwiGLU). A down projection's bias is the caller's (moe.Experts: sum_j w_j b_{e_j}, once, outside
+a sharded product). Axis letters: T tokens, D model dim, E experts, F an expert's MLP dim, A = T
+x k assignments.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -58,8 +64,9 @@ def tile_rows(num_assignments: int, num_experts: int) -> int:
 
 
 def dropless_experts(x: jax.Array, weights: jax.Array, experts: jax.Array,
-                     num_valid: jax.Array | None, kernels: tuple, *, act, dtype,
-                     implementation: str | None = None) -> jax.Array:
+                     num_valid: jax.Array | None, kernels: tuple, *, glu, dtype,
+                     implementation: str | None = None,
+                     gate_up_bias: jax.Array | None = None) -> jax.Array:
     """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) for each token t < num_valid (all
     when None), 0 for the others; an expert id of E or more is no expert. [T, D] -> [T, D]."""
     implementation = implementation or default_implementation()
@@ -71,14 +78,15 @@ def dropless_experts(x: jax.Array, weights: jax.Array, experts: jax.Array,
     flat = jnp.minimum(experts.reshape(-1), num_experts)  # [A]; E: the sentinel
     if num_valid is not None:  # padding tokens: the sentinel, after every group
         flat = jnp.where(jnp.arange(num_tokens * top_k) // top_k < num_valid, flat, num_experts)
+    mlp = functools.partial(_mlp, kernels=kernels, glu=glu, bias=gate_up_bias)
     if implementation == "dense":
-        return _dense(x, weights, flat.reshape(experts.shape), kernels, act, dtype)
+        return _dense(x, weights, flat.reshape(experts.shape), kernels, mlp, dtype)
     order = jnp.argsort(flat, stable=True)
     group_sizes = jnp.sum(jax.nn.one_hot(flat, num_experts, dtype=jnp.int32), axis=0)
     # the assignments sorted by expert: their tokens and routing weights (0 past the groups)
     scale = jnp.where(flat[order] < num_experts, weights.reshape(-1)[order], 0.0)
     grouped = _ragged if implementation == "ragged_dot" else _segments
-    summed = grouped(x.astype(dtype), order // top_k, scale, group_sizes, kernels, act, dtype)
+    summed = grouped(x.astype(dtype), order // top_k, scale, group_sizes, kernels, mlp, dtype)
     return summed.astype(x.dtype)
 
 
@@ -106,23 +114,30 @@ def sharded_experts(x, weights, experts, num_valid, kernels: tuple, mesh,
     outputs, already weighted and summed per token, are added by one psum: the all-reduce a
     tensor-parallel MLP ends with, not one of all T x k assignment rows."""
 
-    def local(x, weights, experts, num_valid, gate, up, down):
+    bias = run.pop("gate_up_bias", None)
+
+    def local(x, weights, experts, num_valid, *parts):
+        local_kernels, local_bias = (parts[:-1], parts[-1]) if bias is not None else (parts,
+                                                                                       None)
         if expert_parallel:
-            count = gate.shape[0]
+            count = local_kernels[0].shape[0]
             own = experts - jax.lax.axis_index(TP_AXIS) * count
             experts = jnp.where((own >= 0) & (own < count), own, count)
-        out = dropless_experts(x, weights, experts, num_valid, (gate, up, down), **run)
+        out = dropless_experts(x, weights, experts, num_valid, tuple(local_kernels),
+                               gate_up_bias=local_bias, **run)
         return jax.lax.psum(out, TP_AXIS)
 
-    if expert_parallel:
-        specs = (P(TP_AXIS),) * 3
-    else:
-        specs = (P(None, None, TP_AXIS), P(None, None, TP_AXIS), P(None, TP_AXIS, None))
+    inputs = (P(None, None, TP_AXIS),) * (len(kernels) - 1)  # columns (of gate_up: pairs)
+    specs = (P(TP_AXIS),) * len(kernels) if expert_parallel else (*inputs,
+                                                                   P(None, TP_AXIS, None))
     specs = tuple(_leaf_specs(kernel, spec) for kernel, spec in zip(kernels, specs))
+    extra = () if bias is None else (bias,)
+    if bias is not None:
+        specs += (P(TP_AXIS) if expert_parallel else P(None, TP_AXIS),)
     num_valid = jnp.asarray(x.shape[0] if num_valid is None else num_valid, jnp.int32)
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P(), *specs),
                          out_specs=P(), check_vma=False)(x, weights, experts, num_valid,
-                                                         *kernels)
+                                                         *kernels, *extra)
 
 
 def _leaf_specs(kernel, spec: P):
@@ -139,10 +154,20 @@ def _leaf_specs(kernel, spec: P):
     return QArray(spec, of(kernel.scale), of(kernel.zero), kernel.scheme)
 
 
-def _mlp(rows, expert, matmul, kernels, act):
-    gate, up, down = kernels
-    return matmul(act(matmul(rows, gate, expert)) * matmul(rows, up, expert), down,
-                  expert).astype(jnp.float32)
+def _mlp(rows, expert, matmul, row_experts=None, *, kernels, glu, bias):
+    """f32[R, D]: rows through their expert's gated MLP (matmul(lhs, kernel, expert): expert
+    a scalar, or None where the matmul is grouped); row_experts: the experts the gate_up bias
+    is read for (a scalar or [R]), clipped to the table (a sentinel's row has weight 0)."""
+    *inputs, down = kernels
+    if len(inputs) == 2:
+        gate, up = (matmul(rows, kernel, expert) for kernel in inputs)
+    else:
+        fused = matmul(rows, inputs[0], expert)
+        if bias is not None:
+            index = jnp.minimum(row_experts, bias.shape[0] - 1)
+            fused = fused + bias[index].astype(fused.dtype)
+        gate, up = fused[..., ::2], fused[..., 1::2]
+    return matmul(glu(gate, up).astype(rows.dtype), down, expert).astype(jnp.float32)
 
 
 def ragged_chunk(width: int) -> int:
@@ -151,7 +176,7 @@ def ragged_chunk(width: int) -> int:
     return int(min(8192, max(128, 1 << max(rows, 1).bit_length() - 1)))
 
 
-def _ragged(x, tokens, scale, group_sizes, kernels, act, dtype):
+def _ragged(x, tokens, scale, group_sizes, kernels, mlp, dtype):
     """f32[T, D]: the sorted assignments through lax.ragged_dot, ragged_chunk(F) rows at a time
     and only as many chunks as rows in a group (the sentinel's rows after them are skipped):
     the temporaries are a chunk's, not all A rows' at the full F, and a device under expert
@@ -161,9 +186,11 @@ def _ragged(x, tokens, scale, group_sizes, kernels, act, dtype):
     ends = jnp.cumsum(group_sizes)
     starts = ends - group_sizes
     tokens, scale = _padded(tokens, chunk), _padded(scale, chunk)
+    row_expert = jnp.searchsorted(ends, jnp.arange(num_rows + chunk), side="right")
 
     def body(i, summed):
         first = i * chunk
+        experts = jax.lax.dynamic_slice_in_dim(row_expert, first, chunk)
         sizes = (jnp.clip(ends, first, first + chunk)
                  - jnp.clip(starts, first, first + chunk)).astype(group_sizes.dtype)
 
@@ -172,13 +199,13 @@ def _ragged(x, tokens, scale, group_sizes, kernels, act, dtype):
                                       preferred_element_type=jnp.float32).astype(dtype)
 
         return _accumulate(summed, x, tokens, scale, first, chunk,
-                           lambda rows: _mlp(rows, None, grouped, kernels, act))
+                           lambda rows: mlp(rows, None, grouped, experts))
 
     summed = jnp.zeros(x.shape, jnp.float32)
     return jax.lax.fori_loop(0, (ends[-1] + chunk - 1) // chunk, body, summed)
 
 
-def _segments(x, tokens, scale, group_sizes, kernels, act, dtype):
+def _segments(x, tokens, scale, group_sizes, kernels, mlp, dtype):
     """f32[T, D]: the sorted assignments (group_sizes[e] of expert e, then rows of no expert)
     through their experts, tile by tile."""
     num_rows = tokens.shape[0]
@@ -200,19 +227,23 @@ def _segments(x, tokens, scale, group_sizes, kernels, act, dtype):
     def body(i, summed):
         start, expert = tile_start[i], tile_expert[i]
         return _accumulate(summed, x, tokens, scale, start, tile,
-                           lambda rows: _mlp(rows, expert, matmul, kernels, act),
+                           lambda rows: mlp(rows, expert, matmul, expert),
                            mask=start + jnp.arange(tile) < tile_end[i])
 
     summed = jnp.zeros(x.shape, jnp.float32)
     return jax.lax.fori_loop(0, last_tile[-1], body, summed)
 
 
-def _dense(x, weights, experts, kernels, act, dtype):
+def _dense(x, weights, experts, kernels, mlp, dtype):
     """Every expert on every token, mixed by the routing weights: the reference."""
-    gate, up, down = (k.astype(dtype) for k in kernels)
+    num_experts = kernels[0].shape[0]
     xs = x.astype(dtype)
-    hidden = act(jnp.einsum("td,edf->etf", xs, gate)) * jnp.einsum("td,edf->etf", xs, up)
-    out = jnp.einsum("etf,efd->etd", hidden, down).astype(jnp.float32)
-    mix = jnp.sum(jax.nn.one_hot(experts, gate.shape[0], dtype=jnp.float32)
+
+    def matmul(lhs, kernel, expert):
+        return jnp.dot(lhs, kernel[expert].astype(dtype),
+                       preferred_element_type=jnp.float32).astype(dtype)
+
+    out = jax.vmap(lambda e: mlp(xs, e, matmul, e))(jnp.arange(num_experts))  # [E, T, D]
+    mix = jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=jnp.float32)
                   * weights[..., None], axis=1)  # [T, E]; the sentinel's row is all 0
     return jnp.einsum("te,etd->td", mix, out).astype(x.dtype)

@@ -11,7 +11,9 @@ def hf_weight_name(path: tuple, renames: tuple[tuple[str, str], ...] = ()) -> tu
     """HF tensor name for a path in the NNX parameter dict, and whether HF stores it
     transposed ([out, in] for a Linear kernel [in, out]). A stacked experts' weight [E, in,
     out] names its experts' tensors with EXPERT for the index (experts.{expert}.gate_proj...).
-    renames: the family's (models.registry.Family.hf_renames) substitutions of the generic name."""
+    renames: the family's (models.registry.Family.hf_renames) substitutions of the generic name;
+    one that drops the expert index names a fused tensor of every expert ([E, ...], gpt-oss's),
+    stored as the module holds it."""
     parts = [str(getattr(k, "key", k)) for k in path]
     leaf = parts[-1]
     prefix = "" if parts[0] == "lm_head" else "model."
@@ -23,6 +25,8 @@ def hf_weight_name(path: tuple, renames: tuple[tuple[str, str], ...] = ()) -> tu
         name = prefix + ".".join(parts)
     for old, new in renames:
         name = name.replace(old, new)
+    if len(parts) > 1 and parts[-2] == "experts" and EXPERT not in name:
+        transpose = False  # renamed to a fused tensor stored as the module holds it (gpt-oss)
     return name, transpose
 
 

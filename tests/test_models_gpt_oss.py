@@ -1,0 +1,100 @@
+"""gpt-oss (models/families/gpt_oss.py) against transformers on a small random config with every
+switch on: attention sinks drawn large enough to take much of each softmax, 8-token windows on
+alternate layers (shorter than the prompts), q/k/v/o biases, YaRN, a biased router, experts with
+biases and a swiglu_limit low enough that the clamp is reached on both sides."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from helpers import until_done  # noqa: E402,F401
+from test_models_hf import (F32_TOL, engine_greedy, hf_greedy, hf_logits, prompts,  # noqa: E402
+                            randomize_vectors)
+
+from pagedjax.models.loading.hf import load_hf_model, read_hf_config  # noqa: E402
+from pagedjax.models.loading.inspect import inspect_model_dir  # noqa: E402
+
+CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+              num_local_experts=4, num_experts_per_tok=2, swiglu_limit=0.6,
+              max_position_embeddings=256, initializer_range=0.1, tie_word_embeddings=False,
+              rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                               "beta_fast": 8.0, "beta_slow": 1.0, "truncate": False,
+                               "original_max_position_embeddings": 64},
+              pad_token_id=0, eos_token_id=1, bos_token_id=2)
+
+
+def build_gpt_oss(directory, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    config = transformers.GptOssConfig(**{**CONFIG, **overrides})
+    config._attn_implementation = "eager"  # the sinks' reference: eager_attention_forward
+    model = transformers.GptOssForCausalLM(config).eval()
+    randomize_vectors(model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("sinks"):  # from a small share of the softmax to most of it
+                param.copy_(torch.linspace(-1.0, 3.0, param.numel()))
+            elif name.endswith("router.weight"):
+                param.copy_(torch.randn_like(param))  # spread, not near ties
+            elif "experts" in name:
+                param.copy_(0.3 * torch.randn_like(param))
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("gpt_oss")
+    return build_gpt_oss(directory), str(directory)
+
+
+def test_config_is_read_whole(gpt_oss):
+    hf, directory = gpt_oss
+    config = read_hf_config(directory)
+    assert config.model_type == "gpt_oss" and config.attention_sinks and config.router_bias
+    assert config.layer_types == ("sliding_attention", "full_attention") * 2
+    assert config.sliding_window == 8 and config.rope_scaling.rope_type == "yarn"
+    assert config.num_params == sum(p.numel() for p in hf.parameters())
+    report = inspect_model_dir(directory)
+    assert report["num_experts"] == 4
+
+
+def test_dense_logits_match_transformers(gpt_oss):
+    hf, directory = gpt_oss
+    ids = np.random.default_rng(0).integers(0, 128, (2, 40))
+    ours = np.asarray(load_hf_model(directory)(jnp.asarray(ids)))
+    np.testing.assert_allclose(ours, hf_logits(hf, ids), **F32_TOL)
+
+
+def test_the_clamp_is_reached(gpt_oss):
+    """swiglu_limit 0.6 against expert pre-activations of spread ~1: both clamps bite."""
+    hf, _ = gpt_oss
+    experts = hf.model.layers[0].mlp.experts
+    x = torch.randn(64, 64)
+    with torch.no_grad():
+        gate_up = x @ experts.gate_up_proj[0] + experts.gate_up_proj_bias[0]
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    assert (gate > 0.6).float().mean() > 0.1 and (up.abs() > 0.6).float().mean() > 0.1
+
+
+MAX_TOKENS = 10
+
+
+@pytest.mark.parametrize("engine", ["chunked", "preemption"])
+def test_engine_greedy_equals_transformers_generate(gpt_oss, engine):
+    """Five prompts of 1 to 43 tokens (two sharing a 20-token prefix: a prefix hit) through the
+    scanned serving form on KV cache groups: chunked prefill over 16-token budgets, windows of 8
+    that free pages, preemption in a 16-block pool."""
+    hf, directory = gpt_oss
+    token_prompts = prompts()
+    expected = hf_greedy(hf, token_prompts, MAX_TOKENS)
+    config = dict(block_size=4, num_blocks=24) if engine == "preemption" else {}
+    got, engine_ = engine_greedy(load_hf_model(directory), token_prompts, MAX_TOKENS, **config)
+    assert got == expected
+    if engine == "preemption":
+        assert engine_.scheduler.state.num_preemptions > 0
