@@ -4,7 +4,7 @@ shared expert, routing weights not renormalised) and an OLMoE-shaped one (whole-
 norm, repeated with the KV heads at TP 4, clip_qkv). Without expert parallelism the experts are
 tensor parallel: each device holds 1/TP of every expert's MLP columns; with
 --enable-expert-parallel (EP 2, 4, and EP 2 x DP 2) each device holds E / EP whole experts and
-the tokens are the same. The devices exist only if XLA_FLAGS says so before JAX starts, so the
+the tokens are the same; a gpt-oss-shaped one too (sinks, fused biased experts). The devices exist only if XLA_FLAGS says so before JAX starts, so the
 engines run in a child process."""
 
 from __future__ import annotations
@@ -38,7 +38,15 @@ def moe_configs():
                                  mlp_types=("dense", "sparse") * 2, model_type="qwen2_moe"),
         "olmoe": LlamaConfig(**common, num_layers=2, num_experts_per_tok=3, qk_norm=True,
                              qk_norm_whole=True, clip_qkv=0.8, norm_topk_prob=False,
-                             model_type="olmoe")}
+                             model_type="olmoe"),
+        # sinks split with the query heads, the fused gate_up and its bias split by columns
+        # (pairs of gate and up stay together) or experts, the down bias added once
+        "gpt_oss": LlamaConfig(**common, num_layers=2, num_experts_per_tok=2,
+                               moe_intermediate_size=32, attention_bias=True, o_proj_bias=True,
+                               attention_sinks=True, router_bias=True,
+                               expert_layout="interleaved", swiglu_limit=0.5,
+                               layer_types=("sliding_attention", "full_attention"),
+                               sliding_window=8, model_type="gpt_oss")}
 
 
 def _expert_shards(params) -> list[list[int]]:
@@ -90,7 +98,7 @@ def child() -> None:
 INT8_RUNS = ("tp1", "tp2", "ep2", "ep4")
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe", "gpt_oss"])
 @pytest.mark.parametrize("name", INT8_RUNS)
 def test_int8_experts_split_like_the_float_ones(report, arch, name):
     """int8 experts (each expert's own per-channel scales): over TP (each expert's MLP split,
@@ -107,7 +115,7 @@ def report():
     return child_report("test_moe_parallel", 8)
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe", "gpt_oss"])
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_moe_tensor_parallel_greedy_tokens_equal_the_dense_model(report, arch, name):
     assert report["devices"] == 8
@@ -116,7 +124,7 @@ def test_moe_tensor_parallel_greedy_tokens_equal_the_dense_model(report, arch, n
     if arch == "qwen2_moe":
         assert run["period"] == 2  # dense, sparse: scanned by their period
     tp = int(name[2])
-    width = 32 if arch == "qwen2_moe" else 96  # an expert's MLP
+    width = 96 if arch == "olmoe" else 32  # an expert's MLP
     # down_proj [layers, E, F, D]: tensor parallel, every device all 8 experts and 1/TP of an
     # expert's rows; expert parallel, 8 / EP whole experts
     shape = [8 // tp, width, 64] if name.startswith("ep") else [8, width // tp, 64]

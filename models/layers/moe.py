@@ -39,6 +39,8 @@ class Experts(nnx.Module):
     """E gated MLPs stacked: gate_proj, up_proj [E, D, F] and down_proj [E, F, D] ([in, out]
     per expert, as nnx.Linear's kernels)."""
 
+    PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # the stacked kernels, in kernels() order
+
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
         e, d, f = config.num_experts, config.hidden_size, config.expert_intermediate_size
         init = nnx.initializers.normal(config.initializer_range)
@@ -78,6 +80,8 @@ class InterleavedExperts(Experts):
     """gpt-oss's experts: gate_up_proj [E, D, 2F] (gate and up interleaved column by column)
     and down_proj [E, F, D], each with a bias ([E, 2F], [E, D]), and the clamped SwiGLU: gate
     clamped above at limit, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    PROJECTIONS = ("gate_up_proj", "down_proj")
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
         e, d, f = config.num_experts, config.hidden_size, config.expert_intermediate_size

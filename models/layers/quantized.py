@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pagedjax.models.layers.moe import Experts
+from pagedjax.models.layers.moe import Experts, InterleavedExperts
 from pagedjax.models.quantization.schemes import (QArray, check_scheme, matmul, num_groups,
                                                   quantize, storage_dtype, stored_rows)
 
@@ -91,24 +91,35 @@ class QuantizedEmbed(QuantizedWeight):
         return matmul(query, self.weight(), self.dtype)
 
 
-EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-
-
-class QuantizedExperts(Experts):
-    """pagedjax.models.layers.moe.Experts with its three stacked projections quantized (each expert's own
-    scales): the grouped matmuls dequantize an expert's weights as they take them."""
+class QuantizedProjections:
+    """The stacked projections of experts (their class's PROJECTIONS) quantized, each expert its
+    own scales: the grouped matmuls dequantize an expert's weights as they take them. Every
+    other attribute (activation, gpt-oss's biases and clamp) is the float module's."""
 
     def __init__(self, experts: Experts, spec: "Spec"):  # noqa: super().__init__ not called:
-        for name in EXPERT_PROJECTIONS:  # the parameters differ, the rest is Experts'
+        for key, value in vars(experts).items():  # the parameters differ, the rest is theirs
+            if key not in self.PROJECTIONS and not key.startswith("_"):
+                setattr(self, key, value)
+        for name in self.PROJECTIONS:
             shape = getattr(experts, name).get_value().shape
             setattr(self, name, QuantizedWeight(shape, spec.scheme,
                                                 groups=_groups(spec, shape[-2]),
                                                 has_zero=spec.zero))
-        self.hidden_act = experts.hidden_act
-        self.dtype = experts.dtype
 
     def kernels(self) -> tuple:
-        return tuple(getattr(self, name).weight() for name in EXPERT_PROJECTIONS)
+        return tuple(getattr(self, name).weight() for name in self.PROJECTIONS)
+
+
+class QuantizedExperts(QuantizedProjections, Experts):
+    """pagedjax.models.layers.moe.Experts with gate, up and down quantized."""
+
+
+class QuantizedInterleavedExperts(QuantizedProjections, InterleavedExperts):
+    """gpt-oss's experts (moe.InterleavedExperts) with gate_up and down quantized, their biases
+    kept."""
+
+
+QUANTIZED_EXPERTS = {Experts: QuantizedExperts, InterleavedExperts: QuantizedInterleavedExperts}
 
 
 def quantize_model(model, scheme: str, lm_head: bool = False):
@@ -153,7 +164,7 @@ def with_quantized_modules(model, spec):
                if (isinstance(node, nnx.Linear) and path
                    and (path[-1] in QUANTIZED_LINEARS or path == ("lm_head",)))
                or (isinstance(node, nnx.Embed) and path == ("embed_tokens",))
-               or (type(node) is Experts)]
+               or (type(node) in QUANTIZED_EXPERTS)]
     for path, module in targets:
         chosen = spec(module_key(path))
         if chosen is None:
@@ -164,12 +175,13 @@ def with_quantized_modules(model, spec):
     return model
 
 
-def _quantized_experts(experts: Experts, spec: Spec) -> QuantizedExperts:
-    if _is_abstract(experts.gate_proj):
-        return nnx.eval_shape(lambda: QuantizedExperts(experts, spec))
+def _quantized_experts(experts: Experts, spec: Spec) -> QuantizedProjections:
+    cls = QUANTIZED_EXPERTS[type(experts)]
+    if _is_abstract(getattr(experts, experts.PROJECTIONS[0])):
+        return nnx.eval_shape(lambda: cls(experts, spec))
     _check_computable(spec)
-    module = QuantizedExperts(experts, spec)
-    for name in EXPERT_PROJECTIONS:
+    module = cls(experts, spec)
+    for name in experts.PROJECTIONS:
         data, scale = quantize(np.asarray(getattr(experts, name).get_value(), np.float32),
                                spec.scheme)
         getattr(module, name).kernel.set_value(jnp.asarray(data))
@@ -236,13 +248,13 @@ def quantize_like(template, module):
     pagedjax.models.paged_forward widens for repeated KV heads) with the linear layers quantized that are in
     template, by the same scheme and groups: zeros, for shapes (call under nnx.eval_shape)."""
     for path, node in nnx.graph.iter_graph(template):
-        if isinstance(node, QuantizedExperts):
+        if isinstance(node, QuantizedProjections):
             experts = module
             for key in path:
                 experts = experts[key] if isinstance(key, int) else getattr(experts, key)
-            weight = node.gate_proj
-            _set(module, path, QuantizedExperts(experts, Spec(
-                node.gate_proj.scheme, None, weight.zero is not None)))
+            weight = getattr(node, node.PROJECTIONS[0])
+            _set(module, path, QUANTIZED_EXPERTS[type(experts)](experts, Spec(
+                weight.scheme, None, weight.zero is not None)))
             continue
         if not isinstance(node, QuantizedLinear):
             continue

@@ -29,7 +29,11 @@ DATA_AXIS = "dp"
 # its heads' q, k, v, z, b and a; in_proj_qkv's columns cut q|k|v unevenly, so its output is
 # redistributed by heads before the per-device core; Qwen3-Next's fused ones group by key head)
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "in_proj_qkv", "in_proj_z",
-          "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba")
+          "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba", "gate_up_proj")
+# a layer's [.., N] attention sinks split with the query heads; gpt-oss's expert biases
+# (models/layers/moe.InterleavedExperts): gate_up's [.., E, 2F] with its columns (or experts),
+# down's [.., E, D] replicated (added once, after the experts' all-reduce)
+HEAD_VECTORS = ("sinks",)
 ROW = ("o_proj", "down_proj", "out_proj")  # input features split
 
 
@@ -102,11 +106,18 @@ def weight_spec(path: tuple, leaf, vocab_size: int, tp: int,
     projections (each expert's F)."""
     names = [str(getattr(key, "key", getattr(key, "name", key))) for key in path]
     ndim = len(leaf.shape)
+    parameter = names[-1] if names[-1] != "value" else names[-2]
+    if parameter in HEAD_VECTORS:
+        return P(*([None] * (ndim - 1)), AXIS)
+    if parameter == "down_proj_bias":
+        return P()
+    if parameter == "gate_up_proj_bias":
+        return P(*([None] * (ndim - 2)), AXIS, None) if expert_parallel else P(
+            *([None] * (ndim - 1)), AXIS)
     if expert_parallel and "experts" in names:
         return P(*([None] * (ndim - 3)), AXIS, None, None)
     module = next((n for n in reversed(names)
                    if n.endswith("_proj") or n.startswith("in_proj_") or n == "lm_head"), None)
-    parameter = names[-1] if names[-1] != "value" else names[-2]
     if module in COLUMN or (module == "lm_head" and vocab_size % tp == 0):
         return P(*([None] * (ndim - 1)), AXIS)  # kernel [.., D, out], bias, scale [.., G, out]
     if module in ROW and parameter in ("scale", "zero"):  # a quantized kernel's [.., G, out]
