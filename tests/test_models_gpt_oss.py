@@ -98,3 +98,37 @@ def test_engine_greedy_equals_transformers_generate(gpt_oss, engine):
     assert got == expected
     if engine == "preemption":
         assert engine_.scheduler.state.num_preemptions > 0
+    else:  # the second prompt of the shared prefix found its full-attention and window blocks
+        assert engine_.stats.num_prefix_hit_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def model(gpt_oss):
+    return load_hf_model(gpt_oss[1])
+
+
+def test_ngram_speculative_decoding_keeps_the_greedy_tokens(gpt_oss, model):
+    """Drafts verified through the sinks and windows: the tokens are transformers'."""
+    hf, _ = gpt_oss
+    token_prompts = [p * 2 for p in prompts()[:3]]  # repeated text: the n-gram drafts hit
+    spec = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
+                prompt_lookup_max=3)
+    got, engine = engine_greedy(model, token_prompts, MAX_TOKENS, speculative_config=spec,
+                                max_model_len=160)
+    assert got == hf_greedy(hf, token_prompts, MAX_TOKENS)
+    assert engine.stats.num_spec_accepted_tokens > 0
+
+
+def test_seeded_samples_each_equal_their_seed_alone(model):
+    """n = 3 samples of one prompt share its blocks (copy-on-write at the fork) and each equals
+    the same seed's request alone."""
+    from pagedjax import LLM, SamplingParams
+    llm = LLM(model, block_size=4, max_model_len=96, max_num_seqs=4,
+              max_num_batched_tokens=16, num_blocks=96)
+    prompt = prompts()[1]
+    sample = lambda seed, n=1: SamplingParams(max_tokens=MAX_TOKENS, temperature=1.5,  # noqa
+                                              seed=seed, n=n)
+    [together] = llm.generate([prompt], sample(7, n=3), use_tqdm=False)
+    alone = [llm.generate([prompt], sample(7 + i), use_tqdm=False)[0] for i in range(3)]
+    assert [o.token_ids for o in together.outputs] == [a.outputs[0].token_ids for a in alone]
+    assert len({tuple(a.outputs[0].token_ids) for a in alone}) == 3, "seeds were meant to differ"
