@@ -46,10 +46,14 @@ EXPERT_IMPLEMENTATIONS = ("segments", "ragged_dot", "dense")
 RAGGED_CHUNK_ELEMENTS = 1 << 22
 
 
-def default_implementation() -> str:
+def default_implementation(kernels: tuple = ()) -> str:
     """The grouped matmul for the platform the step compiles for: the default device's (set
     by `jax.default_device`, as an ahead-of-time compile for a TPU topology does), else the
-    default backend's."""
+    default backend's. MXFP4 experts take the segments loop everywhere: it decodes one expert's
+    weights a tile, where ragged_dot would need every expert's decoded at once (a float copy of
+    them all)."""
+    if any(isinstance(k, QArray) and k.scheme == "mxfp4" for k in kernels):
+        return "segments"
     device = jax.config.jax_default_device
     platform = getattr(device, "platform", device) or jax.default_backend()
     return "ragged_dot" if platform == "tpu" else "segments"
@@ -69,7 +73,7 @@ def dropless_experts(x: jax.Array, weights: jax.Array, experts: jax.Array,
                      gate_up_bias: jax.Array | None = None) -> jax.Array:
     """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) for each token t < num_valid (all
     when None), 0 for the others; an expert id of E or more is no expert. [T, D] -> [T, D]."""
-    implementation = implementation or default_implementation()
+    implementation = implementation or default_implementation(kernels)
     if implementation not in EXPERT_IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {EXPERT_IMPLEMENTATIONS}, "
                          f"got {implementation!r}")

@@ -22,7 +22,8 @@ from flax import nnx
 
 from pagedjax.models.layers.moe import Experts, InterleavedExperts
 from pagedjax.models.quantization.schemes import (QArray, check_scheme, matmul, num_groups,
-                                                  quantize, storage_dtype, stored_rows)
+                                                  quantize, scale_dtype, storage_dtype,
+                                                  stored_rows)
 
 # The linear layers quantize_model swaps (by attribute name); the LM head is an option.
 QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -35,12 +36,12 @@ class QuantizedWeight(nnx.Module):
 
     def __init__(self, shape: tuple[int, ...], scheme: str, *, groups: int | None = None,
                  has_zero: bool = False):
-        check_scheme(scheme)
+        check_scheme(scheme, stored=True)
         *lead, rows, out = shape
         groups = num_groups(scheme, rows) if groups is None else groups
         self.kernel = nnx.Param(jnp.zeros((*lead, stored_rows(scheme, rows), out),
                                           storage_dtype(scheme)))
-        self.scale = nnx.Param(jnp.ones((*lead, groups, out), jnp.float32))
+        self.scale = nnx.Param(jnp.ones((*lead, groups, out), scale_dtype(scheme)))
         self.zero = nnx.Param(jnp.zeros((*lead, groups, out), jnp.float32)) if has_zero \
             else None
         self.scheme = scheme

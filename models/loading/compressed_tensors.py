@@ -98,7 +98,7 @@ def read_raw(path: str, name: str) -> np.ndarray:
         header = json.loads(f.read(length))
     entry = header[name]
     start, end = entry["data_offsets"]
-    dtype = {"F8_E4M3": np.uint8, "I8": np.int8, "F32": np.float32, "F16": np.float16,
+    dtype = {"F8_E4M3": np.uint8, "U8": np.uint8, "I8": np.int8, "F32": np.float32, "F16": np.float16,
              "BF16": np.uint16}[entry["dtype"]]
     data = np.memmap(path, np.uint8, "r", offset=8 + length + start, shape=(end - start,))
     values = np.asarray(data).view(dtype).reshape(entry["shape"])

@@ -27,6 +27,7 @@ from flax import nnx
 
 from pagedjax.models.config import LlamaConfig
 from pagedjax.models.families.llama import LlamaForCausalLM
+from pagedjax.models.loading import mxfp4_checkpoint
 from pagedjax.models.loading.hf_config import (UnsupportedModelError, architecture_of,  # noqa: F401
                                                config_from_hf, supported_summary)
 from pagedjax.models.loading.names import EXPERT, expert_names, hf_weight_name
@@ -107,10 +108,13 @@ def checked_hf_weights(model_dir: str, dtype: str = "float32"):
     if compressed is not None:
         from pagedjax.models.loading.compressed_tensors import quantized_abstract
         abstract = quantized_abstract(abstract, compressed)
+    mxfp4 = mxfp4_experts(model_dir)
+    if mxfp4:
+        abstract = mxfp4_checkpoint.quantized_abstract(abstract)
     params = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     renames = hf_renames(config)
-    wanted = [(hf_weight_name(path, renames), leaf.shape) for path, leaf in leaves
+    wanted = [(_stored_name(path, renames), leaf.shape) for path, leaf in leaves
               if str(getattr(path[-1], "key", path[-1])) != "scale"]  # read with its weight
 
     files = weight_files(model_dir)
@@ -118,6 +122,11 @@ def checked_hf_weights(model_dir: str, dtype: str = "float32"):
     present = {name for header in headers.values() for name in header}
     stored_as = {}  # each tensor read -> the shape HF stores it in
     for (name, transpose), shape in wanted:
+        if transpose is None:  # MXFP4 experts: their _blocks and _scales
+            weight = (shape[0], 2 * shape[1], shape[2])
+            stored_as.update(zip(mxfp4_checkpoint.stored_names(name),
+                                 mxfp4_checkpoint.stored_shapes(weight)))
+            continue
         per_tensor = shape[1:] if EXPERT in name else shape
         for each in expert_names(name, config.num_experts):
             stored_as[each] = tuple(per_tensor[::-1] if transpose else per_tensor)
@@ -143,10 +152,27 @@ def checked_hf_weights(model_dir: str, dtype: str = "float32"):
     return abstract, (wanted, treedef), files
 
 
+def _stored_name(path: tuple, renames) -> tuple[str, bool | None]:
+    """hf_weight_name of a parameter; an MXFP4 experts' kernel: its projection's name (the
+    checkpoint's `<name>_blocks` and `_scales` hold it) and None."""
+    keys = [str(getattr(k, "key", k)) for k in path]
+    if keys[-1] == "kernel" and len(keys) > 2 and keys[-3] == "experts":
+        return hf_weight_name(path[:-1], renames)[0], None
+    return hf_weight_name(path, renames)
+
+
+def mxfp4_experts(model_dir: str) -> bool:
+    """Whether the checkpoint stores its experts in MXFP4 (models/loading/mxfp4_checkpoint.py)."""
+    return mxfp4_checkpoint.read(read_json(os.path.join(model_dir, "config.json")))
+
+
 def compressed_scheme(model_dir: str):
     """The checkpoint's pagedjax.models.loading.compressed_tensors.CompressedScheme, or None."""
     from pagedjax.models.loading import compressed_tensors
-    return compressed_tensors.read(read_json(os.path.join(model_dir, "config.json")))
+    raw = read_json(os.path.join(model_dir, "config.json"))
+    if mxfp4_checkpoint.read(raw):  # another stored form
+        return None
+    return compressed_tensors.read(raw)
 
 
 def _check_compressed(model_dir, abstract, scheme, headers, files) -> None:
@@ -182,9 +208,10 @@ def load_hf_model(model_dir: str, dtype: str = "float32") -> LlamaForCausalLM:
     from safetensors import SafetensorError, safe_open
 
     abstract, (wanted, treedef), files = checked_hf_weights(model_dir, dtype)
-    if compressed_scheme(model_dir) is not None:
-        raise ValueError(f"{model_dir}: a compressed-tensors checkpoint is read into place "
-                         f"by an engine (pagedjax.models.loading.placed_weights.lazy_hf_model, LLM), not whole")
+    if compressed_scheme(model_dir) is not None or mxfp4_experts(model_dir):
+        raise ValueError(f"{model_dir}: a quantized (compressed-tensors, MXFP4) checkpoint is "
+                         f"read into place by an engine (pagedjax.models.loading.placed_weights."
+                         f"lazy_hf_model, LLM), not whole")
     num_experts = abstract.config.num_experts
     jdtype = jnp.dtype(dtype)
     np_dtype = np.dtype(jdtype)

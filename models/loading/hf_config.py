@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from pagedjax.models.config import ROPE_TYPES, LlamaConfig
-from pagedjax.models.families.hf_fields import (UnsupportedModelError,  # noqa: F401
-                                                architecture_of, refuse as family_refusal,
+from pagedjax.models.families.hf_fields import UnsupportedModelError  # noqa: F401
+from pagedjax.models.families.hf_fields import (architecture_of, refuse as family_refusal,
                                                 rope_from_params, rope_params)
 from pagedjax.models.registry import ARCHITECTURES
 
@@ -63,11 +63,11 @@ def check_common(raw: dict[str, Any], architecture: str, model_type: str,
         raise refuse(architecture, f"model_type {raw.get('model_type')!r}")
     if raw.get("quantization_config"):
         method = raw["quantization_config"].get("quant_method", "?")
-        if method != "compressed-tensors":
+        if method not in ("compressed-tensors", "mxfp4"):
             raise refuse(architecture, f"a quantized checkpoint ({method})")
-        from pagedjax.models.loading import compressed_tensors
+        from pagedjax.models.loading import compressed_tensors, mxfp4_checkpoint
         try:
-            compressed_tensors.read(raw)
+            (mxfp4_checkpoint if method == "mxfp4" else compressed_tensors).read(raw)
         except ValueError as e:
             raise refuse(architecture, f"a quantized checkpoint ({e})") from None
     field = "hidden_activation" if raw.get("hidden_activation") else "hidden_act"

@@ -92,16 +92,17 @@ def is_kv(model_path: tuple, config: LlamaConfig) -> bool:
 # ---- Hugging Face safetensors ----------------------------------------------------------------
 
 def lazy_hf_model(model_dir: str, dtype: str = "float32") -> LazyModel:
-    from pagedjax.models.loading.hf import checked_hf_weights, compressed_scheme
+    from pagedjax.models.loading.hf import checked_hf_weights, compressed_scheme, mxfp4_experts
 
     abstract, _, files = checked_hf_weights(model_dir, dtype)
     compressed = compressed_scheme(model_dir)
+    mxfp4 = mxfp4_experts(model_dir)
 
     @contextlib.contextmanager
     def opened():
         from safetensors import safe_open
 
-        from pagedjax.models.loading import compressed_tensors
+        from pagedjax.models.loading import compressed_tensors, mxfp4_checkpoint
 
         with contextlib.ExitStack() as stack:
             handles = {}
@@ -114,6 +115,9 @@ def lazy_hf_model(model_dir: str, dtype: str = "float32") -> LazyModel:
 
             if compressed is not None:  # its quantized weights, as stored
                 tensor.quantized_parts = lambda name_and_transpose: compressed_tensors.parts(
+                    files, name_and_transpose[0])
+            if mxfp4:  # its experts' blocks and scales, as stored
+                tensor.quantized_parts = lambda name_and_transpose: mxfp4_checkpoint.parts(
                     files, name_and_transpose[0])
             yield tensor
 

@@ -89,6 +89,9 @@ def for_serving(model, quantization: str | None, lm_head: bool = False):
     if quantization == "gguf" and not gguf:
         raise ValueError(f"quantization 'gguf' serves a GGUF file's blocks; {source} is not a "
                          f"GGUF file")
+    if quantization == "mxfp4" and stored != ["mxfp4"]:
+        raise ValueError(f"quantization 'mxfp4' serves a checkpoint's MXFP4 experts (gpt-oss); "
+                         f"{source} is not one")
     if quantization == "compressed-tensors" and (gguf or not stored):
         raise ValueError(f"quantization 'compressed-tensors' serves an llm-compressor "
                          f"checkpoint's weights; {source} is not one")
@@ -107,12 +110,14 @@ def weight_report(abstract) -> dict:
     the quantized modules' formats (module key -> "int4, 32 rows a group, offsets")."""
     import jax
 
+    from pagedjax.models.quantization.schemes import PACKED
+
     leaves = jax.tree.leaves(nnx.state(abstract, nnx.Param))
     formats = {}
     for key, module in quantized_modules(abstract).items():
         rows = (module.in_features if isinstance(module, QuantizedLinear) else
                 module.features if isinstance(module, QuantizedEmbed) else
-                module.kernel.get_value().shape[-2] * (2 if module.scheme == "int4" else 1))
+                module.kernel.get_value().shape[-2] * (2 if module.scheme in PACKED else 1))
         groups = module.scale.get_value().shape[-2]
         formats[".".join(map(str, key))] = (
             f"{module.scheme}, " + ("per output channel" if groups == 1 else

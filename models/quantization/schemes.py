@@ -39,14 +39,20 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-SCHEMES = ("int8", "fp8", "int4")
+from pagedjax.models.quantization import mxfp4
+
+SCHEMES = ("int8", "fp8", "int4")  # what a float weight is quantized to (quantize)
+# ... and what is served as a checkpoint stored it: MXFP4 (models/quantization/mxfp4.py)
+STORED_SCHEMES = (*SCHEMES, "mxfp4")
+PACKED = ("int4", "mxfp4")  # two values a byte
 INT4_GROUP_SIZES = (128, 64, 32)
 QMAX = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}
 
 
-def check_scheme(scheme: str) -> None:
-    if scheme not in SCHEMES:
-        raise ValueError(f"quantization scheme must be one of {SCHEMES}, got {scheme!r}")
+def check_scheme(scheme: str, stored: bool = False) -> None:
+    known = STORED_SCHEMES if stored else SCHEMES
+    if scheme not in known:
+        raise ValueError(f"quantization scheme must be one of {known}, got {scheme!r}")
 
 
 def int4_group_size(in_features: int) -> int:
@@ -60,17 +66,24 @@ def int4_group_size(in_features: int) -> int:
 
 
 def num_groups(scheme: str, in_features: int) -> int:
-    """G of a weight quantized by `quantize` (1: per output channel)."""
+    """G of a weight quantized by `quantize` (1: per output channel), or of MXFP4's blocks."""
+    if scheme == "mxfp4":
+        return in_features // mxfp4.BLOCK
     return in_features // int4_group_size(in_features) if scheme == "int4" else 1
 
 
 def stored_rows(scheme: str, in_features: int) -> int:
     """Rows of the stored data: packed two a byte for int4."""
-    return in_features // 2 if scheme == "int4" else in_features
+    return in_features // 2 if scheme in PACKED else in_features
 
 
 def storage_dtype(scheme: str):
     return jnp.int8 if scheme == "int8" else jnp.uint8
+
+
+def scale_dtype(scheme: str):
+    """f32 scales, or MXFP4's e8m0 bytes."""
+    return jnp.uint8 if scheme == "mxfp4" else jnp.float32
 
 
 @jax.tree_util.register_dataclass
@@ -87,7 +100,7 @@ class QArray:
 
     @property
     def shape(self) -> tuple:
-        rows = self.data.shape[-2] * (2 if self.scheme == "int4" else 1)
+        rows = self.data.shape[-2] * (2 if self.scheme in PACKED else 1)
         return (*self.data.shape[:-2], rows, self.data.shape[-1])
 
     @property
@@ -108,20 +121,24 @@ class QArray:
         vals = self.values(jnp.float32)
         shape = vals.shape
         grouped = vals.reshape(*shape[:-2], groups, shape[-2] // groups, shape[-1])
-        weight = grouped * self.scale[..., None, :]
+        scale = mxfp4.scales(self.scale) if self.scheme == "mxfp4" else self.scale
+        weight = grouped * scale[..., None, :]
         if self.zero is not None:
             weight = weight + self.zero[..., None, :]
         return weight.reshape(shape).astype(dtype)
 
     @property
     def per_channel(self) -> bool:
-        return self.scale.shape[-2] == 1 and self.zero is None
+        return self.scale.shape[-2] == 1 and self.zero is None and self.scheme != "mxfp4"
 
 
 def values(data: jax.Array, scheme: str, groups: int) -> jax.Array:
-    """The stored values as numbers: int8 as is, fp8 bitcast, int4 unpacked (int8)."""
+    """The stored values as numbers: int8 as is, fp8 bitcast, int4 unpacked (int8), MXFP4's
+    e2m1 decoded (f32)."""
     if scheme == "int8":
         return data
+    if scheme == "mxfp4":
+        return mxfp4.values(data)
     if scheme == "fp8":
         return jax.lax.bitcast_convert_type(data, jnp.float8_e4m3fn)
     low, high = nibble_planes(data)

@@ -17,7 +17,7 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 STEP_PROGRAMS = ("split", "ragged")
 # vLLM's logprobs_mode values (pagedjax.engine.sampler.logprob_values)
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
-QUANTIZATIONS = (None, *SCHEMES, "gguf", "compressed-tensors")
+QUANTIZATIONS = (None, *SCHEMES, "gguf", "compressed-tensors", "mxfp4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +113,8 @@ class EngineConfig:
     # of 128/64/32 rows, quantized as a float checkpoint is read; "gguf": a GGUF file's own
     # blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), what a GGUF file is served as when unset;
     # "compressed-tensors": an llm-compressor fp8 / int8 checkpoint's own (models/
-    # compressed_tensors.py), also what it gets unset. None: as the checkpoint stores them.
+    # compressed_tensors.py), also what it gets unset; "mxfp4": a gpt-oss checkpoint's MXFP4
+    # experts (models/quantization/mxfp4.py), also unset. None: as the checkpoint stores them.
     quantization: str | None = None
     # The LM head quantized too (the tied embedding table of a model without lm_head).
     quantize_lm_head: bool = False

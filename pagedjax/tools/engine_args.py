@@ -116,9 +116,10 @@ def _program_args(group) -> None:
                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                        "\"prompt_lookup_max\": 4}' (default: none)")
     group.add_argument("-q", "--quantization",
-                       choices=["int8", "fp8", "int4", "gguf", "compressed-tensors"],
+                       choices=["int8", "fp8", "int4", "gguf", "compressed-tensors", "mxfp4"],
                        help="weight-only quantization: int8 / fp8 per output channel, int4 per "
-                       "group, quantized as the weights are read; gguf, compressed-tensors: "
+                       "group, quantized as the weights are read; gguf, compressed-tensors, "
+                       "mxfp4: "
                        "the checkpoint's own (what such a checkpoint gets by default). "
                        "Default: as stored")
     group.add_argument("--quantize-lm-head", action="store_true",
