@@ -115,3 +115,21 @@ CONFIGS.update({
         num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
         linear_fused_projections=True, model_type="qwen3_next"),
 })
+
+
+def _gpt_oss(num_layers: int, num_experts: int) -> LlamaConfig:
+    """gpt-oss (models/families/gpt_oss.py): its published config.json, random weights."""
+    types = tuple("sliding_attention" if (i + 1) % 2 else "full_attention"
+                  for i in range(num_layers))
+    yarn = RopeScaling("yarn", 32.0, original_max_position_embeddings=4096, beta_fast=32.0,
+                       beta_slow=1.0, truncate=False)
+    return LlamaConfig(
+        vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_layers=num_layers,
+        num_heads=64, num_kv_heads=8, head_dim=64, rope_theta=150000.0, rope_scaling=yarn,
+        max_position_embeddings=131072, sliding_window=128, layer_types=types,
+        attention_bias=True, o_proj_bias=True, attention_sinks=True, num_experts=num_experts,
+        num_experts_per_tok=4, router_bias=True, expert_layout="interleaved",
+        model_type="gpt_oss")
+
+
+CONFIGS.update({"gpt-oss-20b": _gpt_oss(24, 32), "gpt-oss-120b": _gpt_oss(36, 128)})

@@ -132,3 +132,24 @@ def test_seeded_samples_each_equal_their_seed_alone(model):
     alone = [llm.generate([prompt], sample(7 + i), use_tqdm=False)[0] for i in range(3)]
     assert [o.token_ids for o in together.outputs] == [a.outputs[0].token_ids for a in alone]
     assert len({tuple(a.outputs[0].token_ids) for a in alone}) == 3, "seeds were meant to differ"
+
+
+def test_capacity_of_the_published_shapes():
+    """gpt-oss-20b at 32k tokens: half its layers keep a 128-token window, so a sequence holds
+    about half the KV of every layer keeping the context (that comparison's layers have no
+    window at all); its weights with MXFP4 experts are what OpenAI states (12.8 GiB)."""
+    from pagedjax.models import get_config
+    from pagedjax.parallel.sharding import weight_bytes_per_device
+    from pagedjax.tools.plan_commands import capacity_layouts, kv_capacity
+
+    config = get_config("gpt-oss-20b")
+    groups, full = capacity_layouts(config, 16)
+    rows = [kv_capacity(config, layout, 16, 16 << 30, 32768, max_tokens_per_step=2048)
+            for layout in (groups, full)]  # chunks of 2048 tokens: what a window group holds
+    assert rows[1]["blocks_per_seq"] == 2048  # 32768 / 16, every layer, the whole context
+    assert rows[1]["kv_bytes_per_seq"] == 32768 * config.kv_bytes_per_token(2)
+    assert rows[0]["kv_bytes_per_seq"] < 0.55 * rows[1]["kv_bytes_per_seq"]
+    assert rows[0]["sequences"] > 1.8 * rows[1]["sequences"]
+    weights = weight_bytes_per_device(config, 1, 2, "mxfp4")
+    assert 12.7 < weights / 2**30 < 12.9
+    assert weight_bytes_per_device(config, 1, 2) / 2**30 > 38

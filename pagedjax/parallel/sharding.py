@@ -174,7 +174,10 @@ def weight_bytes_per_device(config: LlamaConfig, tensor_parallel_size: int,
 
     tp = tensor_parallel_size
     model = nnx.eval_shape(lambda: model_class(config)(config, rngs=nnx.Rngs(0)))
-    if quantization is not None:
+    if quantization == "mxfp4":  # a checkpoint's MXFP4 experts, the rest floats
+        from pagedjax.models.loading.mxfp4_checkpoint import quantized_abstract
+        model = quantized_abstract(model)
+    elif quantization is not None:
         model = quantize_model(model, quantization, quantize_lm_head)
     _, weights = serving_form(model, kv_head_repeats=kv_head_repeats(config.num_kv_heads, tp))
     total = 0

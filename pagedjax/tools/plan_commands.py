@@ -24,7 +24,7 @@ def capacity_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens a KV block holds")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="the KV cache's element type")
-    parser.add_argument("--quantization", choices=["int8", "fp8", "int4"],
+    parser.add_argument("--quantization", choices=["int8", "fp8", "int4", "mxfp4"],
                         help="weight-only quantization (the weights' share of a device); "
                         "default: weights in --dtype")
     parser.add_argument("--quantize-lm-head", action="store_true",
@@ -91,7 +91,9 @@ def capacity_layouts(config, block_size: int, tensor_parallel_size: int = 1,
 
     heads = config.num_kv_heads * kv_head_repeats(config.num_kv_heads, tensor_parallel_size)
     groups = sized_state_groups(kv_cache_groups(config), config, block_size, heads, backend)
-    full = dataclasses.replace(config, layer_types=None) if config.layer_types else config
+    # (no window either: layer_types None would give every layer the sliding layers' window)
+    full = (dataclasses.replace(config, layer_types=None, sliding_window=None)
+            if config.layer_types else config)
     return groups, kv_cache_groups(full, hybrid=False)
 
 
@@ -153,7 +155,7 @@ def inspect_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", default="reference",
                         choices=["reference", "gpu", "mosaic_gpu", "tpu"],
                         help="whose cache layout to count bytes in")
-    parser.add_argument("--quantization", choices=["int8", "fp8", "int4"],
+    parser.add_argument("--quantization", choices=["int8", "fp8", "int4", "mxfp4"],
                         help="the weights' bytes quantized so (default: as stored)")
 
 
