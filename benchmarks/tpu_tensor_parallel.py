@@ -83,7 +83,20 @@ LINEAR_CASES = {
     "qwen3.5-9b TP4 v6e-4": ("qwen3.5-9b", "v6e:2x2", 4, True),
     "qwen3-next-80b-a3b TP8 v6e-8": ("qwen3-next-80b-a3b", "v6e:2x4", 8, True),
 }
-ALL_CASES = {**CASES, **MOE_CASES, **QUANT_CASES, **LINEAR_CASES}
+# New architectures (--new-arch, results in tpu_new_architectures.md): gpt-oss-20b with its
+# MXFP4 experts as stored (models/quantization/mxfp4.py; the grouped matmul decodes an expert a
+# tile) and bf16 attention with sinks over its 128-token windows: one v6e chip, and a v5e-4
+# slice with its experts split over the chips (its 90 blocks of 32 rows of an expert's down
+# projection do not split 4 ways, so MXFP4 at TP 4 is expert parallel). The pool takes what
+# 90% of HBM leaves past the weights and 1 GiB for temporaries (the --quantized table's rule).
+# name: (model, topology, TP, KV cache groups, expert parallel, quantization)
+NEW_ARCH_CASES = {
+    "gpt-oss-20b mxfp4 TP1 v6e-1": ("gpt-oss-20b", "v6e:2x2", 1, True, False, "mxfp4"),
+    "gpt-oss-20b mxfp4 EP4 v5e-4": ("gpt-oss-20b", "v5e:2x2", 4, True, True, "mxfp4"),
+    "gpt-oss-20b mxfp4 TP2 v5e-2": ("gpt-oss-20b", "v5e:2x2", 2, True, False, "mxfp4"),
+    "gpt-oss-120b mxfp4 EP8 v6e-8": ("gpt-oss-120b", "v6e:2x4", 8, True, True, "mxfp4"),
+}
+ALL_CASES = {**CASES, **MOE_CASES, **QUANT_CASES, **LINEAR_CASES, **NEW_ARCH_CASES}
 QUANT_CONTEXT = 8192
 TEMP_ALLOWANCE_GIB = 1.0
 CAPACITY_CONTEXT = 32768  # the sequences of this many tokens each device's pool holds
@@ -116,7 +129,10 @@ def build(name: str, devices):
     repeats = kv_head_repeats(config.num_kv_heads, tp)
     model = nnx.eval_shape(lambda: model_class(config)(
         config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16))
-    if quantization is not None:
+    if quantization == "mxfp4":  # a checkpoint's MXFP4 experts, as stored
+        from pagedjax.models.loading.mxfp4_checkpoint import quantized_abstract
+        model = quantized_abstract(model)
+    elif quantization is not None:
         from pagedjax.models.layers.quantized import quantize_model
         model = quantize_model(model, quantization, lm_head=True)
     graph, weights = serving_form(model, kv_head_repeats=repeats, groups=groups)
@@ -160,12 +176,12 @@ def kv_gib(case: str) -> float:
     """A device's pool: KV_GIB_PER_DEVICE, or (a quantized-table case) what 90% of HBM leaves
     past its weights and TEMP_ALLOWANCE_GIB, in quarter GiB."""
     model_name, topology, tp, *options = ALL_CASES[case]
-    if case not in QUANT_CASES:
+    if case not in QUANT_CASES and case not in NEW_ARCH_CASES:
         return KV_GIB_PER_DEVICE
     from pagedjax.models import CONFIGS
     from pagedjax.parallel.sharding import weight_bytes_per_device
     weights = weight_bytes_per_device(CONFIGS[model_name], tp, 2, options[2],
-                                      options[2] is not None) / 2**30
+                                      options[2] not in (None, "mxfp4"), options[1]) / 2**30
     left = 0.9 * HBM_GIB[topology.split(":")[0]] - weights - TEMP_ALLOWANCE_GIB
     return max(0.25, int(left * 4) / 4)
 
@@ -179,13 +195,14 @@ def shard_gib(case: str) -> tuple[float, float, int]:
     from pagedjax.tools.plan_commands import kv_capacity
 
     model_name, _, tp, *options = ALL_CASES[case]
-    hybrid, _, quantization = (list(options) + [False, False, None][len(options):])[:3]
+    hybrid, expert_parallel, quantization = (list(options) + [False, False, None][len(options):])[:3]
     config = CONFIGS[model_name]
     groups = case_groups(config, hybrid, tp)
     context = QUANT_CONTEXT if case in QUANT_CASES else CAPACITY_CONTEXT
     capacity = kv_capacity(config, groups, BLOCK_SIZE, int(kv_gib(case) * 2**30),
-                           context, tp, 2, KINDS["prefill"][0])
-    weights = weight_bytes_per_device(config, tp, 2, quantization, quantization is not None)
+                           context, tp, 2, KINDS["prefill"][0], "tpu")
+    weights = weight_bytes_per_device(config, tp, 2, quantization,
+                                      quantization not in (None, "mxfp4"), expert_parallel)
     return weights / 2**30, kv_gib(case), capacity["sequences"]
 
 
@@ -200,9 +217,12 @@ def main() -> None:
     parser.add_argument("--linear", action="store_true",
                         help="the hybrid linear-attention table (LINEAR_CASES, "
                         "tpu_linear_attention.md)")
+    parser.add_argument("--new-arch", action="store_true",
+                        help="gpt-oss (and DeepSeek) (NEW_ARCH_CASES, "
+                        "tpu_new_architectures.md)")
     args = parser.parse_args()
     table = (MOE_CASES if args.moe else QUANT_CASES if args.quantized else LINEAR_CASES
-             if args.linear else CASES)
+             if args.linear else NEW_ARCH_CASES if args.new_arch else CASES)
     args.cases = args.cases or ",".join(table)
     from benchmarks.aot import xla_tpu
 
@@ -241,7 +261,10 @@ def main() -> None:
                          ("tpu_quantized", "Quantized-weight steps", " --quantized")
                          if args.quantized else
                          ("tpu_linear_attention", "Hybrid linear-attention steps", " --linear")
-                         if args.linear else ("tpu_tensor_parallel", "Tensor-parallel steps", ""))
+                         if args.linear else
+                         ("tpu_new_architectures", "gpt-oss / DeepSeek steps", " --new-arch")
+                         if args.new_arch else
+                         ("tpu_tensor_parallel", "Tensor-parallel steps", ""))
     write_results(name, title + " compiled for TPU slices (libtpu AOT, no TPU): per-device "
                   "memory and collectives", rows,
                   {"kv_gib_per_device": KV_GIB_PER_DEVICE, "block_size": BLOCK_SIZE,

@@ -12,7 +12,12 @@ there, where the TPU KV write drops them.
 
 Hc is the model's head dim H, except for the GPU kernels (backends gpu and mosaic_gpu, one
 layout), whose tiles must be powers of two of at least 16: there H is zero-padded, e.g.
-80 -> 128 (zeros change no dot product).
+80 -> 128 (zeros change no dot product); and on the TPU, where H is zero-padded to whole
+128-lane tiles (64 -> 128: gpt-oss, Llama 3.2 1B), as tpu-inference pads it: a cache whose
+minor axis is narrower than a vreg's lanes is laid out by XLA with its block axis minor, and
+the kernels, which read it row-major, then cost a relayout copy of the whole pool a step, in
+and out (benchmarks/results/tpu_new_architectures.md; the memory is the same: HBM tiles pad
+a 64-wide row to 128 either way).
 
 A quantized cache (int8, fp8) is a QuantizedKV: the data as above and f32 scales [2, K, NB, Ss],
 one per token and KV head, Ss = S except on the TPU, where a page's scale row is padded to whole
@@ -32,6 +37,7 @@ import numpy as np
 from pagedjax.pallas_kernels.quant import QuantizedKV, is_quantized, quantize
 
 PADDED_HEAD_DIM_BACKENDS = ("gpu", "mosaic_gpu")
+LANE_PADDED_HEAD_DIM_BACKENDS = ("tpu",)
 PADDED_SCALE_BACKENDS = ("tpu",)
 LANES = 128  # a TPU vector register's lanes
 NULL_BLOCK = 0  # the scheduler's null block (scheduler.block_pool): padding writes land there
@@ -40,6 +46,8 @@ NULL_BLOCK = 0  # the scheduler's null block (scheduler.block_pool): padding wri
 def cache_head_dim(head_dim: int, backend: str = "reference") -> int:
     if backend in PADDED_HEAD_DIM_BACKENDS:
         return max(16, 1 << (head_dim - 1).bit_length())
+    if backend in LANE_PADDED_HEAD_DIM_BACKENDS:
+        return -(-head_dim // LANES) * LANES
     return head_dim
 
 

@@ -311,9 +311,10 @@ def test_inspect_reports_attention_and_kv_bytes(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "MistralForCausalLM" in printed and "supported" in printed
     assert f"{2 * 2 * 2 * (16 + 4):,}" in printed  # int8 bytes per token, with f32 scales
-    # The TPU's layout pads each page's scale row to 128 lanes: 128 / 16 f32 a token.
+    # The TPU's layout pads each page's scale row to 128 lanes (128 / 16 f32 a token) and the
+    # head dim of 16 to a 128-lane tile too (pallas_kernels/layout.py)
     tpu = inspect_model_dir(str(tmp_path), kv_dtype="int8", attention_backend="tpu")
-    assert tpu["kv_bytes_per_token"] == 2 * 2 * 2 * (16 + 4 * 128 // 16)
+    assert tpu["kv_bytes_per_token"] == 2 * 2 * 2 * (128 + 4 * 128 // 16)
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         inspect_model_dir(str(tmp_path), attention_backend="cuda")
     # a block of one token is the smallest there is; none is refused

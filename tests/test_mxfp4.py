@@ -138,6 +138,12 @@ def test_a_published_layout_checkpoint_serves_its_dequantized_tokens(tmp_path):
     assert served["gate_up_proj.scale"] == (jnp.uint8, (4, 2, 64))
     assert served["down_proj.kernel"] == (jnp.uint8, (4, 16, 64))
     assert served["gate_up_proj_bias"][0] == jnp.float32
+    from pagedjax.models.loading.inspect import inspect_model_dir
+    report = inspect_model_dir(str(tmp_path / "mxfp4"))
+    assert set(report["quantized_weights"].values()) == {"mxfp4, 32 rows a group"}
+    assert report["attention"].endswith("attention sinks")
+    float_bytes = inspect_model_dir(str(tmp_path / "float"))["served_weight_bytes"]
+    assert report["served_weight_bytes"] < 0.6 * float_bytes
 
 
 def test_mxfp4_experts_decode_one_expert_at_a_time_on_every_platform(monkeypatch):

@@ -17,7 +17,9 @@ from pagedjax.models.layers.quantized import quantize_model
 from pagedjax.models.loading.compressed_tensors import quantized_abstract
 from pagedjax.models.loading.gguf import _reader, checked_gguf, config_from_gguf, is_gguf, metadata
 from pagedjax.models.loading.hf import (UnsupportedModelError, architecture_of, checkpoint_dtype,
-                                        compressed_scheme, read_hf_config, read_json)
+                                        compressed_scheme, mxfp4_experts, read_hf_config,
+                                        read_json)
+from pagedjax.models.loading import mxfp4_checkpoint
 from pagedjax.models.loading.quantized_loading import weight_report
 from pagedjax.models.registry import model_class
 
@@ -56,6 +58,11 @@ def inspect_model_dir(model_dir: str, kv_dtype: str = "bfloat16", block_size: in
     compressed = compressed_scheme(model_dir)
     if compressed is not None:
         abstract = quantized_abstract(abstract, compressed)
+    elif mxfp4_experts(model_dir) or quantization == "mxfp4":
+        if not mxfp4_experts(model_dir):
+            raise ValueError(f"quantization 'mxfp4' serves a checkpoint's MXFP4 experts; "
+                             f"{model_dir} is not one")
+        abstract = mxfp4_checkpoint.quantized_abstract(abstract)
     elif quantization is not None:
         abstract = quantize_model(abstract, quantization)
     return {**report, **config_report(config, kv_dtype, block_size, attention_backend),
@@ -100,7 +107,8 @@ def config_report(config: LlamaConfig, kv_dtype: str, block_size: int,
     return dict(
         kv_cache_groups=[{"window": w, "blocks": group_block} for w in groups.windows]
         if groups.hybrid else None, layers_a_group=groups.num_slots,
-        supported=True, attention=attention_kind(config.num_heads, config.num_kv_heads),
+        supported=True, attention=attention_kind(config.num_heads, config.num_kv_heads)
+        + (", attention sinks" if config.attention_sinks else ""),
         num_layers=config.num_layers, num_heads=config.num_heads,
         num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
         sliding_window=config.sliding_window,

@@ -120,8 +120,8 @@ def weight_report(abstract) -> dict:
                 module.kernel.get_value().shape[-2] * (2 if module.scheme in PACKED else 1))
         groups = module.scale.get_value().shape[-2]
         formats[".".join(map(str, key))] = (
-            f"{module.scheme}, " + ("per output channel" if groups == 1 else
-                                    f"{rows // groups} rows a group")
+            f"{module.scheme}, " + ("per output channel" if groups == 1 and module.scheme != "mxfp4"
+                                    else f"{rows // groups} rows a group")
             + (", offsets" if module.zero is not None else ""))
     return {"served_weight_bytes": int(sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)),
             "quantized_weights": formats}

@@ -162,7 +162,7 @@ def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
 
 def weight_bytes_per_device(config: LlamaConfig, tensor_parallel_size: int,
                             itemsize: int, quantization: str | None = None,
-                            quantize_lm_head: bool = False) -> int:
+                            quantize_lm_head: bool = False, expert_parallel: bool = False) -> int:
     """Bytes of weights one device holds under weight_spec (from the shapes: nothing built):
     float weights at itemsize, a quantized model's (EngineConfig.quantization) stored values
     and f32 scales at theirs."""
@@ -182,7 +182,8 @@ def weight_bytes_per_device(config: LlamaConfig, tensor_parallel_size: int,
     _, weights = serving_form(model, kv_head_repeats=kv_head_repeats(config.num_kv_heads, tp))
     total = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(weights):
-        split = any(axis is not None for axis in weight_spec(path, leaf, config.vocab_size, tp))
+        split = any(axis is not None for axis in weight_spec(path, leaf, config.vocab_size, tp,
+                                                             expert_parallel))
         floating = np.issubdtype(leaf.dtype, np.floating) and leaf.dtype.itemsize == 4 and (
             str(getattr(path[-1], "key", path[-1])) not in ("scale", "zero"))
         size = itemsize if floating else leaf.dtype.itemsize

@@ -99,7 +99,7 @@ def capacity_layouts(config, block_size: int, tensor_parallel_size: int = 1,
 
 def kv_capacity(config, groups, block_size: int, kv_bytes: int, context: int,
                 tensor_parallel_size: int = 1, itemsize: int = 2,
-                max_tokens_per_step: int | None = None) -> dict:
+                max_tokens_per_step: int | None = None, backend: str = "reference") -> dict:
     """The pool of kv_bytes a device holds under a KV cache layout (pagedjax.models.layers.kv_groups): bytes
     per block, blocks, blocks a sequence of context tokens needs (over its groups), and the
     sequences the pool holds."""
@@ -107,7 +107,7 @@ def kv_capacity(config, groups, block_size: int, kv_bytes: int, context: int,
     from pagedjax.scheduler.kv_cache_groups import blocks_for
     kv_dtype = "float32" if itemsize == 4 else "float16"
     per_block = kv_bytes_per_block_per_device(config, block_size, tensor_parallel_size, kv_dtype,
-                                              num_slots=groups.num_slots)
+                                              backend, num_slots=groups.num_slots)
     num_blocks = kv_bytes // per_block
     per_seq = blocks_for(groups.windows, block_size, context, max_tokens_per_step)
     return {"groups": groups.num_groups, "layers_a_group": groups.num_slots,

@@ -25,7 +25,8 @@ from pagedjax.pallas_kernels.common import tpu_interpret_params
 from pagedjax.pallas_kernels.tpu.pipeline import (SUBLANES, PagePipeline, attend_sequence,
                                                   check_operands, compiler_params, compute_dtype,
                                                   default_pages_per_step, fetch_table_row,
-                                                  flat_tables, page_scratch, sink_operands,
+                                                  flat_tables, padded_heads, page_scratch,
+                                                  sink_operands,
                                                   table_width)
 
 
@@ -88,8 +89,10 @@ def paged_decode_attention_tpu(
     interpret: bool = False,
 ) -> jax.Array:  # [B, N, H]; 0 for padding rows
     """sinks: f32[N] attention sinks (pallas_kernels.reference), or None."""
-    batch, num_heads, head_dim = q.shape
     data, scales, group = check_operands(q, kv_cache)
+    out_dim = q.shape[-1]
+    q = padded_heads(q, data.shape[4])
+    batch, num_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size, _ = data.shape
     padded_group = pl.cdiv(group, SUBLANES) * SUBLANES
     width = block_tables.shape[1]
@@ -131,4 +134,4 @@ def paged_decode_attention_tpu(
         interpret=tpu_interpret_params(interpret),
         name="paged_decode_attention_tpu",
     )(lens, qg, flat_tables(block_tables, padded_width), data, *quant_operands, *sink_inputs)
-    return out[:, :, :group].reshape(batch, num_heads, head_dim)
+    return out[:, :, :group].reshape(batch, num_heads, head_dim)[..., :out_dim]

@@ -190,9 +190,17 @@ def check_operands(q, kv_cache):
     num_kv_heads, cache_head_dim = data.shape[1], data.shape[4]
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
-    if cache_head_dim != head_dim:
-        raise ValueError(f"cache head dim {cache_head_dim} != query head dim {head_dim}")
+    if cache_head_dim not in (head_dim, -(-head_dim // 128) * 128):
+        raise ValueError(f"cache head dim {cache_head_dim} is neither the query's {head_dim} "
+                         f"nor it padded to whole 128-lane tiles (layout.cache_head_dim)")
     return data, scales, num_heads // num_kv_heads
+
+
+def padded_heads(x: jax.Array, cache_head_dim: int) -> jax.Array:
+    """x [.., H] zero-padded to the cache's head dim (layout.cache_head_dim: whole lane tiles);
+    zeros change no score, and the output's extra columns are dropped."""
+    pad = cache_head_dim - x.shape[-1]
+    return x if not pad else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
 
 
 def page_scratch(pages_per_step: int, block_size: int, head_dim: int, data, scales) -> list:

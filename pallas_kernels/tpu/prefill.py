@@ -23,7 +23,8 @@ from pagedjax.pallas_kernels.common import tile_layout, tpu_interpret_params
 from pagedjax.pallas_kernels.tpu.pipeline import (SUBLANES, PagePipeline, attend_sequence,
                                                   check_operands, compiler_params, compute_dtype,
                                                   default_pages_per_step, fetch_table_row,
-                                                  flat_tables, page_scratch, sink_operands,
+                                                  flat_tables, padded_heads, page_scratch,
+                                                  sink_operands,
                                                   table_width)
 
 
@@ -109,8 +110,10 @@ def ragged_paged_attention_tpu(
     interpret: bool = False,
 ) -> jax.Array:  # [T, N, H]; 0 for padding tokens
     """sinks: f32[N] attention sinks (pallas_kernels.reference), or None."""
-    num_tokens, num_heads, head_dim = q.shape
     data, scales, group = check_operands(q, kv_cache)
+    out_dim = q.shape[-1]
+    q = padded_heads(q, data.shape[4])
+    num_tokens, num_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size, _ = data.shape
     padded_group = pl.cdiv(group, SUBLANES) * SUBLANES if group > 1 else 1
     width = block_tables.shape[1]
@@ -160,4 +163,4 @@ def ragged_paged_attention_tpu(
     out = tiles[token_tile, token_row][:, :, :group]  # [T, K, G, H]
     live = jnp.arange(num_tokens) < cu_q_lens[num_seqs]
     out = jnp.where(live[:, None, None, None], out, 0.0)
-    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+    return out.reshape(num_tokens, num_heads, head_dim)[..., :out_dim].astype(q.dtype)

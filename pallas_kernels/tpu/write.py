@@ -18,6 +18,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pagedjax.pallas_kernels.common import tpu_interpret_params
 from pagedjax.pallas_kernels.layout import LANES, NULL_BLOCK
 from pagedjax.pallas_kernels.quant import QuantizedKV, quantize
+from pagedjax.pallas_kernels.tpu.pipeline import padded_heads
 
 ROW_TILE = 8  # rows of an f32 tile in TPU memory
 MAX_WRITE_TOKENS = 65536  # 3 x 4 bytes a token of page table in SMEM (1 MB on v5e)
@@ -153,6 +154,7 @@ def write_kv_tpu(
     data = kv_cache.data if isinstance(kv_cache, QuantizedKV) else kv_cache
     block_size = data.shape[3]
     num_tokens = k.shape[0]
+    k, v = (padded_heads(x, data.shape[4]) for x in (k, v))  # layout.cache_head_dim
     if num_tokens > MAX_WRITE_TOKENS:
         raise ValueError(f"the TPU KV write takes at most {MAX_WRITE_TOKENS} tokens a step (its "
                          f"page table lives in SMEM), got {num_tokens}: lower "
