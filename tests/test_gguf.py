@@ -207,6 +207,7 @@ def engine_tokens(model: str, ids: np.ndarray) -> list[list[int]]:
     return [o.output_token_ids for o in outputs]
 
 
+@pytest.mark.slow  # 6 s: make test-slow
 def test_mixtral_gguf_reads_its_stacked_experts(tmp_path):
     """A Mixtral written as llama.cpp writes one (arch llama, expert_count 4, Q8_0 experts
     stacked a projection in `ffn_*_exps`, the router `ffn_gate_inp`) loads as the same weights

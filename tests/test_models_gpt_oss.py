@@ -85,7 +85,8 @@ def test_the_clamp_is_reached(gpt_oss):
 MAX_TOKENS = 10
 
 
-@pytest.mark.parametrize("engine", ["chunked", "preemption"])
+@pytest.mark.parametrize("engine", ["chunked", pytest.param("preemption",  # 5 s
+                                                            marks=pytest.mark.slow)])
 def test_engine_greedy_equals_transformers_generate(gpt_oss, engine):
     """Five prompts of 1 to 43 tokens (two sharing a 20-token prefix: a prefix hit) through the
     scanned serving form on KV cache groups: chunked prefill over 16-token budgets, windows of 8
@@ -107,6 +108,7 @@ def model(gpt_oss):
     return load_hf_model(gpt_oss[1])
 
 
+@pytest.mark.slow  # 7 s: make test-slow
 def test_ngram_speculative_decoding_keeps_the_greedy_tokens(gpt_oss, model):
     """Drafts verified through the sinks and windows: the tokens are transformers'."""
     hf, _ = gpt_oss
@@ -119,6 +121,7 @@ def test_ngram_speculative_decoding_keeps_the_greedy_tokens(gpt_oss, model):
     assert engine.stats.num_spec_accepted_tokens > 0
 
 
+@pytest.mark.slow  # 7 s: make test-slow
 def test_seeded_samples_each_equal_their_seed_alone(model):
     """n = 3 samples of one prompt share its blocks (copy-on-write at the fork) and each equals
     the same seed's request alone."""

@@ -36,7 +36,8 @@ def paged_logits(model, kv_caches, token_ids, start, table, block_size):
     return model.logits(hidden), kv_caches
 
 
-@pytest.mark.parametrize("chunks", [[23], [10, 13], [1, 1, 21]])
+@pytest.mark.parametrize("chunks", [[23], pytest.param([10, 13], marks=pytest.mark.slow),  # 5 s
+                                    [1, 1, 21]])
 def test_paged_forward_matches_dense_forward(chunks):
     model = init_model(CONFIG, seed=1)
     tokens = np.random.default_rng(0).integers(0, CONFIG.vocab_size, sum(chunks))

@@ -279,7 +279,7 @@ def kind_format(kind: str) -> str:
     return "float" if kind == "fp8" else "int"
 
 
-@pytest.mark.parametrize("kind", ["fp8", "int8"])
+@pytest.mark.parametrize("kind", ["fp8", pytest.param("int8", marks=pytest.mark.slow)])  # 7 s
 def test_compressed_tensors_checkpoint_serves_its_stored_weights(tmp_path, kind):
     """An llm-compressor-format checkpoint (F8_E4M3 / I8 weights, per-channel weight_scale,
     lm_head ignored) is served from its stored values: the same greedy tokens, and logprobs

@@ -95,7 +95,8 @@ def test_simulation_waits_for_arrivals_and_runs_parallel_samples():
         simulate([TraceRequest(0.0, 250, 10)], **_setup())
 
 
-@pytest.mark.parametrize("num_blocks", [200, 24], ids=["roomy", "preempting"])
+@pytest.mark.parametrize("num_blocks", [pytest.param(200, marks=pytest.mark.slow),  # 8 s
+                                        24], ids=["roomy", "preempting"])
 def test_simulated_schedule_is_the_engines(num_blocks):
     llm = LLM(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
               num_blocks=num_blocks)

@@ -101,6 +101,7 @@ def test_tokens_equal_plain_decoding_over_a_mixed_batch(byte_model):
                                                                      lx[t].decoded_token)
 
 
+@pytest.mark.slow  # 8 s: make test-slow
 def test_a_sliding_window_model_frees_nothing_a_rollback_needs(byte_model):
     """Every layer windowed (8 tokens, blocks of 4 freed as they leave it): drafts rolled back
     over freed blocks still give plain decoding's tokens, and the pool ends as full as it
