@@ -182,7 +182,7 @@ def test_bfloat16_load_error_is_that_of_bfloat16(tmp_path):
 YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 8.0,
              "beta_slow": 1.0, "original_max_position_embeddings": 4096, "truncate": False}
 YARN_MSCALE_ROPE = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "mscale": 0.9,
-                    "mscale_all_dim": 0.5, "original_max_position_embeddings": 8}
+                    "mscale_all_dim": 0.5, "original_max_position_embeddings": 100}
 
 
 def to_transformers4(directory, rope_scaling):

@@ -144,6 +144,9 @@ def test_a_published_layout_checkpoint_serves_its_dequantized_tokens(tmp_path):
     assert report["attention"].endswith("attention sinks")
     float_bytes = inspect_model_dir(str(tmp_path / "float"))["served_weight_bytes"]
     assert report["served_weight_bytes"] < 0.6 * float_bytes
+    from pagedjax.models.loading.hf import load_hf_model
+    with pytest.raises(ValueError, match="read into place by an engine"):
+        load_hf_model(str(tmp_path / "mxfp4"))  # never a whole float copy
 
 
 def test_mxfp4_experts_decode_one_expert_at_a_time_on_every_platform(monkeypatch):

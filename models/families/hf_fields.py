@@ -61,13 +61,13 @@ def yarn_scaling(params: dict[str, Any], max_position_embeddings: int | None = N
         if max_position_embeddings is None:
             raise ValueError("yarn RoPE scaling needs a factor in the config")
         factor = max_position_embeddings / original
-    fields = {name: params[name] for name in ("attention_factor", "mscale", "mscale_all_dim")
-              if params.get(name) is not None}
+    fields = {name: params[name]
+              for name in ("attention_factor", "mscale", "mscale_all_dim", "truncate")
+              if params.get(name) is not None}  # (else RopeScaling's: transformers' defaults)
     return RopeScaling(rope_type="yarn", factor=float(factor),
                        original_max_position_embeddings=original,
                        beta_fast=float(params.get("beta_fast") or 32),
-                       beta_slow=float(params.get("beta_slow") or 1),
-                       truncate=bool(params.get("truncate", True)), **fields)
+                       beta_slow=float(params.get("beta_slow") or 1), **fields)
 
 
 def rope_params(raw: dict[str, Any]) -> Any:
