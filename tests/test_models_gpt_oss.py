@@ -156,3 +156,16 @@ def test_capacity_of_the_published_shapes():
     weights = weight_bytes_per_device(config, 1, 2, "mxfp4")
     assert 12.7 < weights / 2**30 < 12.9
     assert weight_bytes_per_device(config, 1, 2) / 2**30 > 38
+
+
+@pytest.mark.slow  # the Pallas interpreters: 30-60 s
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_the_pallas_kernels_serve_transformers_tokens(gpt_oss, model, backend):
+    """The sinks and windows through the Triton and TPU kernels (interpreted) in the engine:
+    chunked prefill, decode, and on the TPU a head dim of 16 padded to a 128-lane tile."""
+    hf, _ = gpt_oss
+    token_prompts = prompts()[:3]
+    got, _ = engine_greedy(model, token_prompts, 6, attention_backend=backend,
+                           attention_interpret=True,
+                           **(dict(block_size=8) if backend == "gpu" else {}))
+    assert got == hf_greedy(hf, token_prompts, 6)
