@@ -167,3 +167,32 @@ async def stream_completion(client, url: str, body: dict, *,
         status = -1
     return {"status": status, "sent": sent, "done": time.perf_counter(), "stamps": stamps,
             "tokens": tokens, "token_ids": ids}
+
+
+def timed_decode(model, *, context: int, batch: int, steps: int,
+                 vocab: int = 4096) -> tuple[float, list[float]]:
+    """(KV bytes a sequence holds, seconds of each of `steps` decode steps) of `batch` random
+    prompts of `context` tokens on an engine of blocks of 16 (no prefix caching), timed once
+    every prompt is in (engine.step(): one token a sequence)."""
+    from pagedjax import EngineConfig, LLMEngine, SamplingParams
+
+    engine = LLMEngine(model, EngineConfig(
+        block_size=16, max_model_len=2 * context + 16, max_num_seqs=batch,
+        max_num_batched_tokens=512, min_seq_bucket=batch, enable_prefix_caching=False,
+        num_blocks=batch * (context // 8 + 32)))
+    rng = np.random.default_rng(0)
+    # decoding goes on while the later prompts prefill: room for all of it
+    params = SamplingParams(max_tokens=context, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(rng.integers(0, vocab, context).tolist(), params)
+           for _ in range(batch)]
+    while any(r.num_computed_tokens < context
+              for r in engine.scheduler.state.running) or engine.scheduler.state.waiting:
+        engine.step()  # the prompts (and a first decode or two)
+    held = engine.scheduler.kv_manager.block_tables
+    bytes_per_seq = float(np.mean([len(held[i]) for i in ids])) * engine.bytes_per_block
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return bytes_per_seq, times

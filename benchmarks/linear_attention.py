@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import time
 
-import numpy as np
-from common import percentiles, recorded_args, write_results
+from common import percentiles, recorded_args, timed_decode, write_results
 
-from pagedjax import EngineConfig, LLMEngine, SamplingParams
 from pagedjax.models import get_config, init_model
 from pagedjax.tools.plan_commands import capacity_layouts, kv_capacity
 
@@ -67,26 +64,8 @@ def run_rows(args) -> list[dict]:
     for context in args.contexts:
         for label, linear in (("every layer full", False), ("state group", True)):
             model = init_model(small_qwen3_5(linear), seed=0)
-            engine = LLMEngine(model, EngineConfig(
-                block_size=16, max_model_len=2 * context + 16,
-                max_num_seqs=args.batch, max_num_batched_tokens=512, min_seq_bucket=args.batch,
-                enable_prefix_caching=False, num_blocks=args.batch * (context // 8 + 32)))
-            rng = np.random.default_rng(0)
-            # decoding goes on while the later prompts prefill: room for all of it, then
-            # args.steps decode steps timed once every prompt is in
-            params = SamplingParams(max_tokens=context, temperature=0.0, ignore_eos=True)
-            ids = [engine.add_request(rng.integers(0, 4096, context).tolist(), params)
-                   for _ in range(args.batch)]
-            while any(r.num_computed_tokens < context
-                      for r in engine.scheduler.state.running) or engine.scheduler.state.waiting:
-                engine.step()  # the prompts (and a first decode or two)
-            held = engine.scheduler.kv_manager.block_tables
-            bytes_per_seq = float(np.mean([len(held[i]) for i in ids])) * engine.bytes_per_block
-            times = []
-            for _ in range(args.steps):
-                start = time.perf_counter()
-                engine.step()
-                times.append(time.perf_counter() - start)
+            bytes_per_seq, times = timed_decode(model, context=context, batch=args.batch,
+                                                steps=args.steps)
             rows.append({"context": context, "model": label, "batch": args.batch,
                          "kv_mib_per_seq": round(bytes_per_seq / 2**20, 3),
                          **percentiles(times[2:], "decode_step")})

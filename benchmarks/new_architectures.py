@@ -20,12 +20,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import time
 
-import numpy as np
-from common import percentiles, recorded_args, write_results
+from common import percentiles, recorded_args, timed_decode, write_results
 
-from pagedjax import EngineConfig, LLMEngine, SamplingParams
 from pagedjax.models import get_config, init_model
 from pagedjax.models.config import LlamaConfig
 from pagedjax.parallel.sharding import weight_bytes_per_device
@@ -74,25 +71,8 @@ def run_rows(args) -> list[dict]:
     rows = []
     for context in args.contexts:
         for label, config in small_models().items():
-            model = init_model(config, seed=0)
-            engine = LLMEngine(model, EngineConfig(
-                block_size=16, max_model_len=2 * context + 16, max_num_seqs=args.batch,
-                max_num_batched_tokens=512, min_seq_bucket=args.batch,
-                enable_prefix_caching=False, num_blocks=args.batch * (context // 8 + 32)))
-            rng = np.random.default_rng(0)
-            params = SamplingParams(max_tokens=context, temperature=0.0, ignore_eos=True)
-            ids = [engine.add_request(rng.integers(0, 4096, context).tolist(), params)
-                   for _ in range(args.batch)]
-            while any(r.num_computed_tokens < context
-                      for r in engine.scheduler.state.running) or engine.scheduler.state.waiting:
-                engine.step()
-            held = engine.scheduler.kv_manager.block_tables
-            bytes_per_seq = float(np.mean([len(held[i]) for i in ids])) * engine.bytes_per_block
-            times = []
-            for _ in range(args.steps):
-                start = time.perf_counter()
-                engine.step()
-                times.append(time.perf_counter() - start)
+            bytes_per_seq, times = timed_decode(init_model(config, seed=0), context=context,
+                                                batch=args.batch, steps=args.steps)
             rows.append({"context": context, "model": label, "batch": args.batch,
                          "active_params": config.num_active_params,
                          "kv_mib_per_seq": round(bytes_per_seq / 2**20, 3),
