@@ -73,7 +73,7 @@ def test_the_gpu_kernel_builds_for_an_h200():
 
 
 @pytest.mark.parametrize("backend", [pytest.param("tpu", marks=pytest.mark.slow),  # 27 s
-                                     "gpu"])
+                                     pytest.param("gpu", marks=pytest.mark.slow)])  # 7 s
 def test_an_engine_on_a_pallas_backend_runs_its_lora_kernel(backend, tmp_path):
     """The step picks its platform's LoRA kernel (pallas_kernels.lora.lora_implementation):
     an interpreted engine on the tpu / gpu backend answers a mixed batch (base and two
