@@ -169,3 +169,15 @@ def test_the_pallas_kernels_serve_transformers_tokens(gpt_oss, model, backend):
                            attention_interpret=True,
                            **(dict(block_size=8) if backend == "gpu" else {}))
     assert got == hf_greedy(hf, token_prompts, 6)
+
+
+def test_a_backend_without_sinks_is_refused_before_anything_is_built(model, monkeypatch):
+    """The Mosaic GPU kernels have no sinks: refused by name (past their own checks, which on
+    jax 0.10 refuse the backend itself)."""
+    from pagedjax import EngineConfig, LLMEngine
+    from pagedjax.pallas_kernels import dispatch
+    monkeypatch.setitem(dispatch.IMPLEMENTATIONS, "mosaic_gpu",
+                        dispatch.IMPLEMENTATIONS["mosaic_gpu"]._replace(check_config=None))
+    with pytest.raises(ValueError, match="attention sinks"):
+        LLMEngine(model, EngineConfig(attention_backend="mosaic_gpu", max_model_len=64,
+                                      num_blocks=16))

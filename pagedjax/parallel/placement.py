@@ -9,6 +9,7 @@ from typing import Sequence
 import jax
 
 from pagedjax.pallas_kernels import AttentionBackend, check_backend, resolve_backend
+from pagedjax.pallas_kernels.dispatch import SINK_BACKENDS
 from pagedjax.parallel import multihost
 from pagedjax.parallel.sharding import check_tensor_parallel, make_mesh
 
@@ -48,6 +49,9 @@ def place(model_config, config, devices: Sequence | None = None
     if tp > 1:
         backend = dataclasses.replace(backend, mesh=make_mesh(tp, devices),
                                       expert_parallel=config.enable_expert_parallel)
+    if model_config.attention_sinks and backend.name not in SINK_BACKENDS:
+        raise ValueError(f"attention_backend {backend.name!r}: the model's attention sinks "
+                         f"(gpt-oss) are built in the {SINK_BACKENDS} kernels only")
     check_backend(backend.name, block_size=config.block_size, dtype=config.dtype,
                   kv_cache_dtype=config.kv_cache_dtype)
     return devices, spans_processes, backend
