@@ -121,8 +121,7 @@ def build(name: str, devices):
     from pagedjax.scheduler.plan import padding_plan
 
     case, kind = name.split("|")
-    model_name, _, tp, *options = ALL_CASES[case]
-    hybrid, expert_parallel, quantization = (list(options) + [False, False, None][len(options):])[:3]
+    model_name, tp, hybrid, expert_parallel, quantization = case_options(case)
     config = CONFIGS[model_name]
     groups = case_groups(config, hybrid, tp)
     mesh = Mesh(np.array(devices[:tp]), (AXIS,))
@@ -160,6 +159,14 @@ def build(name: str, devices):
     return step, (weights, cache, plan)
 
 
+def case_options(case: str) -> tuple:
+    """(model, TP, KV cache groups, expert parallel, quantization) of a case, the tables'
+    optional fields defaulted (no groups, no expert parallelism, bf16)."""
+    model_name, _, tp, *options = ALL_CASES[case]
+    hybrid, expert_parallel, quantization = (list(options) + [False, False, None][len(options):])
+    return model_name, tp, hybrid, expert_parallel, quantization
+
+
 def case_groups(config, hybrid: bool, tp: int):
     """The KV cache groups the engine builds (a linear-attention group's state sized in
     blocks: pagedjax.engine.kv_pool.sized_state_groups)."""
@@ -175,13 +182,15 @@ def case_groups(config, hybrid: bool, tp: int):
 def kv_gib(case: str) -> float:
     """A device's pool: KV_GIB_PER_DEVICE, or (a quantized-table case) what 90% of HBM leaves
     past its weights and TEMP_ALLOWANCE_GIB, in quarter GiB."""
-    model_name, topology, tp, *options = ALL_CASES[case]
     if case not in QUANT_CASES and case not in NEW_ARCH_CASES:
         return KV_GIB_PER_DEVICE
     from pagedjax.models import CONFIGS
     from pagedjax.parallel.sharding import weight_bytes_per_device
-    weights = weight_bytes_per_device(CONFIGS[model_name], tp, 2, options[2],
-                                      options[2] not in (None, "mxfp4"), options[1]) / 2**30
+    model_name, tp, _, expert_parallel, quantization = case_options(case)
+    topology = ALL_CASES[case][1]
+    weights = weight_bytes_per_device(CONFIGS[model_name], tp, 2, quantization,
+                                      quantization not in (None, "mxfp4"),
+                                      expert_parallel) / 2**30
     left = 0.9 * HBM_GIB[topology.split(":")[0]] - weights - TEMP_ALLOWANCE_GIB
     return max(0.25, int(left * 4) / 4)
 
@@ -194,8 +203,7 @@ def shard_gib(case: str) -> tuple[float, float, int]:
     from pagedjax.parallel.sharding import weight_bytes_per_device
     from pagedjax.tools.plan_commands import kv_capacity
 
-    model_name, _, tp, *options = ALL_CASES[case]
-    hybrid, expert_parallel, quantization = (list(options) + [False, False, None][len(options):])[:3]
+    model_name, tp, hybrid, expert_parallel, quantization = case_options(case)
     config = CONFIGS[model_name]
     groups = case_groups(config, hybrid, tp)
     context = QUANT_CONTEXT if case in QUANT_CASES else CAPACITY_CONTEXT

@@ -12,7 +12,6 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from helpers import until_done  # noqa: E402,F401
 from test_models_hf import (F32_TOL, engine_greedy, hf_greedy, hf_logits, prompts,  # noqa: E402
                             randomize_vectors)
 
