@@ -6,11 +6,16 @@ import dataclasses
 import math
 from typing import Any
 
+from pagedjax.models import config_checks, param_count
+
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # pagedjax.models.layers.basic.ACTIVATIONS
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 MLP_TYPES = ("sparse", "dense")  # a layer's MLP: experts (models/layers/moe.py) or one dense MLP
-EXPERT_LAYOUTS = ("split", "interleaved")  # gate/up/down per expert, or gpt-oss's fused form
+EXPERT_LAYOUTS = ("split", "interleaved")
+# DeepSeek's routers (models/layers/grouped_routing.py): V2's softmax greedy or group-limited,
+# V3's sigmoid with a correction bias
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")  # gate/up/down per expert, or gpt-oss's fused form
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +120,26 @@ class LlamaConfig:
     expert_layout: str = "split"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # DeepSeek-V2 / V3 (models/families/deepseek.py): multi-head latent attention when
+    # kv_lora_rank > 0 (models/layers/mla.py): K and V of a token compressed into one latent of
+    # kv_lora_rank values plus a shared RoPE key of qk_rope_head_dim, what the cache holds (one
+    # "KV head", num_kv_heads 1); the query through a q_lora_rank bottleneck when set; per head
+    # qk_nope_head_dim + qk_rope_head_dim query/key dims (head_dim) and v_head_dim value dims.
+    # rope_interleave: the RoPE dims in interleaved pairs (DeepSeek's checkpoints).
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    # DeepSeek's routers (models/layers/grouped_routing.py): None is the softmax top-k of the
+    # other families; "greedy", "group_limited_greedy" (V2) or "noaux_tc" (V3, with a learned
+    # e_score_correction_bias) with n_group / topk_group and routed_scaling_factor.
+    topk_method: str | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_gate: bool = True  # Qwen2-MoE's shared expert is gated; DeepSeek's is not
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -157,6 +182,8 @@ class LlamaConfig:
                                           and math.isfinite(value)):
                 raise ValueError(f"{name} must be None or a finite number > 0, got {value!r}")
         self._check_moe_fields()
+        if self.kv_lora_rank:
+            config_checks.check_mla_fields(self)
         if self.layer_types is None:
             return
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
@@ -167,18 +194,7 @@ class LlamaConfig:
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError("sliding_attention layers need a sliding_window")
         if "linear_attention" in self.layer_types:
-            self._check_linear_fields()
-
-    def _check_linear_fields(self) -> None:
-        for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                     "linear_value_head_dim", "linear_conv_kernel_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1 with linear_attention "
-                                 f"layers, got {value!r}")
-        if self.linear_num_value_heads % self.linear_num_key_heads:
-            raise ValueError(f"linear_num_value_heads ({self.linear_num_value_heads}) must be "
-                             f"divisible by linear_num_key_heads ({self.linear_num_key_heads})")
+            config_checks.check_linear_fields(self)
 
     def _check_moe_fields(self) -> None:
         if self.expert_layout not in EXPERT_LAYOUTS:
@@ -191,9 +207,10 @@ class LlamaConfig:
         if self.qk_norm_whole and not self.qk_norm:
             raise ValueError("qk_norm_whole needs qk_norm")
         if not self.num_experts:
-            if self.mlp_types is not None or self.shared_expert_intermediate_size:
-                raise ValueError("mlp_types and shared_expert_intermediate_size need experts "
-                                 "(num_experts > 0)")
+            if (self.mlp_types is not None or self.shared_expert_intermediate_size
+                    or self.topk_method is not None):
+                raise ValueError("mlp_types, shared_expert_intermediate_size and topk_method "
+                                 "need experts (num_experts > 0)")
             return
         k = self.num_experts_per_tok
         if not isinstance(k, int) or not 1 <= k <= self.num_experts:
@@ -204,6 +221,8 @@ class LlamaConfig:
             if value is not None and (not isinstance(value, int) or value < 0
                                       or (value == 0 and name == "moe_intermediate_size")):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.topk_method is not None:
+            config_checks.check_grouped_routing(self)
         if self.mlp_types is not None:
             object.__setattr__(self, "mlp_types", tuple(self.mlp_types))
             if len(self.mlp_types) != self.num_layers or not set(self.mlp_types) <= set(
@@ -275,7 +294,27 @@ class LlamaConfig:
 
     @property
     def attention_scale(self) -> float:
-        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+        """head_dim ** -0.5 (or query_pre_attn_scalar's); multi-head latent attention under
+        YaRN with mscale_all_dim: times mscale(factor, mscale_all_dim) ** 2, DeepSeek's."""
+        scale = (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+        scaling = self.rope_scaling
+        if (self.kv_lora_rank and scaling is not None and scaling.rope_type == "yarn"
+                and scaling.mscale_all_dim and scaling.factor > 1):
+            mscale = 0.1 * scaling.mscale_all_dim * math.log(scaling.factor) + 1.0
+            scale *= mscale * mscale
+        return scale
+
+    @property
+    def kv_planes(self) -> int:
+        """The cache's planes: K and V (2), or the latent alone (1: V is its first
+        kv_lora_rank values; pallas_kernels.layout)."""
+        return 1 if self.kv_lora_rank else 2
+
+    @property
+    def kv_head_dim(self) -> int:
+        """The values a token's cache row holds a KV head: head_dim, or the latent and its
+        RoPE key (kv_lora_rank + qk_rope_head_dim)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim if self.kv_lora_rank else self.head_dim
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -300,9 +339,11 @@ class LlamaConfig:
         return cls(**data)
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
-        """KV-cache bytes of one token across the attention layers: 2 * L * K * H * itemsize
-        (linear-attention layers keep a fixed state instead: state_bytes_per_sequence)."""
-        return 2 * self.num_attention_layers * self.num_kv_heads * self.head_dim * itemsize
+        """KV-cache bytes of one token across the attention layers: 2 * L * K * H * itemsize,
+        L * (kv_lora_rank + qk_rope_head_dim) * itemsize for latent attention (linear-attention
+        layers keep a fixed state instead: state_bytes_per_sequence)."""
+        return (self.kv_planes * self.num_attention_layers * self.num_kv_heads
+                * self.kv_head_dim * itemsize)
 
     def state_bytes_per_sequence(self, itemsize: int) -> int:
         """The fixed state of one sequence across the linear-attention layers (0 without)."""
@@ -312,42 +353,10 @@ class LlamaConfig:
     @property
     def num_params(self) -> int:
         """Every parameter (all experts)."""
-        return self._params(self.num_experts)
+        return param_count.num_params(self, self.num_experts)
 
     @property
     def num_active_params(self) -> int:
         """The parameters one token's forward reads: its k experts, not all (the roofline's
         FLOPs a token)."""
-        return self._params(self.num_experts_per_tok)
-
-    def _params(self, experts: int) -> int:
-        d, h = self.hidden_size, self.head_dim
-        query = self.num_heads * (2 if self.attn_output_gate else 1)
-        attn = d * h * (query + self.num_heads + 2 * self.num_kv_heads)
-        attn += (self.num_heads + 2 * self.num_kv_heads) * h * self.attention_bias
-        attn += d * self.o_proj_bias
-        attn += (self.num_heads + self.num_kv_heads) * h if self.qk_norm_whole else (
-            2 * h * self.qk_norm)
-        attn += self.num_heads * self.attention_sinks
-        dense = 3 * d * self.intermediate_size + (2 * self.intermediate_size + d) * self.mlp_bias
-        shared = self.shared_expert_intermediate_size
-        f = self.expert_intermediate_size
-        expert_biases = (2 * f + d) if self.expert_layout == "interleaved" else 0
-        sparse = ((d + self.router_bias) * self.num_experts
-                  + experts * (3 * d * f + expert_biases) + (3 * d * shared + d if shared else 0))
-        sparse_layers = self.num_sparse_layers
-        mlps = sparse_layers * sparse + (self.num_layers - sparse_layers) * dense
-        embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        norms = (4 if self.sandwich_norms else 2) * d
-        linear = self.num_layers - self.num_attention_layers
-        return (self.num_attention_layers * attn + linear * self._linear_params()
-                + self.num_layers * norms + mlps + embed + d)
-
-    def _linear_params(self) -> int:
-        """A Gated DeltaNet layer's: in_proj q/k/v, z, b, a, the conv, dt_bias, A_log, the
-        gated norm, out_proj."""
-        hv, value = self.linear_num_value_heads, (
-            self.linear_num_value_heads * self.linear_value_head_dim)
-        conv = self.linear_conv_dim
-        return (self.hidden_size * (conv + value + 2 * hv) + conv * self.linear_conv_kernel_dim
-                + 2 * hv + self.linear_value_head_dim + value * self.hidden_size)
+        return param_count.num_params(self, self.num_experts_per_tok)

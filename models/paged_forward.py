@@ -125,7 +125,8 @@ def _repeat_kv_heads(model: LlamaForCausalLM, states: tuple, repeats: int):
             return state
         state = jax.tree.map(lambda x: x, state)  # a copy of the mapping to edit
         names = ("k_proj", "v_proj") + (("k_norm",) if config.qk_norm_whole else ())
-        for name in names:  # OLMoE's k_norm spans the whole projection: repeated with it
+        # (latent attention keeps one latent, no KV head's columns: each copy computes it)
+        for name in (name for name in names if name in state["self_attn"]):  # OLMoE's k_norm spans the whole projection: repeated with it
             projection = state["self_attn"][name]
             for parameter in list(projection.keys()):  # kernel [D, K*H], bias [K*H]
                 variable = projection[parameter]

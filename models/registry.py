@@ -13,7 +13,8 @@ from typing import Callable
 import jax.numpy as jnp
 from flax import nnx
 
-from pagedjax.models.families import gemma, gpt_oss, llama, mixtral, olmoe, qwen3_5, qwen_moe
+from pagedjax.models.families import (deepseek, gemma, gpt_oss, llama, mixtral, olmoe, qwen3_5,
+                                      qwen_moe)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +49,11 @@ QWEN3_5 = Family("qwen3_5", qwen3_5.Qwen35ForCausalLM, qwen3_5.read_hf_config,
 # Attention sinks, biased experts in a fused layout (models/families/gpt_oss.py).
 GPT_OSS = Family("gpt_oss", llama.LlamaForCausalLM, gpt_oss.read_hf_config,
                  {"GptOssForCausalLM": "gpt_oss"}, hf_renames=gpt_oss.GPT_OSS_NAMES)
-FAMILIES = (LLAMA, GEMMA, MIXTRAL, QWEN_MOE, OLMOE, QWEN3_5, GPT_OSS)
+# Multi-head latent attention, grouped routing, shared experts (models/families/deepseek.py).
+DEEPSEEK = Family("deepseek", llama.LlamaForCausalLM, deepseek.read_hf_config,
+                  {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"},
+                  hf_renames=deepseek.DEEPSEEK_NAMES)
+FAMILIES = (LLAMA, GEMMA, MIXTRAL, QWEN_MOE, OLMOE, QWEN3_5, GPT_OSS, DEEPSEEK)
 ARCHITECTURES = {arch: family for family in FAMILIES for arch in family.model_types}
 # GGUF general.architecture -> family (llama.cpp writes Mistral and Llama 3 as `llama`).
 GGUF_ARCHITECTURES = {"llama": LLAMA}

@@ -126,6 +126,9 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
 BACKEND_NAMES = ("auto", *IMPLEMENTATIONS)
 # The backends whose kernels take attention sinks (gpt-oss); the Mosaic GPU kernels do not.
 SINK_BACKENDS = ("reference", "gpu", "tpu")
+# The backends that attend over a latent cache (multi-head latent attention, DeepSeek): one
+# plane, the value its first value_dim values (pallas_kernels.layout).
+LATENT_BACKENDS = ("reference",)
 TP_AXIS = "tp"
 
 
@@ -153,29 +156,24 @@ def check_backend(name: str, *, block_size: int, dtype: str, kv_cache_dtype: str
 def paged_attention(
     q: jax.Array,  # [T, N, H]
     k: jax.Array,  # [T, K, H] this step's keys, written before attending
-    v: jax.Array,  # [T, K, H]
-    kv_cache: jax.Array,  # [2, K, NB, S, Hc]
+    v: jax.Array | None,  # [T, K, H]; None: a latent cache (value_dim)
+    kv_cache: jax.Array,  # [2, K, NB, S, Hc] ([1, ...]: a latent cache)
     metadata: AttentionMetadata,
     *, scale: float, backend: AttentionBackend = AttentionBackend(),
     sliding_window: int | None = None, soft_cap: float | None = None,
-    sinks: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:  # ([T, N, H], new kv_cache)
+    sinks: jax.Array | None = None, value_dim: int | None = None,
+) -> tuple[jax.Array, jax.Array]:  # ([T, N, H] or [T, N, value_dim], new kv_cache)
     """Writes the step's K/V into their slots, then attends through the block tables. sinks:
-    f32[N] attention sinks (gpt-oss: a logit a head joining every softmax, with no value)."""
+    f32[N] attention sinks (gpt-oss: a logit a head joining every softmax, with no value).
+    value_dim with v None: multi-head latent attention's absorbed form, MQA over a one-plane
+    cache whose rows are [latent, RoPE key] and whose values are the latent's value_dim."""
+    if (v is None) != (value_dim is not None):
+        raise ValueError("a latent cache takes v None with value_dim set; K/V planes take v "
+                         "and no value_dim")
     if backend.mesh is not None:  # each device its heads, the plan replicated
-        heads, cache = P(None, TP_AXIS), P(None, TP_AXIS)
-
-        def local(q, k, v, kv_cache, metadata, *sinks):
-            return paged_attention(q, k, v, kv_cache, metadata, scale=scale,
-                                   backend=dataclasses.replace(backend, mesh=None),
-                                   sliding_window=sliding_window, soft_cap=soft_cap,
-                                   sinks=sinks[0] if sinks else None)
-
-        extra = () if sinks is None else (sinks,)
-        specs = (heads, heads, heads, cache, P(), *(P(TP_AXIS),) * len(extra))
-        return jax.shard_map(local, mesh=backend.mesh, in_specs=specs,
-                             out_specs=(heads, cache), check_vma=False)(q, k, v, kv_cache,
-                                                                        metadata, *extra)
+        return _sharded_attention(q, k, v, kv_cache, metadata, scale=scale, backend=backend,
+                                  sliding_window=sliding_window, soft_cap=soft_cap,
+                                  sinks=sinks, value_dim=value_dim)
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
@@ -184,13 +182,16 @@ def paged_attention(
                          f"{metadata.block_tables.shape[0]=}")
     impl = IMPLEMENTATIONS[backend.name]
     pallas_opts = dict(interpret=backend.interpret) if impl.pallas else {}
-    kv_cache = impl.write_kv(kv_cache, k, v, metadata.slot_mapping, **pallas_opts)
     opts = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, **pallas_opts)
-    if sinks is not None:
-        if backend.name not in SINK_BACKENDS:
-            raise ValueError(f"attention sinks are built in the {SINK_BACKENDS} backends, "
-                             f"not {backend.name!r}")
-        opts["sinks"] = sinks
+    for name, value, backends in (("sinks", sinks, SINK_BACKENDS),
+                                  ("value_dim", value_dim, LATENT_BACKENDS)):
+        if value is not None:
+            if backend.name not in backends:
+                what = "attention sinks" if name == "sinks" else "latent (MLA) caches"
+                raise ValueError(f"{what} are built in the {backends} backends, "
+                                 f"not {backend.name!r}")
+            opts[name] = value
+    kv_cache = impl.write_kv(kv_cache, k, v, metadata.slot_mapping, **pallas_opts)
     if metadata.decode_only:
         out = impl.decode(q, kv_cache, metadata.kv_lens, metadata.block_tables,
                           metadata.num_seqs, **opts)
@@ -198,6 +199,24 @@ def paged_attention(
         out = impl.ragged(q, kv_cache, metadata.kv_lens, metadata.block_tables,
                           metadata.cu_q_lens, metadata.num_seqs, **opts)
     return out, kv_cache
+
+
+def _sharded_attention(q, k, v, kv_cache, metadata, *, backend, sinks, **opts):
+    """paged_attention on each device's heads (q's, k's, v's and the cache's KV heads split
+    over the mesh's TP axis; sinks with the query heads), the plan replicated."""
+    heads, cache = P(None, TP_AXIS), P(None, TP_AXIS)
+    local_backend = dataclasses.replace(backend, mesh=None)
+
+    def local(q, k, kv_cache, metadata, *extra):
+        extra = dict(zip(names, extra))
+        return paged_attention(q, k, extra.get("v"), kv_cache, metadata,
+                               backend=local_backend, sinks=extra.get("sinks"), **opts)
+
+    names = tuple(name for name, value in (("v", v), ("sinks", sinks)) if value is not None)
+    extra = tuple(value for value in (v, sinks) if value is not None)
+    specs = (heads, heads, cache, P(), *(heads if name == "v" else P(TP_AXIS) for name in names))
+    return jax.shard_map(local, mesh=backend.mesh, in_specs=specs, out_specs=(heads, cache),
+                         check_vma=False)(q, k, kv_cache, metadata, *extra)
 
 
 def copy_blocks(kv_cache, src: jax.Array, dst: jax.Array, num_copies: jax.Array,

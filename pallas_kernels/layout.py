@@ -1,7 +1,7 @@
 """The KV-cache layout. Only pallas_kernels indexes the cache; everyone else asks this module.
 
 One array for all layers, K and V stacked in front: f32|bf16[2, K, L * NB, S, Hc]
-(2 = key/value, K KV heads, L layers, NB physical blocks a layer, S block size, Hc the cache head
+(2 = key/value planes, K KV heads, L layers, NB physical blocks a layer, S block size, Hc the cache head
 dim). A page of one KV head is contiguous, the layout JAX's shipped paged-attention ops read.
 The layers are folded into the block axis: layer l's block b is physical block l * NB + b
 (layer_blocks), so every kernel reads one layer through offset block tables (a per-layer view
@@ -18,6 +18,10 @@ minor axis is narrower than a vreg's lanes is laid out by XLA with its block axi
 the kernels, which read it row-major, then cost a relayout copy of the whole pool a step, in
 and out (benchmarks/results/tpu_new_architectures.md; the memory is the same: HBM tiles pad
 a 64-wide row to 128 either way).
+
+Multi-head latent attention (DeepSeek, models/layers/mla.py) keeps one plane, [1, 1, L * NB, S,
+Hc]: a token's latent (kv_lora_rank values) and its RoPE key in one row, read as the key of one
+KV head, its first kv_lora_rank values as the value (a quarter of GQA's bytes, none twice).
 
 A quantized cache (int8, fp8) is a QuantizedKV: the data as above and f32 scales [2, K, NB, Ss],
 one per token and KV head, Ss = S except on the TPU, where a page's scale row is padded to whole
@@ -59,9 +63,11 @@ def scale_lanes(block_size: int, backend: str = "reference") -> int:
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                   backend: str = "reference", num_layers: int = 1) -> tuple[int, ...]:
-    """Shape of the cache of num_layers layers of num_blocks blocks each."""
-    return (2, num_kv_heads, num_layers * num_blocks, block_size,
+                   backend: str = "reference", num_layers: int = 1,
+                   planes: int = 2) -> tuple[int, ...]:
+    """Shape of the cache of num_layers layers of num_blocks blocks each; planes 2 (K and V) or
+    1 (a latent cache, see the module docstring)."""
+    return (planes, num_kv_heads, num_layers * num_blocks, block_size,
             cache_head_dim(head_dim, backend))
 
 
@@ -83,22 +89,23 @@ def check_num_slots(num_layers: int, num_blocks: int, block_size: int) -> None:
 
 
 def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                             dtype, backend: str = "reference") -> int:
-    """Bytes of one physical block across all layers: 2 * L * S * K * Hc * itemsize, plus the
-    f32 scales of quantized (int8, fp8) caches: 2 * L * Ss * K * 4."""
-    data = 2 * num_layers * block_size * num_kv_heads * cache_head_dim(head_dim, backend)
+                             dtype, backend: str = "reference", planes: int = 2) -> int:
+    """Bytes of one physical block across all layers: planes * L * S * K * Hc * itemsize, plus
+    the f32 scales of quantized (int8, fp8) caches: planes * L * Ss * K * 4."""
+    data = planes * num_layers * block_size * num_kv_heads * cache_head_dim(head_dim, backend)
     data *= np.dtype(dtype).itemsize
     if is_quantized(dtype):
-        data += 2 * num_layers * scale_lanes(block_size, backend) * num_kv_heads * 4
+        data += planes * num_layers * scale_lanes(block_size, backend) * num_kv_heads * 4
     return data
 
 
 def init_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                  head_dim: int, dtype, backend: str = "reference"):
+                  head_dim: int, dtype, backend: str = "reference", planes: int = 2):
     """The cache of every layer (layers folded into the block axis, see the module docstring):
     an array, or a QuantizedKV for int8 / fp8."""
     check_num_slots(num_layers, num_blocks, block_size)
-    shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim, backend, num_layers)
+    shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim, backend, num_layers,
+                           planes)
     if is_quantized(dtype):
         scales = (*shape[:3], scale_lanes(block_size, backend))
         return QuantizedKV(jnp.zeros(shape, dtype), jnp.ones(scales, jnp.float32))
@@ -106,16 +113,16 @@ def init_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_head
 
 
 def write_kv_reference(
-    kv_cache: jax.Array,  # [2, K, NB, S, Hc]
+    kv_cache: jax.Array,  # [2, K, NB, S, Hc] (or [1, ...]: a latent cache)
     k: jax.Array,  # [T, K, H]
-    v: jax.Array,  # [T, K, H]
+    v: jax.Array | None,  # [T, K, H]; None for a latent cache (one plane)
     slot_mapping: jax.Array,  # i32[T] block * S + offset; padding tokens point into the null block
 ) -> jax.Array:
     """Scatters the step's new keys and values into their slots; returns the new cache."""
     if isinstance(kv_cache, QuantizedKV):
         return _write_quantized(kv_cache, k, v, slot_mapping)
     block_size, head_dim = kv_cache.shape[3:]
-    new = jnp.stack([k, v]).astype(kv_cache.dtype).transpose(0, 2, 1, 3)  # [2, K, T, H]
+    new = jnp.stack(planes_of(k, v)).astype(kv_cache.dtype).transpose(0, 2, 1, 3)  # [2, K, T, H]
     if new.shape[-1] < head_dim:  # a padded cache layout (see cache_head_dim)
         new = jnp.pad(new, ((0, 0), (0, 0), (0, 0), (0, head_dim - new.shape[-1])))
     # Indexed by (block, offset), not through a [2, K, NB * S, H] view: with one KV head XLA
@@ -124,9 +131,14 @@ def write_kv_reference(
     return kv_cache.at[:, :, blocks, offsets].set(new, mode="promise_in_bounds")
 
 
+def planes_of(k: jax.Array, v: jax.Array | None) -> list:
+    """The planes a step writes: [k, v], or [k] for a latent cache (v None)."""
+    return [k] if v is None else [k, v]
+
+
 def _write_quantized(kv_cache: QuantizedKV, k, v, slot_mapping) -> QuantizedKV:
     block_size, head_dim = kv_cache.data.shape[3:]
-    data, scales = quantize(jnp.stack([k, v]), kv_cache.data.dtype)  # [2, T, K, H], f32[2, T, K]
+    data, scales = quantize(jnp.stack(planes_of(k, v)), kv_cache.data.dtype)  # [2, T, K, H], f32[2, T, K]
     if data.shape[-1] < head_dim:
         data = jnp.pad(data, ((0, 0), (0, 0), (0, 0), (0, head_dim - data.shape[-1])))
     blocks, offsets = jnp.divmod(slot_mapping, block_size)  # no flat view: see above

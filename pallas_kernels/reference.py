@@ -6,7 +6,9 @@ K KV heads, G = N // K query heads per KV head, H head dim, NB physical blocks.
 The loop runs over logical blocks up to the longest live context, a few blocks per iteration
 (C = KV_TOKENS_PER_ITER // S), reading each sequence's blocks through its block table, with an
 online softmax in f32. Attention sinks (gpt-oss): one learned logit a query head, f32[N], that
-joins every softmax's denominator and carries no value. It never touches blocks past a sequence's kv_len, so NaN in unused pages
+joins every softmax's denominator and carries no value. A latent cache (multi-head latent
+attention, value_dim set: pallas_kernels.layout) has one plane whose first value_dim values are
+the value. It never touches blocks past a sequence's kv_len, so NaN in unused pages
 cannot reach the output, and its cost follows the attended tokens, not the size of the pool or
 the table width.
 """
@@ -32,8 +34,10 @@ def _attend_blocks(
     block_tables: jax.Array,  # i32[B, P]
     *, scale: float, sliding_window: int | None, soft_cap: float | None,
     sinks: jax.Array | None = None, kv_tokens_per_iter: int = KV_TOKENS_PER_ITER,
-) -> jax.Array:  # [T, N, H]
+    value_dim: int | None = None,
+) -> jax.Array:  # [T, N, H], or [T, N, value_dim]
     num_tokens, num_heads, head_dim = q.shape
+    out_dim = head_dim if value_dim is None else value_dim
     _, num_kv_heads, _, block_size, _ = kv_cache.shape
     group = num_heads // num_kv_heads
     qg = (q.astype(jnp.float32) * scale).reshape(num_tokens, num_kv_heads, group, head_dim)
@@ -52,7 +56,8 @@ def _attend_blocks(
         blocks = block_tables[seq_ids[:, None], cols[None, :]]  # i32[T, C]
         k_shape = (num_kv_heads, num_tokens, per_iter * block_size, head_dim)
         k = _load(kv_cache, 0, blocks).reshape(k_shape)  # f32[K, T, C*S, H]
-        v = _load(kv_cache, 1, blocks).reshape(k_shape)
+        v = (_load(kv_cache, 1, blocks).reshape(k_shape) if value_dim is None
+             else k[..., :value_dim])
         kv_pos = j * per_iter * block_size + offsets  # i32[C*S]
         mask = (kv_pos[None, :] <= q_positions[:, None]) & (
             kv_pos[None, :] < token_kv_lens[:, None])  # [T, S]
@@ -78,10 +83,10 @@ def _attend_blocks(
         m0 = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(num_kv_heads, group), stats)
         l0 = jnp.ones(stats, jnp.float32)
     init = (m0, l0,
-            jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32))
+            jnp.zeros((num_tokens, num_kv_heads, group, out_dim), jnp.float32))
     _, l, acc = jax.lax.fori_loop(0, num_iters, body, init)
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
-    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+    return out.reshape(num_tokens, num_heads, out_dim).astype(q.dtype)
 
 
 def _load(kv_cache, kv_index: int, blocks: jax.Array) -> jax.Array:
@@ -101,8 +106,8 @@ def ragged_paged_attention_reference(
     cu_q_lens: jax.Array,  # i32[B + 1] start of each sequence's query tokens
     num_seqs: jax.Array,  # i32[] only the first num_seqs rows are valid
     *, scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-    sinks: jax.Array | None = None,
-) -> jax.Array:  # [T, N, H]; 0 for padding tokens
+    sinks: jax.Array | None = None, value_dim: int | None = None,
+) -> jax.Array:  # [T, N, H] ([T, N, value_dim]: a latent cache); 0 for padding tokens
     """Each sequence's query tokens are the last q_len of its kv_len tokens: causal within the
     chunk, full attention to the cached prefix."""
     num_tokens = q.shape[0]
@@ -116,7 +121,7 @@ def ragged_paged_attention_reference(
     token_kv_lens = jnp.where(valid, kv_lens[seq_ids], 0)
     return _attend_blocks(q, kv_cache, seq_ids, q_positions, token_kv_lens, block_tables,
                           scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                          sinks=sinks)
+                          sinks=sinks, value_dim=value_dim)
 
 
 def paged_decode_attention_reference(
@@ -126,11 +131,11 @@ def paged_decode_attention_reference(
     block_tables: jax.Array,  # i32[B, P]
     num_seqs: jax.Array,  # i32[] only the first num_seqs rows are valid
     *, scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-    sinks: jax.Array | None = None,
-) -> jax.Array:  # [B, N, H]; 0 for padding rows
+    sinks: jax.Array | None = None, value_dim: int | None = None,
+) -> jax.Array:  # [B, N, H] ([B, N, value_dim]: a latent cache); 0 for padding rows
     rows = jnp.arange(q.shape[0], dtype=jnp.int32)
     kv_lens = jnp.asarray(kv_lens)
     token_kv_lens = jnp.where(rows < num_seqs, kv_lens, 0)
     return _attend_blocks(q, kv_cache, rows, kv_lens - 1, token_kv_lens, block_tables,
                           scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                          sinks=sinks)
+                          sinks=sinks, value_dim=value_dim)

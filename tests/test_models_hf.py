@@ -235,8 +235,11 @@ def write_config(directory, **raw):
 @pytest.mark.parametrize("raw, words", [
     (dict(architectures=["MambaForCausalLM"], model_type="mamba"),
      ["MambaForCausalLM", "state-space", "LlamaForCausalLM"]),
-    (dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2"),
-     ["DeepseekV2ForCausalLM", "latent attention", "Qwen3ForCausalLM"]),
+    (dict(architectures=["Phi3ForCausalLM"], model_type="phi3"),
+     ["Phi3ForCausalLM", "fused qkv", "Qwen3ForCausalLM"]),
+    (dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2",
+          n_routed_experts=4, topk_method="random"),
+     ["DeepseekV2ForCausalLM", "topk_method 'random'", "Qwen3ForCausalLM"]),
     (dict(architectures=["BloomForCausalLM"], model_type="bloom"), ["ALiBi"]),
     (dict(architectures=["LlamaForCausalLM"], model_type="llama",
           rope_scaling={"rope_type": "longrope", "factor": 4.0}),

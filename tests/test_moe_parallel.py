@@ -4,7 +4,8 @@ shared expert, routing weights not renormalised) and an OLMoE-shaped one (whole-
 norm, repeated with the KV heads at TP 4, clip_qkv). Without expert parallelism the experts are
 tensor parallel: each device holds 1/TP of every expert's MLP columns; with
 --enable-expert-parallel (EP 2, 4, and EP 2 x DP 2) each device holds E / EP whole experts and
-the tokens are the same; a gpt-oss-shaped one too (sinks, fused biased experts). The devices exist only if XLA_FLAGS says so before JAX starts, so the
+the tokens are the same; a gpt-oss-shaped one too (sinks, fused biased experts), and a
+DeepSeek-V3-shaped one (latent attention: its one-plane cache a copy a device). The devices exist only if XLA_FLAGS says so before JAX starts, so the
 engines run in a child process."""
 
 from __future__ import annotations
@@ -46,7 +47,17 @@ def moe_configs():
                                attention_sinks=True, router_bias=True,
                                expert_layout="interleaved", swiglu_limit=0.5,
                                layer_types=("sliding_attention", "full_attention"),
-                               sliding_window=8, model_type="gpt_oss")}
+                               sliding_window=8, model_type="gpt_oss"),
+        # latent attention: the heads split, the one-plane latent cache repeated (a copy a
+        # device); V3's grouped sigmoid routing, an ungated shared expert, a dense first layer
+        "deepseek": LlamaConfig(**{**common, "num_kv_heads": 1}, num_layers=2,
+                                num_experts_per_tok=2, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=32, shared_expert_gate=False,
+                                mlp_types=("dense", "sparse"), kv_lora_rank=32, q_lora_rank=24,
+                                qk_nope_head_dim=12, qk_rope_head_dim=4, v_head_dim=8,
+                                rope_interleave=True, topk_method="noaux_tc", n_group=4,
+                                topk_group=2, routed_scaling_factor=2.5,
+                                model_type="deepseek_v3")}
 
 
 def _expert_shards(params) -> list[list[int]]:
@@ -82,7 +93,9 @@ def child() -> None:
             runner = engine.runner if hasattr(engine, "runner") else engine.replicas[0].runner
             report[arch][name] = {"tokens": [o.output_token_ids for o in outputs],
                                   "period": runner.graph.period,
-                                  "experts": _expert_shards(runner.params)}
+                                  "experts": _expert_shards(runner.params),
+                                  "cache": [list(s.data.shape)
+                                            for s in runner.kv_cache.addressable_shards]}
         quantized = quantize_model(model, "int8")
         report[arch]["int8-dense"] = dense_greedy_generate(quantized, prompts, 8)
         for name in INT8_RUNS:
@@ -98,7 +111,7 @@ def child() -> None:
 INT8_RUNS = ("tp1", "tp2", "ep2", "ep4")
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe", "gpt_oss", "deepseek"])
 @pytest.mark.parametrize("name", INT8_RUNS)
 def test_int8_experts_split_like_the_float_ones(report, arch, name):
     """int8 experts (each expert's own per-channel scales): over TP (each expert's MLP split,
@@ -115,7 +128,7 @@ def report():
     return child_report("test_moe_parallel", 8)
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe", "gpt_oss", "deepseek"])
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_moe_tensor_parallel_greedy_tokens_equal_the_dense_model(report, arch, name):
     assert report["devices"] == 8
@@ -123,6 +136,8 @@ def test_moe_tensor_parallel_greedy_tokens_equal_the_dense_model(report, arch, n
     assert run["tokens"] == report[arch]["dense"]
     if arch == "qwen2_moe":
         assert run["period"] == 2  # dense, sparse: scanned by their period
+    if arch == "deepseek":  # every device the whole latent [1, 1, L * NB, S, Dl + R]
+        assert all(s[:2] == [1, 1] and s[-1] == 32 + 4 for s in run["cache"])
     tp = int(name[2])
     width = 96 if arch == "olmoe" else 32  # an expert's MLP
     # down_proj [layers, E, F, D]: tensor parallel, every device all 8 experts and 1/TP of an

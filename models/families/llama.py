@@ -23,6 +23,7 @@ from pagedjax.models.layers.attention import Attention, soft_cap
 from pagedjax.models.layers.basic import (MLP, RMSNorm, linear, rms_norm, rope,  # noqa: F401
                                           rope_inv_freq)
 from pagedjax.models.layers.lora import LayerLoRA
+from pagedjax.models.layers.mla import LatentAttention
 from pagedjax.models.layers.moe import SparseMoE
 from pagedjax.pallas_kernels import AttentionBackend, AttentionMetadata, for_layer
 
@@ -35,7 +36,9 @@ class DecoderLayer(nnx.Module):
                  param_dtype):
         d = config.hidden_size
         self.input_layernorm = rms_norm(config, d, param_dtype)
-        self.self_attn = Attention(config, layer, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        attention = LatentAttention if config.kv_lora_rank else Attention  # DeepSeek's MLA
+        self.self_attn = attention(config, layer, rngs=rngs, dtype=dtype,
+                                   param_dtype=param_dtype)
         self.post_attention_layernorm = rms_norm(config, d, param_dtype)
         mlp = SparseMoE if config.layer_is_moe(layer) else MLP
         self.mlp = mlp(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)

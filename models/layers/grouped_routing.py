@@ -21,7 +21,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+from pagedjax.models.config_checks import TOPK_METHODS
 
 
 @dataclasses.dataclass(frozen=True)

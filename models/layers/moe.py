@@ -22,6 +22,7 @@ from flax import nnx
 
 from pagedjax.models.config import LlamaConfig
 from pagedjax.models.layers.basic import ACTIVATIONS, MLP, linear
+from pagedjax.models.layers.grouped_routing import GroupedRouting, grouped_route
 from pagedjax.models.layers.moe_experts import dropless_experts, sharded_experts
 
 
@@ -114,9 +115,11 @@ class InterleavedExperts(Experts):
 
 
 class SparseMoE(nnx.Module):
-    """The MLP of a mixture-of-experts layer: router (`gate`, D -> E, no bias), experts, and
-    Qwen2-MoE's shared expert (an MLP every token takes, scaled by sigmoid(x @ W_shared_gate))
-    when config.shared_expert_intermediate_size."""
+    """The MLP of a mixture-of-experts layer: router (`gate`, D -> E; a bias: gpt-oss), experts,
+    and a shared expert (an MLP every token takes) when config.shared_expert_intermediate_size:
+    Qwen2-MoE's scaled by sigmoid(x @ W_shared_gate), DeepSeek's ungated. config.topk_method:
+    DeepSeek's routers (models/layers/grouped_routing.py; V3's with its learned
+    e_score_correction_bias), else `route`."""
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
         d = config.hidden_size
@@ -130,7 +133,13 @@ class SparseMoE(nnx.Module):
         self.shared_expert = (MLP(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
                                   intermediate_size=shared) if shared else None)
         self.shared_expert_gate = (linear(d, 1, config, rngs, dtype, param_dtype)
-                                   if shared else None)
+                                   if shared and config.shared_expert_gate else None)
+        self.routing = None if config.topk_method is None else GroupedRouting(
+            config.topk_method, config.n_group, config.topk_group,
+            config.routed_scaling_factor, config.norm_topk_prob)
+        self.e_score_correction_bias = (
+            nnx.Param(jnp.zeros((config.num_experts,), jnp.float32))
+            if config.topk_method == "noaux_tc" else None)
 
     def router_logits(self, x: jax.Array) -> jax.Array:
         """f32[..., E]: x @ W_gate accumulated in f32."""
@@ -147,10 +156,18 @@ class SparseMoE(nnx.Module):
         """mesh: the experts split over its TP axis (Experts.__call__)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        weights, experts = route(self.router_logits(flat), self.top_k, self.norm_topk_prob)
+        logits = self.router_logits(flat)
+        if self.routing is None:
+            weights, experts = route(logits, self.top_k, self.norm_topk_prob)
+        else:
+            bias = self.e_score_correction_bias
+            weights, experts = grouped_route(logits, self.top_k, self.routing,
+                                             None if bias is None else bias[...])
         out = self.experts(flat, weights, experts, num_valid, mesh=mesh,
                            expert_parallel=expert_parallel)
         if self.shared_expert is not None:
-            gate = jax.nn.sigmoid(self.shared_expert_gate(flat).astype(jnp.float32))
-            out = out + (gate * self.shared_expert(flat).astype(jnp.float32)).astype(out.dtype)
+            shared = self.shared_expert(flat).astype(jnp.float32)
+            if self.shared_expert_gate is not None:
+                shared = jax.nn.sigmoid(self.shared_expert_gate(flat).astype(jnp.float32)) * shared
+            out = out + shared.astype(out.dtype)
         return out.reshape(shape)

@@ -27,8 +27,6 @@ KNOWN_UNSUPPORTED = {
     "bloom": "ALiBi position bias instead of RoPE",
     "mpt": "ALiBi position bias instead of RoPE",
     "falcon": "ALiBi or parallel attention blocks",
-    "deepseek_v2": "multi-head latent attention and grouped top-k expert routing",
-    "deepseek_v3": "multi-head latent attention and grouped top-k expert routing",
     "gemma": "Gemma 1 (GeGLU with (1 + weight) RMSNorm but no sandwich norms) is not wired",
     "gemma3": "the multimodal Gemma 3 (vision tower); its text model, Gemma3ForCausalLM, is",
     "phi3": "fused qkv/gate_up projections",

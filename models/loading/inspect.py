@@ -98,12 +98,13 @@ def config_report(config: LlamaConfig, kv_dtype: str, block_size: int,
               "fp8": ml_dtypes.float8_e4m3fn}
     # int8 / fp8 add an f32 scale per token and KV head (on the TPU, per 128-lane row slot)
     per_block = kv_cache_bytes_per_block(config.num_attention_layers, block_size,
-                                         config.num_kv_heads,
-                                         config.head_dim, dtypes[kv_dtype], attention_backend)
+                                         config.num_kv_heads, config.kv_head_dim,
+                                         dtypes[kv_dtype], attention_backend, config.kv_planes)
     from pagedjax.models.layers.kv_groups import kv_cache_groups
     groups = kv_cache_groups(config)
     group_block = kv_cache_bytes_per_block(groups.num_slots, block_size, config.num_kv_heads,
-                                           config.head_dim, dtypes[kv_dtype], attention_backend)
+                                           config.kv_head_dim, dtypes[kv_dtype],
+                                           attention_backend, config.kv_planes)
     return dict(
         kv_cache_groups=[{"window": w, "blocks": group_block} for w in groups.windows]
         if groups.hybrid else None, layers_a_group=groups.num_slots,

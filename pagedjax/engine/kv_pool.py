@@ -43,8 +43,8 @@ def size_kv_pool(model, config: EngineConfig, devices, backend) -> KVPool:
     num_slots = kv_groups.num_slots
     kv_heads = model_config.num_kv_heads * kv_head_repeats(model_config.num_kv_heads, tp)
     bytes_per_block = kv_cache_bytes_per_block(
-        num_slots, config.block_size, kv_heads, model_config.head_dim, config.kv_np_dtype,
-        backend.name)
+        num_slots, config.block_size, kv_heads, model_config.kv_head_dim, config.kv_np_dtype,
+        backend.name, model_config.kv_planes)
     kv_groups = sized_state_groups(kv_groups, model_config, config.block_size, kv_heads,
                                    backend.name)
     per_device = bytes_per_block // tp  # the pool's budget is a device's

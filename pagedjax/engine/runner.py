@@ -146,7 +146,8 @@ class ModelRunner(BlockTransfers):
         self.num_top_logprobs = num_top_logprobs
         self.vocab_size, self.block_size = config.vocab_size, block_size
         self._cache_spec = (self.graph.num_kv_slots, num_blocks, block_size,
-                            config.num_kv_heads * repeats, config.head_dim, dtype, backend.name)
+                            config.num_kv_heads * repeats, config.kv_head_dim, dtype, backend.name,
+                            config.kv_planes)
         # Parameters and caches committed to their devices, whatever their source (random init
         # is uncommitted, a checkpoint loader's device_put is committed): the step's outputs
         # are committed, so mixed inputs would compile every program a second time.

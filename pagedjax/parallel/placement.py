@@ -4,14 +4,17 @@ model), whether that spans processes, and its attention backend over them."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Sequence
 
 import jax
 
 from pagedjax.pallas_kernels import AttentionBackend, check_backend, resolve_backend
-from pagedjax.pallas_kernels.dispatch import SINK_BACKENDS
+from pagedjax.pallas_kernels.dispatch import LATENT_BACKENDS, SINK_BACKENDS
 from pagedjax.parallel import multihost
 from pagedjax.parallel.sharding import check_tensor_parallel, make_mesh
+
+logger = logging.getLogger("pagedjax.engine")
 
 
 def check_expert_parallel(model_config, config) -> None:
@@ -46,12 +49,33 @@ def place(model_config, config, devices: Sequence | None = None
         multihost.check_multihost(config, devices)
     check_expert_parallel(model_config, config)
     backend = resolve_backend(config.attention_backend, config.attention_interpret)
+    backend = model_backend(model_config, config, backend)
     if tp > 1:
         backend = dataclasses.replace(backend, mesh=make_mesh(tp, devices),
                                       expert_parallel=config.enable_expert_parallel)
-    if model_config.attention_sinks and backend.name not in SINK_BACKENDS:
-        raise ValueError(f"attention_backend {backend.name!r}: the model's attention sinks "
-                         f"(gpt-oss) are built in the {SINK_BACKENDS} kernels only")
     check_backend(backend.name, block_size=config.block_size, dtype=config.dtype,
                   kv_cache_dtype=config.kv_cache_dtype)
     return devices, spans_processes, backend
+
+
+def model_backend(model_config, config, backend: AttentionBackend) -> AttentionBackend:
+    """backend, or the reference for a latent-attention model under 'auto' where the
+    platform's kernels have no latent cache (said in the log); ValueError naming what the model
+    needs that the backend (or the config) does not serve."""
+    latent = bool(model_config.kv_lora_rank)
+    if latent and config.attention_backend == "auto" and backend.name not in LATENT_BACKENDS:
+        logger.info("attention_backend auto: the jnp reference serves multi-head latent "
+                    "attention on %s (its Pallas kernels do not take a latent cache yet)",
+                    backend.name)
+        backend = resolve_backend("reference")
+    if model_config.attention_sinks and backend.name not in SINK_BACKENDS:
+        raise ValueError(f"attention_backend {backend.name!r}: the model's attention sinks "
+                         f"(gpt-oss) are built in the {SINK_BACKENDS} kernels only")
+    if latent and backend.name not in LATENT_BACKENDS:
+        raise ValueError(f"attention_backend {backend.name!r}: the model's multi-head latent "
+                         f"attention (DeepSeek) is built in the {LATENT_BACKENDS} backends "
+                         f"only")
+    if latent and config.enable_lora:
+        raise ValueError("enable_lora: LoRA adapters on multi-head latent attention "
+                         "(DeepSeek) are not supported")
+    return backend

@@ -29,7 +29,11 @@ DATA_AXIS = "dp"
 # its heads' q, k, v, z, b and a; in_proj_qkv's columns cut q|k|v unevenly, so its output is
 # redistributed by heads before the per-device core; Qwen3-Next's fused ones group by key head)
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "in_proj_qkv", "in_proj_z",
-          "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba", "gate_up_proj")
+          "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba", "gate_up_proj",
+          # latent attention's per-head up-projections (models/layers/mla.py): the query's
+          # from its bottleneck, the latent's to each head's key and value; the bottleneck and
+          # the latent's own projection (q_a_proj, kv_a_proj_with_mqa) replicated
+          "q_b_proj", "kv_b_proj")
 # a layer's [.., N] attention sinks split with the query heads; gpt-oss's expert biases
 # (models/layers/moe.InterleavedExperts): gate_up's [.., E, 2F] with its columns (or experts),
 # down's [.., E, D] replicated (added once, after the experts' all-reduce)
@@ -201,4 +205,4 @@ def kv_bytes_per_block_per_device(config: LlamaConfig, block_size: int,
     tp = tensor_parallel_size
     heads = config.num_kv_heads * kv_head_repeats(config.num_kv_heads, tp)
     return kv_cache_bytes_per_block(num_slots or config.num_layers, block_size, heads,
-                                    config.head_dim, dtype, backend) // tp
+                                    config.kv_head_dim, dtype, backend, config.kv_planes) // tp
