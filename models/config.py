@@ -305,6 +305,14 @@ class LlamaConfig:
         return scale
 
     @property
+    def attended_dims(self) -> tuple[int, int]:
+        """(dims a query head dots with a key, dims of the value it sums) as served: head_dim
+        twice, or latent attention's absorbed (kv_lora_rank + qk_rope_head_dim, kv_lora_rank)."""
+        if self.kv_lora_rank:
+            return self.kv_lora_rank + self.qk_rope_head_dim, self.kv_lora_rank
+        return self.head_dim, self.head_dim
+
+    @property
     def kv_planes(self) -> int:
         """The cache's planes: K and V (2), or the latent alone (1: V is its first
         kv_lora_rank values; pallas_kernels.layout)."""

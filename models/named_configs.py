@@ -133,3 +133,32 @@ def _gpt_oss(num_layers: int, num_experts: int) -> LlamaConfig:
 
 
 CONFIGS.update({"gpt-oss-20b": _gpt_oss(24, 32), "gpt-oss-120b": _gpt_oss(36, 128)})
+
+
+def _deepseek(first_dense: int, num_layers: int, **fields) -> LlamaConfig:
+    """DeepSeek (models/families/deepseek.py): its published config.json, random weights; a
+    latent of 512 and a RoPE key of 64 a token, YaRN over an original 4096 context."""
+    mscale = fields.pop("mscale")
+    yarn = RopeScaling("yarn", 40.0, original_max_position_embeddings=4096, beta_fast=32.0,
+                       beta_slow=1.0, mscale=mscale, mscale_all_dim=mscale)
+    return LlamaConfig(
+        num_layers=num_layers, num_kv_heads=1, head_dim=192, rope_scaling=yarn,
+        max_position_embeddings=163840, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, rope_interleave=True, shared_expert_gate=False,
+        mlp_types=("dense",) * first_dense + ("sparse",) * (num_layers - first_dense),
+        **fields)
+
+
+CONFIGS.update({
+    "deepseek-v2-lite": _deepseek(
+        1, 27, vocab_size=102400, hidden_size=2048, intermediate_size=10944, num_heads=16,
+        num_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408,
+        shared_expert_intermediate_size=2 * 1408, norm_topk_prob=False, topk_method="greedy",
+        mscale=0.707, rms_norm_eps=1e-6, model_type="deepseek_v2"),
+    "deepseek-v3": _deepseek(
+        3, 61, vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_heads=128,
+        q_lora_rank=1536, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048,
+        shared_expert_intermediate_size=2048, norm_topk_prob=True, topk_method="noaux_tc",
+        n_group=8, topk_group=4, routed_scaling_factor=2.5, mscale=1.0, rms_norm_eps=1e-6,
+        model_type="deepseek_v3"),
+})

@@ -4,7 +4,6 @@ projections, norms, experts and embeddings, as the modules hold them."""
 from __future__ import annotations
 
 
-
 def num_params(config, experts: int) -> int:
     d, h = config.hidden_size, config.head_dim
     query = config.num_heads * (2 if config.attn_output_gate else 1)

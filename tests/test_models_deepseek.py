@@ -175,14 +175,27 @@ def test_preemption_speculation_and_samples(tmp_path):
     assert len({tuple(a.outputs[0].token_ids) for a in alone}) == 3, "seeds were meant to differ"
 
 
+@pytest.mark.slow  # the TPU interpreter: 20-40 s
+def test_the_tpu_kernels_serve_transformers_tokens(tmp_path):
+    """V3 through the interpreted TPU kernels in the engine: the latent written by the TPU
+    write kernel into one plane padded to 128 lanes (40 -> 128), chunked prefill and decode
+    reading it whole as the value, the latent's columns kept."""
+    hf = build_deepseek(tmp_path, "v3")
+    token_prompts = prompts()[:3]
+    got, engine = engine_greedy(load_hf_model(str(tmp_path)), token_prompts, 6,
+                                attention_backend="tpu", attention_interpret=True)
+    assert got == hf_greedy(hf, token_prompts, 6)
+    assert engine.runner.kv_cache.shape[0] == 1 and engine.runner.kv_cache.shape[-1] == 128
+
+
 def test_what_latent_attention_cannot_take_is_refused_by_name(tmp_path):
-    """A Pallas backend named (its kernels take no latent cache yet) and LoRA adapters are
+    """The Triton backend named (its kernels take no latent cache yet) and LoRA adapters are
     refused before anything is built."""
     from pagedjax import EngineConfig, LLMEngine
     from pagedjax.models import init_model
     config = read_hf_config(_config_only(tmp_path))
     model = init_model(config)
-    for fields, match in ((dict(attention_backend="tpu", attention_interpret=True),
+    for fields, match in ((dict(attention_backend="gpu", attention_interpret=True),
                            "multi-head latent attention"),
                           (dict(enable_lora=True), "LoRA adapters on multi-head latent")):
         with pytest.raises(ValueError, match=match):

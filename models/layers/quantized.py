@@ -22,8 +22,7 @@ from flax import nnx
 
 from pagedjax.models.layers.moe import Experts, InterleavedExperts
 from pagedjax.models.quantization.schemes import (QArray, check_scheme, matmul, num_groups,
-                                                  quantize, scale_dtype, storage_dtype,
-                                                  stored_rows)
+                                                  quantize, scale_dtype, storage_dtype, stored_rows)
 
 # The linear layers quantize_model swaps (by attribute name); the LM head is an option.
 QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",

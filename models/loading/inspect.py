@@ -88,6 +88,14 @@ def attention_kind(heads: int, kv_heads: int) -> str:
             else f"GQA ({heads // kv_heads} query heads per KV head)")
 
 
+def attention_description(config: LlamaConfig) -> str:
+    if config.kv_lora_rank:
+        return (f"MLA (latent attention: a latent of {config.kv_lora_rank} and a RoPE key of "
+                f"{config.qk_rope_head_dim} a token, served as MQA over them)")
+    return attention_kind(config.num_heads, config.num_kv_heads) + (
+        ", attention sinks" if config.attention_sinks else "")
+
+
 def config_report(config: LlamaConfig, kv_dtype: str, block_size: int,
                   attention_backend: str) -> dict[str, Any]:
     """The served shape of a supported config: heads, RoPE, parameters, KV bytes."""
@@ -108,8 +116,7 @@ def config_report(config: LlamaConfig, kv_dtype: str, block_size: int,
     return dict(
         kv_cache_groups=[{"window": w, "blocks": group_block} for w in groups.windows]
         if groups.hybrid else None, layers_a_group=groups.num_slots,
-        supported=True, attention=attention_kind(config.num_heads, config.num_kv_heads)
-        + (", attention sinks" if config.attention_sinks else ""),
+        supported=True, attention=attention_description(config),
         num_layers=config.num_layers, num_heads=config.num_heads,
         num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
         sliding_window=config.sliding_window,

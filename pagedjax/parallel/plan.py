@@ -30,7 +30,7 @@ def roofline_cost(config: LlamaConfig, chip: Chip, tensor_parallel_size: int = 1
         chip, config.num_active_params, weight_bytes_per_device(config, tp, 2),
         kv_bytes_per_block_per_device(config, 1, tp, kv_dtype,
                                       num_slots=config.num_attention_layers),
-        4 * config.num_attention_layers * config.num_heads * config.head_dim,
+        2 * config.num_attention_layers * config.num_heads * sum(config.attended_dims),
         tensor_parallel_size=tp,
         allreduce_bytes_per_token=2 * config.num_layers * config.hidden_size * ACTIVATION_BYTES,
         gather_bytes_per_seq=config.vocab_size * LOGIT_BYTES, expert_bytes=expert_bytes,

@@ -53,8 +53,10 @@ def capacity(args, parser: argparse.ArgumentParser) -> None:
     except ValueError as e:
         parser.exit(1, f"pagedjax capacity: {e}\n")
     itemsize = 2 if args.dtype == "bfloat16" else 4
-    print(f"model {args.model}: L={config.num_layers} K={config.num_kv_heads} "
-          f"H={config.head_dim}, KV {args.dtype}, TP {tp} x DP {dp}")
+    heads = (f"latent {config.kv_lora_rank}+{config.qk_rope_head_dim} (one plane)"
+             if config.kv_lora_rank else f"K={config.num_kv_heads} H={config.head_dim}")
+    print(f"model {args.model}: L={config.num_layers} {heads}, KV {args.dtype}, "
+          f"TP {tp} x DP {dp}")
     print(f"  bytes per token      {config.kv_bytes_per_token(itemsize):,} (all devices, every "
           f"{'attention ' if config.num_attention_layers < config.num_layers else ''}layer)")
     if config.num_attention_layers < config.num_layers:

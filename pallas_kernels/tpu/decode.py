@@ -26,8 +26,7 @@ from pagedjax.pallas_kernels.tpu.pipeline import (SUBLANES, PagePipeline, attend
                                                   check_operands, compiler_params, compute_dtype,
                                                   default_pages_per_step, fetch_table_row,
                                                   flat_tables, padded_heads, page_scratch,
-                                                  sink_operands,
-                                                  table_width)
+                                                  sink_operands, table_width)
 
 
 def _decode_kernel(
@@ -77,7 +76,7 @@ def _decode_kernel(
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "sliding_window", "soft_cap", "pages_per_step", "interpret"))
+    "scale", "sliding_window", "soft_cap", "pages_per_step", "interpret", "value_dim"))
 def paged_decode_attention_tpu(
     q: jax.Array,  # [B, N, H]
     kv_cache: jax.Array,  # [2, K, NB, S, H] (or a QuantizedKV), this step's K/V written
@@ -86,11 +85,13 @@ def paged_decode_attention_tpu(
     num_seqs: jax.Array,  # i32[] only the first num_seqs rows are valid
     *, scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
     sinks: jax.Array | None = None, pages_per_step: int | None = None,
-    interpret: bool = False,
-) -> jax.Array:  # [B, N, H]; 0 for padding rows
-    """sinks: f32[N] attention sinks (pallas_kernels.reference), or None."""
+    interpret: bool = False, value_dim: int | None = None,
+) -> jax.Array:  # [B, N, H]; 0 for padding rows ([.., value_dim]: a latent cache)
+    """sinks: f32[N] attention sinks (pallas_kernels.reference), or None. value_dim: a latent
+    cache (one plane, pallas_kernels.layout), attended with its whole rows as the values and
+    its first value_dim columns of the output kept."""
     data, scales, group = check_operands(q, kv_cache)
-    out_dim = q.shape[-1]
+    out_dim = q.shape[-1] if value_dim is None else value_dim
     q = padded_heads(q, data.shape[4])
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size, _ = data.shape

@@ -143,7 +143,8 @@ class PagePipeline:
 
     def chunk(self, slot, dtype):
         """The compute block as (K [C*S, H], V [C*S, H] in `dtype`, the dots' operand type;
-        K scales, V scales f32 [1, C*S] or None). 8-bit pages are widened through f32, whose
+        K scales, V scales f32 [1, C*S] or None). A latent cache's one plane is both: its
+        whole row the value (the caller keeps the latent's columns of the output). 8-bit pages are widened through f32, whose
         tiles hold whole pages, so that joining them into one [C*S, H] tile costs nothing. A
         quantized cache's scales come as [1, C*S] rows, joined along lanes from the pages'
         [1, S] rows (Mosaic cannot reshape the [C, S] buffer into a row or a column), and
@@ -152,8 +153,10 @@ class PagePipeline:
         _, _, pages, block_size, head_dim = kv_buf.shape
         rows = pages * block_size
         wide = jnp.float32 if kv_buf.dtype.itemsize == 1 else kv_buf.dtype
+        planes = kv_buf.shape[1]
         k = kv_buf[slot, 0].astype(wide).reshape(rows, head_dim).astype(dtype)
-        v = kv_buf[slot, 1].astype(wide).reshape(rows, head_dim).astype(dtype)
+        v = kv_buf[slot, 1].astype(wide).reshape(rows, head_dim).astype(dtype) if planes == 2 \
+            else k
         if len(self.buffers) == 1:
             return k, v, None, None
         scales = self.buffers[1]
@@ -162,7 +165,7 @@ class PagePipeline:
             return jnp.concatenate(
                 [scales[slot, kv, pl.ds(c, 1)][:, :block_size] for c in range(pages)], axis=1)
 
-        return k, v, row(0), row(1)
+        return k, v, row(0), row(planes - 1)
 
 
 def compute_dtype(cache_dtype, q_dtype):
@@ -205,10 +208,11 @@ def padded_heads(x: jax.Array, cache_head_dim: int) -> jax.Array:
 
 def page_scratch(pages_per_step: int, block_size: int, head_dim: int, data, scales) -> list:
     """VMEM double buffers for PagePipeline: [slot, K/V, C, S, H] pages (and [slot, K/V, C, Ss]
-    scale rows)."""
-    shapes = [pltpu.VMEM((2, 2, pages_per_step, block_size, head_dim), data.dtype)]
+    scale rows); a latent cache's one plane in place of K/V."""
+    planes = data.shape[0]
+    shapes = [pltpu.VMEM((2, planes, pages_per_step, block_size, head_dim), data.dtype)]
     if scales is not None:
-        shapes.append(pltpu.VMEM((2, 2, pages_per_step, scales.shape[-1]), jnp.float32))
+        shapes.append(pltpu.VMEM((2, planes, pages_per_step, scales.shape[-1]), jnp.float32))
     return shapes
 
 

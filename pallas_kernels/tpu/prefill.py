@@ -24,8 +24,7 @@ from pagedjax.pallas_kernels.tpu.pipeline import (SUBLANES, PagePipeline, attend
                                                   check_operands, compiler_params, compute_dtype,
                                                   default_pages_per_step, fetch_table_row,
                                                   flat_tables, padded_heads, page_scratch,
-                                                  sink_operands,
-                                                  table_width)
+                                                  sink_operands, table_width)
 
 
 def _ragged_kernel(
@@ -97,7 +96,8 @@ def _ragged_kernel(
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "sliding_window", "soft_cap", "tile_q", "pages_per_step", "interpret"))
+    "scale", "sliding_window", "soft_cap", "tile_q", "pages_per_step", "interpret",
+    "value_dim"))
 def ragged_paged_attention_tpu(
     q: jax.Array,  # [T, N, H]
     kv_cache: jax.Array,  # [2, K, NB, S, H], this step's K/V already written
@@ -107,11 +107,13 @@ def ragged_paged_attention_tpu(
     num_seqs: jax.Array,  # i32[]
     *, scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
     sinks: jax.Array | None = None, tile_q: int = 16, pages_per_step: int | None = None,
-    interpret: bool = False,
-) -> jax.Array:  # [T, N, H]; 0 for padding tokens
-    """sinks: f32[N] attention sinks (pallas_kernels.reference), or None."""
+    interpret: bool = False, value_dim: int | None = None,
+) -> jax.Array:  # [T, N, H]; 0 for padding tokens ([.., value_dim]: a latent cache)
+    """sinks: f32[N] attention sinks (pallas_kernels.reference), or None. value_dim: a latent
+    cache (one plane, pallas_kernels.layout), attended with its whole rows as the values and
+    its first value_dim columns of the output kept."""
     data, scales, group = check_operands(q, kv_cache)
-    out_dim = q.shape[-1]
+    out_dim = q.shape[-1] if value_dim is None else value_dim
     q = padded_heads(q, data.shape[4])
     num_tokens, num_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size, _ = data.shape

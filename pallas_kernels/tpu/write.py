@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pagedjax.pallas_kernels.common import tpu_interpret_params
-from pagedjax.pallas_kernels.layout import LANES, NULL_BLOCK
+from pagedjax.pallas_kernels.layout import LANES, NULL_BLOCK, planes_of
 from pagedjax.pallas_kernels.quant import QuantizedKV, quantize
 from pagedjax.pallas_kernels.tpu.pipeline import padded_heads
 
@@ -52,11 +52,13 @@ def page_groups(slot_mapping: jax.Array, block_size: int):
 
 
 def _write_kernel_tpu(num_pages_ref, first_ref, count_ref, slot_ref,  # SMEM
-                      k_hbm_ref, v_hbm_ref,  # f32[K, T + S + 8, (Ss +) H] HBM: new rows
-                      *refs, quantized: bool):
-    # refs: the cache [2, K, NB, S, H] (and its scales f32[2, K, NB, Ss]) in HBM as inputs,
-    # then the same, aliased, as outputs; then scratch: page_buf [R, 2, K, S, H] (and
-    # scale_buf f32[R, 2, K, Ss]), new_buf f32[R, 2, K, S + 8, (Ss +) H] VMEM, sems DMA[R, 6].
+                      *refs, quantized: bool, planes: int):
+    # refs: the new rows of each plane (K, V; a latent cache's one), f32[K, T + S + 8,
+    # (Ss +) H] in HBM; the cache [P, K, NB, S, H] (and its scales f32[P, K, NB, Ss]) in HBM
+    # as inputs, then the same, aliased, as outputs; then scratch: page_buf [R, P, K, S, H]
+    # (and scale_buf f32[R, P, K, Ss]), new_buf f32[R, P, K, S + 8, (Ss +) H] VMEM, sems
+    # DMA[R, 6].
+    new_refs, refs = refs[:planes], refs[planes:]
     if quantized:
         _, _, cache_ref, scales_ref, page_buf, scale_buf, new_buf, sems = refs
     else:
@@ -82,21 +84,21 @@ def _write_kernel_tpu(num_pages_ref, first_ref, count_ref, slot_ref,  # SMEM
         window = pl.ds(pl.multiple_of(first - jax.lax.rem(first, ROW_TILE), ROW_TILE),
                        window_rows)
         copies = ([pltpu.make_async_copy(cache_ref.at[i, :, page], page_buf.at[r, i],
-                                         sems.at[r, i]) for i in (0, 1)]
+                                         sems.at[r, i]) for i in range(planes)]
                   + [pltpu.make_async_copy(src.at[:, window], new_buf.at[r, i],
                                            sems.at[r, 2 + i])
-                     for i, src in enumerate((k_hbm_ref, v_hbm_ref))])
+                     for i, src in enumerate(new_refs)])
         if quantized:
             copies += [pltpu.make_async_copy(scales_ref.at[i, :, page], scale_buf.at[r, i],
-                                             sems.at[r, 4 + i]) for i in (0, 1)]
+                                             sems.at[r, 4 + i]) for i in range(planes)]
         return copies
 
     def writes(r, page):
         copies = [pltpu.make_async_copy(page_buf.at[r, i], cache_ref.at[i, :, page],
-                                        sems.at[r, i]) for i in (0, 1)]
+                                        sems.at[r, i]) for i in range(planes)]
         if quantized:
             copies += [pltpu.make_async_copy(scale_buf.at[r, i], scales_ref.at[i, :, page],
-                                             sems.at[r, 4 + i]) for i in (0, 1)]
+                                             sems.at[r, 4 + i]) for i in range(planes)]
         return copies
 
     def update(r, first, count, page):
@@ -112,7 +114,7 @@ def _write_kernel_tpu(num_pages_ref, first_ref, count_ref, slot_ref,  # SMEM
             offset = jax.lax.rem(slot_ref[first + j], block_size)
             shift = jax.lax.rem(offset - lead - j + 2 * window_rows, window_rows)
             new_pages, new_scales = [], []
-            for i in (0, 1):
+            for i in range(planes):
                 rolled = pltpu.roll(new_buf[r, i], shift, 1)[:, :block_size]
                 new_pages.append(jnp.where(row == offset, rolled[..., scale_lanes:], pages[i]))
                 if quantized:  # the token's scale fills its row's first Ss lanes
@@ -121,10 +123,10 @@ def _write_kernel_tpu(num_pages_ref, first_ref, count_ref, slot_ref,  # SMEM
                     new_scales.append(jnp.where(lane == offset, token_scale, scales[i]))
             return tuple(new_pages), tuple(new_scales)
 
-        init = (tuple(page_buf[r, i].astype(jnp.float32) for i in (0, 1)),
-                tuple(scale_buf[r, i] for i in (0, 1)) if quantized else ())
+        init = (tuple(page_buf[r, i].astype(jnp.float32) for i in range(planes)),
+                tuple(scale_buf[r, i] for i in range(planes)) if quantized else ())
         pages, scales = jax.lax.fori_loop(0, count, put, init)
-        for i in (0, 1):
+        for i in range(planes):
             page_buf[r, i] = pages[i].astype(page_buf.dtype)  # quantized: exact values
             if quantized:
                 scale_buf[r, i] = scales[i]
@@ -138,9 +140,9 @@ def _write_kernel_tpu(num_pages_ref, first_ref, count_ref, slot_ref,  # SMEM
 
 @functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(0,))
 def write_kv_tpu(
-    kv_cache: jax.Array,  # [2, K, NB, S, H]
+    kv_cache: jax.Array,  # [2, K, NB, S, H] ([1, ...]: a latent cache)
     k: jax.Array,  # [T, K, H]
-    v: jax.Array,  # [T, K, H]
+    v: jax.Array | None,  # [T, K, H]; None for a latent cache (one plane)
     slot_mapping: jax.Array,  # i32[T]; padding tokens point into the null block
     *, interpret: bool = False,
 ) -> jax.Array:
@@ -154,7 +156,7 @@ def write_kv_tpu(
     data = kv_cache.data if isinstance(kv_cache, QuantizedKV) else kv_cache
     block_size = data.shape[3]
     num_tokens = k.shape[0]
-    k, v = (padded_heads(x, data.shape[4]) for x in (k, v))  # layout.cache_head_dim
+    news = [padded_heads(x, data.shape[4]) for x in planes_of(k, v)]  # layout.cache_head_dim
     if num_tokens > MAX_WRITE_TOKENS:
         raise ValueError(f"the TPU KV write takes at most {MAX_WRITE_TOKENS} tokens a step (its "
                          f"page table lives in SMEM), got {num_tokens}: lower "
@@ -167,26 +169,28 @@ def write_kv_tpu(
         if scale_lanes % LANES:
             raise ValueError(f"the TPU KV write needs scale rows of whole {LANES}-lane tiles "
                              f"(init_kv_cache(..., backend='tpu')), got {scale_lanes}")
-        values, scales = quantize(jnp.stack([k, v]), data.dtype)  # [2, T, K, H], f32[2, T, K]
-        k, v = (jnp.concatenate([jnp.broadcast_to(scales[i][..., None],
+        values, scales = quantize(jnp.stack(news), data.dtype)  # [P, T, K, H], f32[P, T, K]
+        news = [jnp.concatenate([jnp.broadcast_to(scales[i][..., None],
                                                   (*scales[i].shape, scale_lanes)),
-                                 values[i].astype(jnp.float32)], axis=-1) for i in (0, 1))
+                                 values[i].astype(jnp.float32)], axis=-1)
+                for i in range(len(news))]
     order, *groups = page_groups(slot_mapping.astype(jnp.int32), block_size)
-    return write_pages_tpu(kv_cache, k[order], v[order], *groups, interpret=interpret)
+    return write_pages_tpu(kv_cache, *(x[order] for x in news), *groups, interpret=interpret)
 
 
 def write_pages_tpu(
-    kv_cache: jax.Array,  # [2, K, NB, S, H] or a QuantizedKV
-    k: jax.Array,  # [T, K, H] in page_groups' order; quantized: f32[T, K, Ss + H], see above
-    v: jax.Array,  # [T, K, H] likewise
-    num_pages: jax.Array, first: jax.Array, counts: jax.Array, slots: jax.Array,  # page_groups
-    *, interpret: bool = False,
+    kv_cache: jax.Array,  # [P, K, NB, S, H] or a QuantizedKV
+    *operands,  # each plane's new rows, [T, K, H] in page_groups' order (quantized: f32[T, K,
+    #             Ss + H], see above): K and V, or a latent cache's one; then page_groups'
+    #             num_pages, first, counts, slots
+    interpret: bool = False,
 ) -> jax.Array:
     """write_kv_tpu's kernel, on tokens already grouped by page (page_groups, an XLA sort)."""
     quantized = isinstance(kv_cache, QuantizedKV)
     arrays = list(kv_cache) if quantized else [kv_cache]  # data (and scales)
-    _, num_kv_heads, _, block_size, head_dim = arrays[0].shape
-    num_tokens, _, row_width = k.shape
+    planes, num_kv_heads, _, block_size, head_dim = arrays[0].shape
+    news, (num_pages, first, counts, slots) = operands[:planes], operands[planes:]
+    num_tokens, _, row_width = news[0].shape
 
     def head_major(x):  # f32[K, T + S + 8, W] in slot order: every page's window of rows exists
         x = jnp.pad(x.astype(jnp.float32), ((0, block_size + ROW_TILE), (0, 0), (0, 0)))
@@ -196,30 +200,31 @@ def write_pages_tpu(
     # unaligned row is no DMA source (MQA at head dim 256 did that).
     hbm_spec = pl.BlockSpec(memory_space=pltpu.HBM)
     pages = PAGES_PER_PROGRAM
-    scale_scratch = ([pltpu.VMEM((pages, 2, num_kv_heads, arrays[1].shape[-1]), jnp.float32)]
-                     if quantized else [])
+    scale_scratch = ([pltpu.VMEM((pages, planes, num_kv_heads, arrays[1].shape[-1]),
+                                 jnp.float32)] if quantized else [])
     out = pl.pallas_call(
-        functools.partial(_write_kernel_tpu, quantized=quantized),
+        functools.partial(_write_kernel_tpu, quantized=quantized, planes=planes),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,  # num_pages, first, count, slots
             grid=(pl.cdiv(num_tokens, pages),),  # at most one page per token
-            in_specs=[hbm_spec] * (2 + len(arrays)),  # new K, new V, the cache's arrays
+            in_specs=[hbm_spec] * (planes + len(arrays)),  # new rows, the cache's arrays
             out_specs=[hbm_spec] * len(arrays),
             scratch_shapes=[
-                pltpu.VMEM((pages, 2, num_kv_heads, block_size, head_dim), arrays[0].dtype),
+                pltpu.VMEM((pages, planes, num_kv_heads, block_size, head_dim),
+                           arrays[0].dtype),
                 *scale_scratch,
-                pltpu.VMEM((pages, 2, num_kv_heads, block_size + ROW_TILE, row_width),
+                pltpu.VMEM((pages, planes, num_kv_heads, block_size + ROW_TILE, row_width),
                            jnp.float32),
                 pltpu.SemaphoreType.DMA((pages, 6)),
             ],
         ),
         out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays],
-        # Operand 6 on: the cache's arrays, after the four scalar-prefetch operands and K, V.
-        input_output_aliases={6 + i: i for i in range(len(arrays))},
+        # The cache's arrays, after the four scalar-prefetch operands and the new rows.
+        input_output_aliases={4 + planes + i: i for i in range(len(arrays))},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=tpu_interpret_params(interpret),
         name="write_kv_tpu",
-    )(num_pages.reshape(1), first, counts, slots, head_major(k), head_major(v), *arrays)
+    )(num_pages.reshape(1), first, counts, slots, *map(head_major, news), *arrays)
     return QuantizedKV(*out) if quantized else out[0]
 
 
