@@ -18,7 +18,7 @@ GPU_IMAGE_TESTS := tests/test_gpu_script.py tests/test_kernels_gpu.py \
 	tests/test_kernels_lowering.py tests/test_kernels_triton_compile.py \
 	tests/test_kernels_xla_gpu_compile.py tests/test_kernels_mosaic_gpu.py \
 	tests/test_engine_equivalence.py tests/test_speculative.py tests/test_lora_kernels.py \
-	tests/test_gated_delta_kernels.py tests/test_attention_sinks.py
+	tests/test_gated_delta_kernels.py tests/test_attention_sinks.py tests/test_latent_attention.py
 
 .PHONY: mutants gguf-tokenizer-reference demo test test-slow test-clients test-gpu-image test-tunix gpu-image-python bench bench-gpu-image llama-cpp-python llama-server clean
 

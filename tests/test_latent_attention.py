@@ -90,6 +90,7 @@ def test_tpu_write_puts_one_plane_where_the_reference_does(dtype):
     assert np.any(np.asarray(jax.tree.leaves(got)[0])[0, 0, 10] != 0)  # slot 83 was written
 
 
+@pytest.mark.slow  # 7 s in the TPU interpreter: make test-slow
 def test_tpu_kernels_read_an_int8_latent_cache_as_the_reference_does():
     """An int8 latent cache (one plane of values and of f32 scale rows) written by the TPU write
     kernel, read by the TPU kernels and by the reference: the same dequantized attention."""

@@ -66,7 +66,9 @@ def build_deepseek(directory, variant: str, seed: int = 0, **overrides):
     return model
 
 
-@pytest.fixture(scope="module", params=sorted(VARIANTS))
+# V2 without the query bottleneck in make test-slow (make test's time); V2 with it and V3 here
+@pytest.fixture(scope="module", params=[pytest.param("v2", marks=pytest.mark.slow),
+                                        "v2_q_lora", "v3"])
 def deepseek(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     return request.param, build_deepseek(directory, request.param), str(directory)
@@ -95,6 +97,7 @@ def test_dense_logits_match_transformers(deepseek):
     np.testing.assert_allclose(ours, hf_logits(hf, ids), **F32_TOL)
 
 
+@pytest.mark.slow  # 4 s: make test-slow
 def test_v3_rope_without_interleaving(tmp_path):
     hf = build_deepseek(tmp_path, "v3", rope_interleave=False)
     assert not read_hf_config(str(tmp_path)).rope_interleave
