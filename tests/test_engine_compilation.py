@@ -18,6 +18,7 @@ from pagedjax.scheduler.plan import padding_plan
 from pagedjax.text.tokenizer import ByteTokenizer
 
 
+@pytest.mark.slow  # 10 s: make test-slow (every request kind after warm-up stays in make test)
 def test_no_compilation_after_warmup(tiny_model):
     # Token buckets 16/32, sequence buckets 2/4: six step programs to compile (the test's
     # cost), then 120 requests of lengths up to the model's 128 through them.

@@ -66,9 +66,11 @@ def build_deepseek(directory, variant: str, seed: int = 0, **overrides):
     return model
 
 
-# V2 without the query bottleneck in make test-slow (make test's time); V2 with it and V3 here
+# The V2 variants in make test-slow (make test's time), V3 (a query bottleneck, groups, the
+# correction bias) here
 @pytest.fixture(scope="module", params=[pytest.param("v2", marks=pytest.mark.slow),
-                                        "v2_q_lora", "v3"])
+                                        pytest.param("v2_q_lora", marks=pytest.mark.slow),
+                                        "v3"])
 def deepseek(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     return request.param, build_deepseek(directory, request.param), str(directory)

@@ -55,8 +55,7 @@ def capacity(args, parser: argparse.ArgumentParser) -> None:
     itemsize = 2 if args.dtype == "bfloat16" else 4
     heads = (f"latent {config.kv_lora_rank}+{config.qk_rope_head_dim} (one plane)"
              if config.kv_lora_rank else f"K={config.num_kv_heads} H={config.head_dim}")
-    print(f"model {args.model}: L={config.num_layers} {heads}, KV {args.dtype}, "
-          f"TP {tp} x DP {dp}")
+    print(f"model {args.model}: L={config.num_layers} {heads}, KV {args.dtype}, TP {tp} x DP {dp}")
     print(f"  bytes per token      {config.kv_bytes_per_token(itemsize):,} (all devices, every "
           f"{'attention ' if config.num_attention_layers < config.num_layers else ''}layer)")
     if config.num_attention_layers < config.num_layers:
