@@ -29,7 +29,7 @@ def dot_precision(dtype) -> jax.lax.Precision | None:
 
 
 def online_softmax_step(q, k, v, visible, carry, *, scale: float, soft_cap: float | None,
-                        k_scales=None, v_scales=None):
+                        k_scales=None, v_scales=None, rope=None):
     """One flash-attention update of the carry (o [R, H], m, l) with a block of keys, shared by
     the Triton and TPU kernels: q [R, H], k and v [T, H] in the dots' operand type, V zeroed
     where it may hold garbage (garbage in K only reaches scores that `visible` masks), visible
@@ -37,7 +37,9 @@ def online_softmax_step(q, k, v, visible, carry, *, scale: float, soft_cap: floa
     columns (TPU: Mosaic's vectors are 2-D), and stay so. Masked scores take a finite MASK_VALUE
     and a zero weight, so no inf - inf and no NaN can arise. For a quantized cache read
     unscaled (TPU), the per-key scales [1, T] (zeroed where not visible) multiply the scores
-    and the probabilities: q.(s k) = s (q.k)."""
+    and the probabilities: q.(s k) = s (q.k). rope: (q_pe [R, Hr], k_pe [T, Hr]), a second
+    dot added to the scores (a latent cache's RoPE part, read as its own tile: gpu/triton/
+    latent.py)."""
     o, m, l = carry
     columns = m.ndim == 2
 
@@ -46,7 +48,11 @@ def online_softmax_step(q, k, v, visible, carry, *, scale: float, soft_cap: floa
 
     precision = dot_precision(k.dtype)
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                            preferred_element_type=jnp.float32) * scale
+                            preferred_element_type=jnp.float32)
+    if rope is not None:
+        s = s + jax.lax.dot_general(rope[0], rope[1], (((1,), (1,)), ((), ())),
+                                    precision=precision, preferred_element_type=jnp.float32)
+    s = s * scale
     if k_scales is not None:
         s = s * k_scales
     if soft_cap is not None:

@@ -128,7 +128,7 @@ BACKEND_NAMES = ("auto", *IMPLEMENTATIONS)
 SINK_BACKENDS = ("reference", "gpu", "tpu")
 # The backends that attend over a latent cache (multi-head latent attention, DeepSeek): one
 # plane, the value its first value_dim values (pallas_kernels.layout).
-LATENT_BACKENDS = ("reference", "tpu")
+LATENT_BACKENDS = ("reference", "gpu", "tpu")
 TP_AXIS = "tp"
 
 

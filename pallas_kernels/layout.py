@@ -12,7 +12,7 @@ there, where the TPU KV write drops them.
 
 Hc is the model's head dim H, except for the GPU kernels (backends gpu and mosaic_gpu, one
 layout), whose tiles must be powers of two of at least 16: there H is zero-padded, e.g.
-80 -> 128 (zeros change no dot product); and on the TPU, where H is zero-padded to whole
+80 -> 128 (zeros change no dot product), a latent row aside (cache_head_dim); and on the TPU, where H is zero-padded to whole
 128-lane tiles (64 -> 128: gpt-oss, Llama 3.2 1B), as tpu-inference pads it: a cache whose
 minor axis is narrower than a vreg's lanes is laid out by XLA with its block axis minor, and
 the kernels, which read it row-major, then cost a relayout copy of the whole pool a step, in
@@ -47,7 +47,12 @@ LANES = 128  # a TPU vector register's lanes
 NULL_BLOCK = 0  # the scheduler's null block (scheduler.block_pool): padding writes land there
 
 
-def cache_head_dim(head_dim: int, backend: str = "reference") -> int:
+def cache_head_dim(head_dim: int, backend: str = "reference", planes: int = 2) -> int:
+    """Hc of a cache of head dim H (the module docstring); a latent cache (planes 1) on the GPU
+    layout keeps its row unpadded: the Triton kernels read its latent and RoPE parts as two
+    power-of-two tiles (gpu/triton/latent.py), 512 + 64, not 1,024."""
+    if backend in PADDED_HEAD_DIM_BACKENDS and planes == 1:
+        return head_dim
     if backend in PADDED_HEAD_DIM_BACKENDS:
         return max(16, 1 << (head_dim - 1).bit_length())
     if backend in LANE_PADDED_HEAD_DIM_BACKENDS:
@@ -68,7 +73,7 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
     """Shape of the cache of num_layers layers of num_blocks blocks each; planes 2 (K and V) or
     1 (a latent cache, see the module docstring)."""
     return (planes, num_kv_heads, num_layers * num_blocks, block_size,
-            cache_head_dim(head_dim, backend))
+            cache_head_dim(head_dim, backend, planes))
 
 
 def layer_blocks(blocks, num_layers: int, blocks_per_layer: int):
@@ -92,7 +97,8 @@ def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int
                              dtype, backend: str = "reference", planes: int = 2) -> int:
     """Bytes of one physical block across all layers: planes * L * S * K * Hc * itemsize, plus
     the f32 scales of quantized (int8, fp8) caches: planes * L * Ss * K * 4."""
-    data = planes * num_layers * block_size * num_kv_heads * cache_head_dim(head_dim, backend)
+    data = planes * num_layers * block_size * num_kv_heads
+    data *= cache_head_dim(head_dim, backend, planes)
     data *= np.dtype(dtype).itemsize
     if is_quantized(dtype):
         data += planes * num_layers * scale_lanes(block_size, backend) * num_kv_heads * 4

@@ -130,3 +130,49 @@ def test_engine_step_kernels_build_for_h200(kind, target):
     assert sorted(k.name for k in kernels) == sorted([attention[kind], "write_kv_gpu"])
     for kernel in kernels:
         assert kernel.fits and kernel.spill_bytes == 0, kernel
+
+
+def latent_args(kind, num_heads, dtype, *, latent=512, rope=64, width=64):
+    """Abstract operands of the latent (MLA) kernels at DeepSeek's dims: one plane of one KV
+    head, the row 512 + 64 unpadded."""
+    from pagedjax.pallas_kernels import init_kv_cache
+    q_dtype = jnp.bfloat16 if dtype in ("int8", "float8_e4m3fn") else dtype
+    cache = jax.eval_shape(lambda: init_kv_cache(1, 64, 16, 1, latent + rope, jnp.dtype(dtype),
+                                                 "gpu", planes=1))
+    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+    if kind == "write":
+        return (cache, jax.ShapeDtypeStruct((24, 1, latent + rope), q_dtype), None, i32((24,)))
+    tokens = 4 if kind == "decode" else 24
+    q = jax.ShapeDtypeStruct((tokens, num_heads, latent + rope), q_dtype)
+    tail = (i32((4,)), i32((4, width))) + ((i32((5,)),) if kind == "ragged" else ()) + (i32(()),)
+    return (q, cache) + tail
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("num_heads", [16, 128], ids=["v2-lite", "v3"])
+@pytest.mark.parametrize("kind", ["decode", "ragged", "write"])
+def test_latent_kernels_build_for_h200(kind, num_heads, dtype, target):
+    """DeepSeek-V2-Lite's 16 heads and V3's 128 over a latent of 512 and a RoPE key of 64
+    (gpu.triton.latent): each kernel fits an H200's shared memory without spilling, and reads
+    the 576-value rows in 16-byte asynchronous copies of two tiles, not a 1,024-wide padded
+    one."""
+    from pagedjax.pallas_kernels.gpu.triton import write_kv_gpu
+    if kind == "write" and (num_heads == 128 or dtype == "int8"):
+        pytest.skip("the write does not depend on the heads; int8 is written by XLA's scatter")
+    target(H200)
+    fn = dict(decode=KERNELS["gpu"][0], ragged=KERNELS["gpu"][1], write=write_kv_gpu)[kind]
+    kwargs = {} if kind == "write" else dict(scale=0.1, value_dim=512)
+    args = latent_args(kind, num_heads, dtype)
+    lowered = triton_gpu.lower_cuda(lambda: jax.jit(functools.partial(fn, **kwargs)).trace(*args))
+    [kernel] = triton_gpu.compile_lowered(lowered, H200)
+    assert kernel.fits and kernel.spill_bytes == 0, kernel
+    if kind != "write":
+        copies = {k for k in kernel.global_loads if k.startswith("cp.async")}
+        assert "cp.async 16B" in copies, kernel.global_loads
+        # The wrapper's estimate (one plane: the latent tile is K and V) bounds the build, at
+        # the 4 pages of 16 keys it fits (8 would need 295 KB double-buffered).
+        from pagedjax.pallas_kernels.gpu import triton
+        estimate = triton.shared_memory_bytes(
+            rows=16, keys=64, head_dim=576, cache_itemsize=jnp.dtype(dtype).itemsize,
+            compute_itemsize=2, num_stages=2, quantized=dtype == "int8", planes=1)
+        assert kernel.shared_bytes <= estimate + 1024 < 227 * 1024

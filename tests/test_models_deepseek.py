@@ -9,6 +9,8 @@ cache of one plane."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -193,22 +195,47 @@ def test_the_tpu_kernels_serve_transformers_tokens(tmp_path):
     assert engine.runner.kv_cache.shape[0] == 1 and engine.runner.kv_cache.shape[-1] == 128
 
 
-def test_what_latent_attention_cannot_take_is_refused_by_name(tmp_path):
-    """The Triton backend named (its kernels take no latent cache yet) and LoRA adapters are
-    refused before anything is built."""
+@pytest.mark.slow  # 7 s: make test-slow (the kernels against the oracle are in make test)
+def test_the_gpu_kernels_serve_transformers_tokens(tmp_path):
+    """V3 with a RoPE key of 16 (the Triton tiles' least) through the interpreted Triton
+    kernels in the engine: the latent written unpadded (32 + 16 = 48, not 64) by the Triton
+    write, chunked prefill and decode reading its two parts as two tiles."""
+    hf = build_deepseek(tmp_path, "v3", qk_rope_head_dim=16)
+    token_prompts = prompts()[:3]
+    got, engine = engine_greedy(load_hf_model(str(tmp_path)), token_prompts, 6,
+                                attention_backend="gpu", attention_interpret=True)
+    assert got == hf_greedy(hf, token_prompts, 6)
+    assert engine.runner.kv_cache.shape[0] == 1 and engine.runner.kv_cache.shape[-1] == 48
+
+
+def test_what_latent_attention_cannot_take_is_refused_by_name(tmp_path, caplog):
+    """The Mosaic GPU backend (no latent kernels), the Triton one on dims its tiles cannot take
+    (a RoPE key of 8) and LoRA adapters are refused before anything is built; under 'auto' the
+    reference serves what the platform's kernels cannot, and says so."""
     from pagedjax import EngineConfig, LLMEngine
     from pagedjax.models import init_model
+    from pagedjax.pallas_kernels import AttentionBackend, resolve_backend
+    from pagedjax.parallel.placement import model_backend
     config = read_hf_config(_config_only(tmp_path))
     model = init_model(config)
+    with pytest.raises(ValueError, match="multi-head latent attention"):  # jax 0.10 or 0.11
+        model_backend(config, SimpleNamespace(attention_backend="mosaic_gpu", enable_lora=False),
+                      AttentionBackend("mosaic_gpu"))
     for fields, match in ((dict(attention_backend="gpu", attention_interpret=True),
-                           "multi-head latent attention"),
+                           "qk_rope_head_dim 8 is not a power of two >= 16"),
                           (dict(enable_lora=True), "LoRA adapters on multi-head latent")):
         with pytest.raises(ValueError, match=match):
             LLMEngine(model, EngineConfig(max_model_len=64, num_blocks=16, **fields))
+    auto = EngineConfig(max_model_len=64, num_blocks=16)
+    with caplog.at_level("INFO", logger="pagedjax.engine"):
+        assert model_backend(config, auto, resolve_backend("gpu")).name == "reference"
+    assert "qk_rope_head_dim 8" in caplog.text
+    config = read_hf_config(_config_only(tmp_path, qk_rope_head_dim=16))
+    assert model_backend(config, auto, resolve_backend("gpu")).name == "gpu"
 
 
-def _config_only(directory) -> str:
-    config = transformers.DeepseekV3Config(**{**COMMON, **VARIANTS["v3"]},
+def _config_only(directory, **overrides) -> str:
+    config = transformers.DeepseekV3Config(**{**COMMON, **VARIANTS["v3"], **overrides},
                                            architectures=["DeepseekV3ForCausalLM"])
     config.save_pretrained(directory)
     return str(directory)

@@ -11,6 +11,7 @@ import jax
 
 from pagedjax.pallas_kernels import AttentionBackend, check_backend, resolve_backend
 from pagedjax.pallas_kernels.dispatch import LATENT_BACKENDS, SINK_BACKENDS
+from pagedjax.pallas_kernels.gpu.triton.latent import latent_dims_problem
 from pagedjax.parallel import multihost
 from pagedjax.parallel.sharding import check_tensor_parallel, make_mesh
 
@@ -63,11 +64,17 @@ def model_backend(model_config, config, backend: AttentionBackend) -> AttentionB
     platform's kernels have no latent cache (said in the log); ValueError naming what the model
     needs that the backend (or the config) does not serve."""
     latent = bool(model_config.kv_lora_rank)
-    if latent and config.attention_backend == "auto" and backend.name not in LATENT_BACKENDS:
+    problem = latent and backend.name == "gpu" and latent_dims_problem(
+        model_config.kv_lora_rank, model_config.qk_rope_head_dim)
+    if latent and config.attention_backend == "auto" and (
+            problem or backend.name not in LATENT_BACKENDS):
         logger.info("attention_backend auto: the jnp reference serves multi-head latent "
-                    "attention on %s (its Pallas kernels do not take a latent cache yet)",
-                    backend.name)
-        backend = resolve_backend("reference")
+                    "attention on %s (%s)", backend.name,
+                    problem or "its Pallas kernels do not take a latent cache")
+        backend, problem = resolve_backend("reference"), None
+    if problem:
+        raise ValueError(f"attention_backend 'gpu': the Triton latent kernels need the model's "
+                         f"latent and RoPE dims powers of two: {problem}")
     if model_config.attention_sinks and backend.name not in SINK_BACKENDS:
         raise ValueError(f"attention_backend {backend.name!r}: the model's attention sinks "
                          f"(gpt-oss) are built in the {SINK_BACKENDS} kernels only")

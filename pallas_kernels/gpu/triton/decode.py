@@ -21,6 +21,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pagedjax.pallas_kernels.common import MASK_VALUE, online_softmax_step, sink_rows
 from pagedjax.pallas_kernels.gpu.common import choose_num_splits, combine_splits, next_power_of_2
+from pagedjax.pallas_kernels.gpu.triton import latent
 from pagedjax.pallas_kernels.gpu.triton.tiling import (MIN_DOT_SIZE, check_operands, fit_pipeline,
                                                        load_pages)
 
@@ -90,7 +91,7 @@ def _split_outputs(num_splits: int, batch: int, num_kv_heads: int, rows: int,
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "sliding_window", "soft_cap", "pages_per_step", "num_splits", "num_warps",
-    "num_stages", "interpret"))
+    "num_stages", "interpret", "value_dim"))
 def paged_decode_attention_gpu(
     q: jax.Array,  # [B, N, H]
     kv_cache: jax.Array,  # [2, K, NB, S, Hp], this step's K/V already written
@@ -100,8 +101,8 @@ def paged_decode_attention_gpu(
     *, scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
     sinks: jax.Array | None = None, pages_per_step: int | None = None,
     num_splits: int | None = None, num_warps: int = 8, num_stages: int | None = None,
-    interpret: bool = False,
-) -> jax.Array:  # [B, N, H]; 0 for padding rows
+    interpret: bool = False, value_dim: int | None = None,
+) -> jax.Array:  # [B, N, H] ([B, N, value_dim]: a latent cache); 0 for padding rows
     """sinks: f32[N] attention sinks (pallas_kernels.reference) or None, merged with the
     splits' partial softmaxes (combine_splits). pages_per_step / num_stages None: up to 8 pages (128 keys at block 16) per loop step and
     2 pipeline stages, as many as fit the shared memory of the visible GPU (of an H100/H200
@@ -109,7 +110,15 @@ def paged_decode_attention_gpu(
     benchmark's shape 4 warps need 237 registers a thread (255 with an int8 cache), 8 need 119,
     and an SM then holds 16 warps, as many as it holds of JAX's shipped kernel
     (benchmarks/results/gpu_compile.md). f32 dots follow jax.default_matmul_precision
-    (dot_precision). The cache has the GPU layout: head dim and block size powers of two."""
+    (dot_precision). The cache has the GPU layout: head dim and block size powers of two.
+    value_dim: a latent cache (gpu.triton.latent)."""
+    if value_dim is not None:
+        latent.check_latent_options(sliding_window=sliding_window, soft_cap=soft_cap,
+                                    sinks=sinks)
+        return latent.latent_decode_attention_gpu(
+            q, kv_cache, kv_lens, block_tables, num_seqs, scale=scale, value_dim=value_dim,
+            pages_per_step=pages_per_step, num_splits=num_splits, num_warps=num_warps,
+            num_stages=num_stages, interpret=interpret)
     batch, num_heads, head_dim = q.shape
     data, scales, dtype, group = check_operands(q, kv_cache, interpret,
                                                 pages_per_step=pages_per_step)

@@ -22,8 +22,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from pagedjax.pallas_kernels.common import MASK_VALUE, online_softmax_step, sink_rows, tile_layout
 from pagedjax.pallas_kernels.gpu.common import next_power_of_2
-from pagedjax.pallas_kernels.gpu.triton.tiling import (MIN_DOT_SIZE, check_operands, fit_pipeline,
-                                                       load_pages)
+from pagedjax.pallas_kernels.gpu.triton import latent
+from pagedjax.pallas_kernels.gpu.triton.tiling import (MAX_TILE_ELEMENTS, MIN_DOT_SIZE,
+                                                       check_operands, fit_pipeline, load_pages)
 
 
 def _ragged_kernel(
@@ -91,10 +92,6 @@ def _ragged_kernel(
     o_ref[...] = o.reshape(tile_q, group, head_dim)
 
 
-# Rows x head dim of one program's query tile: 16 tokens x a GQA group of 4 x 128, the shape
-# whose f32 accumulator 8 warps hold without spilling (benchmarks/results/gpu_compile.md).
-MAX_TILE_ELEMENTS = 64 * 128
-
 
 def choose_tile_q(padded_group: int, padded_head_dim: int, preferred: int = 16) -> int:
     """Query tokens a program takes: halved while the tile is larger than MAX_TILE_ELEMENTS,
@@ -109,7 +106,7 @@ def choose_tile_q(padded_group: int, padded_head_dim: int, preferred: int = 16) 
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "sliding_window", "soft_cap", "tile_q", "pages_per_step", "num_warps",
-    "num_stages", "interpret"))
+    "num_stages", "interpret", "value_dim"))
 def ragged_paged_attention_gpu(
     q: jax.Array,  # [T, N, H]
     kv_cache: jax.Array,  # [2, K, NB, S, Hp], this step's K/V already written
@@ -120,15 +117,23 @@ def ragged_paged_attention_gpu(
     *, scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
     sinks: jax.Array | None = None, tile_q: int | None = None,
     pages_per_step: int | None = None, num_warps: int = 8, num_stages: int | None = None,
-    interpret: bool = False,
-) -> jax.Array:  # [T, N, H]; 0 for padding tokens
+    interpret: bool = False, value_dim: int | None = None,
+) -> jax.Array:  # [T, N, H] ([T, N, value_dim]: a latent cache); 0 for padding tokens
     """sinks: f32[N] attention sinks (pallas_kernels.reference) or None. tile_q None: up to
     16 query tokens a program, fewer when the GQA group and head dim make the rows x head dim
     tile larger than MAX_TILE_ELEMENTS (see choose_tile_q).
     pages_per_step / num_stages None: up to 4 pages per loop step and 2 stages, as many as fit
     the GPU's shared memory (see gpu.triton.fit_pipeline); an explicit value is taken as given.
     8 warps: with 4, a tile of 16 tokens x a GQA group of 4 needs 223 registers a thread on
-    sm_90 and spills on sm_80 (benchmarks/results/gpu_compile.md)."""
+    sm_90 and spills on sm_80 (benchmarks/results/gpu_compile.md). value_dim: a latent cache
+    (gpu.triton.latent)."""
+    if value_dim is not None:
+        latent.check_latent_options(sliding_window=sliding_window, soft_cap=soft_cap,
+                                    sinks=sinks)
+        return latent.latent_ragged_attention_gpu(
+            q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs, scale=scale,
+            value_dim=value_dim, tile_q=tile_q, pages_per_step=pages_per_step,
+            num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     num_tokens, num_heads, head_dim = q.shape
     data, scales, dtype, group = check_operands(q, kv_cache, interpret, tile_q=tile_q,
                                                 pages_per_step=pages_per_step)

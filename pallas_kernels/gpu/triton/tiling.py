@@ -9,16 +9,21 @@ from pagedjax.pallas_kernels.gpu import common as gpu_common
 from pagedjax.pallas_kernels.quant import QuantizedKV
 
 MIN_DOT_SIZE = 16  # Triton's tl.dot needs every dimension >= 16
+# Rows x head dim of one program's query tile: 16 tokens x a GQA group of 4 x 128, the shape
+# whose f32 accumulator 8 warps hold without spilling (benchmarks/results/gpu_compile.md).
+MAX_TILE_ELEMENTS = 64 * 128
 
 
 def shared_memory_bytes(*, rows: int, keys: int, head_dim: int, cache_itemsize: int,
-                        compute_itemsize: int, num_stages: int, quantized: bool) -> int:
+                        compute_itemsize: int, num_stages: int, quantized: bool,
+                        planes: int = 2) -> int:
     """An upper bound on the shared memory of one attention program: num_stages pipelined
     buffers of the K and V tiles (and their f32 scales), the query tile, the probabilities
     the second dot reads, and for a quantized cache the dequantized tile a dot reads. Triton
     shares buffers whose lifetimes do not overlap, so a build asks for less
-    (tests/test_kernels_triton_compile.py checks the bound against sm_90 builds)."""
-    per_stage = 2 * keys * (head_dim * cache_itemsize + (4 if quantized else 0))
+    (tests/test_kernels_triton_compile.py checks the bound against sm_90 builds). planes 1: a
+    latent cache, whose one tile is both K and V."""
+    per_stage = planes * keys * (head_dim * cache_itemsize + (4 if quantized else 0))
     total = num_stages * per_stage + rows * (head_dim + keys) * compute_itemsize
     if quantized:
         total += keys * head_dim * compute_itemsize
@@ -39,7 +44,7 @@ def check_triton_shapes(*, block_size: int, head_dim: int, **tunables: int | Non
 
 def fit_pipeline(pages_per_step: int | None, num_stages: int | None, *, preferred_pages: int,
                  rows: int, block_size: int, head_dim: int, cache_itemsize: int,
-                 compute_itemsize: int, quantized: bool,
+                 compute_itemsize: int, quantized: bool, planes: int = 2,
                  limit: int | None = None) -> tuple[int, int]:
     """(pages per loop step, pipeline stages) for a kernel. What is given is taken as given;
     for what is None, the largest power of two <= preferred_pages and 2 stages, down to 1 page
@@ -50,7 +55,8 @@ def fit_pipeline(pages_per_step: int | None, num_stages: int | None, *, preferre
     def fits(pages, stages):
         return shared_memory_bytes(
             rows=rows, keys=pages * block_size, head_dim=head_dim, cache_itemsize=cache_itemsize,
-            compute_itemsize=compute_itemsize, num_stages=stages, quantized=quantized) <= limit
+            compute_itemsize=compute_itemsize, num_stages=stages, quantized=quantized,
+            planes=planes) <= limit
 
     for stages in [num_stages] if num_stages is not None else [2, 1]:
         pages = preferred_pages if pages_per_step is None else pages_per_step
