@@ -208,6 +208,26 @@ def test_the_gpu_kernels_serve_transformers_tokens(tmp_path):
     assert engine.runner.kv_cache.shape[0] == 1 and engine.runner.kv_cache.shape[-1] == 48
 
 
+@pytest.mark.parametrize("scheme", ["int8", pytest.param("fp8", marks=pytest.mark.slow)])
+def test_quantized_latent_projections_serve_their_dequantized_tokens(tmp_path, scheme):
+    """--quantization on DeepSeek quantizes the latent attention's projections too (q_a, q_b,
+    kv_a, kv_b: stored int8 / fp8 with their scales), kv_b_proj read as a weight by the
+    absorbed form and dequantized there: the same greedy tokens as the float engine over the
+    same weights dequantized in NumPy."""
+    from test_quantization import dequantized_reference
+
+    from pagedjax.models.layers.quantized import quantize_model
+    build_deepseek(tmp_path, "v3")
+    model = load_hf_model(str(tmp_path))
+    token_prompts = prompts()[:3]
+    got, engine = engine_greedy(model, token_prompts, 6, quantization=scheme)
+    attention = engine.runner.params.layers[-1]["self_attn"]  # (layer groups: a tuple)
+    for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"):
+        assert attention[name]["kernel"].get_value().dtype != jnp.float32, name
+    reference = dequantized_reference(model, quantize_model(model, scheme))
+    assert got == engine_greedy(reference, token_prompts, 6)[0]
+
+
 def test_what_latent_attention_cannot_take_is_refused_by_name(tmp_path, caplog):
     """The Mosaic GPU backend (no latent kernels), the Triton one on dims its tiles cannot take
     (a RoPE key of 8) and LoRA adapters are refused before anything is built; under 'auto' the

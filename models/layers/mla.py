@@ -86,9 +86,12 @@ class LatentAttention(nnx.Module):
         return q_nope, self._rope(q_pe, positions), latent, k_pe
 
     def _up_projections(self) -> tuple[jax.Array, jax.Array]:
-        """(W_UK [Dl, N, nope], W_UV [Dl, N, v]): kv_b_proj's kernel by head."""
-        kernel = self.kv_b_proj.kernel[...].reshape(self.latent, self.num_heads,
-                                                    self.nope + self.v_dim)
+        """(W_UK [Dl, N, nope], W_UV [Dl, N, v]): kv_b_proj's kernel by head (a quantized one's
+        dequantized: models/layers/quantized.QuantizedLinear)."""
+        proj = self.kv_b_proj
+        kernel = proj.weight().astype(proj.dtype) if hasattr(proj, "weight") else \
+            proj.kernel[...]
+        kernel = kernel.reshape(self.latent, self.num_heads, self.nope + self.v_dim)
         return kernel[..., :self.nope], kernel[..., self.nope:]
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [B, L, D] -> [B, L, D]

@@ -26,7 +26,11 @@ from pagedjax.models.quantization.schemes import (QArray, check_scheme, matmul, 
 
 # The linear layers quantize_model swaps (by attribute name); the LM head is an option.
 QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                     "down_proj")
+                     "down_proj",
+                     # multi-head latent attention (models/layers/mla.py): the query's and the
+                     # latent's down- and up-projections; kv_b_proj is read as a weight too
+                     # (the absorbed form), dequantized then
+                     "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 
 
 class QuantizedWeight(nnx.Module):
