@@ -30,6 +30,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 from common import write_results  # noqa: E402
 from jax.experimental.pallas.ops.gpu import paged_attention as jax_gpu_op  # noqa: E402
 from test_kernels_lowering import KERNELS, kernel_args  # noqa: E402
+from test_kernels_triton_compile import latent_args  # noqa: E402
 
 from benchmarks.aot import triton_gpu  # noqa: E402
 from pagedjax.pallas_kernels.gpu import common as gpu_common  # noqa: E402
@@ -61,6 +62,13 @@ What these builds changed in the kernels (2026-11-29, before any GPU run):
 capability (triton_gpu.cuda_target); built from it (`.venv-gpu-image/bin/python
 benchmarks/gpu_compile.py`, the table below) and from jax 0.10.2's lowering, every figure in this
 table is the same.
+
+2026-12-05: the latent (MLA, DeepSeek) kernels, gpu.triton.latent, at DeepSeek's dims: the
+576-value row (512 latent + 64 RoPE) kept unpadded in the cache and read as two tiles of 512
+and 64 (one plane: the latent tile is both K and V, loaded once), 16 heads a program (a 16 x
+512 f32 accumulator), 4 pages of 16 tokens a step double-buffered on an H100/H200 (8 would need
+295 KB). Padding the row to a power of two, as the GQA kernels pad head dims, would have read
+and stored 1,024 values a token: 78% more of the pool's bytes for the same attention.
 """
 
 
@@ -80,6 +88,13 @@ def ours(kind, dtype, **options):
     return jax.jit(functools.partial(fn, **kwargs)).trace(*args)
 
 
+def latent(kind, num_heads, dtype):
+    """A latent (MLA) kernel at DeepSeek's dims: a 512 latent and a 64 RoPE key, one plane."""
+    fn = dict(zip(("decode", "ragged"), KERNELS["gpu"]))[kind]
+    args = latent_args(kind, num_heads, dtype, width=WIDTH)
+    return jax.jit(functools.partial(fn, scale=0.1, value_dim=512)).trace(*args)
+
+
 def jax_shipped():
     q = jax.ShapeDtypeStruct((4, 32, 128), jnp.bfloat16)
     pages = jax.ShapeDtypeStruct((8, 64, 16, 128), jnp.bfloat16)
@@ -97,6 +112,12 @@ KERNELS_TO_BUILD = {
     "pagedjax ragged prefill (bf16, 4 warps)": lambda: ours("ragged", jnp.bfloat16,
                                                             num_warps=4),
     "pagedjax KV write (bf16)": lambda: ours("write", jnp.bfloat16),
+    "pagedjax latent decode (V2-Lite: 16 heads, bf16)": lambda: latent("decode", 16,
+                                                                       jnp.bfloat16),
+    "pagedjax latent decode (V2-Lite: 16 heads, int8)": lambda: latent("decode", 16, "int8"),
+    "pagedjax latent decode (V3: 128 heads, bf16)": lambda: latent("decode", 128, jnp.bfloat16),
+    "pagedjax latent ragged (V2-Lite: 16 heads, bf16)": lambda: latent("ragged", 16,
+                                                                       jnp.bfloat16),
     "jax pallas.ops.gpu.paged_attention (bf16)": jax_shipped,
 }
 
