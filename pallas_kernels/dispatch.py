@@ -93,6 +93,9 @@ class AttentionBackend:
     # Expert parallelism (--enable-expert-parallel): a mixture of experts' layers split their
     # experts over the mesh's TP_AXIS (models/layers/moe_experts.py) instead of each expert's MLP.
     expert_parallel: bool = False
+    # Multi-head latent attention's prefill form (models/layers/mla_expanded.py): "auto" (by
+    # the step's shape), "absorbed" (always MQA over the latent) or "expanded".
+    latent_prefill: str = "auto"
 
     @property
     def gpu_layout(self) -> bool:
@@ -161,19 +164,21 @@ def paged_attention(
     metadata: AttentionMetadata,
     *, scale: float, backend: AttentionBackend = AttentionBackend(),
     sliding_window: int | None = None, soft_cap: float | None = None,
-    sinks: jax.Array | None = None, value_dim: int | None = None,
+    sinks: jax.Array | None = None, value_dim: int | None = None, write: bool = True,
 ) -> tuple[jax.Array, jax.Array]:  # ([T, N, H] or [T, N, value_dim], new kv_cache)
     """Writes the step's K/V into their slots, then attends through the block tables. sinks:
     f32[N] attention sinks (gpt-oss: a logit a head joining every softmax, with no value).
     value_dim with v None: multi-head latent attention's absorbed form, MQA over a one-plane
-    cache whose rows are [latent, RoPE key] and whose values are the latent's value_dim."""
+    cache whose rows are [latent, RoPE key] and whose values are the latent's value_dim.
+    write False: attends over the cache as it is (the step's rows written before: write_kv);
+    k, v only give their shapes."""
     if (v is None) != (value_dim is not None):
         raise ValueError("a latent cache takes v None with value_dim set; K/V planes take v "
                          "and no value_dim")
     if backend.mesh is not None:  # each device its heads, the plan replicated
         return _sharded_attention(q, k, v, kv_cache, metadata, scale=scale, backend=backend,
                                   sliding_window=sliding_window, soft_cap=soft_cap,
-                                  sinks=sinks, value_dim=value_dim)
+                                  sinks=sinks, value_dim=value_dim, write=write)
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
@@ -191,7 +196,8 @@ def paged_attention(
                 raise ValueError(f"{what} are built in the {backends} backends, "
                                  f"not {backend.name!r}")
             opts[name] = value
-    kv_cache = impl.write_kv(kv_cache, k, v, metadata.slot_mapping, **pallas_opts)
+    if write:
+        kv_cache = impl.write_kv(kv_cache, k, v, metadata.slot_mapping, **pallas_opts)
     if metadata.decode_only:
         out = impl.decode(q, kv_cache, metadata.kv_lens, metadata.block_tables,
                           metadata.num_seqs, **opts)
@@ -217,6 +223,26 @@ def _sharded_attention(q, k, v, kv_cache, metadata, *, backend, sinks, **opts):
     specs = (heads, heads, cache, P(), *(heads if name == "v" else P(TP_AXIS) for name in names))
     return jax.shard_map(local, mesh=backend.mesh, in_specs=specs, out_specs=(heads, cache),
                          check_vma=False)(q, k, kv_cache, metadata, *extra)
+
+
+def write_kv(kv_cache, k: jax.Array, v: jax.Array | None, metadata: AttentionMetadata,
+             backend: AttentionBackend = AttentionBackend()):
+    """The step's new K/V (or latent rows: v None) into their slots, nothing attended (per
+    device's KV heads under a mesh); returns the new cache."""
+    if backend.mesh is not None:
+        heads = P(None, TP_AXIS)
+        local_backend = dataclasses.replace(backend, mesh=None)
+        planes = [] if v is None else [v]
+
+        def local(kv_cache, k, metadata, *v):
+            return write_kv(kv_cache, k, v[0] if v else None, metadata, local_backend)
+
+        return jax.shard_map(local, mesh=backend.mesh,
+                             in_specs=(heads, heads, P(), *[heads] * len(planes)),
+                             out_specs=heads, check_vma=False)(kv_cache, k, metadata, *planes)
+    impl = IMPLEMENTATIONS[backend.name]
+    opts = dict(interpret=backend.interpret) if impl.pallas else {}
+    return impl.write_kv(kv_cache, k, v, metadata.slot_mapping, **opts)
 
 
 def copy_blocks(kv_cache, src: jax.Array, dst: jax.Array, num_copies: jax.Array,

@@ -208,6 +208,19 @@ def test_the_gpu_kernels_serve_transformers_tokens(tmp_path):
     assert engine.runner.kv_cache.shape[0] == 1 and engine.runner.kv_cache.shape[-1] == 48
 
 
+@pytest.mark.slow  # 10 s: make test-slow (tests/test_mla_expanded.py has the layer in make test)
+@pytest.mark.parametrize("budget", [16, 64])
+def test_the_expanded_prefill_serves_transformers_tokens(tmp_path, budget):
+    """--mla-prefill expanded through the engine: fresh first chunks in the expanded form,
+    the chunks after them (context in the cache) and decode in the absorbed one; a budget of
+    64 takes the prompts whole."""
+    hf = build_deepseek(tmp_path, "v3")
+    token_prompts = prompts()[:3]
+    got, _ = engine_greedy(load_hf_model(str(tmp_path)), token_prompts, 6,
+                           mla_prefill="expanded", max_num_batched_tokens=budget)
+    assert got == hf_greedy(hf, token_prompts, 6)
+
+
 @pytest.mark.parametrize("scheme", ["int8", pytest.param("fp8", marks=pytest.mark.slow)])
 def test_quantized_latent_projections_serve_their_dequantized_tokens(tmp_path, scheme):
     """--quantization on DeepSeek quantizes the latent attention's projections too (q_a, q_b,

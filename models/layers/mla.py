@@ -8,7 +8,8 @@ Two paths over the same weights:
 
 - dense (`__call__`): the expanded form, as transformers computes it: keys [k_nope, k_pe] and
   values per head, causal softmax.
-- paged (`forward_paged`): the absorbed form. The cache holds [c, k_pe] a token (one plane, one
+- paged (`forward_paged`): the absorbed form (a prefill step of the right shape: the expanded
+  one, models/layers/mla_expanded.py). The cache holds [c, k_pe] a token (one plane, one
   "KV head": pallas_kernels.layout), a quarter of GQA's bytes. W_UK folds into the query
   (q_nope W_UK: the latent's kv_lora_rank dims) and W_UV into the output, so attention is MQA
   over the latent: scores q_nope W_UK . c + q_pe . k_pe, values c, then each head's output
@@ -30,8 +31,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pagedjax.models.config import LlamaConfig
+from pagedjax.models.layers import mla_expanded
 from pagedjax.models.layers.basic import RMSNorm, linear, rope
 from pagedjax.pallas_kernels import AttentionBackend, AttentionMetadata, paged_attention
+from pagedjax.pallas_kernels.dispatch import write_kv
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm, kv_a_layernorm: transformers' default, not rms_norm_eps
 
@@ -117,13 +120,29 @@ class LatentAttention(nnx.Module):
             raise ValueError("LoRA adapters on multi-head latent attention are not supported")
         q_nope, q_pe, latent, k_pe = self._project(x, positions)
         w_uk, w_uv = self._up_projections()
-        q_latent = jnp.einsum("TNn,lNn->TNl", q_nope, w_uk.astype(q_nope.dtype),
-                              preferred_element_type=jnp.float32)
-        q = jnp.concatenate([q_latent.astype(x.dtype), q_pe.astype(x.dtype)], axis=-1)
         row = jnp.concatenate([latent, k_pe.astype(latent.dtype)], axis=-1)  # [T, Dl + R]
         k = jnp.broadcast_to(row[:, None, :], (row.shape[0], self.num_kv_heads, row.shape[-1]))
-        out, kv_cache = paged_attention(q, k, None, kv_cache, metadata, scale=self.scale,
-                                        backend=backend, value_dim=self.latent)
-        out = jnp.einsum("TNl,lNv->TNv", out, w_uv.astype(out.dtype),
-                         preferred_element_type=jnp.float32).astype(x.dtype)
+
+        def absorbed(kv_cache, write: bool = True):
+            q_latent = jnp.einsum("TNn,lNn->TNl", q_nope, w_uk.astype(q_nope.dtype),
+                                  preferred_element_type=jnp.float32)
+            q = jnp.concatenate([q_latent.astype(x.dtype), q_pe.astype(x.dtype)], axis=-1)
+            out, kv_cache = paged_attention(q, k, None, kv_cache, metadata, scale=self.scale,
+                                            backend=backend, value_dim=self.latent,
+                                            write=write)
+            return jnp.einsum("TNl,lNv->TNv", out, w_uv.astype(out.dtype),
+                              preferred_element_type=jnp.float32).astype(x.dtype), kv_cache
+
+        block_size = jax.tree.leaves(kv_cache)[0].shape[3]
+        if mla_expanded.chosen(self, backend, metadata, x.shape[0], block_size,
+                               jnp.dtype(x.dtype).itemsize):
+            kv_cache = write_kv(kv_cache, k, None, metadata, backend)
+            out = jax.lax.cond(
+                mla_expanded.fresh(metadata),
+                lambda: mla_expanded.expanded_attention(
+                    self, q_nope, q_pe, latent, k_pe, w_uk, w_uv, metadata, backend,
+                    block_size).astype(x.dtype),
+                lambda: absorbed(kv_cache, write=False)[0])
+        else:
+            out, kv_cache = absorbed(kv_cache)
         return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.v_dim)), kv_cache

@@ -8,6 +8,7 @@ import numpy as np
 
 from pagedjax.engine.spec_decode.config import SpeculativeConfig
 from pagedjax.lora.request import check_lora_limits
+from pagedjax.models.layers.mla_expanded import PREFILL_FORMS
 from pagedjax.models.quantization.schemes import SCHEMES
 from pagedjax.pallas_kernels import BACKEND_NAMES, check_backend
 from pagedjax.scheduler import SchedulerConfig, ShapeBuckets, cdiv
@@ -56,6 +57,9 @@ class EngineConfig:
     # per-head f32 scales
     attention_backend: str = "auto"  # auto | reference | gpu | mosaic_gpu | tpu
     attention_interpret: bool = False  # run the Pallas kernels through the interpreter (CPU)
+    # multi-head latent attention's prefill (DeepSeek): auto (by the step's shape), absorbed or
+    # expanded (pagedjax.models.layers.mla_expanded)
+    mla_prefill: str = "auto"
     max_logprobs: int = 20  # most top logprobs a request may ask for (computed on device)
     # vLLM's: what logprobs report: raw_logprobs (the model's log-softmax before any processing:
     # what a trainer computes), raw_logits, processed_logprobs / processed_logits (after the
@@ -210,6 +214,9 @@ class EngineConfig:
         if self.quantize_lm_head and self.quantization not in SCHEMES:
             raise ValueError(f"quantize_lm_head needs quantization in {SCHEMES}, "
                              f"got {self.quantization!r}")
+        if self.mla_prefill not in PREFILL_FORMS:
+            raise ValueError(f"mla_prefill must be one of {PREFILL_FORMS}, "
+                             f"got {self.mla_prefill!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, "
                              f"got {self.logprobs_mode!r}")

@@ -50,7 +50,8 @@ def place(model_config, config, devices: Sequence | None = None
         multihost.check_multihost(config, devices)
     check_expert_parallel(model_config, config)
     backend = resolve_backend(config.attention_backend, config.attention_interpret)
-    backend = model_backend(model_config, config, backend)
+    backend = dataclasses.replace(model_backend(model_config, config, backend),
+                                  latent_prefill=config.mla_prefill)
     if tp > 1:
         backend = dataclasses.replace(backend, mesh=make_mesh(tp, devices),
                                       expert_parallel=config.enable_expert_parallel)

@@ -54,6 +54,9 @@ def _pool_args(group) -> None:
                        choices=["auto", "reference", "gpu", "mosaic_gpu", "tpu"],
                        help="the paged attention kernels: auto picks by the platform "
                        f"({_default('attention_backend')})")
+    group.add_argument("--mla-prefill", choices=["auto", "absorbed", "expanded"],
+                       help="multi-head latent attention's prefill form (DeepSeek): auto picks "
+                       f"by the step's shape ({_default('mla_prefill')})")
 
 
 def _cache_args(group) -> None:
@@ -150,7 +153,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     """The EngineConfig fields the flags of add_engine_args set."""
     kwargs = {name: getattr(args, name) for name in (
         "max_model_len", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
-        "policy", "dtype", "kv_cache_dtype", "attention_backend", "preemption_mode",
+        "policy", "dtype", "kv_cache_dtype", "attention_backend", "mla_prefill",
+        "preemption_mode",
         "max_logprobs", "logprobs_mode", "seed", "compilation_cache", "prefill_seqs",
         "step_programs", "tensor_parallel_size", "data_parallel_size", "gpu_memory_utilization",
         "speculative_config", "quantization", "max_loras", "max_lora_rank", "max_cpu_loras")
