@@ -95,6 +95,11 @@ NEW_ARCH_CASES = {
     "gpt-oss-20b mxfp4 EP4 v5e-4": ("gpt-oss-20b", "v5e:2x2", 4, True, True, "mxfp4"),
     "gpt-oss-20b mxfp4 TP2 v5e-2": ("gpt-oss-20b", "v5e:2x2", 2, True, False, "mxfp4"),
     "gpt-oss-120b mxfp4 EP8 v6e-8": ("gpt-oss-120b", "v6e:2x4", 8, True, True, "mxfp4"),
+    # DeepSeek-V2-Lite (bf16, 15.7 B): latent attention's heads split, its one-plane latent
+    # cache (576 values a token, padded to 640 lanes) a whole copy on every chip
+    "deepseek-v2-lite bf16 TP4 v5e-4": ("deepseek-v2-lite", "v5e:2x2", 4, False, False, None),
+    "deepseek-v2-lite bf16 TP8 v5e-8": ("deepseek-v2-lite", "v5e:2x4", 8, False, False, None),
+    "deepseek-v2-lite bf16 EP8 v5e-8": ("deepseek-v2-lite", "v5e:2x4", 8, False, True, None),
 }
 ALL_CASES = {**CASES, **MOE_CASES, **QUANT_CASES, **LINEAR_CASES, **NEW_ARCH_CASES}
 QUANT_CONTEXT = 8192
@@ -141,11 +146,12 @@ def build(name: str, devices):
                                                  expert_parallel))), weights)
     kv_heads = config.num_kv_heads * repeats
     per_block = kv_cache_bytes_per_block(groups.num_slots, BLOCK_SIZE, kv_heads,
-                                         config.head_dim, jnp.bfloat16, "tpu")
+                                         config.kv_head_dim, jnp.bfloat16, "tpu",
+                                         config.kv_planes)
     num_blocks = int(kv_gib(case) * 2**30 * tp // per_block)
     cache = jax.eval_shape(lambda: init_kv_cache(groups.num_slots, num_blocks, BLOCK_SIZE,
-                                                 kv_heads, config.head_dim, jnp.bfloat16,
-                                                 "tpu"))
+                                                 kv_heads, config.kv_head_dim, jnp.bfloat16,
+                                                 "tpu", config.kv_planes))
     cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                         sharding=kv_cache_sharding(mesh)), cache)
     num_tokens, num_seqs = KINDS[kind]
