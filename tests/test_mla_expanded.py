@@ -2,7 +2,7 @@
 absorbed form on the same layer and cache: a fresh step of three sequences (lengths that cut
 blocks, padding rows and tokens) through the jnp reference and the Triton kernels (interpreted):
 the same outputs within f32 rounding and the same latent written; a step with cached context
-falls back to the absorbed form; "auto" picks by the step's shape."""
+falls back to the absorbed form; "auto" picks by the step's shape and backend."""
 
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def test_auto_picks_by_the_steps_shape(layer):
     tokens a sequence; decode steps and oversized scratch caches stay absorbed."""
     assert mla_expanded.crossover_tokens(512, 128, 64, 128) == pytest.approx(341.3, abs=0.1)
     _, attn = layer
-    deepseek = dataclasses.replace(AttentionBackend(), latent_prefill="auto")
+    deepseek = AttentionBackend("tpu", latent_prefill="auto")
     cross = mla_expanded.MEASURED_CROSSOVER * mla_expanded.crossover_tokens(
         attn.latent, attn.nope, attn.rope_dim, attn.v_dim)
     few, _ = step([1], [1], padded_seqs=4)
@@ -108,6 +108,8 @@ def test_auto_picks_by_the_steps_shape(layer):
                                    many, BLOCK, 4)
     absorbed = dataclasses.replace(deepseek, latent_prefill="absorbed")
     assert not mla_expanded.chosen(attn, absorbed, few, many, BLOCK, 4)
+    # the jnp reference: absorbed at every length (measured: benchmarks/results/mla_prefill.md)
+    assert not mla_expanded.chosen(attn, AttentionBackend(), few, 100 * many, BLOCK, 4)
     assert not mla_expanded.chosen(attn, dataclasses.replace(deepseek, latent_prefill="expanded"),
                                    few, 1 << 30, BLOCK, 4)  # past SCRATCH_BYTES
 

@@ -8,9 +8,14 @@ latent and the RoPE key, PV over the latent: 1,088 at DeepSeek's 512 / 64), expa
 nope + R + v (192 + 128 = 320), plus Dl (nope + v) a token of this step to expand its keys and
 values (131,072). A sequence of q tokens attends to about q^2 / 2 keys of its own, so the
 expanded form wins past q ~ 2 Dl (nope + v) / (2 Dl - nope - v) tokens a sequence (341 at
-DeepSeek's dims: crossover_tokens) in multiply-adds; the CPU measures the crossover where the
-step time crosses (benchmarks/results/mla_prefill.md), and "auto" takes the step's T / B
-against it (both static: the plan's shape), times MEASURED_CROSSOVER.
+DeepSeek's dims: crossover_tokens) in multiply-adds. That is what "auto" takes on the Pallas
+kernels (the step's T / B against it: both static, the plan's shape), which read each page
+once a tile of query tokens, so a compute-bound prefill's cost follows its multiply-adds; not
+measured on a device yet. The jnp reference gathers every query token's pages, so its cost
+follows the bytes gathered, and there MQA over the latent (144 values a key at the CPU
+benchmark's shape) beats every head's keys and values (8 x 96): the CPU measured the absorbed
+form ahead at 13 of 14 shapes, 1.7-1.85x from 512 tokens up (benchmarks/results/
+mla_prefill.md), so "auto" keeps it on the reference backend.
 
 Only the step's own tokens are expanded (nothing read back from the cache), so the expanded
 form serves steps in which no sequence has cached context (each chunk its sequence's first,
@@ -35,7 +40,10 @@ from pagedjax.pallas_kernels import (AttentionBackend, AttentionMetadata, init_k
 from pagedjax.pallas_kernels.layout import cache_head_dim
 
 PREFILL_FORMS = ("auto", "absorbed", "expanded")
-# The crossover the CPU measured, in units of crossover_tokens (benchmarks/mla_prefill.py).
+# Where "auto" may pick the expanded form (the module docstring), and past how many times
+# crossover_tokens a sequence (the multiply-add model's 1.0 until a device measures it:
+# benchmarks/mla_prefill.py --attention-backend).
+EXPANDED_AUTO_BACKENDS = ("gpu", "tpu")
 MEASURED_CROSSOVER = 1.0
 SCRATCH_BYTES = 1 << 30  # a step's expanded K/V beyond this: the absorbed form
 
@@ -65,6 +73,8 @@ def chosen(attn, backend: AttentionBackend, metadata: AttentionMetadata, num_tok
         return False
     if backend.latent_prefill == "expanded":
         return True
+    if backend.name not in EXPANDED_AUTO_BACKENDS:
+        return False
     crossover = crossover_tokens(attn.latent, attn.nope, attn.rope_dim, attn.v_dim)
     return num_tokens >= MEASURED_CROSSOVER * crossover * num_seqs
 
