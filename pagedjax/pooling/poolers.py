@@ -1,0 +1,102 @@
+"""Poolers: a sequence's final hidden states (after the model's last norm, as transformers'
+last_hidden_state and sentence-transformers' token_embeddings) reduced to one vector, fed
+chunk by chunk in position order as chunked prefill computes them, so no step holds a whole
+long prompt's states.
+
+The modes are sentence-transformers' (its Pooling module, concatenated in the order given):
+cls (the first token), max, mean, mean_sqrt_len_tokens (the sum over sqrt(tokens)),
+weightedmean (token i weighted i + 1) and lasttoken; vLLM's pooling types map onto them
+(LAST, MEAN, CLS; ALL keeps every token's state: mode "all", alone). Accumulation is in f32
+whatever the hidden dtype (sentence-transformers' rule for 16-bit embeddings).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken",
+                 "all")
+# vLLM's pooling types (--pooler-config's pooling_type) as modes
+POOLING_TYPES = {"LAST": "lasttoken", "MEAN": "mean", "CLS": "cls", "ALL": "all"}
+
+
+def check_modes(modes: tuple[str, ...]) -> None:
+    if not modes:
+        raise ValueError("a pooler needs at least one pooling mode")
+    for mode in modes:
+        if mode not in POOLING_MODES:
+            raise ValueError(f"pooling mode must be one of {POOLING_MODES}, got {mode!r}")
+    if "all" in modes and len(modes) > 1:
+        raise ValueError("pooling mode 'all' (every token's state) combines with no other mode")
+
+
+class PooledSequence:
+    """The running pool of one sequence (modes: check_modes): add() each computed chunk of its
+    hidden states in position order, result() once the last one is in."""
+
+    def __init__(self, modes: tuple[str, ...]):
+        check_modes(modes)
+        self.modes = modes
+        self.count = 0
+        self.first = self.last = self.maximum = None
+        self.total = self.weighted = None
+        self.rows: list[np.ndarray] = []
+
+    def add(self, hidden: np.ndarray, start: int) -> None:
+        """hidden [n, D]: the states of positions start .. start + n - 1."""
+        if start != self.count:
+            raise ValueError(f"a pooled sequence takes its chunks in order: position {start} "
+                             f"after {self.count} tokens")
+        if hidden.ndim != 2 or hidden.shape[0] == 0:
+            raise ValueError(f"a chunk is [tokens >= 1, hidden], got {hidden.shape}")
+        rows = np.asarray(hidden, np.float32)
+        if self.count == 0:
+            self.first = rows[0]
+            self.maximum = rows.max(axis=0)
+            self.total = rows.sum(axis=0)
+            self.weighted = np.zeros(rows.shape[1], np.float32)
+        else:
+            self.maximum = np.maximum(self.maximum, rows.max(axis=0))
+            self.total = self.total + rows.sum(axis=0)
+        weights = np.arange(start + 1, start + rows.shape[0] + 1, dtype=np.float32)
+        self.weighted = self.weighted + weights @ rows
+        self.last = rows[-1]
+        if "all" in self.modes:
+            self.rows.append(rows)
+        self.count += rows.shape[0]
+
+    def result(self) -> np.ndarray:
+        """f32[len(modes) * D], or f32[tokens, D] for mode "all"."""
+        if self.count == 0:
+            raise ValueError("nothing was pooled: the sequence has no computed tokens")
+        if self.modes == ("all",):
+            return np.concatenate(self.rows)
+        n = np.float32(self.count)
+        parts = {"cls": self.first, "max": self.maximum, "mean": self.total / n,
+                 "mean_sqrt_len_tokens": self.total / np.sqrt(n),
+                 "weightedmean": self.weighted / (n * (n + 1) / 2), "lasttoken": self.last}
+        return np.concatenate([parts[mode] for mode in self.modes])
+
+
+def finish_embedding(vector: np.ndarray, *, normalize: bool, dimensions: int | None = None,
+                     matryoshka: tuple[int, ...] | bool = False) -> np.ndarray:
+    """An embedding as served: Matryoshka truncation to `dimensions` (refused, naming the
+    field, where the model does not declare it: matryoshka False, or a list without that
+    size), then L2 normalization (a zero vector stays zero)."""
+    if dimensions is not None:
+        width = vector.shape[-1]
+        if isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1:
+            raise ValueError(f"dimensions must be a positive integer, got {dimensions!r}")
+        if not matryoshka:
+            raise ValueError("dimensions: this model does not support Matryoshka "
+                             "representation (its config declares no matryoshka_dimensions)")
+        if matryoshka is not True and dimensions not in matryoshka:
+            raise ValueError(f"dimensions must be one of the model's Matryoshka dimensions "
+                             f"{list(matryoshka)}, got {dimensions}")
+        if dimensions > width:
+            raise ValueError(f"dimensions {dimensions} exceeds the embedding's {width}")
+        vector = vector[..., :dimensions]
+    if normalize:
+        norm = np.linalg.norm(vector, axis=-1, keepdims=True)
+        vector = vector / np.maximum(norm, np.float32(1e-12))  # torch F.normalize's eps
+    return vector
