@@ -68,9 +68,10 @@ def run(layer, form, metadata, positions, backend="reference", cache=None):
                                                                       metadata)
 
 
-@pytest.mark.parametrize("backend", ["reference", "gpu"])
-def test_expanded_equals_absorbed_on_a_fresh_step(layer, backend):
-    metadata, positions = step([5, 17, 9], [5, 17, 9])
+@pytest.mark.parametrize("backend, rows", [("reference", 4), ("gpu", 4), ("reference", 3)],
+                         ids=["reference", "gpu", "every-row-live"])
+def test_expanded_equals_absorbed_on_a_fresh_step(layer, backend, rows):
+    metadata, positions = step([5, 17, 9], [5, 17, 9], padded_seqs=rows)
     assert bool(mla_expanded.fresh(metadata))
     want, want_cache = run(layer, "absorbed", metadata, positions, backend)
     got, got_cache = run(layer, "expanded", metadata, positions, backend)
@@ -110,8 +111,14 @@ def test_auto_picks_by_the_steps_shape(layer):
     assert not mla_expanded.chosen(attn, absorbed, few, many, BLOCK, 4)
     # the jnp reference: absorbed at every length (measured: benchmarks/results/mla_prefill.md)
     assert not mla_expanded.chosen(attn, AttentionBackend(), few, 100 * many, BLOCK, 4)
-    assert not mla_expanded.chosen(attn, dataclasses.replace(deepseek, latent_prefill="expanded"),
-                                   few, 1 << 30, BLOCK, 4)  # past SCRATCH_BYTES
+    forced = dataclasses.replace(deepseek, latent_prefill="expanded")
+    assert not mla_expanded.chosen(attn, forced, few, 1 << 30, BLOCK, 4)  # past SCRATCH_BYTES
+    head_dim = max(attn.nope + attn.rope_dim, attn.v_dim)
+    block = (mla_expanded.scratch_bytes(BLOCK, 0, BLOCK, attn.num_heads, head_dim, 4, "tpu")
+             - mla_expanded.scratch_bytes(0, 0, BLOCK, attn.num_heads, head_dim, 4, "tpu"))
+    at_limit = (mla_expanded.SCRATCH_BYTES // block - 4 - 1) * BLOCK  # 4 rows, the null block
+    assert mla_expanded.chosen(attn, forced, few, at_limit - 8 * BLOCK, BLOCK, 4)
+    assert not mla_expanded.chosen(attn, forced, few, at_limit + 8 * BLOCK, BLOCK, 4)
 
 
 def test_the_engine_field_and_flag():

@@ -55,9 +55,15 @@ def crossover_tokens(latent: int, nope: int, rope_dim: int, v_dim: int) -> float
     return 2 * latent * (nope + v_dim) / max(1, 2 * latent - nope - v_dim)
 
 
+def scratch_blocks(num_tokens: int, num_seqs: int, block_size: int) -> int:
+    """Blocks of a step's scratch cache: its tokens' (each sequence from a block boundary: at
+    most one partial block a sequence) and the null block."""
+    return -(-num_tokens // block_size) + num_seqs + 1
+
+
 def scratch_bytes(num_tokens: int, num_seqs: int, block_size: int, num_heads: int,
                   head_dim: int, itemsize: int, backend: str) -> int:
-    blocks = num_tokens // block_size + num_seqs + 2
+    blocks = scratch_blocks(num_tokens, num_seqs, block_size)
     return 2 * blocks * block_size * num_heads * cache_head_dim(head_dim, backend) * itemsize
 
 
@@ -107,7 +113,7 @@ def scratch_plan(metadata: AttentionMetadata, num_tokens: int, block_size: int):
                              block_tables=tables.astype(jnp.int32),
                              kv_lens=q_lens.astype(jnp.int32), cu_q_lens=cu,
                              num_seqs=metadata.num_seqs, decode_only=False)
-    return plan, width + num_rows + 2
+    return plan, scratch_blocks(num_tokens, num_rows, block_size)
 
 
 def expanded_attention(attn, q_nope, q_pe, latent, k_pe, w_uk, w_uv, metadata, backend,
