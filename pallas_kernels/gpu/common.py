@@ -59,3 +59,20 @@ def choose_num_splits(num_programs: int, max_pages: int, pages_per_step: int,
     splits = max(1, target_programs // max(num_programs, 1))
     splits = min(splits, max(1, max_pages // pages_per_step))
     return 1 << (splits.bit_length() - 1)  # a power of two, <= splits
+
+
+def split_context(block_tables, kv_lens, num_seqs, *, programs: int, pages_per_step: int,
+                  num_splits: int | None):
+    """Split-K decoding's layout: (num_splits, pages_per_split, the tables padded with the null
+    block so the last step of the last split (and a window-shifted start) may read past P,
+    kv_lens zeroed past num_seqs). num_splits None: choose_num_splits for `programs`
+    programs a split."""
+    batch, width = block_tables.shape
+    if num_splits is None:
+        num_splits = choose_num_splits(programs, width, pages_per_step)
+    per_split = -(-width // num_splits)
+    pages_per_split = -(-per_split // pages_per_step) * pages_per_step
+    padded_width = pages_per_split * num_splits + pages_per_step
+    tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_width - width)))
+    lens = jnp.where(jnp.arange(batch) < num_seqs, kv_lens, 0).astype(jnp.int32)
+    return num_splits, pages_per_split, tables, lens

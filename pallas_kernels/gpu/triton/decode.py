@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pagedjax.pallas_kernels.common import MASK_VALUE, online_softmax_step, sink_rows
-from pagedjax.pallas_kernels.gpu.common import choose_num_splits, combine_splits, next_power_of_2
+from pagedjax.pallas_kernels.gpu.common import combine_splits, next_power_of_2, split_context
 from pagedjax.pallas_kernels.gpu.triton import latent
 from pagedjax.pallas_kernels.gpu.triton.tiling import (MIN_DOT_SIZE, check_operands, fit_pipeline,
                                                        load_pages)
@@ -130,13 +130,9 @@ def paged_decode_attention_gpu(
         block_size=block_size, head_dim=padded_head_dim, cache_itemsize=data.dtype.itemsize,
         compute_itemsize=jnp.dtype(dtype).itemsize, quantized=scales is not None)
     pages_per_step = min(pages_per_step, next_power_of_2(width))
-    if num_splits is None:
-        num_splits = choose_num_splits(batch * num_kv_heads, width, pages_per_step)
-    pages_per_split = pl.cdiv(pl.cdiv(width, num_splits), pages_per_step) * pages_per_step
-    # Room for the last step of the last split (and a window-shifted start) to read past P.
-    padded_width = pages_per_split * num_splits + pages_per_step
-    tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_width - width)))
-    lens = jnp.where(jnp.arange(batch) < num_seqs, kv_lens, 0).astype(jnp.int32)
+    num_splits, pages_per_split, tables, lens = split_context(
+        block_tables, kv_lens, num_seqs, programs=batch * num_kv_heads,
+        pages_per_step=pages_per_step, num_splits=num_splits)
     qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(dtype)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, padded_group - group),
                       (0, padded_head_dim - head_dim)))

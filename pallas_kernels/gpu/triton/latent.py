@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pagedjax.pallas_kernels.common import MASK_VALUE, online_softmax_step, tile_layout
-from pagedjax.pallas_kernels.gpu.common import choose_num_splits, combine_splits, next_power_of_2
+from pagedjax.pallas_kernels.gpu.common import combine_splits, next_power_of_2, split_context
 from pagedjax.pallas_kernels.gpu.triton.tiling import (MAX_TILE_ELEMENTS, MIN_DOT_SIZE,
                                                        check_triton_shapes, fit_pipeline,
                                                        split_cache)
@@ -201,12 +201,9 @@ def latent_decode_attention_gpu(
                                       rows=head_tile, data=data, dtype=dtype, scales=scales,
                                       row=row, width=width)
     head_tiles = padded_heads // head_tile
-    if num_splits is None:
-        num_splits = choose_num_splits(batch * head_tiles, width, pages_per_step)
-    pages_per_split = pl.cdiv(pl.cdiv(width, num_splits), pages_per_step) * pages_per_step
-    padded_width = pages_per_split * num_splits + pages_per_step
-    tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_width - width)))
-    lens = jnp.where(jnp.arange(batch) < num_seqs, kv_lens, 0).astype(jnp.int32)
+    num_splits, pages_per_split, tables, lens = split_context(
+        block_tables, kv_lens, num_seqs, programs=batch * head_tiles,
+        pages_per_step=pages_per_step, num_splits=num_splits)
     q_lat, q_pe = _split_query(q, value_dim, padded_heads, dtype)
     kernel = functools.partial(_decode_kernel, pages_per_split=pages_per_split,
                                pages_per_step=pages_per_step, value_dim=value_dim, scale=scale,
