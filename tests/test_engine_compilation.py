@@ -69,7 +69,9 @@ def backend_compiles():
     return BackendCompiles()
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+# the synchronous engine's in make test-slow (11 s: make test's time); the async one here
+@pytest.mark.parametrize("async_scheduling", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["sync", "async"])
 def test_no_request_compiles_anything_after_warmup(async_scheduling, backend_compiles):
     """After warmup() requests of every kind (prompt logprobs, penalties, a grammar, allowed
     tokens, logit bias, min_p, logprobs, n > 1, best_of) of every length compile nothing at

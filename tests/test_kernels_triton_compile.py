@@ -148,6 +148,7 @@ def latent_args(kind, num_heads, dtype, *, latent=512, rope=64, width=64):
     return (q, cache) + tail
 
 
+@pytest.mark.slow  # 25 s of builds: make test-slow here, every run in make test-gpu-image
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
 @pytest.mark.parametrize("num_heads", [16, 128], ids=["v2-lite", "v3"])
 @pytest.mark.parametrize("kind", ["decode", "ragged", "write"])
