@@ -105,7 +105,19 @@ def child() -> None:
             report[arch][f"int8-{name}"] = {
                 "tokens": [o.output_token_ids for o in outputs],
                 "experts": _expert_shards(llm.engine.runner.params)}
+        if arch == "deepseek":  # latent attention's expanded prefill over TP 2
+            llm = LLM(model, **BASE, **RUNS["tp2"], mla_prefill="expanded")
+            outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0),
+                                   use_tqdm=False)
+            report[arch]["tp2-expanded"] = [o.output_token_ids for o in outputs]
     print(json.dumps(report))
+
+
+def test_deepseek_expanded_prefill_splits_its_heads(report):
+    """--mla-prefill expanded at TP 2: the latent written on each device's copy (write_kv under
+    shard_map), the step's expanded keys and values and the scratch cache split by heads with
+    the query: the dense model's tokens (first chunks expanded, later ones absorbed)."""
+    assert report["deepseek"]["tp2-expanded"] == report["deepseek"]["dense"]
 
 
 INT8_RUNS = ("tp1", "tp2", "ep2", "ep4")
