@@ -66,6 +66,8 @@ def test_normalize_equals_sentence_transformers_and_dimensions_truncate_first():
     np.testing.assert_allclose(got, vector[:, :8] / np.linalg.norm(vector[:, :8]), rtol=1e-6)
     assert finish_embedding(vector, normalize=False, dimensions=16, matryoshka=True).shape == \
         (1, 16)
+    assert finish_embedding(vector, normalize=False, dimensions=1, matryoshka=True).shape == \
+        (1, 1)  # the least size a model may declare
     for dims, matryoshka, match in ((8, False, "does not support Matryoshka"),
                                     (12, (8, 16), r"one of the model's Matryoshka dimensions"),
                                     (64, True, "exceeds the embedding's 32"),
