@@ -236,6 +236,13 @@ def _forward_periods(graph: ServingGraph, weights: ServingWeights, x, kv_cache, 
     return x, kv_cache
 
 
+def final_norm(graph: ServingGraph, weights: ServingWeights,
+               hidden: jax.Array) -> jax.Array:  # [..., D] -> [..., D]
+    """The model's last norm: the final hidden states pooling models read (transformers'
+    last_hidden_state)."""
+    return nnx.merge(graph.norm, weights.norm)(hidden)
+
+
 def logits(graph: ServingGraph, weights: ServingWeights,
            hidden: jax.Array) -> jax.Array:  # [..., D] -> f32[..., V]
     head = None if graph.lm_head is None else nnx.merge(graph.lm_head, weights.lm_head)

@@ -134,7 +134,7 @@ class HybridKVCacheManager:
     def find_cached_prefix(self, request: Request) -> CachedPrefix:
         """The longest run of leading blocks every group can serve (see the module docstring)."""
         if (not self.enable_prefix_caching
-                or request.sampling_params.prompt_logprobs is not None):
+                or request.computes_whole_prompt):
             return CachedPrefix([])
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = block_hashes(request, self.block_size, max_blocks, self.groups[0].cache_key)

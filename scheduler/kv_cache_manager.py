@@ -77,10 +77,10 @@ class KVCacheManager:
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """The published blocks matching request's leading full blocks (at most num_tokens - 1
-        tokens' worth); empty without prefix caching, and for a request that asks for prompt
-        logprobs (every prompt position must be computed to have them, as vLLM does)."""
+        tokens' worth); empty without prefix caching, and for a request that computes its whole
+        prompt (Request.computes_whole_prompt: prompt logprobs, pooling every token)."""
         if (not self.enable_prefix_caching
-                or request.sampling_params.prompt_logprobs is not None):
+                or request.computes_whole_prompt):
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits = []

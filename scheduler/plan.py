@@ -9,13 +9,15 @@ import numpy as np
 from pagedjax.scheduler.block_pool import NULL_BLOCK
 from pagedjax.scheduler.buckets import ShapeBuckets
 from pagedjax.scheduler.kv_cache_manager import KVCacheManager, cdiv
+from pagedjax.scheduler.plan_rows import pooling_rows, prompt_targets
 from pagedjax.scheduler.request import MAX_LOGIT_BIAS
 from pagedjax.scheduler.state import DECODE, PREFILL, ScheduledSeq, SchedulerOutput
 
 # What the model's forward reads, and what the sampler reads (kv_lens: the sampled position).
 FORWARD_FIELDS = ("token_ids", "positions", "slot_mapping", "block_tables", "kv_lens",
                   "cu_q_lens", "logits_indices", "num_seqs", "copy_src", "copy_dst", "num_copies",
-                  "prompt_targets", "group_slot_mapping", "group_block_tables", "lora_slots")
+                  "prompt_targets", "pooling_rows", "group_slot_mapping", "group_block_tables",
+                  "lora_slots")
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seeds", "kv_lens", "bias_ids",
                    "bias_values", "presence_penalty", "frequency_penalty", "repetition_penalty",
                    "penalty_tokens", "penalty_prompt_lens", "draft_token_ids",
@@ -69,6 +71,10 @@ class BatchPlan:
     # request asks for prompt logprobs and has not recorded that position yet, else -1; [0]
     # when no token of the step has one (the forward then projects only the sampled tokens).
     prompt_targets: np.ndarray  # i32[T] or i32[0]
+    # Pooling requests (Request.pooling): pooling_rows[t] is 1 when query token t's final
+    # hidden state is returned (a prompt token whose state its request pools), else 0; [0] when
+    # the step has no pooling request (the forward then returns no hidden states).
+    pooling_rows: np.ndarray  # i32[T] or i32[0]
     # Speculative decoding: a row's drafts are its last num_draft_tokens[b] query tokens,
     # draft_token_ids[b, :n] (K = 0 columns in a plan without drafts: the plain sampler).
     draft_token_ids: np.ndarray  # i32[B, K]
@@ -185,25 +191,6 @@ def penalty_tokens(requests, padded_seqs: int, width: int) -> tuple[np.ndarray, 
     return tokens, prompt_lens
 
 
-def prompt_targets(scheduled, padded_tokens: int) -> np.ndarray:
-    """The plan's prompt_targets (see BatchPlan) for rows laid out back to back: a query token at
-    position p targets prompt token p + 1 when its request asks for prompt logprobs and has no
-    entry for p + 1 yet."""
-    targets = None
-    offset = 0
-    for request, start, num_new in scheduled:
-        if request.sampling_params.prompt_logprobs is not None:
-            first = max(start, len(request.prompt_logprobs) - 1)
-            last = min(start + num_new, request.num_prompt_tokens - 1)
-            if first < last:
-                if targets is None:
-                    targets = np.full(padded_tokens, -1, np.int32)
-                targets[offset + first - start:offset + last - start] = \
-                    request.prompt_token_ids[first + 1:last + 1]
-        offset += num_new
-    return np.zeros(0, np.int32) if targets is None else targets
-
-
 def _positions(output: SchedulerOutput, starts, q_lens, kv_lens, seq_of_token,
                padded_tokens: int) -> np.ndarray:
     """Each token's absolute position: a decode's is its row's start; in a chunk, the start of
@@ -316,7 +303,8 @@ def build_plan(output: SchedulerOutput, kv_manager: KVCacheManager,
         cu_q_lens=cu_q_lens,
         logits_indices=_logits_indices(output, cu_q_lens, num_drafts, k),
         num_seqs=np.asarray(num_seqs, np.int32), **sampling,
-        prompt_targets=prompt_targets(output.scheduled, padded_tokens), draft_token_ids=draft_ids,
+        prompt_targets=prompt_targets(output.scheduled, padded_tokens),
+        pooling_rows=pooling_rows(output.scheduled, padded_tokens), draft_token_ids=draft_ids,
         num_draft_tokens=num_drafts, lora_slots=lora_slots, copy_src=copy_src,
         copy_dst=copy_dst,
         num_copies=np.asarray(len(output.copies), np.int32), kind=kind,
@@ -353,9 +341,10 @@ def _no_logit_bias(num_seqs: int) -> dict:
 def padding_plan(kind: str, num_tokens: int, num_seqs: int, max_blocks_per_seq: int,
                  with_prompt_logprobs: bool = False, num_kv_groups: int = 1,
                  group_table_width: int | None = None,
-                 num_speculative_tokens: int = 0) -> BatchPlan:
+                 num_speculative_tokens: int = 0, with_pooling: bool = False) -> BatchPlan:
     """A plan of nothing but padding (num_seqs = 0): every write lands in the null block.
-    with_prompt_logprobs gives it prompt_targets (all -1) for the forward's prompt variant;
+    with_prompt_logprobs gives it prompt_targets (all -1) for the forward's prompt variant,
+    with_pooling pooling_rows (all 0) for its pooling variant;
     group_table_width: the other KV cache groups' tables' (default max_blocks_per_seq);
     num_speculative_tokens: K draft columns (K + 1 logits a row)."""
     k = num_speculative_tokens
@@ -376,6 +365,7 @@ def padding_plan(kind: str, num_tokens: int, num_seqs: int, max_blocks_per_seq: 
         draft_token_ids=np.zeros((num_seqs, k), np.int32),
         num_draft_tokens=np.zeros(num_seqs, np.int32),
         prompt_targets=np.full(num_tokens if with_prompt_logprobs else 0, -1, np.int32),
+        pooling_rows=np.zeros(num_tokens if with_pooling else 0, np.int32),
         lora_slots=np.full(num_tokens, -1, np.int32), copy_src=np.zeros(num_seqs, np.int32), copy_dst=np.zeros(num_seqs, np.int32),
         num_copies=np.asarray(0, np.int32), kind=kind,
         padded_num_tokens=num_tokens, padded_num_seqs=num_seqs)

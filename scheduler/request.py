@@ -220,7 +220,7 @@ class Request:
                  "sample_index", "followers", "cumulative_logprob", "logprobs", "stop_reason",
                  "prompt_logprobs", "spec_token_ids", "num_draft_tokens",
                  "num_accepted_draft_tokens", "awaiting_kv", "lora_id", "lora_key",
-                 "lora_slot")
+                 "lora_slot", "pooling")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, *, seed: int, arrival_time: float,
@@ -272,6 +272,17 @@ class Request:
         self.lora_id = lora_id
         self.lora_key = lora_key
         self.lora_slot = -1
+        # A pooling request (embeddings, scores; pagedjax.pooling) runs its prompt only and
+        # returns final hidden states instead of tokens: the ones it needs, "last" (the last
+        # prompt token's: a prefix cache hit serves the rest) or "all" (every prompt token's:
+        # computed whole, no prefix hits); None for a generation request.
+        self.pooling: str | None = None
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Every prompt position must run through the model (no prefix cache hits): the
+        request asks for prompt logprobs, or pools every token's state (vLLM's rule)."""
+        return self.sampling_params.prompt_logprobs is not None or self.pooling == "all"
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -185,7 +185,7 @@ def _count_tier_lookups(state: SchedulerState, request: Request, cached_blocks) 
     it)."""
     tier = state.kv_manager.host_tier
     if tier is None or not state.config.enable_prefix_caching \
-            or request.sampling_params.prompt_logprobs is not None:
+            or request.computes_whole_prompt:
         return
     heads = getattr(cached_blocks, "groups", None) or [cached_blocks]
     asked = (request.num_tokens - 1) // state.kv_manager.block_size

@@ -29,7 +29,8 @@ from pagedjax.models.config import LlamaConfig
 from pagedjax.models.families.llama import LlamaForCausalLM
 from pagedjax.models.loading import mxfp4_checkpoint
 from pagedjax.models.loading.hf_config import (UnsupportedModelError, architecture_of,  # noqa: F401
-                                               config_from_hf, supported_summary)
+                                               config_from_hf, is_sequence_classifier,
+                                               supported_summary)
 from pagedjax.models.loading.names import EXPERT, expert_names, hf_weight_name
 from pagedjax.models.registry import hf_renames, model_class
 
@@ -135,6 +136,8 @@ def checked_hf_weights(model_dir: str, dtype: str = "float32"):
         raise ValueError(f"{model_dir}: weights missing for {config.model_type}: "
                          f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
     ignorable = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if is_sequence_classifier(read_json(os.path.join(model_dir, "config.json"))):
+        ignorable |= {"score.weight", "score.bias"}  # its head: pagedjax.pooling.heads
     if compressed is not None:  # read with their weights (_check_compressed checks them)
         ignorable |= {n for n in present if n.endswith(".weight_scale")}
     unexpected = sorted(n for n in present - set(stored_as) - ignorable

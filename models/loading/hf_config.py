@@ -100,10 +100,31 @@ def common_fields(raw: dict[str, Any], generation_config: dict[str, Any] | None)
         raise ValueError(f"config.json lacks the field {e.args[0]!r}") from None
 
 
+SEQUENCE_CLASSIFIER = "ForSequenceClassification"
+
+
+def is_sequence_classifier(raw: dict[str, Any]) -> bool:
+    """A transformers <X>ForSequenceClassification config.json (reward models, rerankers)."""
+    return architecture_of(raw).endswith(SEQUENCE_CLASSIFIER)
+
+
+def as_causal_lm(raw: dict[str, Any]) -> dict[str, Any]:
+    """A sequence classifier's config.json (transformers' <X>ForSequenceClassification: its
+    base model and a `score` head, no language-model head) as its family's <X>ForCausalLM with
+    tied embeddings (the vocabulary projection a pooling model never runs; the head is
+    pagedjax.pooling.heads'); any other config as it is."""
+    architecture = architecture_of(raw)
+    causal = architecture[:-len(SEQUENCE_CLASSIFIER)] + "ForCausalLM"
+    if not is_sequence_classifier(raw) or causal not in ARCHITECTURES:
+        return raw
+    return {**raw, "architectures": [causal], "tie_word_embeddings": True}
+
+
 def config_from_hf(raw: dict[str, Any],
                    generation_config: dict[str, Any] | None = None) -> LlamaConfig:
     """The LlamaConfig for a parsed config.json (its family's reader, models.registry), or
     UnsupportedModelError naming what is not supported."""
+    raw = as_causal_lm(raw)
     architecture = architecture_of(raw)
     family = ARCHITECTURES.get(architecture)
     if family is None:

@@ -18,6 +18,7 @@ from pagedjax.engine.kv_pool import check_linear_attention, size_kv_pool
 from pagedjax.engine.kv_snapshot import KVSnapshot, UsageSample, kv_snapshot, tokens_stored
 from pagedjax.engine.output_processor import TextState
 from pagedjax.engine.outputs import RequestOutput
+from pagedjax.engine.pooling_requests import PoolingRequests
 from pagedjax.engine.request_intake import RequestIntake
 from pagedjax.engine.sleep_mode import SleepMode
 from pagedjax.engine.spec_decode.draft_model import DraftModelProposer
@@ -48,7 +49,8 @@ class _Started:
     error: Exception | None = None
 
 
-class LLMEngine(RequestIntake, StepRecovery, WeightUpdates, SleepMode, LoRAControls):
+class LLMEngine(RequestIntake, PoolingRequests, StepRecovery, WeightUpdates, SleepMode,
+                LoRAControls):
     """Requests in, one step at a time (ARCHITECTURE.md: one engine step)."""
 
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig | None = None, *,
@@ -135,6 +137,7 @@ class LLMEngine(RequestIntake, StepRecovery, WeightUpdates, SleepMode, LoRAContr
         self.usage_history: collections.deque[UsageSample] = collections.deque(maxlen=100_000)
         self.last_schedule = None
         self.async_scheduling = AsyncScheduling(self) if config.async_scheduling else None
+        self._init_pooling()
 
     def has_unfinished(self) -> bool:
         """Requests not finished, or outputs not yet returned (pausing's: step() returns them)."""
@@ -271,8 +274,9 @@ class LLMEngine(RequestIntake, StepRecovery, WeightUpdates, SleepMode, LoRAContr
         output per request that got a token. A request whose detokenization fails is dropped
         alone."""
         now = self.clock()
-        sampled_ids, logprobs, top_ids, top_logprobs, ranks, prompt = results
+        sampled_ids, logprobs, top_ids, top_logprobs, ranks, prompt, pooled = results
         prompt_logprobs.record(output, prompt, self.tokenizer)
+        self.record_pooled(output, pooled)
         failed: dict[str, str] = {}
         new = self.scheduler.update(output, sampled_ids, now, logprobs, top_ids, top_logprobs,
                                     ranks, lambda sample: self._on_token(sample, failed))
@@ -288,7 +292,9 @@ class LLMEngine(RequestIntake, StepRecovery, WeightUpdates, SleepMode, LoRAContr
     def _on_token(self, sample: Request, failed: dict[str, str]) -> RequestStatus | None:
         """After each token the scheduler appends: a grammar complete or a stop string ends the
         sample (FINISHED_STOPPED), a failing detokenization fails it alone (recorded in failed),
-        and the token's logprobs get their texts."""
+        and the token's logprobs get their texts. (A pooling request's token is nobody's.)"""
+        if sample.pooling is not None:
+            return None
         self.stats.num_generated_tokens += 1
         try:
             stopped = self.token_masks.advance(sample)  # a grammar complete
@@ -305,6 +311,14 @@ class LLMEngine(RequestIntake, StepRecovery, WeightUpdates, SleepMode, LoRAContr
 
     def _output(self, parent_id: str, error: str | None = None) -> RequestOutput:
         samples = self._groups[parent_id]
+        if self.is_pooling(parent_id):
+            out = self.pooling_output(parent_id, error)
+            if out.finished:
+                del self._groups[parent_id]
+                for books in (self._prompts, self._oom_retries, self._versions):
+                    books.pop(parent_id, None)
+                self._forget(parent_id)
+            return out
         texts = None
         if self.tokenizer is not None:
             texts = {s.request_id: self._texts[s.request_id].visible_text(s.status.finished)
@@ -324,8 +338,10 @@ class LLMEngine(RequestIntake, StepRecovery, WeightUpdates, SleepMode, LoRAContr
         return out
 
     def _forget(self, request_id: str) -> None:
-        """A finished sample's host state: its text, its token masks, its drafter's KV."""
+        """A finished sample's host state: its text, its token masks, its drafter's KV, its
+        pool."""
         self._texts.pop(request_id, None)
+        self.forget_pooling(request_id)
         self.token_masks.drop(request_id)
         if self.speculator is not None:
             self.speculator.forget(request_id)

@@ -5,7 +5,7 @@ The forward program of a step with such tokens (a variant compiled on first use)
 query token's hidden state, not only the sampled ones, in chunks of CHUNK tokens (so the [T, V]
 logits never exist at once), and returns per token the target's logprob and rank and the K most
 likely tokens; the host then appends one entry a prompt position to the requests that asked.
-The plan's prompt_targets (scheduler.plan.prompt_targets) names each token's target: the prompt
+The plan's prompt_targets (scheduler.plan_rows.prompt_targets) names each token's target: the prompt
 token that follows it, -1 for tokens nobody asked about.
 """
 

@@ -33,6 +33,9 @@ class PromptSpec:
     cache_salt: str | None = None
     arrival_time: float | None = None
     lora_request: object = None  # a pagedjax.LoRARequest: the adapter it runs under
+    # a pooling request's (pagedjax.pooling.params.PoolingParams, its task set): the prompt
+    # runs alone and returns pooled hidden states (params then is the engine's one-token form)
+    pooling_params: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +51,10 @@ class Admission:
     @property
     def num_tokens(self) -> int:
         """Tokens its samples may compute at most (prompt + max_tokens each): the admission
-        budget's measure."""
+        budget's measure; a pooling request's: its prompt)."""
         params = self.spec.params
+        if self.spec.pooling_params is not None:
+            return len(self.prompt_token_ids)
         return params.num_samples * (len(self.prompt_token_ids) + params.max_tokens)
 
 

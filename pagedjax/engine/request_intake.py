@@ -36,6 +36,8 @@ class RequestIntake:
         taken = {a.request_id for a in admissions}
         requests = [self._build(a, taken) for a in admissions]
         for request, admission in zip(requests, admissions):
+            if admission.spec.pooling_params is not None:
+                self.start_pooling(request, admission.spec.pooling_params)
             self.queue(request, admission.constraints or False)
             if admission.spec.prompt_text is not None:
                 self._prompts[request.parent_id] = admission.spec.prompt_text
@@ -97,7 +99,7 @@ class RequestIntake:
         samples = [request, *request.followers]
         self.token_masks.add(samples, constraints or None)
         self._groups[request.parent_id] = samples
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and request.pooling is None:
             for sample in samples:
                 self._texts[sample.request_id] = TextState(self.tokenizer, sample)
 

@@ -10,7 +10,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from pagedjax.engine import prompt_logprobs, sampling_step
+from pagedjax.engine import prompt_logprobs, sampling_step, step_counts
+from pagedjax.engine.step_counts import num_step_compiles, num_step_traces  # noqa: F401
 from pagedjax.engine.weight_writer import borrowed_leaves
 from pagedjax.kv_offload.block_transfers import BlockTransfers
 from pagedjax.lora.slot_weights import SlotSpec, device_slots
@@ -25,41 +26,22 @@ from pagedjax.pallas_kernels.dispatch import TP_AXIS
 from pagedjax.pallas_kernels.lora import lora_implementation
 from pagedjax.parallel.sharding import (kv_cache_sharding, kv_head_repeats, shard_weights,
                                         weight_sharding)
+from pagedjax.pooling.step_states import pooled_states
 from pagedjax.scheduler import ARRAY_FIELDS, DECODE, FORWARD_FIELDS, STATIC_FIELDS, BatchPlan
 from pagedjax.scheduler.plan import padding_plan
 
 jax.tree_util.register_dataclass(BatchPlan, data_fields=list(ARRAY_FIELDS),
                                  meta_fields=list(STATIC_FIELDS))
 
-_num_traces = 0
-_num_compiles = 0
-
-
-def num_step_traces() -> int:
-    """How many times any step program has been traced."""
-    return _num_traces
-
-
-def num_step_compiles() -> int:
-    """How many step programs any runner has compiled (ModelRunner.program)."""
-    return _num_compiles
-
-
-def _count_compile() -> None:
-    global _num_compiles
-    _num_compiles += 1
-
-
 def forward_fn(graph: ServingGraph, backend: AttentionBackend, kind: str, num_top_logprobs: int,
                params: ServingWeights, kv_cache, inputs: dict, lora: dict | None = None):
-    """The model's part of a step as a pure function: returns (logits f32[B, V], prompt,
-    kv_cache). inputs: the plan's FORWARD_FIELDS (kind is static: DECODE runs the decode
-    kernels); prompt is () or, when the plan has prompt_targets, prompt_logprobs.compute's
-    arrays for every query token (num_top_logprobs of them a token). lora: the LoRA adapters'
-    device slots (pagedjax.lora.slot_weights), each token's in inputs["lora_slots"]; None
-    for an engine without adapters."""
-    global _num_traces
-    _num_traces += 1  # runs at trace time only
+    """The model's part of a step as a pure function: returns (logits f32[B, V], (prompt,
+    pooled), kv_cache). inputs: the plan's FORWARD_FIELDS (kind is static: DECODE runs the
+    decode kernels); prompt is () or, when the plan has prompt_targets, prompt_logprobs.compute's
+    arrays for every query token (num_top_logprobs of them a token); pooled is () or, when the
+    plan has pooling_rows, (pooled_states,). lora: the LoRA adapters' device slots
+    (pagedjax.lora.slot_weights), each token's in inputs["lora_slots"]; None without them."""
+    step_counts.count("traces")  # runs at trace time only
     blocks_per_layer = kv_cache.shape[2] // graph.num_kv_slots
     kv_cache = copy_blocks(kv_cache, inputs["copy_src"], inputs["copy_dst"],
                            inputs["num_copies"], backend, num_blocks=blocks_per_layer)
@@ -84,7 +66,11 @@ def forward_fn(graph: ServingGraph, backend: AttentionBackend, kind: str, num_to
         if inputs["prompt_targets"].shape[0]:
             prompt = prompt_logprobs.compute(graph, params, hidden, inputs["prompt_targets"],
                                              num_top_logprobs, backend.mesh)
-    return logits, prompt, kv_cache
+        pooled = ()
+        if inputs["pooling_rows"].shape[0]:
+            pooled = (pooled_states(graph, params, hidden, inputs["pooling_rows"], backend.mesh),)
+    return logits, (prompt, pooled), kv_cache
+
 
 
 def forward_inputs(plan: BatchPlan) -> dict:
@@ -165,11 +151,11 @@ class ModelRunner(BlockTransfers):
         self.step_shapes: set[tuple[str, int, int]] = set()  # the shapes steps have run
         self.channel = None  # multi-host leader: a multihost.LeaderChannel
         self.tier_pool = None  # the prefix cache's host tier (kv_tiers), for the followers
-        # (kind, T, B, with prompt logprobs, K) -> the compiled forward program. A program is
+        # (kind, T, B, with prompt logprobs, K, with pooling) -> the compiled forward program. A program is
         # compiled ahead of time from abstract arguments (nothing runs, no buffer is touched),
         # so a warmup thread can compile while the engine thread steps; each shape compiles
         # once, under its lock.
-        self._programs: dict[tuple[str, int, int, bool, int], jax.stages.Compiled] = {}
+        self._programs: dict[tuple, jax.stages.Compiled] = {}
         # (B, K) -> the forward's logits (B * (K + 1) rows)
         self._logits_shape: dict[tuple[int, int], jax.ShapeDtypeStruct] = {}
         self._program_locks: dict[tuple, threading.Lock] = {}
@@ -241,20 +227,23 @@ class ModelRunner(BlockTransfers):
 
     def program(self, kind: str, num_tokens: int, num_seqs: int,
                 table_widths: tuple[int, int], with_prompt_logprobs: bool = False,
-                num_speculative_tokens: int = 0) -> jax.stages.Compiled:
+                num_speculative_tokens: int = 0,
+                with_pooling: bool = False) -> jax.stages.Compiled:
         """The forward program of a shape, compiled on first use (from the persistent
         compilation cache when an earlier process compiled it), with its plain sampler;
         thread-safe, one compile per shape. with_prompt_logprobs: the variant that also
         returns every query token's prompt logprobs (compiled only when a step needs it).
         table_widths: the block tables' (ShapeBuckets.table_widths). num_speculative_tokens:
-        K of a speculative step (K + 1 logits a row, verified by the sampler)."""
-        key = (kind, num_tokens, num_seqs, with_prompt_logprobs, num_speculative_tokens)
+        K of a speculative step (K + 1 logits a row, verified by the sampler). with_pooling: the
+        variant returning the pooling rows' hidden states (pooled_states)."""
+        key = (kind, num_tokens, num_seqs, with_prompt_logprobs, num_speculative_tokens,
+               with_pooling)
 
         def build():
-            _count_compile()
+            step_counts.count("compiles")
             plan = padding_plan(kind, num_tokens, num_seqs, table_widths[0],
                                 with_prompt_logprobs, self.num_kv_groups, table_widths[1],
-                                num_speculative_tokens)
+                                num_speculative_tokens, with_pooling)
             inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
                                   forward_inputs(plan))
             lowered = _forward.lower(self.graph, self.backend, kind, self.num_top_logprobs,
@@ -320,7 +309,7 @@ class ModelRunner(BlockTransfers):
         """Runs one step; returns, for the first num_seqs rows, the sampled ids, their logprobs,
         the num_top_logprobs most likely tokens with their logprobs, and the sampled ids'
         ranks; then the prompt logprobs of every query token (None when the plan has no
-        prompt_targets)."""
+        prompt_targets) and the pooling rows' hidden states (None without pooling_rows)."""
         return self.fetch(self.dispatch(plan, token_mask))
 
     def dispatch(self, plan: BatchPlan, token_mask: np.ndarray | None = None) -> "PendingStep":
@@ -336,7 +325,7 @@ class ModelRunner(BlockTransfers):
         scheduling, scheduler.async_steps) are read from, on the device."""
         program = self.program(plan.kind, plan.padded_num_tokens, plan.padded_num_seqs,
                                plan.table_widths, bool(plan.prompt_targets.shape[0]),
-                               plan.num_speculative_tokens)
+                               plan.num_speculative_tokens, bool(plan.pooling_rows.shape[0]))
         inputs = forward_inputs(plan)
         if previous is not None:
             if self.channel is not None:
@@ -347,39 +336,41 @@ class ModelRunner(BlockTransfers):
                 inputs["token_ids"] = jax.device_put(inputs["token_ids"],
                                                      self._token_ids_sharding)
         if self.channel is None:
-            logits, prompt, self.kv_cache = program(self.params, self.kv_cache, inputs,
+            logits, extras, self.kv_cache = program(self.params, self.kv_cache, inputs,
                                                     self.lora)
         else:  # multi-host: the followers run it too (multihost.py); a failure is the group's
             self.channel.step(plan)
             try:
-                logits, prompt, self.kv_cache = program(self.params, self.kv_cache, inputs,
+                logits, extras, self.kv_cache = program(self.params, self.kv_cache, inputs,
                                                         self.lora)
             except Exception as error:
                 raise self.channel.broken(error) from error
         self.step_shapes.add((plan.kind, plan.padded_num_tokens, plan.padded_num_seqs))
-        return logits, prompt
+        return logits, extras
 
     def dispatch_sample(self, plan: BatchPlan, forward: tuple[jax.Array, tuple],
                         token_mask: np.ndarray | None = None) -> "PendingStep":
         """Starts the sampler on a dispatched forward's logits, on this runner's device (over a
         mesh the logits are replicated: its copy there), token_mask (i32[B, W], W = ceil(V / 32),
         or None) limiting what each row may sample."""
-        logits, prompt = forward
+        logits, (prompt, pooled) = forward
         if token_mask is None:
             token_mask = sampling_step.no_token_mask(plan.padded_num_seqs)
         if not logits.is_fully_addressable or len(logits.devices()) > 1:
             logits = next(s.data for s in logits.addressable_shards if s.device == self.device)
         program = self._sampler(plan, token_mask)
         sampled = program(logits, sampling_step.sampling_inputs(plan), token_mask)
-        return PendingStep(sampled, int(plan.num_seqs), prompt)
+        return PendingStep(sampled, int(plan.num_seqs), prompt, pooled)
 
     def fetch(self, pending: "PendingStep") -> tuple:
         """A dispatched step's results on the host (blocks until the device is done): the
-        sampler's five arrays for the real rows, then the prompt logprob arrays (or None)."""
+        sampler's five arrays for the real rows, then the prompt logprob arrays (or None), then
+        the pooling rows' hidden states f32[T, D] (or None)."""
         try:
             sampled = tuple(np.asarray(x)[:pending.num_seqs] for x in pending.sampled)
             prompt = tuple(np.asarray(x) for x in pending.prompt) or None
-            return sampled + (prompt,)
+            pooled = np.asarray(pending.pooled[0]) if pending.pooled else None
+            return sampled + (prompt, pooled)
         except Exception as error:
             if self.channel is not None:
                 raise self.channel.broken(error) from error
@@ -388,8 +379,10 @@ class ModelRunner(BlockTransfers):
 @dataclasses.dataclass(frozen=True)
 class PendingStep:
     """A dispatched step: its device outputs (not waited for), the rows that are real, and the
-    forward's prompt logprob arrays (empty when the step has none)."""
+    forward's prompt logprob arrays and pooled hidden states (each empty when the step has
+    none)."""
 
     sampled: tuple
     num_seqs: int
     prompt: tuple = ()
+    pooled: tuple = ()

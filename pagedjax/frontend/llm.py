@@ -13,6 +13,7 @@ from pagedjax.engine.config import EngineConfig
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.request_checks import PromptSpec, encode_text
 from pagedjax.frontend.data_parallel import make_engine
+from pagedjax.frontend.llm_pooling import PoolingAPI
 from pagedjax.lora.request import LoRARequest
 from pagedjax.models import CONFIGS, DEFAULT_CHECKPOINT, LlamaForCausalLM, get_config, init_model
 from pagedjax.models.loading.placed_weights import LazyModel
@@ -146,7 +147,7 @@ def _load_tokenizer(tokenizer):
                      f"got {type(tokenizer).__name__}")
 
 
-class LLM:
+class LLM(PoolingAPI):
     """Offline generation.
 
         llm = LLM("path/to/hf-or-orbax-dir")
@@ -155,9 +156,12 @@ class LLM:
     """
 
     def __init__(self, model: str | os.PathLike | LlamaForCausalLM = DEFAULT_MODEL,
-                 tokenizer: Any = None, **engine_kwargs):
+                 tokenizer: Any = None, runner: str = "auto", pooler_config: dict | None = None,
+                 hf_overrides: dict | None = None, **engine_kwargs):
         """engine_kwargs: EngineConfig's fields; dtype="auto" takes the checkpoint's
-        (checkpoint_dtype)."""
+        (checkpoint_dtype). runner: "generate", "pooling" (embed, classify, score, reward:
+        PoolingAPI) or "auto" (pooling for a classifier); pooler_config, hf_overrides:
+        pagedjax.frontend.pooling_setup."""
         if engine_kwargs.get("dtype") == "auto":
             engine_kwargs["dtype"] = checkpoint_dtype(model)
         config = EngineConfig.from_kwargs(**engine_kwargs)
@@ -172,6 +176,7 @@ class LLM:
             spec.model, seed=config.seed, dtype=config.dtype)[0]
         self.engine = make_engine(loaded, config, tokenizer=self.tokenizer, draft_model=draft)
         self._dtype = config.dtype
+        self._init_runner(model, loaded, runner, pooler_config, hf_overrides)
 
     def _token_ids(self, prompt) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
@@ -208,6 +213,7 @@ class LLM:
         Every request is validated before any is queued, so a bad one rejects the whole call and
         leaves the engine as it was.
         """
+        self.check_runner("generate", "generate")
         if isinstance(prompts, str):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -273,6 +279,7 @@ class LLM:
                     ) -> list[list[BeamSequence]]:
         """The params.beam_width best continuations of each prompt, best first (lora_request:
         as generate's)."""
+        self.check_runner("generate", "beam_search")
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be a non-empty list of token-id lists")
         if self.engine.has_unfinished():

@@ -157,7 +157,7 @@ class KVTiers:
         walk = [r for r in itertools.islice(state.waiting, room)
                 if (r.request_id, r.num_preemptions) not in self._prefetched
                 and r.status != RequestStatus.SWAPPED
-                and r.sampling_params.prompt_logprobs is None]
+                and not r.computes_whole_prompt]
         if not walk:
             return
         start = time.perf_counter()

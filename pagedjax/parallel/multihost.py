@@ -43,8 +43,8 @@ logger = logging.getLogger("pagedjax.parallel.multihost")
 STEP, RESET, STOP, BLOCKS, UPDATE = 1, 2, 3, 4, 5
 KINDS = (DECODE, PREFILL)
 # int32s: command, kind, T, B, max blocks per sequence, prompt targets, the other KV cache
-# groups' table width, unused
-HEADER = 8
+# groups' table width, speculative tokens, pooling rows
+HEADER = 9
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
@@ -128,10 +128,10 @@ def _broadcast(tree):
 
 def _header(command: int, kind: str = DECODE, num_tokens: int = 0, num_seqs: int = 0,
             table_widths: tuple[int, int] = (0, 0), prompt_targets: int = 0,
-            num_speculative_tokens: int = 0) -> np.ndarray:
+            num_speculative_tokens: int = 0, pooling_rows: int = 0) -> np.ndarray:
     header = np.zeros(HEADER, np.int32)
-    header[:8] = (command, KINDS.index(kind), num_tokens, num_seqs, table_widths[0],
-                  prompt_targets, table_widths[1], num_speculative_tokens)
+    header[:] = (command, KINDS.index(kind), num_tokens, num_seqs, table_widths[0],
+                 prompt_targets, table_widths[1], num_speculative_tokens, pooling_rows)
     return header
 
 
@@ -169,7 +169,7 @@ class LeaderChannel:
     def step(self, plan) -> None:
         self._send(_header(STEP, plan.kind, plan.padded_num_tokens, plan.padded_num_seqs,
                            plan.table_widths, plan.prompt_targets.shape[0],
-                           plan.num_speculative_tokens))
+                           plan.num_speculative_tokens, plan.pooling_rows.shape[0]))
         self._send({name: np.asarray(getattr(plan, name)) for name in FORWARD_FIELDS})
 
     def blocks(self, to_device: bool, device: list[int], host: list[int]) -> None:
@@ -217,8 +217,8 @@ def follow(runner, reload=None) -> int:
     steps = 0
     while True:
         header = np.asarray(_broadcast(_header(0)))
-        command, kind, num_tokens, num_seqs, max_blocks, targets, group_width, k = (
-            int(x) for x in header[:8])
+        command, kind, num_tokens, num_seqs, max_blocks, targets, group_width, k, pooled = (
+            int(x) for x in header)
         if command == STOP:
             jax.distributed.shutdown()
             return steps
@@ -244,7 +244,7 @@ def follow(runner, reload=None) -> int:
         if command != STEP:
             raise RuntimeError(f"follower got an unknown command {command} from the leader")
         template = padding_plan(KINDS[kind], num_tokens, num_seqs, max_blocks, targets > 0,
-                                runner.num_kv_groups, group_width, k)
+                                runner.num_kv_groups, group_width, k, pooled > 0)
         arrays = _broadcast({name: getattr(template, name) for name in FORWARD_FIELDS})
         plan = dataclasses.replace(template, **{k: np.asarray(v) for k, v in arrays.items()})
         jax.block_until_ready(runner.dispatch_forward(plan))  # the leader alone samples

@@ -42,15 +42,23 @@ class PooledSequence:
         self.total = self.weighted = None
         self.rows: list[np.ndarray] = []
 
+    @property
+    def needs_every_token(self) -> bool:
+        """Whether every position's state is needed (all modes but lasttoken alone: a prefix
+        cache hit may serve the positions before the last)."""
+        return self.modes != ("lasttoken",)
+
     def add(self, hidden: np.ndarray, start: int) -> None:
-        """hidden [n, D]: the states of positions start .. start + n - 1."""
-        if start != self.count:
+        """hidden [n, D]: the states of positions start .. start + n - 1 (lasttoken alone:
+        positions may be skipped)."""
+        if start < self.count or (start > self.count and self.needs_every_token):
             raise ValueError(f"a pooled sequence takes its chunks in order: position {start} "
                              f"after {self.count} tokens")
         if hidden.ndim != 2 or hidden.shape[0] == 0:
             raise ValueError(f"a chunk is [tokens >= 1, hidden], got {hidden.shape}")
         rows = np.asarray(hidden, np.float32)
-        if self.count == 0:
+        self.count = start
+        if self.first is None:
             self.first = rows[0]
             self.maximum = rows.max(axis=0)
             self.total = rows.sum(axis=0)

@@ -1,0 +1,98 @@
+"""LLMEngine's pooling requests (a mixin): embeddings, classifications, scores (vLLM's pooling
+runner). A pooling request runs its prompt as a generation request of one token would
+(chunked, batched with generation in the same steps, prefix-cached when it pools the last
+token alone), with its final hidden states returned by the step (BatchPlan.pooling_rows) and
+fed to its PooledSequence; the token sampled after its prompt is dropped, and its output is
+the pooled data (pagedjax.pooling.pooling_model)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from pagedjax.engine.request_checks import PromptSpec
+from pagedjax.pooling import step_states
+from pagedjax.pooling.params import PoolingOutput, PoolingParams, PoolingRequestOutput
+from pagedjax.pooling.pooling_model import PoolingModel
+from pagedjax.scheduler import Request, SamplingParams
+from pagedjax.scheduler.errors import RequestError
+
+# what a pooling request runs as: its prompt, then one greedy token nobody reads
+PROMPT_ONLY = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+class PoolingRequests:
+    """LLMEngine's pooling side (it has add_requests, config, model_config, _groups)."""
+
+    def _init_pooling(self) -> None:
+        self.pooling_model = PoolingModel()  # LLM sets the model directory's
+        self._pools: dict[str, object] = {}  # request id -> its PooledSequence
+        self._pooling_params: dict[str, PoolingParams] = {}
+
+    def pooling_spec(self, prompt_token_ids: Sequence[int], params: PoolingParams,
+                     task: str, request_id: str | None = None, prompt_text: str | None = None,
+                     cache_salt: str | None = None,
+                     arrival_time: float | None = None) -> PromptSpec:
+        """A checked pooling request for add_requests: params (None: the defaults) verified
+        for task and this model; truncate_prompt_tokens applied."""
+        params = (params or PoolingParams()).verify(task)
+        self.pooling_model.check(params, self.model_config.hidden_size)
+        ids = _truncated(prompt_token_ids, params.truncate_prompt_tokens,
+                         self.config.max_model_len)
+        return PromptSpec(ids, PROMPT_ONLY, request_id, prompt_text, cache_salt, arrival_time,
+                          pooling_params=params)
+
+    def add_pooling_request(self, prompt_token_ids: Sequence[int],
+                            pooling_params: PoolingParams | None = None, task: str = "embed",
+                            request_id: str | None = None, cache_salt: str | None = None,
+                            arrival_time: float | None = None) -> str:
+        """Queues a pooling request (task: embed, classify, score, token_embed,
+        token_classify) and returns its id; RequestError naming the field on bad input."""
+        return self.add_requests([self.pooling_spec(prompt_token_ids, pooling_params, task,
+                                                    request_id, None, cache_salt,
+                                                    arrival_time)])[0]
+
+    def start_pooling(self, request: Request, params: PoolingParams) -> None:
+        """Marks a built request as pooling (Request.pooling) and opens its pool."""
+        pool = self.pooling_model.sequence(params)
+        request.pooling = "all" if pool.needs_every_token else "last"
+        self._pools[request.request_id] = pool
+        self._pooling_params[request.request_id] = params
+
+    def record_pooled(self, output, states: np.ndarray | None) -> None:
+        step_states.record(output, states, self._pools)
+
+    def is_pooling(self, request_id: str) -> bool:
+        return request_id in self._pooling_params
+
+    def pooling_output(self, request_id: str, error: str | None) -> PoolingRequestOutput:
+        """A pooling request's output, once its prompt is computed (or it failed)."""
+        sample = self._groups[request_id][0]
+        params = self._pooling_params[request_id]
+        if error is None and sample.status.finished and sample.status.value != "error":
+            data = self.pooling_model.finish(self._pools[request_id].result(), params)
+        else:
+            data = np.zeros(0, np.float32)
+        return PoolingRequestOutput(request_id, PoolingOutput(data),
+                                    list(sample.prompt_token_ids), sample.status.finished,
+                                    sample.num_cached_tokens, self._prompts.get(request_id),
+                                    error)
+
+    def forget_pooling(self, request_id: str) -> None:
+        self._pools.pop(request_id, None)
+        self._pooling_params.pop(request_id, None)
+
+
+def _truncated(ids: Sequence[int], keep: int | None, max_model_len: int) -> Sequence[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last keep tokens (-1: max_model_len)."""
+    if keep is None:
+        return ids
+    if isinstance(keep, bool) or not isinstance(keep, int) or not (keep == -1 or keep >= 1):
+        raise RequestError("truncate_prompt_tokens", "truncate_prompt_tokens must be -1 or a "
+                           f"positive integer, got {keep!r}")
+    keep = max_model_len if keep == -1 else keep
+    if keep > max_model_len:
+        raise RequestError("truncate_prompt_tokens", f"truncate_prompt_tokens ({keep}) "
+                           f"exceeds max_model_len ({max_model_len})")
+    return list(ids)[-keep:] if hasattr(ids, "__len__") and len(ids) > keep else ids

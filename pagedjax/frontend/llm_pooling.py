@@ -1,0 +1,151 @@
+"""LLM's pooling side (a mixin; vLLM's names): embed, classify, score, reward and encode on an
+LLM built with runner="pooling" (a *ForSequenceClassification checkpoint implies it), and
+the runner rule both ways: generation on a pooling LLM, pooling on a generating one, refused
+by name."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from pagedjax.frontend.pooling_setup import pooling_setup
+from pagedjax.pooling.params import PoolingParams, PoolingRequestOutput, view_of
+from pagedjax.scheduler import RequestError
+
+
+class PoolingAPI:
+    """LLM's pooling methods (it has engine, tokenizer and _token_ids)."""
+
+    runner: str = "generate"
+
+    def _init_runner(self, model, loaded, runner: str, pooler_config, hf_overrides) -> None:
+        self.runner, pooling_model = pooling_setup(model, loaded, self.tokenizer, runner,
+                                                   pooler_config, hf_overrides)
+        if pooling_model is not None:
+            if not hasattr(self.engine, "pooling_model"):
+                raise ValueError("runner='pooling' is served by one engine replica "
+                                 "(data_parallel_size 1)")
+            self.engine.pooling_model = pooling_model
+
+    def check_runner(self, wanted: str, method: str) -> None:
+        if self.runner != wanted:
+            raise ValueError(f"LLM.{method} needs runner={wanted!r}; this LLM was built with "
+                             f"runner={self.runner!r}")
+
+    def encode(self, prompts: str | Sequence[Any],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+               use_tqdm: bool = True, pooling_task: str = "embed",
+               truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """Every prompt's pooled data (outputs.data) for pooling_task: embed, classify,
+        score, token_embed or token_classify; prompts as generate takes them."""
+        self.check_runner("pooling", "encode")
+        prompts = [prompts] if isinstance(prompts, str) or (
+            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
+        ) else prompts
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise RequestError("prompts", "prompts must be a non-empty list of strings or "
+                               "token-id lists")
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_params = [pooling_params] * len(prompts)
+        if len(pooling_params) != len(prompts):
+            raise RequestError("pooling_params", f"pooling_params has {len(pooling_params)} "
+                               f"entries for {len(prompts)} prompts")
+        specs = []
+        for prompt, params in zip(prompts, pooling_params):
+            ids, text = self._token_ids(prompt)
+            if truncate_prompt_tokens is not None:
+                params = PoolingParams(**{**vars(params or PoolingParams()),
+                                          "truncate_prompt_tokens": truncate_prompt_tokens})
+            specs.append(self.engine.pooling_spec(ids, params, pooling_task, prompt_text=text))
+        return self._run_pooling(specs, use_tqdm, pooling_task)
+
+    def _run_pooling(self, specs, use_tqdm: bool, task: str) -> list[PoolingRequestOutput]:
+        engine = self.engine
+        request_ids = engine.add_requests(specs)
+        outputs = {}
+        with tqdm(total=len(request_ids), desc=task, disable=not use_tqdm) as bar:
+            while engine.has_unfinished():
+                for out in engine.step(final_only=True):
+                    if out.finished:
+                        outputs[out.request_id] = out
+                        bar.update(1)
+        failed = [outputs[i].error for i in request_ids if outputs[i].error is not None]
+        if failed:
+            raise RuntimeError(f"a pooling request failed inside a step: {failed[0]}")
+        return [outputs[i] for i in request_ids]
+
+    def embed(self, prompts, pooling_params=None, use_tqdm: bool = True,
+              truncate_prompt_tokens: int | None = None) -> list:
+        """Each prompt's embedding (outputs.embedding)."""
+        return [view_of(o, "embed") for o in self.encode(
+            prompts, pooling_params, use_tqdm, "embed", truncate_prompt_tokens)]
+
+    def classify(self, prompts, pooling_params=None, use_tqdm: bool = True,
+                 truncate_prompt_tokens: int | None = None) -> list:
+        """Each prompt's class probabilities (outputs.probs)."""
+        return [view_of(o, "classify") for o in self.encode(
+            prompts, pooling_params, use_tqdm, "classify", truncate_prompt_tokens)]
+
+    def reward(self, prompts, pooling_params=None, use_tqdm: bool = True,
+               truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """Each prompt's per-token rewards (outputs.data f32[tokens, labels]: the head's raw
+        outputs at every prompt token; the last row is a sequence reward model's score)."""
+        return self.encode(prompts, pooling_params, use_tqdm, "token_classify",
+                           truncate_prompt_tokens)
+
+    def score(self, data_1, data_2, pooling_params=None, use_tqdm: bool = True,
+              truncate_prompt_tokens: int | None = None) -> list:
+        """vLLM's score: each (data_1, data_2) pair's score (outputs.score), data_1 one text
+        (or token ids) against every data_2, or lists of equal length pairwise. A classifier
+        (cross-encoder) scores the pair's concatenated tokens; an embedding model the cosine
+        similarity of the two embeddings."""
+        self.check_runner("pooling", "score")
+        firsts, seconds = _pairs(data_1, data_2)
+        if self.engine.pooling_model.head is not None:
+            if self.engine.pooling_model.head.num_labels != 1:
+                raise ValueError("score needs a classifier with one label (a cross-encoder); "
+                                 f"this one has {self.engine.pooling_model.head.num_labels}")
+            prompts = [{"prompt_token_ids": self._pair_ids(a, b)} for a, b in zip(firsts,
+                                                                                 seconds)]
+            return [view_of(o, "score") for o in self.encode(
+                prompts, pooling_params, use_tqdm, "score", truncate_prompt_tokens)]
+        if pooling_params is not None:
+            raise RequestError("pooling_params", "an embedding model's score is the cosine of "
+                               "two embeddings: it reads no pooling_params")
+        vectors = self.encode(list(firsts) + list(seconds), None, use_tqdm, "embed",
+                              truncate_prompt_tokens)
+        outputs = []
+        for i, (a, b) in enumerate(zip(vectors[:len(firsts)], vectors[len(firsts):])):
+            x, y = a.outputs.data, b.outputs.data
+            cosine = float(x @ y / max(np.linalg.norm(x) * np.linalg.norm(y), 1e-12))
+            outputs.append(view_of(PoolingRequestOutput(
+                a.request_id, type(a.outputs)(np.asarray([cosine], np.float32)),
+                a.prompt_token_ids + b.prompt_token_ids), "score"))
+        return outputs
+
+    def _pair_ids(self, first, second) -> list[int]:
+        """A (query, document) pair as one prompt: the first's tokens (with the tokenizer's
+        special tokens), then the second's."""
+        a = self._token_ids(first)[0] if not isinstance(first, str) else \
+            self.tokenizer.encode(first)
+        b = self._token_ids(second)[0] if not isinstance(second, str) else \
+            self.tokenizer.encode(second, add_special_tokens=False)
+        return list(a) + list(b)
+
+
+def _pairs(data_1, data_2) -> tuple[list, list]:
+    """vLLM's score pairing: one against many, or pairwise."""
+    one = lambda d: isinstance(d, str) or (  # noqa: E731
+        isinstance(d, (list, tuple)) and d and isinstance(d[0], int))
+    firsts = [data_1] if one(data_1) else list(data_1)
+    seconds = [data_2] if one(data_2) else list(data_2)
+    if not firsts or not seconds:
+        raise RequestError("data_2", "score needs at least one item on each side")
+    if len(firsts) == 1:
+        firsts = firsts * len(seconds)
+    if len(firsts) != len(seconds):
+        raise RequestError("data_2", f"score pairs {len(firsts)} items with {len(seconds)}: "
+                           "give one, or as many")
+    return firsts, seconds

@@ -1,0 +1,90 @@
+"""Which runner an engine serves (vLLM's --runner: generate or pooling) and, for pooling, the
+model's pooler and head (pagedjax.pooling.pooling_model.PoolingModel): read from the model
+directory as vLLM and sentence-transformers read it, overridable by --pooler-config, and
+vLLM's hf_overrides for rerankers served through their language-model head
+(classifier_from_token; is_original_qwen3_reranker: ["no", "yes"])."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from pagedjax.pooling.heads import head_from_tokens, read_score_head, token_rows
+from pagedjax.pooling.model_config import PoolerConfig, read_pooler_config
+from pagedjax.pooling.pooling_model import PoolingModel
+
+RUNNERS = ("auto", "generate", "pooling")
+HF_OVERRIDES = ("architectures", "classifier_from_token", "is_original_qwen3_reranker")
+
+
+def model_directory(model) -> tuple[str | None, dict]:
+    """(the Hugging Face directory model names, its config.json), or (None, {})."""
+    if not isinstance(model, (str, os.PathLike)):
+        return None, {}
+    path = os.path.join(os.fspath(model), "config.json")
+    if not os.path.isfile(path):
+        return None, {}
+    with open(path, encoding="utf-8") as f:
+        return os.fspath(model), json.load(f)
+
+
+def _token_ids(tokenizer, tokens) -> list[int]:
+    if (not isinstance(tokens, (list, tuple)) or not tokens
+            or not all(isinstance(t, str) for t in tokens)):
+        raise ValueError(f"hf_overrides: classifier_from_token must be a list of token "
+                         f"strings, got {tokens!r}")
+    if tokenizer is None:
+        raise ValueError("hf_overrides: classifier_from_token needs the model's tokenizer")
+    ids = []
+    for token in tokens:
+        encoded = tokenizer.encode(token, add_special_tokens=False)
+        if len(encoded) != 1:
+            raise ValueError(f"hf_overrides: classifier_from_token {token!r} is not one token "
+                             f"(it encodes to {encoded})")
+        ids.extend(encoded)
+    return ids
+
+
+def _check_overrides(hf_overrides: dict) -> list[str] | None:
+    """The classifier tokens hf_overrides asks for (None: none); unknown keys refused."""
+    unknown = sorted(set(hf_overrides) - set(HF_OVERRIDES))
+    if unknown:
+        raise ValueError(f"hf_overrides fields {unknown} are not served (known: "
+                         f"{list(HF_OVERRIDES)})")
+    tokens = hf_overrides.get("classifier_from_token")
+    if hf_overrides.get("is_original_qwen3_reranker") and tokens is None:
+        tokens = ["no", "yes"]
+    archs = hf_overrides.get("architectures")
+    if archs is not None and (tokens is None or not isinstance(archs, list) or not all(
+            isinstance(a, str) and a.endswith("ForSequenceClassification") for a in archs)):
+        raise ValueError("hf_overrides: architectures may only declare a "
+                         "*ForSequenceClassification served through classifier_from_token, "
+                         f"got {archs!r}")
+    return tokens
+
+
+def pooling_setup(model, loaded, tokenizer, runner: str = "auto",
+                  pooler_config: dict | None = None,
+                  hf_overrides: dict | None = None) -> tuple[str, PoolingModel | None]:
+    """(the runner served, the PoolingModel for runner "pooling", else None). model: what
+    LLM was given (a directory is read for its pooler and head); loaded: the model built."""
+    if runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
+    tokens = _check_overrides(hf_overrides or {})
+    model_dir, hf_config = model_directory(model)
+    head = read_score_head(model_dir, hf_config) if model_dir is not None else None
+    if tokens is not None:
+        ids = _token_ids(tokenizer, tokens)
+        head = head_from_tokens(token_rows(loaded, model_dir, ids), ids)
+    if runner == "auto":
+        runner = "pooling" if head is not None else "generate"
+    if runner == "generate":
+        if head is not None or pooler_config:
+            raise ValueError("this model is a classifier (or pooler_config was given): serve "
+                             "it with runner='pooling'")
+        return runner, None
+    pooler = (read_pooler_config(model_dir, hf_config) if model_dir is not None
+              else PoolerConfig(source="default (decoder)"))
+    if pooler_config:
+        pooler = pooler.with_overrides(pooler_config)
+    return runner, PoolingModel(pooler, head)

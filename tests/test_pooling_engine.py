@@ -1,0 +1,220 @@
+"""Pooling requests through the engine (pagedjax.engine.pooling_requests) and LLM's pooling API,
+against transformers' own forward and sentence-transformers' Pooling / Normalize modules on
+small random checkpoints with their pooling configs: a Qwen3-Embedding-shaped model (last
+token, normalized, Matryoshka dimensions), the same pooled by mean, a Llama sequence classifier
+as a reward model, and a Qwen3 reranker scored through its yes / no logits. Chunked prefill in
+4-token chunks, prefix-cache hits and steps shared with generation give the same vectors.
+
+Tolerance: f32 end to end; the engine's paged attention and transformers' dense one sum in
+different orders, so states agree to ~1e-6 relative: cosine >= 0.99999, values to 2e-5."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from helpers import until_done
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+st_modules = pytest.importorskip("sentence_transformers.sentence_transformer.modules")
+
+from pagedjax import LLM, EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from pagedjax.models.loading.hf import load_hf_model  # noqa: E402
+from pagedjax.pooling.params import PoolingParams  # noqa: E402
+from pagedjax.scheduler import RequestError  # noqa: E402
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1,
+              max_position_embeddings=256, pad_token_id=0)
+ENGINE = dict(block_size=4, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=8,
+              enable_chunked_prefill=True, enable_prefix_caching=True, min_seq_bucket=4)
+PROMPTS = [[5, 9, 17, 3, 44, 2, 8, 61, 7, 30, 11, 12, 13], [70, 71, 3], [9] * 9]
+
+
+def save_random(directory, config_cls: str, model_cls: str, **extra):
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra})
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim == 1:  # norms around 1, not all ones
+                param.copy_((1.0 if "norm" in name else 0.0) + 0.3 * torch.randn_like(param))
+    model.save_pretrained(directory)
+    return model
+
+
+def write_st_pipeline(directory, mode: str, normalize: bool) -> None:
+    """sentence-transformers' modules.json and 1_Pooling/config.json (and 2_Normalize)."""
+    modules = [{"idx": 0, "name": "0", "path": "", "type":
+                "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type":
+                "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+    (directory / "modules.json").write_text(json.dumps(modules))
+    (directory / "1_Pooling").mkdir()
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 64, "pooling_mode": mode}))
+
+
+def st_reference(hf, ids, mode: str, normalize: bool, dimensions=None) -> np.ndarray:
+    """transformers' last_hidden_state through sentence-transformers' Pooling (and
+    Normalize, after truncation to dimensions as its truncate_dim does)."""
+    with torch.no_grad():
+        states = hf.model(torch.tensor([ids])).last_hidden_state
+    features = {"token_embeddings": states, "attention_mask": torch.ones(1, len(ids),
+                                                                         dtype=torch.int64)}
+    vector = st_modules.Pooling(64, mode)(features)["sentence_embedding"]
+    if dimensions is not None:
+        vector = vector[:, :dimensions]
+    if normalize:
+        vector = st_modules.Normalize()({"sentence_embedding": vector})["sentence_embedding"]
+    return vector[0].numpy()
+
+
+def assert_close(got, want):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert got.shape == want.shape
+    cosine = got @ want / (np.linalg.norm(got) * np.linalg.norm(want))
+    assert cosine >= 0.99999
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.fixture(scope="module")
+def embedder(tmp_path_factory):
+    """A Qwen3-Embedding-shaped checkpoint: last token, normalized, Matryoshka 16 / 32."""
+    directory = tmp_path_factory.mktemp("qwen3-embedding")
+    hf = save_random(directory, "Qwen3Config", "Qwen3ForCausalLM", head_dim=32,
+                     tie_word_embeddings=True, matryoshka_dimensions=[16, 32])
+    write_st_pipeline(directory, "lasttoken", normalize=True)
+    return directory, hf
+
+
+def test_embed_equals_sentence_transformers_in_chunks_with_matryoshka(embedder):
+    directory, hf = embedder
+    llm = LLM(str(directory), runner="pooling", **ENGINE)
+    outs = llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
+    for out, ids in zip(outs, PROMPTS):
+        assert out.outputs.hidden_size == 64
+        assert_close(out.outputs.embedding, st_reference(hf, ids, "lasttoken", True))
+    short = llm.embed(PROMPTS[:1], PoolingParams(dimensions=16), use_tqdm=False)[0]
+    assert_close(short.outputs.embedding, st_reference(hf, PROMPTS[0], "lasttoken", True, 16))
+    raw = llm.embed(PROMPTS[:1], PoolingParams(normalize=False), use_tqdm=False)[0]
+    assert_close(raw.outputs.embedding, st_reference(hf, PROMPTS[0], "lasttoken", False))
+    # a shared prefix is computed once: the repeat hits the cache, same vector
+    again = llm.encode([PROMPTS[0]], use_tqdm=False)[0]
+    assert again.num_cached_tokens == 12
+    assert_close(again.outputs.data, outs[0].outputs.embedding)
+    with pytest.raises(RequestError, match="Matryoshka dimensions"):
+        llm.embed(PROMPTS[:1], PoolingParams(dimensions=20), use_tqdm=False)
+    with pytest.raises(RequestError, match="supports only"):
+        llm.embed(PROMPTS[:1], PoolingParams(use_activation=True), use_tqdm=False)
+    with pytest.raises(RequestError, match="needs a classification head"):
+        llm.classify(PROMPTS[:1], use_tqdm=False)
+    with pytest.raises(ValueError, match="needs runner='generate'"):
+        llm.generate([PROMPTS[0]])
+    assert not llm.engine.has_unfinished()
+
+
+def test_mean_pooling_mixed_with_generation_equals_alone(embedder):
+    """MEAN needs every token's state: no prefix hits; pooled beside decoding requests in the
+    same steps, vectors and generated tokens are those of each run alone."""
+    directory, hf = embedder
+    model = load_hf_model(str(directory))
+    engine = LLMEngine(model, EngineConfig(**ENGINE))
+    engine.pooling_model = type(engine.pooling_model)(
+        engine.pooling_model.pooler.with_overrides({"pooling_type": "MEAN"}))
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    gen_ids = [engine.add_request(p, greedy) for p in PROMPTS[1:]]
+    for _ in range(2):
+        engine.step()  # generation under way before the pooling requests come
+    pool_ids = [engine.add_pooling_request(p, None, "embed") for p in PROMPTS + PROMPTS[:1]]
+    done, mixed_steps = {}, 0
+    for _ in until_done(engine, 200):
+        plan_kinds = set()
+        for out in engine.step():
+            plan_kinds.add(type(out).__name__)
+            if out.finished:
+                done[out.request_id] = out
+        mixed_steps += plan_kinds == {"RequestOutput", "PoolingRequestOutput"}
+    assert mixed_steps >= 1
+    for request_id, ids in zip(pool_ids, PROMPTS + PROMPTS[:1]):
+        assert done[request_id].num_cached_tokens == 0
+        assert_close(done[request_id].outputs.data, st_reference(hf, ids, "mean", True))
+    alone = LLMEngine(model, EngineConfig(**ENGINE))
+    alone_ids = [alone.add_request(p, greedy) for p in PROMPTS[1:]]
+    finished = {}
+    for _ in until_done(alone, 200):
+        finished.update({o.request_id: o for o in alone.step() if o.finished})
+    for a, b in zip(gen_ids, alone_ids):
+        assert done[a].outputs[0].token_ids == finished[b].outputs[0].token_ids
+
+
+def test_reward_model_and_classifier_equal_transformers(tmp_path):
+    """LlamaForSequenceClassification (num_labels 1): runner auto is pooling; classify is the
+    sigmoid of transformers' logit, reward the raw per-token scores (the last = its logit)."""
+    hf = save_random(tmp_path, "LlamaConfig", "LlamaForSequenceClassification", num_labels=1)
+    llm = LLM(str(tmp_path), **ENGINE)
+    assert llm.runner == "pooling"
+    prompts = [p for p in PROMPTS]
+    with torch.no_grad():
+        want = [hf(torch.tensor([p])).logits[0].numpy() for p in prompts]
+    probs = llm.classify(prompts, use_tqdm=False)
+    rewards = llm.reward(prompts, use_tqdm=False)
+    for p, w, c, r in zip(prompts, want, probs, rewards):
+        np.testing.assert_allclose(c.outputs.probs, 1 / (1 + np.exp(-w)), rtol=2e-5, atol=2e-6)
+        assert r.outputs.data.shape == (len(p), 1)
+        np.testing.assert_allclose(r.outputs.data[-1], w, rtol=2e-5, atol=2e-5)
+    with torch.no_grad():  # every token's reward: the head over each position's state
+        states = hf.model(torch.tensor([prompts[0]])).last_hidden_state[0]
+        per_token = hf.score(states).numpy()
+    np.testing.assert_allclose(rewards[0].outputs.data, per_token, rtol=2e-5, atol=2e-5)
+
+
+def test_qwen3_reranker_scores_through_yes_no_logits(tmp_path):
+    """classifier_from_token ["no", "yes"]: score = softmax over (no, yes) of the causal LM's
+    last-token logits, transformers' computation of Qwen3-Reranker's score."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    hf = save_random(tmp_path, "Qwen3Config", "Qwen3ForCausalLM", head_dim=32)
+    vocab = {f"w{i}": i for i in range(128)}
+    vocab.update({"no": 5, "yes": 7})
+    del vocab["w5"], vocab["w7"]
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w1"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    llm = LLM(str(tmp_path), runner="pooling", **ENGINE,
+              hf_overrides={"classifier_from_token": ["no", "yes"]})
+    query, docs = "w10 w11 w12", ["w20 w21", "w30 w31 w32 w33 w34", "w40"]
+    scores = llm.score(query, docs, use_tqdm=False)
+    for doc, got in zip(docs, scores):
+        ids = [int(w[1:]) for w in (query + " " + doc).split()]
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1]
+        want = torch.softmax(logits[[5, 7]], dim=0)[1].item()
+        assert got.outputs.score == pytest.approx(want, rel=2e-5, abs=2e-6)
+    with pytest.raises(ValueError, match="not served"):
+        LLM(str(tmp_path), runner="pooling", **ENGINE, hf_overrides={"rope_theta": 1.0})
+
+
+def test_pooling_rows_mark_the_states_each_request_reads():
+    """A step's pooling_rows: every prompt token of an "all" request, the last prompt token
+    of a "last" request only in the chunk that holds it, nothing for generation rows."""
+    from pagedjax.scheduler import Request
+    from pagedjax.scheduler.plan_rows import pooling_rows
+
+    def request(pooling, length):
+        r = Request(pooling or "gen", list(range(1, length + 1)), SamplingParams(max_tokens=1),
+                    seed=0, arrival_time=0.0)
+        r.pooling = pooling
+        return r
+
+    last, every, gen = request("last", 10), request("all", 6), request(None, 5)
+    rows = pooling_rows([(last, 4, 4), (every, 2, 4), (gen, 0, 5)], 16)
+    np.testing.assert_array_equal(rows, [0] * 4 + [1] * 4 + [0] * 8)
+    rows = pooling_rows([(last, 8, 2), (gen, 5, 1)], 4)
+    np.testing.assert_array_equal(rows, [0, 1, 0, 0])
+    assert pooling_rows([(gen, 0, 5)], 8).shape == (0,)
