@@ -24,6 +24,8 @@ _EXPORTS = {
     "LoRARequest": ("pagedjax.lora.request", "LoRARequest"),
     "load_model": ("pagedjax.frontend.llm", "load_model"),
     "SamplingParams": ("pagedjax.scheduler", "SamplingParams"),
+    "PoolingParams": ("pagedjax.pooling.params", "PoolingParams"),
+    "PoolingRequestOutput": ("pagedjax.engine.outputs", "PoolingRequestOutput"),
     "StructuredOutputs": ("pagedjax.scheduler", "StructuredOutputs"),
     "StructuredOutputsParams": ("pagedjax.scheduler", "StructuredOutputs"),  # vLLM's name
     "Logprob": ("pagedjax.scheduler.request", "Logprob"),

@@ -12,12 +12,12 @@ import pathlib
 import subprocess
 
 import pytest
+from test_gguf import needs_smollm, smollm_path
 
 from pagedjax import LLM
 from pagedjax.serving.app import OpenAIServer
 from pagedjax.serving.background import BackgroundServer
 from pagedjax.text.tokenizer import read_chat_template
-from test_gguf import needs_smollm, smollm_path
 
 pytestmark = [pytest.mark.clients, needs_smollm]
 
@@ -25,6 +25,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 CLIENTS = {"openai-agents": "openai_agents_client.py", "langchain": "langchain_client.py",
            "instructor": "instructor_client.py", "litellm": "litellm_client.py",
            "guidellm": "guidellm_client.py", "aiperf": "aiperf_client.py"}
+# Against a pooling server (--runner pooling: SmolLM2 as an embedding model, its last token's
+# state normalized), in the same environments.
+EMBEDDING_CLIENTS = {"langchain": "embeddings_client.py", "litellm": "litellm_embeddings_client.py"}
 # Set by `make test-clients`, which builds the environments first: a missing one then fails.
 REQUIRED = os.environ.get("PAGEDJAX_CLIENT_VENVS") == "1"
 
@@ -42,15 +45,32 @@ def served(tmp_path_factory):
         yield url, tokenizer
 
 
-@pytest.mark.parametrize("name", sorted(CLIENTS))
-def test_client_works_unchanged(served, name):
+@pytest.fixture(scope="module")
+def pooled():
+    llm = LLM(smollm_path(), runner="pooling", max_model_len=512, max_num_seqs=8,
+              max_num_batched_tokens=256)
+    with BackgroundServer(OpenAIServer(llm.engine, "smollm2").build_app()) as url:
+        yield url
+
+
+def run_client(name: str, script: str, *args: str) -> None:
+    """script (tests/clients/) in the environment of client name, asserting its success."""
     python = ROOT / ".venv-clients" / name / "bin" / "python"
     if not python.exists():
         assert not REQUIRED, f"{python} is missing: make test-clients builds it"
         pytest.skip(f"{name}'s environment is not built (make test-clients)")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "PYTHON"))}
-    script = ROOT / "tests" / "clients" / CLIENTS[name]
-    result = subprocess.run([str(python), str(script), *served],
+    result = subprocess.run([str(python), str(ROOT / "tests" / "clients" / script), *args],
                             capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0 and result.stdout.strip().endswith("OK"), \
         f"{name}:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+
+
+@pytest.mark.parametrize("name", sorted(CLIENTS))
+def test_client_works_unchanged(served, name):
+    run_client(name, CLIENTS[name], *served)
+
+
+@pytest.mark.parametrize("name", sorted(EMBEDDING_CLIENTS))
+def test_embedding_client_works_unchanged(pooled, name):
+    run_client(name, EMBEDDING_CLIENTS[name], pooled)

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 from fastapi.testclient import TestClient
-
 from helpers import ROLE_TEMPLATE
+from test_server import ENGINE
+
 from pagedjax import LLM, __version__
 from pagedjax.serving.app import OpenAIServer
-from test_server import ENGINE
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +74,6 @@ def test_version_and_model_card(client):
 
 
 def test_unknown_route_gets_an_openai_error_body(client):
-    response = client.post("/v1/embeddings", json={"input": "x"})
+    response = client.post("/v1/images/generations", json={"prompt": "x"})
     assert response.status_code == 404
     assert set(response.json()["error"]) >= {"message", "type", "param", "code"}

@@ -16,6 +16,7 @@ from pagedjax.scheduler import SchedulerConfig, ShapeBuckets, cdiv
 DTYPES = ("float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 STEP_PROGRAMS = ("split", "ragged")
+RUNNERS = ("auto", "generate", "pooling")  # vLLM's --runner
 # vLLM's logprobs_mode values (pagedjax.engine.sampler.logprob_values)
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 QUANTIZATIONS = (None, *SCHEMES, "gguf", "compressed-tensors", "mxfp4")
@@ -129,6 +130,13 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # vLLM's --runner (generate, pooling: embeddings, classification, scores; auto: pooling for
+    # a *ForSequenceClassification checkpoint), --pooler-config (pooling_type, normalize) and
+    # hf_overrides (classifier_from_token, is_original_qwen3_reranker): read by LLM
+    # (pagedjax.frontend.pooling_setup).
+    runner: str = "auto"
+    pooler_config: dict | None = None
+    hf_overrides: dict | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "speculative_config",
@@ -220,6 +228,12 @@ class EngineConfig:
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, "
                              f"got {self.logprobs_mode!r}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
+        for name in ("pooler_config", "hf_overrides"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
+                raise ValueError(f"{name} must be a dict (JSON object), got "
+                                 f"{getattr(self, name)!r}")
         if self.step_programs not in STEP_PROGRAMS:
             raise ValueError(f"step_programs must be one of {STEP_PROGRAMS}, "
                              f"got {self.step_programs!r}")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import numpy as np
+
 from pagedjax.scheduler import Request
 from pagedjax.scheduler.request import Logprob
 
@@ -119,3 +121,39 @@ class RequestOutput:
                    lora_request=lora_request,
                    prompt_logprobs=(list(leader.prompt_logprobs) if
                                     leader.sampling_params.prompt_logprobs is not None else None))
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolingOutput:
+    data: np.ndarray  # f32: [D] a sequence's vector, [labels], or [tokens, D or labels]
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolingRequestOutput:
+    """A pooling request's output (vLLM's), once its prompt is computed: outputs.data;
+    finish_reason "stop" (or "error", with error saying why, "abort")."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    metrics: RequestMetrics
+    prompt: str | None = None
+    error: str | None = None
+    finish_reason: str | None = "stop"
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.metrics.num_cached_tokens
+
+    @classmethod
+    def from_sample(cls, sample: Request, data: np.ndarray, prompt: str | None = None,
+                    error: str | None = None) -> "PoolingRequestOutput":
+        finished = sample.status.finished
+        reason = None if not finished else "stop" if sample.status.value in (
+            "stop", "length") else sample.status.value
+        metrics = RequestMetrics(sample.arrival_time, sample.first_scheduled_time,
+                                 sample.first_token_time, sample.finish_time,
+                                 sample.num_preemptions, sample.num_cached_tokens)
+        return cls(sample.parent_id, PoolingOutput(data), list(sample.prompt_token_ids),
+                   finished, metrics, prompt, error, reason)

@@ -11,9 +11,10 @@ from typing import Sequence
 
 import numpy as np
 
+from pagedjax.engine.outputs import PoolingRequestOutput
 from pagedjax.engine.request_checks import PromptSpec
 from pagedjax.pooling import step_states
-from pagedjax.pooling.params import PoolingOutput, PoolingParams, PoolingRequestOutput
+from pagedjax.pooling.params import PoolingParams
 from pagedjax.pooling.pooling_model import PoolingModel
 from pagedjax.scheduler import Request, SamplingParams
 from pagedjax.scheduler.errors import RequestError
@@ -26,22 +27,22 @@ class PoolingRequests:
     """LLMEngine's pooling side (it has add_requests, config, model_config, _groups)."""
 
     def _init_pooling(self) -> None:
-        self.pooling_model = PoolingModel()  # LLM sets the model directory's
+        # LLM sets the model directory's, and the runner ("pooling") servers hold it to; the
+        # engine itself serves both kinds of request, in the same steps
+        self.pooling_model = PoolingModel()
+        self.runner_type = "generate"
         self._pools: dict[str, object] = {}  # request id -> its PooledSequence
         self._pooling_params: dict[str, PoolingParams] = {}
 
-    def pooling_spec(self, prompt_token_ids: Sequence[int], params: PoolingParams,
+    def pooling_spec(self, prompt_token_ids: Sequence[int], params: PoolingParams | None,
                      task: str, request_id: str | None = None, prompt_text: str | None = None,
                      cache_salt: str | None = None,
                      arrival_time: float | None = None) -> PromptSpec:
-        """A checked pooling request for add_requests: params (None: the defaults) verified
-        for task and this model; truncate_prompt_tokens applied."""
-        params = (params or PoolingParams()).verify(task)
-        self.pooling_model.check(params, self.model_config.hidden_size)
-        ids = _truncated(prompt_token_ids, params.truncate_prompt_tokens,
-                         self.config.max_model_len)
-        return PromptSpec(ids, PROMPT_ONLY, request_id, prompt_text, cache_salt, arrival_time,
-                          pooling_params=params)
+        return pooling_spec(self, prompt_token_ids, params, task, request_id, prompt_text,
+                            cache_salt, arrival_time)
+
+    def check_pooling_params(self, params) -> PoolingParams:
+        return check_pooling_params(self, params)
 
     def add_pooling_request(self, prompt_token_ids: Sequence[int],
                             pooling_params: PoolingParams | None = None, task: str = "embed",
@@ -70,18 +71,38 @@ class PoolingRequests:
         """A pooling request's output, once its prompt is computed (or it failed)."""
         sample = self._groups[request_id][0]
         params = self._pooling_params[request_id]
-        if error is None and sample.status.finished and sample.status.value != "error":
+        data = np.zeros(0, np.float32)
+        if error is None and sample.status.value in ("stop", "length"):
             data = self.pooling_model.finish(self._pools[request_id].result(), params)
-        else:
-            data = np.zeros(0, np.float32)
-        return PoolingRequestOutput(request_id, PoolingOutput(data),
-                                    list(sample.prompt_token_ids), sample.status.finished,
-                                    sample.num_cached_tokens, self._prompts.get(request_id),
-                                    error)
+        return PoolingRequestOutput.from_sample(sample, data, self._prompts.get(request_id),
+                                                error)
 
     def forget_pooling(self, request_id: str) -> None:
         self._pools.pop(request_id, None)
         self._pooling_params.pop(request_id, None)
+
+
+def pooling_spec(engine, prompt_token_ids: Sequence[int], params: PoolingParams | None,
+                 task: str, request_id: str | None = None, prompt_text: str | None = None,
+                 cache_salt: str | None = None, arrival_time: float | None = None) -> PromptSpec:
+    """A checked pooling request for engine.add_requests (engine: an LLMEngine, or the server's
+    view of one in another process): params (None: the defaults) verified for task and the
+    engine's model; truncate_prompt_tokens applied."""
+    params = check_pooling_params(engine, (params or PoolingParams()).verify(task))
+    ids = _truncated(prompt_token_ids, params.truncate_prompt_tokens,
+                     engine.config.max_model_len)
+    return PromptSpec(ids, PROMPT_ONLY, request_id, prompt_text, cache_salt, arrival_time,
+                      pooling_params=params)
+
+
+def check_pooling_params(engine, params) -> PoolingParams:
+    """params (a PoolingParams with its task) checked against engine's pooling model, or
+    RequestError naming the field."""
+    if not isinstance(params, PoolingParams) or params.task is None:
+        raise RequestError("pooling_params", "pooling_params must be a PoolingParams "
+                           "verified for its task (PoolingParams.verify)")
+    engine.pooling_model.check(params.verify(params.task), engine.model_config.hidden_size)
+    return params
 
 
 def _truncated(ids: Sequence[int], keep: int | None, max_model_len: int) -> Sequence[int]:

@@ -173,6 +173,8 @@ def check_spec(engine, spec: PromptSpec) -> Admission:
     for state in engine.scheduler_states():  # a data-parallel engine: every replica's ids
         check_admission(state, params.num_samples, len(ids), params.max_tokens, sample_ids)
     lora = None if spec.lora_request is None else check_lora(engine, spec.lora_request)
+    if spec.pooling_params is not None:
+        engine.check_pooling_params(spec.pooling_params)
     return Admission(spec, ids, spec.request_id, engine.token_masks.constraints(params), lora)
 
 

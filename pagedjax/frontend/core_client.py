@@ -49,6 +49,8 @@ class EngineView:
         self.tokenizer = description.tokenizer
         self.stats = description.stats
         self.held_memory = description.held_memory
+        self.runner_type = description.runner_type
+        self.pooling_model = description.pooling_model
         self.clock = time.perf_counter
 
     def close(self) -> None:

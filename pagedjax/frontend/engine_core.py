@@ -50,6 +50,8 @@ class EngineDescription:
     pid: int
     notes: tuple[str, ...] = ()  # lines for the server's log (the memory budget, warmup)
     held_memory: tuple[int, int] = (0, 0)  # (weights, KV pool) bytes: LLMEngine.held_memory
+    runner_type: str = "generate"  # what the server serves (LLMEngine.runner_type)
+    pooling_model: Any = None  # its pooler and head (pagedjax.pooling.pooling_model)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +109,8 @@ def run(factory: Callable, input_address: str, output_address: str,
             return
         outbox.send_pyobj(("ready", EngineDescription(
             engine.config, engine.model_config, engine.tokenizer, engine.stats,
-            os.getpid(), tuple(notes), engine.held_memory)))
+            os.getpid(), tuple(notes), engine.held_memory,
+            getattr(engine, "runner_type", "generate"), getattr(engine, "pooling_model", None))))
         try:
             _Core(engine, limits, inbox, outbox, parent_pid).serve()
         except BaseException as error:  # noqa: BLE001 - the core is dead; say why

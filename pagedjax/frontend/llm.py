@@ -156,10 +156,9 @@ class LLM(PoolingAPI):
     """
 
     def __init__(self, model: str | os.PathLike | LlamaForCausalLM = DEFAULT_MODEL,
-                 tokenizer: Any = None, runner: str = "auto", pooler_config: dict | None = None,
-                 hf_overrides: dict | None = None, **engine_kwargs):
+                 tokenizer: Any = None, **engine_kwargs):
         """engine_kwargs: EngineConfig's fields; dtype="auto" takes the checkpoint's
-        (checkpoint_dtype). runner: "generate", "pooling" (embed, classify, score, reward:
+        (checkpoint_dtype). Its runner: "generate", "pooling" (embed, classify, score, reward:
         PoolingAPI) or "auto" (pooling for a classifier); pooler_config, hf_overrides:
         pagedjax.frontend.pooling_setup."""
         if engine_kwargs.get("dtype") == "auto":
@@ -176,7 +175,7 @@ class LLM(PoolingAPI):
             spec.model, seed=config.seed, dtype=config.dtype)[0]
         self.engine = make_engine(loaded, config, tokenizer=self.tokenizer, draft_model=draft)
         self._dtype = config.dtype
-        self._init_runner(model, loaded, runner, pooler_config, hf_overrides)
+        self._init_runner(model, loaded, config)
 
     def _token_ids(self, prompt) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):

@@ -5,13 +5,17 @@ by name."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
 
+from pagedjax.engine.outputs import PoolingOutput, PoolingRequestOutput
+from pagedjax.engine.request_checks import encode_text
 from pagedjax.frontend.pooling_setup import pooling_setup
-from pagedjax.pooling.params import PoolingParams, PoolingRequestOutput, view_of
+from pagedjax.pooling import scoring
+from pagedjax.pooling.params import PoolingParams, view_of
 from pagedjax.scheduler import RequestError
 
 
@@ -20,14 +24,16 @@ class PoolingAPI:
 
     runner: str = "generate"
 
-    def _init_runner(self, model, loaded, runner: str, pooler_config, hf_overrides) -> None:
-        self.runner, pooling_model = pooling_setup(model, loaded, self.tokenizer, runner,
-                                                   pooler_config, hf_overrides)
+    def _init_runner(self, model, loaded, config) -> None:
+        """The runner config.runner resolves to, and for pooling the engine's PoolingModel."""
+        self.runner, pooling_model = pooling_setup(model, loaded, self.tokenizer, config.runner,
+                                                   config.pooler_config, config.hf_overrides)
         if pooling_model is not None:
             if not hasattr(self.engine, "pooling_model"):
                 raise ValueError("runner='pooling' is served by one engine replica "
                                  "(data_parallel_size 1)")
             self.engine.pooling_model = pooling_model
+            self.engine.runner_type = "pooling"
 
     def check_runner(self, wanted: str, method: str) -> None:
         if self.runner != wanted:
@@ -98,16 +104,18 @@ class PoolingAPI:
     def score(self, data_1, data_2, pooling_params=None, use_tqdm: bool = True,
               truncate_prompt_tokens: int | None = None) -> list:
         """vLLM's score: each (data_1, data_2) pair's score (outputs.score), data_1 one text
-        (or token ids) against every data_2, or lists of equal length pairwise. A classifier
-        (cross-encoder) scores the pair's concatenated tokens; an embedding model the cosine
-        similarity of the two embeddings."""
+        (or token ids) against every data_2, or lists of equal length pairwise
+        (pagedjax.pooling.scoring: a cross-encoder's head, or an embedding model's cosine)."""
         self.check_runner("pooling", "score")
-        firsts, seconds = _pairs(data_1, data_2)
-        if self.engine.pooling_model.head is not None:
-            if self.engine.pooling_model.head.num_labels != 1:
-                raise ValueError("score needs a classifier with one label (a cross-encoder); "
-                                 f"this one has {self.engine.pooling_model.head.num_labels}")
-            prompts = [{"prompt_token_ids": self._pair_ids(a, b)} for a, b in zip(firsts,
+        one = lambda d: isinstance(d, str) or (  # noqa: E731
+            isinstance(d, (list, tuple)) and d and isinstance(d[0], int))
+        firsts, seconds = scoring.pairs([data_1] if one(data_1) else list(data_1),
+                                        [data_2] if one(data_2) else list(data_2))
+        head = self.engine.pooling_model.head
+        scoring.check_cross_encoder(head)
+        if head is not None:
+            prompts = [{"prompt_token_ids": scoring.pair_token_ids(
+                self._encoded(a, True), self._encoded(b, False))} for a, b in zip(firsts,
                                                                                  seconds)]
             return [view_of(o, "score") for o in self.encode(
                 prompts, pooling_params, use_tqdm, "score", truncate_prompt_tokens)]
@@ -116,36 +124,15 @@ class PoolingAPI:
                                "two embeddings: it reads no pooling_params")
         vectors = self.encode(list(firsts) + list(seconds), None, use_tqdm, "embed",
                               truncate_prompt_tokens)
-        outputs = []
-        for i, (a, b) in enumerate(zip(vectors[:len(firsts)], vectors[len(firsts):])):
-            x, y = a.outputs.data, b.outputs.data
-            cosine = float(x @ y / max(np.linalg.norm(x) * np.linalg.norm(y), 1e-12))
-            outputs.append(view_of(PoolingRequestOutput(
-                a.request_id, type(a.outputs)(np.asarray([cosine], np.float32)),
-                a.prompt_token_ids + b.prompt_token_ids), "score"))
-        return outputs
+        return [view_of(dataclasses.replace(
+            a, outputs=PoolingOutput(np.asarray([scoring.cosine(a.outputs.data,
+                                                               b.outputs.data)], np.float32)),
+            prompt_token_ids=a.prompt_token_ids + b.prompt_token_ids), "score")
+            for a, b in zip(vectors[:len(firsts)], vectors[len(firsts):])]
 
-    def _pair_ids(self, first, second) -> list[int]:
-        """A (query, document) pair as one prompt: the first's tokens (with the tokenizer's
-        special tokens), then the second's."""
-        a = self._token_ids(first)[0] if not isinstance(first, str) else \
-            self.tokenizer.encode(first)
-        b = self._token_ids(second)[0] if not isinstance(second, str) else \
-            self.tokenizer.encode(second, add_special_tokens=False)
-        return list(a) + list(b)
-
-
-def _pairs(data_1, data_2) -> tuple[list, list]:
-    """vLLM's score pairing: one against many, or pairwise."""
-    one = lambda d: isinstance(d, str) or (  # noqa: E731
-        isinstance(d, (list, tuple)) and d and isinstance(d[0], int))
-    firsts = [data_1] if one(data_1) else list(data_1)
-    seconds = [data_2] if one(data_2) else list(data_2)
-    if not firsts or not seconds:
-        raise RequestError("data_2", "score needs at least one item on each side")
-    if len(firsts) == 1:
-        firsts = firsts * len(seconds)
-    if len(firsts) != len(seconds):
-        raise RequestError("data_2", f"score pairs {len(firsts)} items with {len(seconds)}: "
-                           "give one, or as many")
-    return firsts, seconds
+    def _encoded(self, text, special_tokens: bool) -> list[int]:
+        """A text's token ids (special_tokens: the tokenizer's, for a pair's first text), or
+        token ids as given."""
+        if isinstance(text, str):
+            return encode_text(self.tokenizer, text, "prompt", special_tokens)
+        return list(self._token_ids(text)[0])

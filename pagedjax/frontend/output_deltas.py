@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pagedjax.engine.outputs import CompletionOutput, RequestOutput
+from pagedjax.engine.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
 
 __all__ = ["DeltaDecoder", "DeltaEncoder"]
 
@@ -41,7 +41,9 @@ class DeltaEncoder:
     def __init__(self):
         self._sent: dict[str, _Sent] = {}
 
-    def encode(self, out: RequestOutput) -> tuple:
+    def encode(self, out: RequestOutput | PoolingRequestOutput) -> tuple | PoolingRequestOutput:
+        if isinstance(out, PoolingRequestOutput):  # sent once, whole
+            return out
         sent = self._sent.get(out.request_id)
         head = None
         if sent is None:
@@ -99,7 +101,9 @@ class DeltaDecoder:
     def __init__(self):
         self._received: dict[str, _Received] = {}
 
-    def decode(self, wire: tuple) -> RequestOutput:
+    def decode(self, wire: tuple | PoolingRequestOutput) -> RequestOutput | PoolingRequestOutput:
+        if isinstance(wire, PoolingRequestOutput):
+            return wire
         (request_id, head, choices, finished, metrics, error, prompt_start,
          new_prompt) = wire
         got = self._received.get(request_id)

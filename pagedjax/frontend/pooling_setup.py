@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 import os
 
+from pagedjax.engine.config import RUNNERS
 from pagedjax.pooling.heads import head_from_tokens, read_score_head, token_rows
 from pagedjax.pooling.model_config import PoolerConfig, read_pooler_config
 from pagedjax.pooling.pooling_model import PoolingModel
 
-RUNNERS = ("auto", "generate", "pooling")
 HF_OVERRIDES = ("architectures", "classifier_from_token", "is_original_qwen3_reranker")
 
 
@@ -75,7 +75,7 @@ def pooling_setup(model, loaded, tokenizer, runner: str = "auto",
     head = read_score_head(model_dir, hf_config) if model_dir is not None else None
     if tokens is not None:
         ids = _token_ids(tokenizer, tokens)
-        head = head_from_tokens(token_rows(loaded, model_dir, ids), ids)
+        head = head_from_tokens(token_rows(loaded, model_dir, ids), list(tokens))
     if runner == "auto":
         runner = "pooling" if head is not None else "generate"
     if runner == "generate":

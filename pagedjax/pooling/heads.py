@@ -23,6 +23,10 @@ class ClassifierHead:
     weight: np.ndarray  # f32[labels, D]
     bias: np.ndarray | None = None  # f32[labels]
     source: str = "score"
+    labels: tuple[str, ...] = ()  # each label's name (config.json's id2label), in order
+
+    def label(self, index: int) -> str:
+        return self.labels[index] if index < len(self.labels) else f"LABEL_{index}"
 
     @property
     def num_labels(self) -> int:
@@ -63,8 +67,10 @@ def read_score_head(model_dir: str, hf_config: dict) -> ClassifierHead | None:
     if weight.ndim != 2 or weight.shape[0] != labels:
         raise ValueError(f"{model_dir}: {HEAD_NAMES[0]} has shape {weight.shape}, "
                          f"num_labels is {labels}")
+    names = hf_config.get("id2label") or {}
     return ClassifierHead(weight, tensors.get(HEAD_NAMES[1]),
-                          f"{os.path.basename(model_dir.rstrip('/'))}: score")
+                          f"{os.path.basename(model_dir.rstrip('/'))}: score",
+                          tuple(str(names.get(str(i), f"LABEL_{i}")) for i in range(labels)))
 
 
 def token_rows(model, model_dir: str | None, token_ids: list[int]) -> np.ndarray:
@@ -88,11 +94,11 @@ def token_rows(model, model_dir: str | None, token_ids: list[int]) -> np.ndarray
     return np.asarray(model.lm_head.kernel[...], np.float32)[:, token_ids].T
 
 
-def head_from_tokens(rows: np.ndarray, token_ids: list[int]) -> ClassifierHead:
-    """vLLM's classifier_from_token over token_rows: one label a token; two tokens give one
-    label, the second's row minus the first's (its sigmoid = the two-way softmax of the
-    second)."""
-    if len(token_ids) == 2:
-        rows = rows[1:] - rows[:1]
+def head_from_tokens(rows: np.ndarray, tokens: list[str]) -> ClassifierHead:
+    """vLLM's classifier_from_token over token_rows (of tokens' ids): one label a token; two
+    tokens give one label, the second's row minus the first's (its sigmoid = the two-way
+    softmax of the second)."""
+    if len(tokens) == 2:
+        rows, tokens = rows[1:] - rows[:1], tokens[1:]
     return ClassifierHead(np.asarray(rows, np.float32), None,
-                          f"classifier_from_token {token_ids}")
+                          f"classifier_from_token {tokens}", tuple(tokens))

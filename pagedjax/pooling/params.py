@@ -1,6 +1,7 @@
 """PoolingParams: what a pooling request asks for (vLLM's class and its per-task rule), and the
-outputs it gets back (vLLM's PoolingRequestOutput and its embedding / classification / score
-views)."""
+views of its output (pagedjax.engine.outputs.PoolingRequestOutput) LLM.embed / classify /
+score return (vLLM's EmbeddingRequestOutput, ClassificationRequestOutput,
+ScoringRequestOutput)."""
 
 from __future__ import annotations
 
@@ -58,25 +59,6 @@ class PoolingParams:
 
 
 @dataclasses.dataclass(frozen=True)
-class PoolingOutput:
-    data: np.ndarray  # f32: [D] a sequence's vector, [labels], or [tokens, D / labels]
-
-
-@dataclasses.dataclass(frozen=True)
-class PoolingRequestOutput:
-    """A finished pooling request (vLLM's): outputs.data; finished is True (pooling requests
-    return once, when their prompt is computed); error: why it failed inside a step."""
-
-    request_id: str
-    outputs: PoolingOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
-    num_cached_tokens: int = 0
-    prompt: str | None = None
-    error: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
 class EmbeddingOutput:
     embedding: list[float]
 
@@ -111,7 +93,7 @@ class TypedRequestOutput:
     prompt: str | None = None
 
 
-def view_of(output: PoolingRequestOutput, task: str) -> TypedRequestOutput:
+def view_of(output, task: str) -> TypedRequestOutput:
     """output as LLM.embed / classify / score return it."""
     data = np.asarray(output.outputs.data, np.float32)
     if task == "embed":

@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (both streaming),
 /v1/models (and /v1/models/{id}), vLLM's /tokenize, /detokenize and /version, /health, /metrics
-(Prometheus).
+(Prometheus); with --runner pooling, the pooling routes instead of the generation ones
+(pagedjax.serving.pooling_routes: /v1/embeddings, /pooling, /classify, /score, /rerank).
 
     pagedjax serve [MODEL] --port 8000 --max-outstanding-tokens 65536
     curl localhost:8000/v1/completions -d '{"prompt": "copy:hello=", "max_tokens": 8}'
@@ -28,6 +29,7 @@ from pagedjax.serving.admin import PATHS as ADMIN_PATHS, admin_routes
 from pagedjax.serving.http_common import (APIError, GuardMiddleware, error_body, get_route,
                                           install_error_handlers)
 from pagedjax.serving.lora_routes import lora_routes
+from pagedjax.serving.pooling_routes import runner_routes
 from pagedjax.serving.responses import responses_routes
 from pagedjax.serving.server_state import DEFAULT_MAX_TOKENS, ServerState  # noqa: F401
 from pagedjax.serving.weight_routes import PATHS as WEIGHT_PATHS, weight_routes
@@ -121,9 +123,11 @@ class OpenAIServer(ServerState):
         if self.admin_key is not None:
             admin_routes(self, app)
             weight_routes(self, app)
-        app.post("/v1/completions")(self.completions)
-        app.post("/v1/chat/completions")(self.chat_completions)
-        responses_routes(self, app)
+        if getattr(self.engine, "runner_type", "generate") == "generate":
+            app.post("/v1/completions")(self.completions)
+            app.post("/v1/chat/completions")(self.chat_completions)
+            responses_routes(self, app)
+        runner_routes(self, app)  # the pooling routes, or their refusal
         if self.loras is not None and self.loras.runtime_updates:
             lora_routes(self, app)
         app.post("/tokenize")(self.tokenize)

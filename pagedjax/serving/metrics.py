@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import prometheus_client as prom
 
+from pagedjax.engine.outputs import PoolingRequestOutput
 from pagedjax.engine.stats import EngineStats
 from pagedjax.frontend.engine_driver import StepInfo
 from pagedjax.serving.lora_metrics import LoRAMetrics
@@ -280,7 +281,8 @@ class ServerMetrics:
                     self.ttft.observe(out.metrics.ttft)
                     if self.observer is not None:
                         self.observer.observe("ttft", out.metrics.ttft)
-            self._observe_tokens(out, now)
+            if not isinstance(out, PoolingRequestOutput):  # no tokens: its TTFT is its pool's
+                self._observe_tokens(out, now)
             if out.finished:
                 self._finished(out)
 
@@ -324,7 +326,9 @@ class ServerMetrics:
         self._request_success.labels(finished_reason=out.finish_reason or "abort",
                                      **self.labels).inc()
         self.request_prompt_tokens.observe(len(out.prompt_token_ids))
-        self.request_generation_tokens.observe(sum(len(c.token_ids) for c in out.outputs))
+        pooling = isinstance(out, PoolingRequestOutput)
+        self.request_generation_tokens.observe(
+            0 if pooling else sum(len(c.token_ids) for c in out.outputs))
         if m.finish_time is not None:
             self.e2e.observe(m.finish_time - m.arrival_time)
         if m.first_scheduled_time is not None:
@@ -333,7 +337,7 @@ class ServerMetrics:
                 self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
             if m.finish_time is not None:
                 self.inference_time.observe(m.finish_time - m.first_scheduled_time)
-        if m.finish_time is not None and m.first_token_time is not None:
+        if m.finish_time is not None and m.first_token_time is not None and not pooling:
             self.decode_time.observe(m.finish_time - m.first_token_time)
             longest = max(len(c.token_ids) for c in out.outputs)
             if longest > 1:

@@ -12,6 +12,8 @@ import fastapi
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict
 
+from pagedjax.serving.pooling_protocol import (ClassificationRequest, EmbeddingRequest,
+                                               PoolingRequest, RerankRequest, ScoreRequest)
 from pagedjax.serving.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        TokenizeChatRequest, TokenizeCompletionRequest)
 from pagedjax.serving.responses_input import ResponsesRequest
@@ -158,13 +160,82 @@ class PrefixCacheReset(_Open):
     reset: bool
 
 
+class PoolingUsage(_Open):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class _PoolingList(_Open):
+    id: str
+    object: str
+    created: int
+    model: str
+    usage: PoolingUsage
+
+
+class EmbeddingData(_Open):
+    index: int
+    object: str
+    embedding: list[float] | str  # str: encoding_format base64
+
+
+class EmbeddingResponse(_PoolingList):
+    data: list[EmbeddingData]
+
+
+class PoolingData(_Open):
+    index: int
+    object: str
+    data: list[Any] | str
+
+
+class PoolingResponse(_PoolingList):
+    data: list[PoolingData]
+
+
+class ClassificationData(_Open):
+    index: int
+    label: str
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(_PoolingList):
+    data: list[ClassificationData]
+
+
+class ScoreData(_Open):
+    index: int
+    object: str
+    score: float
+
+
+class ScoreResponse(_PoolingList):
+    data: list[ScoreData]
+
+
+class RerankResult(_Open):
+    index: int
+    relevance_score: float
+    document: dict[str, str] | None = None
+
+
+class RerankResponse(_Open):
+    id: str
+    model: str
+    results: list[RerankResult]
+    usage: dict[str, int]
+
+
 STREAMS = {"/v1/completions", "/v1/chat/completions", "/v1/responses"}
 REQUESTS: dict[str, Any] = {
     "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
     "/v1/responses": ResponsesRequest, "/detokenize": DetokenizeRequest,
     "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest),
     "/update_weights": UpdateWeightsRequest, "/pause": PauseRequest, "/sleep": SleepRequest,
-    "/wake_up": WakeUpRequest}
+    "/wake_up": WakeUpRequest, "/v1/embeddings": EmbeddingRequest, "/pooling": PoolingRequest,
+    "/classify": ClassificationRequest, "/score": ScoreRequest, "/v1/score": ScoreRequest,
+    "/rerank": RerankRequest, "/v1/rerank": RerankRequest, "/v2/rerank": RerankRequest}
 ANSWERS: dict[tuple[str, str], Any] = {
     ("post", "/v1/completions"): CompletionResponse,
     ("post", "/v1/chat/completions"): ChatCompletionResponse,
@@ -181,7 +252,11 @@ ANSWERS: dict[tuple[str, str], Any] = {
     ("post", "/resume"): WeightInfo, ("get", "/weight_info"): WeightInfo,
     ("get", "/is_paused"): PausedFlag, ("post", "/reset_prefix_cache"): PrefixCacheReset,
     ("post", "/sleep"): WeightInfo, ("post", "/wake_up"): WeightInfo,
-    ("get", "/is_sleeping"): SleepingFlag}
+    ("get", "/is_sleeping"): SleepingFlag,
+    ("post", "/v1/embeddings"): EmbeddingResponse, ("post", "/pooling"): PoolingResponse,
+    ("post", "/classify"): ClassificationResponse, ("post", "/score"): ScoreResponse,
+    ("post", "/v1/score"): ScoreResponse, ("post", "/rerank"): RerankResponse,
+    ("post", "/v1/rerank"): RerankResponse, ("post", "/v2/rerank"): RerankResponse}
 ERRORS = {400: "a field the server cannot serve, named in `param`",
           401: "a missing or wrong API (or admin) key", 404: "no such model, response or route",
           405: "a method the route does not take",

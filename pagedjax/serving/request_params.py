@@ -63,12 +63,12 @@ def trace_note(body: _SamplingFields, request: fastapi.Request | None,
     """What --trace-out records of a request beside its output: the session (the X-Session-ID
     header, metadata.session_id, or `user`), the stream flag, the workload tag (metadata.workload,
     or "rag" for a chat request with documents) and chat's earlier turns."""
-    metadata = body.metadata or {}
+    metadata = getattr(body, "metadata", None) or {}  # a pooling body has none
     header = request.headers.get("x-session-id") if request is not None else None
     workload = metadata.get("workload")
     if workload is None and getattr(body, "documents", None):
         workload = "rag"
-    return {"stream": body.stream, "session": header or metadata.get("session_id") or body.user,
+    return {"stream": getattr(body, "stream", False), "session": header or metadata.get("session_id") or body.user,
             "turns": turns, "workload": workload}
 
 

@@ -223,7 +223,7 @@ class ServerState:
                 self.trace.annotate(spec.request_id, **note)
         try:
             return await self.async_engine.add_requests(
-                specs, streamed=True if body is None else bool(body.stream))
+                specs, streamed=True if body is None else bool(getattr(body, "stream", False)))
         except BaseException as e:
             if noted:
                 for spec in specs:

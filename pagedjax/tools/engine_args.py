@@ -17,7 +17,8 @@ def _default(name: str) -> str:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """EngineConfig's fields as flags (defaults: EngineConfig's own), in one group."""
     group = parser.add_argument_group("engine")
-    for add in (_pool_args, _cache_args, _parallel_args, _program_args, _lora_args):
+    for add in (_pool_args, _cache_args, _parallel_args, _program_args, _lora_args,
+                _pooling_args):
         add(group)
 
 
@@ -149,6 +150,33 @@ def _lora_args(group) -> None:
                        help="adapters kept read on the host (default: --max-loras)")
 
 
+def _pooling_args(group) -> None:
+    """Pooling models (vLLM's flags): embeddings, classification, scores."""
+    group.add_argument("--runner", choices=["auto", "generate", "pooling"],
+                       help="generate text, or serve a pooling model (/v1/embeddings, /pooling, "
+                       "/classify, /score, /rerank); auto: pooling for a "
+                       f"*ForSequenceClassification checkpoint ({_default('runner')})")
+    group.add_argument("--pooler-config", metavar="JSON",
+                       help="override the model's pooler, e.g. '{\"pooling_type\": \"MEAN\", "
+                       "\"normalize\": true}' (pooling_type LAST, MEAN, CLS or ALL)")
+    group.add_argument("--hf-overrides", metavar="JSON",
+                       help="vLLM's hf_overrides for rerankers served through their LM head: "
+                       "'{\"classifier_from_token\": [\"no\", \"yes\"]}' or "
+                       "'{\"is_original_qwen3_reranker\": true}'")
+
+
+def _json_object(flag: str, text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise ValueError(f"{flag} is not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object, got {text!r}")
+    return value
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The EngineConfig fields the flags of add_engine_args set."""
     kwargs = {name: getattr(args, name) for name in (
@@ -184,4 +212,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kwargs["async_scheduling"] = True
     if args.enable_lora:
         kwargs["enable_lora"] = True
+    if args.runner is not None:
+        kwargs["runner"] = args.runner
+    for flag in ("pooler_config", "hf_overrides"):
+        if getattr(args, flag) is not None:
+            kwargs[flag] = _json_object("--" + flag.replace("_", "-"), getattr(args, flag))
     return kwargs
