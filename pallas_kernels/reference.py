@@ -15,6 +15,8 @@ the table width.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -23,6 +25,11 @@ from pagedjax.pallas_kernels.quant import QuantizedKV
 # Keys read per loop iteration: a few blocks at a time, so the loop count (and its per-iteration
 # overhead) stays small while the working set stays bounded whatever the context length.
 KV_TOKENS_PER_ITER = 128
+# A ragged step of at least FRESH_MIN_TOKENS tokens in which no sequence has earlier context
+# (a fresh prefill) attends over its own K/V, FRESH_TILE queries at a time
+# (fresh_prefill_attention); smaller steps and steps with context read the pages.
+FRESH_MIN_TOKENS = 64
+FRESH_TILE = 128
 
 
 def _attend_blocks(
@@ -119,9 +126,93 @@ def ragged_paged_attention_reference(
     seq_ids = jnp.minimum(seq_ids, num_rows - 1)
     q_positions = kv_lens[seq_ids] - (cu_q_lens[seq_ids + 1] - t)
     token_kv_lens = jnp.where(valid, kv_lens[seq_ids], 0)
-    return _attend_blocks(q, kv_cache, seq_ids, q_positions, token_kv_lens, block_tables,
-                          scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                          sinks=sinks, value_dim=value_dim)
+    options = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
+                   value_dim=value_dim)
+    paged = functools.partial(_attend_blocks, q, kv_cache, seq_ids, q_positions,
+                              token_kv_lens, block_tables, **options)
+    if num_tokens < FRESH_MIN_TOKENS:
+        return paged()
+    rows = jnp.arange(num_rows, dtype=jnp.int32)
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    fresh = jnp.all((rows >= num_seqs) | (kv_lens == q_lens))  # no row has earlier context
+    return jax.lax.cond(fresh, lambda: fresh_prefill_attention(
+        q, kv_cache, seq_ids, q_positions, valid, block_tables, **options), paged)
+
+
+def fresh_prefill_attention(
+    q: jax.Array,  # [T, N, H]
+    kv_cache: jax.Array,  # [2, K, NB, S, H], this step's K/V already written
+    seq_ids: jax.Array,  # i32[T]
+    q_positions: jax.Array,  # i32[T]: each token's position, from 0 in its sequence
+    valid: jax.Array,  # bool[T]: a real token (padding attends to nothing)
+    block_tables: jax.Array,  # i32[B, P]
+    *, scale: float, sliding_window: int | None, soft_cap: float | None,
+    sinks: jax.Array | None = None, value_dim: int | None = None,
+) -> jax.Array:
+    """A step in which no sequence has context from earlier steps: each token attends to its
+    own sequence's tokens of this step, up to itself. Their K/V are read back one row a token
+    (T rows, not the T x context tokens _attend_blocks gathers), and queries go FRESH_TILE at
+    a time against the rows a query can reach (the table's capacity before the tile) under
+    that mask: the reference's cost stays near a dense attention's on the CPU, for prompts
+    computed whole (embeddings, first chunks)."""
+    num_tokens, num_heads, head_dim = q.shape
+    block_size = kv_cache.shape[3]
+    blocks = jnp.asarray(block_tables)[seq_ids, q_positions // block_size]
+    offsets = q_positions % block_size
+    live = valid[None, :, None]  # a padding token's row may be any page's (NaN included)
+    k = jnp.where(live, _load_rows(kv_cache, 0, blocks, offsets), 0.0)  # f32[K, T, H]
+    v = k[..., :value_dim] if value_dim is not None else jnp.where(
+        live, _load_rows(kv_cache, 1, blocks, offsets), 0.0)
+    num_kv_heads = k.shape[0]
+    group = num_heads // num_kv_heads
+    tile = min(FRESH_TILE, num_tokens)
+    pad = -num_tokens % tile
+    qg = (q.astype(jnp.float32) * scale).reshape(num_tokens, num_kv_heads, group, head_dim)
+    qg = jnp.pad(qg, ((0, pad), (0, 0), (0, 0), (0, 0))).reshape(-1, tile, num_kv_heads,
+                                                                  group, head_dim)
+    tiles = [jnp.pad(x, (0, pad)).reshape(-1, tile) for x in (seq_ids, q_positions, valid)]
+    # A query's keys lie within the table's capacity (P x S) before it: each tile reads that
+    # window of the step's rows, not all T.
+    window = min(num_tokens, tile + block_tables.shape[1] * block_size)
+    starts = jnp.arange(qg.shape[0], dtype=jnp.int32) * tile
+
+    def one_tile(args):
+        qt, seq_t, pos_t, valid_t, start = args
+        first = jnp.clip(start + tile - window, 0, num_tokens - window)
+        k_w, v_w, seq_w, pos_w, valid_w = (
+            jax.lax.dynamic_slice_in_dim(x, first, window, axis=1 if x.ndim == 3 else 0)
+            for x in (k, v, seq_ids, q_positions, valid))
+        mask = ((seq_w[None, :] == seq_t[:, None]) & (pos_w[None, :] <= pos_t[:, None])
+                & valid_w[None, :] & valid_t[:, None])  # [tile, window]
+        if sliding_window is not None:
+            mask &= pos_w[None, :] > pos_t[:, None] - sliding_window
+        s = jnp.einsum("tKGH,KSH->tKGS", qt, k_w)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+        m = jnp.max(s, axis=-1)
+        if sinks is not None:
+            m = jnp.maximum(m, sinks.astype(jnp.float32).reshape(num_kv_heads, group))
+        m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
+        p = jnp.exp(s - m_safe[..., None])
+        l = jnp.sum(p, axis=-1)
+        if sinks is not None:
+            l = l + jnp.exp(sinks.astype(jnp.float32).reshape(num_kv_heads, group) - m_safe)
+        acc = jnp.einsum("tKGS,KSH->tKGH", p, v_w)
+        return jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+
+    out = jax.lax.map(one_tile, (qg, *tiles, starts))
+    out = out.reshape(-1, num_heads, out.shape[-1])[:num_tokens]
+    return out.astype(q.dtype)
+
+
+def _load_rows(kv_cache, kv_index: int, blocks: jax.Array, offsets: jax.Array) -> jax.Array:
+    """f32[K, T, H]: one cached row a token (block blocks[t], row offsets[t]), dequantized
+    when the cache is."""
+    if isinstance(kv_cache, QuantizedKV):
+        data = kv_cache.data[kv_index][:, blocks, offsets].astype(jnp.float32)
+        return data * kv_cache.scales[kv_index][:, blocks, offsets][..., None]
+    return kv_cache[kv_index][:, blocks, offsets].astype(jnp.float32)
 
 
 def paged_decode_attention_reference(

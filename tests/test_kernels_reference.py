@@ -208,3 +208,69 @@ def test_backend_names_are_checked():
         resolve_backend("cuda-magic")
     with pytest.raises(ValueError, match="attention_interpret"):
         resolve_backend("reference", interpret=True)
+
+
+FRESH = [(40, 40), (1, 1), (29, 29), (17, 17)]  # 87 tokens, no row with earlier context
+
+
+@pytest.mark.parametrize("tile", [128, 16])
+@pytest.mark.parametrize("sliding_window, soft_cap", [(None, None), (6, 1.5)])
+def test_fresh_prefill_matches_dense_oracle(sliding_window, soft_cap, tile, monkeypatch):
+    """A step of >= FRESH_MIN_TOKENS tokens whose rows start at position 0 takes
+    fresh_prefill_attention (the step's own rows, tiled queries: one tile of all 96 tokens,
+    or tiles of 16 each reading a window of 60 rows), NaN pages and padding tokens included;
+    equal to the oracle and to the paged path it replaces."""
+    from pagedjax.pallas_kernels import reference
+
+    monkeypatch.setattr(reference, "FRESH_TILE", tile)
+
+    rng = np.random.default_rng(11)
+    case = build_case(rng, FRESH, block_size=4, num_heads=8, num_kv_heads=2, head_dim=32,
+                      padded_seqs=6, padded_tokens=96)
+    assert case["num_tokens"] >= reference.FRESH_MIN_TOKENS
+    args = (jnp.asarray(case["q"]), jnp.asarray(case["cache"]), case["kv_lens"],
+            case["tables"], case["cu_q_lens"], case["num_seqs"])
+    options = dict(scale=0.2, sliding_window=sliding_window, soft_cap=soft_cap)
+    out = np.asarray(ragged_paged_attention_reference(*args, **options))
+    n = case["num_tokens"]
+    expected = dense_oracle(case["q"], case["keys"], case["values"], case["q_lens"],
+                            [kv for kv, _ in FRESH], **options)
+    np.testing.assert_allclose(out[:n], expected[:n], rtol=2e-5, atol=2e-5)
+    assert np.all(out[n:] == 0), "padding tokens must produce zeros"
+    original = reference.FRESH_MIN_TOKENS
+    try:  # the paged path on the same step
+        reference.FRESH_MIN_TOKENS = 10 ** 9
+        paged = np.asarray(ragged_paged_attention_reference(*args, **options))
+    finally:
+        reference.FRESH_MIN_TOKENS = original
+    np.testing.assert_allclose(out, paged, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("variant", ["sinks", "int8", "latent"])
+def test_fresh_prefill_equals_the_paged_path(variant):
+    """Sinks (gpt-oss), an int8 cache and a latent cache (value_dim): the fresh path against
+    the paged one, which the oracle tests above and their own files hold."""
+    from pagedjax.pallas_kernels import reference
+    from pagedjax.pallas_kernels.quant import QuantizedKV, quantize
+
+    rng = np.random.default_rng(12)
+    case = build_case(rng, FRESH, block_size=4, num_heads=4, num_kv_heads=2, head_dim=32,
+                      padded_tokens=90)
+    cache = jnp.asarray(np.nan_to_num(case["cache"]))
+    options = dict(scale=0.2)
+    if variant == "sinks":
+        options["sinks"] = jnp.asarray(rng.standard_normal(4), jnp.float32)
+    elif variant == "int8":
+        cache = QuantizedKV(*quantize(cache))
+    else:
+        cache, options["value_dim"] = cache[:1], 24
+    args = (jnp.asarray(case["q"]), cache, case["kv_lens"], case["tables"], case["cu_q_lens"],
+            case["num_seqs"])
+    fresh = np.asarray(ragged_paged_attention_reference(*args, **options))
+    original = reference.FRESH_MIN_TOKENS
+    try:
+        reference.FRESH_MIN_TOKENS = 10 ** 9
+        paged = np.asarray(ragged_paged_attention_reference(*args, **options))
+    finally:
+        reference.FRESH_MIN_TOKENS = original
+    np.testing.assert_allclose(fresh, paged, rtol=2e-5, atol=2e-5)

@@ -22,6 +22,7 @@ from pooling_checkpoints import (ENGINE, PROMPTS, assert_close, save_random,  # 
                                  st_reference, word_tokenizer, write_st_pipeline)
 
 from pagedjax import LLM, EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from pagedjax.engine.request_checks import check_specs  # noqa: E402
 from pagedjax.models.loading.hf import load_hf_model  # noqa: E402
 from pagedjax.pooling.params import PoolingParams  # noqa: E402
 from pagedjax.scheduler import RequestError  # noqa: E402
@@ -60,6 +61,11 @@ def test_embed_equals_sentence_transformers_in_chunks_with_matryoshka(embedder):
         llm.classify(PROMPTS[:1], use_tqdm=False)
     with pytest.raises(ValueError, match="needs runner='generate'"):
         llm.generate([PROMPTS[0]])
+    with pytest.raises(RequestError, match="runner='pooling'"):  # no logits to sample from
+        llm.engine.add_request(PROMPTS[0], SamplingParams(max_tokens=2))
+    # admission control counts a pooling request's prompt tokens only
+    admission, = check_specs(llm.engine, [llm.engine.pooling_spec(PROMPTS[0], None, "embed")])
+    assert admission.num_tokens == len(PROMPTS[0])
     assert not llm.engine.has_unfinished()
 
 
@@ -155,3 +161,29 @@ def test_pooling_rows_mark_the_states_each_request_reads():
     rows = pooling_rows([(last, 8, 2), (gen, 5, 1)], 4)
     np.testing.assert_array_equal(rows, [0, 1, 0, 0])
     assert pooling_rows([(gen, 0, 5)], 8).shape == (0,)
+
+
+@pytest.mark.parametrize("fields", [dict(async_scheduling=True),
+                                    dict(num_blocks=12, max_num_seqs=3)],
+                         ids=["async-scheduling", "preempted"])
+def test_pooling_survives_async_scheduling_and_preemption(embedder, fields):
+    """Async scheduling (a step scheduled before the last one's results are in) and a pool so
+    small that requests are preempted and recomputed: the same vectors, every pool fed each
+    position once (MEAN: a doubled row would show)."""
+    directory, hf = embedder
+    engine = LLMEngine(load_hf_model(str(directory)), EngineConfig(**{**ENGINE, **fields}))
+    engine.pooling_model = type(engine.pooling_model)(
+        engine.pooling_model.pooler.with_overrides({"pooling_type": "MEAN"}))
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = PROMPTS + [[40 + i for i in range(20)]]
+    gen_ids = [engine.add_request(p, greedy) for p in prompts[:2]]
+    pool_ids = [engine.add_pooling_request(p, None, "embed") for p in prompts]
+    done = {}
+    for _ in until_done(engine, 400):
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    if "num_blocks" in fields:
+        assert engine.stats.num_preemptions > 0
+    for request_id, ids in zip(pool_ids, prompts):
+        assert done[request_id].error is None
+        assert_close(done[request_id].outputs.data, st_reference(hf, ids, "mean", True))
+    assert all(len(done[i].outputs[0].token_ids) == 12 for i in gen_ids)

@@ -61,6 +61,7 @@ def size_kv_pool(model, config: EngineConfig, devices, backend) -> KVPool:
                          num_top_logprobs=config.max_logprobs, scan_layers=config.scan_layers,
                          device=devices[0], kv_groups=kv_groups, lora_spec=lora_spec)
     runner.logprobs_mode = config.logprobs_mode
+    runner.with_logits = config.runner != "pooling"  # a pooling runner samples nothing
     budget = None
     if config.gpu_memory_utilization is not None:
         budget = memory_budget.measure(runner, config, buckets, per_device)

@@ -84,7 +84,8 @@ def activation_bytes(runner, buckets) -> int:
         inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
                               forward_inputs(plan))
         lowered = _forward.lower(runner.graph, runner.backend, kind, runner.num_top_logprobs,
-                                 *runner._abstract_args, inputs, runner._abstract_lora)
+                                 *runner._abstract_args, inputs, runner._abstract_lora,
+                                 with_logits=runner.with_logits)
         forward = max(forward, _program_bytes(lowered.compile()))
         if logits is None or lowered.out_info[0].shape[0] > logits[0].shape[0]:
             logits = (lowered.out_info[0], plan)

@@ -30,7 +30,8 @@ class PoolingRequests:
         # LLM sets the model directory's, and the runner ("pooling") servers hold it to; the
         # engine itself serves both kinds of request, in the same steps
         self.pooling_model = PoolingModel()
-        self.runner_type = "generate"
+        # what a server built over it serves ("auto" is resolved by LLM before the engine)
+        self.runner_type = "pooling" if self.config.runner == "pooling" else "generate"
         self._pools: dict[str, object] = {}  # request id -> its PooledSequence
         self._pooling_params: dict[str, PoolingParams] = {}
 

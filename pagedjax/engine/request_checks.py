@@ -129,6 +129,9 @@ def check_spec(engine, spec: PromptSpec) -> Admission:
         raise RequestError("sampling_params", f"sampling_params must be a SamplingParams, got "
                            f"{type(params).__name__}")
     config, model_config = engine.config, engine.model_config
+    if spec.pooling_params is None and getattr(engine, "runner_type", None) == "pooling":
+        raise RequestError(None, "this engine runs runner='pooling' (no vocabulary "
+                           "projection): it serves pooling requests only")
     vocab = model_config.vocab_size
     if params.num_samples > config.max_num_seqs:
         field = "best_of" if params.best_of is not None else "n"

@@ -34,13 +34,16 @@ jax.tree_util.register_dataclass(BatchPlan, data_fields=list(ARRAY_FIELDS),
                                  meta_fields=list(STATIC_FIELDS))
 
 def forward_fn(graph: ServingGraph, backend: AttentionBackend, kind: str, num_top_logprobs: int,
-               params: ServingWeights, kv_cache, inputs: dict, lora: dict | None = None):
+               params: ServingWeights, kv_cache, inputs: dict, lora: dict | None = None,
+               with_logits: bool = True):
     """The model's part of a step as a pure function: returns (logits f32[B, V], (prompt,
     pooled), kv_cache). inputs: the plan's FORWARD_FIELDS (kind is static: DECODE runs the
     decode kernels); prompt is () or, when the plan has prompt_targets, prompt_logprobs.compute's
     arrays for every query token (num_top_logprobs of them a token); pooled is () or, when the
     plan has pooling_rows, (pooled_states,). lora: the LoRA adapters' device slots
-    (pagedjax.lora.slot_weights), each token's in inputs["lora_slots"]; None without them."""
+    (pagedjax.lora.slot_weights), each token's in inputs["lora_slots"]; None without them.
+    with_logits False (a pooling runner's: its tokens are nobody's): no vocabulary projection,
+    the logits are zeros of max(1, num_top_logprobs) columns."""
     step_counts.count("traces")  # runs at trace time only
     blocks_per_layer = kv_cache.shape[2] // graph.num_kv_slots
     kv_cache = copy_blocks(kv_cache, inputs["copy_src"], inputs["copy_dst"],
@@ -59,6 +62,8 @@ def forward_fn(graph: ServingGraph, backend: AttentionBackend, kind: str, num_to
                                                  inputs["positions"], metadata, backend,
                                                  step_lora)
         logits = paged_forward.logits(graph, params, hidden[inputs["logits_indices"]])  # f32[B, V]
+        if not with_logits:
+            logits = jax.numpy.zeros((logits.shape[0], max(1, num_top_logprobs)), logits.dtype)
         if backend.mesh is not None:  # vocab-split: one all-gather, so every device holds
             # whole rows for the sampler
             logits = jax.lax.with_sharding_constraint(logits, NamedSharding(backend.mesh, P()))
@@ -100,7 +105,8 @@ def _fill_placeholders(token_ids, previous):
 
 
 # graph, backend, kind and K are static; the KV cache is donated so XLA updates it in place.
-_forward = jax.jit(forward_fn, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
+_forward = jax.jit(forward_fn, static_argnums=(0, 1, 2, 3), static_argnames=("with_logits",),
+                   donate_argnums=(5,))
 _step = jax.jit(step_fn, static_argnums=(0, 1, 2), donate_argnums=(4,))
 
 
@@ -125,6 +131,7 @@ class ModelRunner(BlockTransfers):
                                           repeats, kv_groups)
         self.serving_args = (scan_layers, repeats, kv_groups)  # new weights' form (new_weights)
         self.logprobs_mode = "raw_logprobs"  # what logprobs report (EngineConfig.logprobs_mode)
+        self.with_logits = True  # False: a pooling runner's programs (forward_fn), set first
         self.num_kv_groups = 1 if kv_groups is None else kv_groups.num_groups
         self.num_blocks = num_blocks
         self.backend = backend
@@ -247,7 +254,8 @@ class ModelRunner(BlockTransfers):
             inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
                                   forward_inputs(plan))
             lowered = _forward.lower(self.graph, self.backend, kind, self.num_top_logprobs,
-                                     *self._abstract_args, inputs, self._abstract_lora)
+                                     *self._abstract_args, inputs, self._abstract_lora,
+                                     with_logits=self.with_logits)
             self._logits_shape[num_seqs, num_speculative_tokens] = lowered.out_info[0]
             self._sampler(plan, sampling_step.no_token_mask(num_seqs))
             compiled = lowered.compile()

@@ -94,14 +94,15 @@ def check(limits: AdmissionLimits, live: Sequence[Live], new: Sequence, streamed
     if budget is not None and outstanding_tokens + needed > budget:
         raise OverloadedError("token_budget", (
             f"the engine has {outstanding_tokens} tokens of work outstanding and this request "
-            f"adds {needed} (prompt + max_tokens per sample), over max_outstanding_tokens "
+            f"adds {needed} (prompt + max_tokens per sample; a pooling request: its prompt), "
+            f"over max_outstanding_tokens "
             f"({budget}): retry later"))
     if limits.kv_overcommit is not None:
         usable = sum(r.usable_blocks for r in load)
         used = sum(r.used_blocks for r in load)
         projected = used + outstanding_blocks + sum(
-            a.spec.params.num_samples * blocks_for(len(a.prompt_token_ids)
-                                                   + a.spec.params.max_tokens) for a in new)
+            a.spec.params.num_samples * blocks_for(len(a.prompt_token_ids) + (
+                a.spec.params.max_tokens if a.spec.pooling_params is None else 0)) for a in new)
         if projected > limits.kv_overcommit * usable:
             raise OverloadedError("kv_pressure", (
                 f"KV pressure: {used} blocks in use, the live requests may take "

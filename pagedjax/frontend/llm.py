@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Sequence
 
@@ -14,6 +15,7 @@ from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.request_checks import PromptSpec, encode_text
 from pagedjax.frontend.data_parallel import make_engine
 from pagedjax.frontend.llm_pooling import PoolingAPI
+from pagedjax.frontend.pooling_setup import pooling_setup, resolve_runner
 from pagedjax.lora.request import LoRARequest
 from pagedjax.models import CONFIGS, DEFAULT_CHECKPOINT, LlamaForCausalLM, get_config, init_model
 from pagedjax.models.loading.placed_weights import LazyModel
@@ -164,18 +166,22 @@ class LLM(PoolingAPI):
         if engine_kwargs.get("dtype") == "auto":
             engine_kwargs["dtype"] = checkpoint_dtype(model)
         config = EngineConfig.from_kwargs(**engine_kwargs)
+        config = dataclasses.replace(config, runner=resolve_runner(model, config.runner,
+                                                                   config.hf_overrides))
         # a checkpoint read into place as it is quantized, unless its loader reads it whole
         # (orbax: read, then quantized: a transient full-precision copy)
         lazy = config.quantization is None or not _is_orbax(model)
         loaded, own_tokenizer = resolve_model(model, seed=config.seed, dtype=config.dtype,
                                               lazy=lazy)
         self.tokenizer = _load_tokenizer(tokenizer) or own_tokenizer
+        pooling_model = pooling_setup(model, loaded, self.tokenizer, config.runner,
+                                      config.pooler_config, config.hf_overrides)
         spec = config.speculative_config
         draft = None if spec is None or spec.model is None else resolve_model(
             spec.model, seed=config.seed, dtype=config.dtype)[0]
         self.engine = make_engine(loaded, config, tokenizer=self.tokenizer, draft_model=draft)
         self._dtype = config.dtype
-        self._init_runner(model, loaded, config)
+        self._init_runner(config.runner, pooling_model)
 
     def _token_ids(self, prompt) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):

@@ -13,7 +13,6 @@ from tqdm.auto import tqdm
 
 from pagedjax.engine.outputs import PoolingOutput, PoolingRequestOutput
 from pagedjax.engine.request_checks import encode_text
-from pagedjax.frontend.pooling_setup import pooling_setup
 from pagedjax.pooling import scoring
 from pagedjax.pooling.params import PoolingParams, view_of
 from pagedjax.scheduler import RequestError
@@ -24,16 +23,15 @@ class PoolingAPI:
 
     runner: str = "generate"
 
-    def _init_runner(self, model, loaded, config) -> None:
-        """The runner config.runner resolves to, and for pooling the engine's PoolingModel."""
-        self.runner, pooling_model = pooling_setup(model, loaded, self.tokenizer, config.runner,
-                                                   config.pooler_config, config.hf_overrides)
+    def _init_runner(self, runner: str, pooling_model) -> None:
+        """The runner served (resolve_runner's) and, for "pooling", the engine's PoolingModel
+        (pooling_setup's, read and checked before the engine was built)."""
+        self.runner = runner
         if pooling_model is not None:
             if not hasattr(self.engine, "pooling_model"):
                 raise ValueError("runner='pooling' is served by one engine replica "
                                  "(data_parallel_size 1)")
             self.engine.pooling_model = pooling_model
-            self.engine.runner_type = "pooling"
 
     def check_runner(self, wanted: str, method: str) -> None:
         if self.runner != wanted:

@@ -10,6 +10,7 @@ import json
 import os
 
 from pagedjax.engine.config import RUNNERS
+from pagedjax.models.loading.hf_config import is_sequence_classifier
 from pagedjax.pooling.heads import head_from_tokens, read_score_head, token_rows
 from pagedjax.pooling.model_config import PoolerConfig, read_pooler_config
 from pagedjax.pooling.pooling_model import PoolingModel
@@ -63,28 +64,38 @@ def _check_overrides(hf_overrides: dict) -> list[str] | None:
     return tokens
 
 
-def pooling_setup(model, loaded, tokenizer, runner: str = "auto",
-                  pooler_config: dict | None = None,
-                  hf_overrides: dict | None = None) -> tuple[str, PoolingModel | None]:
-    """(the runner served, the PoolingModel for runner "pooling", else None). model: what
-    LLM was given (a directory is read for its pooler and head); loaded: the model built."""
+def resolve_runner(model, runner: str, hf_overrides: dict | None) -> str:
+    """The runner "auto" means for model: pooling for a sequence classifier or a reranker
+    served through classifier_from_token, else generate; the others as given."""
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
+    if runner != "auto":
+        return runner
+    classifier = is_sequence_classifier(model_directory(model)[1])
+    return "pooling" if classifier or _check_overrides(hf_overrides or {}) else "generate"
+
+
+def pooling_setup(model, loaded, tokenizer, runner: str, pooler_config: dict | None = None,
+                  hf_overrides: dict | None = None) -> PoolingModel | None:
+    """The PoolingModel of runner "pooling" (resolve_runner's), else None (a classifier or
+    pooler_config given to a generating runner refused). model: what LLM was given (a
+    directory is read for its pooler and head); loaded: the model built."""
     tokens = _check_overrides(hf_overrides or {})
     model_dir, hf_config = model_directory(model)
-    head = read_score_head(model_dir, hf_config) if model_dir is not None else None
-    if tokens is not None:
-        ids = _token_ids(tokenizer, tokens)
-        head = head_from_tokens(token_rows(loaded, model_dir, ids), list(tokens))
-    if runner == "auto":
-        runner = "pooling" if head is not None else "generate"
-    if runner == "generate":
-        if head is not None or pooler_config:
+    if runner != "pooling":
+        if tokens is not None or pooler_config or is_sequence_classifier(hf_config):
             raise ValueError("this model is a classifier (or pooler_config was given): serve "
                              "it with runner='pooling'")
-        return runner, None
+        return None
+    head = read_score_head(model_dir, hf_config) if model_dir is not None else None
+    if tokens is not None:
+        if model_dir is None and not hasattr(loaded, "lm_head"):
+            raise ValueError("hf_overrides: classifier_from_token reads the LM head's rows "
+                             "from a Hugging Face directory (or a model object)")
+        ids = _token_ids(tokenizer, tokens)
+        head = head_from_tokens(token_rows(loaded, model_dir, ids), list(tokens))
     pooler = (read_pooler_config(model_dir, hf_config) if model_dir is not None
               else PoolerConfig(source="default (decoder)"))
     if pooler_config:
         pooler = pooler.with_overrides(pooler_config)
-    return runner, PoolingModel(pooler, head)
+    return PoolingModel(pooler, head)

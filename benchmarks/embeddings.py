@@ -1,0 +1,161 @@
+"""Embedding throughput: `LLM(dir, runner="pooling").embed` against sentence-transformers'
+`SentenceTransformer.encode` (torch, CPU here) on the same random Qwen3-Embedding-0.6B-shaped
+checkpoint (hidden 1024, 16 query / 8 KV heads of 128, MLP 3072, vocabulary 151,669; --layers
+of its 28), last-token pooling then normalization, f32, same run, same texts.
+
+Rows (sequences/s and tokens/s; the time of one whole call from texts to vectors, the median
+of --repeats calls on fresh texts after two warm-up calls of the same shape, so compiles are
+off the clock):
+- batch 1, 32, 256 prompts of --prompt-len tokens (distinct prompts, no prefix shared);
+- a --prefix-len-token instruction shared by --prefix-batch queries of --query-len tokens
+  (Qwen3-Embedding's "Instruct: ...\\nQuery:" form): sentence-transformers computes it for
+  every query; pagedjax with the prefix cache cold (caching off) and warm (its blocks cached
+  by an earlier call: each query computes its own tokens only).
+
+ratio_vs_st divides a pagedjax row's sequences/s by sentence-transformers' of the same batch.
+max_abs_cosine_gap: the largest 1 - cosine between the two implementations' vectors of a row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+
+import numpy as np
+from common import write_results
+
+QWEN3_EMBEDDING_06B = dict(vocab_size=151669, hidden_size=1024, intermediate_size=3072,
+                           num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                           head_dim=128, max_position_embeddings=32768, rope_theta=1000000.0,
+                           tie_word_embeddings=True)
+WORDS = 32000  # the word-level tokenizer's vocabulary: "w0" .. "w31999", one token each
+
+
+def build_checkpoint(directory: str, layers: int, seed: int) -> None:
+    """A random Qwen3-Embedding-shaped checkpoint with its sentence-transformers pipeline
+    (last token, normalized) and a word-level tokenizer both sides read."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    torch.manual_seed(seed)
+    config = transformers.Qwen3Config(**{**QWEN3_EMBEDDING_06B, "num_hidden_layers": layers})
+    transformers.Qwen3ForCausalLM(config).eval().save_pretrained(directory)
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(WORDS)}, unk_token="w1"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(f"{directory}/tokenizer.json")
+    files = {"tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast",
+                                       "pad_token": "w0", "model_max_length": 4096},
+             "modules.json": [
+                 {"idx": 0, "name": "0", "path": "", "type":
+                  "sentence_transformers.models.Transformer"},
+                 {"idx": 1, "name": "1", "path": "1_Pooling", "type":
+                  "sentence_transformers.models.Pooling"},
+                 {"idx": 2, "name": "2", "path": "2_Normalize", "type":
+                  "sentence_transformers.models.Normalize"}],
+             "1_Pooling/config.json": {"word_embedding_dimension": 1024,
+                                       "pooling_mode": "lasttoken"}}
+    for name, content in files.items():
+        path = f"{directory}/{name}"
+        if "/" in name:
+            import os
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(content, f)
+
+
+def texts(rng, count: int, length: int, prefix: str = "") -> list[str]:
+    return [prefix + " ".join(f"w{t}" for t in rng.integers(2, WORDS, length))
+            for _ in range(count)]
+
+
+def timed(fn, inputs: list) -> tuple[float, list]:
+    """(median seconds of fn over inputs[2:] after warm-up calls on inputs[0] and [1], every
+    timed call's result): fresh texts each call, so no call is served by an earlier one's
+    cache; two warm-ups, so the shapes a cache hit gives are compiled too."""
+    fn(inputs[0])
+    fn(inputs[1])
+    times, results = [], []
+    for texts_ in inputs[2:]:
+        start = time.perf_counter()
+        results.append(fn(texts_))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)), results
+
+
+def row(name: str, batch: int, tokens: int, seconds: float, **extra) -> dict:
+    return {"implementation": name, "batch": batch, "tokens_per_seq": tokens,
+            "seconds": round(seconds, 4), "seqs_per_s": round(batch / seconds, 2),
+            "tokens_per_s": round(batch * tokens / seconds, 1), **extra}
+
+
+def gap(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    cos = (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+    return float(np.max(1 - cos))
+
+
+def compare(rows: list, batch: int, tokens: int, inputs: list, st, ours: dict) -> None:
+    """One batch shape over inputs (lists of texts): sentence-transformers' row, then each of
+    ours (name -> LLM) against it."""
+    st_seconds, st_vectors = timed(
+        lambda t: st.encode(t, batch_size=batch, convert_to_numpy=True), inputs)
+    rows.append(row("sentence-transformers", batch, tokens, st_seconds))
+    for name, llm in ours.items():
+        seconds, outs = timed(lambda t: llm.embed(t, use_tqdm=False), inputs)
+        vectors = [[o.outputs.embedding for o in call] for call in outs]
+        rows.append(row(name, batch, tokens, seconds,
+                        ratio_vs_st=round(st_seconds / seconds, 3),
+                        max_abs_cosine_gap=float(f"{gap(vectors, st_vectors):.2e}")))
+        print(rows[-1], flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--batches", default="1,32,256")
+    parser.add_argument("--prefix-len", type=int, default=256)
+    parser.add_argument("--query-len", type=int, default=32)
+    parser.add_argument("--prefix-batch", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="embeddings")
+    args = parser.parse_args()
+
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    from pagedjax import LLM
+
+    directory = tempfile.mkdtemp(prefix="qwen3-embedding-")
+    build_checkpoint(directory, args.layers, args.seed)
+    st = SentenceTransformer(directory, device="cpu")
+    batches = [int(b) for b in args.batches.split(",")]
+    engine = dict(runner="pooling", max_model_len=args.prefix_len + args.query_len + 64,
+                  max_num_seqs=max(batches + [args.prefix_batch]),
+                  max_num_batched_tokens=args.max_num_batched_tokens, block_size=16)
+    llm = LLM(directory, **engine)
+    rng = np.random.default_rng(args.seed)
+    rows: list[dict] = []
+    for batch in batches:
+        inputs = [texts(rng, batch, args.prompt_len) for _ in range(args.repeats + 2)]
+        compare(rows, batch, args.prompt_len, inputs, st, {"pagedjax": llm})
+    instruction = " ".join(f"w{t}" for t in rng.integers(2, WORDS, args.prefix_len)) + " "
+    inputs = [texts(rng, args.prefix_batch, args.query_len, instruction)
+              for _ in range(args.repeats + 2)]
+    cold = LLM(directory, **engine, enable_prefix_caching=False)
+    # the cached engine's warm-up call leaves the instruction's blocks in its cache
+    compare(rows, args.prefix_batch, args.prefix_len + args.query_len, inputs, st,
+            {"pagedjax, prefix cache off": cold, "pagedjax, prefix cached": llm})
+    write_results(args.out, "Embedding throughput: pagedjax vs sentence-transformers (CPU)",
+                  rows, {**vars(args), "torch_threads": torch.get_num_threads()},
+                  notes=__doc__, reproduce=f".venv/bin/python benchmarks/embeddings.py "
+                  f"--layers {args.layers}")
+
+
+if __name__ == "__main__":
+    main()
