@@ -252,7 +252,8 @@ def test_kv_pressure_counts_what_each_group_holds():
     load = [SimpleNamespace(used_blocks=0, usable_blocks=kv.pool.num_usable_blocks)]
     new = [SimpleNamespace(prompt_token_ids=[1] * 100, num_tokens=200,
                            spec=SimpleNamespace(params=SimpleNamespace(num_samples=1,
-                                                                       max_tokens=100)))]
+                                                                       max_tokens=100),
+                                                pooling_params=None))]
     live = [Live(samples=[], streamed=True, long_context=False)]
     admission_control.check(limits, live, new, True, load, kv.num_blocks_for, 0, 0)
     with pytest.raises(OverloadedError, match="KV pressure"):

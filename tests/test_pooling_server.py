@@ -23,6 +23,9 @@ from pagedjax.pooling.scoring import cosine  # noqa: E402
 from pagedjax.serving.app import OpenAIServer  # noqa: E402
 
 TEXTS = ["w5 w9 w17 w3 w44 w2 w8", "w70 w71 w3", "w9 w9 w9 w9"]
+# each message's content, then the role's word as a separator (the word tokenizer's words)
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }} "
+                 "{{ 'w60' if m['role'] == 'user' else 'w61' }} {% endfor %}")
 
 
 def ids_of(text: str) -> list[int]:
@@ -37,7 +40,8 @@ def embedding_server(tmp_path_factory):
     write_st_pipeline(directory, "lasttoken", normalize=True)
     word_tokenizer(directory)
     llm = LLM(str(directory), runner="pooling", **ENGINE)
-    with TestClient(OpenAIServer(llm.engine, "emb").build_app()) as client:
+    server = OpenAIServer(llm.engine, "emb", chat_template=CHAT_TEMPLATE)
+    with TestClient(server.build_app()) as client:
         client.hf = hf
         yield client
 
@@ -60,6 +64,11 @@ def test_embeddings_float_base64_dimensions_and_usage(embedding_server):
                  st_reference(hf, ids_of(TEXTS[0]), "lasttoken", True, 16))
     tokens = client.post("/pooling", json={"input": TEXTS[1], "task": "token_embed"}).json()
     assert np.asarray(tokens["data"][0]["data"]).shape == (3, 64)
+    chat = client.post("/v1/embeddings", json={"messages": [
+        {"role": "system", "content": TEXTS[1]}, {"role": "user", "content": TEXTS[2]}]}).json()
+    rendered = ids_of(f"{TEXTS[1]} w61 {TEXTS[2]} w60")  # the chat template's text
+    assert chat["usage"]["prompt_tokens"] == len(rendered)
+    assert_close(chat["data"][0]["embedding"], st_reference(hf, rendered, "lasttoken", True))
 
 
 def test_embedding_model_scores_and_reranks_by_cosine(embedding_server):
@@ -81,8 +90,14 @@ def test_embedding_model_scores_and_reranks_by_cosine(embedding_server):
     ("/v1/embeddings", {"input": "w1", "encoding_format": "int8"}, "encoding_format"),
     ("/v1/embeddings", {"input": [], "model": "emb"}, "input"),
     ("/v1/embeddings", {"input": "w1", "priority": 3}, "priority"),
+    ("/v1/embeddings", {"input": "w1", "messages": [{"role": "user", "content": "w2"}]},
+     "input"),
+    ("/v1/embeddings", {"input": "w1", "add_generation_prompt": True}, "add_generation_prompt"),
+    ("/v1/embeddings", {"messages": [{"role": "user", "content": "w2"}],
+                        "add_special_tokens": True}, "add_special_tokens"),
     ("/classify", {"input": "w1"}, "task"),
     ("/pooling", {"input": "w1", "task": "embed", "use_activation": True}, "use_activation"),
+    ("/pooling", {"input": "w1", "use_activation": True, "softmax": False}, "softmax"),
 ])
 def test_bad_pooling_bodies_are_refused_by_name(embedding_server, path, body, param):
     response = embedding_server.post(path, json=body)
@@ -121,6 +136,10 @@ def test_reranker_through_yes_no_and_a_generating_server_refuses_pooling(tmp_pat
         probs = client.post("/classify", json={"input": [query + " " + docs[0]]}).json()
         assert probs["data"][0]["label"] == "yes"
         assert probs["data"][0]["probs"] == pytest.approx([want[0]], rel=2e-5, abs=2e-6)
+        raw = client.post("/score", json={"text_1": query, "text_2": docs[0],
+                                          "softmax": False}).json()  # vLLM's older name
+        assert raw["data"][0]["score"] == pytest.approx(np.log(want[0] / (1 - want[0])),
+                                                        rel=1e-4, abs=1e-4)
     generating = LLM(str(tmp_path), runner="generate", **ENGINE)
     with TestClient(OpenAIServer(generating.engine, "gen").build_app()) as client:
         response = client.post("/v1/embeddings", json={"input": "w1"})

@@ -18,6 +18,7 @@ from pagedjax.frontend.llm_pooling import PoolingAPI
 from pagedjax.frontend.pooling_setup import pooling_setup, resolve_runner
 from pagedjax.lora.request import LoRARequest
 from pagedjax.models import CONFIGS, DEFAULT_CHECKPOINT, LlamaForCausalLM, get_config, init_model
+from pagedjax.models.loading.encoder import is_encoder_dir
 from pagedjax.models.loading.placed_weights import LazyModel
 from pagedjax.scheduler import RequestError, SamplingParams
 from pagedjax.text.tokenizer import NO_CHAT_TEMPLATE, ByteTokenizer, Tokenizer, check_chat_template
@@ -168,6 +169,9 @@ class LLM(PoolingAPI):
         config = EngineConfig.from_kwargs(**engine_kwargs)
         config = dataclasses.replace(config, runner=resolve_runner(model, config.runner,
                                                                    config.hf_overrides))
+        if is_encoder_dir(model):  # BERT-like: the dense encoder engine
+            self._init_encoder(os.fspath(model), _load_tokenizer(tokenizer), config)
+            return
         # a checkpoint read into place as it is quantized, unless its loader reads it whole
         # (orbax: read, then quantized: a transient full-precision copy)
         lazy = config.quantization is None or not _is_orbax(model)

@@ -6,6 +6,7 @@ by name."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Sequence
 
 import numpy as np
@@ -13,6 +14,7 @@ from tqdm.auto import tqdm
 
 from pagedjax.engine.outputs import PoolingOutput, PoolingRequestOutput
 from pagedjax.engine.request_checks import encode_text
+from pagedjax.frontend.pooling_setup import pooling_setup
 from pagedjax.pooling import scoring
 from pagedjax.pooling.params import PoolingParams, view_of
 from pagedjax.scheduler import RequestError
@@ -32,6 +34,30 @@ class PoolingAPI:
                 raise ValueError("runner='pooling' is served by one engine replica "
                                  "(data_parallel_size 1)")
             self.engine.pooling_model = pooling_model
+
+    def _init_encoder(self, path: str, tokenizer, config) -> None:
+        """A BERT-like encoder (pagedjax.engine.encoder_engine: dense, no KV cache), read
+        whole; what the paged engine's parallelism and quantization fields ask is refused.
+        tokenizer: LLM's argument, loaded (None: the directory's tokenizer.json, if any)."""
+        from pagedjax.engine.encoder_engine import EncoderEngine
+        from pagedjax.models.loading.encoder import load_encoder
+        from pagedjax.text.tokenizer import Tokenizer
+
+        for field, plain in (("tensor_parallel_size", 1), ("data_parallel_size", 1),
+                             ("quantization", None), ("enable_lora", False),
+                             ("speculative_config", None)):
+            if getattr(config, field) != plain:
+                raise ValueError(f"{field}: a BERT-like encoder runs on one device, in float "
+                                 f"(got {getattr(config, field)!r})")
+        loaded = load_encoder(path, config.dtype)
+        self.tokenizer = tokenizer or (
+            Tokenizer.from_dir(path) if os.path.isfile(os.path.join(path, "tokenizer.json"))
+            else None)
+        pooling_model = pooling_setup(path, loaded, self.tokenizer, "pooling",
+                                      config.pooler_config, config.hf_overrides)
+        self.engine = EncoderEngine(loaded, config, pooling_model, tokenizer=self.tokenizer)
+        self._dtype = config.dtype
+        self.runner = "pooling"
 
     def check_runner(self, wanted: str, method: str) -> None:
         if self.runner != wanted:

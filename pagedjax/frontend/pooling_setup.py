@@ -10,6 +10,7 @@ import json
 import os
 
 from pagedjax.engine.config import RUNNERS
+from pagedjax.models.loading.encoder import is_encoder_dir
 from pagedjax.models.loading.hf_config import is_sequence_classifier
 from pagedjax.pooling.heads import head_from_tokens, read_score_head, token_rows
 from pagedjax.pooling.model_config import PoolerConfig, read_pooler_config
@@ -69,6 +70,11 @@ def resolve_runner(model, runner: str, hf_overrides: dict | None) -> str:
     served through classifier_from_token, else generate; the others as given."""
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
+    if is_encoder_dir(model):
+        if runner == "generate":
+            raise ValueError("a BERT-like encoder generates nothing: serve it with "
+                             "runner='pooling'")
+        return "pooling"
     if runner != "auto":
         return runner
     classifier = is_sequence_classifier(model_directory(model)[1])
@@ -87,6 +93,9 @@ def pooling_setup(model, loaded, tokenizer, runner: str, pooler_config: dict | N
             raise ValueError("this model is a classifier (or pooler_config was given): serve "
                              "it with runner='pooling'")
         return None
+    if is_encoder_dir(model) and (is_sequence_classifier(hf_config) or tokens is not None):
+        raise ValueError("a BERT-like encoder is served as an embedding model; its "
+                         "classification heads (cross-encoders) are not served yet")
     head = read_score_head(model_dir, hf_config) if model_dir is not None else None
     if tokens is not None:
         if model_dir is None and not hasattr(loaded, "lm_head"):

@@ -12,7 +12,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedjax.serving.protocol import MAX_PROMPTS, Identifier
+from pagedjax.serving.protocol import MAX_PROMPTS, ChatMessage, Identifier
 
 EMBED_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": "bfloat16"}
 
@@ -42,53 +42,90 @@ class _PoolingFields(BaseModel):
         return found
 
 
+class _InputFields(BaseModel):
+    """A pooled text: `input` (text or token ids, one or a list), or vLLM's chat form,
+    `messages` rendered by the chat template (one conversation)."""
+
+    input: str | list | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+    # None: the form's default (true for input, false for messages: the template's own)
+    add_special_tokens: bool | None = None
+
+    def input_errors(self) -> list[tuple[str, str]]:
+        if (self.input is None) == (self.messages is None):
+            return [("input", "give input (text or token ids) or messages (a conversation), "
+                     "one of them")]
+        if self.messages is None:
+            chat = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+            given = [f for f in chat if getattr(self, f) not in (None, False)]
+            return [(given[0], f"{given[0]} goes with messages")] if given else []
+        if self.add_special_tokens:
+            return [("add_special_tokens", "a conversation's special tokens are the chat "
+                     "template's; only false is supported")]
+        if self.continue_final_message and self.add_generation_prompt:
+            return [("continue_final_message", "continue_final_message and "
+                     "add_generation_prompt cannot both be true")]
+        return []
+
+
+class _ActivationFields(BaseModel):
+    """A head's activation: use_activation, and vLLM's older names for it (softmax,
+    activation), which must agree with it when several are given."""
+
+    use_activation: bool | None = None
+    softmax: bool | None = None
+    activation: bool | None = None
+
+    def chosen_activation(self) -> tuple[bool | None, str | None]:
+        """(the activation asked for, or None; the field of a disagreement, or None)."""
+        given = {f: getattr(self, f) for f in ("use_activation", "softmax", "activation")
+                 if getattr(self, f) is not None}
+        if len(set(given.values())) > 1:
+            return None, sorted(given)[0]
+        return (next(iter(given.values())) if given else None), None
+
+
 class _EncodedFields(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     embed_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     endianness: Literal["native", "big", "little"] = "native"
 
 
-class EmbeddingRequest(_PoolingFields, _EncodedFields):
+class EmbeddingRequest(_PoolingFields, _InputFields, _EncodedFields):
     """POST /v1/embeddings: OpenAI's fields (input, encoding_format, dimensions, user) and
-    vLLM's (normalize, add_special_tokens, truncate_prompt_tokens, ...)."""
+    vLLM's (normalize, add_special_tokens, truncate_prompt_tokens, messages, ...)."""
 
-    input: str | list = Field(...)
     dimensions: int | None = None
     normalize: bool | None = None
-    add_special_tokens: bool = True
 
 
-class PoolingRequest(EmbeddingRequest):
+class PoolingRequest(EmbeddingRequest, _ActivationFields):
     """POST /pooling: any pooling task's raw data (vLLM's; task defaults to the model's)."""
 
     task: Literal["embed", "classify", "token_embed", "token_classify"] | None = None
-    use_activation: bool | None = None
 
 
-class ClassificationRequest(_PoolingFields):
+class ClassificationRequest(_PoolingFields, _InputFields, _ActivationFields):
     """POST /classify."""
 
-    input: str | list = Field(...)
-    use_activation: bool | None = None
-    add_special_tokens: bool = True
 
-
-class ScoreRequest(_PoolingFields):
+class ScoreRequest(_PoolingFields, _ActivationFields):
     """POST /score (and /v1/score): text_1 against text_2, one to many or pairwise."""
 
     text_1: str | list[str] = Field(...)
     text_2: str | list[str] = Field(...)
-    use_activation: bool | None = None
 
 
-class RerankRequest(_PoolingFields):
+class RerankRequest(_PoolingFields, _ActivationFields):
     """POST /rerank, /v1/rerank, /v2/rerank (Jina's and Cohere's shape)."""
 
     query: str
     documents: list[str | dict] = Field(..., min_length=1)
     top_n: int = Field(default=0, ge=0)
     return_documents: bool = True
-    use_activation: bool | None = None
 
 
 def split_inputs(value: str | list) -> list[str | list[int]]:

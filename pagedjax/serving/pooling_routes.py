@@ -21,6 +21,7 @@ from pagedjax.engine.request_checks import encode_text
 from pagedjax.pooling import scoring
 from pagedjax.pooling.params import PoolingParams
 from pagedjax.scheduler import RequestError
+from pagedjax.serving import chat
 from pagedjax.serving.http_common import APIError, parse_body
 from pagedjax.serving.pooling_protocol import (ClassificationRequest, EmbeddingRequest,
                                                PoolingRequest, RerankRequest, ScoreRequest, encoded,
@@ -39,6 +40,10 @@ def _checked(server: ServerState, body) -> None:
     server.check_model_name(body.model)
     for param, why in body.unsupported():
         raise APIError(400, why, param)
+    if hasattr(body, "chosen_activation") and body.chosen_activation()[1] is not None:
+        field = body.chosen_activation()[1]
+        raise APIError(400, f"{field}: use_activation, softmax and activation (its older "
+                       "names) disagree", field)
 
 
 async def _ids(server: ServerState, prompt, field: str, special_tokens: bool = True):
@@ -77,11 +82,17 @@ def _base(server: ServerState, body, prefix: str, outputs) -> dict:
 
 
 async def _inputs(server: ServerState, body) -> list:
+    """(token ids, text or None) of each input, or of the conversation in messages."""
+    for param, why in body.input_errors():
+        raise APIError(400, why, param)
+    if body.messages is not None:
+        return [(await asyncio.to_thread(chat.render_prompt, server, body), None)]
     try:
         items = split_inputs(body.input)
     except ValueError as e:
         raise APIError(400, str(e), "input") from None
-    return [await _ids(server, p, "input", body.add_special_tokens) for p in items]
+    special = body.add_special_tokens is not False
+    return [await _ids(server, p, "input", special) for p in items]
 
 
 async def embeddings(server: ServerState, request: fastapi.Request):
@@ -103,8 +114,10 @@ async def pooling(server: ServerState, request: fastapi.Request):
     _checked(server, body)
     task = body.task or server.engine.pooling_model.tasks[
         2 if server.engine.pooling_model.head is not None else 0]
-    fields = {k: getattr(body, k) for k in ("dimensions", "normalize", "use_activation")
+    fields = {k: getattr(body, k) for k in ("dimensions", "normalize")
               if getattr(body, k) is not None}
+    if body.chosen_activation()[0] is not None:
+        fields["use_activation"] = body.chosen_activation()[0]
     try:
         params = PoolingParams(**fields, truncate_prompt_tokens=body.truncate_prompt_tokens
                                ).verify(task)
@@ -124,7 +137,7 @@ async def pooling(server: ServerState, request: fastapi.Request):
 async def classify(server: ServerState, request: fastapi.Request):
     body = parse_body(await request.body(), ClassificationRequest)
     _checked(server, body)
-    params = PoolingParams(use_activation=body.use_activation,
+    params = PoolingParams(use_activation=body.chosen_activation()[0],
                            truncate_prompt_tokens=body.truncate_prompt_tokens)
     outputs = await run_pooling(server, body, request, await _inputs(server, body), params,
                                 "classify", "classify")
@@ -150,12 +163,12 @@ async def pair_scores(server: ServerState, body, request: fastapi.Request, first
         prompts = [(scoring.pair_token_ids((await _ids(server, a, "text_1"))[0],
                                            (await _ids(server, b, "text_2", False))[0]), None)
                    for a, b in zip(firsts, seconds)]
-        params = PoolingParams(use_activation=body.use_activation,
+        params = PoolingParams(use_activation=body.chosen_activation()[0],
                                truncate_prompt_tokens=body.truncate_prompt_tokens)
         outputs = await run_pooling(server, body, request, prompts, params, "score", "score")
         return None if outputs is None else ([float(o.outputs.data[0]) for o in outputs],
                                              outputs)
-    if body.use_activation is not None:
+    if body.chosen_activation()[0] is not None:
         raise APIError(400, "use_activation: an embedding model's score is the cosine of two "
                        "embeddings; it has no activation", "use_activation")
     texts = [await _ids(server, t, "text_1") for t in firsts + seconds]
