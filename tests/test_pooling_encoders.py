@@ -8,6 +8,7 @@ Tolerance: f32; two implementations of the same dense attention: values to 2e-5,
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -85,6 +86,70 @@ def test_encoder_defaults_to_cls_and_refuses_what_it_cannot_serve(tmp_path):
         LLM(str(tmp_path), runner="generate")
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(str(tmp_path), tensor_parallel_size=2)
+
+
+def test_encoder_served_over_http_with_its_programs_warmed(tmp_path):
+    """`pagedjax serve` of an encoder: /v1/embeddings through the server's front-end
+    (admission, metrics) equals sentence-transformers' vectors; the generation routes answer
+    400; after warmup() no request compiles."""
+    from fastapi.testclient import TestClient
+
     from pagedjax.serving.app import OpenAIServer
-    with pytest.raises(ValueError, match="not served over HTTP"):
-        OpenAIServer(llm.engine, "bert")
+
+    hf = save_encoder(tmp_path, "bert")
+    write_st_pipeline(tmp_path, "mean", normalize=True)
+    llm = LLM(str(tmp_path), max_num_seqs=2, max_model_len=32)
+    assert llm.engine.warmup() == len(llm.engine.shapes()) == 2 * 2  # B 1, 2 x L 16, 32
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, *_, **__: compiles.append(name)
+        if name == "/jax/core/compile/jaxpr_trace_duration" else None)
+    server = OpenAIServer(llm.engine, "bert", max_outstanding_tokens=64)
+    with TestClient(server.build_app()) as client:
+        got = client.post("/v1/embeddings", json={"input": PROMPTS}).json()
+        for item, ids in zip(got["data"], PROMPTS):
+            assert_close(item["embedding"], reference(hf, ids))
+        assert got["usage"]["prompt_tokens"] == sum(map(len, PROMPTS))
+        assert client.post("/v1/completions", json={"prompt": [5]}).status_code == 400
+        busy = client.post("/v1/embeddings", json={"input": [[5] * 30] * 3})
+        assert busy.status_code == 200  # admitted whole when idle, whatever the budget
+        metrics = client.get("/metrics").text
+    assert llm.engine.num_compiled_programs == 4
+    served = len(compiles)
+    llm.engine.add_requests([llm.engine.pooling_spec(PROMPTS[0], None, "embed")])
+    llm.engine.step()  # an encoder step of a warmed shape traces (compiles) nothing
+    assert len(compiles) == served
+    line = next(m for m in metrics.splitlines()
+                if m.startswith("pagedjax:request_success_total") and 'reason="stop"' in m)
+    assert float(line.split()[-1]) == len(PROMPTS) + 3
+
+
+@pytest.mark.slow
+def test_pagedjax_serve_embeds_through_its_engine_core(tmp_path):
+    """`pagedjax serve DIR` (the engine in a process of its own, --warmup): the core's
+    description of an encoder, pooling outputs over its channel, /v1/embeddings equal to the
+    reference."""
+    import json
+    import signal
+    import urllib.request
+
+    from helpers import start_serve, wait_healthy
+
+    hf = save_encoder(tmp_path, "bert")
+    write_st_pipeline(tmp_path, "mean", normalize=True)
+    proc, url = start_serve(str(tmp_path), "--max-model-len", "64", "--max-num-seqs", "2",
+                            "--warmup")
+    try:
+        wait_healthy(url, [proc])
+        request = urllib.request.Request(
+            f"{url}/v1/embeddings", json.dumps({"input": PROMPTS}).encode(),
+            {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            got = json.load(response)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    for item, ids in zip(got["data"], PROMPTS):
+        assert_close(item["embedding"], reference(hf, ids))
+    # its programs: B 1, 2 x L 16, 32, 64
+    assert "no KV cache (a dense encoder)" in out and "warmup: 6 step programs" in out, out

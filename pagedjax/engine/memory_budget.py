@@ -131,6 +131,8 @@ def describe_held(engine) -> str:
     weights, pool = held_memory(engine)
     replicas = getattr(engine, "replicas", [engine])
     blocks = sum(r.num_blocks - 1 for r in replicas)  # the null block left out
+    if not blocks:  # pagedjax.engine.encoder_engine: a dense encoder
+        return f"memory: weights {weights / 2**20:,.0f} MiB, no KV cache (a dense encoder)"
     if config.gpu_memory_utilization is not None:
         sized = f"gpu_memory_utilization {config.gpu_memory_utilization:g}"
     elif config.num_blocks is not None or config.kv_cache_memory_bytes is not None:

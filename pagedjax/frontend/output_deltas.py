@@ -34,16 +34,16 @@ class _Sent:
 # finish_reason, cumulative_logprob, stop_reason); start 0 / text start 0 replace it whole.
 # A request on the wire: (request_id, head, choices, finished, metrics, error, prompt-logprob
 # start, new prompt logprobs); head: (prompt_token_ids, prompt, cache_salt) the first time, else
-# None.
+# None. A pooling request's output: (request_id, the PoolingRequestOutput), once.
 
 
 class DeltaEncoder:
     def __init__(self):
         self._sent: dict[str, _Sent] = {}
 
-    def encode(self, out: RequestOutput | PoolingRequestOutput) -> tuple | PoolingRequestOutput:
-        if isinstance(out, PoolingRequestOutput):  # sent once, whole
-            return out
+    def encode(self, out: RequestOutput | PoolingRequestOutput) -> tuple:
+        if isinstance(out, PoolingRequestOutput):  # sent once, whole: (its id, it)
+            return out.request_id, out
         sent = self._sent.get(out.request_id)
         head = None
         if sent is None:
@@ -101,9 +101,9 @@ class DeltaDecoder:
     def __init__(self):
         self._received: dict[str, _Received] = {}
 
-    def decode(self, wire: tuple | PoolingRequestOutput) -> RequestOutput | PoolingRequestOutput:
-        if isinstance(wire, PoolingRequestOutput):
-            return wire
+    def decode(self, wire: tuple) -> RequestOutput | PoolingRequestOutput:
+        if isinstance(wire[-1], PoolingRequestOutput):
+            return wire[-1]
         (request_id, head, choices, finished, metrics, error, prompt_start,
          new_prompt) = wire
         got = self._received.get(request_id)

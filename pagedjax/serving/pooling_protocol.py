@@ -12,7 +12,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedjax.serving.protocol import MAX_PROMPTS, ChatMessage, Identifier
+from pagedjax.serving.protocol import MAX_PROMPTS, PRIORITY_REFUSAL, ChatMessage, Identifier
 
 EMBED_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": "bfloat16"}
 
@@ -34,8 +34,7 @@ class _PoolingFields(BaseModel):
     def unsupported(self) -> list[tuple[str, str]]:
         found = []
         if self.priority != 0:
-            found.append(("priority", "priority scheduling is not enabled on this server "
-                          "(requests run first come, first served): priority must be 0"))
+            found.append(("priority", PRIORITY_REFUSAL))
         if self.mm_processor_kwargs:
             found.append(("mm_processor_kwargs", "this server serves text models: there is no "
                           "multimodal processor"))

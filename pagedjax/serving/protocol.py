@@ -18,6 +18,9 @@ MAX_METADATA_PAIRS = 16
 # too long. Expected a string with maximum length 64"). A stored response echoes them: bounded,
 # a client cannot grow the store's entries through them.
 MAX_IDENTIFIER_CHARS = 64
+# vLLM refuses a priority other than 0 unless priority scheduling is on: here it never is
+PRIORITY_REFUSAL = ("priority scheduling is not enabled on this server (requests run first "
+                    "come, first served): priority must be 0")
 Identifier = Annotated[str, StringConstraints(max_length=MAX_IDENTIFIER_CHARS)] | None
 
 
@@ -113,8 +116,7 @@ class _SamplingFields(BaseModel):
             found.append(("prompt_logprobs", "prompt_logprobs are not available when stream is "
                           "true (as in vLLM)"))
         if self.priority != 0:
-            found.append(("priority", "priority scheduling is not enabled on this server "
-                          "(requests run first come, first served): priority must be 0"))
+            found.append(("priority", PRIORITY_REFUSAL))
         try:
             self.prediction_text()
         except ValueError as error:

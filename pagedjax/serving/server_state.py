@@ -80,9 +80,6 @@ class ServerState:
                  allow_runtime_lora_updating: bool | None = None):
         core = engine if isinstance(engine, CoreClient) else None
         engine = core.engine if core is not None else engine
-        if not getattr(engine, "serves_http", True):
-            raise ValueError(f"{type(engine).__name__} is not served over HTTP yet (a BERT-like "
-                             "encoder: use LLM(...).embed offline)")
         config = serving_config(engine, config, max_outstanding_tokens, admission, max_tokens_cap,
                                 default_max_tokens, degradation)
         check_server_args(served_model_name, api_key, admin_key, max_request_bytes,
