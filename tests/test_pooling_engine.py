@@ -187,3 +187,18 @@ def test_pooling_survives_async_scheduling_and_preemption(embedder, fields):
         assert done[request_id].error is None
         assert_close(done[request_id].outputs.data, st_reference(hf, ids, "mean", True))
     assert all(len(done[i].outputs[0].token_ids) == 12 for i in gen_ids)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(embedder):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: as many as max_model_len
+    allows); 0, a non-integer and more than max_model_len refused by name."""
+    directory, hf = embedder
+    llm = LLM(str(directory), runner="pooling", **ENGINE)
+    cut = llm.embed(PROMPTS[:1], use_tqdm=False, truncate_prompt_tokens=5)[0]
+    assert cut.prompt_token_ids == PROMPTS[0][-5:]
+    assert_close(cut.outputs.embedding, st_reference(hf, PROMPTS[0][-5:], "lasttoken", True))
+    whole = llm.embed(PROMPTS[:1], PoolingParams(truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert whole.prompt_token_ids == PROMPTS[0]
+    for bad in (0, -2, 1.5, True, ENGINE["max_model_len"] + 1):
+        with pytest.raises(RequestError, match="truncate_prompt_tokens"):
+            llm.embed(PROMPTS[:1], PoolingParams(truncate_prompt_tokens=bad), use_tqdm=False)
