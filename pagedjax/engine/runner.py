@@ -117,11 +117,12 @@ class ModelRunner(BlockTransfers):
                  dtype, backend: AttentionBackend = AttentionBackend(),
                  num_top_logprobs: int = 0, scan_layers: bool = True,
                  device: jax.Device | None = None, kv_groups: KVCacheGroups | None = None,
-                 lora_spec: SlotSpec | None = None):
+                 lora_spec: SlotSpec | None = None, with_logits: bool = True):
         """backend.mesh, when set, splits the model over its devices (pagedjax.parallel.sharding);
         otherwise everything lives on device (jax.devices()[0] by default). kv_groups: the KV
         cache groups (pagedjax.models.layers.kv_groups; default: one group of every layer).
-        lora_spec: the LoRA adapters' device slots (pagedjax.lora.slot_weights), or None."""
+        lora_spec: the LoRA adapters' device slots (pagedjax.lora.slot_weights), or None.
+        with_logits False: a pooling runner's programs, without the vocabulary projection."""
         config = model.config
         mesh = backend.mesh
         repeats = 1 if mesh is None else kv_head_repeats(config.num_kv_heads,
@@ -131,7 +132,7 @@ class ModelRunner(BlockTransfers):
                                           repeats, kv_groups)
         self.serving_args = (scan_layers, repeats, kv_groups)  # new weights' form (new_weights)
         self.logprobs_mode = "raw_logprobs"  # what logprobs report (EngineConfig.logprobs_mode)
-        self.with_logits = True  # False: a pooling runner's programs (forward_fn), set first
+        self.with_logits = with_logits  # fixed: every program compiles with it (forward_fn)
         self.num_kv_groups = 1 if kv_groups is None else kv_groups.num_groups
         self.num_blocks = num_blocks
         self.backend = backend
