@@ -42,6 +42,12 @@ class EncoderConfig:
         return self.hidden_size // self.num_heads
 
     @property
+    def reads_token_types(self) -> bool:
+        """BERT's segments (a cross-encoder's query 0, document 1); RoBERTa's tokenizers give
+        none (its table holds type 0 only)."""
+        return self.model_type == "bert" and self.type_vocab_size > 1
+
+    @property
     def max_tokens(self) -> int:
         """The longest sequence its position table holds."""
         return self.max_position_embeddings - self.position_offset
@@ -104,11 +110,14 @@ class BertModel(nnx.Module):
         self.layers = nnx.List([EncoderLayer(config, rngs=rngs)
                                 for _ in range(config.num_layers)])
 
-    def __call__(self, token_ids: jax.Array, mask: jax.Array) -> jax.Array:
-        """token_ids i32[B, L] (padding anywhere mask is False) -> f32[B, L, D]."""
+    def __call__(self, token_ids: jax.Array, mask: jax.Array,
+                 token_types: jax.Array | None = None) -> jax.Array:
+        """token_ids i32[B, L] (padding anywhere mask is False), token_types i32[B, L] (None:
+        all 0) -> f32[B, L, D]."""
         positions = jnp.arange(token_ids.shape[1]) + self.config.position_offset
+        types = jnp.zeros_like(token_ids) if token_types is None else token_types
         x = (self.word_embeddings(token_ids) + self.position_embeddings(positions)[None]
-             + self.token_type_embeddings(jnp.zeros_like(token_ids)))
+             + self.token_type_embeddings(types))
         x = self.embedding_norm(x)
         for layer in self.layers:
             x = layer(x, mask)

@@ -1,7 +1,8 @@
 """A BERT-like encoder's Hugging Face directory (config.json + safetensors) read into
 models.families.bert.BertModel or models.families.modernbert.ModernBertModel: transformers' names (with or without a `bert.` / `roberta.`
 prefix, as a task model saves its base), every weight checked for shape, none left over but
-the heads a pooling model does not run (BertModel's pooler, a masked-LM head)."""
+the heads (a masked-LM head, and the classification heads pagedjax.pooling.checkpoint_heads
+reads: BertModel's pooler, a classifier)."""
 
 from __future__ import annotations
 
@@ -97,8 +98,8 @@ def load_encoder(model_dir: str, dtype: str = "float32"):
                              f"implies {leaf.get_value().shape}")
         loaded[path] = jnp.asarray(tensor, jnp.dtype(dtype))
         used.add(name)
-    unexpected = sorted(n for n in files if n not in used and not n[len(prefix):].startswith(
-        IGNORED) and not n.endswith("position_ids"))
+    unexpected = sorted(n for n in files if n not in used and not n.removeprefix(
+        prefix).startswith(IGNORED) and not n.endswith("position_ids"))
     if unexpected:
         raise ValueError(f"{model_dir}: unexpected weights for {config.model_type}: "
                          f"{unexpected[:5]}")

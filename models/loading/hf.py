@@ -137,7 +137,7 @@ def checked_hf_weights(model_dir: str, dtype: str = "float32"):
                          f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
     ignorable = {"lm_head.weight"} if config.tie_word_embeddings else set()
     if is_sequence_classifier(read_json(os.path.join(model_dir, "config.json"))):
-        ignorable |= {"score.weight", "score.bias"}  # its head: pagedjax.pooling.heads
+        ignorable |= {n for n in present if n.startswith("score.")}  # its head (pooling's)
     if compressed is not None:  # read with their weights (_check_compressed checks them)
         ignorable |= {n for n in present if n.endswith(".weight_scale")}
     unexpected = sorted(n for n in present - set(stored_as) - ignorable

@@ -101,20 +101,25 @@ def common_fields(raw: dict[str, Any], generation_config: dict[str, Any] | None)
 
 
 SEQUENCE_CLASSIFIER = "ForSequenceClassification"
+# reward models with a head of their own (vLLM's names) -> the causal family they build on
+REWARD_MODELS = {"Qwen2ForRewardModel": "Qwen2ForCausalLM"}
 
 
 def is_sequence_classifier(raw: dict[str, Any]) -> bool:
-    """A transformers <X>ForSequenceClassification config.json (reward models, rerankers)."""
-    return architecture_of(raw).endswith(SEQUENCE_CLASSIFIER)
+    """A transformers <X>ForSequenceClassification config.json (reward models, rerankers), or
+    a reward model of REWARD_MODELS: a base model and a head, no language-model head."""
+    architecture = architecture_of(raw)
+    return architecture.endswith(SEQUENCE_CLASSIFIER) or architecture in REWARD_MODELS
 
 
 def as_causal_lm(raw: dict[str, Any]) -> dict[str, Any]:
-    """A sequence classifier's config.json (transformers' <X>ForSequenceClassification: its
-    base model and a `score` head, no language-model head) as its family's <X>ForCausalLM with
+    """A sequence classifier's config.json (transformers' <X>ForSequenceClassification, or a
+    REWARD_MODELS architecture: its base model and a `score` head, no language-model head) as its family's <X>ForCausalLM with
     tied embeddings (the vocabulary projection a pooling model never runs; the head is
     pagedjax.pooling.heads'); any other config as it is."""
     architecture = architecture_of(raw)
-    causal = architecture[:-len(SEQUENCE_CLASSIFIER)] + "ForCausalLM"
+    causal = REWARD_MODELS.get(architecture,
+                               architecture[:-len(SEQUENCE_CLASSIFIER)] + "ForCausalLM")
     if not is_sequence_classifier(raw) or causal not in ARCHITECTURES:
         return raw
     return {**raw, "architectures": [causal], "tie_word_embeddings": True}

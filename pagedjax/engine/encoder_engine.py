@@ -30,7 +30,8 @@ from flax import nnx
 from pagedjax.engine.compile_cache import enable_compilation_cache
 from pagedjax.engine.config import EngineConfig
 from pagedjax.engine.outputs import PoolingRequestOutput
-from pagedjax.engine.pooling_requests import PROMPT_ONLY, check_pooling_params, pooling_spec
+from pagedjax.engine.pooling_requests import (PROMPT_ONLY, check_pooling_params,
+                                              check_token_type_ids, pooling_spec)
 from pagedjax.engine.request_checks import Admission, PromptSpec, check_prompt_token_ids
 from pagedjax.engine.stats import EngineStats, ReplicaLoad
 from pagedjax.engine.warmup import BackgroundWarmup
@@ -85,7 +86,9 @@ class EncoderEngine:
         graph, state = nnx.split(model)
         self.devices = [jax.devices()[0]]
         self.runner = EncoderRunner(jax.device_put(state, self.devices[0]))
-        self._forward = jax.jit(lambda s, ids, mask: nnx.merge(graph, s)(ids, mask))
+        reads_types = getattr(model.config, "reads_token_types", False)
+        self._forward = jax.jit(lambda s, ids, mask, types: nnx.merge(graph, s)(
+            ids, mask, *((types,) if reads_types else ())))
         self._programs: dict[tuple[int, int], jax.stages.Compiled] = {}  # (B, L) -> program
         self._lock = threading.Lock()
         self.compilation_cache_dir = enable_compilation_cache(config.compilation_cache)
@@ -111,9 +114,10 @@ class EncoderEngine:
         return [ReplicaLoad(len(self._running), len(self._waiting), 0, 0, 0)]
 
     def pooling_spec(self, prompt_token_ids, params, task: str, request_id=None,
-                     prompt_text=None, cache_salt=None, arrival_time=None) -> PromptSpec:
+                     prompt_text=None, cache_salt=None, arrival_time=None,
+                     token_type_ids=None) -> PromptSpec:
         return pooling_spec(self, prompt_token_ids, params, task, request_id, prompt_text,
-                            cache_salt, arrival_time)
+                            cache_salt, arrival_time, token_type_ids)
 
     def check_pooling_params(self, params):
         return check_pooling_params(self, params)
@@ -129,6 +133,8 @@ class EncoderEngine:
             self.check_pooling_params(spec.pooling_params)
             ids = check_prompt_token_ids(spec.prompt_token_ids, self.model_config.vocab_size,
                                          self.config.max_model_len)
+            if spec.token_type_ids is not None:
+                check_token_type_ids(self, ids, spec.token_type_ids)
             request_id = spec.request_id or f"enc-{self._next_id + i}"
             if request_id in taken:
                 raise RequestError("request_id", f"request_id {request_id!r} is already in use")
@@ -176,20 +182,22 @@ class EncoderEngine:
         lengths = [len(q.ids) for q in self._running]
         length = bucket(max(lengths), MIN_LENGTH, self.config.max_model_len)
         rows = bucket(len(lengths), 1, self.config.max_num_seqs)
-        ids = np.zeros((rows, length), np.int32)
+        ids, types = np.zeros((2, rows, length), np.int32)
         mask = np.zeros((rows, length), bool)
         for row, queued in enumerate(self._running):
             ids[row, :lengths[row]] = queued.ids
             mask[row, :lengths[row]] = True
-        states = np.asarray(self.runner_forward(ids, mask), np.float32)
+            if queued.spec.token_type_ids is not None:
+                types[row, :lengths[row]] = queued.spec.token_type_ids
+        states = np.asarray(self.runner_forward(ids, mask, types), np.float32)
         done = self.clock()
         batch, self._running = self._running, []
         self._count(lengths, done - start)
         return [self._finish(q, self._pooled(q, states[row, :lengths[row]]), start, done)
                 for row, q in enumerate(batch)]
 
-    def runner_forward(self, ids: np.ndarray, mask: np.ndarray) -> jax.Array:
-        return self._program(*ids.shape)(self.runner.params, ids, mask)
+    def runner_forward(self, ids: np.ndarray, mask: np.ndarray, types: np.ndarray) -> jax.Array:
+        return self._program(*ids.shape)(self.runner.params, ids, mask, types)
 
     def shapes(self) -> list[tuple[int, int]]:
         """Every (B, L) a step can take: the buckets of 1 .. max_num_seqs rows and of
@@ -207,9 +215,10 @@ class EncoderEngine:
         with self._lock:
             if (rows, length) not in self._programs:
                 shape = (rows, length)
+                ids = jax.ShapeDtypeStruct(shape, jnp.int32)
                 self._programs[shape] = self._forward.lower(
-                    self.runner.params, jax.ShapeDtypeStruct(shape, jnp.int32),
-                    jax.ShapeDtypeStruct(shape, jnp.bool_)).compile()
+                    self.runner.params, ids, jax.ShapeDtypeStruct(shape, jnp.bool_),
+                    ids).compile()
             return self._programs[rows, length]
 
     def warmup(self, progress: bool = False, variants: bool = True) -> int:

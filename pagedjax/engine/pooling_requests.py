@@ -37,10 +37,10 @@ class PoolingRequests:
 
     def pooling_spec(self, prompt_token_ids: Sequence[int], params: PoolingParams | None,
                      task: str, request_id: str | None = None, prompt_text: str | None = None,
-                     cache_salt: str | None = None,
-                     arrival_time: float | None = None) -> PromptSpec:
+                     cache_salt: str | None = None, arrival_time: float | None = None,
+                     token_type_ids: Sequence[int] | None = None) -> PromptSpec:
         return pooling_spec(self, prompt_token_ids, params, task, request_id, prompt_text,
-                            cache_salt, arrival_time)
+                            cache_salt, arrival_time, token_type_ids)
 
     def check_pooling_params(self, params) -> PoolingParams:
         return check_pooling_params(self, params)
@@ -85,15 +85,32 @@ class PoolingRequests:
 
 def pooling_spec(engine, prompt_token_ids: Sequence[int], params: PoolingParams | None,
                  task: str, request_id: str | None = None, prompt_text: str | None = None,
-                 cache_salt: str | None = None, arrival_time: float | None = None) -> PromptSpec:
-    """A checked pooling request for engine.add_requests (engine: an LLMEngine, or the server's
-    view of one in another process): params (None: the defaults) verified for task and the
-    engine's model; truncate_prompt_tokens applied."""
+                 cache_salt: str | None = None, arrival_time: float | None = None,
+                 token_type_ids: Sequence[int] | None = None) -> PromptSpec:
+    """A checked pooling request for engine.add_requests (engine: an LLMEngine, an
+    EncoderEngine, or the server's view of one in another process): params (None: the
+    defaults) verified for task and the engine's model; truncate_prompt_tokens applied (to
+    token_type_ids too: a model that reads them, PoolingModel.token_types, only)."""
     params = check_pooling_params(engine, (params or PoolingParams()).verify(task))
-    ids = _truncated(prompt_token_ids, params.truncate_prompt_tokens,
-                     engine.config.max_model_len)
+    keep, limit = params.truncate_prompt_tokens, engine.config.max_model_len
+    ids = _truncated(prompt_token_ids, keep, limit)
+    if token_type_ids is not None:
+        token_type_ids = _truncated(check_token_type_ids(engine, prompt_token_ids, token_type_ids),
+                                    keep, limit)
     return PromptSpec(ids, PROMPT_ONLY, request_id, prompt_text, cache_salt, arrival_time,
-                      pooling_params=params)
+                      pooling_params=params, token_type_ids=token_type_ids)
+
+
+def check_token_type_ids(engine, ids: Sequence[int], types: Sequence[int]) -> list[int]:
+    if not engine.pooling_model.token_types:
+        raise RequestError("token_type_ids", "this model reads no token type ids")
+    kinds = engine.model_config.type_vocab_size
+    if (not isinstance(types, (list, tuple)) or len(types) != len(ids)
+            or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < kinds
+                   for t in types)):
+        raise RequestError("token_type_ids", f"token_type_ids must be one integer in [0, "
+                           f"{kinds}) for each of the {len(ids)} prompt tokens")
+    return list(types)
 
 
 def check_pooling_params(engine, params) -> PoolingParams:

@@ -36,6 +36,9 @@ class PromptSpec:
     # a pooling request's (pagedjax.pooling.params.PoolingParams, its task set): the prompt
     # runs alone and returns pooled hidden states (params then is the engine's one-token form)
     pooling_params: object = None
+    # a BERT-like cross-encoder's segment of each prompt token (0 the query's, 1 the
+    # document's): pooling requests of a model that reads them only
+    token_type_ids: Sequence[int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +112,23 @@ def encode_text(tokenizer, text, field: str = "prompt", add_special_tokens: bool
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
+def encode_pair(tokenizer, first, second) -> tuple[list[int], list[int]]:
+    """A cross-encoder's prompt of a (first, second) pair and each token's segment (0 the
+    first's, 1 the second's), as vLLM builds it: two texts through the tokenizer's pair
+    template (transformers' tokenizer(text, text_pair): BERT's [CLS] a [SEP] b [SEP],
+    XLM-R's <s> a </s></s> b </s>, a Qwen tokenizer's plain concatenation); token ids (either
+    side) as given, the first text with the tokenizer's special tokens, the second without."""
+    if isinstance(first, str) and isinstance(second, str) and hasattr(tokenizer,
+                                                                      "encode_pair"):
+        encode_text(tokenizer, first, "text_1")  # the checks: a string, valid Unicode
+        encode_text(tokenizer, second, "text_2", False)
+        return tokenizer.encode_pair(first, second)
+    a = encode_text(tokenizer, first, "text_1") if isinstance(first, str) else list(first)
+    b = (encode_text(tokenizer, second, "text_2", False) if isinstance(second, str)
+         else list(second))
+    return a + b, [0] * len(a) + [1] * len(b)
+
+
 def _check_prediction(engine, prediction: Sequence[int]) -> None:
     """A prediction is the drafts' source: only an engine that speculates can use it."""
     if engine.config.speculative_config is None:
@@ -120,6 +140,16 @@ def _check_prediction(engine, prediction: Sequence[int]) -> None:
                            f"max_model_len ({engine.config.max_model_len})")
 
 
+def _check_kind(engine, spec: PromptSpec) -> None:
+    """A paged engine's runner serves its kind of request; token types are an encoder's."""
+    if spec.token_type_ids is not None:
+        raise RequestError("token_type_ids", "token_type_ids are read by a BERT-like encoder's "
+                           "pooling requests only")
+    if spec.pooling_params is None and getattr(engine, "runner_type", None) == "pooling":
+        raise RequestError(None, "this engine runs runner='pooling' (no vocabulary "
+                           "projection): it serves pooling requests only")
+
+
 def check_spec(engine, spec: PromptSpec) -> Admission:
     """Every limit the engine puts on one request; raises RequestError naming the field."""
     if not isinstance(spec, PromptSpec):
@@ -129,9 +159,7 @@ def check_spec(engine, spec: PromptSpec) -> Admission:
         raise RequestError("sampling_params", f"sampling_params must be a SamplingParams, got "
                            f"{type(params).__name__}")
     config, model_config = engine.config, engine.model_config
-    if spec.pooling_params is None and getattr(engine, "runner_type", None) == "pooling":
-        raise RequestError(None, "this engine runs runner='pooling' (no vocabulary "
-                           "projection): it serves pooling requests only")
+    _check_kind(engine, spec)
     vocab = model_config.vocab_size
     if params.num_samples > config.max_num_seqs:
         field = "best_of" if params.best_of is not None else "n"

@@ -13,7 +13,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from pagedjax.engine.outputs import PoolingOutput, PoolingRequestOutput
-from pagedjax.engine.request_checks import encode_text
+from pagedjax.engine.request_checks import encode_pair
 from pagedjax.frontend.pooling_setup import pooling_setup
 from pagedjax.pooling import scoring
 from pagedjax.pooling.params import PoolingParams, view_of
@@ -138,11 +138,8 @@ class PoolingAPI:
         head = self.engine.pooling_model.head
         scoring.check_cross_encoder(head)
         if head is not None:
-            prompts = [{"prompt_token_ids": scoring.pair_token_ids(
-                self._encoded(a, True), self._encoded(b, False))} for a, b in zip(firsts,
-                                                                                 seconds)]
-            return [view_of(o, "score") for o in self.encode(
-                prompts, pooling_params, use_tqdm, "score", truncate_prompt_tokens)]
+            return [view_of(o, "score") for o in self._scored_pairs(
+                firsts, seconds, pooling_params, use_tqdm, truncate_prompt_tokens)]
         if pooling_params is not None:
             raise RequestError("pooling_params", "an embedding model's score is the cosine of "
                                "two embeddings: it reads no pooling_params")
@@ -154,9 +151,20 @@ class PoolingAPI:
             prompt_token_ids=a.prompt_token_ids + b.prompt_token_ids), "score")
             for a, b in zip(vectors[:len(firsts)], vectors[len(firsts):])]
 
-    def _encoded(self, text, special_tokens: bool) -> list[int]:
-        """A text's token ids (special_tokens: the tokenizer's, for a pair's first text), or
-        token ids as given."""
-        if isinstance(text, str):
-            return encode_text(self.tokenizer, text, "prompt", special_tokens)
-        return list(self._token_ids(text)[0])
+    def _scored_pairs(self, firsts, seconds, pooling_params, use_tqdm: bool,
+                      truncate_prompt_tokens) -> list[PoolingRequestOutput]:
+        """A cross-encoder's outputs of each pair read as one prompt (encode_pair), with its
+        token types when the model reads them."""
+        if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
+            raise RequestError("pooling_params", "score takes one PoolingParams for all pairs")
+        params = pooling_params or PoolingParams()
+        if truncate_prompt_tokens is not None:
+            params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+        reads_types = self.engine.pooling_model.token_types
+        specs = []
+        for a, b in zip(firsts, seconds):
+            ids, types = encode_pair(self.tokenizer, *(
+                t if isinstance(t, str) else list(self._token_ids(t)[0]) for t in (a, b)))
+            specs.append(self.engine.pooling_spec(ids, params, "score", token_type_ids=(
+                types if reads_types else None)))
+        return self._run_pooling(specs, use_tqdm, "score")

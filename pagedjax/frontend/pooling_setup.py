@@ -12,7 +12,8 @@ import os
 from pagedjax.engine.config import RUNNERS
 from pagedjax.models.loading.encoder import is_encoder_dir
 from pagedjax.models.loading.hf_config import is_sequence_classifier
-from pagedjax.pooling.heads import head_from_tokens, read_score_head, token_rows
+from pagedjax.pooling.checkpoint_heads import read_head
+from pagedjax.pooling.heads import head_from_tokens, token_rows
 from pagedjax.pooling.model_config import PoolerConfig, read_pooler_config
 from pagedjax.pooling.pooling_model import PoolingModel
 
@@ -93,10 +94,11 @@ def pooling_setup(model, loaded, tokenizer, runner: str, pooler_config: dict | N
             raise ValueError("this model is a classifier (or pooler_config was given): serve "
                              "it with runner='pooling'")
         return None
-    if is_encoder_dir(model) and (is_sequence_classifier(hf_config) or tokens is not None):
-        raise ValueError("a BERT-like encoder is served as an embedding model; its "
-                         "classification heads (cross-encoders) are not served yet")
-    head = read_score_head(model_dir, hf_config) if model_dir is not None else None
+    if is_encoder_dir(model) and tokens is not None:
+        raise ValueError("hf_overrides: classifier_from_token reads a language-model head's "
+                         "rows; a BERT-like encoder has none")
+    hidden_size = loaded.config.hidden_size
+    head = read_head(model_dir, hf_config, hidden_size) if model_dir is not None else None
     if tokens is not None:
         if model_dir is None and not hasattr(loaded, "lm_head"):
             raise ValueError("hf_overrides: classifier_from_token reads the LM head's rows "
@@ -107,4 +109,4 @@ def pooling_setup(model, loaded, tokenizer, runner: str, pooler_config: dict | N
               else PoolerConfig(source="default (decoder)"))
     if pooler_config:
         pooler = pooler.with_overrides(pooler_config)
-    return PoolingModel(pooler, head)
+    return PoolingModel(pooler, head, getattr(loaded.config, "reads_token_types", False))

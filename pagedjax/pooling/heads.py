@@ -1,29 +1,60 @@
 """Classification heads of pooling models, applied on the host to the pooled vector (f32):
-a sequence classifier's `score` projection (transformers' *ForSequenceClassification: reward
-models, cross-encoder rerankers), or one built from the language-model head's rows of some
-tokens (vLLM's classifier_from_token: Qwen3-Reranker's ["no", "yes"] becomes one label
-scoring yes over no, whose sigmoid is the two-way softmax's probability of yes)."""
+a sequence classifier's projection, after the layers some checkpoints put before it (BERT's
+pooler, RoBERTa's and ModernBERT's classifier MLP, a Qwen2 reward model's two-layer score:
+pagedjax.pooling.checkpoint_heads reads them), or one built from the language-model head's
+rows of some tokens (vLLM's classifier_from_token: Qwen3-Reranker's ["no", "yes"] becomes one
+label scoring yes over no, whose sigmoid is the two-way softmax's probability of yes)."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
+import math
 
 import numpy as np
 
-from pagedjax.models.families.hf_fields import architecture_of
 from pagedjax.models.loading.hf import weight_files
-from pagedjax.models.loading.hf_config import is_sequence_classifier
 
-HEAD_NAMES = ("score.weight", "score.bias")
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+ACTIVATIONS = {"identity": lambda x: x, "tanh": np.tanh, "relu": lambda x: np.maximum(x, 0),
+               "gelu": lambda x: 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0))),
+               "gelu_pytorch_tanh": lambda x: 0.5 * x * (1.0 + np.tanh(
+                   math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))}
+ACTIVATIONS["gelu_new"] = ACTIVATIONS["gelu_pytorch_tanh"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseLayer:
+    """activation(x W^T + b), then a LayerNorm when norm is given: (scale, bias or None, eps)."""
+
+    weight: np.ndarray  # f32[out, in]
+    bias: np.ndarray | None = None
+    activation: str = "identity"
+    norm: tuple | None = None
+
+    def __post_init__(self):
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"classifier activation {self.activation!r} is not served "
+                             f"({', '.join(ACTIVATIONS)})")
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        y = x @ self.weight.T
+        if self.bias is not None:
+            y = y + self.bias
+        y = ACTIVATIONS[self.activation](y).astype(np.float32)
+        if self.norm is None:
+            return y
+        scale, shift, eps = self.norm
+        y = (y - y.mean(-1, keepdims=True)) / np.sqrt(y.var(-1, keepdims=True) + eps) * scale
+        return y if shift is None else y + shift
 
 
 @dataclasses.dataclass(frozen=True)
 class ClassifierHead:
-    weight: np.ndarray  # f32[labels, D]
+    weight: np.ndarray  # f32[labels, D']: the last projection
     bias: np.ndarray | None = None  # f32[labels]
     source: str = "score"
     labels: tuple[str, ...] = ()  # each label's name (config.json's id2label), in order
+    hidden: tuple[DenseLayer, ...] = ()  # applied in order before the projection
 
     def label(self, index: int) -> str:
         return self.labels[index] if index < len(self.labels) else f"LABEL_{index}"
@@ -35,7 +66,10 @@ class ClassifierHead:
     def __call__(self, vectors: np.ndarray, use_activation: bool) -> np.ndarray:
         """[..., D] -> f32[..., labels]: the logits, or with use_activation their softmax
         (several labels) or sigmoid (one: vLLM's rule)."""
-        logits = np.asarray(vectors, np.float32) @ self.weight.T
+        x = np.asarray(vectors, np.float32)
+        for layer in self.hidden:
+            x = layer(x)
+        logits = x @ self.weight.T
         if self.bias is not None:
             logits = logits + self.bias
         if not use_activation:
@@ -44,33 +78,6 @@ class ClassifierHead:
             return 1.0 / (1.0 + np.exp(-logits))
         shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))
         return shifted / shifted.sum(axis=-1, keepdims=True)
-
-
-def read_score_head(model_dir: str, hf_config: dict) -> ClassifierHead | None:
-    """A *ForSequenceClassification checkpoint's score head (its num_labels rows), or None for
-    another architecture."""
-    if not is_sequence_classifier(hf_config):
-        return None
-    from safetensors import safe_open
-
-    files = weight_files(model_dir)
-    if HEAD_NAMES[0] not in files:
-        raise ValueError(f"{model_dir}: a {architecture_of(hf_config)} checkpoint without "
-                         f"{HEAD_NAMES[0]}")
-    tensors = {}
-    for name in HEAD_NAMES:
-        if name in files:
-            with safe_open(files[name], framework="numpy") as f:
-                tensors[name] = np.asarray(f.get_tensor(name), np.float32)
-    weight = tensors[HEAD_NAMES[0]]
-    labels = hf_config.get("num_labels", len(hf_config.get("id2label") or {}) or weight.shape[0])
-    if weight.ndim != 2 or weight.shape[0] != labels:
-        raise ValueError(f"{model_dir}: {HEAD_NAMES[0]} has shape {weight.shape}, "
-                         f"num_labels is {labels}")
-    names = hf_config.get("id2label") or {}
-    return ClassifierHead(weight, tensors.get(HEAD_NAMES[1]),
-                          f"{os.path.basename(model_dir.rstrip('/'))}: score",
-                          tuple(str(names.get(str(i), f"LABEL_{i}")) for i in range(labels)))
 
 
 def token_rows(model, model_dir: str | None, token_ids: list[int]) -> np.ndarray:

@@ -2,7 +2,7 @@
 read it: modules.json (sentence-transformers' pipeline: the transformer, a Pooling module whose
 config.json names its modes, an optional Normalize), otherwise the architecture's default
 (vLLM's: the last token, normalized, for a decoder, the first token for a BERT-like
-encoder, a sequence classifier included). Matryoshka
+encoder, a sequence classifier included; a ModernBERT classifier's classifier_pooling). Matryoshka
 dimensions come from the model's config.json (matryoshka_dimensions, or is_matryoshka).
 
 What the engine would not compute as the checkpoint's pipeline does is refused by name (a
@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 
+from pagedjax.models.loading.hf_config import is_sequence_classifier
 from pagedjax.pooling.poolers import POOLING_TYPES, check_modes
 
 # sentence-transformers' legacy pooling config keys (1_Pooling/config.json), in its order
@@ -74,6 +75,11 @@ def read_pooler_config(model_dir: str, hf_config: dict) -> PoolerConfig:
         with open(path) as f:
             modules = json.load(f)
         return _sentence_transformers_pooler(model_dir, modules, matryoshka)
+    if hf_config.get("model_type") == "modernbert" and is_sequence_classifier(hf_config):
+        mode = hf_config.get("classifier_pooling", "cls")
+        if mode not in ("cls", "mean"):
+            raise ValueError(f"classifier_pooling {mode!r} is not served (cls, mean)")
+        return PoolerConfig((mode,), True, matryoshka, "config.json classifier_pooling")
     if hf_config.get("model_type") in ENCODER_TYPES:
         return PoolerConfig(("cls",), True, matryoshka, "default (encoder)")
     return PoolerConfig(("lasttoken",), True, matryoshka, "default (decoder)")

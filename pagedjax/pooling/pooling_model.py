@@ -22,6 +22,7 @@ HEAD_TASKS = ("classify", "score", "token_classify")
 class PoolingModel:
     pooler: PoolerConfig = PoolerConfig()
     head: ClassifierHead | None = None
+    token_types: bool = False  # the model reads token type ids (BERT's segments of a pair)
 
     @property
     def tasks(self) -> tuple[str, ...]:

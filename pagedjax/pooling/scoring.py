@@ -1,7 +1,7 @@
 """Scores of (query, document) pairs as vLLM computes them (LLM.score, /score, /rerank): a
-cross-encoder (a model with a one-label classification head) reads the pair as one prompt,
-the first text's tokens (with the tokenizer's special tokens) then the second's, and scores
-it with its head; an embedding model scores the cosine of the two embeddings."""
+cross-encoder (a model with a one-label classification head) reads the pair as one prompt
+(pagedjax.engine.request_checks.encode_pair: the tokenizer's pair template) and scores it
+with its head; an embedding model scores the cosine of the two embeddings."""
 
 from __future__ import annotations
 
@@ -20,12 +20,6 @@ def pairs(firsts: list, seconds: list, field: str = "data_2") -> tuple[list, lis
         raise RequestError(field, f"score pairs {len(firsts)} items with {len(seconds)}: give "
                            "one, or as many")
     return firsts, seconds
-
-
-def pair_token_ids(first: list[int], second: list[int]) -> list[int]:
-    """A cross-encoder's prompt of two encoded texts (the second encoded without special
-    tokens)."""
-    return list(first) + list(second)
 
 
 def check_cross_encoder(head) -> None:

@@ -17,7 +17,7 @@ import fastapi
 import numpy as np
 
 from pagedjax.engine.pooling_requests import pooling_spec
-from pagedjax.engine.request_checks import encode_text
+from pagedjax.engine.request_checks import encode_pair, encode_text
 from pagedjax.pooling import scoring
 from pagedjax.pooling.params import PoolingParams
 from pagedjax.scheduler import RequestError
@@ -59,12 +59,13 @@ async def _ids(server: ServerState, prompt, field: str, special_tokens: bool = T
 
 async def run_pooling(server: ServerState, body, request: fastapi.Request, prompts: list,
                       params: PoolingParams, task: str, prefix: str):
-    """Queues one pooling request a prompt ((token ids, text) pairs) and waits for them all:
-    their outputs in order (None when the client went away)."""
+    """Queues one pooling request a prompt ((token ids, text[, token types]) tuples) and waits
+    for them all: their outputs in order (None when the client went away)."""
     request_id = f"{prefix}-{body.request_id or secrets.token_hex(12)}"
     try:
         specs = [pooling_spec(server.engine, ids, params, task, f"{request_id}-{i}", text,
-                              body.cache_salt) for i, (ids, text) in enumerate(prompts)]
+                              body.cache_salt, None, *types)
+                 for i, (ids, text, *types) in enumerate(prompts)]
     except RequestError as e:
         raise rejected(e, PARAMS_OF) from None
     group = await server.add(specs, PARAMS_OF, body, request)
@@ -150,6 +151,20 @@ async def classify(server: ServerState, request: fastapi.Request):
     return {**_base(server, body, "classify", outputs), "data": data}
 
 
+async def _pairs(server: ServerState, firsts: list, seconds: list) -> list:
+    """(token ids, None, token types or None) of each (first, second) pair read as one prompt
+    (encode_pair; the types when the model reads them)."""
+    reads_types = server.engine.pooling_model.token_types
+    pairs = []
+    for a, b in zip(firsts, seconds):
+        try:
+            ids, types = await asyncio.to_thread(encode_pair, server.tokenizer, a, b)
+        except RequestError as e:
+            raise APIError(400, str(e), e.field) from None
+        pairs.append((ids, None, types if reads_types else None))
+    return pairs
+
+
 async def pair_scores(server: ServerState, body, request: fastapi.Request, firsts: list,
                       seconds: list) -> tuple[list[float], list] | None:
     """Each (first, second) text pair's score (scoring), and the outputs behind them."""
@@ -160,12 +175,10 @@ async def pair_scores(server: ServerState, body, request: fastapi.Request, first
     except RequestError as e:
         raise APIError(400, str(e), e.field) from None
     if head is not None:
-        prompts = [(scoring.pair_token_ids((await _ids(server, a, "text_1"))[0],
-                                           (await _ids(server, b, "text_2", False))[0]), None)
-                   for a, b in zip(firsts, seconds)]
         params = PoolingParams(use_activation=body.chosen_activation()[0],
                                truncate_prompt_tokens=body.truncate_prompt_tokens)
-        outputs = await run_pooling(server, body, request, prompts, params, "score", "score")
+        outputs = await run_pooling(server, body, request, await _pairs(server, firsts, seconds),
+                                    params, "score", "score")
         return None if outputs is None else ([float(o.outputs.data[0]) for o in outputs],
                                              outputs)
     if body.chosen_activation()[0] is not None:

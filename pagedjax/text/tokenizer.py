@@ -263,6 +263,12 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_pair(self, first: str, second: str) -> tuple[list[int], list[int]]:
+        """(ids, segment of each: type ids) of two texts through the tokenizer's pair
+        template (its post-processor's special tokens around and between them)."""
+        encoding = self._tokenizer.encode(first, second, add_special_tokens=True)
+        return encoding.ids, encoding.type_ids
+
     def to_json(self) -> str:
         """The tokenizer.json text (what grammar libraries build their token tables from)."""
         return self._tokenizer.to_str()
