@@ -152,9 +152,9 @@ def fresh_prefill_attention(
     """A step in which no sequence has context from earlier steps: each token attends to its
     own sequence's tokens of this step, up to itself. Their K/V are read back one row a token
     (T rows, not the T x context tokens _attend_blocks gathers), and queries go FRESH_TILE at
-    a time against the rows a query can reach (the table's capacity before the tile) under
-    that mask: the reference's cost stays near a dense attention's on the CPU, for prompts
-    computed whole (embeddings, first chunks)."""
+    a time against FRESH_TILE-row chunks of them from the tile's earliest sequence on
+    (_fresh_tile): the reference's cost stays near a dense attention's on the CPU, for prompts
+    computed whole (embeddings, first chunks), whatever the table's capacity."""
     num_tokens, num_heads, head_dim = q.shape
     block_size = kv_cache.shape[3]
     blocks = jnp.asarray(block_tables)[seq_ids, q_positions // block_size]
@@ -164,46 +164,58 @@ def fresh_prefill_attention(
     v = k[..., :value_dim] if value_dim is not None else jnp.where(
         live, _load_rows(kv_cache, 1, blocks, offsets), 0.0)
     num_kv_heads = k.shape[0]
-    group = num_heads // num_kv_heads
     tile = min(FRESH_TILE, num_tokens)
     pad = -num_tokens % tile
-    qg = (q.astype(jnp.float32) * scale).reshape(num_tokens, num_kv_heads, group, head_dim)
-    qg = jnp.pad(qg, ((0, pad), (0, 0), (0, 0), (0, 0))).reshape(-1, tile, num_kv_heads,
-                                                                  group, head_dim)
-    tiles = [jnp.pad(x, (0, pad)).reshape(-1, tile) for x in (seq_ids, q_positions, valid)]
-    # A query's keys lie within the table's capacity (P x S) before it: each tile reads that
-    # window of the step's rows, not all T.
-    window = min(num_tokens, tile + block_tables.shape[1] * block_size)
-    starts = jnp.arange(qg.shape[0], dtype=jnp.int32) * tile
+    qg = (q.astype(jnp.float32) * scale).reshape(num_tokens, num_kv_heads,
+                                                 num_heads // num_kv_heads, head_dim)
+    qg = jnp.pad(qg, ((0, pad), (0, 0), (0, 0), (0, 0))).reshape(-1, tile, *qg.shape[1:])
+    rows = [jnp.pad(x, (0, pad)).reshape(-1, tile) for x in (seq_ids, q_positions, valid)]
+    chunks = (*(jnp.pad(x, ((0, 0), (0, pad), (0, 0))).reshape(x.shape[0], -1, tile, x.shape[-1])
+                for x in (k, v)), *rows)  # the keys, FRESH_TILE rows a chunk
+    attend = functools.partial(_fresh_tile, chunks, tile=tile, sliding_window=sliding_window,
+                               soft_cap=soft_cap, sinks=sinks)
+    out = jax.lax.map(attend, (qg, *rows, jnp.arange(qg.shape[0], dtype=jnp.int32)))
+    out = out.reshape(-1, num_heads, out.shape[-1])[:num_tokens]
+    return out.astype(q.dtype)
 
-    def one_tile(args):
-        qt, seq_t, pos_t, valid_t, start = args
-        first = jnp.clip(start + tile - window, 0, num_tokens - window)
-        k_w, v_w, seq_w, pos_w, valid_w = (
-            jax.lax.dynamic_slice_in_dim(x, first, window, axis=1 if x.ndim == 3 else 0)
-            for x in (k, v, seq_ids, q_positions, valid))
-        mask = ((seq_w[None, :] == seq_t[:, None]) & (pos_w[None, :] <= pos_t[:, None])
-                & valid_w[None, :] & valid_t[:, None])  # [tile, window]
+
+def _fresh_tile(chunks, args, *, tile: int, sliding_window, soft_cap, sinks):
+    """One tile of queries of a fresh step against the key chunks from the one holding its
+    earliest sequence's first row through its own (a query reaches no row of another
+    sequence or after itself), under an online softmax: the work is the rows the tile's
+    sequences hold, not the table's capacity."""
+    k, v, seq_c, pos_c, valid_c = chunks
+    qt, seq_t, pos_t, valid_t, index = args
+    starts = index * tile + jnp.arange(tile, dtype=jnp.int32) - pos_t  # each query's row 0
+    first = jnp.min(jnp.where(valid_t, starts, index * tile)) // tile
+    num_kv_heads, group = qt.shape[1], qt.shape[2]
+
+    def chunk(j, carry):
+        m, l, acc = carry
+        mask = ((seq_c[j][None, :] == seq_t[:, None]) & (pos_c[j][None, :] <= pos_t[:, None])
+                & valid_c[j][None, :] & valid_t[:, None])  # [tile, tile]
         if sliding_window is not None:
-            mask &= pos_w[None, :] > pos_t[:, None] - sliding_window
-        s = jnp.einsum("tKGH,KSH->tKGS", qt, k_w)
+            mask &= pos_c[j][None, :] > pos_t[:, None] - sliding_window
+        s = jnp.einsum("tKGH,KSH->tKGS", qt, k[:, j])
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
-        m = jnp.max(s, axis=-1)
-        if sinks is not None:
-            m = jnp.maximum(m, sinks.astype(jnp.float32).reshape(num_kv_heads, group))
-        m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
         p = jnp.exp(s - m_safe[..., None])
-        l = jnp.sum(p, axis=-1)
-        if sinks is not None:
-            l = l + jnp.exp(sinks.astype(jnp.float32).reshape(num_kv_heads, group) - m_safe)
-        acc = jnp.einsum("tKGS,KSH->tKGH", p, v_w)
-        return jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+        kept = jnp.exp(m - m_safe)  # 0 while m is -inf
+        return (m_new, l * kept + jnp.sum(p, axis=-1),
+                acc * kept[..., None] + jnp.einsum("tKGS,KSH->tKGH", p, v[:, j]))
 
-    out = jax.lax.map(one_tile, (qg, *tiles, starts))
-    out = out.reshape(-1, num_heads, out.shape[-1])[:num_tokens]
-    return out.astype(q.dtype)
+    shape = (tile, num_kv_heads, group)
+    m, l, acc = jax.lax.fori_loop(first, index + 1, chunk, (
+        jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros((*shape, v.shape[-1]))))
+    if sinks is not None:
+        sink = sinks.astype(jnp.float32).reshape(num_kv_heads, group)
+        m_all = jnp.maximum(m, sink)
+        acc, l = acc * jnp.exp(m - m_all)[..., None], l * jnp.exp(m - m_all) + jnp.exp(
+            sink - m_all)
+    return jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
 
 
 def _load_rows(kv_cache, kv_index: int, blocks: jax.Array, offsets: jax.Array) -> jax.Array:
