@@ -202,3 +202,40 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(embedder):
     for bad in (0, -2, 1.5, True, ENGINE["max_model_len"] + 1):
         with pytest.raises(RequestError, match="truncate_prompt_tokens"):
             llm.embed(PROMPTS[:1], PoolingParams(truncate_prompt_tokens=bad), use_tqdm=False)
+
+
+def test_pooling_over_data_parallel_replicas(embedder):
+    """Two replicas (over one CPU device, as the placement tests run them) share the
+    PoolingModel set on the engine; requests sharing a prompt head land on one replica (its
+    prefix cache), a new head on the other, and every vector is sentence-transformers'."""
+    import jax
+
+    from pagedjax.frontend.data_parallel import DataParallelEngine
+
+    directory, hf = embedder
+    device = jax.devices()[0]
+    engine = DataParallelEngine(load_hf_model(str(directory)), EngineConfig(
+        **{**ENGINE, "data_parallel_size": 2, "runner": "pooling"}), devices=[device, device])
+    assert engine.runner_type == "pooling"
+    engine.pooling_model = type(engine.pooling_model)(
+        engine.pooling_model.pooler.with_overrides({"pooling_type": "LAST"}))
+    assert all(r.pooling_model is engine.pooling_model for r in engine.replicas)
+    head = PROMPTS[0][:8]
+    prompts = [head + [90 + i, 91] for i in range(3)] + [[100 + i for i in range(10)]]
+    first = engine.add_pooling_request(prompts[0], None, "embed")
+    for _ in until_done(engine, 100):
+        engine.step()
+    ids = [engine.add_pooling_request(p, PoolingParams(normalize=False), "embed")
+           for p in prompts[1:]]
+    on = [{r for r, rep in enumerate(engine.replicas) if i in rep.request_groups} for i in ids]
+    assert on[0] == on[1] != on[2]  # the shared head where its blocks are, a new one aside
+    done = {}
+    for _ in until_done(engine, 100):
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    for request_id, ids_ in zip(ids, prompts[1:]):
+        assert_close(done[request_id].outputs.data,
+                     st_reference(hf, ids_, "lasttoken", False))
+    assert sum(done[i].num_cached_tokens for i in ids[:2]) == 16  # the head's two blocks each
+    assert first not in done
+    with pytest.raises(RequestError, match="runner='pooling'"):
+        engine.add_request(PROMPTS[0], SamplingParams(max_tokens=2))

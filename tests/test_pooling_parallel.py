@@ -1,7 +1,8 @@
 """Pooling requests over 2 host devices (tensor parallel: the states' rows gathered whole for
-the host) give the vectors of one device: last-token embeddings and mean-pooled ones, with a
-shared prefix and 4-token chunks. The devices exist only if XLA_FLAGS says so before JAX
-starts, so the engines run in a child process (as tests/test_tensor_parallel.py's)."""
+the host; data parallel: LLM(data_parallel_size=2), a replica a device) give the vectors of one
+device: last-token embeddings and mean-pooled ones, with a shared prefix and 4-token chunks.
+The devices exist only if XLA_FLAGS says so before JAX starts, so the engines run in a child
+process (as tests/test_tensor_parallel.py's)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def child() -> None:
     head = rng.integers(0, 256, 12).tolist()
     prompts = [head + rng.integers(0, 256, n).tolist() for n in (5, 23, 9)]
     report = {"devices": len(jax.devices())}
-    for name, fields in {"tp1": {}, "tp2": dict(tensor_parallel_size=2)}.items():
+    for name, fields in {"tp1": {}, "tp2": dict(tensor_parallel_size=2),
+                         "dp2": dict(data_parallel_size=2)}.items():
         for pooling in ("LAST", "MEAN"):
             llm = LLM(model, **BASE, **fields, pooler_config={"pooling_type": pooling})
             outs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
@@ -40,6 +42,8 @@ def test_pooling_over_two_devices_equals_one():
     report = child_report("test_pooling_parallel", devices=2)
     assert report["devices"] == 2
     for pooling in ("LAST", "MEAN"):
-        one, two = (np.asarray(report[f"{n}-{pooling}"]) for n in ("tp1", "tp2"))
+        one, two, replicas = (np.asarray(report[f"{n}-{pooling}"])
+                              for n in ("tp1", "tp2", "dp2"))
         assert one.shape == (3, 64)
         np.testing.assert_allclose(two, one, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(replicas, one, rtol=1e-5, atol=1e-5)

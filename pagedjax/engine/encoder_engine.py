@@ -30,8 +30,7 @@ from flax import nnx
 from pagedjax.engine.compile_cache import enable_compilation_cache
 from pagedjax.engine.config import EngineConfig
 from pagedjax.engine.outputs import PoolingRequestOutput
-from pagedjax.engine.pooling_requests import (PROMPT_ONLY, check_pooling_params,
-                                              check_token_type_ids, pooling_spec)
+from pagedjax.engine.pooling_requests import PROMPT_ONLY, PoolingEntry, check_token_type_ids
 from pagedjax.engine.request_checks import Admission, PromptSpec, check_prompt_token_ids
 from pagedjax.engine.stats import EngineStats, ReplicaLoad
 from pagedjax.engine.warmup import BackgroundWarmup
@@ -69,7 +68,7 @@ def bucket(n: int, least: int, most: int) -> int:
     return min(most, max(least, 1 << max(0, n - 1).bit_length()))
 
 
-class EncoderEngine:
+class EncoderEngine(PoolingEntry):
     runner_type = "pooling"
     hybrid_kv_cache = False
     num_blocks = 1  # the paged engine's null block: no pool
@@ -112,15 +111,6 @@ class EncoderEngine:
 
     def load(self) -> list[ReplicaLoad]:
         return [ReplicaLoad(len(self._running), len(self._waiting), 0, 0, 0)]
-
-    def pooling_spec(self, prompt_token_ids, params, task: str, request_id=None,
-                     prompt_text=None, cache_salt=None, arrival_time=None,
-                     token_type_ids=None) -> PromptSpec:
-        return pooling_spec(self, prompt_token_ids, params, task, request_id, prompt_text,
-                            cache_salt, arrival_time, token_type_ids)
-
-    def check_pooling_params(self, params):
-        return check_pooling_params(self, params)
 
     def add_requests(self, specs: Sequence[PromptSpec], admit=None) -> list[str]:
         """Queues pooling requests all or none (admit, when given, sees their Admissions

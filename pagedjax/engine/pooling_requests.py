@@ -23,17 +23,9 @@ from pagedjax.scheduler.errors import RequestError
 PROMPT_ONLY = SamplingParams(max_tokens=1, temperature=0.0)
 
 
-class PoolingRequests:
-    """LLMEngine's pooling side (it has add_requests, config, model_config, _groups)."""
-
-    def _init_pooling(self) -> None:
-        # LLM sets the model directory's, and the runner ("pooling") servers hold it to; the
-        # engine itself serves both kinds of request, in the same steps
-        self.pooling_model = PoolingModel()
-        # what a server built over it serves ("auto" is resolved by LLM before the engine)
-        self.runner_type = "pooling" if self.config.runner == "pooling" else "generate"
-        self._pools: dict[str, object] = {}  # request id -> its PooledSequence
-        self._pooling_params: dict[str, PoolingParams] = {}
+class PoolingEntry:
+    """Where pooling requests enter an engine (LLMEngine, EncoderEngine, DataParallelEngine:
+    it has config, model_config, pooling_model and add_requests)."""
 
     def pooling_spec(self, prompt_token_ids: Sequence[int], params: PoolingParams | None,
                      task: str, request_id: str | None = None, prompt_text: str | None = None,
@@ -54,6 +46,19 @@ class PoolingRequests:
         return self.add_requests([self.pooling_spec(prompt_token_ids, pooling_params, task,
                                                     request_id, None, cache_salt,
                                                     arrival_time)])[0]
+
+
+class PoolingRequests(PoolingEntry):
+    """LLMEngine's pooling side (it has add_requests, config, model_config, _groups)."""
+
+    def _init_pooling(self) -> None:
+        # LLM sets the model directory's, and the runner ("pooling") servers hold it to; the
+        # engine itself serves both kinds of request, in the same steps
+        self.pooling_model = PoolingModel()
+        # what a server built over it serves ("auto" is resolved by LLM before the engine)
+        self.runner_type = "pooling" if self.config.runner == "pooling" else "generate"
+        self._pools: dict[str, object] = {}  # request id -> its PooledSequence
+        self._pooling_params: dict[str, PoolingParams] = {}
 
     def start_pooling(self, request: Request, params: PoolingParams) -> None:
         """Marks a built request as pooling (Request.pooling) and opens its pool."""

@@ -29,6 +29,7 @@ from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.request_checks import Admission, PromptSpec, check_specs
 from pagedjax.engine.stats import EngineStats, ReplicaLoad
+from pagedjax.frontend.data_parallel_pooling import DataParallelPooling
 from pagedjax.lora.engine_loras import DataParallelLoRA
 from pagedjax.parallel.routing_policy import Backend, RoutingPolicy
 from pagedjax.parallel.sharding import check_tensor_parallel, make_data_parallel_mesh
@@ -49,7 +50,7 @@ def make_engine(model, config: EngineConfig | None = None, **kwargs):
     return LLMEngine(model, config, **kwargs)
 
 
-class DataParallelEngine(DataParallelLoRA):
+class DataParallelEngine(DataParallelLoRA, DataParallelPooling):
     """LLMEngine's interface over config.data_parallel_size replicas (see the module doc)."""
 
     def __init__(self, model, config: EngineConfig, *, tokenizer=None,

@@ -30,9 +30,6 @@ class PoolingAPI:
         (pooling_setup's, read and checked before the engine was built)."""
         self.runner = runner
         if pooling_model is not None:
-            if not hasattr(self.engine, "pooling_model"):
-                raise ValueError("runner='pooling' is served by one engine replica "
-                                 "(data_parallel_size 1)")
             self.engine.pooling_model = pooling_model
 
     def _init_encoder(self, path: str, tokenizer, config) -> None:

@@ -1,0 +1,26 @@
+"""Pooling requests over data-parallel replicas (a mixin of DataParallelEngine): every replica
+serves the one PoolingModel LLM sets, and a pooling request is placed by the prefix-affinity
+rule as any other (a shared instruction prefix goes where its blocks are cached) and pooled on
+its replica (pagedjax.engine.pooling_requests)."""
+
+from __future__ import annotations
+
+from pagedjax.engine.pooling_requests import PoolingEntry
+from pagedjax.pooling.pooling_model import PoolingModel
+
+
+class DataParallelPooling(PoolingEntry):
+    """(DataParallelEngine has replicas, config, model_config and add_requests.)"""
+
+    @property
+    def runner_type(self) -> str:
+        return self.replicas[0].runner_type
+
+    @property
+    def pooling_model(self) -> PoolingModel:
+        return self.replicas[0].pooling_model
+
+    @pooling_model.setter
+    def pooling_model(self, value: PoolingModel) -> None:
+        for replica in self.replicas:
+            replica.pooling_model = value
