@@ -10,7 +10,9 @@ joins every softmax's denominator and carries no value. A latent cache (multi-he
 attention, value_dim set: pallas_kernels.layout) has one plane whose first value_dim values are
 the value. It never touches blocks past a sequence's kv_len, so NaN in unused pages
 cannot reach the output, and its cost follows the attended tokens, not the size of the pool or
-the table width.
+the table width. That loop reads each query token's pages for it alone; a step of whole prompts
+and long chunks goes through pallas_kernels.reference_prefill instead (query tiles sharing
+each key read, as a flash attention's).
 """
 
 from __future__ import annotations
@@ -20,16 +22,19 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pagedjax.pallas_kernels.quant import QuantizedKV
+from pagedjax.pallas_kernels.kv_rows import load_blocks
+from pagedjax.pallas_kernels.reference_prefill import prefill_attention
 
 # Keys read per loop iteration: a few blocks at a time, so the loop count (and its per-iteration
 # overhead) stays small while the working set stays bounded whatever the context length.
 KV_TOKENS_PER_ITER = 128
-# A ragged step of at least FRESH_MIN_TOKENS tokens in which no sequence has earlier context
-# (a fresh prefill) attends over its own K/V, FRESH_TILE queries at a time
-# (fresh_prefill_attention); smaller steps and steps with context read the pages.
+# A ragged step of at least FRESH_MIN_TOKENS tokens whose rows with earlier context each compute
+# at least PREFILL_MIN_CHUNK tokens (whole prompts, prefill chunks) goes FRESH_TILE queries at a
+# time (reference_prefill.prefill_attention); smaller steps and steps with decode-like rows read
+# the pages a token at a time.
 FRESH_MIN_TOKENS = 64
 FRESH_TILE = 128
+PREFILL_MIN_CHUNK = 16
 
 
 def _attend_blocks(
@@ -62,8 +67,8 @@ def _attend_blocks(
         cols = j * per_iter + jnp.arange(per_iter, dtype=jnp.int32)
         blocks = block_tables[seq_ids[:, None], cols[None, :]]  # i32[T, C]
         k_shape = (num_kv_heads, num_tokens, per_iter * block_size, head_dim)
-        k = _load(kv_cache, 0, blocks).reshape(k_shape)  # f32[K, T, C*S, H]
-        v = (_load(kv_cache, 1, blocks).reshape(k_shape) if value_dim is None
+        k = load_blocks(kv_cache, 0, blocks).reshape(k_shape)  # f32[K, T, C*S, H]
+        v = (load_blocks(kv_cache, 1, blocks).reshape(k_shape) if value_dim is None
              else k[..., :value_dim])
         kv_pos = j * per_iter * block_size + offsets  # i32[C*S]
         mask = (kv_pos[None, :] <= q_positions[:, None]) & (
@@ -96,15 +101,6 @@ def _attend_blocks(
     return out.reshape(num_tokens, num_heads, out_dim).astype(q.dtype)
 
 
-def _load(kv_cache, kv_index: int, blocks: jax.Array) -> jax.Array:
-    """f32 K or V of blocks (any shape of ids), dequantized from int8 when the cache is."""
-    if isinstance(kv_cache, QuantizedKV):
-        data = kv_cache.data[kv_index][:, blocks].astype(jnp.float32)
-        scales = kv_cache.scales[kv_index][:, blocks][..., :data.shape[-2]]  # TPU rows: padded
-        return data * scales[..., None]
-    return kv_cache[kv_index][:, blocks].astype(jnp.float32)
-
-
 def ragged_paged_attention_reference(
     q: jax.Array,  # [T, N, H]
     kv_cache: jax.Array,  # [2, K, NB, S, H], this step's K/V already written
@@ -134,97 +130,14 @@ def ragged_paged_attention_reference(
         return paged()
     rows = jnp.arange(num_rows, dtype=jnp.int32)
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    fresh = jnp.all((rows >= num_seqs) | (kv_lens == q_lens))  # no row has earlier context
-    return jax.lax.cond(fresh, lambda: fresh_prefill_attention(
-        q, kv_cache, seq_ids, q_positions, valid, block_tables, **options), paged)
-
-
-def fresh_prefill_attention(
-    q: jax.Array,  # [T, N, H]
-    kv_cache: jax.Array,  # [2, K, NB, S, H], this step's K/V already written
-    seq_ids: jax.Array,  # i32[T]
-    q_positions: jax.Array,  # i32[T]: each token's position, from 0 in its sequence
-    valid: jax.Array,  # bool[T]: a real token (padding attends to nothing)
-    block_tables: jax.Array,  # i32[B, P]
-    *, scale: float, sliding_window: int | None, soft_cap: float | None,
-    sinks: jax.Array | None = None, value_dim: int | None = None,
-) -> jax.Array:
-    """A step in which no sequence has context from earlier steps: each token attends to its
-    own sequence's tokens of this step, up to itself. Their K/V are read back one row a token
-    (T rows, not the T x context tokens _attend_blocks gathers), and queries go FRESH_TILE at
-    a time against FRESH_TILE-row chunks of them from the tile's earliest sequence on
-    (_fresh_tile): the reference's cost stays near a dense attention's on the CPU, for prompts
-    computed whole (embeddings, first chunks), whatever the table's capacity."""
-    num_tokens, num_heads, head_dim = q.shape
-    block_size = kv_cache.shape[3]
-    blocks = jnp.asarray(block_tables)[seq_ids, q_positions // block_size]
-    offsets = q_positions % block_size
-    live = valid[None, :, None]  # a padding token's row may be any page's (NaN included)
-    k = jnp.where(live, _load_rows(kv_cache, 0, blocks, offsets), 0.0)  # f32[K, T, H]
-    v = k[..., :value_dim] if value_dim is not None else jnp.where(
-        live, _load_rows(kv_cache, 1, blocks, offsets), 0.0)
-    num_kv_heads = k.shape[0]
-    tile = min(FRESH_TILE, num_tokens)
-    pad = -num_tokens % tile
-    qg = (q.astype(jnp.float32) * scale).reshape(num_tokens, num_kv_heads,
-                                                 num_heads // num_kv_heads, head_dim)
-    qg = jnp.pad(qg, ((0, pad), (0, 0), (0, 0), (0, 0))).reshape(-1, tile, *qg.shape[1:])
-    rows = [jnp.pad(x, (0, pad)).reshape(-1, tile) for x in (seq_ids, q_positions, valid)]
-    chunks = (*(jnp.pad(x, ((0, 0), (0, pad), (0, 0))).reshape(x.shape[0], -1, tile, x.shape[-1])
-                for x in (k, v)), *rows)  # the keys, FRESH_TILE rows a chunk
-    attend = functools.partial(_fresh_tile, chunks, tile=tile, sliding_window=sliding_window,
-                               soft_cap=soft_cap, sinks=sinks)
-    out = jax.lax.map(attend, (qg, *rows, jnp.arange(qg.shape[0], dtype=jnp.int32)))
-    out = out.reshape(-1, num_heads, out.shape[-1])[:num_tokens]
-    return out.astype(q.dtype)
-
-
-def _fresh_tile(chunks, args, *, tile: int, sliding_window, soft_cap, sinks):
-    """One tile of queries of a fresh step against the key chunks from the one holding its
-    earliest sequence's first row through its own (a query reaches no row of another
-    sequence or after itself), under an online softmax: the work is the rows the tile's
-    sequences hold, not the table's capacity."""
-    k, v, seq_c, pos_c, valid_c = chunks
-    qt, seq_t, pos_t, valid_t, index = args
-    starts = index * tile + jnp.arange(tile, dtype=jnp.int32) - pos_t  # each query's row 0
-    first = jnp.min(jnp.where(valid_t, starts, index * tile)) // tile
-    num_kv_heads, group = qt.shape[1], qt.shape[2]
-
-    def chunk(j, carry):
-        m, l, acc = carry
-        mask = ((seq_c[j][None, :] == seq_t[:, None]) & (pos_c[j][None, :] <= pos_t[:, None])
-                & valid_c[j][None, :] & valid_t[:, None])  # [tile, tile]
-        if sliding_window is not None:
-            mask &= pos_c[j][None, :] > pos_t[:, None] - sliding_window
-        s = jnp.einsum("tKGH,KSH->tKGS", qt, k[:, j])
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
-        p = jnp.exp(s - m_safe[..., None])
-        kept = jnp.exp(m - m_safe)  # 0 while m is -inf
-        return (m_new, l * kept + jnp.sum(p, axis=-1),
-                acc * kept[..., None] + jnp.einsum("tKGS,KSH->tKGH", p, v[:, j]))
-
-    shape = (tile, num_kv_heads, group)
-    m, l, acc = jax.lax.fori_loop(first, index + 1, chunk, (
-        jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros((*shape, v.shape[-1]))))
-    if sinks is not None:
-        sink = sinks.astype(jnp.float32).reshape(num_kv_heads, group)
-        m_all = jnp.maximum(m, sink)
-        acc, l = acc * jnp.exp(m - m_all)[..., None], l * jnp.exp(m - m_all) + jnp.exp(
-            sink - m_all)
-    return jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
-
-
-def _load_rows(kv_cache, kv_index: int, blocks: jax.Array, offsets: jax.Array) -> jax.Array:
-    """f32[K, T, H]: one cached row a token (block blocks[t], row offsets[t]), dequantized
-    when the cache is."""
-    if isinstance(kv_cache, QuantizedKV):
-        data = kv_cache.data[kv_index][:, blocks, offsets].astype(jnp.float32)
-        return data * kv_cache.scales[kv_index][:, blocks, offsets][..., None]
-    return kv_cache[kv_index][:, blocks, offsets].astype(jnp.float32)
+    context_lens = jnp.where(rows < num_seqs, kv_lens - q_lens, 0)
+    # every row computes a whole prompt or a long chunk: no decode-like row a tile would serve
+    # alone (the paged path's per-token reads suit those)
+    tiled = jnp.all((context_lens == 0) | (q_lens >= PREFILL_MIN_CHUNK))
+    return jax.lax.cond(tiled, lambda: prefill_attention(
+        q, kv_cache, seq_ids, q_positions, t - cu_q_lens[seq_ids], valid, context_lens,
+        block_tables, tile=FRESH_TILE, kv_tokens_per_iter=KV_TOKENS_PER_ITER, **options),
+        paged)
 
 
 def paged_decode_attention_reference(

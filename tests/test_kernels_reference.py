@@ -211,22 +211,30 @@ def test_backend_names_are_checked():
 
 
 FRESH = [(40, 40), (1, 1), (29, 29), (17, 17)]  # 87 tokens, no row with earlier context
+# 70 tokens; three rows continue a prompt (16, 21 and 4 tokens cached before this step's
+# chunk; the last one's context read runs past its blocks, onto NaN pages)
+CHUNKED = [(40, 24), (1, 1), (50, 29), (20, 16)]
+STEPS = {"fresh": FRESH, "chunked": CHUNKED}
 
 
+@pytest.mark.parametrize("step", list(STEPS))
 @pytest.mark.parametrize("tile", [128, 16])
 @pytest.mark.parametrize("sliding_window, soft_cap", [(None, None), (6, 1.5)])
-def test_fresh_prefill_matches_dense_oracle(sliding_window, soft_cap, tile, monkeypatch):
-    """A step of >= FRESH_MIN_TOKENS tokens whose rows start at position 0 takes
-    fresh_prefill_attention (the step's own rows, tiled queries: one tile of all 96 tokens,
-    or tiles of 16 each reading a window of 60 rows), NaN pages and padding tokens included;
-    equal to the oracle and to the paged path it replaces."""
+def test_prefill_steps_match_dense_oracle(sliding_window, soft_cap, tile, step, monkeypatch):
+    """A step of >= FRESH_MIN_TOKENS tokens whose rows compute whole prompts or chunks of
+    >= PREFILL_MIN_CHUNK tokens takes reference_prefill (tiled queries: one tile of all 96
+    tokens, or tiles of 16; a row's cached context read a few blocks at a time for its tile),
+    NaN pages and padding tokens included; equal to the oracle and to the paged path it
+    replaces."""
     from pagedjax.pallas_kernels import reference
 
     monkeypatch.setattr(reference, "FRESH_TILE", tile)
+    # contexts over several reads of 8 keys, or one of 32 running past the context
+    monkeypatch.setattr(reference, "KV_TOKENS_PER_ITER", 8 if tile == 16 else 32)
 
     rng = np.random.default_rng(11)
-    case = build_case(rng, FRESH, block_size=4, num_heads=8, num_kv_heads=2, head_dim=32,
-                      padded_seqs=6, padded_tokens=96)
+    case = build_case(rng, STEPS[step], block_size=4, num_heads=8, num_kv_heads=2,
+                      head_dim=32, padded_seqs=6, padded_tokens=96)
     assert case["num_tokens"] >= reference.FRESH_MIN_TOKENS
     args = (jnp.asarray(case["q"]), jnp.asarray(case["cache"]), case["kv_lens"],
             case["tables"], case["cu_q_lens"], case["num_seqs"])
@@ -234,7 +242,7 @@ def test_fresh_prefill_matches_dense_oracle(sliding_window, soft_cap, tile, monk
     out = np.asarray(ragged_paged_attention_reference(*args, **options))
     n = case["num_tokens"]
     expected = dense_oracle(case["q"], case["keys"], case["values"], case["q_lens"],
-                            [kv for kv, _ in FRESH], **options)
+                            [kv for kv, _ in STEPS[step]], **options)
     np.testing.assert_allclose(out[:n], expected[:n], rtol=2e-5, atol=2e-5)
     assert np.all(out[n:] == 0), "padding tokens must produce zeros"
     original = reference.FRESH_MIN_TOKENS
@@ -246,16 +254,17 @@ def test_fresh_prefill_matches_dense_oracle(sliding_window, soft_cap, tile, monk
     np.testing.assert_allclose(out, paged, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("step", list(STEPS))
 @pytest.mark.parametrize("variant", ["sinks", "int8", "latent"])
-def test_fresh_prefill_equals_the_paged_path(variant):
-    """Sinks (gpt-oss), an int8 cache and a latent cache (value_dim): the fresh path against
+def test_prefill_steps_equal_the_paged_path(variant, step):
+    """Sinks (gpt-oss), an int8 cache and a latent cache (value_dim): the prefill path against
     the paged one, which the oracle tests above and their own files hold."""
     from pagedjax.pallas_kernels import reference
     from pagedjax.pallas_kernels.quant import QuantizedKV, quantize
 
     rng = np.random.default_rng(12)
-    case = build_case(rng, FRESH, block_size=4, num_heads=4, num_kv_heads=2, head_dim=32,
-                      padded_tokens=90)
+    case = build_case(rng, STEPS[step], block_size=4, num_heads=4, num_kv_heads=2,
+                      head_dim=32, padded_tokens=90)
     cache = jnp.asarray(np.nan_to_num(case["cache"]))
     options = dict(scale=0.2)
     if variant == "sinks":
