@@ -4,13 +4,17 @@ checkpoint (hidden 1024, 16 query / 8 KV heads of 128, MLP 3072, vocabulary 151,
 of its 28), last-token pooling then normalization, f32, same run, same texts.
 
 Rows (sequences/s and tokens/s; the time of one whole call from texts to vectors, the median
-of --repeats calls on fresh texts after two warm-up calls of the same shape, so compiles are
-off the clock):
+of --repeats calls (at least 32 / batch) on fresh texts after two warm-up calls of the same
+shape, so compiles are off the clock):
 - batch 1, 32, 256 prompts of --prompt-len tokens (distinct prompts, no prefix shared);
 - a --prefix-len-token instruction shared by --prefix-batch queries of --query-len tokens
   (Qwen3-Embedding's "Instruct: ...\\nQuery:" form): sentence-transformers computes it for
   every query; pagedjax with the prefix cache cold (caching off) and warm (its blocks cached
   by an earlier call: each query computes its own tokens only).
+
+With --unrolled-rows, a second engine with scan_layers=False (`--no-scan-layers`: the decoder
+layers unrolled in the step program instead of one jax.lax.scan over stacked weights, which on
+the CPU copies each layer's weights out of the stack every step; it compiles about 3x longer).
 
 ratio_vs_st divides a pagedjax row's sequences/s by sentence-transformers' of the same batch.
 max_abs_cosine_gap: the largest 1 - cosine between the two implementations' vectors of a row.
@@ -124,6 +128,8 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="embeddings")
+    parser.add_argument("--unrolled-rows", action="store_true",
+                        help="also time an engine with its layers unrolled (scan_layers=False)")
     args = parser.parse_args()
 
     import torch
@@ -139,11 +145,15 @@ def main() -> None:
                   max_num_seqs=max(batches + [args.prefix_batch]),
                   max_num_batched_tokens=args.max_num_batched_tokens, block_size=16)
     llm = LLM(directory, **engine)
+    ours = {"pagedjax": llm}
+    if args.unrolled_rows:
+        ours["pagedjax, layers unrolled"] = LLM(directory, **engine, scan_layers=False)
     rng = np.random.default_rng(args.seed)
     rows: list[dict] = []
-    for batch in batches:
-        inputs = [texts(rng, batch, args.prompt_len) for _ in range(args.repeats + 2)]
-        compare(rows, batch, args.prompt_len, inputs, st, {"pagedjax": llm})
+    for batch in batches:  # small batches timed over more calls (their times vary more)
+        calls = max(args.repeats, 32 // batch)
+        inputs = [texts(rng, batch, args.prompt_len) for _ in range(calls + 2)]
+        compare(rows, batch, args.prompt_len, inputs, st, ours)
     instruction = " ".join(f"w{t}" for t in rng.integers(2, WORDS, args.prefix_len)) + " "
     inputs = [texts(rng, args.prefix_batch, args.query_len, instruction)
               for _ in range(args.repeats + 2)]
@@ -154,7 +164,7 @@ def main() -> None:
     write_results(args.out, "Embedding throughput: pagedjax vs sentence-transformers (CPU)",
                   rows, {**vars(args), "torch_threads": torch.get_num_threads()},
                   notes=__doc__, reproduce=f".venv/bin/python benchmarks/embeddings.py "
-                  f"--layers {args.layers}")
+                  f"--layers {args.layers}" + (" --unrolled-rows" if args.unrolled_rows else ""))
 
 
 if __name__ == "__main__":

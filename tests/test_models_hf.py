@@ -63,7 +63,7 @@ def randomize_vectors(model) -> None:
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.ndim == 1:
-                base = 1.0 if name.endswith("norm.weight") else 0.0
+                base = 1.0 if name.lower().endswith("norm.weight") else 0.0  # BERT's LayerNorm
                 param.copy_(base + 0.3 * torch.randn_like(param))
 
 

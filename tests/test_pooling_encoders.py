@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 st_modules = pytest.importorskip("sentence_transformers.sentence_transformer.modules")
 
 from pooling_checkpoints import assert_close, write_st_pipeline  # noqa: E402
+from test_models_hf import randomize_vectors  # noqa: E402
 
 from pagedjax import LLM  # noqa: E402
 from pagedjax.pooling.params import PoolingParams  # noqa: E402
@@ -42,11 +43,7 @@ def save_encoder(directory, kind: str):
     if kind == "modernbert":
         extra["intermediate_size"] = 96  # its MLP: a GeGLU of 2 x 96
     hf = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**extra)).eval()
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if param.ndim == 1:  # norms around 1, biases around 0, not their initial values
-                base = 1.0 if "norm" in name.lower() and name.endswith("weight") else 0.0
-                param.copy_(base + 0.3 * torch.randn_like(param))
+    randomize_vectors(hf)
     hf.save_pretrained(directory)
     return hf
 

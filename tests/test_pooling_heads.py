@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 cross_encoder = pytest.importorskip("sentence_transformers.cross_encoder")
 
 from pooling_checkpoints import COMMON  # noqa: E402
+from test_models_hf import randomize_vectors  # noqa: E402
 
 from pagedjax import LLM  # noqa: E402
 from pagedjax.pooling.params import PoolingParams  # noqa: E402
@@ -70,11 +71,7 @@ def save_classifier(directory, kind: str, num_labels: int = 1):
         config.id2label = {i: f"class_{i}" for i in range(num_labels)}
         config.label2id = {v: k for k, v in config.id2label.items()}
     hf = getattr(transformers, model_cls)(config).eval()
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if param.ndim == 1:  # norms around 1, biases around 0, not their initial values
-                base = 1.0 if "norm" in name.lower() and name.endswith("weight") else 0.0
-                param.copy_(base + 0.3 * torch.randn_like(param))
+    randomize_vectors(hf)
     hf.save_pretrained(directory)
     save_tokenizer(directory, kind)
     return hf
