@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 cross_encoder = pytest.importorskip("sentence_transformers.cross_encoder")
 
-from pooling_checkpoints import COMMON  # noqa: E402
+from pooling_checkpoints import COMMON, save_random  # noqa: E402
 from test_models_hf import randomize_vectors  # noqa: E402
 
 from pagedjax import LLM  # noqa: E402
@@ -105,6 +105,11 @@ def test_bert_reads_each_pairs_segments(tmp_path):
     assert abs(want_alone - want_pair) > 1e-3  # the segments matter to this model
     np.testing.assert_allclose(alone, [want_alone], rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(pair.outputs.score, want_pair, rtol=2e-5, atol=2e-5)
+    # token ids on both sides: the first as given (its specials), the second after it
+    by_ids = llm.score([{"prompt_token_ids": ids[:4]}], [{"prompt_token_ids": ids[4:]}],
+                       use_tqdm=False)[0]
+    assert by_ids.prompt_token_ids == ids
+    np.testing.assert_allclose(by_ids.outputs.score, want_pair, rtol=2e-5, atol=2e-5)
     with pytest.raises(RequestError, match="token_type_ids"):  # one for each token
         llm.engine.pooling_spec(ids, None, "score", token_type_ids=types[:-1])
     with pytest.raises(RequestError, match="token_type_ids"):  # BERT's two segments
@@ -213,3 +218,26 @@ def test_bert_reranker_over_http_equals_sentence_transformers(tmp_path):
                                [by_index[i] for i in range(3)], rtol=2e-5, atol=2e-5)
     assert scored["usage"]["prompt_tokens"] == sum(
         len(llm.tokenizer.encode_pair(QUERY, d)[0]) for d in DOCS)
+
+
+def test_convert_as_vllm_reads_it(tmp_path):
+    """vLLM's --convert: embed serves a reward model's states without its head, classify and
+    reward need a head, none refuses a generative model as a pooling one; each implies the
+    pooling runner and is refused beside runner='generate'."""
+    save_qwen2_reward_model(tmp_path)
+    llm = LLM(str(tmp_path), convert="embed", max_model_len=32)
+    assert llm.runner == "pooling" and llm.engine.pooling_model.head is None
+    with pytest.raises(RequestError, match="needs a classification head"):
+        llm.classify([[5, 9, 17]], use_tqdm=False)
+    assert len(llm.embed([[5, 9, 17]], use_tqdm=False)[0].outputs.embedding) == 64
+    with pytest.raises(ValueError, match="runner must be 'pooling' or 'auto'"):
+        LLM(str(tmp_path), convert="reward", runner="generate")
+    with pytest.raises(ValueError, match="convert must be one of"):
+        LLM(str(tmp_path), convert="sort")
+    generative = tmp_path / "generative"
+    save_random(generative, "Qwen3Config", "Qwen3ForCausalLM", head_dim=32)
+    for convert, why in (("classify", "needs a classification head"),
+                         ("reward", "needs a classification head"),
+                         ("none", "generative one without a pooling head")):
+        with pytest.raises(ValueError, match=why):
+            LLM(str(generative), runner="pooling", convert=convert)

@@ -17,6 +17,7 @@ DTYPES = ("float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 STEP_PROGRAMS = ("split", "ragged")
 RUNNERS = ("auto", "generate", "pooling")  # vLLM's --runner
+CONVERTS = ("auto", "none", "embed", "classify", "reward")  # vLLM's --convert
 # vLLM's logprobs_mode values (pagedjax.engine.sampler.logprob_values)
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 QUANTIZATIONS = (None, *SCHEMES, "gguf", "compressed-tensors", "mxfp4")
@@ -132,9 +133,11 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     # vLLM's --runner (generate, pooling: embeddings, classification, scores; auto: pooling for
     # a *ForSequenceClassification checkpoint), --pooler-config (pooling_type, normalize) and
-    # hf_overrides (classifier_from_token, is_original_qwen3_reranker): read by LLM
+    # hf_overrides (classifier_from_token, is_original_qwen3_reranker), --convert (embed,
+    # classify, reward: what a pooling runner serves the model as): read by LLM
     # (pagedjax.frontend.pooling_setup).
     runner: str = "auto"
+    convert: str = "auto"
     pooler_config: dict | None = None
     hf_overrides: dict | None = None
 
@@ -230,6 +233,8 @@ class EngineConfig:
                              f"got {self.logprobs_mode!r}")
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
+        if self.convert not in CONVERTS:
+            raise ValueError(f"convert must be one of {CONVERTS}, got {self.convert!r}")
         for name in ("pooler_config", "hf_overrides"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
                 raise ValueError(f"{name} must be a dict (JSON object), got "

@@ -167,8 +167,8 @@ class LLM(PoolingAPI):
         if engine_kwargs.get("dtype") == "auto":
             engine_kwargs["dtype"] = checkpoint_dtype(model)
         config = EngineConfig.from_kwargs(**engine_kwargs)
-        config = dataclasses.replace(config, runner=resolve_runner(model, config.runner,
-                                                                   config.hf_overrides))
+        config = dataclasses.replace(config, runner=resolve_runner(
+            model, config.runner, config.hf_overrides, config.convert))
         if is_encoder_dir(model):  # BERT-like: the dense encoder engine
             self._init_encoder(os.fspath(model), _load_tokenizer(tokenizer), config)
             return
@@ -179,7 +179,8 @@ class LLM(PoolingAPI):
                                               lazy=lazy)
         self.tokenizer = _load_tokenizer(tokenizer) or own_tokenizer
         pooling_model = pooling_setup(model, loaded, self.tokenizer, config.runner,
-                                      config.pooler_config, config.hf_overrides)
+                                      config.pooler_config, config.hf_overrides,
+                                      config.convert)
         spec = config.speculative_config
         draft = None if spec is None or spec.model is None else resolve_model(
             spec.model, seed=config.seed, dtype=config.dtype)[0]

@@ -51,7 +51,7 @@ class PoolingAPI:
             Tokenizer.from_dir(path) if os.path.isfile(os.path.join(path, "tokenizer.json"))
             else None)
         pooling_model = pooling_setup(path, loaded, self.tokenizer, "pooling",
-                                      config.pooler_config, config.hf_overrides)
+                                      config.pooler_config, config.hf_overrides, config.convert)
         self.engine = EncoderEngine(loaded, config, pooling_model, tokenizer=self.tokenizer)
         self._dtype = config.dtype
         self.runner = "pooling"

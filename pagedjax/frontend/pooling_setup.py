@@ -17,6 +17,7 @@ from pagedjax.pooling.heads import head_from_tokens, token_rows
 from pagedjax.pooling.model_config import PoolerConfig, read_pooler_config
 from pagedjax.pooling.pooling_model import PoolingModel
 
+CONVERTED = ("embed", "classify", "reward")  # vLLM's --convert values that imply pooling
 HF_OVERRIDES = ("architectures", "classifier_from_token", "is_original_qwen3_reranker")
 
 
@@ -66,11 +67,17 @@ def _check_overrides(hf_overrides: dict) -> list[str] | None:
     return tokens
 
 
-def resolve_runner(model, runner: str, hf_overrides: dict | None) -> str:
-    """The runner "auto" means for model: pooling for a sequence classifier or a reranker
-    served through classifier_from_token, else generate; the others as given."""
+def resolve_runner(model, runner: str, hf_overrides: dict | None, convert: str = "auto") -> str:
+    """The runner "auto" means for model: pooling for a sequence classifier, a reranker
+    served through classifier_from_token or a model converted (vLLM's --convert embed,
+    classify, reward), else generate; the others as given."""
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
+    if convert in CONVERTED:
+        if runner == "generate":
+            raise ValueError(f"convert={convert!r} serves a pooling model: runner must be "
+                             "'pooling' or 'auto', got 'generate'")
+        return "pooling"
     if is_encoder_dir(model):
         if runner == "generate":
             raise ValueError("a BERT-like encoder generates nothing: serve it with "
@@ -83,10 +90,12 @@ def resolve_runner(model, runner: str, hf_overrides: dict | None) -> str:
 
 
 def pooling_setup(model, loaded, tokenizer, runner: str, pooler_config: dict | None = None,
-                  hf_overrides: dict | None = None) -> PoolingModel | None:
+                  hf_overrides: dict | None = None, convert: str = "auto"
+                  ) -> PoolingModel | None:
     """The PoolingModel of runner "pooling" (resolve_runner's), else None (a classifier or
     pooler_config given to a generating runner refused). model: what LLM was given (a
-    directory is read for its pooler and head); loaded: the model built."""
+    directory is read for its pooler and head); loaded: the model built; convert: vLLM's
+    (_converted)."""
     tokens = _check_overrides(hf_overrides or {})
     model_dir, hf_config = model_directory(model)
     if runner != "pooling":
@@ -109,4 +118,20 @@ def pooling_setup(model, loaded, tokenizer, runner: str, pooler_config: dict | N
               else PoolerConfig(source="default (decoder)"))
     if pooler_config:
         pooler = pooler.with_overrides(pooler_config)
-    return PoolingModel(pooler, head, getattr(loaded.config, "reads_token_types", False))
+    return PoolingModel(pooler, _converted(convert, head, is_encoder_dir(model)),
+                        getattr(loaded.config, "reads_token_types", False))
+
+
+def _converted(convert: str, head, encoder: bool):
+    """The head a pooling model serves under vLLM's --convert: embed serves embeddings only
+    (no head); classify and reward need one (a checkpoint's, or classifier_from_token's);
+    none converts nothing (a decoder without a head is a generative model, not a pooling
+    one); auto serves what the model has."""
+    if convert in ("classify", "reward") and head is None:
+        raise ValueError(f"convert={convert!r} needs a classification head: a "
+                         "*ForSequenceClassification (or reward model) checkpoint's weights, "
+                         "or hf_overrides classifier_from_token")
+    if convert == "none" and head is None and not encoder:
+        raise ValueError("convert='none': this model is a generative one without a pooling "
+                         "head; convert='embed' (or 'auto') serves it as an embedding model")
+    return None if convert == "embed" else head

@@ -156,6 +156,10 @@ def _pooling_args(group) -> None:
                        help="generate text, or serve a pooling model (/v1/embeddings, /pooling, "
                        "/classify, /score, /rerank); auto: pooling for a "
                        f"*ForSequenceClassification checkpoint ({_default('runner')})")
+    group.add_argument("--convert", choices=["auto", "none", "embed", "classify", "reward"],
+                       help="serve the model as an embedding model, a classifier or a reward "
+                       "model (implies --runner pooling; classify and reward need a head) "
+                       f"({_default('convert')})")
     group.add_argument("--pooler-config", metavar="JSON",
                        help="override the model's pooler, e.g. '{\"pooling_type\": \"MEAN\", "
                        "\"normalize\": true}' (pooling_type LAST, MEAN, CLS or ALL)")
@@ -212,8 +216,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kwargs["async_scheduling"] = True
     if args.enable_lora:
         kwargs["enable_lora"] = True
-    if args.runner is not None:
-        kwargs["runner"] = args.runner
+    for flag in ("runner", "convert"):
+        if getattr(args, flag) is not None:
+            kwargs[flag] = getattr(args, flag)
     for flag in ("pooler_config", "hf_overrides"):
         if getattr(args, flag) is not None:
             kwargs[flag] = _json_object("--" + flag.replace("_", "-"), getattr(args, flag))
