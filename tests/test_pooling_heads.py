@@ -181,6 +181,13 @@ def test_qwen2_reward_model_rewards_every_token(tmp_path):
 def test_a_head_that_does_not_fit_is_refused_by_name(tmp_path):
     from safetensors.torch import load_file, save_file
 
+    save_classifier(tmp_path / "modernbert", "modernbert")
+    path = str(tmp_path / "modernbert" / "model.safetensors")
+    tensors = load_file(path)
+    tensors["head.norm.weight"] = torch.ones(32)  # the head's norm, of the wrong width
+    save_file(tensors, path)
+    with pytest.raises(ValueError, match=r"head\.norm\.weight has shape \(32,\)"):
+        LLM(str(tmp_path / "modernbert"))
     save_qwen2_reward_model(tmp_path, with_lm_head=False)
     path = str(tmp_path / "model.safetensors")
     tensors = load_file(path)
