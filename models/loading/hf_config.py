@@ -114,9 +114,9 @@ def is_sequence_classifier(raw: dict[str, Any]) -> bool:
 
 def as_causal_lm(raw: dict[str, Any]) -> dict[str, Any]:
     """A sequence classifier's config.json (transformers' <X>ForSequenceClassification, or a
-    REWARD_MODELS architecture: its base model and a `score` head, no language-model head) as its family's <X>ForCausalLM with
-    tied embeddings (the vocabulary projection a pooling model never runs; the head is
-    pagedjax.pooling.heads'); any other config as it is."""
+    REWARD_MODELS architecture: its base model and a `score` head, no language-model head) as
+    its family's <X>ForCausalLM with tied embeddings (the vocabulary projection a pooling model
+    never runs; the head is pagedjax.pooling.checkpoint_heads'); any other config as it is."""
     architecture = architecture_of(raw)
     causal = REWARD_MODELS.get(architecture,
                                architecture[:-len(SEQUENCE_CLASSIFIER)] + "ForCausalLM")
