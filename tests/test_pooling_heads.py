@@ -110,6 +110,8 @@ def test_bert_reads_each_pairs_segments(tmp_path):
                        use_tqdm=False)[0]
     assert by_ids.prompt_token_ids == ids
     np.testing.assert_allclose(by_ids.outputs.score, want_pair, rtol=2e-5, atol=2e-5)
+    with pytest.raises(RequestError, match="text_2 is not valid Unicode"):  # checked first
+        llm.score(QUERY, ["w20", "\ud800"], use_tqdm=False)
     with pytest.raises(RequestError, match="token_type_ids"):  # one for each token
         llm.engine.pooling_spec(ids, None, "score", token_type_ids=types[:-1])
     with pytest.raises(RequestError, match="token_type_ids"):  # BERT's two segments

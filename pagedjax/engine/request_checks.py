@@ -99,6 +99,12 @@ def encode_text(tokenizer, text, field: str = "prompt", add_special_tokens: bool
                 ) -> list[int]:
     """text's token ids; RequestError naming field when the text is not a string or not valid
     Unicode (a lone surrogate cannot be encoded as UTF-8)."""
+    _check_readable(tokenizer, text, field)
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+def _check_readable(tokenizer, text, field: str) -> None:
+    """RequestError naming field unless text is valid Unicode text a tokenizer can read."""
     if not isinstance(text, str):
         raise RequestError(field, f"{field} must be a string, got {type(text).__name__}")
     if tokenizer is None:
@@ -109,7 +115,6 @@ def encode_text(tokenizer, text, field: str = "prompt", add_special_tokens: bool
     except UnicodeEncodeError as e:
         raise RequestError(field, f"{field} is not valid Unicode: {e.reason} at character "
                            f"{e.start}") from None
-    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def encode_pair(tokenizer, first, second) -> tuple[list[int], list[int]]:
@@ -120,8 +125,8 @@ def encode_pair(tokenizer, first, second) -> tuple[list[int], list[int]]:
     side) as given, the first text with the tokenizer's special tokens, the second without."""
     if isinstance(first, str) and isinstance(second, str) and hasattr(tokenizer,
                                                                       "encode_pair"):
-        encode_text(tokenizer, first, "text_1")  # the checks: a string, valid Unicode
-        encode_text(tokenizer, second, "text_2", False)
+        _check_readable(tokenizer, first, "text_1")
+        _check_readable(tokenizer, second, "text_2")
         return tokenizer.encode_pair(first, second)
     a = encode_text(tokenizer, first, "text_1") if isinstance(first, str) else list(first)
     b = (encode_text(tokenizer, second, "text_2", False) if isinstance(second, str)
