@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from pagedjax.models.families.llama import LlamaForCausalLM, embed, project_logits
@@ -63,6 +64,32 @@ class ServingWeights(NamedTuple):
     layers: nnx.State | tuple | dict
     norm: nnx.State
     lm_head: nnx.State | None
+
+
+# On the CPU, XLA copies each layer's weights out of the stacked arrays every scan iteration
+# (the CPU's dot reads whole buffers; a dynamic slice of the stack is a new one), so a scanned
+# step moves every weight twice more than an unrolled one. Below this many bytes a layer, the
+# copy is small against a step's fixed per-op costs and scanning's shorter compile wins.
+# benchmarks/scan_layers.py's decode steps, scanned over unrolled (2 cores): the embedded model
+# (0.9 MiB a layer) 0.88-1.10x (within noise, runs differ), SmolLM2-135M's shapes (13.5 MiB)
+# 1.02-1.17x, Qwen3-0.6B's layers (60 MiB, f32) 1.10-1.24x; embeddings.py's batch-1 embedding
+# call 1.4x.
+CPU_SCAN_MAX_LAYER_BYTES = 8 * 2**20
+
+
+def scan_by_default(model: LlamaForCausalLM, platform: str) -> bool:
+    """scan_layers' default (EngineConfig.scan_layers None): scanned, except on the CPU when a
+    layer's weights take CPU_SCAN_MAX_LAYER_BYTES or more (the largest layer; works on an
+    abstract model)."""
+    if platform != "cpu":
+        return True
+    return max(layer_bytes(layer) for layer in model.layers) < CPU_SCAN_MAX_LAYER_BYTES
+
+
+def layer_bytes(layer) -> int:
+    """The bytes of one layer's weights (arrays or their shapes)."""
+    return sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+               for leaf in jax.tree.leaves(nnx.state(layer)))
 
 
 def serving_form(model: LlamaForCausalLM, scan_layers: bool = True,

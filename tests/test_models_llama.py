@@ -178,3 +178,54 @@ def test_step_program_size_is_independent_of_depth_under_scan(scan_layers, grows
         return text.count("stablehlo.dot_general")
 
     assert (matmuls(6) > matmuls(2)) == grows
+
+
+def test_scan_by_default_unrolls_large_layers_on_the_cpu_only():
+    """EngineConfig.scan_layers None: scanned, except on the CPU for layers of
+    CPU_SCAN_MAX_LAYER_BYTES or more (XLA's CPU backend copies a scanned layer's weights out of
+    the stack every step); a layer's bytes are its weights', counted on an abstract model."""
+    tiny = nnx.eval_shape(lambda: init_model(CONFIG))
+    d, f, heads, kv_heads, head_dim = 1024, 3072, 16, 8, 128  # Qwen3-0.6B's layer shapes
+    large_config = dataclasses.replace(
+        CONFIG, vocab_size=512, hidden_size=d, intermediate_size=f, num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=head_dim)
+    large = nnx.eval_shape(lambda: init_model(large_config))
+    weights = d * head_dim * (2 * heads + 2 * kv_heads) + 3 * d * f
+    assert weights * 4 <= paged_forward.layer_bytes(large.layers[0]) < weights * 4 + 64 * 1024
+    assert paged_forward.scan_by_default(tiny, "cpu")
+    assert not paged_forward.scan_by_default(large, "cpu")
+    assert paged_forward.scan_by_default(large, "gpu") and paged_forward.scan_by_default(
+        large, "tpu")
+
+
+def test_runner_resolves_scan_layers_on_its_devices_platform(monkeypatch):
+    """A runner given no scan_layers asks scan_by_default on its device's platform; an
+    explicit value stands."""
+    from pagedjax.engine.runner import ModelRunner
+
+    model = init_model(CONFIG)
+    runner = lambda **kw: ModelRunner(model, num_blocks=8, block_size=4, dtype=np.float32,
+                                      **kw)
+    assert runner().graph.scan_layers
+    monkeypatch.setattr(paged_forward, "CPU_SCAN_MAX_LAYER_BYTES", 1)
+    assert not runner().graph.scan_layers
+    assert runner(scan_layers=True).graph.scan_layers
+
+
+def test_scan_layers_flags_and_config():
+    """--scan-layers / --no-scan-layers set EngineConfig.scan_layers; neither leaves the
+    default (None); a value neither boolean nor None is refused by name."""
+    import argparse
+
+    from pagedjax.engine.config import EngineConfig
+    from pagedjax.tools.engine_args import add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    kwargs = lambda *flags: engine_kwargs(parser.parse_args(list(flags)))
+    assert kwargs("--scan-layers")["scan_layers"] is True
+    assert kwargs("--no-scan-layers")["scan_layers"] is False
+    assert "scan_layers" not in kwargs()
+    assert EngineConfig().scan_layers is None
+    with pytest.raises(ValueError, match="scan_layers must be a boolean or None"):
+        EngineConfig(scan_layers="no")

@@ -85,9 +85,12 @@ class EngineConfig:
     # JAX's persistent compilation cache: "auto" (~/.cache/pagedjax/jax_cache, or
     # $PAGEDJAX_COMPILATION_CACHE), "off", or a directory (pagedjax.engine.compile_cache).
     compilation_cache: str = "auto"
-    # The decoder layers under one jax.lax.scan (pagedjax.models.paged_forward): a step program compiles one
-    # layer whatever the depth. False unrolls them (L copies of the layer in every program).
-    scan_layers: bool = True
+    # The decoder layers under one jax.lax.scan (pagedjax.models.paged_forward): a step program
+    # compiles one layer whatever the depth. False unrolls them (L copies of the layer in every
+    # program: longer compiles). None: scanned, except on the CPU for layers of 8 MiB or more,
+    # whose weights XLA's CPU backend would copy out of the stack every step
+    # (paged_forward.scan_by_default).
+    scan_layers: bool | None = None
     # KV cache groups (scheduler.kv_cache_groups): a model whose layers differ in attention
     # window (Gemma 2/3) keeps a block table per group and its sliding layers only their
     # window's blocks. True (vLLM's --disable-hybrid-kv-cache-manager) gives every layer the
@@ -166,8 +169,11 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not (value is None or isinstance(value, int)):
                 raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
+        if self.scan_layers is not None and not isinstance(self.scan_layers, bool):
+            raise ValueError(f"scan_layers must be a boolean or None, got "
+                             f"{type(self.scan_layers).__name__}")
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "attention_interpret",
-                     "scan_layers", "disable_hybrid_kv_cache_manager",
+                     "disable_hybrid_kv_cache_manager",
                      "enable_expert_parallel", "quantize_lm_head", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got "

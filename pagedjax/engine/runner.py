@@ -115,19 +115,25 @@ class ModelRunner(BlockTransfers):
 
     def __init__(self, model: LlamaForCausalLM | LazyModel, *, num_blocks: int, block_size: int,
                  dtype, backend: AttentionBackend = AttentionBackend(),
-                 num_top_logprobs: int = 0, scan_layers: bool = True,
+                 num_top_logprobs: int = 0, scan_layers: bool | None = None,
                  device: jax.Device | None = None, kv_groups: KVCacheGroups | None = None,
                  lora_spec: SlotSpec | None = None, with_logits: bool = True):
         """backend.mesh, when set, splits the model over its devices (pagedjax.parallel.sharding);
         otherwise everything lives on device (jax.devices()[0] by default). kv_groups: the KV
         cache groups (pagedjax.models.layers.kv_groups; default: one group of every layer).
         lora_spec: the LoRA adapters' device slots (pagedjax.lora.slot_weights), or None.
-        with_logits False: a pooling runner's programs, without the vocabulary projection."""
+        with_logits False: a pooling runner's programs, without the vocabulary projection.
+        scan_layers None: paged_forward.scan_by_default on the devices' platform."""
         config = model.config
         mesh = backend.mesh
         repeats = 1 if mesh is None else kv_head_repeats(config.num_kv_heads,
                                                          mesh.shape[TP_AXIS])
         lazy = isinstance(model, LazyModel)  # read from its checkpoint into place below
+        self.device = jax.devices()[0] if device is None else device
+        if scan_layers is None:
+            platform = (self.device if mesh is None else mesh.devices.flat[0]).platform
+            scan_layers = paged_forward.scan_by_default(model.abstract if lazy else model,
+                                                        platform)
         self.graph, params = serving_form(model.abstract if lazy else model, scan_layers,
                                           repeats, kv_groups)
         self.serving_args = (scan_layers, repeats, kv_groups)  # new weights' form (new_weights)
@@ -136,7 +142,6 @@ class ModelRunner(BlockTransfers):
         self.num_kv_groups = 1 if kv_groups is None else kv_groups.num_groups
         self.num_blocks = num_blocks
         self.backend = backend
-        self.device = jax.devices()[0] if device is None else device
         self.num_top_logprobs = num_top_logprobs
         self.vocab_size, self.block_size = config.vocab_size, block_size
         self._cache_spec = (self.graph.num_kv_slots, num_blocks, block_size,

@@ -76,9 +76,10 @@ def _cache_args(group) -> None:
                        help="turn automatic prefix caching off (default on)")
     group.add_argument("--no-chunked-prefill", action="store_true",
                        help="prefill each prompt in one step (default: chunked)")
-    group.add_argument("--no-scan-layers", action="store_true",
-                       help="unroll the decoder layers in every step program (compiles L "
-                       "copies of the layer) instead of one jax.lax.scan")
+    group.add_argument("--scan-layers", action=argparse.BooleanOptionalAction,
+                       help="the decoder layers under one jax.lax.scan (--no-scan-layers "
+                       "unrolls them: L copies of the layer compiled); default: scanned, "
+                       "except on the CPU for layers of 8 MiB or more")
     group.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                        help="give every layer of a model with sliding-window and global layers "
                        "(Gemma 2/3) the whole context, instead of a KV cache group per kind")
@@ -204,8 +205,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kwargs["enable_prefix_caching"] = False
     if args.no_chunked_prefill:
         kwargs["enable_chunked_prefill"] = False
-    if args.no_scan_layers:
-        kwargs["scan_layers"] = False
+    if args.scan_layers is not None:
+        kwargs["scan_layers"] = args.scan_layers
     if args.disable_hybrid_kv_cache_manager:
         kwargs["disable_hybrid_kv_cache_manager"] = True
     if args.enable_expert_parallel:
