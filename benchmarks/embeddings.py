@@ -5,16 +5,18 @@ of its 28), last-token pooling then normalization, f32, same run, same texts.
 
 Rows (sequences/s and tokens/s; the time of one whole call from texts to vectors, the median
 of --repeats calls (at least 32 / batch) on fresh texts after two warm-up calls of the same
-shape, so compiles are off the clock):
+shape, so compiles are off the clock; the implementations' calls interleaved, round-robin in a
+shuffled order each round, so the machine's drift spreads evenly):
 - batch 1, 32, 256 prompts of --prompt-len tokens (distinct prompts, no prefix shared);
 - a --prefix-len-token instruction shared by --prefix-batch queries of --query-len tokens
   (Qwen3-Embedding's "Instruct: ...\\nQuery:" form): sentence-transformers computes it for
   every query; pagedjax with the prefix cache cold (caching off) and warm (its blocks cached
   by an earlier call: each query computes its own tokens only).
 
-With --unrolled-rows, a second engine with scan_layers=False (`--no-scan-layers`: the decoder
-layers unrolled in the step program instead of one jax.lax.scan over stacked weights, which on
-the CPU copies each layer's weights out of the stack every step; it compiles about 3x longer).
+pagedjax runs with its defaults: on the CPU, layers this size (60 MiB) unrolled
+(paged_forward.scan_by_default). With --scanned-rows, a second engine with scan_layers=True
+(`--scan-layers`: the decoder layers under one jax.lax.scan over stacked weights, which on the
+CPU copies each layer's weights out of the stack every step; it compiles about 3x faster).
 
 ratio_vs_st divides a pagedjax row's sequences/s by sentence-transformers' of the same batch.
 max_abs_cosine_gap: the largest 1 - cosine between the two implementations' vectors of a row.
@@ -23,6 +25,7 @@ max_abs_cosine_gap: the largest 1 - cosine between the two implementations' vect
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import tempfile
 import time
@@ -75,18 +78,24 @@ def texts(rng, count: int, length: int, prefix: str = "") -> list[str]:
             for _ in range(count)]
 
 
-def timed(fn, inputs: list) -> tuple[float, list]:
-    """(median seconds of fn over inputs[2:] after warm-up calls on inputs[0] and [1], every
-    timed call's result): fresh texts each call, so no call is served by an earlier one's
-    cache; two warm-ups, so the shapes a cache hit gives are compiled too."""
-    fn(inputs[0])
-    fn(inputs[1])
-    times, results = [], []
+def interleaved(fns: dict, inputs: list) -> dict:
+    """name -> (median seconds of fns[name] over inputs[2:], every timed call's result), the
+    calls round-robin in a shuffled order each round (so the machine's drift spreads evenly)
+    after two warm-up rounds on inputs[0] and [1]: fresh texts each round, so no call is
+    served by an earlier round's cache; two warm-ups, so the shapes a cache hit gives are
+    compiled too."""
+    for texts_ in inputs[:2]:
+        for fn in fns.values():
+            fn(texts_)
+    times = {name: [] for name in fns}
+    results = {name: [] for name in fns}
+    order = np.random.default_rng(0)
     for texts_ in inputs[2:]:
-        start = time.perf_counter()
-        results.append(fn(texts_))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)), results
+        for name in order.permutation(list(fns)):
+            start = time.perf_counter()
+            results[name].append(fns[name](texts_))
+            times[name].append(time.perf_counter() - start)
+    return {name: (float(np.median(times[name])), results[name]) for name in fns}
 
 
 def row(name: str, batch: int, tokens: int, seconds: float, **extra) -> dict:
@@ -103,13 +112,15 @@ def gap(a, b) -> float:
 
 def compare(rows: list, batch: int, tokens: int, inputs: list, st, ours: dict) -> None:
     """One batch shape over inputs (lists of texts): sentence-transformers' row, then each of
-    ours (name -> LLM) against it."""
-    st_seconds, st_vectors = timed(
-        lambda t: st.encode(t, batch_size=batch, convert_to_numpy=True), inputs)
+    ours (name -> LLM) against it, timed interleaved."""
+    fns = {"sentence-transformers": lambda t: st.encode(t, batch_size=batch,
+                                                         convert_to_numpy=True)}
+    fns.update({name: functools.partial(lambda llm, t: [o.outputs.embedding for o in llm.embed(
+        t, use_tqdm=False)], llm) for name, llm in ours.items()})
+    timings = interleaved(fns, inputs)
+    st_seconds, st_vectors = timings.pop("sentence-transformers")
     rows.append(row("sentence-transformers", batch, tokens, st_seconds))
-    for name, llm in ours.items():
-        seconds, outs = timed(lambda t: llm.embed(t, use_tqdm=False), inputs)
-        vectors = [[o.outputs.embedding for o in call] for call in outs]
+    for name, (seconds, vectors) in timings.items():
         rows.append(row(name, batch, tokens, seconds,
                         ratio_vs_st=round(st_seconds / seconds, 3),
                         max_abs_cosine_gap=float(f"{gap(vectors, st_vectors):.2e}")))
@@ -128,8 +139,8 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="embeddings")
-    parser.add_argument("--unrolled-rows", action="store_true",
-                        help="also time an engine with its layers unrolled (scan_layers=False)")
+    parser.add_argument("--scanned-rows", action="store_true",
+                        help="also time an engine with its layers scanned (scan_layers=True)")
     args = parser.parse_args()
 
     import torch
@@ -146,8 +157,8 @@ def main() -> None:
                   max_num_batched_tokens=args.max_num_batched_tokens, block_size=16)
     llm = LLM(directory, **engine)
     ours = {"pagedjax": llm}
-    if args.unrolled_rows:
-        ours["pagedjax, layers unrolled"] = LLM(directory, **engine, scan_layers=False)
+    if args.scanned_rows:
+        ours["pagedjax, layers scanned"] = LLM(directory, **engine, scan_layers=True)
     rng = np.random.default_rng(args.seed)
     rows: list[dict] = []
     for batch in batches:  # small batches timed over more calls (their times vary more)
@@ -164,7 +175,7 @@ def main() -> None:
     write_results(args.out, "Embedding throughput: pagedjax vs sentence-transformers (CPU)",
                   rows, {**vars(args), "torch_threads": torch.get_num_threads()},
                   notes=__doc__, reproduce=f".venv/bin/python benchmarks/embeddings.py "
-                  f"--layers {args.layers}" + (" --unrolled-rows" if args.unrolled_rows else ""))
+                  f"--layers {args.layers}" + (" --scanned-rows" if args.scanned_rows else ""))
 
 
 if __name__ == "__main__":
