@@ -250,3 +250,17 @@ def test_convert_as_vllm_reads_it(tmp_path):
                          ("none", "generative one without a pooling head")):
         with pytest.raises(ValueError, match=why):
             LLM(str(generative), runner="pooling", convert=convert)
+
+
+def test_a_transformers_tokenizer_builds_the_pair(tmp_path):
+    """LLM(tokenizer=<a transformers tokenizer>) scores a pair through that tokenizer's own
+    pair template and segments, as the directory's tokenizer does (BERT: [CLS] a [SEP] b
+    [SEP], the second text segment 1)."""
+    save_classifier(tmp_path, "bert")
+    own = LLM(str(tmp_path)).score(QUERY, DOCS, use_tqdm=False)
+    given = LLM(str(tmp_path), tokenizer=transformers.AutoTokenizer.from_pretrained(
+        str(tmp_path))).score(QUERY, DOCS, use_tqdm=False)
+    assert [o.prompt_token_ids for o in given] == [o.prompt_token_ids for o in own]
+    assert given[0].prompt_token_ids[0] == 2  # [CLS] once, not a second text's
+    np.testing.assert_allclose([o.outputs.score for o in given],
+                               [o.outputs.score for o in own], rtol=1e-6)

@@ -10,6 +10,7 @@ A rejected call changes nothing: no Request objects, no samples, no blocks, no q
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import numpy as np
@@ -122,16 +123,27 @@ def encode_pair(tokenizer, first, second) -> tuple[list[int], list[int]]:
     first's, 1 the second's), as vLLM builds it: two texts through the tokenizer's pair
     template (transformers' tokenizer(text, text_pair): BERT's [CLS] a [SEP] b [SEP],
     XLM-R's <s> a </s></s> b </s>, a Qwen tokenizer's plain concatenation); token ids (either
-    side) as given, the first text with the tokenizer's special tokens, the second without."""
-    if isinstance(first, str) and isinstance(second, str) and hasattr(tokenizer,
-                                                                      "encode_pair"):
+    side) as given, the first text with the tokenizer's special tokens, the second without.
+    A tokenizer object of transformers' (LLM(tokenizer=...)) builds the pair itself."""
+    pair = getattr(tokenizer, "encode_pair", None)
+    if pair is None and hasattr(tokenizer, "model_input_names") and callable(tokenizer):
+        pair = functools.partial(_transformers_pair, tokenizer)
+    if isinstance(first, str) and isinstance(second, str) and pair is not None:
         _check_readable(tokenizer, first, "text_1")
         _check_readable(tokenizer, second, "text_2")
-        return tokenizer.encode_pair(first, second)
+        return pair(first, second)
     a = encode_text(tokenizer, first, "text_1") if isinstance(first, str) else list(first)
     b = (encode_text(tokenizer, second, "text_2", False) if isinstance(second, str)
          else list(second))
     return a + b, [0] * len(a) + [1] * len(b)
+
+
+def _transformers_pair(tokenizer, first: str, second: str) -> tuple[list[int], list[int]]:
+    """encode_pair through a transformers tokenizer: tokenizer(first, second), its token types
+    (segment 0 throughout where it keeps none)."""
+    encoding = tokenizer(first, second, add_special_tokens=True, return_token_type_ids=True)
+    ids = list(encoding["input_ids"])
+    return ids, list(encoding.get("token_type_ids") or [0] * len(ids))
 
 
 def _check_prediction(engine, prediction: Sequence[int]) -> None:
