@@ -122,20 +122,17 @@ class ModelRunner(BlockTransfers):
         otherwise everything lives on device (jax.devices()[0] by default). kv_groups: the KV
         cache groups (pagedjax.models.layers.kv_groups; default: one group of every layer).
         lora_spec: the LoRA adapters' device slots (pagedjax.lora.slot_weights), or None.
-        with_logits False: a pooling runner's programs, without the vocabulary projection.
-        scan_layers None: paged_forward.scan_by_default on the devices' platform."""
+        with_logits False: a pooling runner's programs, without the vocabulary projection."""
         config = model.config
         mesh = backend.mesh
         repeats = 1 if mesh is None else kv_head_repeats(config.num_kv_heads,
                                                          mesh.shape[TP_AXIS])
         lazy = isinstance(model, LazyModel)  # read from its checkpoint into place below
+        abstract = model.abstract if lazy else model
         self.device = jax.devices()[0] if device is None else device
-        if scan_layers is None:
-            platform = (self.device if mesh is None else mesh.devices.flat[0]).platform
-            scan_layers = paged_forward.scan_by_default(model.abstract if lazy else model,
-                                                        platform)
-        self.graph, params = serving_form(model.abstract if lazy else model, scan_layers,
-                                          repeats, kv_groups)
+        if scan_layers is None:  # on the CPU, large layers unrolled
+            scan_layers = paged_forward.scan_by_default(abstract, self.device.platform)
+        self.graph, params = serving_form(abstract, scan_layers, repeats, kv_groups)
         self.serving_args = (scan_layers, repeats, kv_groups)  # new weights' form (new_weights)
         self.logprobs_mode = "raw_logprobs"  # what logprobs report (EngineConfig.logprobs_mode)
         self.with_logits = with_logits  # fixed: every program compiles with it (forward_fn)
