@@ -180,7 +180,7 @@ def test_step_program_size_is_independent_of_depth_under_scan(scan_layers, grows
     assert (matmuls(6) > matmuls(2)) == grows
 
 
-def test_scan_by_default_unrolls_large_layers_on_the_cpu_only():
+def test_scan_by_default_unrolls_large_layers_on_the_cpu_only(monkeypatch):
     """EngineConfig.scan_layers None: scanned, except on the CPU for layers of
     CPU_SCAN_MAX_LAYER_BYTES or more (XLA's CPU backend copies a scanned layer's weights out of
     the stack every step); a layer's bytes are its weights', counted on an abstract model."""
@@ -196,6 +196,11 @@ def test_scan_by_default_unrolls_large_layers_on_the_cpu_only():
     assert not paged_forward.scan_by_default(large, "cpu")
     assert paged_forward.scan_by_default(large, "gpu") and paged_forward.scan_by_default(
         large, "tpu")
+    limit = paged_forward.layer_bytes(tiny.layers[0])  # a layer of the limit's size: unrolled
+    monkeypatch.setattr(paged_forward, "CPU_SCAN_MAX_LAYER_BYTES", limit)
+    assert not paged_forward.scan_by_default(tiny, "cpu")
+    monkeypatch.setattr(paged_forward, "CPU_SCAN_MAX_LAYER_BYTES", limit + 1)
+    assert paged_forward.scan_by_default(tiny, "cpu")
 
 
 def test_runner_resolves_scan_layers_on_its_devices_platform(monkeypatch):

@@ -110,6 +110,9 @@ def test_bert_reads_each_pairs_segments(tmp_path):
                        use_tqdm=False)[0]
     assert by_ids.prompt_token_ids == ids
     np.testing.assert_allclose(by_ids.outputs.score, want_pair, rtol=2e-5, atol=2e-5)
+    mixed = llm.score("w10 w11", [{"prompt_token_ids": ids[4:]}], use_tqdm=False)[0]
+    assert mixed.prompt_token_ids == ids  # the text with its specials, the ids after it
+    np.testing.assert_allclose(mixed.outputs.score, want_pair, rtol=2e-5, atol=2e-5)
     with pytest.raises(RequestError, match="text_2 is not valid Unicode"):  # checked first
         llm.score(QUERY, ["w20", "\ud800"], use_tqdm=False)
     with pytest.raises(RequestError, match="token_type_ids"):  # one for each token
