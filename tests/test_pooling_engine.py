@@ -105,7 +105,8 @@ def test_mean_pooling_mixed_with_generation_equals_alone(embedder):
 
 def test_reward_model_and_classifier_equal_transformers(tmp_path):
     """LlamaForSequenceClassification (num_labels 1): runner auto is pooling; classify is the
-    sigmoid of transformers' logit, reward the raw per-token scores (the last = its logit)."""
+    sigmoid of transformers' logit, reward the per-token scores (raw with use_activation
+    false: the last = its logit; by default their sigmoid, as vLLM's)."""
     hf = save_random(tmp_path, "LlamaConfig", "LlamaForSequenceClassification", num_labels=1)
     llm = LLM(str(tmp_path), **ENGINE)
     assert llm.runner == "pooling"
@@ -113,11 +114,14 @@ def test_reward_model_and_classifier_equal_transformers(tmp_path):
     with torch.no_grad():
         want = [hf(torch.tensor([p])).logits[0].numpy() for p in prompts]
     probs = llm.classify(prompts, use_tqdm=False)
-    rewards = llm.reward(prompts, use_tqdm=False)
-    for p, w, c, r in zip(prompts, want, probs, rewards):
+    rewards = llm.reward(prompts, PoolingParams(use_activation=False), use_tqdm=False)
+    activated = llm.reward(prompts, use_tqdm=False)
+    for p, w, c, r, a in zip(prompts, want, probs, rewards, activated):
         np.testing.assert_allclose(c.outputs.probs, 1 / (1 + np.exp(-w)), rtol=2e-5, atol=2e-6)
         assert r.outputs.data.shape == (len(p), 1)
         np.testing.assert_allclose(r.outputs.data[-1], w, rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(a.outputs.data, 1 / (1 + np.exp(-r.outputs.data)),
+                                   rtol=2e-5, atol=1e-6)
     with torch.no_grad():  # every token's reward: the head over each position's state
         states = hf.model(torch.tensor([prompts[0]])).last_hidden_state[0]
         per_token = hf.score(states).numpy()

@@ -140,22 +140,26 @@ def test_encoder_classifier_probs_and_labels_equal_transformers(kind, tmp_path):
         llm.score(QUERY, DOCS, use_tqdm=False)
 
 
-def save_qwen2_reward_model(directory, with_lm_head: bool = True):
+def save_qwen2_reward_model(directory, with_lm_head: bool = True,
+                            architecture: str = "Qwen2ForRewardModel"):
     """Qwen2.5-Math-RM's layout (its remote code's Qwen2ForRewardModel): model.* and a score
-    MLP of hidden -> hidden, ReLU, hidden -> 1, both with biases; the head as torch runs it."""
+    MLP of hidden -> hidden, ReLU, hidden -> 1, both with biases (Qwen2.5-Math-PRM's
+    Qwen2ForProcessRewardModel: -> 2); the head as torch runs it."""
     from safetensors.torch import save_file
 
     torch.manual_seed(0)
     config = transformers.Qwen2Config(**COMMON)
     base = transformers.Qwen2Model(config).eval()
-    head = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    labels = 2 if architecture == "Qwen2ForProcessRewardModel" else 1
+    head = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, labels))
     tensors = {f"model.{k}": v for k, v in base.state_dict().items()}
     tensors.update({f"score.{k}": v for k, v in head.state_dict().items()})
     if with_lm_head:  # the checkpoint's unused language-model head
         tensors["lm_head.weight"] = torch.randn(128, 64)
     save_file({k: v.contiguous() for k, v in tensors.items()},
               str(directory / "model.safetensors"))
-    raw = {**config.to_dict(), "architectures": ["Qwen2ForRewardModel"],
+    raw = {**config.to_dict(), "architectures": [architecture],
            "tie_word_embeddings": False}
     (directory / "config.json").write_text(json.dumps(raw))
     return base, head
@@ -168,12 +172,16 @@ def test_qwen2_reward_model_rewards_every_token(tmp_path):
               enable_chunked_prefill=True)
     assert llm.runner == "pooling"
     prompts = [[5, 9, 17, 3, 44, 2, 8, 61, 7, 30, 11], [70, 71, 3]]
-    got = llm.reward([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
-    for out, ids in zip(got, prompts):
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    got = llm.reward(inputs, use_tqdm=False)  # vLLM's default: the head's activation
+    raw = llm.reward(inputs, PoolingParams(use_activation=False), use_tqdm=False)
+    for out, out_raw, ids in zip(got, raw, prompts):
         with torch.no_grad():
             want = head(base(torch.tensor([ids])).last_hidden_state)[0].numpy()
         assert out.outputs.data.shape == (len(ids), 1)
-        np.testing.assert_allclose(out.outputs.data, want, rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(out_raw.outputs.data, want, rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(out.outputs.data, 1 / (1 + np.exp(-want)), rtol=2e-5,
+                                   atol=1e-6)
     with pytest.raises(ValueError, match="runner='pooling'"):
         LLM(str(tmp_path), runner="generate")
     with pytest.raises(RequestError, match="reads no token type ids"):

@@ -102,7 +102,8 @@ def common_fields(raw: dict[str, Any], generation_config: dict[str, Any] | None)
 
 SEQUENCE_CLASSIFIER = "ForSequenceClassification"
 # reward models with a head of their own (vLLM's names) -> the causal family they build on
-REWARD_MODELS = {"Qwen2ForRewardModel": "Qwen2ForCausalLM"}
+REWARD_MODELS = {"Qwen2ForRewardModel": "Qwen2ForCausalLM",
+                 "Qwen2ForProcessRewardModel": "Qwen2ForCausalLM"}
 
 
 def is_sequence_classifier(raw: dict[str, Any]) -> bool:

@@ -242,7 +242,8 @@ class EncoderEngine(PoolingEntry):
         params = queued.spec.pooling_params
         pool = self.pooling_model.sequence(params)
         pool.add(states, 0)
-        return self.pooling_model.finish(pool.result(), params)
+        return self.pooling_model.finish(pool.result(), params,
+                                         queued.request.prompt_token_ids)
 
     def _finish(self, queued: _Queued, data: np.ndarray, start: float, done: float,
                 error: str | None = None) -> PoolingRequestOutput:

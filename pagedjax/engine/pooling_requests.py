@@ -79,7 +79,8 @@ class PoolingRequests(PoolingEntry):
         params = self._pooling_params[request_id]
         data = np.zeros(0, np.float32)
         if error is None and sample.status.value in ("stop", "length"):
-            data = self.pooling_model.finish(self._pools[request_id].result(), params)
+            data = self.pooling_model.finish(self._pools[request_id].result(), params,
+                                             sample.prompt_token_ids)
         return PoolingRequestOutput.from_sample(sample, data, self._prompts.get(request_id),
                                                 error)
 

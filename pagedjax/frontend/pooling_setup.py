@@ -10,8 +10,9 @@ import json
 import os
 
 from pagedjax.engine.config import RUNNERS
+from pagedjax.models.families.hf_fields import architecture_of
 from pagedjax.models.loading.encoder import is_encoder_dir
-from pagedjax.models.loading.hf_config import is_sequence_classifier
+from pagedjax.models.loading.hf_config import REWARD_MODELS, is_sequence_classifier
 from pagedjax.pooling.checkpoint_heads import read_head
 from pagedjax.pooling.heads import head_from_tokens, token_rows
 from pagedjax.pooling.model_config import PoolerConfig, read_pooler_config
@@ -118,8 +119,9 @@ def pooling_setup(model, loaded, tokenizer, runner: str, pooler_config: dict | N
               else PoolerConfig(source="default (decoder)"))
     if pooler_config:
         pooler = pooler.with_overrides(pooler_config)
+    reward = convert == "reward" or architecture_of(hf_config) in REWARD_MODELS
     return PoolingModel(pooler, _converted(convert, head, is_encoder_dir(model)),
-                        getattr(loaded.config, "reads_token_types", False))
+                        getattr(loaded.config, "reads_token_types", False), reward)
 
 
 def _converted(convert: str, head, encoder: bool):

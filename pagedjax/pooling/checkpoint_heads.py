@@ -7,6 +7,7 @@ transformers' names into a heads.ClassifierHead:
                                                                     (bge-reranker)
     ModernBertForSequenceClassification   head.dense + activation + head.norm, classifier
     Qwen2ForRewardModel                   score.0 + ReLU, score.2    (Qwen2.5-Math-RM: one label)
+    Qwen2ForProcessRewardModel            score.0 + ReLU, score.2    (Qwen2.5-Math-PRM: two)
 
 Every tensor is checked for its shape: a head that does not chain from the model's hidden size
 to its labels is refused by name, never applied.
@@ -85,12 +86,43 @@ def _checked(tensors: _Tensors, name: str, rows: int | None, columns: int) -> tu
     return weight, bias
 
 
+# the labels vLLM gives a reward model's head whatever its config.json says
+REWARD_LABELS = {"Qwen2ForRewardModel": 1, "Qwen2ForProcessRewardModel": 2}
+
+
 def _labels(hf_config: dict, stored: int) -> int:
-    """How many labels config.json declares (num_labels, id2label; vLLM's one for a Qwen2
+    """How many labels config.json declares (num_labels, id2label; REWARD_LABELS' for a
     reward model), or the stored projection's rows when it declares none."""
-    if architecture_of(hf_config) in REWARD_MODELS:
-        return 1
+    if architecture_of(hf_config) in REWARD_LABELS:
+        return REWARD_LABELS[architecture_of(hf_config)]
     return hf_config.get("num_labels", len(hf_config.get("id2label") or {}) or stored)
+
+
+# problem_type (transformers' loss of the classifier) -> classify's activation (vLLM's)
+PROBLEM_TYPES = {"regression": "identity", "single_label_classification": "classify",
+                 "multi_label_classification": "multi_label"}
+# a cross-encoder's sentence-transformers activation_fn -> score's activation (vLLM's wraps)
+CROSS_ENCODER_FNS = {"torch.nn.modules.linear.Identity": "identity",
+                     "torch.nn.modules.activation.Sigmoid": "classify",
+                     "torch.nn.modules.activation.Softmax": "classify",
+                     "torch.nn.modules.activation.Tanh": "tanh"}
+
+
+def head_activations(hf_config: dict) -> tuple[str, str]:
+    """(classify's, score's) activation as vLLM reads config.json: problem_type for classify;
+    for score, the cross-encoder's sentence_transformers.activation_fn (or
+    sbert_ce_default_activation_function), else the classify rule; ValueError naming one it
+    does not serve."""
+    problem = hf_config.get("problem_type") or "single_label_classification"
+    if problem not in PROBLEM_TYPES:
+        raise ValueError(f"config.json problem_type {problem!r} is not served "
+                         f"({', '.join(PROBLEM_TYPES)})")
+    function = (hf_config.get("sentence_transformers") or {}).get(
+        "activation_fn", hf_config.get("sbert_ce_default_activation_function"))
+    if function is not None and function not in CROSS_ENCODER_FNS:
+        raise ValueError(f"config.json's cross-encoder activation_fn {function!r} is not "
+                         f"served ({', '.join(CROSS_ENCODER_FNS)})")
+    return PROBLEM_TYPES[problem], CROSS_ENCODER_FNS.get(function, "classify")
 
 
 def read_head(model_dir: str, hf_config: dict, hidden_size: int) -> ClassifierHead | None:
@@ -119,4 +151,4 @@ def read_head(model_dir: str, hf_config: dict, hidden_size: int) -> ClassifierHe
     return ClassifierHead(weight, bias, f"{os.path.basename(model_dir.rstrip('/'))}: "
                           f"{layout.projection}",
                           tuple(str(names.get(str(i), f"LABEL_{i}")) for i in range(labels)),
-                          tuple(hidden))
+                          tuple(hidden), *head_activations(hf_config))

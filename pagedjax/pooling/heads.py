@@ -55,6 +55,20 @@ class ClassifierHead:
     source: str = "score"
     labels: tuple[str, ...] = ()  # each label's name (config.json's id2label), in order
     hidden: tuple[DenseLayer, ...] = ()  # applied in order before the projection
+    # the activation classify and score apply (OUTPUT_ACTIVATIONS; vLLM's reading of the
+    # config: head_activations); token_classify's is always "classify"
+    classify_activation: str = "classify"
+    score_activation: str = "classify"
+
+    def __post_init__(self):
+        for name in (self.classify_activation, self.score_activation):
+            if name not in OUTPUT_ACTIVATIONS:
+                raise ValueError(f"head activation {name!r} is not served "
+                                 f"({', '.join(OUTPUT_ACTIVATIONS)})")
+
+    def activation(self, task: str) -> str:
+        return {"classify": self.classify_activation, "score": self.score_activation}.get(
+            task, "classify")
 
     def label(self, index: int) -> str:
         return self.labels[index] if index < len(self.labels) else f"LABEL_{index}"
@@ -63,21 +77,38 @@ class ClassifierHead:
     def num_labels(self) -> int:
         return self.weight.shape[0]
 
-    def __call__(self, vectors: np.ndarray, use_activation: bool) -> np.ndarray:
-        """[..., D] -> f32[..., labels]: the logits, or with use_activation their softmax
-        (several labels) or sigmoid (one: vLLM's rule)."""
+    def logits(self, vectors: np.ndarray) -> np.ndarray:
+        """[..., D] -> f32[..., labels]: the hidden layers, then the projection."""
         x = np.asarray(vectors, np.float32)
         for layer in self.hidden:
             x = layer(x)
         logits = x @ self.weight.T
-        if self.bias is not None:
-            logits = logits + self.bias
-        if not use_activation:
-            return logits
-        if self.num_labels == 1:
-            return 1.0 / (1.0 + np.exp(-logits))
-        shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))
-        return shifted / shifted.sum(axis=-1, keepdims=True)
+        return logits if self.bias is None else logits + self.bias
+
+
+
+def _classify(logits: np.ndarray) -> np.ndarray:
+    """vLLM's PoolerClassify over the last axis: the sigmoid of one label, the softmax of
+    several."""
+    if logits.shape[-1] == 1:
+        return _sigmoid(logits)
+    shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return shifted / shifted.sum(axis=-1, keepdims=True)
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+# what a head's outputs go through: vLLM's PoolerClassify, PoolerMultiLabelClassify (a
+# multi-label classifier: each label's sigmoid), PoolerIdentity (a regression's raw value),
+# and the cross-encoder activations sentence-transformers configs name
+OUTPUT_ACTIVATIONS = {"classify": _classify, "multi_label": _sigmoid,
+                      "identity": lambda x: x, "tanh": np.tanh}
+
+
+def activated(logits: np.ndarray, activation: str = "classify") -> np.ndarray:
+    return OUTPUT_ACTIVATIONS[activation](logits).astype(np.float32)
 
 
 def token_rows(model, model_dir: str | None, token_ids: list[int]) -> np.ndarray:

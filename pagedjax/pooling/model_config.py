@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 
+from pagedjax.models.families.hf_fields import architecture_of
 from pagedjax.models.loading.hf_config import is_sequence_classifier
 from pagedjax.pooling.poolers import POOLING_TYPES, check_modes
 
@@ -26,6 +27,14 @@ LEGACY_MODE_KEYS = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": 
                     "pooling_mode_weightedmean_tokens": "weightedmean",
                     "pooling_mode_lasttoken": "lasttoken"}
 ENCODER_TYPES = ("bert", "modernbert", "roberta", "xlm-roberta")  # CLS by default
+STEP_POOLED = ("Qwen2ForProcessRewardModel",)  # token tasks pooled by STEP (vLLM's default)
+
+
+# --pooler-config's fields (vLLM's PoolerConfig): pooling_type names a sequence pooler (LAST,
+# MEAN, CLS) or a token one (ALL, STEP), seq_ / tok_pooling_type one of each kind
+OVERRIDES = ("pooling_type", "seq_pooling_type", "tok_pooling_type", "normalize",
+             "use_activation", "logit_bias", "step_tag_id", "returned_token_ids")
+TOKEN_POOLING = ("ALL", "STEP")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,29 +44,74 @@ class PoolerConfig:
     # the Matryoshka sizes `dimensions` may ask for: a tuple, True (any), False (none)
     matryoshka: tuple[int, ...] | bool = False
     source: str = "default"  # where it was read from (for the log and `inspect`)
+    # the token tasks' pooler: ALL (every prompt token) or STEP (vLLM's process reward models:
+    # the rows of the prompt's step_tag_id tokens, the returned_token_ids columns; None: all)
+    token_pooling: str = "ALL"
+    step_tag_id: int | None = None
+    returned_token_ids: tuple[int, ...] | None = None
+    use_activation: bool | None = None  # the head tasks' default (None: on, as vLLM's)
+    logit_bias: float | None = None  # subtracted from a head's logits before its activation
 
     def __post_init__(self):
         check_modes(self.modes)
+        if self.token_pooling not in TOKEN_POOLING:
+            raise ValueError(f"token pooling must be one of {TOKEN_POOLING}, got "
+                             f"{self.token_pooling!r}")
+        given = [f for f in ("step_tag_id", "returned_token_ids") if getattr(self, f) is not None]
+        if given and self.token_pooling != "STEP":
+            raise ValueError(f"pooler config: {given[0]} is the STEP pooler's; this model's "
+                             "token tasks pool ALL tokens (pooling_type STEP selects it)")
 
     def with_overrides(self, overrides: dict) -> "PoolerConfig":
-        """vLLM's --pooler-config fields: pooling_type (LAST, MEAN, CLS, ALL) and normalize;
-        any other key is refused by name."""
-        unknown = set(overrides) - {"pooling_type", "normalize"}
+        """vLLM's --pooler-config fields (OVERRIDES); any other key is refused by name."""
+        unknown = sorted(set(overrides) - set(OVERRIDES))
         if unknown:
-            raise ValueError(f"pooler config fields {sorted(unknown)} are not served (known: "
-                             "pooling_type, normalize)")
+            raise ValueError(f"pooler config fields {unknown} are not served (known: "
+                             f"{', '.join(OVERRIDES)})")
         changes = {}
-        if "pooling_type" in overrides:
-            kind = overrides["pooling_type"]
-            if kind not in POOLING_TYPES:
-                raise ValueError(f"pooling_type must be one of {tuple(POOLING_TYPES)}, "
-                                 f"got {kind!r}")
-            changes["modes"] = (POOLING_TYPES[kind],)
-        if "normalize" in overrides:
-            if not isinstance(overrides["normalize"], bool):
-                raise ValueError(f"normalize must be a boolean, got {overrides['normalize']!r}")
-            changes["normalize"] = overrides["normalize"]
+        for key, value in overrides.items():
+            changes.update(_override(key, value))
         return dataclasses.replace(self, **changes, source=f"{self.source} + overrides")
+
+
+def _override(key: str, value) -> dict:
+    """The PoolerConfig fields one --pooler-config entry sets; ValueError naming it."""
+    if key in ("pooling_type", "seq_pooling_type", "tok_pooling_type"):
+        kinds = {"pooling_type": tuple(POOLING_TYPES) + ("STEP",),
+                 "seq_pooling_type": tuple(k for k in POOLING_TYPES if k != "ALL"),
+                 "tok_pooling_type": TOKEN_POOLING}[key]
+        if value not in kinds:
+            raise ValueError(f"{key} must be one of {kinds}, got {value!r}")
+        if value in TOKEN_POOLING and key != "seq_pooling_type":
+            return {"token_pooling": value, **({"modes": ("all",)} if value == "ALL" and
+                                               key == "pooling_type" else {})}
+        return {"modes": (POOLING_TYPES[value],)}
+    if key in ("normalize", "use_activation"):
+        if not isinstance(value, bool):
+            raise ValueError(f"{key} must be a boolean, got {value!r}")
+        return {key: value}
+    if key == "logit_bias":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"logit_bias must be a number, got {value!r}")
+        return {key: float(value)}
+    if key == "step_tag_id":
+        check_step_fields(value, None)
+        return {key: value}
+    check_step_fields(None, value)
+    return {key: tuple(value)}
+
+
+def check_step_fields(step_tag_id, returned_token_ids) -> None:
+    """ValueError naming step_tag_id or returned_token_ids unless they are (None or) a
+    non-negative integer and a non-empty list of them."""
+    ids = returned_token_ids
+    if ids is not None and (not isinstance(ids, (list, tuple)) or not ids):
+        raise ValueError(f"returned_token_ids must be a non-empty list of indices, got {ids!r}")
+    for field, values in (("step_tag_id", [step_tag_id]), ("returned_token_ids", ids or ())):
+        for value in values:
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 0):
+                raise ValueError(f"{field} must hold non-negative integers, got {value!r}")
 
 
 def matryoshka_of(hf_config: dict) -> tuple[int, ...] | bool:
@@ -82,6 +136,9 @@ def read_pooler_config(model_dir: str, hf_config: dict) -> PoolerConfig:
         return PoolerConfig((mode,), True, matryoshka, "config.json classifier_pooling")
     if hf_config.get("model_type") in ENCODER_TYPES:
         return PoolerConfig(("cls",), True, matryoshka, "default (encoder)")
+    if architecture_of(hf_config) in STEP_POOLED:
+        return PoolerConfig(("lasttoken",), True, matryoshka, "default (process reward model)",
+                            token_pooling="STEP")
     return PoolerConfig(("lasttoken",), True, matryoshka, "default (decoder)")
 
 

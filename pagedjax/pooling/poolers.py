@@ -108,3 +108,19 @@ def finish_embedding(vector: np.ndarray, *, normalize: bool, dimensions: int | N
         norm = np.linalg.norm(vector, axis=-1, keepdims=True)
         vector = vector / np.maximum(norm, np.float32(1e-12))  # torch F.normalize's eps
     return vector
+
+
+def step_rows(rows: np.ndarray, prompt_token_ids, step_tag_id: int | None,
+              returned_token_ids) -> np.ndarray:
+    """vLLM's STEP pooler over a sequence's per-token outputs rows [tokens, C]: the
+    returned_token_ids columns (None: all), then the rows whose prompt token is step_tag_id
+    (None: all; a prompt without one gives [0, C'])."""
+    if returned_token_ids:
+        rows = rows[:, list(returned_token_ids)]
+    if step_tag_id is not None:
+        ids = np.asarray(list(prompt_token_ids))
+        if ids.shape != (rows.shape[0],):
+            raise ValueError(f"the STEP pooler needs one prompt token a row: {ids.shape[0]} "
+                             f"tokens for {rows.shape[0]} rows")
+        rows = rows[ids == step_tag_id]
+    return rows

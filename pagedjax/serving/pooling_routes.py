@@ -113,8 +113,7 @@ async def embeddings(server: ServerState, request: fastapi.Request):
 async def pooling(server: ServerState, request: fastapi.Request):
     body = parse_body(await request.body(), PoolingRequest)
     _checked(server, body)
-    task = body.task or server.engine.pooling_model.tasks[
-        2 if server.engine.pooling_model.head is not None else 0]
+    task = body.task or server.engine.pooling_model.default_task
     fields = {k: getattr(body, k) for k in ("dimensions", "normalize")
               if getattr(body, k) is not None}
     if body.chosen_activation()[0] is not None:
