@@ -110,13 +110,16 @@ def gap(a, b) -> float:
     return float(np.max(1 - cos))
 
 
+def embedded(llm, texts_: list[str]) -> list:
+    return [o.outputs.embedding for o in llm.embed(texts_, use_tqdm=False)]
+
+
 def compare(rows: list, batch: int, tokens: int, inputs: list, st, ours: dict) -> None:
     """One batch shape over inputs (lists of texts): sentence-transformers' row, then each of
     ours (name -> LLM) against it, timed interleaved."""
     fns = {"sentence-transformers": lambda t: st.encode(t, batch_size=batch,
                                                          convert_to_numpy=True)}
-    fns.update({name: functools.partial(lambda llm, t: [o.outputs.embedding for o in llm.embed(
-        t, use_tqdm=False)], llm) for name, llm in ours.items()})
+    fns.update({name: functools.partial(embedded, llm) for name, llm in ours.items()})
     timings = interleaved(fns, inputs)
     st_seconds, st_vectors = timings.pop("sentence-transformers")
     rows.append(row("sentence-transformers", batch, tokens, st_seconds))

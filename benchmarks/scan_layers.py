@@ -54,8 +54,8 @@ def main() -> None:
                          "scan_vs_unrolled": round(medians[0] / medians[1], 3),
                          "layer_mib": round(paged_forward.layer_bytes(model.layers[0]) / 2**20,
                                             1),
-                         "default": "scan" if paged_forward.scan_by_default(model, "cpu")
-                         else "unrolled"})
+                         "default": "scan" if paged_forward.scan_by_default(
+                             model, runners[0].device.platform) else "unrolled"})
             print(rows[-1], flush=True)
     write_results("scan_layers", "Decode step: layers scanned vs unrolled", rows, vars(args),
                   __doc__.split("\n\n", 1)[1])

@@ -77,13 +77,14 @@ class ServingWeights(NamedTuple):
 CPU_SCAN_MAX_LAYER_BYTES = 8 * 2**20
 
 
-def scan_by_default(model: LlamaForCausalLM, platform: str) -> bool:
+def scan_by_default(model: LlamaForCausalLM, platform: str, shards: int = 1) -> bool:
     """scan_layers' default (EngineConfig.scan_layers None): scanned, except on the CPU when a
-    layer's weights take CPU_SCAN_MAX_LAYER_BYTES or more (the largest layer; works on an
-    abstract model)."""
+    device's share of a layer's weights (the largest layer's bytes over the shards tensor
+    parallelism splits it into) takes CPU_SCAN_MAX_LAYER_BYTES or more (works on an abstract
+    model)."""
     if platform != "cpu":
         return True
-    return max(layer_bytes(layer) for layer in model.layers) < CPU_SCAN_MAX_LAYER_BYTES
+    return max(layer_bytes(layer) for layer in model.layers) // shards < CPU_SCAN_MAX_LAYER_BYTES
 
 
 def layer_bytes(layer) -> int:

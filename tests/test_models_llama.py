@@ -182,8 +182,9 @@ def test_step_program_size_is_independent_of_depth_under_scan(scan_layers, grows
 
 def test_scan_by_default_unrolls_large_layers_on_the_cpu_only(monkeypatch):
     """EngineConfig.scan_layers None: scanned, except on the CPU for layers of
-    CPU_SCAN_MAX_LAYER_BYTES or more (XLA's CPU backend copies a scanned layer's weights out of
-    the stack every step); a layer's bytes are its weights', counted on an abstract model."""
+    CPU_SCAN_MAX_LAYER_BYTES or more a device (XLA's CPU backend copies a scanned layer's
+    weights out of the stack every step); a layer's bytes are its weights', counted on an
+    abstract model."""
     tiny = nnx.eval_shape(lambda: init_model(CONFIG))
     d, f, heads, kv_heads, head_dim = 1024, 3072, 16, 8, 128  # Qwen3-0.6B's layer shapes
     large_config = dataclasses.replace(
@@ -194,6 +195,9 @@ def test_scan_by_default_unrolls_large_layers_on_the_cpu_only(monkeypatch):
     assert weights * 4 <= paged_forward.layer_bytes(large.layers[0]) < weights * 4 + 64 * 1024
     assert paged_forward.scan_by_default(tiny, "cpu")
     assert not paged_forward.scan_by_default(large, "cpu")
+    # a tensor-parallel device's share: 60 MiB over 16 devices is under the limit, over 4 not
+    assert paged_forward.scan_by_default(large, "cpu", shards=16)
+    assert not paged_forward.scan_by_default(large, "cpu", shards=4)
     assert paged_forward.scan_by_default(large, "gpu") and paged_forward.scan_by_default(
         large, "tpu")
     limit = paged_forward.layer_bytes(tiny.layers[0])  # a layer of the limit's size: unrolled

@@ -56,6 +56,11 @@ def child() -> None:
     prompts = [head + rng.integers(0, 256, n).tolist() for n in (5, 23, 40, 60, 9, 30)]
     params = SamplingParams(max_tokens=10, temperature=0)
     report = {"devices": len(jax.devices())}
+    from pagedjax.models import paged_forward
+
+    asked, scan_by_default = [], paged_forward.scan_by_default  # the shards a runner counts
+    paged_forward.scan_by_default = lambda m, platform, shards=1: (
+        asked.append(shards) or scan_by_default(m, platform, shards))
     for name, fields in RUNS.items():
         llm = LLM(model, **BASE, **fields)
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -82,6 +87,7 @@ def child() -> None:
             "down_proj": shard_shapes(layers["mlp"]["down_proj"]["kernel"]),
             "lm_head": shard_shapes(runner.params.lm_head["kernel"]),
             "kv_cache": shard_shapes(runner.kv_cache),
+            "scan_shards": asked[-1],  # scan_layers' default asked of a device's share
             # what one device holds, against `pagedjax capacity`'s formulas
             "weights_bytes": device0_bytes(runner.params),
             "capacity_weights_bytes": weight_bytes_per_device(model.config, tp, 4),
@@ -354,6 +360,7 @@ def test_weights_and_cache_are_split_not_replicated(report):
         # devices each head is repeated twice and each device still holds 1 (vLLM's rule).
         assert all(s[1] == 1 for s in run["kv_cache"]) and len(run["kv_cache"]) == tp
         assert all(s[-1] * tp == max(2, tp) // 2 * one["k_proj"][0][-1] for s in run["k_proj"])
+        assert run["scan_shards"] == tp
 
 
 def test_capacity_formulas_match_what_each_device_holds(report):

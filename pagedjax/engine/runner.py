@@ -131,7 +131,8 @@ class ModelRunner(BlockTransfers):
         abstract = model.abstract if lazy else model
         self.device = jax.devices()[0] if device is None else device
         if scan_layers is None:  # on the CPU, large layers unrolled
-            scan_layers = paged_forward.scan_by_default(abstract, self.device.platform)
+            scan_layers = paged_forward.scan_by_default(
+                abstract, self.device.platform, 1 if mesh is None else mesh.shape[TP_AXIS])
         self.graph, params = serving_form(abstract, scan_layers, repeats, kv_groups)
         self.serving_args = (scan_layers, repeats, kv_groups)  # new weights' form (new_weights)
         self.logprobs_mode = "raw_logprobs"  # what logprobs report (EngineConfig.logprobs_mode)
