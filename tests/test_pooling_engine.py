@@ -69,6 +69,41 @@ def test_embed_equals_sentence_transformers_in_chunks_with_matryoshka(embedder):
     assert not llm.engine.has_unfinished()
 
 
+@pytest.mark.parametrize("fields", [{}, dict(async_scheduling=True)], ids=["sync", "async"])
+def test_a_pooling_runner_builds_and_runs_no_sampler(embedder, monkeypatch, fields):
+    """A pooling runner's sampled tokens are nobody's: no sampler program is compiled or run
+    (its rows get token 0, what sampling its one zero logit column picked), the vectors are
+    the same, async scheduling included (its placeholders filled from those host tokens)."""
+    from pagedjax.engine import sampling_step
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a pooling runner built a sampler program")
+
+    monkeypatch.setattr(sampling_step, "program", refuse)
+    directory, hf = embedder
+    llm = LLM(str(directory), runner="pooling", **ENGINE, **fields)
+    outs = llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
+    for out, ids in zip(outs, PROMPTS):
+        assert_close(out.outputs.embedding, st_reference(hf, ids, "lasttoken", True))
+
+
+def test_a_warmed_pooling_runner_compiles_nothing_more(embedder):
+    """warmup() of a pooling runner compiles its step shapes with and without pooled rows
+    (pooling_shapes; no sampler); embedding in chunks (a one-token chunk runs as a decode
+    step) then compiles nothing."""
+    from pagedjax.engine.warmup import pooling_shapes
+
+    directory, hf = embedder
+    llm = LLM(str(directory), runner="pooling", **{**ENGINE, "max_num_seqs": 2})
+    assert llm.engine.warmup() == len(pooling_shapes(llm.engine.buckets))
+    compiled = llm.engine.num_compiled_programs
+    outs = llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
+    stats = llm.engine.stats
+    assert stats.num_steps > len(PROMPTS) and stats.num_decode_steps  # chunks, decode-kind too
+    assert llm.engine.num_compiled_programs == compiled
+    assert_close(outs[0].outputs.embedding, st_reference(hf, PROMPTS[0], "lasttoken", True))
+
+
 def test_mean_pooling_mixed_with_generation_equals_alone(embedder):
     """MEAN needs every token's state: no prefix hits; pooled beside decoding requests in the
     same steps, vectors and generated tokens are those of each run alone."""

@@ -125,14 +125,13 @@ class ModelRunner(BlockTransfers):
         with_logits False: a pooling runner's programs, without the vocabulary projection."""
         config = model.config
         mesh = backend.mesh
-        repeats = 1 if mesh is None else kv_head_repeats(config.num_kv_heads,
-                                                         mesh.shape[TP_AXIS])
+        shards = 1 if mesh is None else mesh.shape[TP_AXIS]  # tensor parallelism's
+        repeats = kv_head_repeats(config.num_kv_heads, shards)
         lazy = isinstance(model, LazyModel)  # read from its checkpoint into place below
         abstract = model.abstract if lazy else model
         self.device = jax.devices()[0] if device is None else device
         if scan_layers is None:  # on the CPU, large layers unrolled
-            scan_layers = paged_forward.scan_by_default(
-                abstract, self.device.platform, 1 if mesh is None else mesh.shape[TP_AXIS])
+            scan_layers = paged_forward.scan_by_default(abstract, self.device.platform, shards)
         self.graph, params = serving_form(abstract, scan_layers, repeats, kv_groups)
         self.serving_args = (scan_layers, repeats, kv_groups)  # new weights' form (new_weights)
         self.logprobs_mode = "raw_logprobs"  # what logprobs report (EngineConfig.logprobs_mode)
@@ -162,10 +161,9 @@ class ModelRunner(BlockTransfers):
         self.step_shapes: set[tuple[str, int, int]] = set()  # the shapes steps have run
         self.channel = None  # multi-host leader: a multihost.LeaderChannel
         self.tier_pool = None  # the prefix cache's host tier (kv_tiers), for the followers
-        # (kind, T, B, with prompt logprobs, K, with pooling) -> the compiled forward program. A program is
-        # compiled ahead of time from abstract arguments (nothing runs, no buffer is touched),
-        # so a warmup thread can compile while the engine thread steps; each shape compiles
-        # once, under its lock.
+        # (kind, T, B, prompt logprobs?, K, pooling?) -> its forward program, compiled ahead of
+        # time from abstract arguments (nothing runs: a warmup thread compiles while the engine
+        # steps), each shape once, under its lock.
         self._programs: dict[tuple, jax.stages.Compiled] = {}
         # (B, K) -> the forward's logits (B * (K + 1) rows)
         self._logits_shape: dict[tuple[int, int], jax.ShapeDtypeStruct] = {}
@@ -176,8 +174,7 @@ class ModelRunner(BlockTransfers):
         self._locks_lock = threading.Lock()
 
     def _place(self, model, params) -> ServingWeights:
-        """The serving weights on this runner's device, or split over the backend's mesh (a
-        LazyModel read from its checkpoint into place)."""
+        """The serving weights on this device, or split over the mesh (a LazyModel: read there)."""
         mesh, vocab_size = self.backend.mesh, model.config.vocab_size
         if isinstance(model, LazyModel):
             placement = (weight_sharding(mesh, vocab_size, self.backend.expert_parallel)
@@ -189,15 +186,13 @@ class ModelRunner(BlockTransfers):
         return shard_weights(params, mesh, vocab_size, self.backend.expert_parallel)
 
     def _abstract(self):
-        """The parameters' and the cache's shapes, dtypes and shardings (programs compile from
-        them)."""
+        """The params' and the cache's shapes, dtypes and shardings (programs compile from them)."""
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                             (self.params, self.kv_cache))
 
     @property
     def weight_specs(self):
-        """The weights' shapes, dtypes and shardings, as the programs were compiled for them
-        (what new or woken weights must have)."""
+        """The weights' shapes, dtypes and shardings the programs compiled for (new weights')."""
         return self._abstract_args[0]
 
     def resize_kv_cache(self, num_blocks: int) -> None:
@@ -241,12 +236,11 @@ class ModelRunner(BlockTransfers):
                 num_speculative_tokens: int = 0,
                 with_pooling: bool = False) -> jax.stages.Compiled:
         """The forward program of a shape, compiled on first use (from the persistent
-        compilation cache when an earlier process compiled it), with its plain sampler;
-        thread-safe, one compile per shape. with_prompt_logprobs: the variant that also
-        returns every query token's prompt logprobs (compiled only when a step needs it).
-        table_widths: the block tables' (ShapeBuckets.table_widths). num_speculative_tokens:
-        K of a speculative step (K + 1 logits a row, verified by the sampler). with_pooling: the
-        variant returning the pooling rows' hidden states (pooled_states)."""
+        compilation cache when an earlier process compiled it), with its plain sampler; once
+        a shape, thread-safe. with_prompt_logprobs: the variant returning every query token's
+        prompt logprobs; table_widths: the block tables' (ShapeBuckets.table_widths);
+        num_speculative_tokens: K of a speculative step (K + 1 logits a row, verified by the
+        sampler); with_pooling: the variant returning the pooled rows' states."""
         key = (kind, num_tokens, num_seqs, with_prompt_logprobs, num_speculative_tokens,
                with_pooling)
 
@@ -261,7 +255,8 @@ class ModelRunner(BlockTransfers):
                                      *self._abstract_args, inputs, self._abstract_lora,
                                      with_logits=self.with_logits)
             self._logits_shape[num_seqs, num_speculative_tokens] = lowered.out_info[0]
-            self._sampler(plan, sampling_step.no_token_mask(num_seqs))
+            if self.with_logits or num_speculative_tokens:  # a pooling runner samples nothing
+                self._sampler(plan, sampling_step.no_token_mask(num_seqs))
             compiled = lowered.compile()
             # where every forward program takes its token_ids (over a mesh, the token fills'
             # output is put there)
@@ -301,7 +296,9 @@ class ModelRunner(BlockTransfers):
     def sampler_variants(self, plan: BatchPlan, penalty_width: int, mask_words: int) -> None:
         """Compiles the sampler programs a step of plan's shape may need besides its plain
         one: with a token mask (W = mask_words words a row), with penalties (their tokens
-        penalty_width wide), with both."""
+        penalty_width wide), with both. A pooling runner needs none (dispatch_sample)."""
+        if not self.with_logits and not plan.num_speculative_tokens:
+            return
         rows = plan.padded_num_seqs * (plan.num_speculative_tokens + 1)
         penalized = dataclasses.replace(
             plan, penalty_tokens=np.full((plan.padded_num_seqs, penalty_width), -1, np.int32))
@@ -366,6 +363,10 @@ class ModelRunner(BlockTransfers):
         mesh the logits are replicated: its copy there), token_mask (i32[B, W], W = ceil(V / 32),
         or None) limiting what each row may sample."""
         logits, (prompt, pooled) = forward
+        if not self.with_logits and not plan.num_speculative_tokens:  # tokens nobody reads
+            return PendingStep(sampling_step.unsampled(plan.padded_num_seqs,
+                                                       self.num_top_logprobs),
+                               int(plan.num_seqs), prompt, pooled)
         if token_mask is None:
             token_mask = sampling_step.no_token_mask(plan.padded_num_seqs)
         if not logits.is_fully_addressable or len(logits.devices()) > 1:
@@ -375,9 +376,8 @@ class ModelRunner(BlockTransfers):
         return PendingStep(sampled, int(plan.num_seqs), prompt, pooled)
 
     def fetch(self, pending: "PendingStep") -> tuple:
-        """A dispatched step's results on the host (blocks until the device is done): the
-        sampler's five arrays for the real rows, then the prompt logprob arrays (or None), then
-        the pooling rows' hidden states f32[T, D] (or None)."""
+        """A dispatched step's results on the host (waits for the device): the sampler's five
+        arrays for the real rows, the prompt logprob arrays or None, the pooled states or None."""
         try:
             sampled = tuple(np.asarray(x)[:pending.num_seqs] for x in pending.sampled)
             prompt = tuple(np.asarray(x) for x in pending.prompt) or None
@@ -388,11 +388,11 @@ class ModelRunner(BlockTransfers):
                 raise self.channel.broken(error) from error
             raise
 
+
 @dataclasses.dataclass(frozen=True)
 class PendingStep:
-    """A dispatched step: its device outputs (not waited for), the rows that are real, and the
-    forward's prompt logprob arrays and pooled hidden states (each empty when the step has
-    none)."""
+    """A dispatched step: its outputs (not waited for), the rows that are real, and the
+    forward's prompt logprob arrays and pooled hidden states (each empty when it has none)."""
 
     sampled: tuple
     num_seqs: int

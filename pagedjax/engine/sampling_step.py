@@ -87,6 +87,15 @@ def no_token_mask(num_seqs: int) -> np.ndarray:
     return np.zeros((num_seqs, 0), np.int32)
 
 
+def unsampled(num_seqs: int, num_top_logprobs: int) -> tuple[np.ndarray, ...]:
+    """sample_fn's five arrays for rows whose token nobody reads (a pooling runner's, whose
+    logits are one zero column: what sampling them picks): token 0, logprob 0, rank 1."""
+    top = (np.zeros((num_seqs, num_top_logprobs), np.int32),
+           np.zeros((num_seqs, num_top_logprobs), np.float32))
+    return (np.zeros(num_seqs, np.int32), np.zeros(num_seqs, np.float32)) + top + (
+        np.ones(num_seqs, np.int32),)
+
+
 def program(num_top_logprobs: int, logits: jax.ShapeDtypeStruct, inputs: dict,
             token_mask: np.ndarray, device: jax.Device,
             logprobs_mode: str = "raw_logprobs") -> jax.stages.Compiled:

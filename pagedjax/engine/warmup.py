@@ -42,6 +42,16 @@ def warmup_shapes(buckets, variants: bool = False) -> list[tuple[str, int, int, 
     return shapes
 
 
+def pooling_shapes(buckets) -> list[tuple[str, int, int, int, bool, bool]]:
+    """A pooling runner's forward programs (kind, T, B, K, prompt logprobs, pooled): its
+    requests' prompt chunks (a step of one-token chunks runs as a decode step), each shape
+    with pooled rows (a step finishing a prompt, or pooling every token) and without (a
+    last-token pooler's earlier chunks); no speculative or prompt-logprobs variant."""
+    shapes = [(DECODE, b, b) for b in buckets.decode_shapes()]
+    shapes += [(PREFILL, t, b) for t, b in buckets.prefill_shapes()]
+    return [shape + (0, False, pooled) for shape in shapes for pooled in (False, True)]
+
+
 def fill_shapes(buckets) -> list[tuple[int, int]]:
     """Every (T, B before) an async step's token fill can have: a step of any shape after a
     step of any number of rows."""
@@ -53,21 +63,24 @@ def fill_shapes(buckets) -> list[tuple[int, int]]:
 
 def warm(runner: ModelRunner, buckets, progress: bool = False, fills: bool = False,
          variants: bool = False, block_copies: int = 0) -> int:
-    """Compiles (or loads from the persistent cache) every forward program of warmup_shapes,
-    each with its plain sampler and, with variants, its sampler's mask / penalty variants;
-    with fills the async token fills (fill_shapes); with block_copies the block copies of up to
-    that many blocks. Returns how many forward programs. progress shows a bar on stderr."""
-    shapes = warmup_shapes(buckets, variants)
+    """Compiles (or loads from the persistent cache) every forward program of warmup_shapes
+    (a pooling runner's: pooling_shapes), each with its plain sampler and, with variants, its
+    sampler's mask / penalty variants; with fills the async token fills (fill_shapes); with
+    block_copies the block copies of up to that many blocks. Returns how many forward
+    programs. progress shows a bar on stderr."""
+    shapes = ([shape + (False,) for shape in warmup_shapes(buckets, variants)]
+              if runner.with_logits else pooling_shapes(buckets))
     mask_words = grammar.mask_words(runner.vocab_size)
     penalty_width = buckets.max_blocks_per_seq * runner.block_size
     warmed_samplers = set()
     with tqdm(shapes, desc="compiling step programs", unit="program",
               disable=not progress) as bar:
-        for kind, num_tokens, num_seqs, k, prompt in bar:
+        for kind, num_tokens, num_seqs, k, prompt, pooled in bar:
             bar.set_postfix_str(f"{kind} T={num_tokens} B={num_seqs}" + (f" K={k}" if k else "")
-                                + (" prompt logprobs" if prompt else ""))
+                                + (" prompt logprobs" if prompt else "")
+                                + (" pooled" if pooled else ""))
             runner.program(kind, num_tokens, num_seqs, buckets.table_widths, prompt,
-                           num_speculative_tokens=k)
+                           num_speculative_tokens=k, with_pooling=pooled)
             if variants and (num_seqs, k) not in warmed_samplers:
                 warmed_samplers.add((num_seqs, k))
                 plan = padding_plan(kind, num_tokens, num_seqs, buckets.max_blocks_per_seq,
