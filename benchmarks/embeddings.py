@@ -7,7 +7,10 @@ Rows (sequences/s and tokens/s; the time of one whole call from texts to vectors
 of --repeats calls (at least 32 / batch) on fresh texts after two warm-up calls of the same
 shape, so compiles are off the clock; the implementations' calls interleaved, round-robin in a
 shuffled order each round, so the machine's drift spreads evenly):
-- batch 1, 32, 256 prompts of --prompt-len tokens (distinct prompts, no prefix shared);
+- batch 1, 32, 256 prompts of --prompt-len tokens (distinct prompts, no prefix shared), and
+  any BxL of --batches (B prompts of L tokens: 4x288 is 1152 tokens, which a step pads to
+  2048 with the default power-of-two token buckets, to 1280 with --gap-rows 256's engine,
+  token_padding_gap=256);
 - a --prefix-len-token instruction shared by --prefix-batch queries of --query-len tokens
   (Qwen3-Embedding's "Instruct: ...\\nQuery:" form): sentence-transformers computes it for
   every query; pagedjax with the prefix cache cold (caching off) and warm (its blocks cached
@@ -134,7 +137,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=28)
     parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--batches", default="1,32,256")
+    parser.add_argument("--batches", default="1,32,256",
+                        help="batch sizes, each of --prompt-len tokens or BxL (L tokens)")
     parser.add_argument("--prefix-len", type=int, default=256)
     parser.add_argument("--query-len", type=int, default=32)
     parser.add_argument("--prefix-batch", type=int, default=32)
@@ -144,6 +148,8 @@ def main() -> None:
     parser.add_argument("--out", default="embeddings")
     parser.add_argument("--scanned-rows", action="store_true",
                         help="also time an engine with its layers scanned (scan_layers=True)")
+    parser.add_argument("--gap-rows", type=int, default=0, metavar="N",
+                        help="also time an engine with token_padding_gap=N")
     args = parser.parse_args()
 
     import torch
@@ -154,20 +160,26 @@ def main() -> None:
     directory = tempfile.mkdtemp(prefix="qwen3-embedding-")
     build_checkpoint(directory, args.layers, args.seed)
     st = SentenceTransformer(directory, device="cpu")
-    batches = [int(b) for b in args.batches.split(",")]
-    engine = dict(runner="pooling", max_model_len=args.prefix_len + args.query_len + 64,
+    shapes = [(int(b.split("x")[0]), int(b.split("x")[1]) if "x" in b else args.prompt_len)
+              for b in args.batches.split(",")]
+    batches = [b for b, _ in shapes]
+    longest = max([args.prefix_len + args.query_len] + [length for _, length in shapes])
+    engine = dict(runner="pooling", max_model_len=longest + 64,
                   max_num_seqs=max(batches + [args.prefix_batch]),
                   max_num_batched_tokens=args.max_num_batched_tokens, block_size=16)
     llm = LLM(directory, **engine)
     ours = {"pagedjax": llm}
     if args.scanned_rows:
         ours["pagedjax, layers scanned"] = LLM(directory, **engine, scan_layers=True)
+    if args.gap_rows:
+        ours[f"pagedjax, token_padding_gap {args.gap_rows}"] = LLM(
+            directory, **engine, token_padding_gap=args.gap_rows)
     rng = np.random.default_rng(args.seed)
     rows: list[dict] = []
-    for batch in batches:  # small batches timed over more calls (their times vary more)
+    for batch, length in shapes:  # small batches timed over more calls (they vary more)
         calls = max(args.repeats, 32 // batch)
-        inputs = [texts(rng, batch, args.prompt_len) for _ in range(calls + 2)]
-        compare(rows, batch, args.prompt_len, inputs, st, ours)
+        inputs = [texts(rng, batch, length) for _ in range(calls + 2)]
+        compare(rows, batch, length, inputs, st, ours)
     instruction = " ".join(f"w{t}" for t in rng.integers(2, WORDS, args.prefix_len)) + " "
     inputs = [texts(rng, args.prefix_batch, args.query_len, instruction)
               for _ in range(args.repeats + 2)]
@@ -178,7 +190,9 @@ def main() -> None:
     write_results(args.out, "Embedding throughput: pagedjax vs sentence-transformers (CPU)",
                   rows, {**vars(args), "torch_threads": torch.get_num_threads()},
                   notes=__doc__, reproduce=f".venv/bin/python benchmarks/embeddings.py "
-                  f"--layers {args.layers}" + (" --scanned-rows" if args.scanned_rows else ""))
+                  f"--layers {args.layers} --batches {args.batches}"
+                  + (" --scanned-rows" if args.scanned_rows else "")
+                  + (f" --gap-rows {args.gap_rows}" if args.gap_rows else ""))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,20 @@ def power_of_two_buckets(minimum: int, maximum: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+def token_paddings(minimum: int, maximum: int, gap: int = 0) -> tuple[int, ...]:
+    """A step's padded token counts (vLLM TPU's token paddings, VLLM_TPU_BUCKET_PADDING_GAP):
+    gap 0, powers of two (power_of_two_buckets); gap > 0, powers of two up to gap, then every
+    multiple of gap, fewer tokens of padding a step for more programs; maximum always last."""
+    if isinstance(gap, bool) or not isinstance(gap, int) or not (gap == 0 or gap >= minimum):
+        raise ValueError(f"token_padding_gap must be 0 or an integer >= min_token_bucket "
+                         f"({minimum}), got {gap!r}")
+    powers = power_of_two_buckets(minimum, maximum)
+    if not gap or gap >= maximum:
+        return powers
+    powers = tuple(p for p in powers if p <= gap)
+    return powers + tuple(range(powers[-1] + gap, maximum, gap)) + (maximum,)
+
+
 def pad_to_bucket(n: int, buckets: tuple[int, ...]) -> int:
     i = bisect.bisect_left(buckets, n)
     if i == len(buckets):
@@ -78,10 +92,12 @@ class ShapeBuckets:
                block_size: int, min_token_bucket: int = 16, min_seq_bucket: int = 1,
                prefill_seqs: str = "bucketed", decode_programs: bool = True,
                group_windows: tuple[int | None, ...] = (None,), num_speculative_tokens: int = 0,
-               max_speculative_seqs: int | None = None):
-        """group_windows: the windows of the model's KV cache groups (None: full attention)."""
+               max_speculative_seqs: int | None = None, token_padding_gap: int = 0):
+        """group_windows: the windows of the model's KV cache groups (None: full attention);
+        token_padding_gap: the token buckets' (token_paddings)."""
         return cls(
-            token_buckets=power_of_two_buckets(min_token_bucket, max_num_batched_tokens),
+            token_buckets=token_paddings(min_token_bucket, max_num_batched_tokens,
+                                         token_padding_gap),
             seq_buckets=power_of_two_buckets(min_seq_bucket, max_num_seqs),
             max_blocks_per_seq=-(-max_model_len // block_size),
             prefill_seqs=prefill_seqs,

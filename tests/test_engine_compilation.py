@@ -187,3 +187,29 @@ def test_block_moves_compile_nothing_after_warmup(tiny_model, backend_compiles, 
     assert stats.kv_tiers["disk"]["hits"] > 0
     assert backend_compiles.count == 0, f"{backend_compiles.count} compiles after warmup"
     engine.close()
+
+
+def test_token_padding_gap_runs_steps_of_its_buckets(tiny_model):
+    """EngineConfig.token_padding_gap (--token-padding-gap): a 40-token prefill runs in a
+    48-token step (gap 16) instead of 64, with the default buckets' tokens; a bad gap is
+    refused by name."""
+    from pagedjax.tools.engine_args import add_engine_args, engine_kwargs
+
+    base = dict(max_model_len=96, max_num_seqs=2, max_num_batched_tokens=64, block_size=8)
+    prompt = list(range(3, 43))
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    outputs = {}
+    for gap in (0, 16):
+        llm = LLM(tiny_model, **base, token_padding_gap=gap)
+        outputs[gap] = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+        prefill_tokens = {t for kind, t, _ in llm.engine.runner.step_shapes if kind != DECODE}
+        assert prefill_tokens == {64 if gap == 0 else 48}
+    assert outputs[16] == outputs[0]
+    with pytest.raises(ValueError, match="token_padding_gap"):
+        EngineConfig(**base, token_padding_gap=4)
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_kwargs(parser.parse_args(["--token-padding-gap", "256"]))[
+        "token_padding_gap"] == 256

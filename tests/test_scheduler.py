@@ -251,6 +251,26 @@ def test_buckets_bound_the_program_count():
                             block_size=16, prefill_seqs="fixed")
 
 
+def test_token_padding_gap_pads_as_vllm_tpu():
+    """token_padding_gap (vLLM TPU's bucket padding gap): powers of two up to the gap, then
+    its multiples from there; 0 keeps powers of two; a gap under the smallest bucket is
+    refused by name."""
+    from pagedjax.scheduler.buckets import token_paddings
+
+    gapped = ShapeBuckets.create(max_num_batched_tokens=2048, max_num_seqs=64,
+                                 max_model_len=4096, block_size=16, token_padding_gap=256)
+    assert gapped.token_buckets == (16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792,
+                                    2048)
+    assert gapped.padded_num_tokens(1152) == 1280 and gapped.padded_num_tokens(300) == 512
+    assert token_paddings(16, 2048, 100)[:5] == (16, 32, 64, 164, 264)  # vLLM's: 64 + 100 k
+    assert token_paddings(16, 1000, 256)[-2:] == (768, 1000)
+    assert token_paddings(16, 2048, 0) == token_paddings(16, 2048, 4096) == (
+        16, 32, 64, 128, 256, 512, 1024, 2048)
+    for gap in (8, -1, True):
+        with pytest.raises(ValueError, match="token_padding_gap"):
+            token_paddings(16, 2048, gap)
+
+
 def test_preempted_request_waits_until_its_whole_recompute_fits():
     """Anti-thrash: readmission needs blocks for every token to recompute, plus one block of
     headroom per running sequence, not just room for the next chunk."""

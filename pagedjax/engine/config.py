@@ -69,6 +69,10 @@ class EngineConfig:
     logprobs_mode: str = "raw_logprobs"
     min_token_bucket: int = 16
     min_seq_bucket: int = 1
+    # vLLM TPU's bucket padding gap (VLLM_TPU_BUCKET_PADDING_GAP): 0, a step's tokens padded to
+    # a power of two; > 0, to powers of two up to it, then to its multiples (less padding, more
+    # programs: scheduler.buckets.token_paddings)
+    token_padding_gap: int = 0
     # Prefill B: "per_token_bucket" (one program per token bucket, B padded to what T tokens
     # can hold) or "bucketed" (a program per (T, B)); see scheduler.ShapeBuckets and
     # benchmarks/prefill_buckets.py (default config: 12 programs instead of 41, warmup 15x
@@ -153,7 +157,7 @@ class EngineConfig:
         self._check_async_scheduling()
         self._check_kv_tiers()
         self._check_lora()
-        self.buckets()  # ShapeBuckets validates prefill_seqs
+        self.buckets()  # ShapeBuckets validates prefill_seqs and token_padding_gap
         self.scheduler_config()  # SchedulerConfig validates the scheduler's fields (policy, ...)
 
     def _check_types(self) -> None:
@@ -344,7 +348,7 @@ class EngineConfig:
             max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len, block_size=self.block_size,
             min_token_bucket=self.min_token_bucket, min_seq_bucket=self.min_seq_bucket,
-            prefill_seqs=self.prefill_seqs,
+            prefill_seqs=self.prefill_seqs, token_padding_gap=self.token_padding_gap,
             decode_programs=self.step_programs == "split", group_windows=group_windows,
             num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
             max_speculative_seqs=None if spec is None else spec.disable_by_batch_size)

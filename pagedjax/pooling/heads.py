@@ -86,7 +86,6 @@ class ClassifierHead:
         return logits if self.bias is None else logits + self.bias
 
 
-
 def _classify(logits: np.ndarray) -> np.ndarray:
     """vLLM's PoolerClassify over the last axis: the sigmoid of one label, the softmax of
     several."""

@@ -60,6 +60,8 @@ class PoolingModel:
             raise RequestError(given[0], f"{given[0]} is read by a model whose token tasks "
                                "pool by STEP (a process reward model, or --pooler-config "
                                "pooling_type STEP); this model's pool ALL tokens")
+        if not params.task.startswith("token_"):
+            return
         columns = (self.head.num_labels if params.task == "token_classify" else hidden_size)
         ids = params.returned_token_ids or self.pooler.returned_token_ids or ()
         if any(i >= columns for i in ids):

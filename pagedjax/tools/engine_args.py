@@ -116,6 +116,10 @@ def _program_args(group) -> None:
                        "every step on the ragged programs (ragged: half the programs)")
     group.add_argument("--prefill-seqs", choices=["per_token_bucket", "bucketed"],
                        help="prefill programs: one per token bucket, or one per (T, B)")
+    group.add_argument("--token-padding-gap", type=int, metavar="N",
+                       help="a step's tokens padded to powers of two up to N, then to "
+                       "multiples of N (vLLM TPU's bucket padding gap: less padding, more "
+                       "programs; default 0: powers of two)")
     group.add_argument("--speculative-config", metavar="JSON",
                        help="speculative decoding, vLLM's fields as JSON, e.g. "
                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
@@ -189,6 +193,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "policy", "dtype", "kv_cache_dtype", "attention_backend", "mla_prefill",
         "preemption_mode",
         "max_logprobs", "logprobs_mode", "seed", "compilation_cache", "prefill_seqs",
+        "token_padding_gap",
         "step_programs", "tensor_parallel_size", "data_parallel_size", "gpu_memory_utilization",
         "speculative_config", "quantization", "max_loras", "max_lora_rank", "max_cpu_loras")
         if getattr(args, name) is not None}
