@@ -122,6 +122,21 @@ def test_defaults_and_overrides():
     assert bert.modes == ("cls",) and bert.matryoshka is True
     over = bert.with_overrides({"pooling_type": "MEAN", "normalize": False})
     assert over.modes == ("mean",) and not over.normalize
+    # vLLM's kinds: pooling_type names either, seq_ / tok_pooling_type one of each kind
+    every = bert.with_overrides({"pooling_type": "ALL"})
+    assert every.modes == ("all",) and every.token_pooling == "ALL"
+    for overrides in ({"pooling_type": "STEP"}, {"tok_pooling_type": "STEP"}):
+        stepped = bert.with_overrides(overrides)
+        assert stepped.modes == ("cls",) and stepped.token_pooling == "STEP"
+    seq = bert.with_overrides({"seq_pooling_type": "MEAN", "tok_pooling_type": "ALL",
+                               "use_activation": False, "logit_bias": 2})
+    assert seq.modes == ("mean",) and seq.token_pooling == "ALL"
+    assert seq.use_activation is False and seq.logit_bias == 2.0
+    for overrides, match in (({"seq_pooling_type": "ALL"}, "seq_pooling_type must be one of"),
+                             ({"tok_pooling_type": "MEAN"}, "tok_pooling_type must be one of"),
+                             ({"use_activation": 1}, "use_activation must be a boolean")):
+        with pytest.raises(ValueError, match=match):
+            bert.with_overrides(overrides)
     for overrides, match in (({"pooling_type": "MAX"}, "pooling_type must be one of"),
                              ({"normalize": "yes"}, "normalize must be a boolean"),
                              ({"softmax": True}, r"\['softmax'\] are not served")):

@@ -82,7 +82,7 @@ def _override(key: str, value) -> dict:
                  "tok_pooling_type": TOKEN_POOLING}[key]
         if value not in kinds:
             raise ValueError(f"{key} must be one of {kinds}, got {value!r}")
-        if value in TOKEN_POOLING and key != "seq_pooling_type":
+        if value in TOKEN_POOLING:  # (seq_pooling_type names none)
             return {"token_pooling": value, **({"modes": ("all",)} if value == "ALL" and
                                                key == "pooling_type" else {})}
         return {"modes": (POOLING_TYPES[value],)}
