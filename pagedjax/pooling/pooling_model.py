@@ -80,11 +80,10 @@ class PoolingModel:
         task of a STEP-pooled model keeps the rows of the prompt's (prompt_token_ids')
         step_tag_id tokens and the returned_token_ids columns, before the normalization or
         the activation (vLLM's order)."""
-        if params.task in ("token_embed", "token_classify"):
-            pooled = pooled if params.task == "token_embed" else self.head.logits(pooled)
-            pooled = self._step_pooled(pooled, params, prompt_token_ids)
-        elif params.task != "embed":
+        if params.task in HEAD_TASKS:
             pooled = self.head.logits(pooled)
+        if params.task.startswith("token_"):
+            pooled = self._step_pooled(pooled, params, prompt_token_ids)
         if params.task in ("embed", "token_embed"):
             normalize = self.pooler.normalize if params.normalize is None else params.normalize
             return finish_embedding(pooled, normalize=normalize, dimensions=params.dimensions,
@@ -98,6 +97,7 @@ class PoolingModel:
     def _step_pooled(self, rows: np.ndarray, params: PoolingParams, prompt_token_ids):
         if self.pooler.token_pooling != "STEP":
             return rows
-        tag, columns = (next((v for v in (getattr(params, f), getattr(self.pooler, f))
-                              if v is not None), None) for f in STEP_FIELDS)
+        # a request's own fields, else the pooler config's
+        tag = self.pooler.step_tag_id if params.step_tag_id is None else params.step_tag_id
+        columns = params.returned_token_ids or self.pooler.returned_token_ids
         return step_rows(rows, prompt_token_ids, tag, columns)
