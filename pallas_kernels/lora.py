@@ -68,6 +68,10 @@ def _masked(x, a, b, token_slots):
     shrunk = jnp.einsum("TI,IX->TX", x, wide_a.astype(x.dtype),
                         preferred_element_type=jnp.float32)
     mine = jnp.arange(num_slots * rank, dtype=jnp.int32) // rank == token_slots[:, None]
-    shrunk = jnp.where(mine, shrunk, 0.0)  # a base token (-1) keeps no column
-    wide_b = b.reshape(num_slots * rank, b.shape[2])  # [S * R, O]
-    return jnp.einsum("TX,XO->TO", shrunk, wide_b.astype(jnp.float32))
+    shrunk = jnp.where(mine, shrunk, 0.0)  # selected: another slot's NaN never passes
+    wide_b = b.reshape(num_slots * rank, b.shape[2]).astype(jnp.float32)  # [S * R, O]
+    # A token's other slots' columns are 0, and 0 * inf is NaN: a non-finite value in one slot
+    # must not reach the tokens of another (the loads refuse them; this holds regardless)
+    wide_b = jnp.where(jnp.isfinite(wide_b), wide_b, 0.0)
+    out = jnp.einsum("TX,XO->TO", shrunk, wide_b)
+    return jnp.where((token_slots >= 0)[:, None], out, 0.0)

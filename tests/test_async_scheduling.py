@@ -220,6 +220,41 @@ def test_a_step_failing_while_dispatched_is_retried_row_by_row(byte_model, sync_
     assert engine.stats.num_failed == 0 and engine.scheduler.kv_manager.num_used_blocks == 0
 
 
+def test_a_step_whose_results_fail_to_process_drops_the_step_dispatched_ahead(byte_model):
+    """complete_step raises with the next step already dispatched: that step is waited for and
+    dropped with its placeholder tokens (none is left in any request or output), the error is
+    raised, and after fail_all the engine answers as a synchronous one."""
+    tok = ByteTokenizer()
+    plain = [(tok.encode(f"plain {i} "), SamplingParams(max_tokens=10, temperature=0.0))
+             for i in range(3)]
+    engine = engine_for(byte_model, True)
+    complete, fetch, fetched = engine.complete_step, engine.runner.fetch, []
+    calls = []
+
+    def failing(started, results, final_only=False):
+        calls.append(engine.async_scheduling.in_flight)
+        if len(calls) == 4:
+            raise RuntimeError("postprocessing failed")
+        return complete(started, results, final_only)
+
+    engine.complete_step = failing
+    engine.runner.fetch = lambda pending: fetched.append(pending) or fetch(pending)
+    for prompt, params in plain:
+        engine.add_request(prompt, params)
+    with pytest.raises(RuntimeError, match="postprocessing failed"):
+        for _ in range(50):
+            engine.step()
+    assert len(calls) == 4 and engine.async_scheduling.in_flight is None
+    assert len(fetched) == 5  # the failed step's results and the dropped one's
+    requests = engine.scheduler.state.requests.values()
+    assert requests and not any(t < 0 for r in requests for t in r.output_token_ids)
+    failed = engine.fail_all(RuntimeError("postprocessing failed"))
+    assert failed and not any(t < 0 for o in failed for c in o.outputs for t in c.token_ids)
+    engine.complete_step = complete
+    want = run(engine_for(byte_model, False), plain).values()
+    assert [summary(o) for o in run(engine, plain).values()] == [summary(o) for o in want]
+
+
 @pytest.mark.parametrize("field, value", [("preemption_mode", "swap"),
                                           ("speculative_config", {"method": "ngram",
                                                                   "num_speculative_tokens": 2,

@@ -46,6 +46,26 @@ def test_grouped_kernels_equal_the_gather_reference(implementation, shape, mix):
         assert not np.any(got)
 
 
+@pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf, 1e30])
+@pytest.mark.parametrize("implementation", ["masked", "gather", "tpu", "gpu"])
+def test_one_slots_values_never_reach_another_slots_tokens(implementation, poison):
+    """Slot 1 holds NaN, inf or a huge value in both a and b: the base tokens' delta stays 0 and
+    slot 0's tokens get exactly what they get with slot 1 zeroed (masking by multiplying with 0
+    would let NaN and inf through)."""
+    x, a, b, _ = operands(32, 128, 192, 16, 3, "random")
+    token_slots = jnp.asarray(np.arange(32) % 3 - 1, jnp.int32)  # base, slot 0, slot 1, ...
+    clean = lora_delta(x, a.at[1].set(0), b.at[1].set(0), token_slots, "gather")
+    poisoned_a = a.at[1, 3, 2].set(poison)
+    poisoned_b = b.at[1].set(poison)
+    got = np.asarray(lora_delta(x, poisoned_a, poisoned_b, token_slots, implementation,
+                                interpret=True))
+    others = np.asarray(token_slots) != 1
+    assert not np.any(got[np.asarray(token_slots) == -1])
+    assert np.isfinite(got[others]).all()
+    np.testing.assert_allclose(got[others], np.asarray(clean)[others], rtol=1e-5,
+                               atol=1e-4 * float(np.abs(clean).max()))
+
+
 def test_the_gpu_kernel_refuses_shapes_its_dots_cannot_take():
     """Refused by the kernel; the platform's entry then runs the masked form."""
     from pagedjax.pallas_kernels.gpu.triton.lora import lora_delta_gpu

@@ -238,6 +238,11 @@ def test_bad_weights_are_refused_by_name_and_change_nothing(models):
             engine.update_weights(new, version=bad_version)
     with pytest.raises(ValueError, match="weights must be a model of the engine's family"):
         engine.update_weights(object())
+    flat = list(nnx.to_flat_state(state))
+    partial = nnx.from_flat_state(flat[:3] + flat[4:])  # one parameter left out
+    with pytest.raises(ValueError, match="the nnx.State misses some of the model's parameters"):
+        engine.update_weights(partial)
+    assert not engine.is_sleeping and not engine.is_paused  # a refusal changes nothing
     assert engine.weight_version == "0" and engine.num_weight_updates == 0
     assert_same(run(engine, requests()), before)
 

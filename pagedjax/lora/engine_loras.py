@@ -12,7 +12,8 @@ programs are untouched: nothing compiles).
 
 from __future__ import annotations
 
-from pagedjax.lora.peft_adapter import LoRAAdapter, adapter_from_tensors, read_peft_adapter
+from pagedjax.lora.peft_adapter import (LoRAAdapter, adapter_from_tensors, check_adapter_values,
+                                        read_peft_adapter)
 from pagedjax.lora.request import LoRARequest
 from pagedjax.scheduler.lora_slots import adapters_in_use
 
@@ -29,7 +30,7 @@ class LoRAControls:
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Reads and checks an adapter ahead of its requests (ValueError naming what does not
         fit); True once it is known."""
-        self._loras().check(lora_request)
+        self._loras().check(lora_request, revive=True)
         return True
 
     def remove_lora(self, lora_id: int) -> bool:
@@ -111,7 +112,7 @@ def new_adapter(manager, lora_id: int, weights, model_config) -> tuple[LoRAAdapt
         if weights.rank > manager.spec.max_rank:
             raise ValueError(f"{label}: rank {weights.rank} is over max_lora_rank "
                              f"({manager.spec.max_rank})")
-        return weights, True
+        return check_adapter_values(weights), True
     if not hasattr(weights, "items"):
         raise ValueError(f"{label}: weights must be a PEFT adapter directory, a "
                          f"LoRAAdapter or a mapping of PEFT tensor names to arrays, got "

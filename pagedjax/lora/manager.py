@@ -6,7 +6,14 @@ An adapter is read and checked when a request first names it (check, before the 
 queued: a bad adapter refuses its request and changes nothing else); an adapter evicted from the
 host cache is read again from its path when a slot needs it. Each adapter has a version, bumped
 when its weights change (update), so the prefix cache's blocks computed under the old weights
-are never served again (its key names the version).
+are never served again (its key names the id and the version).
+
+Removing an adapter (remove_lora, the server's unload) is final for its id: requests already
+queued or running under it finish, and any request that names the id afterwards is refused (one
+the server resolved just before the unload included), so the name is free at once and a load of
+it under a new id is never confused with the old one. add_lora may bring a removed id back
+explicitly (vLLM's offline remove / add); its version is bumped so no block of the old weights is
+served under it.
 """
 
 from __future__ import annotations
@@ -29,17 +36,24 @@ class LoRAManager:
         self.versions: dict[int, int] = {}
         self.host: collections.OrderedDict[int, dict] = collections.OrderedDict()  # LRU first
         self.pinned: set[int] = set()  # held only here (updated in memory): never evicted
+        self.removed: set[int] = set()  # ids remove_lora let go: no new request may name them
         self.shapes: dict[int, tuple] = {}  # id -> (rank, scaling, targets) as last read
         self.num_reads = 0  # adapters read from disk (again, once the host cache let one go)
         self.num_slot_loads = 0
         self.load_time_s = 0.0
 
-    def check(self, lora: LoRARequest) -> tuple[int, str]:
+    def check(self, lora: LoRARequest, revive: bool = False) -> tuple[int, str]:
         """(id, prefix-cache key) of a request's adapter, read and checked the first time
-        (ValueError naming the adapter and what does not fit)."""
+        (ValueError naming the adapter and what does not fit). revive (add_lora): a removed id
+        may be named again, as a new adapter."""
         if not isinstance(lora, LoRARequest):
             raise ValueError(f"lora_request must be a pagedjax.LoRARequest, got "
                              f"{type(lora).__name__}")
+        if lora.lora_int_id in self.removed:
+            if not revive:
+                raise ValueError(f"LoRA adapter {lora.lora_name!r} (lora_int_id "
+                                 f"{lora.lora_int_id}) was unloaded; load it again to use it")
+            self._revive(lora)
         known = self.adapters.get(lora.lora_int_id)
         if known is not None and (known.lora_name, known.lora_path) != (lora.lora_name,
                                                                         lora.lora_path):
@@ -59,13 +73,22 @@ class LoRAManager:
         self.versions.setdefault(lora.lora_int_id, 0)
         return lora.lora_int_id, self.key(lora.lora_int_id)
 
+    def _revive(self, lora: LoRARequest) -> None:
+        """A removed id named again by add_lora: a new adapter (read afresh, a new version)."""
+        lora_id = lora.lora_int_id
+        self._cache(lora_id, self._read(lora))  # read first: a bad adapter changes nothing
+        self.removed.discard(lora_id)
+        self.adapters[lora_id] = lora
+        self.versions[lora_id] = self.versions.get(lora_id, 0) + 1
+
     def knows(self, lora_id: int) -> bool:
-        """Whether requests may name the adapter (read, and not forgotten since)."""
-        return lora_id in self.adapters and self.adapters[lora_id].lora_name in self.ids
+        """Whether requests may name the adapter (read, and not removed since)."""
+        return lora_id in self.adapters and lora_id not in self.removed
 
     def key(self, lora_id: int) -> str:
-        """The adapter's part of its requests' block hashes: name and weights' version."""
-        return f"{self.adapters[lora_id].lora_name}\x00{self.versions[lora_id]}"
+        """The adapter's part of its requests' block hashes: name, id and weights' version."""
+        return (f"{self.adapters[lora_id].lora_name}\x00{lora_id}\x00"
+                f"{self.versions[lora_id]}")
 
     def _read(self, lora: LoRARequest) -> dict:
         adapter = read_peft_adapter(lora.lora_path, self.model_config, self.spec.max_rank)
@@ -111,8 +134,12 @@ class LoRAManager:
         return arrays
 
     def forget(self, lora_id: int, in_use: bool) -> None:
-        """No new request may name the adapter; its host arrays go unless requests use it."""
-        self.ids.pop(self.adapters[lora_id].lora_name, None)
+        """No new request may name the adapter (its id, or its name until loaded again); its
+        host arrays go unless requests use it."""
+        name = self.adapters[lora_id].lora_name
+        if self.ids.get(name) == lora_id:
+            del self.ids[name]
+        self.removed.add(lora_id)
         self.pinned.discard(lora_id)
         if not in_use:
             self.host.pop(lora_id, None)

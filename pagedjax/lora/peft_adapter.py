@@ -10,6 +10,14 @@ patterns, layers_to_transform, fan_in_fan_out, trainable tokens, target_paramete
 other PEFT types): serving an adapter without it would silently compute something else.
 Dropout and init options only matter in training.
 
+Values are checked as strictly as names (an adapter is any API-key holder's input, and its
+values ride in the same step as every other tenant's tokens): `lora_alpha` and the scaling it
+gives must be finite and at most MAX_SCALING in size; tensors must be float16, bfloat16 or
+float32 (cast to float32; any other dtype, float64 and the integers included, is refused by
+name) and finite. The files are opened through models.loading.user_files (regular files of a
+bounded size inside the adapter's directory, never a FIFO or a device), and a malformed file of
+any kind is a ValueError naming it, never another exception.
+
 Each targeted module's pair is kept in the engine's layout: `a` [layers, in, r] and `b`
 [layers, r, out] (HF stores lora_A [r, in], lora_B [out, r]), so the adapted projection is
 x @ W + scaling * (x @ a) @ b; a module an adapter leaves out in some layers holds zeros there.
@@ -27,6 +35,8 @@ import re
 
 import numpy as np
 
+from pagedjax.models.loading.user_files import MiB, read_user_bytes, read_user_json
+
 TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
            "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 # PEFT options that change what an adapter computes: (field, the value that leaves it alone)
@@ -34,6 +44,9 @@ REFUSED = (("use_dora", False), ("lora_bias", False), ("modules_to_save", None),
            ("rank_pattern", {}), ("alpha_pattern", {}), ("layers_to_transform", None),
            ("layers_pattern", None), ("fan_in_fan_out", False), ("trainable_token_indices", None),
            ("target_parameters", None), ("exclude_modules", None))
+MAX_SCALING = 1e4  # |lora_alpha / r| (or / sqrt(r)): PEFT's are ~0.1 to 64
+MAX_CONFIG_BYTES = 1 * MiB
+SERVED_DTYPES = {"F16": np.float16, "F32": np.float32, "BF16": "bfloat16"}  # safetensors' names
 _TENSOR = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\."
                      r"(\w+)\.lora_([AB])\.weight$")
 
@@ -58,11 +71,10 @@ def _refuse(path: str, what: str) -> ValueError:
 
 def read_config(path: str) -> dict:
     """adapter_config.json, checked field by field (ValueError naming the first refused)."""
-    file = os.path.join(path, "adapter_config.json")
     try:
-        with open(file, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (OSError, ValueError) as error:
+        raw = read_user_json(os.path.join(path, "adapter_config.json"), "adapter_config.json",
+                             MAX_CONFIG_BYTES, root=path)
+    except ValueError as error:
         raise _refuse(path, f"adapter_config.json could not be read ({error})") from None
     if raw.get("peft_type", "LORA") != "LORA":
         raise _refuse(path, f"peft_type {raw['peft_type']!r} is not served (LORA only)")
@@ -75,8 +87,10 @@ def read_config(path: str) -> dict:
     rank, alpha = raw.get("r"), raw.get("lora_alpha")
     if not isinstance(rank, int) or rank < 1:
         raise _refuse(path, f"r must be a positive integer, got {rank!r}")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-        raise _refuse(path, f"lora_alpha must be a number, got {alpha!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) \
+            or not math.isfinite(alpha):
+        raise _refuse(path, f"lora_alpha must be a finite number, got {alpha!r}")
+    check_scaling(path, alpha / (math.sqrt(rank) if raw.get("use_rslora") else rank))
     targets = raw.get("target_modules")
     targets = list(TARGETS) if targets == "all-linear" else targets
     if not targets or not (isinstance(targets, str) or all(isinstance(t, str)
@@ -84,7 +98,57 @@ def read_config(path: str) -> dict:
         raise _refuse(path, f"target_modules must name projections among {sorted(TARGETS)} "
                             f"(a list, a regular expression or \"all-linear\"), got "
                             f"{targets!r}")
+    if isinstance(targets, str):
+        try:
+            re.compile(targets)
+        except (re.error, RecursionError, OverflowError) as error:
+            raise _refuse(path, f"target_modules {targets[:200]!r} is not a regular "
+                                f"expression ({error})") from None
     return {**raw, "target_modules": targets}
+
+
+def check_scaling(path: str, scaling) -> float:
+    """scaling as a float, once finite and at most MAX_SCALING in size (ValueError)."""
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float, np.floating)) \
+            or not math.isfinite(scaling) or abs(scaling) > MAX_SCALING:
+        raise _refuse(path, f"the scaling (lora_alpha / r) must be finite and at most "
+                            f"{MAX_SCALING:g} in size, got {scaling!r}")
+    return float(scaling)
+
+
+def read_tensors(path: str, max_bytes: int) -> dict:
+    """adapter_model.safetensors' tensors (float32 numpy arrays; float16 and bfloat16 cast,
+    other dtypes refused by name), the file at most max_bytes (ValueError naming what is
+    wrong: the file, its header, a tensor)."""
+    from safetensors import SafetensorError, deserialize
+
+    file = os.path.join(path, "adapter_model.safetensors")
+    try:
+        data = read_user_bytes(file, "adapter_model.safetensors", max_bytes, root=path)
+        stored = deserialize(data)
+    except (ValueError, SafetensorError) as error:
+        raise _refuse(path, f"adapter_model.safetensors could not be read "
+                            f"({str(error)[:300]})") from None
+    tensors = {}
+    for name, view in sorted(stored, key=lambda item: item[0]):
+        dtype = SERVED_DTYPES.get(view["dtype"])
+        if dtype is None:
+            raise _refuse(path, f"tensor {name!r} is {view['dtype']}; served: float16, "
+                                f"bfloat16, float32")
+        if dtype == "bfloat16":
+            import ml_dtypes
+
+            dtype = ml_dtypes.bfloat16
+        array = np.frombuffer(bytes(view["data"]), dtype).reshape(view["shape"])
+        tensors[name] = array.astype(np.float32)
+    return tensors
+
+
+def max_adapter_bytes(config, rank: int) -> int:
+    """The largest adapter_model.safetensors a rank-r adapter of config can be (every
+    projection adapted in every layer, in float32, and a MiB for the header)."""
+    pairs = sum(i + o for i, o in module_dims(config).values())
+    return config.num_layers * pairs * rank * 4 + MiB
 
 
 def targeted_projections(path: str, targets, num_layers: int) -> list[str]:
@@ -110,17 +174,11 @@ def targeted_projections(path: str, targets, num_layers: int) -> list[str]:
 def read_peft_adapter(path: str, config, max_rank: int | None = None) -> LoRAAdapter:
     """The adapter at path for a model of config (a LlamaConfig), checked: its config, every
     tensor's name, layer and shape (ValueError naming the first that does not fit)."""
-    from safetensors.numpy import load_file
-
     raw = read_config(path)
     rank = raw["r"]
     if max_rank is not None and rank > max_rank:
         raise _refuse(path, f"rank {rank} is over max_lora_rank ({max_rank})")
-    file = os.path.join(path, "adapter_model.safetensors")
-    try:
-        tensors = load_file(file)
-    except (OSError, ValueError) as error:
-        raise _refuse(path, f"adapter_model.safetensors could not be read ({error})") from None
+    tensors = read_tensors(path, max_adapter_bytes(config, rank))
     targets = targeted_projections(path, raw["target_modules"], config.num_layers)
     mlp = sorted(name for name in targets if TARGETS[name] == "mlp")
     moe = [i for i in range(config.num_layers) if config.layer_is_moe(i)]
@@ -137,7 +195,9 @@ def adapter_from_tensors(path: str, tensors: dict, config, rank: int, scaling: f
     """An adapter from PEFT-named tensors (adapter_model.safetensors' names: `base_model.model.
     model.layers.{l}.self_attn.q_proj.lora_A.weight` [r, in], `lora_B` [out, r]) of the
     targeted projections, each checked (ValueError naming the first that does not fit); path
-    names the adapter in the errors. A projection a tensor leaves out holds zeros there."""
+    names the adapter in the errors. A projection a tensor leaves out holds zeros there.
+    Float tensors of any width are cast to float32; every value must be finite."""
+    scaling = check_scaling(path, scaling)
     dims = module_dims(config)
     pairs = {name: (np.zeros((config.num_layers, dims[name][0], rank), np.float32),
                     np.zeros((config.num_layers, rank, dims[name][1]), np.float32))
@@ -149,8 +209,30 @@ def adapter_from_tensors(path: str, tensors: dict, config, rank: int, scaling: f
         if getattr(tensor, "shape", None) != expected:
             raise _refuse(path, f"{name} is {list(getattr(tensor, 'shape', ()))}, the model "
                                 f"takes {list(expected)}")
-        pairs[module][0 if which == "A" else 1][layer] = np.asarray(tensor, np.float32).T
+        pairs[module][0 if which == "A" else 1][layer] = _finite(path, name, tensor).T
     return LoRAAdapter(path, rank, scaling, pairs)
+
+
+def _finite(path: str, name: str, tensor) -> np.ndarray:
+    """tensor as float32, once it is a float array whose every value is finite."""
+    array = np.asarray(tensor)
+    if array.dtype.kind != "f" and array.dtype.name != "bfloat16":
+        raise _refuse(path, f"tensor {name!r} is {array.dtype.name}; LoRA weights are floats")
+    array = array.astype(np.float32)
+    if not np.isfinite(array).all():
+        raise _refuse(path, f"tensor {name!r} holds non-finite values (NaN or inf, or past "
+                            f"float32's range)")
+    return array
+
+
+def check_adapter_values(adapter: LoRAAdapter) -> LoRAAdapter:
+    """adapter, once its scaling and every pair's values are finite (ValueError naming what is
+    not): an adapter built in memory (update_lora) passes the checks a read one does."""
+    check_scaling(adapter.path, adapter.scaling)
+    for module, (a, b) in adapter.pairs.items():
+        _finite(adapter.path, f"{module}.lora_A", a)
+        _finite(adapter.path, f"{module}.lora_B", b)
+    return adapter
 
 
 def _place(path: str, name: str, config, pairs: dict) -> tuple[int, str, str]:

@@ -9,10 +9,17 @@
   with vLLM's plain-text success lines. Loading reads and checks the adapter on the engine's side
   (400 naming what does not fit); `load_inplace` gives a loaded adapter new weights in place
   (LLMEngine.update_lora); an unknown adapter is a 404 naming it.
+
+Loads and unloads run one at a time (a lock around each, its id taken before the engine is
+asked), so concurrent loads of different adapters each get their own id and concurrent loads of
+one name answer "already loaded". Unloading is vLLM's rule: the name is gone at once (new
+requests naming it get 404, a request resolved just before is refused by the engine), requests
+already running under it finish under it, and a reload of the name is a new adapter (a new id).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 
@@ -80,13 +87,20 @@ class ServedLoRAs:
             read_config(module["path"])  # a bad directory stops the start, named
             self.add(module["name"], module["path"], module.get("base_model_name"))
 
-    def add(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
+    def add(self, name: str, path: str, base_model_name: str | None = None,
+            lora_id: int | None = None) -> LoRARequest:
+        """Serves the adapter under name (lora_id: one new_id gave; None: the next)."""
         if name == self.base_name or name in self.by_name:
             raise ValueError(f"--lora-modules: the name {name!r} is taken")
-        lora = LoRARequest(name, self.next_id, path, base_model_name)
-        self.next_id += 1
+        lora = LoRARequest(name, self.new_id() if lora_id is None else lora_id, path,
+                           base_model_name)
         self.by_name[name] = lora
         return lora
+
+    def new_id(self) -> int:
+        """An id no adapter of this server had before (ids are never reused)."""
+        lora_id, self.next_id = self.next_id, self.next_id + 1
+        return lora_id
 
     def resolve(self, model: str | None, param: str | None = "model") -> LoRARequest | None:
         """The adapter `model` names; None for the base model (or no name); 404 otherwise."""
@@ -116,33 +130,38 @@ def lora_routes(server, app: fastapi.FastAPI) -> None:
         except ValueError as error:  # the adapter named by the engine
             raise APIError(400, str(error)[:2000], "lora_path") from None
 
+    lock = asyncio.Lock()  # one load or unload at a time: the tables move together
+
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: fastapi.Request):
         body = parse_body(await request.body(), LoadLoRARequest)
-        known = loras.by_name.get(body.lora_name)
-        if known is not None and not body.load_inplace:
-            raise APIError(400, f"The lora adapter '{body.lora_name}' has already been "
-                           f"loaded.", "lora_name")
-        if known is not None:
-            await control("update_lora", lora_name=body.lora_name, path=body.lora_path)
-        else:
-            if body.lora_name == loras.base_name:
-                raise APIError(400, f"the name {body.lora_name!r} is the base model's",
-                               "lora_name")
-            await control("add_lora", lora_name=body.lora_name, lora_id=loras.next_id,
-                          path=body.lora_path)
-            loras.add(body.lora_name, body.lora_path)
+        async with lock:
+            known = loras.by_name.get(body.lora_name)
+            if known is not None and not body.load_inplace:
+                raise APIError(400, f"The lora adapter '{body.lora_name}' has already been "
+                               f"loaded.", "lora_name")
+            if known is not None:
+                await control("update_lora", lora_name=body.lora_name, path=body.lora_path)
+            else:
+                if body.lora_name == loras.base_name:
+                    raise APIError(400, f"the name {body.lora_name!r} is the base model's",
+                                   "lora_name")
+                lora_id = loras.new_id()
+                await control("add_lora", lora_name=body.lora_name, lora_id=lora_id,
+                              path=body.lora_path)
+                loras.add(body.lora_name, body.lora_path, lora_id=lora_id)
         return responses.PlainTextResponse(
             f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: fastapi.Request):
         body = parse_body(await request.body(), UnloadLoRARequest)
-        lora = loras.by_name.get(body.lora_name)
-        if lora is None or body.lora_int_id not in (None, lora.lora_int_id):
-            raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.",
-                           "lora_name", code="model_not_found")
-        await control("remove_lora", lora_id=lora.lora_int_id)
-        del loras.by_name[body.lora_name]
+        async with lock:
+            lora = loras.by_name.get(body.lora_name)
+            if lora is None or body.lora_int_id not in (None, lora.lora_int_id):
+                raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.",
+                               "lora_name", code="model_not_found")
+            del loras.by_name[body.lora_name]  # first: no request resolves it from here on
+            await control("remove_lora", lora_id=lora.lora_int_id)
         return responses.PlainTextResponse(
             f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
