@@ -98,11 +98,19 @@ def test_embedding_model_scores_and_reranks_by_cosine(embedding_server):
     ("/classify", {"input": "w1"}, "task"),
     ("/pooling", {"input": "w1", "task": "embed", "use_activation": True}, "use_activation"),
     ("/pooling", {"input": "w1", "use_activation": True, "softmax": False}, "softmax"),
+    ("/score", {"text_1": "w1", "text_2": ["w2"] * 1025}, "text_2"),
+    ("/score", {"text_1": ["w1"] * 1025, "text_2": ["w2"] * 1025}, "text_1"),
+    ("/score", {"text_1": "w1", "text_2": ["w2", ""]}, "text_2"),
+    ("/rerank", {"query": "w1", "documents": ["w2"] * 1025}, "documents"),
+    ("/rerank", {"query": "w1", "documents": ["w2", ""]}, "documents"),
+    ("/rerank", {"query": "", "documents": ["w2"]}, "query"),
 ])
 def test_bad_pooling_bodies_are_refused_by_name(embedding_server, path, body, param):
     response = embedding_server.post(path, json=body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+    if "" in body.get("documents", ()):  # the item named, not an internal request's field
+        assert response.json()["error"]["message"] == "documents[1] must not be empty"
 
 
 def test_pooling_server_refuses_generation_and_counts_its_requests(embedding_server):

@@ -176,8 +176,9 @@ class LLMEngine(RequestIntake, PoolingRequests, StepRecovery, WeightUpdates, Sle
         """The queue and the KV pool now, one entry (a data-parallel engine: one a replica)."""
         state = self.scheduler.state
         kv = state.kv_manager
-        return [ReplicaLoad(len(state.running), len(state.waiting),
-                            sum(r.status is RequestStatus.SWAPPED for r in state.waiting),
+        swapped = 0 if self.config.preemption_mode != "swap" else sum(  # O(waiting): swap only
+            r.status is RequestStatus.SWAPPED for r in state.waiting)
+        return [ReplicaLoad(len(state.running), len(state.waiting), swapped,
                             kv.num_used_blocks, kv.pool.num_usable_blocks)]
 
     # ---- the step ----------------------------------------------------------------------------

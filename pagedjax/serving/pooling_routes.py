@@ -26,7 +26,7 @@ from pagedjax.serving.http_common import APIError, parse_body
 from pagedjax.serving.pooling_protocol import (ClassificationRequest, EmbeddingRequest,
                                                PoolingRequest, RerankRequest, ScoreRequest, encoded,
                                                split_inputs)
-from pagedjax.serving.protocol import usage_json
+from pagedjax.serving.protocol import MAX_PROMPTS, usage_json
 from pagedjax.serving.request_params import rejected
 from pagedjax.serving.server_state import ServerState
 
@@ -164,12 +164,26 @@ async def _pairs(server: ServerState, firsts: list, seconds: list) -> list:
     return pairs
 
 
+def _check_texts(texts: list, field: str) -> None:
+    """At most MAX_PROMPTS texts (as /v1/embeddings' inputs), none empty: 400 naming the field
+    (the item's index with it)."""
+    if len(texts) > MAX_PROMPTS:
+        raise APIError(400, f"{field} holds {len(texts)} items, more than {MAX_PROMPTS}", field)
+    for i, text in enumerate(texts):
+        if not text:
+            raise APIError(400, f"{field}[{i}] must not be empty", field)
+
+
 async def pair_scores(server: ServerState, body, request: fastapi.Request, firsts: list,
-                      seconds: list) -> tuple[list[float], list] | None:
-    """Each (first, second) text pair's score (scoring), and the outputs behind them."""
+                      seconds: list, fields: tuple[str, str] = ("text_1", "text_2")
+                      ) -> tuple[list[float], list] | None:
+    """Each (first, second) text pair's score (scoring), and the outputs behind them; fields:
+    the body's names of the two sides (the errors name them)."""
     head = server.engine.pooling_model.head
+    _check_texts(firsts, fields[0])
+    _check_texts(seconds, fields[1])
     try:
-        firsts, seconds = scoring.pairs(firsts, seconds, "text_2")
+        firsts, seconds = scoring.pairs(firsts, seconds, fields[1])
         scoring.check_cross_encoder(head)
     except RequestError as e:
         raise APIError(400, str(e), e.field) from None
@@ -217,7 +231,8 @@ async def rerank(server: ServerState, request: fastapi.Request):
             raise APIError(400, f"documents[{i}] must be a string or {{\"text\": string}}",
                            "documents")
         texts.append(text)
-    scored = await pair_scores(server, body, request, [body.query], texts)
+    scored = await pair_scores(server, body, request, [body.query], texts,
+                               ("query", "documents"))
     if scored is None:
         return server.gone()
     values, outputs = scored

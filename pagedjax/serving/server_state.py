@@ -369,10 +369,3 @@ async def _disconnected(request: fastapi.Request) -> None:
     disconnect)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-async def _disconnected(request: fastapi.Request) -> None:
-    """Returns when the client has gone away (the body is read: the next message is the
-    disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
