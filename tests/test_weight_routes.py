@@ -70,8 +70,14 @@ def test_update_weights_over_http_waits_for_the_stream_in_flight(models):
         deadline = time.monotonic() + 60
         while server.async_engine.num_live < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
-        updated = client.post("/update_weights", headers=ADMIN,
-                              json={"path": path, "version": "step-1"})
+        first = pool.submit(client.post, "/update_weights", headers=ADMIN,
+                            json={"path": path, "version": "step-1"})
+        time.sleep(0.1)  # the first is draining: the stream has ~0.7 s to go
+        second = client.post("/update_weights", headers=ADMIN,
+                             json={"path": path, "version": "step-2"})
+        assert second.status_code == 409 and second.json()["error"]["code"] == \
+            "update_in_progress"
+        updated = first.result(timeout=120)
         assert updated.status_code == 200 and updated.json() == {"weight_version": "step-1"}
         chunks = in_flight.result(timeout=120)
         got = [t for c in chunks for t in c["choices"][0].get("token_ids") or []]

@@ -12,7 +12,8 @@ key as /admin/* is (absent without one), in process or with the engine core proc
 
 `wait` drains here, not on the engine thread: new requests are held (they queue), the requests in
 flight go on streaming to the end, then the update (or the pause) applies; past timeout_s the
-hold is released and the answer is 504, nothing changed. The weights are read on the engine's
+hold is released and the answer is 504, nothing changed. One update runs at a time: another sent
+meanwhile is refused (409 update_in_progress), so each 200 names the version it put in place. The weights are read on the engine's
 side between two steps (the core process reads them itself).
 """
 
@@ -83,19 +84,30 @@ def weight_routes(server: ServerState, app: fastapi.FastAPI) -> None:
 
 
 def _update_routes(server: ServerState, app: fastapi.FastAPI, control) -> None:
+    updating = []  # the update in progress (one at a time: the caller learns which version won)
+
     async def update_weights(request: fastapi.Request):
         body = parse_body(await request.body(), UpdateWeightsRequest)
+        if updating:
+            raise APIError(409, "an update_weights is in progress; send this one once it has "
+                                "answered", None, code="update_in_progress")
+        updating.append(body)
+        try:
+            return {"weight_version": await _update(body)}
+        finally:
+            updating.clear()
+
+    async def _update(body: UpdateWeightsRequest) -> str:
         mode = body.mode
         if mode == "wait":
             await _drain(server.async_engine, body.timeout_s)
             mode = "keep"  # nothing in flight any more
         try:
-            version = await control("update_weights", path=body.path, version=body.version,
-                                    mode=mode)
+            return await control("update_weights", path=body.path, version=body.version,
+                                 mode=mode)
         finally:
             if body.mode == "wait":
                 await server.async_engine.control("release_new")
-        return {"weight_version": version}
 
     async def pause(request: fastapi.Request):
         body = parse_body(await request.body() or b"{}", PauseRequest)
