@@ -18,6 +18,7 @@ from flax import nnx
 
 from pagedjax.models.config import LlamaConfig
 from pagedjax.models.families.llama import LlamaForCausalLM
+from pagedjax.models.loading.user_files import read_user_json
 
 CONFIG_FILE = "pagedjax_config.json"
 PARAMS_DIR = "params"
@@ -55,13 +56,9 @@ def save_checkpoint(model: LlamaForCausalLM, directory: str,
 
 def read_checkpoint_config(directory: str) -> tuple[LlamaConfig, dict[str, Any]]:
     path = os.path.join(directory, CONFIG_FILE)
-    try:
-        with open(path) as f:
-            record = json.load(f)
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         raise ValueError(f"{directory} is not a pagedjax checkpoint: {CONFIG_FILE} missing")
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}")
+    record = read_user_json(path, CONFIG_FILE)
     if record.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: format_version {record.get('format_version')!r} is not "
                          f"supported (expected {FORMAT_VERSION})")

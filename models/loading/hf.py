@@ -16,7 +16,6 @@ first tensor is read; any error raises and no model is returned.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -32,6 +31,7 @@ from pagedjax.models.loading.hf_config import (UnsupportedModelError, architectu
                                                config_from_hf, is_sequence_classifier,
                                                supported_summary)
 from pagedjax.models.loading.names import EXPERT, expert_names, hf_weight_name
+from pagedjax.models.loading.user_files import checked_path, read_user_json
 from pagedjax.models.registry import hf_renames, model_class
 
 SAFETENSORS_FILE = "model.safetensors"
@@ -40,16 +40,10 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def read_json(path: str) -> dict[str, Any]:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise ValueError(f"{path} is missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object")
-    return data
+    """A checkpoint's JSON object (through user_files: a regular file of bounded size)."""
+    if not os.path.lexists(path):
+        raise ValueError(f"{path} is missing")
+    return read_user_json(path, os.path.basename(path))
 
 
 def read_hf_config(model_dir: str) -> LlamaConfig:
@@ -76,10 +70,12 @@ def weight_files(model_dir: str) -> dict[str, str]:
         for path in sorted(set(files.values())):
             if not os.path.isfile(path):
                 raise ValueError(f"weight file {path} (named in {SAFETENSORS_INDEX}) is missing")
+            checked_path(path, "weight file", root=model_dir)
         return files
     single = os.path.join(model_dir, SAFETENSORS_FILE)
     if not os.path.isfile(single):
         raise ValueError(f"{model_dir} has neither {SAFETENSORS_FILE} nor {SAFETENSORS_INDEX}")
+    checked_path(single, "weight file", root=model_dir)
     return {name: single for name in _header(single)}
 
 

@@ -123,11 +123,10 @@ def checkpoint_dtype(model) -> str:
     config_file = None if path is None else os.path.join(path, "config.json")
     if config_file is None or not os.path.isfile(config_file):
         return "float32"
-    import json
+    from pagedjax.models.loading.user_files import read_user_json
     try:
-        with open(config_file, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (OSError, ValueError) as error:
+        raw = read_user_json(config_file)
+    except ValueError as error:
         raise ValueError(f"{config_file} could not be read: {error}") from None
     stored = raw.get("dtype") or raw.get("torch_dtype")
     return "bfloat16" if stored in ("bfloat16", "float16") else "float32"

@@ -6,13 +6,13 @@ vLLM's hf_overrides for rerankers served through their language-model head
 
 from __future__ import annotations
 
-import json
 import os
 
 from pagedjax.engine.config import RUNNERS
 from pagedjax.models.families.hf_fields import architecture_of
 from pagedjax.models.loading.encoder import is_encoder_dir
 from pagedjax.models.loading.hf_config import REWARD_MODELS, is_sequence_classifier
+from pagedjax.models.loading.user_files import read_user_json
 from pagedjax.pooling.checkpoint_heads import read_head
 from pagedjax.pooling.heads import head_from_tokens, token_rows
 from pagedjax.pooling.model_config import PoolerConfig, read_pooler_config
@@ -29,8 +29,7 @@ def model_directory(model) -> tuple[str | None, dict]:
     path = os.path.join(os.fspath(model), "config.json")
     if not os.path.isfile(path):
         return None, {}
-    with open(path, encoding="utf-8") as f:
-        return os.fspath(model), json.load(f)
+    return os.fspath(model), read_user_json(path)
 
 
 def _token_ids(tokenizer, tokens) -> list[int]:

@@ -18,6 +18,7 @@ import os
 
 from pagedjax.models.families.hf_fields import architecture_of
 from pagedjax.models.loading.hf_config import is_sequence_classifier
+from pagedjax.models.loading.user_files import read_user_bytes, read_user_json
 from pagedjax.pooling.poolers import POOLING_TYPES, check_modes
 
 # sentence-transformers' legacy pooling config keys (1_Pooling/config.json), in its order
@@ -125,9 +126,10 @@ def read_pooler_config(model_dir: str, hf_config: dict) -> PoolerConfig:
     """The pooler of the model in model_dir (module docstring); hf_config its config.json."""
     matryoshka = matryoshka_of(hf_config)
     path = os.path.join(model_dir, "modules.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            modules = json.load(f)
+    if os.path.lexists(path):
+        modules = json.loads(read_user_bytes(path, "modules.json", root=model_dir))
+        if not isinstance(modules, list):
+            raise ValueError(f"{path} must hold a JSON list of modules")
         return _sentence_transformers_pooler(model_dir, modules, matryoshka)
     if hf_config.get("model_type") == "modernbert" and is_sequence_classifier(hf_config):
         mode = hf_config.get("classifier_pooling", "cls")
@@ -147,8 +149,8 @@ def _sentence_transformers_pooler(model_dir: str, modules: list, matryoshka) -> 
     for module in sorted(modules, key=lambda m: int(m.get("idx", 0))):
         kind = str(module.get("type", "")).rsplit(".", 1)[-1]
         if kind == "Pooling":
-            with open(os.path.join(model_dir, module.get("path", ""), "config.json")) as f:
-                modes = _pooling_modes(json.load(f))
+            modes = _pooling_modes(read_user_json(
+                os.path.join(model_dir, module.get("path", ""), "config.json"), root=model_dir))
         elif kind == "Normalize":
             normalize = True
         elif kind != "Transformer":

@@ -114,7 +114,9 @@ class ServingConfig:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "ServingConfig":
         """From a .json or .yaml / .yml file; errors name the file."""
-        text = open(path).read()
+        from pagedjax.models.loading.user_files import read_user_bytes
+
+        text = read_user_bytes(path, "serving config").decode("utf-8", errors="replace")
         try:
             if str(path).endswith((".yaml", ".yml")):
                 import yaml

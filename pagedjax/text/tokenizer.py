@@ -27,6 +27,8 @@ NO_CHAT_TEMPLATE = (  # vLLM refuses too: a made-up default template gives a mod
     "(chat_template= / pagedjax serve --chat-template FILE) or send plain prompts "
     "(LLM.generate, /v1/completions)")
 
+MAX_TEMPLATE_BYTES = 4 << 20  # a chat template file (the largest shipped are ~20 KB)
+
 
 def check_chat_template(template: Any, field: str = "chat_template") -> str:
     """A template string that compiles, or ValueError naming `field`."""
@@ -50,8 +52,8 @@ def read_chat_template(value: str) -> str:
     if value in shipped_templates():
         value = os.path.join(TEMPLATES_DIR, f"{value}.jinja")
     if os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            return check_chat_template(f.read(), f"--chat-template file {value}")
+        return check_chat_template(_read_text(value, "--chat-template file"),
+                                   f"--chat-template file {value}")
     if not any(mark in value for mark in ("{{", "{%")):
         raise ValueError(f"--chat-template {value!r} is neither a file, a Jinja template nor a "
                          f"shipped one ({', '.join(shipped_templates())})")
@@ -133,17 +135,24 @@ def render_chat_template(template: str | None, messages: Sequence[dict],
 
 
 def _read_json(path: str) -> dict | None:
-    """The JSON object in `path`, or None when the file does not exist."""
-    if not os.path.isfile(path):
+    """The JSON object in `path` (models.loading.user_files' rules), or None when the file does
+    not exist."""
+    from pagedjax.models.loading.user_files import read_user_json
+
+    if not os.path.lexists(path):
         return None
+    return read_user_json(path)
+
+
+def _read_text(path: str, what: str) -> str:
+    """A user-named text file (a chat template) through models.loading.user_files."""
+    from pagedjax.models.loading.user_files import read_user_bytes
+
+    data = read_user_bytes(path, what, MAX_TEMPLATE_BYTES)
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
-    return data
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} {path} is not UTF-8 ({e})") from None
 
 
 def _token_content(config: dict, field: str) -> str | None:
@@ -209,6 +218,9 @@ class Tokenizer:
         file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(file):
             raise ValueError(f"{file} not found: a model directory needs a tokenizer.json")
+        from pagedjax.models.loading.user_files import checked_path
+
+        checked_path(file, "tokenizer.json", root=path)
         try:
             tokenizer = tokenizers.Tokenizer.from_file(file)
         except Exception as e:  # the Rust side raises plain Exception
@@ -217,9 +229,8 @@ class Tokenizer:
         generation = _read_json(os.path.join(path, "generation_config.json")) or {}
         chat_template = _chat_template_from_config(config.get("chat_template"))
         jinja_file = os.path.join(path, "chat_template.jinja")
-        if os.path.isfile(jinja_file):
-            with open(jinja_file, encoding="utf-8") as f:
-                chat_template = f.read()
+        if os.path.lexists(jinja_file):
+            chat_template = _read_text(jinja_file, "chat_template.jinja")
         bos_token = _token_content(config, "bos_token")
         eos_token = _token_content(config, "eos_token")
         bos_id = None if bos_token is None else tokenizer.token_to_id(bos_token)
