@@ -74,6 +74,31 @@ def test_reference_matches_the_dense_oracle(sliding_window):
     assert np.max(np.abs(np.asarray(plain)[:n] - want[:n])) > 0.1
 
 
+# whole prompts and long chunks over FRESH_MIN_TOKENS: the reference's tiled prefill path
+PREFILL_SEQS = [(40, 40), (29, 29), (36, 20)]
+
+
+@pytest.mark.parametrize("sliding_window", [None, 12])
+def test_the_tiled_prefill_path_matches_the_dense_oracle(sliding_window):
+    """The reference's tiled prefill (reference_prefill, taken by steps of >= 64 tokens of
+    whole prompts or long chunks) with sinks that dominate some heads' softmax: the sink joins
+    each query's running max, so the accumulator is rescaled when it raises it."""
+    from pagedjax.pallas_kernels import reference
+    rng = np.random.default_rng(3)
+    case = build_case(rng, PREFILL_SEQS, block_size=8, num_heads=8, num_kv_heads=2,
+                      head_dim=32, padded_seqs=4, padded_tokens=96)
+    assert case["num_tokens"] >= reference.FRESH_MIN_TOKENS
+    sinks = np.asarray([4.0, -3.0, 0.5, 6.0, -8.0, 1.5, 2.5, 0.0], np.float32)
+    opts = dict(scale=0.3, sliding_window=sliding_window)
+    want = sink_oracle(case["q"], case["keys"], case["values"], case["q_lens"],
+                       [kv for kv, _ in PREFILL_SEQS], sinks, **opts)
+    got = ragged_paged_attention_reference(
+        jnp.asarray(case["q"]), jnp.asarray(np.nan_to_num(case["cache"])), case["kv_lens"],
+        case["tables"], case["cu_q_lens"], case["num_seqs"], sinks=jnp.asarray(sinks), **opts)
+    n = case["num_tokens"]
+    np.testing.assert_allclose(np.asarray(got)[:n], want[:n], rtol=2e-5, atol=2e-5)
+
+
 KERNELS = {
     "tpu": (ragged_paged_attention_tpu, paged_decode_attention_tpu,
             dict(tile_q=16, pages_per_step=2), dict(pages_per_step=2)),

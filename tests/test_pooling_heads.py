@@ -275,3 +275,17 @@ def test_a_transformers_tokenizer_builds_the_pair(tmp_path):
     assert given[0].prompt_token_ids[0] == 2  # [CLS] once, not a second text's
     np.testing.assert_allclose([o.outputs.score for o in given],
                                [o.outputs.score for o in own], rtol=1e-6)
+
+
+def test_the_classify_activation_is_vllms_pooler_classify():
+    """One label: its sigmoid; two or more: their softmax (a two-label classifier's second
+    probability is sigmoid(l1 - l0), not sigmoid(l1)); multi-label: each label's sigmoid."""
+    from pagedjax.pooling.heads import activated
+    logits = np.asarray([[1.0, 3.0], [-2.0, 0.5]], np.float32)
+    e = np.exp(logits - logits.max(-1, keepdims=True))
+    np.testing.assert_allclose(activated(logits), e / e.sum(-1, keepdims=True), rtol=1e-6)
+    np.testing.assert_allclose(activated(logits[:, :1]), 1 / (1 + np.exp(-logits[:, :1])),
+                               rtol=1e-6)
+    np.testing.assert_allclose(activated(logits, "multi_label"), 1 / (1 + np.exp(-logits)),
+                               rtol=1e-6)
+    np.testing.assert_array_equal(activated(logits, "identity"), logits)
