@@ -266,3 +266,30 @@ def test_a_request_naming_an_unloaded_id_is_refused_by_name(tiny):
     assert llm.generate([{"prompt_token_ids": PROMPT}], GREEDY, lora_request=lora,
                         use_tqdm=False)[0].outputs[0].token_ids
     assert llm.engine.remove_lora(80)
+
+
+def test_the_operators_allowlist_of_adapter_paths(tiny):
+    """--allowed-lora-paths: a load from under an allowed directory is served; any other path,
+    existing or not (or a link inside that leads out), gets the same 400, saying nothing of the
+    path."""
+    llm, config, folder = tiny
+    allowed = folder / "allowed"
+    inside = adapter(config, allowed, "in", seed=50)
+    outside = adapter(config, folder, "out", seed=51)
+    os.symlink(outside, allowed / "link-out")
+    server = OpenAIServer(llm.engine, "tiny", allow_runtime_lora_updating=True,
+                          allowed_lora_paths=[str(allowed)])
+    with BackgroundServer(server.build_app()) as url, httpx.Client(
+            base_url=url, timeout=60) as client:
+        refusals = [client.post("/v1/load_lora_adapter", json={"lora_name": f"r{i}",
+                                                               "lora_path": path})
+                    for i, path in enumerate([outside, str(folder / "nowhere"),
+                                              str(allowed / "link-out"), "/etc"])]
+        assert {r.status_code for r in refusals} == {400}
+        assert len({r.json()["error"]["message"] for r in refusals}) == 1
+        assert "--allowed-lora-paths" in refusals[0].json()["error"]["message"]
+        assert client.post("/v1/load_lora_adapter", json={
+            "lora_name": "in", "lora_path": inside}).status_code == 200
+        assert client.post("/v1/unload_lora_adapter", json={"lora_name": "in"}).status_code == 200
+    with pytest.raises(ValueError, match="is not a directory"):
+        OpenAIServer(llm.engine, "tiny", allowed_lora_paths=[str(folder / "nowhere")])

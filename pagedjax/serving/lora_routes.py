@@ -15,6 +15,10 @@ asked), so concurrent loads of different adapters each get their own id and conc
 one name answer "already loaded". Unloading is vLLM's rule: the name is gone at once (new
 requests naming it get 404, a request resolved just before is refused by the engine), requests
 already running under it finish under it, and a reload of the name is a new adapter (a new id).
+
+`--allowed-lora-paths DIR ...` (the operator's allowlist): a runtime load's lora_path must lie
+under one of them (after links), else a 400 that says only that, so a client learns nothing of
+the server's files; without it any path the server can read is loaded (vLLM's behaviour).
 """
 
 from __future__ import annotations
@@ -77,9 +81,16 @@ def parse_lora_module(entry) -> dict:
 class ServedLoRAs:
     """The adapters the server answers to, by name (ids given in order, from 1)."""
 
-    def __init__(self, base_name: str, modules=(), runtime_updates: bool = False):
+    def __init__(self, base_name: str, modules=(), runtime_updates: bool = False,
+                 allowed_paths=()):
         self.base_name = base_name
         self.runtime_updates = runtime_updates
+        if isinstance(allowed_paths, (str, os.PathLike)):
+            allowed_paths = [allowed_paths]
+        for path in allowed_paths:
+            if not os.path.isdir(path):
+                raise ValueError(f"--allowed-lora-paths: {path} is not a directory")
+        self.allowed_roots = [os.path.realpath(p) for p in allowed_paths]
         self.by_name: dict[str, LoRARequest] = {}
         self.next_id = 1
         for entry in modules:
@@ -101,6 +112,16 @@ class ServedLoRAs:
         """An id no adapter of this server had before (ids are never reused)."""
         lora_id, self.next_id = self.next_id, self.next_id + 1
         return lora_id
+
+    def check_path(self, path: str) -> None:
+        """APIError 400 unless path lies under an allowed root (when the operator set any)."""
+        if not self.allowed_roots:
+            return
+        real = os.path.realpath(path)
+        if not any(real == root or real.startswith(root.rstrip(os.sep) + os.sep)
+                   for root in self.allowed_roots):
+            raise APIError(400, "lora_path is not under a directory this server allows "
+                           "adapters from (--allowed-lora-paths)", "lora_path")
 
     def resolve(self, model: str | None, param: str | None = "model") -> LoRARequest | None:
         """The adapter `model` names; None for the base model (or no name); 404 otherwise."""
@@ -135,6 +156,7 @@ def lora_routes(server, app: fastapi.FastAPI) -> None:
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: fastapi.Request):
         body = parse_body(await request.body(), LoadLoRARequest)
+        loras.check_path(body.lora_path)
         async with lock:
             known = loras.by_name.get(body.lora_name)
             if known is not None and not body.load_inplace:

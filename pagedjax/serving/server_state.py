@@ -77,7 +77,7 @@ class ServerState:
                  responses_store_ttl_s: float = DEFAULT_TTL_S,
                  responses_store_max_bytes: int = DEFAULT_MAX_BYTES,
                  enable_prompt_tokens_details: bool = False, lora_modules=(),
-                 allow_runtime_lora_updating: bool | None = None):
+                 allow_runtime_lora_updating: bool | None = None, allowed_lora_paths=()):
         core = engine if isinstance(engine, CoreClient) else None
         engine = core.engine if core is not None else engine
         config = serving_config(engine, config, max_outstanding_tokens, admission, max_tokens_cap,
@@ -93,7 +93,7 @@ class ServerState:
         self.chat_template = chat_template or getattr(self.tokenizer, "chat_template", None)
         self.model_name = served_model_name
         self.loras = served_loras(engine, served_model_name, lora_modules,
-                                  allow_runtime_lora_updating)
+                                  allow_runtime_lora_updating, allowed_lora_paths)
         self.tool_parser = get_parser(tool_call_parser) if tool_call_parser else None
         self.reasoning_parser = reasoning.get_parser(reasoning_parser) if reasoning_parser \
             else None
@@ -331,16 +331,17 @@ def serving_config(engine, config, max_outstanding_tokens, admission, max_tokens
         degradation=degradation or DegradationPolicy())
 
 
-def served_loras(engine, base_name: str, lora_modules, runtime_updates: bool | None):
+def served_loras(engine, base_name: str, lora_modules, runtime_updates: bool | None,
+                 allowed_paths=()):
     """The adapters a server answers to (None: an engine without LoRA)."""
     if not engine.config.enable_lora:
-        if lora_modules or runtime_updates:
+        if lora_modules or runtime_updates or allowed_paths:
             raise ValueError("--lora-modules and runtime LoRA updating need an engine with "
                              "enable_lora (--enable-lora)")
         return None
     if runtime_updates is None:
         runtime_updates = runtime_updates_from_env()
-    return ServedLoRAs(base_name, lora_modules, runtime_updates)
+    return ServedLoRAs(base_name, lora_modules, runtime_updates, allowed_paths)
 
 
 def check_server_args(served_model_name, api_key, admin_key, max_request_bytes,

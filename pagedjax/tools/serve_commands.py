@@ -56,6 +56,9 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-runtime-lora-updating", action="store_true", default=None,
                         help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (also: "
                         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)")
+    parser.add_argument("--allowed-lora-paths", nargs="+", action="extend", default=[],
+                        metavar="DIR", help="runtime adapter loads only from under these "
+                        "directories (anything else: a 400 that reveals nothing of the path)")
     parser.add_argument("--tool-call-parser", default=None,
                         help="how the model writes tool calls: hermes (<tool_call> JSON "
                         "</tool_call>: ChatML, Qwen) or llama3_json (Llama 3.1/3.2 JSON)")
@@ -186,7 +189,8 @@ def serve(args, parser: argparse.ArgumentParser) -> None:
                         responses_store_max_bytes=args.responses_store_max_bytes,
                         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                         lora_modules=args.lora_modules,
-                        allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+                        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+                        allowed_lora_paths=args.allowed_lora_paths)
     if status:
         parser.exit(status, "pagedjax serve: the engine core died; exiting for a supervisor "
                     "to restart the server\n")
