@@ -274,22 +274,28 @@ def _config_only(directory, **overrides) -> str:
     return str(directory)
 
 
-def test_the_compressed_kv_splits_latent_first_then_rope(tmp_path):
+def test_the_compressed_kv_splits_latent_first_then_rope(deepseek):
     """kv_a_proj_with_mqa's output is [latent (kv_lora_rank), rope part (qk_rope_head_dim)], as
     transformers splits it: with the rope part's columns zero, k_pe is zero and the latent is
     not; with the latent's zero, the latent is (a direct check: the paged and dense paths share
     the split, so a wrong one passes every comparison between them)."""
-    build_deepseek(tmp_path, "v3")
-    model = load_hf_model(str(tmp_path))
+    _, _, directory = deepseek
+    model = load_hf_model(directory)
     attention = model.layers[0].self_attn
     kernel = np.asarray(attention.kv_a_proj_with_mqa.kernel[...])
     latent_dim = kernel.shape[1] - 8  # qk_rope_head_dim 8
     x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 5, kernel.shape[0])), jnp.float32)
+    proj = attention.kv_a_proj_with_mqa
+    bias = None if proj.bias is None else np.asarray(proj.bias[...])
     for zeroed in ("rope", "latent"):
+        part = slice(latent_dim, None) if zeroed == "rope" else slice(0, latent_dim)
         cut = kernel.copy()
-        cut[:, latent_dim:] = 0 if zeroed == "rope" else cut[:, latent_dim:]
-        cut[:, :latent_dim] = 0 if zeroed == "latent" else cut[:, :latent_dim]
-        attention.kv_a_proj_with_mqa.kernel[...] = jnp.asarray(cut)
+        cut[:, part] = 0
+        proj.kernel[...] = jnp.asarray(cut)
+        if bias is not None:  # q/kv/o biases (v2_q_lora)
+            cut_bias = bias.copy()
+            cut_bias[part] = 0
+            proj.bias[...] = jnp.asarray(cut_bias)
         _, _, latent, k_pe = attention._project(x, jnp.arange(5))
         assert (np.abs(np.asarray(k_pe)).max() == 0) == (zeroed == "rope")
         assert (np.abs(np.asarray(latent)).max() == 0) == (zeroed == "latent")

@@ -112,6 +112,11 @@ class EncoderEngine(PoolingEntry):
     def load(self) -> list[ReplicaLoad]:
         return [ReplicaLoad(len(self._running), len(self._waiting), 0, 0, 0)]
 
+    def scheduler_states(self) -> list:
+        """None: an encoder runs its queue whole, without a paged scheduler (the engine driver
+        counts its requests' tokens as not yet started until they finish)."""
+        return []
+
     def add_requests(self, specs: Sequence[PromptSpec], admit=None) -> list[str]:
         """Queues pooling requests all or none (admit, when given, sees their Admissions
         first and may refuse them all); RequestError naming the field otherwise."""
