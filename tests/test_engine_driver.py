@@ -43,3 +43,7 @@ def test_outstanding_tokens_equal_a_pass_over_the_live_requests():
             assert driver.outstanding_tokens() == brute()
     assert engine.stats.num_preemptions > 0  # the small pool preempted by recompute
     assert driver.outstanding_tokens() == 0 and not driver.live
+    driver.add([spec(i) for i in range(3)], streamed=False)
+    driver.step()
+    assert len(driver.drop_all()) == 3  # the engine died: nothing outstanding any more
+    assert driver.outstanding_tokens() == 0 == brute()

@@ -157,7 +157,14 @@ def test_an_adapter_built_in_memory_is_checked_as_a_read_one(tiny):
     tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
     with pytest.raises(ValueError, match="int8; LoRA weights are floats"):
         llm.engine.update_lora("in-memory", {n: t.astype(np.int8) for n, t in tensors.items()})
+    edge = random_adapter(config, 8, ["q_proj"], seed=2, scaling=1e4)  # at the bound: served
+    llm.engine.update_lora("in-memory", edge)
+    manager = llm.engine.lora_manager
+    assert 50 in manager.pinned  # held only in memory: the host cache never lets it go
+    assert manager.shapes[50][1] == 1e4
     assert llm.engine.remove_lora(50)
+    assert not llm.engine.remove_lora(50) and not llm.engine.remove_lora(999)
+    assert 50 not in llm.engine.list_loras()
 
 
 def test_no_adapters_values_reach_the_base_models_tokens(tiny):

@@ -47,6 +47,13 @@ def test_links_out_caps_and_json(tmp_path):
         f.truncate(1 << 30)  # sparse: nothing is read to refuse it
     with pytest.raises(ValueError, match="is 1073741824 bytes, over the 1000-byte limit"):
         read_user_bytes(big, "file", max_bytes=1000)
+    exact = tmp_path / "exact"
+    exact.write_bytes(b"x" * 1000)
+    assert read_user_bytes(exact, "file", max_bytes=1000) == b"x" * 1000  # at the cap: read
+    with pytest.raises(ValueError, match="over the 999-byte limit"):
+        read_user_bytes(exact, "file", max_bytes=999)
+    with pytest.raises(ValueError, match="reading took over 1e-09 s"):
+        read_user_bytes(exact, "file", timeout_s=1e-9)  # a stalled mount: bounded
     for text, says in [("[" * 100_000 + "]" * 100_000, "nested too deeply"),
                        ("[1]", "must hold a JSON object, not a list"),
                        ("{", "is not valid JSON")]:
