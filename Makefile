@@ -20,7 +20,7 @@ GPU_IMAGE_TESTS := tests/test_gpu_script.py tests/test_kernels_gpu.py \
 	tests/test_engine_equivalence.py tests/test_speculative.py tests/test_lora_kernels.py \
 	tests/test_gated_delta_kernels.py tests/test_attention_sinks.py tests/test_latent_attention.py
 
-.PHONY: mutants gguf-tokenizer-reference demo test test-slow test-clients test-gpu-image test-tunix gpu-image-python bench bench-gpu-image llama-cpp-python llama-server clean
+.PHONY: lint mutants gguf-tokenizer-reference demo test test-slow test-clients test-gpu-image test-tunix gpu-image-python bench bench-gpu-image llama-cpp-python llama-server clean
 
 $(STAMP): pyproject.toml setup.py requirements/cpu.txt
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -56,6 +56,17 @@ demo: $(DEMO_STAMP)
 # worker (--dist loadfile): the programs its tests share compile once, not once a worker.
 test: $(TEST_STAMP)
 	$(PY) -m pytest -n 2 --dist loadfile -q -m "not slow and not clients" tests
+
+# Static checks (settings in pyproject.toml): ruff, and isort's check of the import order.
+LINT_STAMP := $(VENV)/.installed-lint
+LINTED := pagedjax models scheduler pallas_kernels tests benchmarks
+$(LINT_STAMP): $(STAMP) requirements/lint.txt
+	$(PY) -m pip install --quiet -r requirements/lint.txt
+	touch $(LINT_STAMP)
+
+lint: $(LINT_STAMP)
+	$(VENV)/bin/ruff check --no-cache $(LINTED)
+	$(VENV)/bin/isort --check-only --diff $(LINTED)
 
 # Mutation testing over a change (tests/mutants.py): small bugs planted one at a time in the
 # lines added since BASE, the tests naming each module run against each; survivors listed.

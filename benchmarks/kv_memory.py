@@ -173,7 +173,9 @@ def main() -> None:
                              max_num_batched_tokens=args.max_num_batched_tokens,
                              max_model_len=args.max_model_len, watermark=0.0,
                              enable_prefix_caching=False)  # allocation alone is compared
-    true_len = lambda r: r.max_num_tokens  # prompt + output: each request runs to max_tokens
+    def true_len(r):  # prompt + output: each request runs to max_tokens
+        return r.max_num_tokens
+
     allocators = [(f"paged, block {s}", lambda s=s: KVCacheManager(args.budget_tokens // s, s))
                   for s in (8, 16, 32)]
     allocators += [

@@ -22,7 +22,7 @@ def system_prompt_sessions(rng, args, vocab):
     """Single-turn sessions; 90% start with the same system prompt."""
     system = rng.integers(0, vocab, args.system_len).tolist()
     sessions = []
-    for i in range(args.num_requests):
+    for _ in range(args.num_requests):
         user = rng.integers(0, vocab, int(rng.integers(16, 96))).tolist()
         head = system if rng.random() < args.share else rng.integers(
             0, vocab, args.system_len).tolist()

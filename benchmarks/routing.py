@@ -23,9 +23,9 @@ from common import percentiles, stream_completion, write_results
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedjax import LLM
-from pagedjax.serving.router import POLICIES, Router
 from pagedjax.serving.app import OpenAIServer
 from pagedjax.serving.background import BackgroundServer
+from pagedjax.serving.router import POLICIES, Router
 
 
 def counters(url: str) -> dict[str, float]:
@@ -92,7 +92,7 @@ def main() -> None:
                                                         arrivals))
             after = [counters(u) for u in (a, b)]
 
-            def delta(name):
+            def delta(name, after=after, before=before):
                 return sum(x[name] - y.get(name, 0) for x, y in zip(after, before))
 
             prompt_tokens = delta("pagedjax:prefix_cache_queries_total")

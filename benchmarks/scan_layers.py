@@ -21,7 +21,6 @@ from pagedjax import load_model
 from pagedjax.engine.runner import ModelRunner
 from pagedjax.models import CONFIGS, DEFAULT_CHECKPOINT, init_model, paged_forward
 
-
 # Qwen3-0.6B's layers (hidden 1024, MLP 3072, 16 query / 8 KV heads of 128) and vocabulary, 4
 # of its 28 layers, as Llama layers (its q/k norms aside, the same weights a layer)
 QWEN3_06B_LAYERS = dataclasses.replace(

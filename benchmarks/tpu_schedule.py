@@ -50,7 +50,6 @@ PAGES_PER_STEP = 8  # compute block: 8 pages x 16 tokens = 128 keys (the kernels
 
 def ours(kind, dtype):
     import jax.numpy as jnp
-
     from test_kernels_lowering import KERNELS, kernel_args
     decode, ragged, _ = KERNELS["tpu"]
     fn = decode if kind == "decode" else ragged

@@ -41,8 +41,8 @@ from common import write_results
 from jax import monitoring
 
 from pagedjax import LLM, SamplingParams
-from pagedjax.models import get_config, init_model
 from pagedjax.engine.runner import num_step_compiles
+from pagedjax.models import get_config, init_model
 from pagedjax.models.loading.checkpoint import save_checkpoint
 from pagedjax.models.loading.names import hf_state_dict
 

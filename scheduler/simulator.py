@@ -121,7 +121,7 @@ def simulate(trace: Sequence[TraceRequest], config: SchedulerConfig, *, num_bloc
             continue
         outputs = [(s, s.schedule(now)) for s in busy]
         costs = []
-        for scheduler, output in outputs:
+        for _, output in outputs:
             if not output.scheduled:
                 raise RuntimeError("the scheduler made no progress with requests pending")
             kind, features = step_features(output, buckets)

@@ -155,7 +155,7 @@ def test_aborts_between_steps_equal_synchronous_stepping(byte_model):
             for request_id, samples in list(engine.request_groups.items()):
                 tokens = list(samples[0].output_token_ids)
                 if len(tokens) >= abort_at.get(request_id, 1000):
-                    aborted[request_id] = tokens
+                    aborted[request_id] = tokens  # noqa: B023 - called within this loop
                     engine.abort(request_id)
 
         engine = engine_for(byte_model, async_scheduling)

@@ -10,10 +10,10 @@ import time
 import jax
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
+from test_server import ENGINE, PROMPTS
 
 from pagedjax import LLM
 from pagedjax.serving.app import OpenAIServer
-from test_server import ENGINE, PROMPTS
 
 
 def _samples(client) -> dict[tuple[str, tuple], float]:

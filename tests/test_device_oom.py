@@ -13,12 +13,12 @@ import time
 import httpx
 import jax
 import pytest
+from test_server import ENGINE, PROMPTS
 
 from pagedjax import LLM, SamplingParams
 from pagedjax.engine.step_recovery import MAX_OOM_RETRIES
 from pagedjax.serving.app import OpenAIServer
 from pagedjax.serving.background import BackgroundServer
-from test_server import ENGINE, PROMPTS
 
 OOM = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1073741824 bytes."
 

@@ -1,9 +1,9 @@
 """Bad input: a clear ValueError naming the field, nothing allocated or queued, others unaffected."""
 
-from helpers import until_done
 import dataclasses
 
 import pytest
+from helpers import until_done
 
 from pagedjax import LLM, EngineConfig, LLMEngine, SamplingParams
 

@@ -10,10 +10,10 @@ import re
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
+from test_server import ENGINE
 
 from pagedjax import LLM
 from pagedjax.serving.app import OpenAIServer
-from test_server import ENGINE
 
 DASHBOARD = pathlib.Path(__file__).resolve().parents[1] / "deploy" / "grafana.json"
 SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,

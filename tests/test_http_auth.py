@@ -9,11 +9,11 @@ import secrets
 
 import pytest
 from fastapi.testclient import TestClient
+from test_server import ENGINE
 
 from pagedjax import LLM
 from pagedjax.serving.app import OpenAIServer
 from pagedjax.serving.router import Router
-from test_server import ENGINE
 
 API, ADMIN = "secret", "ops"
 PATH_VALUES = {"{model:path}": "tiny", "{response_id}": "resp_none"}

@@ -147,8 +147,9 @@ def test_bf16_cache_within_bf16_tolerance():
     out = ragged_paged_attention_reference(
         jnp.asarray(case["q"]).astype(jnp.bfloat16), cache, case["kv_lens"], case["tables"],
         case["cu_q_lens"], case["num_seqs"], scale=32 ** -0.5)
-    rounded = lambda xs: [np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
-                          for x in xs]
+    def rounded(xs):
+        return [np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32)) for x in xs]
+
     q32 = np.asarray(jnp.asarray(case["q"]).astype(jnp.bfloat16).astype(jnp.float32))
     expected = dense_oracle(q32, rounded(case["keys"]), rounded(case["values"]), case["q_lens"],
                             [kv for kv, _ in seqs], scale=32 ** -0.5)

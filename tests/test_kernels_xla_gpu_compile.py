@@ -19,8 +19,8 @@ from pagedjax.scheduler.chips import CHIPS
 if (problem := xla_gpu.available()) is not None:
     pytest.skip(problem, allow_module_level=True)
 
-from test_kernels_lowering import (ESTIMATE_CASES, GPU_CASES, KERNELS,  # noqa; noqa: E402
-                                   abstract_step, estimate_case, gpu_case, kernel_args)
+from test_kernels_lowering import (ESTIMATE_CASES, GPU_CASES, KERNELS, abstract_step,  # noqa: E402
+                                   estimate_case, gpu_case, kernel_args)
 
 KERNEL_NAMES = {"decode": "paged_decode_attention_gpu", "ragged": "ragged_paged_attention_gpu",
                 "write": "write_kv_gpu"}

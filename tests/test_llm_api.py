@@ -70,6 +70,7 @@ def test_final_only_steps_return_each_request_once_when_it_finishes(tiny_model):
     """LLM.generate's output kind: no per-step copies of unfinished requests, and the finished
     outputs are those every-step outputs end with."""
     from helpers import until_done
+
     from pagedjax import EngineConfig, LLMEngine
 
     results = {}

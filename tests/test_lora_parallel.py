@@ -18,8 +18,6 @@ def child() -> None:
     import json
     import tempfile
 
-    import jax
-
     from pagedjax import LLM, LoRARequest, SamplingParams
     from pagedjax.lora.peft_adapter import TARGETS, random_adapter, save_peft_adapter
     from pagedjax.models import get_config, init_model

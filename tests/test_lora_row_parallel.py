@@ -12,7 +12,6 @@ from helpers import child_report
 def child() -> None:
     import json
 
-    import jax
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx

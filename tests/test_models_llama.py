@@ -63,8 +63,10 @@ def test_rope_is_a_rotation_that_preserves_norms_and_relative_positions():
     np.testing.assert_allclose(jnp.linalg.norm(y, axis=-1), jnp.linalg.norm(x, axis=-1),
                                rtol=1e-5)
     q, k = x[:, 0], x[:, 1]
-    dot = lambda a, b, pa, pb: jnp.sum(rope(a[None, None], jnp.array([pa]), 1e4) *
-                                       rope(b[None, None], jnp.array([pb]), 1e4))
+    def dot(a, b, pa, pb):
+        return jnp.sum(rope(a[None, None], jnp.array([pa]), 1e4)
+                       * rope(b[None, None], jnp.array([pb]), 1e4))
+
     np.testing.assert_allclose(dot(q[0], k[0], 3, 1), dot(q[0], k[0], 10, 8), rtol=1e-4)
 
 
@@ -213,8 +215,9 @@ def test_runner_resolves_scan_layers_on_its_devices_platform(monkeypatch):
     from pagedjax.engine.runner import ModelRunner
 
     model = init_model(CONFIG)
-    runner = lambda **kw: ModelRunner(model, num_blocks=8, block_size=4, dtype=np.float32,
-                                      **kw)
+    def runner(**kw):
+        return ModelRunner(model, num_blocks=8, block_size=4, dtype=np.float32, **kw)
+
     assert runner().graph.scan_layers
     monkeypatch.setattr(paged_forward, "CPU_SCAN_MAX_LAYER_BYTES", 1)
     assert not runner().graph.scan_layers
@@ -231,7 +234,9 @@ def test_scan_layers_flags_and_config():
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    kwargs = lambda *flags: engine_kwargs(parser.parse_args(list(flags)))
+    def kwargs(*flags):
+        return engine_kwargs(parser.parse_args(list(flags)))
+
     assert kwargs("--scan-layers")["scan_layers"] is True
     assert kwargs("--no-scan-layers")["scan_layers"] is False
     assert "scan_layers" not in kwargs()

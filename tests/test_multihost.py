@@ -100,8 +100,9 @@ def worker(process_id: int, port: int, die_after: int | None, tiers: bool = Fals
         runner = engine.runner
         if die_after is not None:  # a follower that crashes mid-generation
             dispatch = runner.dispatch_forward
+            count = [0]  # steps dispatched so far
 
-            def dying(plan, count=[0]):
+            def dying(plan):
                 count[0] += 1
                 if count[0] > die_after:
                     os._exit(17)

@@ -7,12 +7,12 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-
 from helpers import ROLE_TEMPLATE
+from test_server import ENGINE, PROMPTS
+
 from pagedjax import LLM, SamplingParams
 from pagedjax.serving.app import OpenAIServer
 from pagedjax.serving.background import BackgroundServer
-from test_server import ENGINE, PROMPTS
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,8 @@
 """n > 1 and best_of: one prompt computation, shared blocks, copy-on-write, seeded samples."""
 
-from helpers import until_done
 import numpy as np
 import pytest
+from helpers import until_done
 
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
 

@@ -87,8 +87,9 @@ def test_what_changes_an_adapter_is_refused_by_name(tmp_path):
 def test_a_saved_adapter_is_what_peft_reads(tmp_path):
     """save_peft_adapter writes what PeftModel.from_pretrained loads: peft's merge of it equals
     ours, and read_peft_adapter reads it back unchanged."""
-    from pagedjax.lora.peft_adapter import random_adapter, save_peft_adapter
     from test_models_hf import build_hf
+
+    from pagedjax.lora.peft_adapter import random_adapter, save_peft_adapter
     base = build_hf("llama3.1", tmp_path / "base", seed=0)
     model = load_hf_model(str(tmp_path / "base"))
     ours = random_adapter(model.config, 4, ["q_proj", "v_proj", "up_proj"], seed=3)

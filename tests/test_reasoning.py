@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import openai
 import pytest
+from test_tool_calls import ASK, TOOLS, _serve
 
 from pagedjax.serving.background import BackgroundServer
 from pagedjax.serving.reasoning import END, START, get_parser
-from test_tool_calls import ASK, TOOLS, _serve
 
 # Clients driving a real server: run by make test-clients (and CI), beside the client suite,
 # to keep make test within its time.

@@ -10,12 +10,12 @@ import typing
 
 import pytest
 from fastapi.testclient import TestClient
-
 from helpers import RAG_TEMPLATE
+from test_server import ENGINE
+
 from pagedjax import LLM
 from pagedjax.serving.app import OpenAIServer
 from pagedjax.serving.protocol import ChatCompletionRequest, CompletionRequest
-from test_server import ENGINE
 
 openai_types = pytest.importorskip("openai.types")
 

@@ -13,10 +13,10 @@ import time
 import jsonschema
 import openai
 import pytest
+from test_tool_calls import CITY, TOOLS, _serve
 
 from pagedjax.serving.background import BackgroundServer
 from pagedjax.text.tokenizer import read_chat_template, render_chat_template
-from test_tool_calls import CITY, TOOLS, _serve
 
 # Clients driving a real server: run by make test-clients (and CI), beside the client suite,
 # to keep make test within its time.

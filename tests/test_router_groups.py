@@ -10,12 +10,12 @@ import time
 
 import httpx
 import pytest
+from test_server import ENGINE
 
 from pagedjax import LLM
 from pagedjax.serving.app import OpenAIServer
 from pagedjax.serving.background import BackgroundServer
 from pagedjax.serving.router import Router, prompt_tokens
-from test_server import ENGINE
 
 ADMIN = {"Authorization": "Bearer ops"}
 SHORT = "copy:abc="

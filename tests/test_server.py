@@ -90,7 +90,7 @@ def test_completions_equal_offline_generate_under_concurrency(server, reference)
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
         responses = list(pool.map(lambda p: client.post("/v1/completions",
                                                         json={**body, "prompt": p}), PROMPTS))
-    for prompt, response, ref in zip(PROMPTS, responses, greedy):
+    for _, response, ref in zip(PROMPTS, responses, greedy):
         assert response.status_code == 200, response.json()
         data = response.json()
         choice, = data["choices"]

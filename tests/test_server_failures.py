@@ -11,11 +11,11 @@ import time
 import jax
 import pytest
 from fastapi.testclient import TestClient
-
 from helpers import ROLE_TEMPLATE
+from test_server import ENGINE, PROMPTS
+
 from pagedjax import LLM, SamplingParams
 from pagedjax.serving.app import OpenAIServer
-from test_server import ENGINE, PROMPTS
 
 
 def test_request_failing_inside_a_step_fails_alone():

@@ -10,13 +10,13 @@ import time
 
 import httpx
 import pytest
+from test_server import ENGINE
 
 from pagedjax import LLM
 from pagedjax.serving.app import OpenAIServer
 from pagedjax.serving.background import BackgroundServer
 from pagedjax.serving.serving_config import ServingConfig
 from pagedjax.tools.cli import main as cli_main
-from test_server import ENGINE
 
 V1 = {"version": "v1", "engine": ENGINE, "server": {"max_tokens_cap": 12}}
 V2 = {"version": "v2", "engine": ENGINE, "server": {"max_tokens_cap": 3,

@@ -102,7 +102,6 @@ class StateGroupMachine(RuleBasedStateMachine):
         if self.kv.swap_in(request, 1) is not None:
             self.kv.take_pending_swaps()
             self.kv.release_host_blocks()
-            request.num_computed_tokens  # unchanged: the state comes back whole
             self.live[request_id] = self.swapped.pop(request_id)
 
     @invariant()

@@ -230,7 +230,7 @@ def test_bad_weights_are_refused_by_name_and_change_nothing(models):
     for change, refusal in [(lambda x: x.astype(np.int32), r"is int32\[.*a float dtype"),
                             (lambda x: x[..., :-1], r"is float32\[.*takes a float dtype")]:
         bad = jax.tree_util.tree_map_with_path(
-            lambda path, x: change(x) if path == leaf_path else x, state)
+            lambda path, x: change(x) if path == leaf_path else x, state)  # noqa: B023
         with pytest.raises(ValueError, match=r"weights: embed_tokens/embedding " + refusal):
             engine.update_weights(bad)
     for bad_version in ("", 7, "v" * 300):

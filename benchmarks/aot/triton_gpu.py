@@ -120,7 +120,7 @@ def triton_modules(lowered) -> list[TritonModule]:
             ttir = ir.Module.parse(ir.StringAttr(config["ir"]).value_bytes)
             text = ttir.operation.get_asm(enable_debug_info=False)
 
-        def integer(key):
+        def integer(key, config=config):
             return ir.IntegerAttr(config[key]).value
         modules.append(TritonModule(
             name=ir.StringAttr(config["name"]).value, num_warps=integer("num_warps"),

@@ -100,7 +100,7 @@ class QuantizedProjections:
     own scales: the grouped matmuls dequantize an expert's weights as they take them. Every
     other attribute (activation, gpt-oss's biases and clamp) is the float module's."""
 
-    def __init__(self, experts: Experts, spec: "Spec"):  # noqa: super().__init__ not called:
+    def __init__(self, experts: Experts, spec: "Spec"):  # super().__init__ not called:
         for key, value in vars(experts).items():  # the parameters differ, the rest is theirs
             if key not in self.PROJECTIONS and not key.startswith("_"):
                 setattr(self, key, value)

@@ -9,8 +9,7 @@ from typing import Any
 
 from pagedjax.models.config import ROPE_TYPES, LlamaConfig
 from pagedjax.models.families.hf_fields import UnsupportedModelError  # noqa: F401
-from pagedjax.models.families.hf_fields import (architecture_of, refuse as family_refusal,
-                                                rope_from_params, rope_params)
+from pagedjax.models.families.hf_fields import architecture_of, refuse as family_refusal
 from pagedjax.models.registry import ARCHITECTURES
 
 # Why some well-known architectures are refused (others get the generic reason).

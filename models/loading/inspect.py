@@ -14,12 +14,11 @@ from flax import nnx
 
 from pagedjax.models.config import LlamaConfig
 from pagedjax.models.layers.quantized import quantize_model
+from pagedjax.models.loading import mxfp4_checkpoint
 from pagedjax.models.loading.compressed_tensors import quantized_abstract
 from pagedjax.models.loading.gguf import _reader, checked_gguf, config_from_gguf, is_gguf, metadata
 from pagedjax.models.loading.hf import (UnsupportedModelError, architecture_of, checkpoint_dtype,
-                                        compressed_scheme, mxfp4_experts, read_hf_config,
-                                        read_json)
-from pagedjax.models.loading import mxfp4_checkpoint
+                                        compressed_scheme, mxfp4_experts, read_hf_config, read_json)
 from pagedjax.models.loading.quantized_loading import weight_report
 from pagedjax.models.registry import model_class
 

@@ -266,7 +266,7 @@ class EncoderWarmup(BackgroundWarmup):
     """EncoderEngine.warmup() on a thread (BackgroundWarmup's done(), wait(), error,
     seconds, num_programs)."""
 
-    def __init__(self, engine: EncoderEngine):  # noqa: super().__init__ warms a paged runner
+    def __init__(self, engine: EncoderEngine):  # super().__init__ warms a paged runner
         self.num_programs = len(engine.shapes())
         self.error: BaseException | None = None
         self.seconds: float | None = None

@@ -71,8 +71,8 @@ def _write_kernel_tpu(num_pages_ref, first_ref, count_ref, slot_ref,  # SMEM
         for r in range(pages_per_program):
             index = pl.program_id(0) * pages_per_program + r
 
-            @pl.when(index < num_pages_ref[0])
-            def _():
+            @pl.when(index < num_pages_ref[0])  # traced now, in this iteration
+            def _(r=r, index=index):
                 first = first_ref[index]
                 fn(r, first, count_ref[index], jax.lax.div(slot_ref[first], block_size))
 

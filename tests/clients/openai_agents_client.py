@@ -3,8 +3,8 @@ the SDK's default Responses model. argv[1]: the server's URL."""
 
 import sys
 
-from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel,
-                    Runner, function_tool, set_tracing_disabled)
+from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner,
+                    function_tool, set_tracing_disabled)
 from openai import AsyncOpenAI
 
 set_tracing_disabled(True)

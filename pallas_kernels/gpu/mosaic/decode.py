@@ -83,7 +83,7 @@ def paged_decode_attention_mosaic_gpu(
                                           kv_cache=kv_cache)
     if num_splits is None:
         num_splits = choose_num_splits(batch * num_kv_heads, width, pages_per_step)
-    pages_per_split = -(-(-(-width // num_splits)) // pages_per_step) * pages_per_step
+    pages_per_split = pl.cdiv(pl.cdiv(width, num_splits), pages_per_step) * pages_per_step
     # Room for a split's last step (and a window-shifted start) to read past P.
     padded_width = pages_per_split * num_splits + pages_per_step
     tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_width - width)))
