@@ -20,7 +20,7 @@ GPU_IMAGE_TESTS := tests/test_gpu_script.py tests/test_kernels_gpu.py \
 	tests/test_engine_equivalence.py tests/test_speculative.py tests/test_lora_kernels.py \
 	tests/test_gated_delta_kernels.py tests/test_attention_sinks.py tests/test_latent_attention.py
 
-.PHONY: lint mutants gguf-tokenizer-reference demo test test-slow test-clients test-gpu-image test-tunix gpu-image-python bench bench-gpu-image llama-cpp-python llama-server clean
+.PHONY: docs lint mutants gguf-tokenizer-reference demo test test-slow test-clients test-gpu-image test-tunix gpu-image-python bench bench-gpu-image llama-cpp-python llama-server clean
 
 $(STAMP): pyproject.toml setup.py requirements/cpu.txt
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -67,6 +67,17 @@ $(LINT_STAMP): $(STAMP) requirements/lint.txt
 lint: $(LINT_STAMP)
 	$(VENV)/bin/ruff check --no-cache $(LINTED)
 	$(VENV)/bin/isort --check-only --diff $(LINTED)
+
+# The documentation site, strict (a broken link, a page out of the nav: the build fails), in an
+# environment of its own; docs/index.md is the README's text (kept equal by tests/test_docs.py).
+DOCS_VENV := .venv-docs
+$(DOCS_VENV)/.installed: requirements/docs.txt
+	test -d $(DOCS_VENV) || $(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/python -m pip install --quiet -r requirements/docs.txt
+	touch $@
+
+docs: $(DOCS_VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict
 
 # Mutation testing over a change (tests/mutants.py): small bugs planted one at a time in the
 # lines added since BASE, the tests naming each module run against each; survivors listed.
@@ -188,4 +199,4 @@ bench-gpu-image: $(GPU_IMAGE_STAMP)
 	JAX_PLATFORMS=cpu $(GPU_IMAGE_VENV)/bin/python benchmarks/gpu_xla_compile.py
 
 clean:
-	rm -rf $(VENV) $(GPU_IMAGE_VENV) $(TUNIX_VENV) .venv-clients $(LLAMA_CPP_VENV) build *.egg-info
+	rm -rf $(VENV) $(DOCS_VENV) $(GPU_IMAGE_VENV) $(TUNIX_VENV) .venv-clients $(LLAMA_CPP_VENV) build *.egg-info

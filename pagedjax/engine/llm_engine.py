@@ -51,7 +51,7 @@ class _Started:
 
 class LLMEngine(RequestIntake, PoolingRequests, StepRecovery, WeightUpdates, SleepMode,
                 LoRAControls):
-    """Requests in, one step at a time (ARCHITECTURE.md: one engine step)."""
+    """Requests in, one step at a time (docs/architecture.md: one engine step)."""
 
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig | None = None, *,
                  tokenizer=None, clock: Callable[[], float] = time.perf_counter,
