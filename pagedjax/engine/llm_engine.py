@@ -275,12 +275,12 @@ class LLMEngine(RequestIntake, PoolingRequests, StepRecovery, WeightUpdates, Sle
         output per request that got a token. A request whose detokenization fails is dropped
         alone."""
         now = self.clock()
-        sampled_ids, logprobs, top_ids, top_logprobs, ranks, prompt, pooled = results
-        prompt_logprobs.record(output, prompt, self.tokenizer)
-        self.record_pooled(output, pooled)
+        prompt_logprobs.record(output, results.prompt, self.tokenizer)
+        self.record_pooled(output, results.pooled)
         failed: dict[str, str] = {}
-        new = self.scheduler.update(output, sampled_ids, now, logprobs, top_ids, top_logprobs,
-                                    ranks, lambda sample: self._on_token(sample, failed))
+        new = self.scheduler.update(output, results.sampled_ids, now, results.logprobs,
+                                    results.top_ids, results.top_logprobs, results.ranks,
+                                    lambda sample: self._on_token(sample, failed))
         advanced.extend(new)
         for parent_id, message in failed.items():
             self._fail(parent_id, message, now)

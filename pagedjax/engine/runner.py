@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from pagedjax.engine import prompt_logprobs, sampling_step, step_counts
+from pagedjax.engine import prompt_logprobs, sampling_step, step_counts, step_results
 from pagedjax.engine.step_counts import num_step_compiles, num_step_traces  # noqa: F401
 from pagedjax.engine.weight_writer import borrowed_leaves
 from pagedjax.kv_offload.block_transfers import BlockTransfers
@@ -58,9 +58,9 @@ def forward_fn(graph: ServingGraph, backend: AttentionBackend, kind: str, num_to
         step_lora = None if lora is None else StepLoRA(
             inputs["lora_slots"], lora, lora_implementation(backend), backend.interpret,
             jax.numpy.any(inputs["lora_slots"] >= 0), backend.mesh)
-        hidden, kv_cache = paged_forward.forward_paged(graph, params, kv_cache, inputs["token_ids"],
-                                                 inputs["positions"], metadata, backend,
-                                                 step_lora)
+        hidden, kv_cache = paged_forward.forward_paged(
+            graph, params, kv_cache, inputs["token_ids"], inputs["positions"], metadata, backend,
+            step_lora)
         logits = paged_forward.logits(graph, params, hidden[inputs["logits_indices"]])  # f32[B, V]
         if not with_logits:
             logits = jax.numpy.zeros((logits.shape[0], max(1, num_top_logprobs)), logits.dtype)
@@ -375,14 +375,14 @@ class ModelRunner(BlockTransfers):
         sampled = program(logits, sampling_step.sampling_inputs(plan), token_mask)
         return PendingStep(sampled, int(plan.num_seqs), prompt, pooled)
 
-    def fetch(self, pending: "PendingStep") -> tuple:
+    def fetch(self, pending: "PendingStep") -> step_results.StepResults:
         """A dispatched step's results on the host (waits for the device): the sampler's five
         arrays for the real rows, the prompt logprob arrays or None, the pooled states or None."""
         try:
             sampled = tuple(np.asarray(x)[:pending.num_seqs] for x in pending.sampled)
             prompt = tuple(np.asarray(x) for x in pending.prompt) or None
             pooled = np.asarray(pending.pooled[0]) if pending.pooled else None
-            return sampled + (prompt, pooled)
+            return step_results.StepResults(*sampled, prompt, pooled)
         except Exception as error:
             if self.channel is not None:
                 raise self.channel.broken(error) from error
