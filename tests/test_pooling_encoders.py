@@ -97,6 +97,8 @@ def test_encoder_served_over_http_with_its_programs_warmed(tmp_path):
     write_st_pipeline(tmp_path, "mean", normalize=True)
     llm = LLM(str(tmp_path), max_num_seqs=2, max_model_len=32)
     assert llm.engine.warmup() == len(llm.engine.shapes()) == 2 * 2  # B 1, 2 x L 16, 32
+    from pagedjax.engine.engine_protocol import Engine
+    assert isinstance(llm.engine, Engine) and llm.engine.replicas == [llm.engine]
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda name, *_, **__: compiles.append(name)

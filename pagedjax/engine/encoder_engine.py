@@ -73,6 +73,7 @@ class EncoderEngine(PoolingEntry):
     hybrid_kv_cache = False
     num_blocks = 1  # the paged engine's null block: no pool
     weight_version = "0"
+    memory_budget = None  # no KV pool to size
 
     def __init__(self, model, config: EngineConfig, pooling_model: PoolingModel, *,
                  tokenizer=None, clock: Callable[[], float] = time.perf_counter):
@@ -111,6 +112,10 @@ class EncoderEngine(PoolingEntry):
 
     def load(self) -> list[ReplicaLoad]:
         return [ReplicaLoad(len(self._running), len(self._waiting), 0, 0, 0)]
+
+    @property
+    def replicas(self) -> list["EncoderEngine"]:
+        return [self]
 
     def scheduler_states(self) -> list:
         """None: an encoder runs its queue whole, without a paged scheduler (the engine driver

@@ -172,6 +172,10 @@ class LLMEngine(RequestIntake, PoolingRequests, StepRecovery, WeightUpdates, Sle
     def hybrid_kv_cache(self) -> bool:
         return self.kv_groups.hybrid
 
+    @property
+    def replicas(self) -> list["LLMEngine"]:  # pagedjax.engine.engine_protocol.Engine's
+        return [self]
+
     def load(self) -> list[ReplicaLoad]:
         """The queue and the KV pool now, one entry (a data-parallel engine: one a replica)."""
         state = self.scheduler.state

@@ -119,7 +119,7 @@ def measure(runner, config, buckets, bytes_per_block: int) -> MemoryBudget:
 def held_memory(engine) -> tuple[int, int]:
     """(weights, KV pool) bytes an engine holds over all its devices (a data-parallel engine's
     replicas summed; under tensor parallelism the pool's repeated KV heads counted)."""
-    replicas = getattr(engine, "replicas", [engine])
+    replicas = engine.replicas
     weights = sum(leaf.nbytes for r in replicas for leaf in jax.tree.leaves(r.runner.params))
     pool = sum(leaf.nbytes for r in replicas for leaf in jax.tree.leaves(r.runner.kv_cache))
     return weights, pool
@@ -129,7 +129,7 @@ def describe_held(engine) -> str:
     """What a server holds once started, and what sized its pool (the log's line)."""
     config = engine.config
     weights, pool = held_memory(engine)
-    replicas = getattr(engine, "replicas", [engine])
+    replicas = engine.replicas
     blocks = sum(r.num_blocks - 1 for r in replicas)  # the null block left out
     if not blocks:  # pagedjax.engine.encoder_engine: a dense encoder
         return f"memory: weights {weights / 2**20:,.0f} MiB, no KV cache (a dense encoder)"
@@ -151,7 +151,7 @@ def memory_in_use(engine) -> tuple[int, int | None, str]:
     data-parallel engine's replicas summed; multi-host: this process's devices): the backend's
     memory_stats where it reports them, else what the engine itself holds there (its shards of
     the weights and the KV pool)."""
-    replicas = getattr(engine, "replicas", [engine])
+    replicas = engine.replicas
     here = jax.process_index()
     devices = [d for r in replicas for d in r.devices if d.process_index == here]
     stats = [d.memory_stats() if hasattr(d, "memory_stats") else None for d in devices]

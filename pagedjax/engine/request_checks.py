@@ -162,7 +162,7 @@ def _check_kind(engine, spec: PromptSpec) -> None:
     if spec.token_type_ids is not None:
         raise RequestError("token_type_ids", "token_type_ids are read by a BERT-like encoder's "
                            "pooling requests only")
-    if spec.pooling_params is None and getattr(engine, "runner_type", None) == "pooling":
+    if spec.pooling_params is None and engine.runner_type == "pooling":
         raise RequestError(None, "this engine runs runner='pooling' (no vocabulary "
                            "projection): it serves pooling requests only")
 

@@ -155,6 +155,11 @@ class DataParallelEngine(DataParallelLoRA, DataParallelPooling):
         """(weights, KV pool) bytes over every replica's devices."""
         return memory_budget.held_memory(self)
 
+    @property
+    def memory_budget(self):
+        """How the first replica's KV pool was sized (each replica sizes its own alike)."""
+        return self.replicas[0].memory_budget
+
     def load(self) -> list[ReplicaLoad]:
         return [load for r in self.replicas for load in r.load()]
 

@@ -71,9 +71,8 @@ class LLMFactory:
 
         engine = LLM(self.model, tokenizer=self.tokenizer, **self.engine_kwargs).engine
         notes = [describe_held(engine)]
-        budget = getattr(engine, "memory_budget", None)
-        if budget is not None:
-            notes.append(budget.describe())
+        if engine.memory_budget is not None:
+            notes.append(engine.memory_budget.describe())
         if self.warmup:
             start = time.perf_counter()
             num_programs = engine.warmup(progress=False)
@@ -110,7 +109,7 @@ def run(factory: Callable, input_address: str, output_address: str,
         outbox.send_pyobj(("ready", EngineDescription(
             engine.config, engine.model_config, engine.tokenizer, engine.stats,
             os.getpid(), tuple(notes), engine.held_memory,
-            getattr(engine, "runner_type", "generate"), getattr(engine, "pooling_model", None))))
+            engine.runner_type, engine.pooling_model)))
         try:
             _Core(engine, limits, inbox, outbox, parent_pid).serve()
         except BaseException as error:  # noqa: BLE001 - the core is dead; say why

@@ -123,7 +123,7 @@ class OpenAIServer(ServerState):
         if self.admin_key is not None:
             admin_routes(self, app)
             weight_routes(self, app)
-        if getattr(self.engine, "runner_type", "generate") == "generate":
+        if self.engine.runner_type == "generate":
             app.post("/v1/completions")(self.completions)
             app.post("/v1/chat/completions")(self.chat_completions)
             responses_routes(self, app)

@@ -248,7 +248,7 @@ async def rerank(server: ServerState, request: fastapi.Request):
 
 def runner_routes(server: ServerState, app: fastapi.FastAPI) -> None:
     """The routes of the server's runner, and 400 naming it on the other runner's."""
-    pooling_server = getattr(server.engine, "runner_type", "generate") == "pooling"
+    pooling_server = server.engine.runner_type == "pooling"
     refused = GENERATION_PATHS if pooling_server else POOLING_PATHS
 
     def refuse(path: str):

@@ -1,0 +1,42 @@
+"""The engine interface (pagedjax/engine/engine_protocol.py, issue 72): LLMEngine and
+DataParallelEngine implement every member the front-ends and the server read (EncoderEngine's is
+held in tests/test_pooling_encoders.py, where one is built), and nothing under pagedjax/ probes an
+engine with getattr for a member one kind lacks."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+
+import jax
+
+from pagedjax import EngineConfig, LLMEngine
+from pagedjax.engine.engine_protocol import Engine
+from pagedjax.frontend.data_parallel import DataParallelEngine
+from pagedjax.models import get_config, init_model
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CONFIG = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, block_size=4,
+              num_blocks=16, min_seq_bucket=2)
+
+
+def test_the_engines_implement_the_protocol():
+    config = dataclasses.replace(get_config("debug-tiny"), vocab_size=264, eos_token_id=257)
+    model = init_model(config, seed=0)
+    engine = LLMEngine(model, EngineConfig(**CONFIG))
+    assert isinstance(engine, Engine) and engine.replicas == [engine]
+    device = jax.devices()[0]
+    parallel = DataParallelEngine(model, EngineConfig(**CONFIG, data_parallel_size=2),
+                                  devices=[device, device])
+    assert isinstance(parallel, Engine) and len(parallel.replicas) == 2
+    assert parallel.memory_budget is parallel.replicas[0].memory_budget
+    assert parallel.runner_type == engine.runner_type == "generate"
+    assert not isinstance(object(), Engine)
+
+
+def test_no_engine_is_probed_for_a_member():
+    probe = re.compile(r"getattr\((self\.)?(server\.)?(async_)?engine,")
+    found = [f"{path.relative_to(ROOT)}:{i}" for path in sorted((ROOT / "pagedjax").rglob("*.py"))
+             for i, line in enumerate(path.read_text().splitlines(), 1) if probe.search(line)]
+    assert found == []
