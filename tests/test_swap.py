@@ -23,9 +23,14 @@ def run(model, **kwargs):
     engine = LLMEngine(model, EngineConfig(**{**config, **kwargs}))
     ids = [engine.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
            for p in prompts()]
-    done = {}
+    done, swapped = {}, 0
     for _ in until_done(engine):
         done.update({o.request_id: o.output_token_ids for o in engine.step() if o.finished})
+        waiting = engine.scheduler.state.waiting  # the load gauge counts the swapped ones
+        assert engine.load()[0].num_swapped == sum(r.status is RequestStatus.SWAPPED
+                                                   for r in waiting)
+        swapped = max(swapped, engine.load()[0].num_swapped)
+    assert swapped > 0 or engine.stats.num_swap_outs == 0
     assert engine.scheduler.kv_manager.num_used_blocks == 0
     assert engine.scheduler.kv_manager.num_free_host_blocks == \
         engine.scheduler.kv_manager.num_host_blocks, "host blocks leaked"
