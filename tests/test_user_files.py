@@ -78,6 +78,10 @@ def test_checkpoints_and_tokenizers_read_through_it(tmp_path):
     os.mkfifo(tmp_path / "tok" / "tokenizer_config.json")
     with pytest.raises(ValueError, match="tokenizer_config.json .* is a FIFO"):
         Tokenizer.from_dir(str(tmp_path / "tok"))
+    from pagedjax.models.loading.gguf import open_gguf
+    os.mkfifo(tmp_path / "model.gguf")
+    with pytest.raises(ValueError, match="GGUF file .* is a FIFO"):
+        open_gguf(str(tmp_path / "model.gguf"))
     os.mkfifo(tmp_path / "template.jinja")
     os.symlink(tmp_path / "template.jinja", tmp_path / "link.jinja")
     (tmp_path / "real.jinja").write_text("{{ messages }}")

@@ -25,6 +25,7 @@ from flax import nnx
 
 from pagedjax.models.config import LlamaConfig
 from pagedjax.models.families.llama import LlamaForCausalLM
+from pagedjax.models.loading.user_files import checked_path
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K",
                    "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -58,6 +59,7 @@ def open_gguf(path: str):
 def _reader(path: str):
     import gguf
 
+    checked_path(path, "GGUF file")  # a regular file (the reader maps it), never a FIFO
     try:
         return gguf.GGUFReader(path)
     except Exception as e:  # the reader raises several types for a bad file

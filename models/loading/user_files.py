@@ -1,6 +1,6 @@
 """The one checked way to open a file a user names (a checkpoint, a LoRA adapter, a tokenizer or
 chat template, a config): every caller goes through `checked_path` (for files a library maps
-itself: safetensors, GGUF, orbax) or `read_user_bytes` / `read_user_json` (for files read here).
+itself: safetensors, GGUF) or `read_user_bytes` / `read_user_json` (for files read here).
 
 What it refuses, each as a ValueError naming the file and the rule (never a hang, never a
 traceback):
@@ -15,7 +15,8 @@ traceback):
 - JSON nested past Python's recursion limit, or not an object where an object is expected.
 
 Files are opened non-blocking and checked on the open descriptor (fstat), so a FIFO swapped in
-between the check and the open is still refused.
+between the check and the open is still refused. (An orbax checkpoint's array files are opened by
+orbax itself; only its record, config.json, is read through here.)
 """
 
 from __future__ import annotations
