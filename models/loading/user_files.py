@@ -32,7 +32,8 @@ READ_TIMEOUT_S = 30.0
 _CHUNK = 4 * MiB
 
 
-def _within(path: str, folder: str) -> bool:
+def is_within(path: str, folder: str) -> bool:
+    """Whether path (resolved) is folder or lies under it."""
     return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
@@ -54,7 +55,7 @@ def checked_path(path, what: str = "file", max_bytes: int | None = None,
     path = os.fspath(path)
     if root is not None:
         real = os.path.realpath(path)
-        if not any(_within(real, allowed) for allowed in _allowed_roots(root)):
+        if not any(is_within(real, allowed) for allowed in _allowed_roots(root)):
             raise ValueError(f"{what} {path}: a link out of {root} (to {real}) is not followed")
     try:
         info = os.stat(path)

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pagedjax.lora.peft_adapter import read_config
 from pagedjax.lora.request import MAX_LORA_NAME_CHARS, LoRARequest
+from pagedjax.models.loading.user_files import is_within
 from pagedjax.serving.http_common import APIError, parse_body
 
 RUNTIME_UPDATES_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
@@ -118,8 +119,7 @@ class ServedLoRAs:
         if not self.allowed_roots:
             return
         real = os.path.realpath(path)
-        if not any(real == root or real.startswith(root.rstrip(os.sep) + os.sep)
-                   for root in self.allowed_roots):
+        if not any(is_within(real, root) for root in self.allowed_roots):
             raise APIError(400, "lora_path is not under a directory this server allows "
                            "adapters from (--allowed-lora-paths)", "lora_path")
 
