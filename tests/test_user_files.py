@@ -60,6 +60,12 @@ def test_links_out_caps_and_json(tmp_path):
         (tmp_path / "c.json").write_text(text)
         with pytest.raises(ValueError, match=says):
             read_user_json(tmp_path / "c.json")
+    (tmp_path / "modules.json").write_text('{"not": "a list"}')  # sentence-transformers'
+    with pytest.raises(ValueError, match="must hold a JSON array, not a dict"):
+        read_user_json(tmp_path / "modules.json", kind=list)
+    (tmp_path / "modules.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match="nested too deeply"):
+        read_user_json(tmp_path / "modules.json", kind=list)
 
 
 def test_checkpoints_and_tokenizers_read_through_it(tmp_path):

@@ -104,27 +104,35 @@ def read_user_bytes(path, what: str = "file", max_bytes: int = MAX_JSON_BYTES,
     return b"".join(chunks)
 
 
-def parse_json_object(text: str, what: str) -> dict:
-    """A JSON object from text; ValueError naming what for anything else (malformed, nested past
-    Python's recursion limit, an array or a scalar)."""
+def parse_json_object(text: str, what: str, kind: type = dict):
+    """A JSON object (or, kind=list, an array) from text; ValueError naming what for anything
+    else (malformed, nested past Python's recursion limit, another kind of value)."""
     try:
         data = json.loads(text)
     except RecursionError:
         raise ValueError(f"{what} is nested too deeply to be a config") from None
     except ValueError as error:
         raise ValueError(f"{what} is not valid JSON ({str(error)[:200]})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{what} must hold a JSON object, not a {type(data).__name__}")
+    if not isinstance(data, kind):
+        name = "a JSON object" if kind is dict else "a JSON array"
+        raise ValueError(f"{what} must hold {name}, not a {type(data).__name__}")
     return data
 
 
-def read_user_json(path, what: str | None = None, max_bytes: int = MAX_JSON_BYTES,
-                   root: str | None = None) -> dict:
-    """A JSON object from a user-named file (read_user_bytes' rules, then parse_json_object's)."""
+def read_user_text(path, what: str | None = None, max_bytes: int = MAX_JSON_BYTES,
+                   root: str | None = None) -> str:
+    """A user-named UTF-8 text file (read_user_bytes' rules; ValueError if not UTF-8)."""
     what = what or os.path.basename(os.fspath(path))
     data = read_user_bytes(path, what, max_bytes, root)
     try:
-        text = data.decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as error:
         raise ValueError(f"{what} {path} is not UTF-8 ({error})") from None
-    return parse_json_object(text, f"{what} {path}")
+
+
+def read_user_json(path, what: str | None = None, max_bytes: int = MAX_JSON_BYTES,
+                   root: str | None = None, kind: type = dict):
+    """A JSON object (kind=list: an array) from a user-named file (read_user_text's rules, then
+    parse_json_object's)."""
+    what = what or os.path.basename(os.fspath(path))
+    return parse_json_object(read_user_text(path, what, max_bytes, root), f"{what} {path}", kind)

@@ -13,12 +13,11 @@ skipped.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 from pagedjax.models.families.hf_fields import architecture_of
 from pagedjax.models.loading.hf_config import is_sequence_classifier
-from pagedjax.models.loading.user_files import read_user_bytes, read_user_json
+from pagedjax.models.loading.user_files import read_user_json
 from pagedjax.pooling.poolers import POOLING_TYPES, check_modes
 
 # sentence-transformers' legacy pooling config keys (1_Pooling/config.json), in its order
@@ -127,9 +126,7 @@ def read_pooler_config(model_dir: str, hf_config: dict) -> PoolerConfig:
     matryoshka = matryoshka_of(hf_config)
     path = os.path.join(model_dir, "modules.json")
     if os.path.lexists(path):
-        modules = json.loads(read_user_bytes(path, "modules.json", root=model_dir))
-        if not isinstance(modules, list):
-            raise ValueError(f"{path} must hold a JSON list of modules")
+        modules = read_user_json(path, "modules.json", root=model_dir, kind=list)
         return _sentence_transformers_pooler(model_dir, modules, matryoshka)
     if hf_config.get("model_type") == "modernbert" and is_sequence_classifier(hf_config):
         mode = hf_config.get("classifier_pooling", "cls")

@@ -114,9 +114,9 @@ class ServingConfig:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "ServingConfig":
         """From a .json or .yaml / .yml file; errors name the file."""
-        from pagedjax.models.loading.user_files import read_user_bytes
+        from pagedjax.models.loading.user_files import read_user_text
 
-        text = read_user_bytes(path, "serving config").decode("utf-8", errors="replace")
+        text = read_user_text(path, "serving config")
         try:
             if str(path).endswith((".yaml", ".yml")):
                 import yaml

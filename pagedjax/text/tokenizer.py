@@ -145,14 +145,10 @@ def _read_json(path: str) -> dict | None:
 
 
 def _read_text(path: str, what: str) -> str:
-    """A user-named text file (a chat template) through models.loading.user_files."""
-    from pagedjax.models.loading.user_files import read_user_bytes
+    """A user-named chat template file (models.loading.user_files' rules)."""
+    from pagedjax.models.loading.user_files import read_user_text
 
-    data = read_user_bytes(path, what, MAX_TEMPLATE_BYTES)
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{what} {path} is not UTF-8 ({e})") from None
+    return read_user_text(path, what, MAX_TEMPLATE_BYTES)
 
 
 def _token_content(config: dict, field: str) -> str | None:
