@@ -30,7 +30,7 @@ def test_outstanding_tokens_equal_a_pass_over_the_live_requests():
         return PromptSpec(list(range(3, 3 + 5 + 7 * (i % 3))), params)
 
     def brute() -> int:
-        return sum(remaining_tokens(samples) for samples in driver.live.values())
+        return sum(remaining_tokens(live.samples) for live in driver.admitted.values())
 
     ids = driver.add([spec(i) for i in range(6)], streamed=False)
     assert driver.outstanding_tokens() == brute() > 0
@@ -42,7 +42,7 @@ def test_outstanding_tokens_equal_a_pass_over_the_live_requests():
             ids += driver.add([spec(i) for i in range(6, 9)], streamed=True)
             assert driver.outstanding_tokens() == brute()
     assert engine.stats.num_preemptions > 0  # the small pool preempted by recompute
-    assert driver.outstanding_tokens() == 0 and not driver.live
+    assert driver.outstanding_tokens() == 0 and not driver.admitted
     driver.add([spec(i) for i in range(3)], streamed=False)
     driver.step()
     assert len(driver.drop_all()) == 3  # the engine died: nothing outstanding any more

@@ -7,7 +7,8 @@ here, so a kind that lacks it fails tests/test_engine_protocol.py.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from pagedjax.engine.config import EngineConfig
@@ -24,7 +25,7 @@ class Engine(Protocol):
     runner_type: str  # "generate" or "pooling": the routes a server over it serves
     pooling_model: Any  # pagedjax.pooling.pooling_model.PoolingModel
     memory_budget: Any  # how the KV pool was sized (memory_budget.MemoryBudget), or None
-    request_groups: dict  # request id -> its samples (scheduler Requests), until finished
+    request_groups: Mapping  # request id -> its samples (scheduler Requests), until finished
 
     @property
     def replicas(self) -> list:

@@ -16,10 +16,10 @@ from pagedjax.engine.compile_cache import enable_compilation_cache
 from pagedjax.engine.config import EngineConfig
 from pagedjax.engine.kv_pool import check_linear_attention, size_kv_pool
 from pagedjax.engine.kv_snapshot import KVSnapshot, UsageSample, kv_snapshot, tokens_stored
-from pagedjax.engine.output_processor import TextState
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.pooling_requests import PoolingRequests
 from pagedjax.engine.request_intake import RequestIntake
+from pagedjax.engine.request_table import RequestTable
 from pagedjax.engine.sleep_mode import SleepMode
 from pagedjax.engine.spec_decode.draft_model import DraftModelProposer
 from pagedjax.engine.spec_decode.speculator import Speculator
@@ -120,11 +120,9 @@ class LLMEngine(RequestIntake, PoolingRequests, StepRecovery, WeightUpdates, Sle
 
     def _init_requests(self, tokenizer, model_config, config: EngineConfig, seed_rng,
                        draft_model) -> None:
-        """The requests' books: ids, samples, texts, token masks, the speculator."""
+        """The requests' books: ids, the request table, token masks, the speculator."""
         self._seed_rng = np.random.default_rng(config.seed) if seed_rng is None else seed_rng
         self._next_id = 0
-        self._groups: dict[str, list[Request]] = {}  # request_id -> its samples, until finished
-        self._texts: dict[str, TextState] = {}  # sample request_id -> its text, with a tokenizer
         # allowed_token_ids, bad_words, min_tokens, structured outputs: one state a sample
         self.token_masks = TokenMasks(tokenizer, model_config.vocab_size,
                                       model_config.eos_token_ids)
@@ -132,8 +130,8 @@ class LLMEngine(RequestIntake, PoolingRequests, StepRecovery, WeightUpdates, Sle
         self.speculator = None if spec is None else Speculator(
             spec, self.token_masks,
             DraftModelProposer.for_engine(self, draft_model) if spec.model else None)
-        self._prompts: dict[str, str] = {}  # request_id -> prompt text, when given as text
-        self._oom_retries: collections.Counter[str] = collections.Counter()  # by request id
+        # every unfinished request (its samples, texts, versions, pool): one entry each
+        self.requests = RequestTable(self._forget)
         self.usage_history: collections.deque[UsageSample] = collections.deque(maxlen=100_000)
         self.last_schedule = None
         self.async_scheduling = AsyncScheduling(self) if config.async_scheduling else None
@@ -290,8 +288,7 @@ class LLMEngine(RequestIntake, PoolingRequests, StepRecovery, WeightUpdates, Sle
             self._fail(parent_id, message, now)
         parents = dict.fromkeys(r.parent_id for r in new)
         if final_only:
-            parents = [p for p in parents
-                       if all(s.status.finished for s in self._groups[p])]
+            parents = [p for p in parents if self.requests[p].finished]
         return [self._output(parent_id, failed.get(parent_id)) for parent_id in parents]
 
     def _on_token(self, sample: Request, failed: dict[str, str]) -> RequestStatus | None:
@@ -304,7 +301,7 @@ class LLMEngine(RequestIntake, PoolingRequests, StepRecovery, WeightUpdates, Sle
         try:
             stopped = self.token_masks.advance(sample)  # a grammar complete
             if self.tokenizer is not None:
-                stopped = self._texts[sample.request_id].advance(sample) or stopped
+                stopped = self.requests.sample_text(sample).advance(sample) or stopped
                 if len(sample.logprobs) == sample.num_output_tokens:  # this token's entry
                     for token_id, logprob in sample.logprobs[-1].items():
                         logprob.decoded_token = self.tokenizer.decode(
@@ -315,38 +312,28 @@ class LLMEngine(RequestIntake, PoolingRequests, StepRecovery, WeightUpdates, Sle
         return RequestStatus.FINISHED_STOPPED if stopped else None
 
     def _output(self, parent_id: str, error: str | None = None) -> RequestOutput:
-        samples = self._groups[parent_id]
-        if self.is_pooling(parent_id):
-            out = self.pooling_output(parent_id, error)
-            if out.finished:
-                del self._groups[parent_id]
-                for books in (self._prompts, self._oom_retries, self._versions):
-                    books.pop(parent_id, None)
-                self._forget(parent_id)
-            return out
-        texts = None
-        if self.tokenizer is not None:
-            texts = {s.request_id: self._texts[s.request_id].visible_text(s.status.finished)
-                     for s in samples}
-        lora_id = samples[0].lora_id
-        out = RequestOutput.from_samples(
-            samples, samples[0].sampling_params.n, texts, self._prompts.get(parent_id), error,
-            self._record_version(parent_id),
-            None if lora_id is None else self.lora_manager.adapters[lora_id])
+        """parent_id's output now; a finished request leaves the table (RequestTable.finish)."""
+        state = self.requests[parent_id]
+        if state.pooling is not None:
+            out = self.pooling_output(state, error)
+        else:
+            samples = state.samples
+            texts = None
+            if self.tokenizer is not None:
+                texts = {s.request_id: state.texts[s.request_id].visible_text(s.status.finished)
+                         for s in samples}
+            lora_id = samples[0].lora_id
+            out = RequestOutput.from_samples(
+                samples, samples[0].sampling_params.n, texts, state.prompt_text, error,
+                state.record_version(self.weight_version),
+                None if lora_id is None else self.lora_manager.adapters[lora_id])
         if out.finished:
-            del self._groups[parent_id]
-            self._versions.pop(parent_id, None)
-            self._prompts.pop(parent_id, None)
-            self._oom_retries.pop(parent_id, None)
-            for sample in samples:
-                self._forget(sample.request_id)
+            self.requests.finish(parent_id)
         return out
 
     def _forget(self, request_id: str) -> None:
-        """A finished sample's host state: its text, its token masks, its drafter's KV, its
-        pool."""
-        self._texts.pop(request_id, None)
-        self.forget_pooling(request_id)
+        """A finished sample's state outside the request table: its token masks, its drafter's
+        KV."""
         self.token_masks.drop(request_id)
         if self.speculator is not None:
             self.speculator.forget(request_id)

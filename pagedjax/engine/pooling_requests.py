@@ -13,8 +13,10 @@ import numpy as np
 
 from pagedjax.engine.outputs import PoolingRequestOutput
 from pagedjax.engine.request_checks import PromptSpec
+from pagedjax.engine.request_table import PoolingState, RequestState
 from pagedjax.pooling import step_states
 from pagedjax.pooling.params import PoolingParams
+from pagedjax.pooling.poolers import PooledSequence
 from pagedjax.pooling.pooling_model import PoolingModel
 from pagedjax.scheduler import Request, SamplingParams
 from pagedjax.scheduler.errors import RequestError
@@ -49,7 +51,7 @@ class PoolingEntry:
 
 
 class PoolingRequests(PoolingEntry):
-    """LLMEngine's pooling side (it has add_requests, config, model_config, _groups)."""
+    """LLMEngine's pooling side (it has add_requests, config, model_config, requests)."""
 
     def _init_pooling(self) -> None:
         # LLM sets the model directory's, and the runner ("pooling") servers hold it to; the
@@ -57,36 +59,28 @@ class PoolingRequests(PoolingEntry):
         self.pooling_model = PoolingModel()
         # what a server built over it serves ("auto" is resolved by LLM before the engine)
         self.runner_type = "pooling" if self.config.runner == "pooling" else "generate"
-        self._pools: dict[str, object] = {}  # request id -> its PooledSequence
-        self._pooling_params: dict[str, PoolingParams] = {}
 
-    def start_pooling(self, request: Request, params: PoolingParams) -> None:
+    def start_pooling(self, request: Request, params: PoolingParams) -> PoolingState:
         """Marks a built request as pooling (Request.pooling) and opens its pool."""
         pool = self.pooling_model.sequence(params)
         request.pooling = "all" if pool.needs_every_token else "last"
-        self._pools[request.request_id] = pool
-        self._pooling_params[request.request_id] = params
+        return PoolingState(pool, params)
 
     def record_pooled(self, output, states: np.ndarray | None) -> None:
-        step_states.record(output, states, self._pools)
+        step_states.record(output, states, self._pool_of)
 
-    def is_pooling(self, request_id: str) -> bool:
-        return request_id in self._pooling_params
+    def _pool_of(self, request: Request) -> PooledSequence | None:
+        state = self.requests.get(request.parent_id)
+        return None if state is None or state.pooling is None else state.pooling.pool
 
-    def pooling_output(self, request_id: str, error: str | None) -> PoolingRequestOutput:
+    def pooling_output(self, state: RequestState, error: str | None) -> PoolingRequestOutput:
         """A pooling request's output, once its prompt is computed (or it failed)."""
-        sample = self._groups[request_id][0]
-        params = self._pooling_params[request_id]
+        sample, pooling = state.samples[0], state.pooling
         data = np.zeros(0, np.float32)
         if error is None and sample.status.value in ("stop", "length"):
-            data = self.pooling_model.finish(self._pools[request_id].result(), params,
+            data = self.pooling_model.finish(pooling.pool.result(), pooling.params,
                                              sample.prompt_token_ids)
-        return PoolingRequestOutput.from_sample(sample, data, self._prompts.get(request_id),
-                                                error)
-
-    def forget_pooling(self, request_id: str) -> None:
-        self._pools.pop(request_id, None)
-        self._pooling_params.pop(request_id, None)
+        return PoolingRequestOutput.from_sample(sample, data, state.prompt_text, error)
 
 
 def pooling_spec(engine, prompt_token_ids: Sequence[int], params: PoolingParams | None,

@@ -3,21 +3,22 @@ into their samples with seeds and ids, queued with their token masks and texts, 
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from pagedjax.engine.output_processor import TextState
 from pagedjax.engine.request_checks import Admission, PromptSpec, check_specs
+from pagedjax.engine.request_table import PoolingState, RequestState
 from pagedjax.scheduler import Request, SamplingParams, make_samples
 
 
 class RequestIntake:
     """LLMEngine's requests in (it has scheduler, token_masks, tokenizer, clock, model_config,
-    stats, _groups, _texts, _prompts, _seed_rng, _next_id, _oom_retries and _forget)."""
+    stats, requests, _seed_rng and _next_id)."""
 
     @property
-    def request_groups(self) -> dict[str, list[Request]]:
-        """request_id -> its samples, for every unfinished request."""
-        return self._groups
+    def request_groups(self) -> Mapping[str, list[Request]]:
+        """request_id -> its samples, for every unfinished request (the request table's view)."""
+        return self.requests.groups
 
     def add_requests(self, specs: Sequence[PromptSpec],
                      admit: Callable[[list[Admission]], None] | None = None) -> list[str]:
@@ -36,11 +37,11 @@ class RequestIntake:
         taken = {a.request_id for a in admissions}
         requests = [self._build(a, taken) for a in admissions]
         for request, admission in zip(requests, admissions):
+            pooling = None
             if admission.spec.pooling_params is not None:
-                self.start_pooling(request, admission.spec.pooling_params)
-            self.queue(request, admission.constraints or False)
-            if admission.spec.prompt_text is not None:
-                self._prompts[request.parent_id] = admission.spec.prompt_text
+                pooling = self.start_pooling(request, admission.spec.pooling_params)
+            self.queue(request, admission.constraints or False, pooling)
+            self.requests[request.parent_id].prompt_text = admission.spec.prompt_text
         return [r.parent_id for r in requests]
 
     def scheduler_states(self) -> list:
@@ -79,7 +80,7 @@ class RequestIntake:
         request_id = admission.request_id
         if request_id is None:
             request_id = str(self._next_id)
-            while request_id in self._groups or request_id in taken:
+            while request_id in self.requests or request_id in taken:
                 self._next_id += 1
                 request_id = str(self._next_id)
             self._next_id += 1
@@ -90,35 +91,33 @@ class RequestIntake:
                             eos_token_ids=self.model_config.eos_token_ids, lora_id=lora_id,
                             lora_key=lora_key)
 
-    def queue(self, request: Request, constraints=None) -> None:
+    def queue(self, request: Request, constraints=None,
+              pooling: PoolingState | None = None) -> None:
         """Queues a request from make_request (with its parallel samples). constraints: its
-        token_masks.Constraints from admission (False: it has none; None: built here)."""
+        token_masks.Constraints from admission (False: it has none; None: built here);
+        pooling: its pool (start_pooling), when it pools."""
         if constraints is None:
             constraints = self.token_masks.constraints(request.sampling_params)
         self.scheduler.add_request(request)
         samples = [request, *request.followers]
         self.token_masks.add(samples, constraints or None)
-        self._groups[request.parent_id] = samples
-        if self.tokenizer is not None and request.pooling is None:
-            for sample in samples:
-                self._texts[sample.request_id] = TextState(self.tokenizer, sample)
+        state = RequestState(request.parent_id, samples, pooling=pooling)
+        if self.tokenizer is not None and pooling is None:
+            state.texts = {s.request_id: TextState(self.tokenizer, s) for s in samples}
+        self.requests.add(state)
 
     def set_prompt_text(self, request_id: str, prompt: str) -> None:
         """Records the text a queued request's prompt came from (returned in its outputs)."""
-        if request_id in self._groups:
-            self._prompts[request_id] = prompt
+        if request_id in self.requests:
+            self.requests[request_id].prompt_text = prompt
 
     def abort(self, request_id: str) -> None:
         """Finishes a request (all its samples) at once and frees its blocks; unknown or
         finished ids are ignored."""
-        samples = self._groups.pop(request_id, None)
-        if samples is None:
+        state = self.requests.finish(request_id)
+        if state is None:
             return
         now = self.clock()
-        for sample in samples:
+        for sample in state.samples:
             self.scheduler.abort(sample.request_id, now)
-            self._forget(sample.request_id)
-        self._prompts.pop(request_id, None)
-        self._oom_retries.pop(request_id, None)
-        self._versions.pop(request_id, None)
         self.stats.num_aborted += 1

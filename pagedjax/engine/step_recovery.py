@@ -37,7 +37,7 @@ class StepRecovery:
         if self.async_scheduling is not None:
             self.async_scheduling.abandon()
         message, now = describe(error), self.clock()
-        failed = list(self._groups)
+        failed = list(self.requests)
         for parent_id in failed:
             self._fail(parent_id, message, now)
         outputs = [self._output(parent_id, message) for parent_id in failed]
@@ -45,13 +45,12 @@ class StepRecovery:
             self.kv_tiers.start_over(self.scheduler.kv_manager)
         self.scheduler = self._make_scheduler()
         self.token_masks.clear()
-        self._oom_retries.clear()
         if self.runner.kv_cache_lost:
             self.runner.reset_kv_cache()
         return outputs
 
     def _fail(self, parent_id: str, message: str, now: float) -> None:
-        for sample in self._groups[parent_id]:
+        for sample in self.requests[parent_id].samples:
             if not sample.status.finished:
                 self.scheduler.abort(sample.request_id, now, RequestStatus.FINISHED_ERROR)
         self.stats.num_failed += 1
@@ -84,7 +83,7 @@ class StepRecovery:
                 if self.runner.kv_cache_lost:
                     raise
                 parent_id = seq.request.parent_id
-                if parent_id in self._groups:
+                if parent_id in self.requests:
                     message = describe(row_error)
                     self._fail(parent_id, message, self.clock())
                     outputs.append(self._output(parent_id, message))
@@ -112,9 +111,12 @@ class StepRecovery:
         self.scheduler.kv_manager.drop_cached_content()
         outputs, now = [], self.clock()
         for parent_id in dict.fromkeys(s.request.parent_id for s in output.scheduled):
-            self._oom_retries[parent_id] += 1
-            retries = self._oom_retries[parent_id]
-            if retries > MAX_OOM_RETRIES and parent_id in self._groups:
+            state = self.requests.get(parent_id)
+            if state is None:
+                continue
+            state.oom_retries += 1
+            retries = state.oom_retries
+            if retries > MAX_OOM_RETRIES:
                 what = "out of device memory" if oom else "failed on the device"
                 message = f"{what} {retries} times: {describe(error)}"
                 self._fail(parent_id, message, now)

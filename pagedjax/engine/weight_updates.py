@@ -56,7 +56,6 @@ class WeightUpdates:
         self._paused = False
         self._held_outputs: list = []  # produced while pausing, returned by the next step()
         self._holding_new = False  # requests that never ran are left waiting (a `wait` pause)
-        self._versions: dict[str, list[str]] = {}  # request id -> versions its tokens came from
 
     @property
     def is_paused(self) -> bool:
@@ -228,8 +227,8 @@ class WeightUpdates:
 
     def _abort_unfinished(self) -> list:
         now, outputs = self.clock(), []
-        for parent_id in list(self._groups):
-            for sample in self._groups[parent_id]:
+        for parent_id in list(self.requests):
+            for sample in self.requests[parent_id].samples:
                 if not sample.status.finished:
                     self.scheduler.abort(sample.request_id, now)
             self.stats.num_aborted += 1
@@ -283,11 +282,3 @@ class WeightUpdates:
                    else (self._weights_origin, self.num_weight_updates))
         return repr((self.model_config, weights, self.config.dtype,
                      self.config.kv_cache_dtype)).encode()
-
-    def _record_version(self, parent_id: str) -> str | list[str]:
-        """The versions parent_id's tokens were sampled under, the current one last: one, or
-        (a `keep` request spanning an update) the list of them."""
-        versions = self._versions.setdefault(parent_id, [])
-        if not versions or versions[-1] != self.weight_version:
-            versions.append(self.weight_version)
-        return versions[0] if len(versions) == 1 else list(versions)

@@ -134,7 +134,7 @@ class AsyncLLMEngine(EngineFrontend):
     @property
     def num_live(self) -> int:
         """Requests admitted and not finished (nor aborted)."""
-        return len(self.driver.live)
+        return len(self.driver.admitted)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 

@@ -62,8 +62,8 @@ class EngineDriver:
         which may be replaced between steps (degradation does)."""
         self.engine = engine
         self.limits = limits
-        self.live: dict[str, list[Request]] = {}  # request id -> its samples, until finished
-        self.admitted: dict[str, Live] = {}  # request id -> what admission control counts
+        # request id -> its samples and what admission control counts of it, until it finishes
+        self.admitted: dict[str, Live] = {}
         # outstanding_tokens without a pass over every live request each step (a queue of
         # 20,000 made the steps O(queue) each, the whole O(queue^2)): the requests no step has
         # scheduled yet count their whole remaining tokens, kept as a total; those started are
@@ -88,7 +88,6 @@ class EngineDriver:
         ids = self.engine.add_requests(prompts, admit)
         for request_id in ids:
             samples = self.engine.request_groups[request_id]
-            self.live[request_id] = samples
             self._fresh[request_id] = remaining_tokens(samples)
             self._fresh_tokens += self._fresh[request_id]
             self.admitted[request_id] = Live(samples, streamed, long_after is not None and
@@ -97,8 +96,7 @@ class EngineDriver:
 
     def abort(self, request_id: str) -> bool:
         """Aborts a live request (its blocks freed); False when it is not live."""
-        self.admitted.pop(request_id, None)
-        if self.live.pop(request_id, None) is None:
+        if self.admitted.pop(request_id, None) is None:
             return False
         self._forget(request_id)
         self.engine.abort(request_id)
@@ -119,10 +117,9 @@ class EngineDriver:
             logger.exception("engine step failed; its requests fail, the engine goes on")
             outputs = self.engine.fail_all(error)
         step_time = time.perf_counter() - start
-        live = [out for out in outputs if out.request_id in self.live]
+        live = [out for out in outputs if out.request_id in self.admitted]
         for out in live:
             if out.finished:
-                self.live.pop(out.request_id, None)
                 self.admitted.pop(out.request_id, None)
                 self._forget(out.request_id)
         return live, step_time
@@ -132,8 +129,7 @@ class EngineDriver:
 
     def drop_all(self) -> list[str]:
         """Forgets every live request (the engine has stopped); returns their ids."""
-        ids = list(self.live)
-        self.live.clear()
+        ids = list(self.admitted)
         self.admitted.clear()
         self._fresh.clear()
         self._fresh_tokens = 0
@@ -149,7 +145,9 @@ class EngineDriver:
                 if parent_id in self._fresh:
                     self._fresh_tokens -= self._fresh.pop(parent_id)
                     self._started.add(parent_id)
-        started = sum(remaining_tokens(self.live[i]) for i in self._started if i in self.live)
+        admitted = self.admitted
+        started = sum(remaining_tokens(admitted[i].samples) for i in self._started
+                      if i in admitted)
         return self._fresh_tokens + started
 
     def _outstanding_blocks(self, blocks_for) -> int:
@@ -159,7 +157,7 @@ class EngineDriver:
         if not self.engine.hybrid_kv_cache:
             return blocks_for(self.outstanding_tokens())
         return sum(blocks_for(r.max_num_tokens - r.num_computed_tokens)
-                   for samples in self.live.values() for r in samples
+                   for live in self.admitted.values() for r in live.samples
                    if not r.status.finished)
 
     def report(self, outputs: list[RequestOutput], step_time: float | None) -> StepInfo:

@@ -5,6 +5,8 @@ prefill computes them (a prompt recomputed after a preemption adds nothing)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pagedjax.models import paged_forward
 from pagedjax.pooling.poolers import PooledSequence
+from pagedjax.scheduler import Request
 
 
 def pooled_states(graph, params, hidden: jax.Array, rows: jax.Array, mesh=None) -> jax.Array:
@@ -24,14 +27,15 @@ def pooled_states(graph, params, hidden: jax.Array, rows: jax.Array, mesh=None) 
     return states
 
 
-def record(output, states: np.ndarray | None, pools: dict[str, PooledSequence]) -> None:
+def record(output, states: np.ndarray | None,
+           pool_of: Callable[[Request], PooledSequence | None]) -> None:
     """Feeds a finished step's pooled states (pooled_states on the host, or None) to the
-    scheduled pooling requests' PooledSequences (pools: by request id)."""
+    scheduled pooling requests' PooledSequences (pool_of: a scheduled request's, or None)."""
     if states is None:
         return
     offset = 0
     for request, start, num_new in output.scheduled:
-        pool = pools.get(request.request_id)
+        pool = pool_of(request) if request.pooling is not None else None
         if pool is not None:
             first, last = _pooled_span(request.num_prompt_tokens, start, num_new,
                                        pool.needs_every_token)
