@@ -22,7 +22,7 @@ GPU_IMAGE_TESTS := tests/test_gpu_script.py tests/test_kernels_gpu.py \
 
 .PHONY: docs lint mutants gguf-tokenizer-reference demo test test-slow test-clients test-gpu-image test-tunix gpu-image-python bench bench-gpu-image llama-cpp-python llama-server clean
 
-$(STAMP): pyproject.toml setup.py requirements/cpu.txt
+$(STAMP): pyproject.toml requirements/cpu.txt
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements/cpu.txt
@@ -35,7 +35,7 @@ $(TEST_STAMP): $(STAMP) requirements/test.txt requirements/tpu-aot.txt requireme
 	$(PY) -m pip install --quiet --no-deps --upgrade --target $(VENV)/libtpu -r requirements/tpu-aot.txt
 	touch $(TEST_STAMP)
 
-$(GPU_IMAGE_STAMP): pyproject.toml setup.py requirements/gpu-image.txt
+$(GPU_IMAGE_STAMP): pyproject.toml requirements/gpu-image.txt
 	@test -n "$(GPU_IMAGE_PYTHON)" || { echo "test-gpu-image needs Python 3.12 (the GPU image's): none on PATH or under pyenv; set GPU_IMAGE_PYTHON=..."; exit 1; }
 	test -d $(GPU_IMAGE_VENV) || $(GPU_IMAGE_PYTHON) -m venv $(GPU_IMAGE_VENV)
 	$(GPU_IMAGE_VENV)/bin/python -m pip install --quiet --upgrade pip
@@ -57,7 +57,8 @@ demo: $(DEMO_STAMP)
 test: $(TEST_STAMP)
 	$(PY) -m pytest -n 2 --dist loadfile -q -m "not slow and not clients" tests
 
-# Static checks (settings in pyproject.toml): ruff, and isort's check of the import order.
+# Static checks (settings in pyproject.toml): ruff, isort's check of the import order, and mypy over
+# the runtime packages (pagedjax; models, scheduler and pallas_kernels through its links).
 LINT_STAMP := $(VENV)/.installed-lint
 LINTED := pagedjax models scheduler pallas_kernels tests benchmarks
 $(LINT_STAMP): $(STAMP) requirements/lint.txt
@@ -67,6 +68,7 @@ $(LINT_STAMP): $(STAMP) requirements/lint.txt
 lint: $(LINT_STAMP)
 	$(VENV)/bin/ruff check --no-cache $(LINTED)
 	$(VENV)/bin/isort --check-only --diff $(LINTED)
+	$(VENV)/bin/mypy
 
 # The documentation site, strict (a broken link, a page out of the nav: the build fails), in an
 # environment of its own; docs/index.md is the README's text (kept equal by tests/test_docs.py).
@@ -114,7 +116,7 @@ test-clients: $(TEST_STAMP) $(DEMO_STAMP) $(CLIENT_STAMPS)
 
 # pagedjax as Tunix's rollout engine, against Tunix itself (tests/test_tunix_rollout.py), under
 # Python 3.12 with google-tunix 0.1.7 (requirements/tunix.txt).
-$(TUNIX_STAMP): pyproject.toml setup.py requirements/tunix.txt
+$(TUNIX_STAMP): pyproject.toml requirements/tunix.txt
 	@test -n "$(GPU_IMAGE_PYTHON)" || { echo "test-tunix needs Python 3.12: none on PATH or under pyenv; set GPU_IMAGE_PYTHON=..."; exit 1; }
 	test -d $(TUNIX_VENV) || $(GPU_IMAGE_PYTHON) -m venv $(TUNIX_VENV)
 	$(TUNIX_VENV)/bin/python -m pip install --quiet --upgrade pip

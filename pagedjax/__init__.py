@@ -6,10 +6,20 @@ The public names load on first use (PEP 562), so `import pagedjax.scheduler` sta
 
 import importlib
 import importlib.metadata
+from typing import TYPE_CHECKING
 
-from pagedjax import _source_tree
-
-_source_tree.install()
+if TYPE_CHECKING:  # what a type checker and an IDE see; at run time __getattr__ loads them
+    from pagedjax.engine.beam_search import BeamSearchParams, BeamSequence
+    from pagedjax.engine.config import EngineConfig
+    from pagedjax.engine.llm_engine import LLMEngine
+    from pagedjax.engine.outputs import (CompletionOutput, PoolingRequestOutput, RequestMetrics,
+                                         RequestOutput)
+    from pagedjax.frontend.llm import LLM, load_model
+    from pagedjax.lora.request import LoRARequest
+    from pagedjax.pooling.params import PoolingParams
+    from pagedjax.scheduler import (SamplingParams, StructuredOutputs,
+                                    StructuredOutputs as StructuredOutputsParams)
+    from pagedjax.scheduler.request import Logprob
 
 # name -> (module, attribute)
 _EXPORTS = {
@@ -36,7 +46,11 @@ try:
 except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
     __version__ = "0+unknown"
 
-__all__ = [*_EXPORTS, "__version__"]
+# the names _EXPORTS loads, spelled out for static tools (tests/test_structure.py keeps them equal)
+__all__ = ["BeamSearchParams", "BeamSequence", "EngineConfig", "LLMEngine", "CompletionOutput",
+           "RequestMetrics", "RequestOutput", "LLM", "LoRARequest", "load_model",
+           "SamplingParams", "PoolingParams", "PoolingRequestOutput", "StructuredOutputs",
+           "StructuredOutputsParams", "Logprob", "__version__"]
 
 
 def __getattr__(name: str):

@@ -7,13 +7,16 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-MAPPED = ("models", "scheduler", "pallas_kernels")  # installed as pagedjax.<folder> (setup.py)
+MAPPED = ("models", "scheduler", "pallas_kernels")  # pagedjax/<folder> links to them
 SOURCE = ("pagedjax", *MAPPED)
 
 
 def python_files(*folders: str):
+    """The folders' Python files, each once: a path through pagedjax/'s links to the top-level
+    folders is skipped (they are read as models/..., scheduler/..., pallas_kernels/...)."""
     for folder in folders:
-        yield from sorted((ROOT / folder).rglob("*.py"))
+        yield from sorted(p for p in (ROOT / folder).rglob("*.py")
+                          if not any(parent.is_symlink() for parent in p.parents))
 
 
 def imported_names(path: pathlib.Path):
@@ -34,6 +37,15 @@ def test_nothing_imports_the_folders_by_their_top_level_names():
              for path in python_files(*SOURCE, "tests", "benchmarks", "notebooks")
              for line, name in imported_names(path) if name.split(".")[0] in MAPPED]
     assert not found, "\n".join(found)
+
+
+def test_the_top_level_folders_are_linked_into_pagedjax():
+    """pagedjax/models -> ../models (and scheduler, pallas_kernels): the one layout Python, the
+    wheel, type checkers and IDEs all resolve pagedjax.models in, with no import hook."""
+    for folder in MAPPED:
+        link = ROOT / "pagedjax" / folder
+        assert link.is_symlink() and link.resolve() == (ROOT / folder).resolve(), folder
+        assert str(link.readlink()) == f"../{folder}"  # relative: a clone anywhere resolves it
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -154,3 +166,18 @@ def test_files_and_functions_stay_small():
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: "
                                  f"{length} lines")
     assert not found, "\n".join(found)
+
+
+def test_the_public_names_are_typed_as_they_load():
+    """pagedjax's lazy names (_EXPORTS, loaded by __getattr__) are __all__, and each is imported
+    under `if TYPE_CHECKING:` from the module __getattr__ loads it from: a type checker and an
+    IDE see the class itself, not Any."""
+    import pagedjax
+
+    tree = ast.parse((ROOT / "pagedjax" / "__init__.py").read_text())
+    block = next(node for node in tree.body if isinstance(node, ast.If)
+                 and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING")
+    typed = {(alias.asname or alias.name): (node.module, alias.name)
+             for node in block.body for alias in node.names}
+    assert typed == pagedjax._EXPORTS
+    assert sorted(pagedjax.__all__) == sorted([*pagedjax._EXPORTS, "__version__"])
