@@ -1,4 +1,7 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 # Before anything starts a JAX backend: the tests' programs are small and mostly compiled once,
 # so LLVM's optimisation passes cost the CPU more than they save (the suite: ~30% less time on
@@ -8,9 +11,16 @@ TEST_XLA_FLAG = "--xla_backend_optimization_level=0"
 if TEST_XLA_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAG}".strip()
 
-# Hermetic: no test reads or fills the user's persistent compilation cache; the tests of the
-# cache (test_compile_cache.py) name their own directories.
-os.environ.setdefault("PAGEDJAX_COMPILATION_CACHE", "off")
+# One persistent compilation cache for the run, fresh and removed after it (never the user's):
+# the suite builds hundreds of engines over the same small configurations, and each engine
+# compiles its programs ahead of time (nothing shared in memory between engines), so the same
+# programs compiled again in every test file and every server process. The controller makes it;
+# xdist's workers and the tests' child processes inherit it. The tests of the cache
+# (test_compile_cache.py) name their own directories; PAGEDJAX_COMPILATION_CACHE=off as the
+# environment turns it off.
+if "PYTEST_XDIST_WORKER" not in os.environ and "PAGEDJAX_COMPILATION_CACHE" not in os.environ:
+    os.environ["PAGEDJAX_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="pagedjax-test-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["PAGEDJAX_COMPILATION_CACHE"], True)
 
 import pytest  # noqa: E402
 
