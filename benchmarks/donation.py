@@ -16,7 +16,8 @@ import numpy as np
 from common import write_results
 
 from pagedjax import load_model
-from pagedjax.engine.runner import ModelRunner, step_fn
+from pagedjax.engine.runner import ModelRunner
+from pagedjax.engine.step_functions import step_fn
 from pagedjax.pallas_kernels import kv_cache_bytes_per_block
 from pagedjax.scheduler import DECODE, BatchPlan
 from pagedjax.scheduler.plan import padding_plan

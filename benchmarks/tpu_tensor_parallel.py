@@ -1,7 +1,7 @@
 """The engine's tensor-parallel step compiled by libtpu for TPU slices, on a machine without
 TPUs: per-device memory and the collectives XLA inserted.
 
-Each case is the runner's whole jitted step (pagedjax.engine.runner.step_fn: model with its layers
+Each case is the runner's whole jitted step (pagedjax.engine.step_functions.step_fn: model with its layers
 scanned, KV writes, the TPU attention kernels under shard_map, sampler), its weights placed by
 pagedjax.parallel.sharding's rules and its KV cache split over KV heads, all abstract (nothing is
 allocated), compiled as one program for every chip of the topology (benchmarks.aot.xla_tpu).
@@ -118,7 +118,7 @@ def build(name: str, devices):
     from flax import nnx
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from pagedjax.engine.runner import step_fn
+    from pagedjax.engine.step_functions import step_fn
     from pagedjax.models import CONFIGS, serving_form
     from pagedjax.models.registry import model_class
     from pagedjax.pallas_kernels import AttentionBackend, init_kv_cache, kv_cache_bytes_per_block

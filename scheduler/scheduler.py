@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
+
 from pagedjax.scheduler.kv_cache_groups import HybridKVCacheManager
 from pagedjax.scheduler.kv_cache_manager import KVCacheManager
 from pagedjax.scheduler.lifecycle import abort_request, add_request, check_request, requeue, update
@@ -60,8 +62,9 @@ class Scheduler:
         self.state, output = schedule(self.state, now)
         return output
 
-    def update(self, output: SchedulerOutput, sampled_ids: Sequence[int], now: float,
-               sampled_logprobs: Sequence[float] | None = None, top_ids=None,
+    def update(self, output: SchedulerOutput, sampled_ids: Sequence[int] | np.ndarray,
+               now: float, sampled_logprobs: Sequence[float] | np.ndarray | None = None,
+               top_ids=None,
                top_logprobs=None, sampled_ranks=None, on_token=None) -> list[Request]:
         return update(self.state, output, sampled_ids, now, sampled_logprobs, top_ids,
                       top_logprobs, sampled_ranks, on_token)

@@ -10,7 +10,8 @@ from helpers import until_done
 
 from benchmarks.aot.xla_tpu import whole_copies
 from pagedjax import LLM, EngineConfig, LLMEngine, SamplingParams
-from pagedjax.engine.runner import _step, num_step_compiles, num_step_traces
+from pagedjax.engine.step_counts import num_step_compiles, num_step_traces
+from pagedjax.engine.step_functions import step_program as _step
 from pagedjax.engine.warmup import warmup_shapes
 from pagedjax.models import get_config, init_model
 from pagedjax.scheduler import DECODE

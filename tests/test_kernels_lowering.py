@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 from benchmarks.aot import triton_gpu
-from pagedjax.engine.runner import _step
+from pagedjax.engine.step_functions import step_program as _step
 from pagedjax.models import LlamaConfig, LlamaForCausalLM, serving_form
 from pagedjax.pallas_kernels import (AttentionBackend, init_kv_cache, paged_decode_attention_gpu,
                                      paged_decode_attention_tpu, ragged_paged_attention_gpu,
@@ -146,7 +146,7 @@ def abstract_step(config, kind, *, num_tokens, num_seqs, num_blocks, max_blocks_
     caches, plan)) for a model config, at one bucket: nothing is allocated. quantization: the
     weights quantized so (pagedjax.models.quantization.schemes; LM head too), their float leaves in
     param_dtype."""
-    from pagedjax.engine.runner import step_fn
+    from pagedjax.engine.step_functions import step_fn
     model = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
     if quantization is not None:  # computing in param_dtype, as a bf16 engine does
         from pagedjax.models.layers.quantized import quantize_model

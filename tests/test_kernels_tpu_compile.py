@@ -96,7 +96,7 @@ def build_step(name, devices=None):
     from flax import nnx
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from pagedjax.engine.runner import step_fn
+    from pagedjax.engine.step_functions import step_fn
     from pagedjax.models import LlamaConfig, LlamaForCausalLM, serving_form
     from pagedjax.pallas_kernels import AttentionBackend, init_kv_cache
     from pagedjax.parallel import sharding
@@ -131,7 +131,7 @@ def build_step(name, devices=None):
             a.shape, a.dtype, sharding=sharding.kv_cache_sharding(mesh)), caches)
         plan = jax.tree.map(lambda a: jax.ShapeDtypeStruct(
             a.shape, a.dtype, sharding=NamedSharding(mesh, P())), plan)
-    # Donated, as the runner's step does (pagedjax.engine.runner._step).
+    # Donated, as the runner's step does (pagedjax.engine.step_functions.step_program).
     return (jax.jit(functools.partial(step_fn, graph, backend, 0), donate_argnums=(1,)),
             (params, caches, plan))
 

@@ -56,7 +56,7 @@ def all_reduces(model, lora: bool) -> dict:
     import numpy as np
 
     from pagedjax import LLM
-    from pagedjax.engine.runner import _forward, forward_inputs
+    from pagedjax.engine.step_functions import forward_inputs, forward_program as _forward
     from pagedjax.scheduler.plan import padding_plan
 
     runner = LLM(model, **{**BASE, "enable_lora": lora}, tensor_parallel_size=2).engine.runner

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pagedjax.engine.runner import step_fn
+from pagedjax.engine.step_functions import step_fn
 from pagedjax.models import LlamaConfig, get_config, init_model, paged_forward
 from pagedjax.models.families.llama import rope
 from pagedjax.pallas_kernels import AttentionBackend, AttentionMetadata, init_kv_cache

@@ -100,4 +100,4 @@ def test_sleep_needs_an_idle_engine_and_a_level(models):
         llm.wake_up(["gpu"])
     llm.wake_up()
     llm.engine.sleep()  # the engine's default too
-    assert llm.engine.sleep_level == 1 and llm.engine._host_weights is not None
+    assert llm.engine.sleep_level == 1 and llm.engine.sleep_mode._host_weights is not None

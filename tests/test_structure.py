@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MAPPED = ("models", "scheduler", "pallas_kernels")  # pagedjax/<folder> links to them
@@ -68,7 +69,12 @@ def import_graph() -> dict[str, set[str]]:
     graph = {}
     for module, path in modules.items():
         targets = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        typing_only = {id(n) for block in ast.walk(tree) if _is_type_checking(block)
+                       for n in ast.walk(block)}
+        for node in ast.walk(tree):
+            if id(node) in typing_only:  # a type's name only, never imported at run time
+                continue
             names = []
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
@@ -78,6 +84,12 @@ def import_graph() -> dict[str, set[str]]:
                            if t and t != module and not module.startswith(t + "."))
         graph[module] = targets
     return graph
+
+
+def _is_type_checking(node) -> bool:
+    """An `if TYPE_CHECKING:` block (a part's annotation naming the engine that holds it)."""
+    return (isinstance(node, ast.If) and isinstance(node.test, ast.Name)
+            and node.test.id == "TYPE_CHECKING")
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -181,3 +193,49 @@ def test_the_public_names_are_typed_as_they_load():
              for node in block.body for alias in node.names}
     assert typed == pagedjax._EXPORTS
     assert sorted(pagedjax.__all__) == sorted([*pagedjax._EXPORTS, "__version__"])
+
+
+def assigned_attributes(path: pathlib.Path):
+    """(line, target) of every assignment to an attribute of something other than self."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        targets = (node.targets if isinstance(node, ast.Assign) else
+                   [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        for target in targets:
+            for one in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                if isinstance(one, ast.Attribute) and ast.unparse(one.value) != "self":
+                    yield node.lineno, ast.unparse(one)
+
+
+def test_the_model_runner_owns_its_fields():
+    """No module but the runner's own assigns a ModelRunner's fields or calls its private
+    methods: its parameters, KV cache, channel and cached layouts change through its methods
+    (set_params, drop_kv_cache, restore_kv_cache, swap_kv_cache, lead, attach_tier_pool,
+    cached_layout)."""
+    own = {ROOT / "pagedjax" / "engine" / "runner.py",
+           ROOT / "pagedjax" / "kv_offload" / "block_transfers.py"}  # its base class
+    runner = re.compile(r"(^|\.)(draft_)?runner$")
+    found = [f"{path.relative_to(ROOT)}:{line}: {target}"
+             for path in python_files(*SOURCE) if path not in own
+             for line, target in assigned_attributes(path)
+             if runner.search(target.rpartition(".")[0])]
+    found += [f"{path.relative_to(ROOT)}:{i}: {line.strip()}"
+              for path in python_files(*SOURCE) if path not in own
+              for i, line in enumerate(path.read_text().splitlines(), 1)
+              if re.search(r"runner\._[a-z]", line)]
+    assert found == [], "\n".join(found)
+
+
+def test_the_engine_is_composed_of_parts_not_mixins():
+    """LLMEngine inherits nothing: its parts (intake, weights, sleep_mode, loras, pooling,
+    outputs, recovery) are objects it holds, each owning its state, and the step loop is in
+    llm_engine.py. No class of pagedjax/engine/ is another's base but BackgroundWarmup, which
+    EncoderWarmup specializes."""
+    classes = {node.name: (path, node) for path in python_files("pagedjax/engine")
+               for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)}
+    assert classes["LLMEngine"][1].bases == []
+    bases = {ast.unparse(base).split("[")[0] for _, node in classes.values() for base in node.bases}
+    assert bases & set(classes) == {"BackgroundWarmup"}
+    loop = ast.unparse(classes["LLMEngine"][1])
+    for step in ("def step(", "def begin_step(", "def _schedule(", "def dispatch(",
+                 "def finish_step(", "def complete_step("):
+        assert step in loop, step

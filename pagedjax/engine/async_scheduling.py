@@ -40,7 +40,7 @@ class AsyncScheduling:
 
     def __init__(self, engine):
         self.engine = engine
-        self.in_flight = None  # the engine's _Started step dispatched ahead, not yet finished
+        self.in_flight = None  # the engine's StartedStep dispatched ahead, not yet finished
 
     def step(self, final_only: bool = False) -> list:
         return self.finish(self.begin(), final_only)
@@ -72,7 +72,7 @@ class AsyncScheduling:
             self._drop(ahead)
             if is_device_oom(error):
                 engine.stats.num_oom += 1
-            return engine.recompute_running(current.output, error)
+            return engine.recovery.recompute_running(current.output, error)
         try:
             outputs = engine.complete_step(current, results, final_only)
         except BaseException:
@@ -113,6 +113,12 @@ class AsyncScheduling:
             except Exception:  # noqa: BLE001 - its results are dropped either way
                 pass
         drop_placeholders(self.engine.scheduler.state.requests.values())
+
+    def settle(self) -> list:
+        """Finishes the step dispatched ahead, if any (its outputs): nothing stays in flight
+        (pausing settles so)."""
+        ahead, self.in_flight = self.in_flight, None
+        return [] if ahead is None else self.finish((ahead, None))
 
     def abandon(self) -> None:
         """Forgets the step in flight (the engine starts over: LLMEngine.fail_all)."""

@@ -30,7 +30,9 @@ from flax import nnx
 from pagedjax.engine.compile_cache import enable_compilation_cache
 from pagedjax.engine.config import EngineConfig
 from pagedjax.engine.outputs import PoolingRequestOutput
-from pagedjax.engine.pooling_requests import PROMPT_ONLY, PoolingEntry, check_token_type_ids
+from pagedjax.engine.pooling_requests import (PROMPT_ONLY, add_pooling_request,
+                                              check_pooling_params, check_token_type_ids,
+                                              pooling_spec)
 from pagedjax.engine.request_checks import Admission, PromptSpec, check_prompt_token_ids
 from pagedjax.engine.stats import EngineStats, ReplicaLoad
 from pagedjax.engine.warmup import BackgroundWarmup
@@ -68,7 +70,10 @@ def bucket(n: int, least: int, most: int) -> int:
     return min(most, max(least, 1 << max(0, n - 1).bit_length()))
 
 
-class EncoderEngine(PoolingEntry):
+class EncoderEngine:
+    pooling_spec = pooling_spec  # where pooling requests enter (pagedjax.engine.pooling_requests)
+    check_pooling_params = check_pooling_params
+    add_pooling_request = add_pooling_request
     runner_type = "pooling"
     hybrid_kv_cache = False
     num_blocks = 1  # the paged engine's null block: no pool

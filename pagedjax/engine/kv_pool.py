@@ -60,8 +60,8 @@ def size_kv_pool(model, config: EngineConfig, devices, backend) -> KVPool:
                          dtype=config.kv_np_dtype, backend=backend,
                          num_top_logprobs=config.max_logprobs, scan_layers=config.scan_layers,
                          device=devices[0], kv_groups=kv_groups, lora_spec=lora_spec,
-                         with_logits=config.runner != "pooling")  # pooling samples nothing
-    runner.logprobs_mode = config.logprobs_mode
+                         with_logits=config.runner != "pooling",  # pooling samples nothing
+                         logprobs_mode=config.logprobs_mode)
     budget = None
     if config.gpu_memory_utilization is not None:
         budget = memory_budget.measure(runner, config, buckets, per_device)

@@ -3,28 +3,32 @@
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
 
-from pagedjax.engine import memory_budget, prompt_logprobs
+from pagedjax.engine import memory_budget
 from pagedjax.engine.async_scheduling import AsyncScheduling
 from pagedjax.engine.compile_cache import enable_compilation_cache
 from pagedjax.engine.config import EngineConfig
+from pagedjax.engine.forwarding import forward_property, forward_to
 from pagedjax.engine.kv_pool import check_linear_attention, size_kv_pool
-from pagedjax.engine.kv_snapshot import KVSnapshot, UsageSample, kv_snapshot, tokens_stored
-from pagedjax.engine.outputs import RequestOutput
-from pagedjax.engine.pooling_requests import PoolingRequests
+from pagedjax.engine.kv_snapshot import KVSnapshot, UsageSample, kv_snapshot
+from pagedjax.engine.outputs import EngineOutput
+from pagedjax.engine.pooling_requests import (PoolingRequests, add_pooling_request,
+                                              check_pooling_params, pooling_spec)
 from pagedjax.engine.request_intake import RequestIntake
 from pagedjax.engine.request_table import RequestTable
 from pagedjax.engine.sleep_mode import SleepMode
+from pagedjax.engine.spec_decode.config import SpeculativeConfig
 from pagedjax.engine.spec_decode.draft_model import DraftModelProposer
 from pagedjax.engine.spec_decode.speculator import Speculator
 from pagedjax.engine.stats import EngineStats, ReplicaLoad
-from pagedjax.engine.step_recovery import StepRecovery, describe
+from pagedjax.engine.step_outputs import StepOutputs
+from pagedjax.engine.step_recovery import StepRecovery
+from pagedjax.engine.step_results import StartedStep
 from pagedjax.engine.token_masks import TokenMasks, step_rows
 from pagedjax.engine.warmup import BackgroundWarmup, warm
 from pagedjax.engine.weight_updates import WeightUpdates
@@ -35,23 +39,49 @@ from pagedjax.models import LlamaForCausalLM
 from pagedjax.models.loading.quantized_loading import for_serving as quantized_for_serving
 from pagedjax.parallel import multihost
 from pagedjax.parallel.placement import place
-from pagedjax.scheduler import DECODE, Request, RequestStatus, Scheduler, build_plan
+from pagedjax.pooling.pooling_model import PoolingModel
+from pagedjax.scheduler import Request, RequestStatus, Scheduler, build_plan
 
 
-@dataclasses.dataclass
-class _Started:
-    """A step begin_step dispatched: its schedule, when it began, the device step in flight
-    (or the error that stopped it before the device)."""
+class LLMEngine:
+    """Requests in, one step at a time (docs/architecture.md: one engine step). Its parts, each
+    owning its state and handed the engine: intake (requests in, aborts), weights (updates,
+    pausing, versions), sleep_mode, loras, pooling, outputs (a step's results into outputs), recovery
+    (failed steps); the controls they own are named here (forward_to)."""
 
-    output: object
-    start: float
-    pending: object
-    error: Exception | None = None
-
-
-class LLMEngine(RequestIntake, PoolingRequests, StepRecovery, WeightUpdates, SleepMode,
-                LoRAControls):
-    """Requests in, one step at a time (docs/architecture.md: one engine step)."""
+    # ---- the controls its parts own ------------------------------------------------------------
+    add_requests = forward_to("intake", RequestIntake.add_requests)
+    queue_admitted = forward_to("intake", RequestIntake.queue_admitted)
+    add_request = forward_to("intake", RequestIntake.add_request)
+    make_request = forward_to("intake", RequestIntake.make_request)
+    queue = forward_to("intake", RequestIntake.queue)
+    set_prompt_text = forward_to("intake", RequestIntake.set_prompt_text)
+    abort = forward_to("intake", RequestIntake.abort)
+    pooling_spec = pooling_spec
+    check_pooling_params = check_pooling_params
+    add_pooling_request = add_pooling_request
+    update_weights = forward_to("weights", WeightUpdates.update_weights)
+    pause_generation = forward_to("weights", WeightUpdates.pause_generation)
+    resume_generation = forward_to("weights", WeightUpdates.resume_generation)
+    hold_new_requests = forward_to("weights", WeightUpdates.hold_new_requests)
+    release_new_requests = forward_to("weights", WeightUpdates.release_new_requests)
+    take_held_outputs = forward_to("weights", WeightUpdates.take_held_outputs)
+    reset_prefix_cache = forward_to("weights", WeightUpdates.reset_prefix_cache)
+    is_paused = forward_property("weights", "is_paused")
+    has_work = forward_property("weights", "has_work", WeightUpdates.has_work.__doc__)
+    num_in_flight = forward_property("weights", "num_in_flight")
+    weight_version = forward_property("weights", "weight_version")
+    num_weight_updates = forward_property("weights", "num_weight_updates")
+    sleep = forward_to("sleep_mode", SleepMode.sleep)
+    wake_up = forward_to("sleep_mode", SleepMode.wake_up)
+    check_awake = forward_to("sleep_mode", SleepMode.check_awake)
+    is_sleeping = forward_property("sleep_mode", "is_sleeping")
+    sleep_level = forward_property("sleep_mode", "level")
+    fail_all = forward_to("recovery", StepRecovery.fail_all)
+    add_lora = forward_to("loras", LoRAControls.add_lora)
+    remove_lora = forward_to("loras", LoRAControls.remove_lora)
+    list_loras = forward_to("loras", LoRAControls.list_loras)
+    update_lora = forward_to("loras", LoRAControls.update_lora)
 
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig | None = None, *,
                  tokenizer=None, clock: Callable[[], float] = time.perf_counter,
@@ -94,8 +124,8 @@ class LLMEngine(RequestIntake, PoolingRequests, StepRecovery, WeightUpdates, Sle
         self.bytes_per_block_per_device = pool.bytes_per_block_per_device
         self.num_blocks, self.buckets = pool.num_blocks, pool.buckets
         self.runner, self.memory_budget = pool.runner, pool.memory_budget
-        self._init_weight_updates(model)
-        self._init_sleep_mode()
+        self.sleep_mode = SleepMode(self)
+        self.weights = WeightUpdates(self, model)
         self._init_scheduling(config)
         self._init_requests(tokenizer, model_config, config, seed_rng, draft_model)
 
@@ -105,28 +135,32 @@ class LLMEngine(RequestIntake, PoolingRequests, StepRecovery, WeightUpdates, Sle
         self.kv_tiers = make_kv_tiers(self.runner, config, self.bytes_per_block)
         self._make_scheduler = lambda: Scheduler(
             config.scheduler_config(), self.num_blocks, config.block_size,
-            cache_key=self._cache_key(), num_host_blocks=num_host_blocks,
+            cache_key=self.weights.cache_key(), num_host_blocks=num_host_blocks,
             group_windows=self.kv_groups.windows,
             num_tier_blocks=0 if self.kv_tiers is None else self.kv_tiers.num_blocks,
             max_loras=config.max_loras if config.enable_lora else 0)
         self.scheduler = self._make_scheduler()
-        self.lora_manager = LoRAManager(self.runner.lora_spec, self.model_config,
-                                        config.num_cpu_loras) if config.enable_lora else None
+        spec = self.runner.lora_spec  # set when config.enable_lora
+        self.lora_manager = None if spec is None else LoRAManager(spec, self.model_config,
+                                                                   config.num_cpu_loras)
+        self.loras = LoRAControls(self)
         if self.multihost and jax.process_index() == 0:
-            self.runner.channel = multihost.LeaderChannel()  # process 0 leads (multihost.py)
+            self.runner.lead(multihost.LeaderChannel())  # process 0 leads (multihost.py)
         self.stats = EngineStats(num_blocks=self.num_blocks - 1, block_size=config.block_size)
         # The swap space: host arrays like the device cache, num_host_blocks a layer.
         self.host_pool = self.runner.init_host_pool(num_host_blocks)
 
     def _init_requests(self, tokenizer, model_config, config: EngineConfig, seed_rng,
                        draft_model) -> None:
-        """The requests' books: ids, the request table, token masks, the speculator."""
-        self._seed_rng = np.random.default_rng(config.seed) if seed_rng is None else seed_rng
-        self._next_id = 0
+        """The requests' books and the parts that keep them: intake, the request table, token
+        masks, the speculator, pooling, the step's outputs, recovery."""
+        self.intake = RequestIntake(self, np.random.default_rng(config.seed)
+                                    if seed_rng is None else seed_rng)
         # allowed_token_ids, bad_words, min_tokens, structured outputs: one state a sample
         self.token_masks = TokenMasks(tokenizer, model_config.vocab_size,
                                       model_config.eos_token_ids)
         spec = config.speculative_config
+        assert spec is None or isinstance(spec, SpeculativeConfig)  # EngineConfig checked it
         self.speculator = None if spec is None else Speculator(
             spec, self.token_masks,
             DraftModelProposer.for_engine(self, draft_model) if spec.model else None)
@@ -135,11 +169,45 @@ class LLMEngine(RequestIntake, PoolingRequests, StepRecovery, WeightUpdates, Sle
         self.usage_history: collections.deque[UsageSample] = collections.deque(maxlen=100_000)
         self.last_schedule = None
         self.async_scheduling = AsyncScheduling(self) if config.async_scheduling else None
-        self._init_pooling()
+        self.recovery = StepRecovery(self)
+        self.outputs = StepOutputs(self)
+        # the model's pooler and head (LLM sets the model directory's; the engine serves both
+        # kinds of request, in the same steps) and what a server over it serves ("auto" is
+        # resolved by LLM before the engine)
+        self.pooling_model = PoolingModel()
+        self.runner_type = "pooling" if config.runner == "pooling" else "generate"
+        self.pooling = PoolingRequests(self)
+
+    @property
+    def request_groups(self) -> Mapping[str, list[Request]]:
+        """request_id -> its samples, for every unfinished request (the request table's view)."""
+        return self.requests.groups
+
+    def scheduler_states(self) -> list:
+        """The scheduler state of each replica (one here) admission checks a request against."""
+        return [self.scheduler.state]
+
+    def fail_request(self, parent_id: str, message: str, now: float) -> None:
+        """Ends parent_id's unfinished samples with finish_reason "error" (its output, with
+        message, is outputs.request_output's)."""
+        for sample in self.requests[parent_id].samples:
+            if not sample.status.finished:
+                self.scheduler.abort(sample.request_id, now, RequestStatus.FINISHED_ERROR)
+        self.stats.num_failed += 1
+
+    def start_over(self) -> None:
+        """After every request failed: a new scheduler over an empty pool and prefix cache, no
+        token masks, and a fresh KV cache if the failed step lost it."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.start_over(self.scheduler.kv_manager)
+        self.scheduler = self._make_scheduler()
+        self.token_masks.clear()
+        if self.runner.kv_cache_lost:
+            self.runner.reset_kv_cache()
 
     def has_unfinished(self) -> bool:
         """Requests not finished, or outputs not yet returned (pausing's: step() returns them)."""
-        return self.scheduler.has_unfinished() or bool(self._held_outputs)
+        return self.scheduler.has_unfinished() or self.weights.has_held_outputs
 
     def close(self) -> None:
         """Done serving: a multi-host leader stops its followers' loops (at exit otherwise); a
@@ -185,7 +253,7 @@ class LLMEngine(RequestIntake, PoolingRequests, StepRecovery, WeightUpdates, Sle
 
     # ---- the step ----------------------------------------------------------------------------
 
-    def step(self, final_only: bool = False) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[EngineOutput]:
         """Runs one step; returns an output for every request that got a token this step, or,
         final_only, for every request that finished in it (vLLM's FINAL_ONLY output kind, what
         LLM.generate asks for: an output copies the request's tokens, O(length) a request a
@@ -198,14 +266,14 @@ class LLMEngine(RequestIntake, PoolingRequests, StepRecovery, WeightUpdates, Sle
         With config.async_scheduling the next step is scheduled and dispatched before this
         one's results are waited for (pagedjax.engine.async_scheduling); the outputs are the
         same."""
-        held = self.take_held_outputs(final_only)
-        if self._paused:
+        held = self.weights.take_held_outputs(final_only)
+        if self.weights.is_paused:
             return held
         if self.async_scheduling is not None:
             return held + self.async_scheduling.step(final_only)
         return held + self.finish_step(self.begin_step(), final_only)
 
-    def begin_step(self, after: "_Started | None" = None) -> "_Started | None":
+    def begin_step(self, after: "StartedStep | None" = None) -> "StartedStep | None":
         """The first half of step(): schedules and dispatches the device step without waiting
         for it (a data-parallel engine starts every replica's before finishing any). None when
         nothing was scheduled. after: the step in flight this one follows before its results
@@ -215,10 +283,10 @@ class LLMEngine(RequestIntake, PoolingRequests, StepRecovery, WeightUpdates, Sle
             self.speculator.propose(self.scheduler.state.running)
         if self.kv_tiers is not None:
             self.kv_tiers.prefetch(self.scheduler.state)
-        output = self.schedule_step()
+        output = self._schedule()
         self.runner.copy_device_blocks(output.state_copies)  # before the swaps free them
         if not output.scheduled:
-            if after is None and self.scheduler.has_unfinished() and not self._holding_new:
+            if after is None and self.scheduler.has_unfinished() and not self.weights.holding_new:
                 raise RuntimeError("scheduler made no progress with requests pending")
             return None
         self.last_schedule = output  # what the step ran (profiling reads its shape)
@@ -230,106 +298,62 @@ class LLMEngine(RequestIntake, PoolingRequests, StepRecovery, WeightUpdates, Sle
             self.kv_tiers.copy_in(output)
         try:
             if output.lora_loads:
-                self.lora_manager.load(self.runner, output.lora_loads)
-            return _Started(output, start, self._dispatch(output, after))
+                self.loras.manager().load(self.runner, output.lora_loads)
+            return StartedStep(output, start, self.dispatch(output, after))
         except Exception as error:  # noqa: BLE001 - isolated in finish_step, or re-raised
-            return _Started(output, start, None, error)
+            return StartedStep(output, start, None, error)
 
-    def _dispatch(self, output, after: "_Started | None" = None):
+    def _schedule(self):
+        """The scheduler's next step; while new requests are held (WeightUpdates.holding_new),
+        those that never ran are set aside for it (and put back after, in their order)."""
+        if not self.weights.holding_new:
+            return self.scheduler.schedule(self.clock())
+        state = self.scheduler.state
+        held = [r for r in state.waiting if r.first_scheduled_time is None]
+        if held:
+            state.waiting = collections.deque(
+                r for r in state.waiting if r.first_scheduled_time is not None)
+        try:
+            return self.scheduler.schedule(self.clock())
+        finally:
+            state.waiting.extend(held)
+
+    def dispatch(self, output, after: "StartedStep | None" = None):
         """Dispatches a schedule's forward, builds its token masks on the host meanwhile, then
         dispatches its sampler (runner.PendingStep). after: see begin_step."""
         plan = build_plan(output, self.scheduler.kv_manager, self.buckets)
-        if after is not None and plan.token_ids.min() < 0:  # placeholders to fill
-            forward = self.runner.dispatch_forward(plan, after.pending.sampled[0])
+        previous = None if after is None or after.pending is None else after.pending.sampled[0]
+        if previous is not None and plan.token_ids.min() < 0:  # placeholders to fill
+            forward = self.runner.dispatch_forward(plan, previous)
         else:
             forward = self.runner.dispatch_forward(plan)
         mask = self.token_masks.build(step_rows(output), plan.padded_num_seqs,
                                       plan.num_speculative_tokens)
         return self.runner.dispatch_sample(plan, forward, mask)
 
-    def finish_step(self, started: "_Started | None",
-                    final_only: bool = False) -> list[RequestOutput]:
+    def finish_step(self, started: "StartedStep | None",
+                    final_only: bool = False) -> list[EngineOutput]:
         """The second half of step(): waits for the device step begin_step started and
         advances its requests."""
         if started is None:
             return []
         output = started.output
         try:
-            if started.error is not None:
-                raise started.error
+            if started.pending is None:  # it stopped before the device (begin_step)
+                raise started.error or RuntimeError("the step never reached the device")
             results = self.runner.fetch(started.pending)
         except Exception as error:  # noqa: BLE001 - isolated below, or re-raised
-            return self._recover(output, error)
+            return self.recovery.recover(output, error)
         return self.complete_step(started, results, final_only)
 
-    def complete_step(self, started: "_Started", results,
-                      final_only: bool = False) -> list[RequestOutput]:
+    def complete_step(self, started: "StartedStep", results,
+                      final_only: bool = False) -> list[EngineOutput]:
         """Advances a step's requests by its fetched results (runner.fetch)."""
         self.stats.step_time_s += time.perf_counter() - started.start
         advanced: list[Request] = []
-        outputs = self._postprocess(started.output, results, advanced, final_only)
-        self._record(started.output, advanced)
+        outputs = self.outputs.process(started.output, results, advanced, final_only)
+        self.outputs.record(started.output, advanced)
         return outputs
-
-    def _postprocess(self, output, results, advanced: list[Request],
-                     final_only: bool = False) -> list[RequestOutput]:
-        """Advances the step's requests by its results (appending them to advanced); one
-        output per request that got a token. A request whose detokenization fails is dropped
-        alone."""
-        now = self.clock()
-        prompt_logprobs.record(output, results.prompt, self.tokenizer)
-        self.record_pooled(output, results.pooled)
-        failed: dict[str, str] = {}
-        new = self.scheduler.update(output, results.sampled_ids, now, results.logprobs,
-                                    results.top_ids, results.top_logprobs, results.ranks,
-                                    lambda sample: self._on_token(sample, failed))
-        advanced.extend(new)
-        for parent_id, message in failed.items():
-            self._fail(parent_id, message, now)
-        parents = dict.fromkeys(r.parent_id for r in new)
-        if final_only:
-            parents = [p for p in parents if self.requests[p].finished]
-        return [self._output(parent_id, failed.get(parent_id)) for parent_id in parents]
-
-    def _on_token(self, sample: Request, failed: dict[str, str]) -> RequestStatus | None:
-        """After each token the scheduler appends: a grammar complete or a stop string ends the
-        sample (FINISHED_STOPPED), a failing detokenization fails it alone (recorded in failed),
-        and the token's logprobs get their texts. (A pooling request's token is nobody's.)"""
-        if sample.pooling is not None:
-            return None
-        self.stats.num_generated_tokens += 1
-        try:
-            stopped = self.token_masks.advance(sample)  # a grammar complete
-            if self.tokenizer is not None:
-                stopped = self.requests.sample_text(sample).advance(sample) or stopped
-                if len(sample.logprobs) == sample.num_output_tokens:  # this token's entry
-                    for token_id, logprob in sample.logprobs[-1].items():
-                        logprob.decoded_token = self.tokenizer.decode(
-                            [token_id], skip_special_tokens=False)
-        except Exception as error:  # noqa: BLE001 - this request fails alone
-            failed[sample.parent_id] = describe(error)
-            return RequestStatus.FINISHED_ERROR
-        return RequestStatus.FINISHED_STOPPED if stopped else None
-
-    def _output(self, parent_id: str, error: str | None = None) -> RequestOutput:
-        """parent_id's output now; a finished request leaves the table (RequestTable.finish)."""
-        state = self.requests[parent_id]
-        if state.pooling is not None:
-            out = self.pooling_output(state, error)
-        else:
-            samples = state.samples
-            texts = None
-            if self.tokenizer is not None:
-                texts = {s.request_id: state.texts[s.request_id].visible_text(s.status.finished)
-                         for s in samples}
-            lora_id = samples[0].lora_id
-            out = RequestOutput.from_samples(
-                samples, samples[0].sampling_params.n, texts, state.prompt_text, error,
-                state.record_version(self.weight_version),
-                None if lora_id is None else self.lora_manager.adapters[lora_id])
-        if out.finished:
-            self.requests.finish(parent_id)
-        return out
 
     def _forget(self, request_id: str) -> None:
         """A finished sample's state outside the request table: its token masks, its drafter's
@@ -337,23 +361,6 @@ class LLMEngine(RequestIntake, PoolingRequests, StepRecovery, WeightUpdates, Sle
         self.token_masks.drop(request_id)
         if self.speculator is not None:
             self.speculator.forget(request_id)
-
-    def _record(self, output, advanced) -> None:
-        state = self.scheduler.state
-        self.stats.record_step(output.kind == DECODE, output.num_scheduled_tokens, advanced,
-                               state, sum(max(0, min(s.start + s.num_new_tokens,
-                                                     s.request.num_prompt_tokens) - s.start)
-                                          for s in output.scheduled))
-        if self.kv_tiers is not None:
-            self.stats.kv_tiers = self.kv_tiers.counters(state.kv_manager)
-        if self.lora_manager is not None:
-            self.stats.loras = self.lora_manager.stats(state)
-        used_blocks = state.kv_manager.num_used_blocks
-        self.usage_history.append(UsageSample(self.stats.num_steps, self.clock(), used_blocks,
-                                              len(state.running), len(state.waiting)))
-        if used_blocks > self.stats.peak_used_blocks:  # rare once warm: tokens_stored is O(blocks)
-            self.stats.peak_used_blocks = used_blocks
-            self.stats.peak_used_tokens = tokens_stored(self.scheduler)
 
     def kv_snapshot(self) -> KVSnapshot:
         """The block map of the live requests (for inspection and pictures; O(blocks))."""

@@ -70,7 +70,7 @@ def _program_bytes(compiled) -> int:
 def activation_bytes(runner, buckets) -> int:
     """The largest prefill and decode programs' bytes, the larger one, plus the sampler's at the
     most sequences (compiled, not run)."""
-    from pagedjax.engine.runner import _forward, forward_inputs
+    from pagedjax.engine.step_functions import forward_inputs
     from pagedjax.scheduler.plan import padding_plan
 
     shapes = [(PREFILL, *max(buckets.prefill_shapes()), True)]
@@ -83,9 +83,7 @@ def activation_bytes(runner, buckets) -> int:
                             runner.num_kv_groups, buckets.group_table_width)
         inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
                               forward_inputs(plan))
-        lowered = _forward.lower(runner.graph, runner.backend, kind, runner.num_top_logprobs,
-                                 *runner._abstract_args, inputs, runner._abstract_lora,
-                                 with_logits=runner.with_logits)
+        lowered = runner.lower_forward(kind, inputs)
         forward = max(forward, _program_bytes(lowered.compile()))
         if logits is None or lowered.out_info[0].shape[0] > logits[0].shape[0]:
             logits = (lowered.out_info[0], plan)

@@ -38,8 +38,10 @@ def _quantized_modules(sources) -> set[tuple]:
 def name_index(runner, config) -> dict[str, list[tuple[int, tuple, str | None, bool]]]:
     """HF name -> where it lands: (served leaf position, index into the leaf, the quantized
     part the leaf holds or None, whether HF stores it transposed); kept on the runner."""
-    if getattr(runner, "weight_names", None) is not None:
-        return runner.weight_names
+    return runner.cached_layout("hf_names", lambda: _name_index(runner, config))
+
+
+def _name_index(runner, config) -> dict[str, list[tuple[int, tuple, str | None, bool]]]:
     renames, sources = hf_renames(config), sources_of(runner, config)
     quantized = _quantized_modules(sources)
     index: dict[str, list] = {}
@@ -57,7 +59,6 @@ def name_index(runner, config) -> dict[str, list[tuple[int, tuple, str | None, b
                 targets = [(name, leaf_index)]
             for hf_name, at in targets:
                 index.setdefault(hf_name, []).append((position, at, part, transpose))
-    runner.weight_names = index
     return index
 
 

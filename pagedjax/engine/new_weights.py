@@ -128,6 +128,4 @@ def model_parts(model, runner, config) -> tuple[dict[int, list[Part]], dict[int,
 
 def sources_of(runner, config):
     """served_sources, kept on the runner (its weights' layout never changes)."""
-    if getattr(runner, "weight_sources", None) is None:
-        runner.weight_sources = served_sources(runner, config)
-    return runner.weight_sources
+    return runner.cached_layout("sources", lambda: served_sources(runner, config))

@@ -157,3 +157,7 @@ class PoolingRequestOutput:
                                  sample.num_preemptions, sample.num_cached_tokens)
         return cls(sample.parent_id, PoolingOutput(data), list(sample.prompt_token_ids),
                    finished, metrics, prompt, error, reason)
+
+
+# what an engine's step hands back for a request: a generation's output or a pooling one's
+EngineOutput = RequestOutput | PoolingRequestOutput

@@ -1,4 +1,4 @@
-"""LLMEngine's pooling requests (a mixin): embeddings, classifications, scores (vLLM's pooling
+"""LLMEngine's pooling requests (a part of the engine): embeddings, classifications, scores (vLLM's pooling
 runner). A pooling request runs its prompt as a generation request of one token would
 (chunked, batched with generation in the same steps, prefix-cached when it pools the last
 token alone), with its final hidden states returned by the step (BatchPlan.pooling_rows) and
@@ -7,7 +7,7 @@ the pooled data (pagedjax.pooling.pooling_model)."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -17,70 +17,58 @@ from pagedjax.engine.request_table import PoolingState, RequestState
 from pagedjax.pooling import step_states
 from pagedjax.pooling.params import PoolingParams
 from pagedjax.pooling.poolers import PooledSequence
-from pagedjax.pooling.pooling_model import PoolingModel
 from pagedjax.scheduler import Request, SamplingParams
 from pagedjax.scheduler.errors import RequestError
+
+if TYPE_CHECKING:
+    from pagedjax.engine.llm_engine import LLMEngine
 
 # what a pooling request runs as: its prompt, then one greedy token nobody reads
 PROMPT_ONLY = SamplingParams(max_tokens=1, temperature=0.0)
 
 
-class PoolingEntry:
-    """Where pooling requests enter an engine (LLMEngine, EncoderEngine, DataParallelEngine:
-    it has config, model_config, pooling_model and add_requests)."""
+class PoolingRequests:
+    """LLMEngine's pooling side, a part of the engine (engine.pooling): it opens a pooling
+    request's pool, feeds it each step's pooled states, and makes its output. (The model's
+    pooler and head are engine.pooling_model, which LLM sets from the model's directory.)"""
 
-    def pooling_spec(self, prompt_token_ids: Sequence[int], params: PoolingParams | None,
-                     task: str, request_id: str | None = None, prompt_text: str | None = None,
-                     cache_salt: str | None = None, arrival_time: float | None = None,
-                     token_type_ids: Sequence[int] | None = None) -> PromptSpec:
-        return pooling_spec(self, prompt_token_ids, params, task, request_id, prompt_text,
-                            cache_salt, arrival_time, token_type_ids)
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
 
-    def check_pooling_params(self, params) -> PoolingParams:
-        return check_pooling_params(self, params)
-
-    def add_pooling_request(self, prompt_token_ids: Sequence[int],
-                            pooling_params: PoolingParams | None = None, task: str = "embed",
-                            request_id: str | None = None, cache_salt: str | None = None,
-                            arrival_time: float | None = None) -> str:
-        """Queues a pooling request (task: embed, classify, score, token_embed,
-        token_classify) and returns its id; RequestError naming the field on bad input."""
-        return self.add_requests([self.pooling_spec(prompt_token_ids, pooling_params, task,
-                                                    request_id, None, cache_salt,
-                                                    arrival_time)])[0]
-
-
-class PoolingRequests(PoolingEntry):
-    """LLMEngine's pooling side (it has add_requests, config, model_config, requests)."""
-
-    def _init_pooling(self) -> None:
-        # LLM sets the model directory's, and the runner ("pooling") servers hold it to; the
-        # engine itself serves both kinds of request, in the same steps
-        self.pooling_model = PoolingModel()
-        # what a server built over it serves ("auto" is resolved by LLM before the engine)
-        self.runner_type = "pooling" if self.config.runner == "pooling" else "generate"
-
-    def start_pooling(self, request: Request, params: PoolingParams) -> PoolingState:
+    def start(self, request: Request, params: PoolingParams) -> PoolingState:
         """Marks a built request as pooling (Request.pooling) and opens its pool."""
-        pool = self.pooling_model.sequence(params)
+        pool = self.engine.pooling_model.sequence(params)
         request.pooling = "all" if pool.needs_every_token else "last"
         return PoolingState(pool, params)
 
-    def record_pooled(self, output, states: np.ndarray | None) -> None:
+    def record(self, output, states: np.ndarray | None) -> None:
+        """A step's pooled states (StepResults.pooled) into its pooling requests' pools."""
         step_states.record(output, states, self._pool_of)
 
     def _pool_of(self, request: Request) -> PooledSequence | None:
-        state = self.requests.get(request.parent_id)
+        state = self.engine.requests.get(request.parent_id)
         return None if state is None or state.pooling is None else state.pooling.pool
 
-    def pooling_output(self, state: RequestState, error: str | None) -> PoolingRequestOutput:
+    def output(self, state: RequestState, error: str | None) -> PoolingRequestOutput:
         """A pooling request's output, once its prompt is computed (or it failed)."""
         sample, pooling = state.samples[0], state.pooling
+        assert pooling is not None
         data = np.zeros(0, np.float32)
         if error is None and sample.status.value in ("stop", "length"):
-            data = self.pooling_model.finish(pooling.pool.result(), pooling.params,
-                                             sample.prompt_token_ids)
+            data = self.engine.pooling_model.finish(pooling.pool.result(), pooling.params,
+                                                    sample.prompt_token_ids)
         return PoolingRequestOutput.from_sample(sample, data, state.prompt_text, error)
+
+
+def add_pooling_request(engine, prompt_token_ids: Sequence[int],
+                        pooling_params: PoolingParams | None = None, task: str = "embed",
+                        request_id: str | None = None, cache_salt: str | None = None,
+                        arrival_time: float | None = None) -> str:
+    """Queues a pooling request (task: embed, classify, score, token_embed, token_classify) on
+    engine (any engine: LLMEngine, EncoderEngine, DataParallelEngine take it as a method) and
+    returns its id; RequestError naming the field on bad input."""
+    return engine.add_requests([pooling_spec(engine, prompt_token_ids, pooling_params, task,
+                                             request_id, None, cache_salt, arrival_time)])[0]
 
 
 def pooling_spec(engine, prompt_token_ids: Sequence[int], params: PoolingParams | None,

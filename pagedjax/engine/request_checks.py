@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from pagedjax.scheduler import RequestError, SamplingParams, check_admission
 from pagedjax.scheduler.errors import check_float
+
+if TYPE_CHECKING:
+    from pagedjax.pooling.params import PoolingParams
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_CACHE_SALT_CHARS = 1024
@@ -36,7 +39,7 @@ class PromptSpec:
     lora_request: object = None  # a pagedjax.LoRARequest: the adapter it runs under
     # a pooling request's (pagedjax.pooling.params.PoolingParams, its task set): the prompt
     # runs alone and returns pooled hidden states (params then is the engine's one-token form)
-    pooling_params: object = None
+    pooling_params: PoolingParams | None = None
     # a BERT-like cross-encoder's segment of each prompt token (0 the query's, 1 the
     # document's): pooling requests of a model that reads them only
     token_type_ids: Sequence[int] | None = None

@@ -1,24 +1,31 @@
-"""LLMEngine's request intake (a mixin): requests checked all or none (request_checks), built
-into their samples with seeds and ids, queued with their token masks and texts, and aborted."""
+"""LLMEngine's request intake (a part of the engine): requests checked all or none
+(request_checks), built into their samples with seeds and ids, queued with their token masks and
+texts into the request table, and aborted."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence, Set as AbstractSet
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from pagedjax.engine.output_processor import TextState
 from pagedjax.engine.request_checks import Admission, PromptSpec, check_specs
 from pagedjax.engine.request_table import PoolingState, RequestState
 from pagedjax.scheduler import Request, SamplingParams, make_samples
 
+if TYPE_CHECKING:
+    from pagedjax.engine.llm_engine import LLMEngine
+
 
 class RequestIntake:
-    """LLMEngine's requests in (it has scheduler, token_masks, tokenizer, clock, model_config,
-    stats, requests, _seed_rng and _next_id)."""
+    """LLMEngine's requests in (engine.intake): it owns the ids it hands out and the seeds it
+    draws for requests that give none."""
 
-    @property
-    def request_groups(self) -> Mapping[str, list[Request]]:
-        """request_id -> its samples, for every unfinished request (the request table's view)."""
-        return self.requests.groups
+    def __init__(self, engine: LLMEngine, seed_rng: np.random.Generator):
+        self.engine = engine
+        self._seed_rng = seed_rng
+        self._next_id = 0
 
     def add_requests(self, specs: Sequence[PromptSpec],
                      admit: Callable[[list[Admission]], None] | None = None) -> list[str]:
@@ -26,8 +33,8 @@ class RequestIntake:
         the engine's limits (admission.check_specs) before anything is built; admit, when given,
         sees the checked requests next and may refuse them all by raising. On any error nothing
         is built or queued. A sleeping engine refuses them (SleepMode.check_awake)."""
-        self.check_awake()
-        admissions = check_specs(self, specs)
+        self.engine.sleep_mode.check_awake()
+        admissions = check_specs(self.engine, specs)
         if admit is not None:
             admit(admissions)
         return self.queue_admitted(admissions)
@@ -39,14 +46,10 @@ class RequestIntake:
         for request, admission in zip(requests, admissions):
             pooling = None
             if admission.spec.pooling_params is not None:
-                pooling = self.start_pooling(request, admission.spec.pooling_params)
+                pooling = self.engine.pooling.start(request, admission.spec.pooling_params)
             self.queue(request, admission.constraints or False, pooling)
-            self.requests[request.parent_id].prompt_text = admission.spec.prompt_text
+            self.engine.requests[request.parent_id].prompt_text = admission.spec.prompt_text
         return [r.parent_id for r in requests]
-
-    def scheduler_states(self) -> list:
-        """The scheduler state of each replica (one here) admission checks a request against."""
-        return [self.scheduler.state]
 
     def add_request(self, prompt_token_ids: Sequence[int],
                     sampling_params: SamplingParams | None = None,
@@ -70,9 +73,10 @@ class RequestIntake:
         """A checked request with its samples, not queued (benchmarks drive it by hand)."""
         spec = PromptSpec(prompt_token_ids, sampling_params, request_id, cache_salt=cache_salt,
                           arrival_time=arrival_time)
-        return self._build(check_specs(self, [spec])[0])
+        return self._build(check_specs(self.engine, [spec])[0])
 
-    def _build(self, admission: Admission, taken: set = frozenset()) -> Request:
+    def _build(self, admission: Admission,
+               taken: AbstractSet[str | None] = frozenset()) -> Request:
         spec = admission.spec
         seed = spec.params.seed
         if seed is None:
@@ -80,44 +84,46 @@ class RequestIntake:
         request_id = admission.request_id
         if request_id is None:
             request_id = str(self._next_id)
-            while request_id in self.requests or request_id in taken:
+            while request_id in self.engine.requests or request_id in taken:
                 self._next_id += 1
                 request_id = str(self._next_id)
             self._next_id += 1
-        arrival_time = self.clock() if spec.arrival_time is None else spec.arrival_time
+        arrival_time = self.engine.clock() if spec.arrival_time is None else spec.arrival_time
         lora_id, lora_key = admission.lora or (None, None)
         return make_samples(request_id, admission.prompt_token_ids, spec.params, seed=seed,
                             arrival_time=arrival_time, cache_salt=spec.cache_salt,
-                            eos_token_ids=self.model_config.eos_token_ids, lora_id=lora_id,
-                            lora_key=lora_key)
+                            eos_token_ids=self.engine.model_config.eos_token_ids,
+                            lora_id=lora_id, lora_key=lora_key)
 
     def queue(self, request: Request, constraints=None,
               pooling: PoolingState | None = None) -> None:
         """Queues a request from make_request (with its parallel samples). constraints: its
         token_masks.Constraints from admission (False: it has none; None: built here);
-        pooling: its pool (start_pooling), when it pools."""
+        pooling: its pool (PoolingRequests.start), when it pools."""
+        engine = self.engine
         if constraints is None:
-            constraints = self.token_masks.constraints(request.sampling_params)
-        self.scheduler.add_request(request)
+            constraints = engine.token_masks.constraints(request.sampling_params)
+        engine.scheduler.add_request(request)
         samples = [request, *request.followers]
-        self.token_masks.add(samples, constraints or None)
+        engine.token_masks.add(samples, constraints or None)
         state = RequestState(request.parent_id, samples, pooling=pooling)
-        if self.tokenizer is not None and pooling is None:
-            state.texts = {s.request_id: TextState(self.tokenizer, s) for s in samples}
-        self.requests.add(state)
+        if engine.tokenizer is not None and pooling is None:
+            state.texts = {s.request_id: TextState(engine.tokenizer, s) for s in samples}
+        engine.requests.add(state)
 
     def set_prompt_text(self, request_id: str, prompt: str) -> None:
         """Records the text a queued request's prompt came from (returned in its outputs)."""
-        if request_id in self.requests:
-            self.requests[request_id].prompt_text = prompt
+        if request_id in self.engine.requests:
+            self.engine.requests[request_id].prompt_text = prompt
 
     def abort(self, request_id: str) -> None:
         """Finishes a request (all its samples) at once and frees its blocks; unknown or
         finished ids are ignored."""
-        state = self.requests.finish(request_id)
+        engine = self.engine
+        state = engine.requests.finish(request_id)
         if state is None:
             return
-        now = self.clock()
+        now = engine.clock()
         for sample in state.samples:
-            self.scheduler.abort(sample.request_id, now)
-        self.stats.num_aborted += 1
+            engine.scheduler.abort(sample.request_id, now)
+        engine.stats.num_aborted += 1

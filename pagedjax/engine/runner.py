@@ -8,106 +8,22 @@ import threading
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import SingleDeviceSharding
 
-from pagedjax.engine import prompt_logprobs, sampling_step, step_counts, step_results
+from pagedjax.engine import sampling_step, step_counts, step_functions, step_results
 from pagedjax.engine.step_counts import num_step_compiles, num_step_traces  # noqa: F401
 from pagedjax.engine.weight_writer import borrowed_leaves
 from pagedjax.kv_offload.block_transfers import BlockTransfers
 from pagedjax.lora.slot_weights import SlotSpec, device_slots
-from pagedjax.models import (LlamaForCausalLM, ServingGraph, ServingWeights, paged_forward,
-                             serving_form)
+from pagedjax.models import LlamaForCausalLM, ServingWeights, paged_forward, serving_form
 from pagedjax.models.layers.kv_groups import KVCacheGroups
-from pagedjax.models.layers.lora import StepLoRA
 from pagedjax.models.loading.placed_weights import LazyModel
-from pagedjax.models.quantization.schemes import chunked_products
-from pagedjax.pallas_kernels import AttentionBackend, AttentionMetadata, copy_blocks, init_kv_cache
+from pagedjax.pallas_kernels import AttentionBackend, init_kv_cache
 from pagedjax.pallas_kernels.dispatch import TP_AXIS
-from pagedjax.pallas_kernels.lora import lora_implementation
 from pagedjax.parallel.sharding import (kv_cache_sharding, kv_head_repeats, shard_weights,
                                         weight_sharding)
-from pagedjax.pooling.step_states import pooled_states
-from pagedjax.scheduler import ARRAY_FIELDS, DECODE, FORWARD_FIELDS, STATIC_FIELDS, BatchPlan
+from pagedjax.scheduler import BatchPlan
 from pagedjax.scheduler.plan import padding_plan
-
-jax.tree_util.register_dataclass(BatchPlan, data_fields=list(ARRAY_FIELDS),
-                                 meta_fields=list(STATIC_FIELDS))
-
-def forward_fn(graph: ServingGraph, backend: AttentionBackend, kind: str, num_top_logprobs: int,
-               params: ServingWeights, kv_cache, inputs: dict, lora: dict | None = None,
-               with_logits: bool = True):
-    """The model's part of a step as a pure function: returns (logits f32[B, V], (prompt,
-    pooled), kv_cache). inputs: the plan's FORWARD_FIELDS (kind is static: DECODE runs the
-    decode kernels); prompt is () or, when the plan has prompt_targets, prompt_logprobs.compute's
-    arrays for every query token (num_top_logprobs of them a token); pooled is () or, when the
-    plan has pooling_rows, (pooled_states,). lora: the LoRA adapters' device slots
-    (pagedjax.lora.slot_weights), each token's in inputs["lora_slots"]; None without them.
-    with_logits False (a pooling runner's: its tokens are nobody's): no vocabulary projection,
-    the logits are zeros of max(1, num_top_logprobs) columns."""
-    step_counts.count("traces")  # runs at trace time only
-    blocks_per_layer = kv_cache.shape[2] // graph.num_kv_slots
-    kv_cache = copy_blocks(kv_cache, inputs["copy_src"], inputs["copy_dst"],
-                           inputs["num_copies"], backend, num_blocks=blocks_per_layer)
-    metadata = AttentionMetadata(
-        slot_mapping=inputs["slot_mapping"], block_tables=inputs["block_tables"],
-        kv_lens=inputs["kv_lens"], cu_q_lens=inputs["cu_q_lens"], num_seqs=inputs["num_seqs"],
-        decode_only=kind == DECODE, group_slot_mapping=inputs["group_slot_mapping"],
-        group_block_tables=inputs["group_block_tables"]).with_logical_group_tables()
-    # quantized weights: large products in cache-sized chunks on the CPU reference only
-    with chunked_products(backend.name == "reference" and backend.mesh is None):
-        step_lora = None if lora is None else StepLoRA(
-            inputs["lora_slots"], lora, lora_implementation(backend), backend.interpret,
-            jax.numpy.any(inputs["lora_slots"] >= 0), backend.mesh)
-        hidden, kv_cache = paged_forward.forward_paged(
-            graph, params, kv_cache, inputs["token_ids"], inputs["positions"], metadata, backend,
-            step_lora)
-        logits = paged_forward.logits(graph, params, hidden[inputs["logits_indices"]])  # f32[B, V]
-        if not with_logits:
-            logits = jax.numpy.zeros((logits.shape[0], max(1, num_top_logprobs)), logits.dtype)
-        if backend.mesh is not None:  # vocab-split: one all-gather, so every device holds
-            # whole rows for the sampler
-            logits = jax.lax.with_sharding_constraint(logits, NamedSharding(backend.mesh, P()))
-        prompt = ()
-        if inputs["prompt_targets"].shape[0]:
-            prompt = prompt_logprobs.compute(graph, params, hidden, inputs["prompt_targets"],
-                                             num_top_logprobs, backend.mesh)
-        pooled = ()
-        if inputs["pooling_rows"].shape[0]:
-            pooled = (pooled_states(graph, params, hidden, inputs["pooling_rows"], backend.mesh),)
-    return logits, (prompt, pooled), kv_cache
-
-
-
-def forward_inputs(plan: BatchPlan) -> dict:
-    return {name: getattr(plan, name) for name in FORWARD_FIELDS}
-
-
-def step_fn(graph: ServingGraph, backend: AttentionBackend, num_top_logprobs: int,
-            params: ServingWeights, kv_cache, plan: BatchPlan, lora: dict | None = None):
-    """One whole engine step as one pure function (the runner runs it as two programs, forward
-    and sampler; ahead-of-time analyses compile it whole): returns (sampled, kv_cache) where
-    sampled is (ids i32[B], logprobs f32[B], top ids i32[B, K], top logprobs f32[B, K],
-    ranks i32[B])."""
-    logits, _, kv_cache = forward_fn(graph, backend, plan.kind, num_top_logprobs, params,
-                                     kv_cache, forward_inputs(plan), lora)
-    sampled = sampling_step.sample_fn(num_top_logprobs, "raw_logprobs", logits,
-                                      sampling_step.sampling_inputs(plan),
-                                      sampling_step.no_token_mask(logits.shape[0]))
-    return sampled, kv_cache
-
-
-@jax.jit
-def _fill_placeholders(token_ids, previous):
-    """token_ids (i32[T], from the host) with each placeholder -(row + 1) replaced by
-    previous[row]: the token the step before sampled for it, never brought to the host."""
-    rows = jax.numpy.maximum(-token_ids - 1, 0)
-    return jax.numpy.where(token_ids < 0, previous[rows], token_ids)
-
-
-# graph, backend, kind and K are static; the KV cache is donated so XLA updates it in place.
-_forward = jax.jit(forward_fn, static_argnums=(0, 1, 2, 3), static_argnames=("with_logits",),
-                   donate_argnums=(5,))
-_step = jax.jit(step_fn, static_argnums=(0, 1, 2), donate_argnums=(4,))
 
 
 class ModelRunner(BlockTransfers):
@@ -117,12 +33,14 @@ class ModelRunner(BlockTransfers):
                  dtype, backend: AttentionBackend = AttentionBackend(),
                  num_top_logprobs: int = 0, scan_layers: bool | None = None,
                  device: jax.Device | None = None, kv_groups: KVCacheGroups | None = None,
-                 lora_spec: SlotSpec | None = None, with_logits: bool = True):
+                 lora_spec: SlotSpec | None = None, with_logits: bool = True,
+                 logprobs_mode: str = "raw_logprobs"):
         """backend.mesh, when set, splits the model over its devices (pagedjax.parallel.sharding);
         otherwise everything lives on device (jax.devices()[0] by default). kv_groups: the KV
         cache groups (pagedjax.models.layers.kv_groups; default: one group of every layer).
         lora_spec: the LoRA adapters' device slots (pagedjax.lora.slot_weights), or None.
-        with_logits False: a pooling runner's programs, without the vocabulary projection."""
+        with_logits False: a pooling runner's programs, without the vocabulary projection.
+        logprobs_mode: what logprobs report (EngineConfig.logprobs_mode)."""
         config = model.config
         mesh = backend.mesh
         shards = 1 if mesh is None else mesh.shape[TP_AXIS]  # tensor parallelism's
@@ -134,7 +52,7 @@ class ModelRunner(BlockTransfers):
             scan_layers = paged_forward.scan_by_default(abstract, self.device.platform, shards)
         self.graph, params = serving_form(abstract, scan_layers, repeats, kv_groups)
         self.serving_args = (scan_layers, repeats, kv_groups)  # new weights' form (new_weights)
-        self.logprobs_mode = "raw_logprobs"  # what logprobs report (EngineConfig.logprobs_mode)
+        self.logprobs_mode = logprobs_mode
         self.with_logits = with_logits  # fixed: every program compiles with it (forward_fn)
         self.num_kv_groups = 1 if kv_groups is None else kv_groups.num_groups
         self.num_blocks = num_blocks
@@ -151,8 +69,7 @@ class ModelRunner(BlockTransfers):
         # the leaves sharing the buffers of the model given (update_weights never donates them)
         self.borrowed = frozenset() if lazy else borrowed_leaves(
             self.params, jax.tree.leaves(nnx.state(model)))
-        self.weight_sources = None  # where each leaf's values come from (new_weights)
-        self.weight_names = None  # their Hugging Face names (named_weights)
+        self._layouts: dict[str, object] = {}  # cached_layout's
         self.kv_cache = self._new_kv_cache()
         self._abstract_args = self._abstract()
         self.lora_spec = lora_spec  # the LoRA adapters' slots (pagedjax.lora.slot_weights)
@@ -206,6 +123,42 @@ class ModelRunner(BlockTransfers):
         self.kv_cache = self._new_kv_cache()
         self._abstract_args = self._abstract()
 
+    # ---- what the engine changes, through the runner (no other module assigns its fields) ----
+
+    def set_params(self, params, borrowed: frozenset | None = None) -> None:
+        """Serves params from the next step on (None: no weights on the device; their specs:
+        asleep, awaiting new ones). borrowed: the leaves that share a caller's buffers (never
+        donated by an update; None keeps the set as it is)."""
+        self.params = params
+        if borrowed is not None:
+            self.borrowed = borrowed
+
+    def drop_kv_cache(self) -> None:
+        """The KV cache off the device (sleep); restore_kv_cache brings a zeroed one back."""
+        self.kv_cache = None
+
+    def restore_kv_cache(self) -> None:
+        self.kv_cache = self._new_kv_cache()
+
+    def swap_kv_cache(self, kv_cache) -> None:
+        """The cache a program that took this runner's (donated) returned."""
+        self.kv_cache = kv_cache
+
+    def lead(self, channel) -> None:
+        """Multi-host: this runner's steps and moves are announced to the followers first."""
+        self.channel = channel
+
+    def attach_tier_pool(self, pool) -> None:
+        """The prefix cache's host tier (kv_tiers), which a multi-host follower's moves use."""
+        self.tier_pool = pool
+
+    def cached_layout(self, name: str, build):
+        """build(), once per name: what is derived from the weights' layout alone (their
+        sources, their Hugging Face names), which no update or sleep changes."""
+        if name not in self._layouts:
+            self._layouts[name] = build()
+        return self._layouts[name]
+
     def _new_kv_cache(self):
         """A zeroed cache, on one device or split over the mesh's devices (allocated there)."""
         if self.backend.mesh is None:
@@ -250,10 +203,8 @@ class ModelRunner(BlockTransfers):
                                 with_prompt_logprobs, self.num_kv_groups, table_widths[1],
                                 num_speculative_tokens, with_pooling)
             inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
-                                  forward_inputs(plan))
-            lowered = _forward.lower(self.graph, self.backend, kind, self.num_top_logprobs,
-                                     *self._abstract_args, inputs, self._abstract_lora,
-                                     with_logits=self.with_logits)
+                                  step_functions.forward_inputs(plan))
+            lowered = self.lower_forward(kind, inputs)
             self._logits_shape[num_seqs, num_speculative_tokens] = lowered.out_info[0]
             if self.with_logits or num_speculative_tokens:  # a pooling runner samples nothing
                 self._sampler(plan, sampling_step.no_token_mask(num_seqs))
@@ -265,6 +216,13 @@ class ModelRunner(BlockTransfers):
 
         return self._once(self._programs, key, build)
 
+    def lower_forward(self, kind: str, inputs: dict) -> jax.stages.Lowered:
+        """The forward program of a step kind lowered for abstract inputs (forward_inputs' of
+        a padding plan), over this runner's weights, cache and LoRA slots."""
+        return step_functions.forward_program.lower(
+            self.graph, self.backend, kind, self.num_top_logprobs, *self._abstract_args, inputs,
+            self._abstract_lora, with_logits=self.with_logits)
+
     def write_lora_slot(self, slot: int, arrays: dict) -> None:
         """Writes one adapter's arrays (SlotSpec.host_arrays) into a LoRA slot, in place."""
         self.lora = self._lora_writer(self.lora, np.int32(slot), arrays)
@@ -273,7 +231,7 @@ class ModelRunner(BlockTransfers):
         """The program filling a plan's placeholder tokens (i32[num_tokens]) from the previous
         step's sampled ids (i32[num_previous] on this runner's device): async scheduling."""
         def build():
-            return _fill_placeholders.lower(
+            return step_functions.fill_placeholders.lower(
                 jax.ShapeDtypeStruct((num_tokens,), np.int32),
                 jax.ShapeDtypeStruct((num_previous,), np.int32,
                                      sharding=SingleDeviceSharding(self.device))).compile()
@@ -335,7 +293,7 @@ class ModelRunner(BlockTransfers):
         program = self.program(plan.kind, plan.padded_num_tokens, plan.padded_num_seqs,
                                plan.table_widths, bool(plan.prompt_targets.shape[0]),
                                plan.num_speculative_tokens, bool(plan.pooling_rows.shape[0]))
-        inputs = forward_inputs(plan)
+        inputs = step_functions.forward_inputs(plan)
         if previous is not None:
             if self.channel is not None:
                 raise ValueError("async scheduling is not supported multi-host")

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import TYPE_CHECKING
 
-from pagedjax.engine.outputs import RequestOutput
-from pagedjax.scheduler import RequestStatus
+from pagedjax.engine.outputs import EngineOutput
+from pagedjax.scheduler import Request
+
+if TYPE_CHECKING:
+    from pagedjax.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("pagedjax.engine")
 
@@ -18,7 +22,6 @@ def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"[:500]
 
 
-
 def is_device_oom(error: BaseException) -> bool:
     """Whether error is the device running out of memory (XLA's RESOURCE_EXHAUSTED)."""
     text = str(error)
@@ -27,48 +30,45 @@ def is_device_oom(error: BaseException) -> bool:
 
 
 class StepRecovery:
-    """LLMEngine's failure handling (a mixin: it works on the engine's scheduler, runner,
-    request groups and stats)."""
+    """LLMEngine's failure handling, a part of the engine (engine.recovery): it keeps no state
+    of its own and acts through the engine's step methods (outputs, fail_request,
+    dispatch, start_over)."""
 
-    def fail_all(self, error: BaseException) -> list[RequestOutput]:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+
+    def fail_all(self, error: BaseException) -> list[EngineOutput]:
         """After a step failed beyond one request's part (the KV cache lost with it): every
         unfinished request fails with the error, and the engine starts over with a fresh cache
         and an empty prefix cache, ready for new requests."""
-        if self.async_scheduling is not None:
-            self.async_scheduling.abandon()
-        message, now = describe(error), self.clock()
-        failed = list(self.requests)
+        engine = self.engine
+        if engine.async_scheduling is not None:
+            engine.async_scheduling.abandon()
+        message, now = describe(error), engine.clock()
+        failed = list(engine.requests)
         for parent_id in failed:
-            self._fail(parent_id, message, now)
-        outputs = [self._output(parent_id, message) for parent_id in failed]
-        if self.kv_tiers is not None:
-            self.kv_tiers.start_over(self.scheduler.kv_manager)
-        self.scheduler = self._make_scheduler()
-        self.token_masks.clear()
-        if self.runner.kv_cache_lost:
-            self.runner.reset_kv_cache()
+            engine.fail_request(parent_id, message, now)
+        outputs = [engine.outputs.request_output(parent_id, message) for parent_id in failed]
+        engine.start_over()
         return outputs
 
-    def _fail(self, parent_id: str, message: str, now: float) -> None:
-        for sample in self.requests[parent_id].samples:
-            if not sample.status.finished:
-                self.scheduler.abort(sample.request_id, now, RequestStatus.FINISHED_ERROR)
-        self.stats.num_failed += 1
-
-    def _recover(self, output, error: Exception) -> list[RequestOutput]:
+    def recover(self, output, error: Exception) -> list[EngineOutput]:
         """A step raised before any result: each of its sequences runs again alone (its blocks
         are still allocated); the requests that fail alone too are dropped with their error,
         the others get their tokens, and the engine goes on. A step that lost the KV cache (a
         donated buffer was consumed) to a device OOM has every running request recomputed in a
         fresh cache (recompute_running); any other loss is raised: nothing can be retried."""
+        engine = self.engine
         oom = is_device_oom(error)
         if oom:
-            self.stats.num_oom += 1
-        if self.runner.kv_cache_lost:
+            engine.stats.num_oom += 1
+        if engine.runner.kv_cache_lost:
             if oom:
                 return self.recompute_running(output, error)
             raise error
-        outputs, copies, advanced = [], output.copies, []
+        outputs: list[EngineOutput] = []
+        copies = output.copies
+        advanced: list[Request] = []
         for seq in output.scheduled:
             if seq.request.status.finished:  # since it was scheduled (async scheduling)
                 continue
@@ -78,47 +78,49 @@ class StepRecovery:
             try:
                 if len(output.scheduled) == 1:
                     raise error
-                results = self.runner.fetch(self._dispatch(alone))
+                results = engine.runner.fetch(engine.dispatch(alone))
             except Exception as row_error:  # noqa: BLE001 - this request fails alone
-                if self.runner.kv_cache_lost:
+                if engine.runner.kv_cache_lost:
                     raise
                 parent_id = seq.request.parent_id
-                if parent_id in self.requests:
+                if parent_id in engine.requests:
                     message = describe(row_error)
-                    self._fail(parent_id, message, self.clock())
-                    outputs.append(self._output(parent_id, message))
+                    engine.fail_request(parent_id, message, engine.clock())
+                    outputs.append(engine.outputs.request_output(parent_id, message))
                 continue
             copies = []  # done once, by the first sequence that ran
             if not seq.request.status.finished:
-                outputs.extend(self._postprocess(alone, results, advanced))
-        self._record(output, advanced)
+                outputs.extend(engine.outputs.process(alone, results, advanced))
+        engine.outputs.record(output, advanced)
         return outputs
 
-    def recompute_running(self, output, error: Exception) -> list[RequestOutput]:
+    def recompute_running(self, output, error: Exception) -> list[EngineOutput]:
         """The KV cache is lost (a device OOM consumed it, or a step failed on the device with
         another step dispatched after it: async scheduling): a fresh cache, the prefix cache
         forgotten, and every running request back at the head of the queue to recompute its KV.
         The failed step's requests count a retry each; one past MAX_OOM_RETRIES fails, alone."""
+        engine = self.engine
         oom = is_device_oom(error)
         logger.warning("%s lost the KV cache; recomputing the running requests: %s",
                        "device OOM" if oom else "a failed device step", describe(error))
-        self.runner.reset_kv_cache()
-        state = self.scheduler.state
+        engine.runner.reset_kv_cache()
+        scheduler = engine.scheduler
+        state = scheduler.state
         for request in reversed(list(state.running)):  # requeued to the head, in order
             request.num_preemptions += 1  # preempted by recompute, as far as it can tell
             state.num_preemptions += 1
-            self.scheduler.requeue(request)
-        self.scheduler.kv_manager.drop_cached_content()
-        outputs, now = [], self.clock()
+            scheduler.requeue(request)
+        scheduler.kv_manager.drop_cached_content()
+        outputs: list[EngineOutput] = []
+        now = engine.clock()
         for parent_id in dict.fromkeys(s.request.parent_id for s in output.scheduled):
-            state = self.requests.get(parent_id)
-            if state is None:
+            entry = engine.requests.get(parent_id)
+            if entry is None:
                 continue
-            state.oom_retries += 1
-            retries = state.oom_retries
-            if retries > MAX_OOM_RETRIES:
+            entry.oom_retries += 1
+            if entry.oom_retries > MAX_OOM_RETRIES:
                 what = "out of device memory" if oom else "failed on the device"
-                message = f"{what} {retries} times: {describe(error)}"
-                self._fail(parent_id, message, now)
-                outputs.append(self._output(parent_id, message))
+                message = f"{what} {entry.oom_retries} times: {describe(error)}"
+                engine.fail_request(parent_id, message, now)
+                outputs.append(engine.outputs.request_output(parent_id, message))
         return outputs

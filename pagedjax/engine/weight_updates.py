@@ -23,8 +23,8 @@ started with: no request admitted after the update can hit them.
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 from flax import nnx
@@ -36,6 +36,9 @@ from pagedjax.kv_offload.tiers import disk_key
 from pagedjax.models.loading.lazy_model import LazyModel
 from pagedjax.scheduler import RequestStatus
 
+if TYPE_CHECKING:
+    from pagedjax.engine.llm_engine import LLMEngine
+
 PAUSE_MODES = ("abort", "wait", "keep")
 MAX_VERSION_CHARS = 256
 
@@ -46,20 +49,22 @@ def _check_mode(mode: str) -> None:
 
 
 class WeightUpdates:
-    """LLMEngine's weight updates, pausing and versions (a mixin over its scheduler, runner,
-    request groups and steps)."""
+    """LLMEngine's weight updates, pausing and versions, a part of the engine (engine.weights):
+    it owns the weights' version, the pause and the outputs pausing produced, and writes new
+    weights through the runner's methods."""
 
-    def _init_weight_updates(self, model) -> None:
+    def __init__(self, engine: LLMEngine, model):
+        self.engine = engine
         self._weights_origin = id(model)  # the prefix cache's key names the weights by it
         self.weight_version = "0"  # the caller's name for the weights served, or a counter
         self.num_weight_updates = 0
-        self._paused = False
+        self.is_paused = False
         self._held_outputs: list = []  # produced while pausing, returned by the next step()
-        self._holding_new = False  # requests that never ran are left waiting (a `wait` pause)
+        self.holding_new = False  # requests that never ran are left waiting (a `wait` pause)
 
     @property
-    def is_paused(self) -> bool:
-        return self._paused
+    def has_held_outputs(self) -> bool:
+        return bool(self._held_outputs)
 
     def pause_generation(self, mode: str = "wait") -> None:
         """Pauses generation (the module's docstring); a paused engine pauses again as asked
@@ -71,19 +76,19 @@ class WeightUpdates:
         elif mode == "wait":
             held += self._drain_in_flight()
         self._held_outputs.extend(held)
-        self._paused = True
+        self.is_paused = True
 
     def resume_generation(self) -> None:
-        self._paused = self._holding_new = False
+        self.is_paused = self.holding_new = False
 
     def hold_new_requests(self) -> None:
         """A `wait` pause that does not block: the steps go on for the requests in flight only
         (num_in_flight counts them down); requests that never ran wait until
         resume_generation or release_new_requests. (A server drains so, streaming meanwhile.)"""
-        self._holding_new = True
+        self.holding_new = True
 
     def release_new_requests(self) -> None:
-        self._holding_new = False
+        self.holding_new = False
 
     @property
     def has_work(self) -> bool:
@@ -91,14 +96,15 @@ class WeightUpdates:
         (none while paused; only those in flight while new ones are held)."""
         if self._held_outputs:
             return True
-        if self._paused:
+        if self.is_paused:
             return False
-        return bool(self.num_in_flight if self._holding_new else self.scheduler.has_unfinished())
+        return bool(self.num_in_flight if self.holding_new
+                    else self.engine.scheduler.has_unfinished())
 
     @property
     def num_in_flight(self) -> int:
         """Unfinished requests that have run (scheduled at least once)."""
-        return sum(1 for request in self.scheduler.state.requests.values()
+        return sum(1 for request in self.engine.scheduler.state.requests.values()
                    if request.first_scheduled_time is not None)
 
     def take_held_outputs(self, final_only: bool) -> list:
@@ -121,12 +127,13 @@ class WeightUpdates:
                                     or len(version) > MAX_VERSION_CHARS):
             raise ValueError(f"version must be a non-empty string of at most "
                              f"{MAX_VERSION_CHARS} characters, got {version!r:.80}")
+        engine = self.engine
         if isinstance(weights, LazyModel):  # a checkpoint, read into place
-            lazy = prepared(weights, self.config.quantization, self.config.quantize_lm_head)
-            check_checkpoint(lazy, self.runner)
+            lazy = prepared(weights, engine.config.quantization, engine.config.quantize_lm_head)
+            check_checkpoint(lazy, engine.runner)
             self._updating(mode, version, lambda: self._place_checkpoint(lazy))
             return
-        if self.multihost:
+        if engine.multihost:
             raise ValueError("weights: a multi-host engine takes new weights as a checkpoint "
                              "path (every process reads its own devices' shards of it), not "
                              f"as {type(weights).__name__}")
@@ -135,7 +142,7 @@ class WeightUpdates:
 
     def _updating(self, mode: str, version: str | None, write) -> None:
         """Pauses as mode says, write()s the new weights, names them, and resumes."""
-        was_paused = self._paused
+        was_paused = self.is_paused
         self.pause_generation(mode)
         try:
             write()
@@ -150,66 +157,59 @@ class WeightUpdates:
         """A checkpoint read straight into the served leaves' shardings (each process its own
         shards; multi-host, the followers told first), once the old weights are let go: never
         two copies. A read that fails leaves the weights asleep until an update succeeds."""
-        channel = self.runner.channel
-        if channel is not None:
-            channel.update_weights(str(lazy.source))
-        self._host_weights = None
-        self._served_weights_for_update()
-        specs = self.runner.weight_specs
-        self.runner.params = None
+        runner, sleep = self.engine.runner, self.engine.sleep_mode
+        if runner.channel is not None:
+            runner.channel.update_weights(str(lazy.source))
+        sleep.weights_for_update()
+        specs = runner.weight_specs
+        runner.set_params(None)
         try:
-            self.runner.params = lazy.place(specs, lambda path, leaf: leaf.sharding)
+            runner.set_params(lazy.place(specs, lambda path, leaf: leaf.sharding),
+                              borrowed=frozenset())
         except Exception:  # noqa: BLE001 - re-raised; no whole weights on the device
-            self._weights_asleep()
+            sleep.weights_lost()
             raise
-        self.runner.borrowed = frozenset()
-        self._weights_awake()
+        sleep.weights_awake()
 
     def _new_parts(self, weights) -> tuple[dict, dict]:
         """The served leaves' parts of weights (a model, its nnx.State, or HF-named arrays),
         checked."""
+        engine = self.engine
         if isinstance(weights, Mapping) and not isinstance(weights, nnx.State):
-            parts, repeats, whole = named_parts(weights, self.runner, self.model_config,
-                                                self.config.quantization)
-            if not whole and "weights" in self._asleep:
+            parts, repeats, whole = named_parts(weights, engine.runner, engine.model_config,
+                                                engine.config.quantization)
+            if not whole and "weights" in engine.sleep_mode.asleep:
                 raise ValueError("weights: a partial update (some of the model's names) needs "
                                  "the weights awake (they sleep: wake_up first, or give every "
                                  "weight, or a model)")
             return parts, repeats
-        model = prepared(model_of(weights, self.model_config, jnp.dtype(self.config.dtype)),
-                         self.config.quantization, self.config.quantize_lm_head)
-        return model_parts(model, self.runner, self.model_config)
+        model = prepared(model_of(weights, engine.model_config, jnp.dtype(engine.config.dtype)),
+                         engine.config.quantization, engine.config.quantize_lm_head)
+        return model_parts(model, engine.runner, engine.model_config)
 
     def _write_weights(self, parts: dict, repeats: dict) -> None:
         """parts (checked) written into the served weights (pagedjax.engine.weight_writer);
         asleep, written anew where they were. A write that fails part way leaves no whole
         weights on the device: they sleep until an update succeeds."""
-        self._host_weights = None
-        self._served_weights_for_update()
+        engine, sleep = self.engine, self.engine.sleep_mode
+        sleep.weights_for_update()
         try:
-            write_parts(self.runner, parts, repeats, self.model_config.num_kv_heads)
+            write_parts(engine.runner, parts, repeats, engine.model_config.num_kv_heads)
         except Exception:  # noqa: BLE001 - re-raised; the weights are not whole
-            self._weights_asleep()
+            sleep.weights_lost()
             raise
-        self._weights_awake()  # new weights wake them, if they slept
-
-    def _weights_asleep(self) -> None:
-        """After a write that failed part way: the weights sleep (level 2) until an update
-        succeeds (requests are refused by name meanwhile)."""
-        self._weights_spec = self.runner.weight_specs
-        self._asleep.add("weights")
-        self.sleep_level = self.sleep_level or 2
-        self.runner.params = None
+        sleep.weights_awake()  # new weights wake them, if they slept
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block, on the device and in the host tier (the disk tier's files
         stay: they are keyed by the weights): False, and nothing done, while requests hold
         blocks (as vLLM)."""
-        kv = self.scheduler.kv_manager
+        engine = self.engine
+        kv = engine.scheduler.kv_manager
         if kv.num_used_blocks:
             return False
-        if self.kv_tiers is not None:
-            self.kv_tiers.flush()
+        if engine.kv_tiers is not None:
+            engine.kv_tiers.flush()
         kv.drop_cached_content()
         if kv.host_tier is not None:
             kv.host_tier.clear()
@@ -219,66 +219,50 @@ class WeightUpdates:
 
     def _settle_in_flight(self) -> list:
         """Finishes the step async scheduling dispatched ahead (its outputs)."""
-        ahead = None if self.async_scheduling is None else self.async_scheduling.in_flight
-        if ahead is None:
-            return []
-        self.async_scheduling.in_flight = None
-        return self.async_scheduling.finish((ahead, None))
+        scheduling = self.engine.async_scheduling
+        return [] if scheduling is None else scheduling.settle()
 
     def _abort_unfinished(self) -> list:
-        now, outputs = self.clock(), []
-        for parent_id in list(self.requests):
-            for sample in self.requests[parent_id].samples:
+        engine = self.engine
+        now, outputs = engine.clock(), []
+        for parent_id in list(engine.requests):
+            for sample in engine.requests[parent_id].samples:
                 if not sample.status.finished:
-                    self.scheduler.abort(sample.request_id, now)
-            self.stats.num_aborted += 1
-            outputs.append(self._output(parent_id))
+                    engine.scheduler.abort(sample.request_id, now)
+            engine.stats.num_aborted += 1
+            outputs.append(engine.outputs.request_output(parent_id))
         return outputs
 
     def _drain_in_flight(self) -> list:
         """Steps until every request that has run finishes (the others held: step_schedule)."""
-        outputs, holding = [], self._holding_new
-        self._holding_new = True
+        outputs, holding = [], self.holding_new
+        self.holding_new = True
         try:
             while self.num_in_flight:
-                outputs += self.finish_step(self.begin_step())
+                outputs += self.engine.finish_step(self.engine.begin_step())
         finally:
-            self._holding_new = holding
+            self.holding_new = holding
         return outputs
-
-    def schedule_step(self):
-        """The scheduler's next step; while new requests are held, those that never ran are
-        set aside for it (and put back after, in their order)."""
-        if not self._holding_new:
-            return self.scheduler.schedule(self.clock())
-        state = self.scheduler.state
-        held = [r for r in state.waiting if r.first_scheduled_time is None]
-        if held:
-            state.waiting = collections.deque(
-                r for r in state.waiting if r.first_scheduled_time is not None)
-        try:
-            return self.scheduler.schedule(self.clock())
-        finally:
-            state.waiting.extend(held)
 
     def _rekey_prefix_cache(self) -> None:
         """A new prefix-cache key for the weights now served (the module's docstring)."""
-        tiers = self.kv_tiers
+        engine = self.engine
+        tiers = engine.kv_tiers
         if tiers is not None and tiers.disk is not None:  # other processes find them by this
-            tiers.disk.key = disk_key(self.runner, self.config)
-        self.scheduler.kv_manager.cache_key = self._cache_key()
-        state = self.scheduler.state
-        for request in list(state.waiting):  # hashes of requests not running: the new key's
+            tiers.disk.key = disk_key(engine.runner, engine.config)
+        engine.scheduler.kv_manager.cache_key = self.cache_key()
+        for request in list(engine.scheduler.state.waiting):  # not running: the new key's
             for sample in [request, *request.followers]:
                 if sample.status is not RequestStatus.RUNNING:
                     sample.block_hashes = []
 
-    def _cache_key(self) -> bytes:
+    def cache_key(self) -> bytes:
         """What a cached block's KV depends on besides its tokens: the model's architecture, its
         weights (the model the engine was built from, by identity, and the updates since; with a
         disk tier, which other processes read, the weights' fingerprint), the dtypes."""
-        tiers = self.kv_tiers
+        engine = self.engine
+        tiers = engine.kv_tiers
         weights = (tiers.disk.key if tiers is not None and tiers.disk is not None
                    else (self._weights_origin, self.num_weight_updates))
-        return repr((self.model_config, weights, self.config.dtype,
-                     self.config.kv_cache_dtype)).encode()
+        return repr((engine.model_config, weights, engine.config.dtype,
+                     engine.config.kv_cache_dtype)).encode()

@@ -160,7 +160,7 @@ def write_parts(runner, parts: dict[int, list[Part]], kv_repeats: dict[int, int]
     and another update must follow."""
     served, treedef = jax.tree_util.tree_flatten(runner.params)
     specs = jax.tree.leaves(runner.weight_specs)
-    runner.params = None
+    runner.set_params(None)
     done, total = 0, len(parts)
     try:
         for position, leaf_parts in parts.items():
@@ -178,5 +178,5 @@ def write_parts(runner, parts: dict[int, list[Part]], kv_repeats: dict[int, int]
                            f"({type(error).__name__}: {error}); the engine's weights are mixed "
                            f"until an update succeeds") from error
     finally:
-        runner.params = jax.tree_util.tree_unflatten(treedef, served)
-        runner.borrowed = runner.borrowed - set(parts)
+        runner.set_params(jax.tree_util.tree_unflatten(treedef, served),
+                          borrowed=runner.borrowed - set(parts))

@@ -5,12 +5,16 @@ its replica (pagedjax.engine.pooling_requests)."""
 
 from __future__ import annotations
 
-from pagedjax.engine.pooling_requests import PoolingEntry
+from pagedjax.engine.pooling_requests import add_pooling_request, check_pooling_params, pooling_spec
 from pagedjax.pooling.pooling_model import PoolingModel
 
 
-class DataParallelPooling(PoolingEntry):
+class DataParallelPooling:
     """(DataParallelEngine has replicas, config, model_config and add_requests.)"""
+
+    pooling_spec = pooling_spec
+    check_pooling_params = check_pooling_params
+    add_pooling_request = add_pooling_request
 
     @property
     def runner_type(self) -> str:

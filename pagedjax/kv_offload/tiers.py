@@ -68,7 +68,7 @@ class KVTiers:
         self.runner = runner
         self.num_layers = runner.graph.num_kv_slots
         self.host_pool = runner.init_host_pool(num_blocks)
-        runner.tier_pool = self.host_pool  # a multi-host follower's moves use it
+        runner.attach_tier_pool(self.host_pool)  # a multi-host follower's moves use it
         # Multi-host, every copy out is announced to the followers and waited for (each
         # process stores its own shards at once); single-host they land asynchronously.
         self._synchronous = runner.channel is not None or not all(

@@ -1,4 +1,4 @@
-"""LLMEngine's LoRA controls (a mixin; vLLM's add_lora / remove_lora / list_loras, and
+"""LLMEngine's LoRA controls (a part of the engine; vLLM's add_lora / remove_lora / list_loras, and
 update_lora for adapter-only training-to-serving sync): adapters known before any request names
 them, dropped, and given new weights in place.
 
@@ -12,31 +12,42 @@ programs are untouched: nothing compiles).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from pagedjax.lora.manager import LoRAManager
 from pagedjax.lora.peft_adapter import (LoRAAdapter, adapter_from_tensors, check_adapter_values,
                                         read_peft_adapter)
 from pagedjax.lora.request import LoRARequest
 from pagedjax.scheduler.lora_slots import adapters_in_use
 
+if TYPE_CHECKING:
+    from pagedjax.engine.llm_engine import LLMEngine
+
 
 class LoRAControls:
-    """(LLMEngine has lora_manager, scheduler, runner, model_config and the pause controls.)"""
+    """LLMEngine's LoRA controls, a part of the engine (engine.loras), over its lora_manager,
+    scheduler and runner."""
 
-    def _loras(self):
-        if self.lora_manager is None:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+
+    def manager(self) -> LoRAManager:
+        """The engine's adapters (ValueError when it serves none)."""
+        if self.engine.lora_manager is None:
             raise ValueError("this engine serves no LoRA adapters; build it with "
                              "enable_lora=True")
-        return self.lora_manager
+        return self.engine.lora_manager
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Reads and checks an adapter ahead of its requests (ValueError naming what does not
         fit); True once it is known."""
-        self._loras().check(lora_request, revive=True)
+        self.manager().check(lora_request, revive=True)
         return True
 
     def remove_lora(self, lora_id: int) -> bool:
         """Drops an adapter: no new request may name it; requests running under it finish.
         False for an id the engine does not know."""
-        manager = self._loras()
+        manager = self.manager()
         if not manager.knows(lora_id):
             return False
         manager.forget(lora_id, self.release_lora_slot(lora_id))
@@ -45,14 +56,14 @@ class LoRAControls:
     def release_lora_slot(self, lora_id: int) -> bool:
         """Frees the adapter's slot unless a running request uses it; whether any unfinished
         request of this engine names it."""
-        state = self.scheduler.state
+        state = self.engine.scheduler.state
         if lora_id not in adapters_in_use(state.running):
             state.lora_slots.evict(lora_id)
         return any(r.lora_id == lora_id for r in state.requests.values())
 
     def list_loras(self) -> set[int]:
         """The ids of the adapters requests may name."""
-        return set(self._loras().ids.values())
+        return set(self.manager().ids.values())
 
     def update_lora(self, name: str, weights, *, mode: str = "wait") -> None:
         """New weights for the adapter `name` (known: named by a request or add_lora):
@@ -60,18 +71,19 @@ class LoRAControls:
         (`base_model.model.model.layers.{l}.self_attn.q_proj.lora_A.weight` [r, in], lora_B
         [out, r]: what a trainer's adapter state saves) to arrays, for the adapter's own rank,
         alpha and targets (a projection a mapping leaves out is zero)."""
-        update_lora(self, [self], name, weights, mode)
+        update_lora(self.engine, [self.engine], name, weights, mode)
 
     def rewrite_lora(self, lora_id: int, arrays: dict) -> None:
         """An adapter's new weights (its version bumped) into its slot, if resident, and its
         requests that never ran keyed by the new version (not hashed against old KV)."""
-        state = self.scheduler.state
+        engine = self.engine
+        state = engine.scheduler.state
         slot = state.lora_slots.slot_of.get(lora_id)
         if slot is not None:
-            self.runner.write_lora_slot(slot, arrays)
+            engine.runner.write_lora_slot(slot, arrays)
         for request in state.requests.values():
             if request.lora_id == lora_id and request.first_scheduled_time is None:
-                request.lora_key = self.lora_manager.key(lora_id)
+                request.lora_key = self.manager().key(lora_id)
                 request.block_hashes.clear()
 
 
@@ -79,7 +91,7 @@ def update_lora(engine, replicas, name, weights, mode: str) -> None:
     """update_lora's one sequence: the new weights checked whole, then engine paused as
     mode says, the adapter's weights replaced once (its version bumped) and each replica's
     slot rewritten, then resumed (unless it was paused before)."""
-    manager = replicas[0]._loras()
+    manager = replicas[0].loras.manager()
     lora_id = lora_id_of(manager, name)
     adapter, pinned = new_adapter(manager, lora_id, weights, engine.model_config)
     arrays = manager.host_arrays(adapter)  # checked before anything changes
@@ -88,7 +100,7 @@ def update_lora(engine, replicas, name, weights, mode: str) -> None:
     try:
         manager.replace(lora_id, adapter, pinned)
         for replica in replicas:
-            replica.rewrite_lora(lora_id, arrays)
+            replica.loras.rewrite_lora(lora_id, arrays)
     finally:
         if not was_paused:
             engine.resume_generation()
@@ -137,10 +149,10 @@ class DataParallelLoRA:
         return self.replicas[0].list_loras()
 
     def remove_lora(self, lora_id: int) -> bool:
-        manager = self.replicas[0]._loras()
+        manager = self.replicas[0].loras.manager()
         if not manager.knows(lora_id):
             return False
-        in_use = [replica.release_lora_slot(lora_id) for replica in self.replicas]
+        in_use = [replica.loras.release_lora_slot(lora_id) for replica in self.replicas]
         manager.forget(lora_id, any(in_use))
         return True
 

@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pagedjax.engine.runner import ModelRunner, forward_fn
+from pagedjax.engine.runner import ModelRunner
+from pagedjax.engine.step_functions import forward_fn
 from pagedjax.engine.warmup import warm
 from pagedjax.scheduler import (DECODE, FORWARD_FIELDS, PREFILL, KVCacheManager, Request,
                                 SamplingParams, ScheduledSeq, SchedulerOutput, ShapeBuckets,
@@ -146,9 +147,9 @@ class DraftModelProposer:
             plan.block_tables[i, :len(table)] = table
         runner = self.runner
         inputs = {name: getattr(plan, name) for name in FORWARD_FIELDS}
-        ids, runner.kv_cache = _draft_loop(runner.graph, runner.backend, num_steps,
-                                           self.kv.block_size, runner.params, runner.kv_cache,
-                                           inputs)
+        ids, kv_cache = _draft_loop(runner.graph, runner.backend, num_steps,
+                                    self.kv.block_size, runner.params, runner.kv_cache, inputs)
+        runner.swap_kv_cache(kv_cache)
         self.num_steps += num_steps
         return np.asarray(ids)[:len(rows)]
 
@@ -204,8 +205,9 @@ class DraftModelProposer:
             for b in self.buckets.seq_buckets:
                 plan = padding_plan(DECODE, b, b, self.buckets.max_blocks_per_seq)
                 inputs = {name: getattr(plan, name) for name in FORWARD_FIELDS}
-                _, runner.kv_cache = _draft_loop(runner.graph, runner.backend, self.k - 1,
-                                                 self.kv.block_size, runner.params,
-                                                 runner.kv_cache, inputs)
+                _, kv_cache = _draft_loop(runner.graph, runner.backend, self.k - 1,
+                                          self.kv.block_size, runner.params,
+                                          runner.kv_cache, inputs)
+                runner.swap_kv_cache(kv_cache)
                 count += 1
         return count
