@@ -125,7 +125,7 @@ def _rows(scheduled, kv_manager: KVCacheManager, tables: list[np.ndarray]):
     """Each row's query tokens (back to back), its block table in each group (into tables[g],
     see write_table), and its start, query length and sampling settings as lists."""
     tokens: list[int] = []
-    columns = {name: [] for name in ("start", "q_len", "seed", "drafts", "lora_slot",
+    columns: dict[str, list] = {name: [] for name in ("start", "q_len", "seed", "drafts", "lora_slot",
                                      *_PARAM_COLUMNS)}
     block_size = kv_manager.block_size
     # a state group's row: its fixed blocks whole (scheduler.state_group)

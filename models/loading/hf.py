@@ -117,7 +117,7 @@ def checked_hf_weights(model_dir: str, dtype: str = "float32"):
     files = weight_files(model_dir)
     headers = {path: _header(path) for path in sorted(set(files.values()))}
     present = {name for header in headers.values() for name in header}
-    stored_as = {}  # each tensor read -> the shape HF stores it in
+    stored_as: dict = {}  # each tensor read -> the shape HF stores it in
     for (name, transpose), shape in wanted:
         if transpose is None:  # MXFP4 experts: their _blocks and _scales
             weight = (shape[0], 2 * shape[1], shape[2])

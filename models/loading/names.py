@@ -44,7 +44,7 @@ def hf_state_dict(model, renames: tuple[tuple[str, str], ...] = ()) -> dict:
     (pagedjax.models.registry.hf_renames)."""
     from flax import nnx
 
-    tensors = {}
+    tensors: dict = {}
     for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name, transpose = hf_weight_name(path, renames)
         value = variable.get_value()

@@ -59,7 +59,7 @@ def beam_search(engine, prompts: Sequence[Sequence[int]], params: BeamSearchPara
     # All checked, at their longest, before anything runs.
     prompts = [check_prompt_token_ids(p, engine.model_config.vocab_size,
                                       engine.config.max_model_len) for p in prompts]
-    check_specs(engine, [PromptSpec(p + [0] * (params.max_tokens - 1), step_params,
+    check_specs(engine, [PromptSpec([*p, *[0] * (params.max_tokens - 1)], step_params,
                                     lora_request=lora) for p, lora in zip(prompts, loras)])
     live = [[BeamSequence([], 0.0)] for _ in prompts]
     completed: list[list[BeamSequence]] = [[] for _ in prompts]

@@ -121,7 +121,7 @@ def _check_caps(limits: AdmissionLimits, live: Sequence[Live], new: Sequence,
         long = sum(len(a.prompt_token_ids) > limits.long_context_threshold for a in new)
         cap = limits.max_long_context_requests
         held = sum(r.long_context for r in live)
-        if long and held + long > cap:
+        if long and cap is not None and held + long > cap:
             raise OverloadedError("long_context_cap", (
                 f"prompts over {limits.long_context_threshold} tokens are limited to {cap} "
                 f"live requests ({held} now): retry later"))

@@ -17,15 +17,15 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from typing import AsyncIterator, Callable, Sequence
+from typing import Callable, Sequence
 
 from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.outputs import RequestOutput
 from pagedjax.engine.request_checks import PromptSpec
 from pagedjax.frontend.admission_control import AdmissionLimits, OverloadedError
+from pagedjax.frontend.engine_client import EngineClient
 from pagedjax.frontend.engine_control import run_control
 from pagedjax.frontend.engine_driver import EngineDriver, StepInfo
-from pagedjax.scheduler import SamplingParams
 
 logger = logging.getLogger("pagedjax.engine")
 
@@ -78,26 +78,7 @@ class RequestGroup:
         self._unfinished.clear()
 
 
-class EngineFrontend:
-    """What the server calls, wherever the engine runs (AsyncLLMEngine: a thread;
-    core_client.CoreClient: a process): add_requests, and generate over it."""
-
-    async def add_requests(self, prompts: Sequence[PromptSpec],
-                           streamed: bool = True) -> "RequestGroup":
-        raise NotImplementedError
-
-    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                       request_id: str | None = None, prompt_text: str | None = None,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """One request's outputs until the finished one (see add_requests)."""
-        group = await self.add_requests(
-            [PromptSpec(prompt_token_ids, params, request_id, prompt_text, cache_salt)])
-        async with group:
-            async for out in group:
-                yield out
-
-
-class AsyncLLMEngine(EngineFrontend):
+class AsyncLLMEngine(EngineClient):
     def __init__(self, engine: LLMEngine, *, max_outstanding_tokens: int | None = None,
                  limits: AdmissionLimits | None = None,
                  on_step: Callable[[StepInfo], None] | None = None,

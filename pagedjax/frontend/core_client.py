@@ -28,8 +28,8 @@ from typing import Callable, Sequence
 from pagedjax.engine.request_checks import PromptSpec
 from pagedjax.frontend import engine_core
 from pagedjax.frontend.admission_control import AdmissionLimits
-from pagedjax.frontend.async_engine import (EngineDeadError, EngineFrontend, RequestGroup,
-                                            as_delivered, hand_over)
+from pagedjax.frontend.async_engine import EngineDeadError, RequestGroup, as_delivered, hand_over
+from pagedjax.frontend.engine_client import EngineClient
 from pagedjax.frontend.engine_driver import StepInfo
 from pagedjax.frontend.output_deltas import DeltaDecoder
 
@@ -57,7 +57,7 @@ class EngineView:
         """The core's process closes its engine when it stops."""
 
 
-class CoreClient(EngineFrontend):
+class CoreClient(EngineClient):
     def __init__(self, factory: Callable, *, limits: AdmissionLimits | None = None,
                  on_step: Callable[[StepInfo], None] | None = None,
                  on_abort: Callable[[str], None] | None = None,

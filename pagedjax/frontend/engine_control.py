@@ -5,6 +5,9 @@ carries the name and plain arguments, never code)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from pagedjax.lora.request import LoRARequest
 
 
@@ -21,7 +24,7 @@ def _weight_info(engine) -> dict:
             "is_sleeping": engine.is_sleeping}
 
 
-CONTROLS = {
+CONTROLS: dict[str, Callable[..., Any]] = {
     "update_weights": _update_weights,
     "pause": lambda engine, mode: engine.pause_generation(mode),
     "resume": lambda engine: engine.resume_generation(),

@@ -175,6 +175,7 @@ class _Core:
         kind = message[0]
         if kind == "add":
             _, call_id, prompts, streamed = message
+            reply: object
             try:
                 reply = self.driver.add(prompts, streamed)
             except Exception as error:  # noqa: BLE001 - the caller's: a 400 or a 429

@@ -113,6 +113,7 @@ class TypedRequestOutput:
 def view_of(output, task: str) -> TypedRequestOutput:
     """output as LLM.embed / classify / score return it."""
     data = np.asarray(output.outputs.data, np.float32)
+    view: EmbeddingOutput | ClassificationOutput | ScoringOutput
     if task == "embed":
         view = EmbeddingOutput(data.tolist())
     elif task == "classify":

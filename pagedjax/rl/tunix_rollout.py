@@ -162,7 +162,7 @@ class PagedJaxRollout(base_rollout.BaseRollout):
             temperature=0.0 if greedy else rollout_config.temperature,
             top_p=1.0 if greedy else rollout_config.top_p,
             top_k=-1 if rollout_config.top_k is None else rollout_config.top_k,
-            seed=seed, stop_token_ids=self._eos_ids(rollout_config), ignore_eos=False,
+            seed=seed, stop_token_ids=tuple(self._eos_ids(rollout_config)), ignore_eos=False,
             logprobs=0 if rollout_config.return_logprobs else None)
 
     def _left_padded(self, ids: list[list[int]], length: int) -> np.ndarray:

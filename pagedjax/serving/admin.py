@@ -29,7 +29,8 @@ PATHS = (CONFIG_PATH, ROLLBACK_PATH)
 def admin_only(server: ServerState, handler):
     """handler behind the admin key (401 without it)."""
     async def guarded(request: fastapi.Request):
-        if not key_matches(request.headers.get("authorization"), server.admin_key):
+        key = server.admin_key
+        if key is None or not key_matches(request.headers.get("authorization"), key):
             return error_response(401, "missing or wrong admin key (Authorization: "
                                   "Bearer ...)", None, "authentication_error",
                                   "invalid_api_key")

@@ -24,6 +24,7 @@ from fastapi import responses
 
 from pagedjax import __version__
 from pagedjax.engine.llm_engine import LLMEngine
+from pagedjax.frontend.core_client import CoreClient
 from pagedjax.serving import chat, completions, openapi, tokenization
 from pagedjax.serving.admin import PATHS as ADMIN_PATHS, admin_routes
 from pagedjax.serving.http_common import (APIError, GuardMiddleware, error_body, get_route,
@@ -163,7 +164,7 @@ def run_server(engine: LLMEngine, served_model_name: str = "pagedjax", *, host: 
         died.append(reason)
         http.should_exit = True
 
-    if hasattr(server.async_engine, "on_death"):  # an engine core in a process of its own
+    if isinstance(server.async_engine, CoreClient):  # an engine core in a process of its own
         server.async_engine.on_death = on_death
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises SIGINT once shut down
         http.run()

@@ -56,7 +56,8 @@ class ReplyStream:
         self.sent = 0  # characters of the answer sent as content
 
     def feed(self, text: str, finished: bool) -> list[dict]:
-        deltas, answer, ready = [], text, True
+        deltas: list[dict] = []
+        answer, ready = text, True
         if self.reasoning is not None:
             deltas, answer, ready = self.reasoning.feed(text, finished)
         if not ready:

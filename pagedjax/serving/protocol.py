@@ -253,8 +253,9 @@ def usage_json(prompt_tokens: int, completion_tokens: int, cached_tokens: int | 
     prompt tokens the prefix cache served, in prompt_tokens_details; with prediction (a
     request's Predicted Outputs: its drafts accepted and rejected), completion_tokens_details'
     accepted_prediction_tokens and rejected_prediction_tokens."""
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-             "total_tokens": prompt_tokens + completion_tokens}
+    usage: dict[str, object] = {"prompt_tokens": prompt_tokens,
+                                "completion_tokens": completion_tokens,
+                                "total_tokens": prompt_tokens + completion_tokens}
     if cached_tokens is not None:
         usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
     if prediction is not None:

@@ -46,7 +46,8 @@ class RolloutGuard:
         self.min_requests = min_requests
         self.max_error_delta = max_error_delta
         self.max_latency_ratio = max_latency_ratio
-        self.outcomes = {g: collections.deque(maxlen=window) for g in ("stable", "canary")}
+        self.outcomes: dict[str, collections.deque] = {
+            g: collections.deque(maxlen=window) for g in ("stable", "canary")}
         self.set_weight(weight)
 
     def set_weight(self, weight: float) -> None:

@@ -19,6 +19,7 @@ from pagedjax.frontend.admission_control import AdmissionLimits
 from pagedjax.frontend.async_engine import (AsyncLLMEngine, EngineDeadError, OverloadedError,
                                             PromptSpec, RequestFailedError, RequestGroup)
 from pagedjax.frontend.core_client import CoreClient
+from pagedjax.frontend.engine_client import EngineClient
 from pagedjax.scheduler import RequestError, SamplingParams
 from pagedjax.serving import reasoning
 from pagedjax.serving.degradation import DegradationController, DegradationPolicy, settings_for
@@ -110,11 +111,11 @@ class ServerState:
                                      held_memory=engine.held_memory)
         self.degradation.on_change = self.metrics.degradation_changed
         self.trace = TraceRecorder(trace_out, engine.clock()) if trace_out else None
-        self.async_engine = self._frontend(engine, core, config)
+        self.async_engine: EngineClient = self._frontend(engine, core, config)
         self.configs = ConfigHistory(config)
         self.apply_config(config)
 
-    def _frontend(self, engine, core, config: ServingConfig):
+    def _frontend(self, engine, core, config: ServingConfig) -> EngineClient:
         """The engine's front-end: an AsyncLLMEngine over engine, or the started core."""
         if core is None:
             return AsyncLLMEngine(engine, limits=config.admission, on_step=self._on_step,

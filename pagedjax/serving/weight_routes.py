@@ -84,7 +84,7 @@ def weight_routes(server: ServerState, app: fastapi.FastAPI) -> None:
 
 
 def _update_routes(server: ServerState, app: fastapi.FastAPI, control) -> None:
-    updating = []  # the update in progress (one at a time: the caller learns which version won)
+    updating: list = []  # the update in progress (one at a time: the caller learns which version won)
 
     async def update_weights(request: fastapi.Request):
         body = parse_body(await request.body(), UpdateWeightsRequest)

@@ -64,7 +64,9 @@ class Speculator:
                 self._set(request, self.proposer.propose_in(prediction, request.output_token_ids,
                                                             room).tolist())
             elif self.drafter is not None:
-                batch.append((request, min(room, self.config.num_speculative_tokens)))
+                k = self.config.num_speculative_tokens
+                assert k is not None  # SpeculativeConfig checked it (>= 1)
+                batch.append((request, min(room, k)))
             else:
                 self._set(request, self.proposer.propose(
                     request.prompt_token_ids + request.output_token_ids, room).tolist())

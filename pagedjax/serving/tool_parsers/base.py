@@ -16,7 +16,7 @@ def call_from_json(obj, arguments_keys=("arguments", "parameters")) -> Call | No
     """A Call from a decoded {"name": str, "arguments" | "parameters": object}, else None."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
-    arguments = next((obj[k] for k in arguments_keys if k in obj), {})
+    arguments: object = next((obj[k] for k in arguments_keys if k in obj), {})
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
