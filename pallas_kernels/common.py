@@ -22,7 +22,7 @@ def dot_precision(dtype) -> jax.lax.Precision | None:
     does not. 16-bit and quantized caches multiply 16-bit operands either way."""
     if jnp.dtype(dtype) != jnp.float32:
         return None
-    setting = jax.config.jax_default_matmul_precision
+    setting = jax.config.jax_default_matmul_precision  # type: ignore[attr-defined]  # a jax.config flag (untyped)
     if setting in ("highest", "float32", "F32_F32_F32", jax.lax.Precision.HIGHEST):
         return jax.lax.Precision.HIGHEST
     return None

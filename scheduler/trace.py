@@ -89,7 +89,7 @@ class TraceRequest:
         of this request's own."""
         shared = []
         if self.prefix_len:
-            rng = np.random.default_rng([1, self.prefix_group])
+            rng = np.random.default_rng([1, self.prefix_group or 0])
             shared = rng.integers(0, vocab_size, self.prefix_len).tolist()
         for h in self.prefix_hashes:
             shared += np.random.default_rng([3, int(h, 16)]).integers(0, vocab_size,

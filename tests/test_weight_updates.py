@@ -367,3 +367,31 @@ def test_the_callers_arrays_stay_theirs(models):
     for leaf in jax.tree.leaves(nnx.state(trainer)):
         leaf.delete()
     assert_same(run(engine, requests()), expected)
+
+
+def test_held_new_requests_wait_and_a_stuck_scheduler_is_named(models, monkeypatch):
+    """hold_new_requests (a server's drain): the request in flight runs to its end, the new one
+    waits without the engine calling that a stall, and runs once released. Without a hold, a
+    step in which the scheduler moves nothing while requests wait is a RuntimeError naming it,
+    not a silent empty step."""
+    engine = engine_for(models[0])
+    running = engine.add_request([3, 4, 5, 6], SamplingParams(max_tokens=6, temperature=0.0))
+    engine.step()  # its prompt: in flight now
+    engine.hold_new_requests()
+    held = engine.add_request([7, 8, 9], SamplingParams(max_tokens=3, temperature=0.0))
+    done = {}
+    for _ in range(50):
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        if running in done:
+            break
+    assert running in done and held not in done
+    assert engine.step() == [] and not engine.has_work  # held: nothing to do, nothing raised
+    engine.release_new_requests()
+    for _ in until_done(engine, 50):
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert len(done[held].outputs[0].token_ids) == 3
+    engine.add_request([7, 8, 9], SamplingParams(max_tokens=3, temperature=0.0))
+    empty = dataclasses.replace(engine.scheduler.schedule(engine.clock()), scheduled=[])
+    monkeypatch.setattr(engine, "_schedule", lambda: empty)
+    with pytest.raises(RuntimeError, match="no progress"):
+        engine.step()

@@ -56,7 +56,7 @@ def kv_cache_groups(config: LlamaConfig, hybrid: bool = True) -> KVCacheGroups:
                                                 0 if w in (None, LINEAR) else w))
     by_kind = {w: [i for i, lw in enumerate(windows) if lw == w] for w in kinds}
     size = min(len(layers) for layers in by_kind.values())
-    group_windows: list[int | None] = []
+    group_windows: list = []
     layer_group, layer_slot = [0] * config.num_layers, [0] * config.num_layers
     for window in kinds:
         layers = by_kind[window]

@@ -40,7 +40,8 @@ class Experts(nnx.Module):
     """E gated MLPs stacked: gate_proj, up_proj [E, D, F] and down_proj [E, F, D] ([in, out]
     per expert, as nnx.Linear's kernels)."""
 
-    PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # the stacked kernels, in kernels() order
+    # the stacked kernels, in kernels() order
+    PROJECTIONS: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
         e, d, f = config.num_experts, config.hidden_size, config.expert_intermediate_size

@@ -38,7 +38,7 @@ def enable_compilation_cache(setting: str = AUTO) -> str | None:
     """Points JAX's persistent cache at setting's directory (unless the user already chose one,
     or setting is "off") and caches every program, however quick to compile; returns the
     directory in use, or None."""
-    current = jax.config.jax_compilation_cache_dir
+    current = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]  # a jax.config flag (untyped)
     if current:
         return current
     path = resolve_cache_dir(setting)

@@ -347,7 +347,7 @@ class LLMEngine:
         return self.complete_step(started, results, final_only)
 
     def complete_step(self, started: "StartedStep", results,
-                      final_only: bool = False) -> list[EngineOutput]:
+                      final_only: bool) -> list[EngineOutput]:
         """Advances a step's requests by its fetched results (runner.fetch)."""
         self.stats.step_time_s += time.perf_counter() - started.start
         advanced: list[Request] = []

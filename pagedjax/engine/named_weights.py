@@ -92,6 +92,7 @@ def named_parts(tensors: Mapping, runner, config, scheme: str | None
             continue
         for position, at, part, transpose in index[name]:
             repeats = sources[position][2]
+            new: Part | None
             if part is None:
                 new = Part(at, value, transpose)
                 check_part(name, specs[position], new, repeats)

@@ -123,7 +123,7 @@ class DeltaDecoder:
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), outputs=outputs,
             finished=finished, metrics=metrics, prompt=prompt, error=error,
             cache_salt=cache_salt,
-            prompt_logprobs=None if new_prompt is None else list(got.prompt_logprobs))
+            prompt_logprobs=None if new_prompt is None else list(got.prompt_logprobs or []))
 
     @staticmethod
     def _choice(got: _Received, choice: tuple) -> CompletionOutput:

@@ -53,6 +53,7 @@ def prompt_chunks(prompt: str | Sequence[int], text_chunk: int = 64,
     so equal hashes mean equal prefixes), rooted in the model the request names: a LoRA
     adapter's requests match each other's prefixes (and the instance holding that KV), never
     another adapter's, whose KV no instance would share."""
+    items: str | tuple[int, ...]
     if isinstance(prompt, str):
         size, items = text_chunk, prompt
     else:

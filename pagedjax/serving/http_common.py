@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Mapping, Sequence
 from typing import Any, Iterable
 
 import pydantic
@@ -50,7 +51,7 @@ def error_response(status: int, message: str, param: str | None = None,
                    code), status_code=status, headers=headers)
 
 
-def validation_error(errors: list[dict]) -> APIError:
+def validation_error(errors: Sequence[Mapping]) -> APIError:
     """A 400 from pydantic's errors: the first one's field and message, never its input."""
     first = errors[0]
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]

@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import base64
 import sys
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedjax.serving.protocol import MAX_PROMPTS, PRIORITY_REFUSAL, ChatMessage, Identifier
 
-EMBED_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": "bfloat16"}
+EMBED_DTYPES: dict[str, Any] = {"float32": np.float32, "float16": np.float16,
+                                "bfloat16": "bfloat16"}
 
 
 class _PoolingFields(BaseModel):

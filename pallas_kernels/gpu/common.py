@@ -23,7 +23,7 @@ def target_compute_capability() -> tuple[int, int]:
     """The compute capability kernels are sized for: the default device's when that is a GPU
     (`jax.default_device(d)`, a compile-only device included: benchmarks/aot/xla_gpu.py),
     else the first visible GPU's; DEFAULT_TARGET on a machine without one."""
-    device = jax.config.jax_default_device
+    device = jax.config.jax_default_device  # type: ignore[attr-defined]  # a jax.config flag (untyped)
     if getattr(device, "platform", None) != "gpu":
         if jax.default_backend() != "gpu":
             return DEFAULT_TARGET

@@ -49,7 +49,7 @@ def _decode_kernel(
     block_size = kv_hbm_ref.shape[3]
     block_k = pages_per_step * block_size
     kv_len = kv_lens_ref[seq]
-    first_block = 0
+    first_block: int | jax.Array = 0
     if sliding_window is not None:
         # lax.div (truncating) on a non-negative operand: jnp's floor division lowers through
         # sign(), which Mosaic only lowers for a known TPU generation.

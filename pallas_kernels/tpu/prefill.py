@@ -56,7 +56,8 @@ def _ragged_kernel(
     q_first, q_end = cu_q_lens_ref[seq], cu_q_lens_ref[seq + 1]
     offset = kv_lens_ref[seq] - (q_end - q_first)  # position of the sequence's first query
     last_pos = offset + jnp.minimum(start + tile_q, q_end) - 1 - q_first
-    first_block = first_key = 0
+    first_block: int | jax.Array = 0
+    first_key: int | jax.Array = 0
     if sliding_window is not None:
         # The first key the tile's first query sees: pages before it may be back in the pool.
         first_key = offset + start - q_first - sliding_window + 1

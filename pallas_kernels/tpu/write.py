@@ -184,7 +184,7 @@ def write_pages_tpu(
     #             Ss + H], see above): K and V, or a latent cache's one; then page_groups'
     #             num_pages, first, counts, slots
     interpret: bool = False,
-) -> jax.Array:
+) -> jax.Array | QuantizedKV:
     """write_kv_tpu's kernel, on tokens already grouped by page (page_groups, an XLA sort)."""
     quantized = isinstance(kv_cache, QuantizedKV)
     arrays = list(kv_cache) if quantized else [kv_cache]  # data (and scales)
