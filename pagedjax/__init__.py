@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # what a type checker and an IDE see; at run time __getattr__
     from pagedjax.frontend.llm import LLM, load_model
     from pagedjax.lora.request import LoRARequest
     from pagedjax.pooling.params import PoolingParams
-    from pagedjax.scheduler import (SamplingParams, StructuredOutputs,
+    from pagedjax.scheduler import (RequestOutputKind, SamplingParams, StructuredOutputs,
                                     StructuredOutputs as StructuredOutputsParams)
     from pagedjax.scheduler.request import Logprob
 
@@ -34,6 +34,7 @@ _EXPORTS = {
     "LoRARequest": ("pagedjax.lora.request", "LoRARequest"),
     "load_model": ("pagedjax.frontend.llm", "load_model"),
     "SamplingParams": ("pagedjax.scheduler", "SamplingParams"),
+    "RequestOutputKind": ("pagedjax.scheduler", "RequestOutputKind"),
     "PoolingParams": ("pagedjax.pooling.params", "PoolingParams"),
     "PoolingRequestOutput": ("pagedjax.engine.outputs", "PoolingRequestOutput"),
     "StructuredOutputs": ("pagedjax.scheduler", "StructuredOutputs"),
@@ -49,7 +50,7 @@ except importlib.metadata.PackageNotFoundError:  # a source tree that was never 
 # the names _EXPORTS loads, spelled out for static tools (tests/test_structure.py keeps them equal)
 __all__ = ["BeamSearchParams", "BeamSequence", "EngineConfig", "LLMEngine", "CompletionOutput",
            "RequestMetrics", "RequestOutput", "LLM", "LoRARequest", "load_model",
-           "SamplingParams", "PoolingParams", "PoolingRequestOutput", "StructuredOutputs",
+           "SamplingParams", "RequestOutputKind", "PoolingParams", "PoolingRequestOutput", "StructuredOutputs",
            "StructuredOutputsParams", "Logprob", "__version__"]
 
 

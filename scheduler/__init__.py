@@ -9,6 +9,7 @@ from pagedjax.scheduler.errors import RequestError
 from pagedjax.scheduler.kv_cache_manager import KVCacheManager, cdiv
 from pagedjax.scheduler.lifecycle import (abort_request, add_request, check_admission,
                                           check_request, update)
+from pagedjax.scheduler.output_kind import RequestOutputKind
 from pagedjax.scheduler.plan import (ARRAY_FIELDS, FORWARD_FIELDS, SAMPLING_FIELDS, STATIC_FIELDS,
                                      BatchPlan, build_plan)
 from pagedjax.scheduler.request import (Request, RequestStatus, SamplingParams, fold_seed,
@@ -28,5 +29,5 @@ __all__ = [
     "POLICIES", "PREFILL_FIRST", "VICTIM_POLICIES", "ScheduledSeq", "Scheduler",
     "SchedulerConfig", "SchedulerOutput", "SchedulerState", "abort_request", "add_request",
     "check_admission", "check_request", "RequestError", "fold_seed",
-    "schedule", "update", "make_samples", "StructuredOutputs",
+    "schedule", "update", "make_samples", "StructuredOutputs", "RequestOutputKind",
 ]

@@ -7,9 +7,10 @@ import enum
 from typing import Sequence
 
 from pagedjax.scheduler.errors import RequestError, check_bool, check_float, check_int
+from pagedjax.scheduler.field_values import INT32_MAX, bias_pairs, int_tuple, str_tuple
+from pagedjax.scheduler.output_kind import RequestOutputKind, output_kind
 from pagedjax.scheduler.structured_outputs import StructuredOutputs
 
-INT32_MAX = 2**31 - 1  # integer fields are packed into i32 plan arrays
 MAX_TEMPERATURE = 1e4
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
@@ -71,19 +72,21 @@ class SamplingParams:
     # OpenAI's Predicted Outputs, tokenized: the output as the client expects it (mostly), the
     # source of this request's speculative drafts (an engine with speculative_config).
     prediction: tuple[int, ...] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # vLLM's (output_kind.py)
 
     def __post_init__(self):
-        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        object.__setattr__(self, "output_kind", output_kind(self.output_kind))
+        object.__setattr__(self, "logit_bias", bias_pairs(self.logit_bias))
         if self.allowed_token_ids is not None:
-            object.__setattr__(self, "allowed_token_ids", _int_tuple("allowed_token_ids",
+            object.__setattr__(self, "allowed_token_ids", int_tuple("allowed_token_ids",
                                                                      self.allowed_token_ids))
-        object.__setattr__(self, "bad_words", _str_tuple("bad_words", self.bad_words))
+        object.__setattr__(self, "bad_words", str_tuple("bad_words", self.bad_words))
         if self.prediction is not None:
-            object.__setattr__(self, "prediction", _int_tuple("prediction", self.prediction))
+            object.__setattr__(self, "prediction", int_tuple("prediction", self.prediction))
         if isinstance(self.structured_outputs, dict):
             object.__setattr__(self, "structured_outputs",
                                StructuredOutputs(**self.structured_outputs))
-        object.__setattr__(self, "stop_token_ids", _int_tuple("stop_token_ids",
+        object.__setattr__(self, "stop_token_ids", int_tuple("stop_token_ids",
                                                               self.stop_token_ids))
         stop = self.stop
         if stop is None:
@@ -356,42 +359,3 @@ def fold_seed(seed: int) -> int:
     """A 64-bit seed folded into the u32 the sampler keys on; seeds below 2**32 are themselves."""
     seed %= 2**64
     return (seed & 0xFFFFFFFF) ^ (seed >> 32)
-
-
-def _bias_pairs(value) -> tuple[tuple[int, float], ...]:
-    """logit_bias as sorted (id, bias) pairs, from a mapping or a sequence of pairs."""
-    if value is None:
-        return ()
-    if isinstance(value, dict):
-        value = value.items()
-    elif isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-        raise RequestError("logit_bias", f"logit_bias must map token ids to biases, got "
-                           f"{type(value).__name__}")
-    pairs = []
-    for pair in value:
-        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-            raise RequestError("logit_bias", "logit_bias must map token ids to biases")
-        pairs.append(tuple(pair))
-    if len({token_id for token_id, _ in pairs}) != len(pairs):
-        raise RequestError("logit_bias", "logit_bias names a token id twice")
-    try:
-        return tuple(sorted(pairs))
-    except TypeError:
-        raise RequestError("logit_bias", "logit_bias's token ids must be integers") from None
-
-
-def _str_tuple(field: str, values) -> tuple[str, ...]:
-    if values is None:
-        return ()
-    if isinstance(values, str):
-        values = (values,)
-    if not isinstance(values, (list, tuple)) or not all(isinstance(v, str) for v in values):
-        raise RequestError(field, f"{field} must be a list of strings")
-    return tuple(values)
-
-
-def _int_tuple(field: str, values) -> tuple[int, ...]:
-    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)):
-        raise RequestError(field, f"{field} must be a list of integers, got "
-                           f"{type(values).__name__}")
-    return tuple(check_int(f"{field}", v, 0, INT32_MAX) for v in values)

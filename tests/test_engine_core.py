@@ -266,6 +266,30 @@ def test_deltas_rebuild_the_cumulative_outputs():
     assert middle[1][1] is None  # the prompt went once
 
 
+def test_delta_outputs_cross_as_they_are_with_the_prompt_once():
+    """A DELTA request's outputs (SamplingParams.output_kind) are sent as the engine made them,
+    the prompt only with the first; a CUMULATIVE request beside it is delta-encoded as before."""
+    import dataclasses
+    import pickle
+
+    steps = [
+        _output("d", [([5], "x", None)], False, [None, {1: 0}]),
+        _output("c", [([6], "y", None)], False),
+        _output("d", [([7, 8], "zw", None)], False, []),
+        _output("c", [([6, 9], "yv", "stop")], True),
+        _output("d", [([], "", "length")], True, []),
+    ]
+    encoder, decoder = DeltaEncoder(), DeltaDecoder()
+    encoder.expect_deltas("d")
+    wires = [encoder.encode(out) for out in steps]
+    for wire, out in zip(wires, steps):
+        assert decoder.decode(pickle.loads(pickle.dumps(wire))) == out
+    assert wires[0][1] == ([1, 2, 3], "abc", None) and wires[2][1] is None
+    assert wires[2][2] == dataclasses.replace(steps[2], prompt_token_ids=[], prompt=None)
+    assert wires[3][2][0][2] == [9]  # the cumulative one: only what is new
+    assert "d" not in encoder._deltas and not decoder._received  # nothing stays behind
+
+
 @pytest.mark.slow  # a whole `pagedjax serve` process: make test-slow
 def test_a_server_whose_core_dies_exits_for_its_supervisor():
     """Issue 57: a killed core left the server answering 503 for good on its port. It now fails

@@ -8,9 +8,13 @@ from pagedjax.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
 class TextState:
-    """One sample's detokenized output: incremental, cut at the first stop string."""
+    """One sample's detokenized output: incremental, cut at the first stop string.
 
-    __slots__ = ("detokenizer", "matcher", "text", "num_tokens")
+    The text is kept as the pieces each token added (joined when read whole), and stop strings
+    are searched in its tail: a token costs O(its text + the longest stop string), not O(the
+    text so far)."""
+
+    __slots__ = ("detokenizer", "matcher", "pieces", "length", "num_tokens", "longest_stop")
 
     def __init__(self, tokenizer, request: Request):
         params = request.sampling_params
@@ -18,8 +22,27 @@ class TextState:
                                                   params.skip_special_tokens)
         self.matcher = (StopStringMatcher(params.stop, params.include_stop_str_in_output)
                         if params.stop else None)
-        self.text = ""
+        self.longest_stop = max((len(s) for s in params.stop), default=0)
+        self.pieces: list[str] = []
+        self.length = 0  # characters of text
         self.num_tokens = 0
+
+    @property
+    def text(self) -> str:
+        if len(self.pieces) > 1:
+            self.pieces[:] = ["".join(self.pieces)]
+        return self.pieces[0] if self.pieces else ""
+
+    def tail(self, num_chars: int) -> str:
+        """The text's last num_chars characters (fewer when it is shorter)."""
+        parts, have = [], 0
+        for piece in reversed(self.pieces):
+            if have >= num_chars:
+                break
+            parts.append(piece)
+            have += len(piece)
+        joined = "".join(reversed(parts))
+        return joined[len(joined) - min(num_chars, len(joined)):]
 
     def advance(self, request: Request) -> bool:
         """Detokenizes request's new tokens; True when a stop string ended the text (then
@@ -29,13 +52,18 @@ class TextState:
         delta = self.detokenizer.push(new)
         if request.status.finished:
             delta += self.detokenizer.finish()
-        self.text += delta
+        if delta:
+            self.pieces.append(delta)
+            self.length += len(delta)
         if self.matcher is None or self.num_tokens <= request.sampling_params.min_tokens:
             return False  # as vLLM: no stop string before min_tokens
-        cut = self.matcher.check(self.text, len(delta))
+        tail = self.tail(len(delta) + self.longest_stop - 1)  # where a match could newly end
+        cut = self.matcher.check(tail, len(delta))
         if cut is None:
             return False
-        self.text = self.text[:cut]
+        keep = self.length - len(tail) + cut
+        self.pieces[:] = [self.text[:keep]]
+        self.length = keep
         if not request.status.finished:  # a stop token that came first keeps its reason
             request.stop_reason = self.matcher.matched
         return True
@@ -43,6 +71,14 @@ class TextState:
     def visible_text(self, finished: bool) -> str:
         """The text a client may see now: a tail that could still become a stop string is
         withheld until the request moves past it or finishes."""
+        return self.text[:self.visible_length(finished)]
+
+    def visible_length(self, finished: bool) -> int:
+        """How many characters of the text a client may see now (visible_text's)."""
         if finished or self.matcher is None:
-            return self.text
-        return self.text[:len(self.text) - self.matcher.holdback(self.text)]
+            return self.length
+        return self.length - self.matcher.holdback(self.tail(self.longest_stop - 1))
+
+    def slice(self, start: int, end: int) -> str:
+        """text[start:end], reading only the pieces after start."""
+        return self.tail(self.length - start)[:end - start]

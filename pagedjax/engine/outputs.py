@@ -24,6 +24,19 @@ class RequestMetrics:
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
 
+    @classmethod
+    def of(cls, samples: Sequence[Request], finished: bool) -> "RequestMetrics":
+        """A request's metrics from its samples (finished: all of them are)."""
+        leader = samples[0]
+        first_tokens = [s.first_token_time for s in samples if s.first_token_time is not None]
+        finishes = [s.finish_time for s in samples if s.finish_time is not None]
+        return cls(leader.arrival_time, leader.first_scheduled_time,
+                   min(first_tokens) if first_tokens else None,
+                   max(finishes) if finished else None,
+                   sum(s.num_preemptions for s in samples), leader.num_cached_tokens,
+                   sum(s.num_draft_tokens for s in samples),
+                   sum(s.num_accepted_draft_tokens for s in samples))
+
     @property
     def ttft(self) -> float | None:
         """Time to first token, seconds."""
@@ -46,6 +59,13 @@ class CompletionOutput:
     # What stopped it (vLLM's stop_reason): the stop token id or stop string; None for EOS,
     # the length limit, or while it runs.
     stop_reason: int | str | None = None
+    # Tokens the sample has generated so far: len(token_ids) in a cumulative output; in a DELTA
+    # one (SamplingParams.output_kind) token_ids, logprobs and text are only what is new.
+    num_tokens: int = -1
+
+    def __post_init__(self):
+        if self.num_tokens < 0:
+            object.__setattr__(self, "num_tokens", len(self.token_ids))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,17 +126,9 @@ class RequestOutput:
                                     text=texts.get(s.request_id),
                                     stop_reason=s.stop_reason if s.status.finished else None)
                    for i, s in enumerate(chosen)]
-        first_tokens = [s.first_token_time for s in samples if s.first_token_time is not None]
-        finishes = [s.finish_time for s in samples if s.finish_time is not None]
-        metrics = RequestMetrics(
-            leader.arrival_time, leader.first_scheduled_time,
-            min(first_tokens) if first_tokens else None,
-            max(finishes) if finished else None,
-            sum(s.num_preemptions for s in samples), leader.num_cached_tokens,
-            sum(s.num_draft_tokens for s in samples),
-            sum(s.num_accepted_draft_tokens for s in samples))
         return cls(request_id=leader.parent_id, prompt_token_ids=list(leader.prompt_token_ids),
-                   outputs=outputs, finished=finished, metrics=metrics, prompt=prompt,
+                   outputs=outputs, finished=finished,
+                   metrics=RequestMetrics.of(samples, finished), prompt=prompt,
                    error=error, cache_salt=leader.cache_salt, weight_version=weight_version,
                    lora_request=lora_request,
                    prompt_logprobs=(list(leader.prompt_logprobs) if

@@ -34,6 +34,10 @@ class RequestState:
     versions: list[str] = dataclasses.field(default_factory=list)  # weights its tokens came from
     oom_retries: int = 0  # device OOMs its steps were recomputed after
     pooling: PoolingState | None = None
+    # DELTA outputs (SamplingParams.output_kind): per sample, the tokens and characters of text
+    # its outputs have held so far; and the prompt logprobs sent
+    sent: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    prompt_logprobs_sent: int = 0
 
     @property
     def finished(self) -> bool:

@@ -5,14 +5,15 @@ and the step's counters. A request whose part fails (its detokenization) fails a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedjax.engine import prompt_logprobs
+from pagedjax.engine.delta_outputs import delta_output, only_when_finished
 from pagedjax.engine.kv_snapshot import UsageSample, tokens_stored
 from pagedjax.engine.outputs import EngineOutput, RequestOutput
 from pagedjax.engine.step_recovery import describe
 from pagedjax.engine.step_results import StepResults
-from pagedjax.scheduler import DECODE, Request, RequestStatus
+from pagedjax.scheduler import DECODE, Request, RequestOutputKind, RequestStatus
 
 if TYPE_CHECKING:
     from pagedjax.engine.llm_engine import LLMEngine
@@ -39,8 +40,9 @@ class StepOutputs:
         for parent_id, message in failed.items():
             engine.fail_request(parent_id, message, now)
         parents = list(dict.fromkeys(r.parent_id for r in new))
-        if final_only:
-            parents = [p for p in parents if engine.requests[p].finished]
+        requests = engine.requests
+        parents = [p for p in parents if requests[p].finished or not (
+            final_only or only_when_finished(requests[p].samples))]
         return [self.request_output(parent_id, failed.get(parent_id)) for parent_id in parents]
 
     def _on_token(self, sample: Request, failed: dict[str, str]) -> RequestStatus | None:
@@ -75,15 +77,21 @@ class StepOutputs:
             out = engine.pooling.output(state, error)
         else:
             samples = state.samples
-            texts = None
-            if engine.tokenizer is not None:
-                texts = {s.request_id: state.texts[s.request_id].visible_text(s.status.finished)
-                         for s in samples}
             lora_id = samples[0].lora_id
-            out = RequestOutput.from_samples(
-                samples, samples[0].sampling_params.n, texts, state.prompt_text, error,
-                state.record_version(engine.weights.weight_version),
-                None if lora_id is None else engine.loras.manager().adapters[lora_id])
+            fields: dict[str, Any] = dict(
+                prompt=state.prompt_text, error=error,
+                weight_version=state.record_version(engine.weights.weight_version),
+                lora_request=(None if lora_id is None else
+                              engine.loras.manager().adapters[lora_id]))
+            params = samples[0].sampling_params
+            if params.output_kind == RequestOutputKind.DELTA and len(samples) == params.n:
+                out = delta_output(state, engine.tokenizer is not None, **fields)
+            else:
+                texts = None
+                if engine.tokenizer is not None:
+                    texts = {s.request_id: state.texts[s.request_id].visible_text(
+                        s.status.finished) for s in samples}
+                out = RequestOutput.from_samples(samples, params.n, texts, **fields)
         if out.finished:
             engine.requests.finish(parent_id)
         return out

@@ -33,6 +33,7 @@ from pagedjax.frontend.admission_control import AdmissionLimits
 from pagedjax.frontend.engine_control import run_control
 from pagedjax.frontend.engine_driver import EngineDriver
 from pagedjax.frontend.output_deltas import DeltaEncoder
+from pagedjax.scheduler import RequestOutputKind
 
 logger = logging.getLogger("pagedjax.engine_core")
 
@@ -178,6 +179,9 @@ class _Core:
             reply: object
             try:
                 reply = self.driver.add(prompts, streamed)
+                for spec, request_id in zip(prompts, reply):
+                    if spec.params.output_kind == RequestOutputKind.DELTA:
+                        self.encoder.expect_deltas(request_id)
             except Exception as error:  # noqa: BLE001 - the caller's: a 400 or a 429
                 reply = error
             self.outbox.send_pyobj(("reply", call_id, reply))

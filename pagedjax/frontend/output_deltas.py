@@ -1,10 +1,14 @@
 """A request's outputs as deltas over the engine core's channel (pagedjax.frontend.engine_core).
 
-The engine hands back cumulative RequestOutputs (every token so far, every step); sent whole
-across a process boundary, a request of L tokens would cost O(L^2) bytes. DeltaEncoder (the core's
-side) sends each request's prompt once and then, per output, only what is new: each sample's new
-token ids, logprobs and text, and the prompt logprobs computed since; DeltaDecoder (the server's
-side) rebuilds the cumulative RequestOutputs the server reads, equal to the engine's.
+A request with DELTA outputs (SamplingParams.output_kind: what the server asks) gets outputs
+that hold only what is new already; DeltaEncoder sends them as they are, its prompt (ids, text,
+cache salt) only the first time, and DeltaDecoder puts the prompt back.
+
+A request with CUMULATIVE outputs (every token so far, every step) would cost O(L^2) bytes over
+L tokens sent whole across a process boundary. DeltaEncoder (the core's side) sends its prompt
+once and then, per output, only what is new: each sample's new token ids, logprobs and text, and
+the prompt logprobs computed since; DeltaDecoder (the server's side) rebuilds the cumulative
+RequestOutputs, equal to the engine's.
 
 A sample's text is sent whole when it is not an extension of what was sent (it never shrinks in
 practice: a tail that could become a stop string is held back, not retracted), and a finished
@@ -34,16 +38,25 @@ class _Sent:
 # finish_reason, cumulative_logprob, stop_reason); start 0 / text start 0 replace it whole.
 # A request on the wire: (request_id, head, choices, finished, metrics, error, prompt-logprob
 # start, new prompt logprobs); head: (prompt_token_ids, prompt, cache_salt) the first time, else
-# None. A pooling request's output: (request_id, the PoolingRequestOutput), once.
+# None. A DELTA request's output: (request_id, head, the output without its prompt). A pooling
+# request's output: (request_id, the PoolingRequestOutput), once.
 
 
 class DeltaEncoder:
-    def __init__(self):
+    def __init__(self) -> None:
         self._sent: dict[str, _Sent] = {}
+        # DELTA requests (expect_deltas) -> whether their prompt was sent
+        self._deltas: dict[str, bool] = {}
+
+    def expect_deltas(self, request_id: str) -> None:
+        """request_id's outputs are DELTA ones (its SamplingParams.output_kind)."""
+        self._deltas[request_id] = False
 
     def encode(self, out: RequestOutput | PoolingRequestOutput) -> tuple:
         if isinstance(out, PoolingRequestOutput):  # sent once, whole: (its id, it)
             return out.request_id, out
+        if out.request_id in self._deltas:
+            return self._encode_delta(out)
         sent = self._sent.get(out.request_id)
         head = None
         if sent is None:
@@ -62,6 +75,16 @@ class DeltaEncoder:
             del self._sent[out.request_id]
         return (out.request_id, head, choices, out.finished, out.metrics, out.error,
                 prompt_start, new_prompt)
+
+    def _encode_delta(self, out: RequestOutput) -> tuple:
+        head = None
+        if not self._deltas[out.request_id]:
+            head = (out.prompt_token_ids, out.prompt, out.cache_salt)
+            self._deltas[out.request_id] = True
+        if out.finished:
+            del self._deltas[out.request_id]
+        return out.request_id, head, dataclasses.replace(
+            out, prompt_token_ids=[], prompt=None, cache_salt=None)
 
     @staticmethod
     def _choice(sent: _Sent, i: int, c: CompletionOutput, finished: bool) -> tuple:
@@ -86,6 +109,7 @@ class DeltaEncoder:
     def forget(self, request_id: str) -> None:
         """A request that ends without a finished output (aborted)."""
         self._sent.pop(request_id, None)
+        self._deltas.pop(request_id, None)
 
 
 @dataclasses.dataclass
@@ -98,12 +122,14 @@ class _Received:
 
 
 class DeltaDecoder:
-    def __init__(self):
+    def __init__(self) -> None:
         self._received: dict[str, _Received] = {}
 
     def decode(self, wire: tuple) -> RequestOutput | PoolingRequestOutput:
         if isinstance(wire[-1], PoolingRequestOutput):
             return wire[-1]
+        if isinstance(wire[-1], RequestOutput):
+            return self._decode_delta(*wire)
         (request_id, head, choices, finished, metrics, error, prompt_start,
          new_prompt) = wire
         got = self._received.get(request_id)
@@ -124,6 +150,19 @@ class DeltaDecoder:
             finished=finished, metrics=metrics, prompt=prompt, error=error,
             cache_salt=cache_salt,
             prompt_logprobs=None if new_prompt is None else list(got.prompt_logprobs or []))
+
+    def _decode_delta(self, request_id: str, head: tuple | None,
+                      out: RequestOutput) -> RequestOutput:
+        """A DELTA output, its prompt put back (sent with its first output)."""
+        got = self._received.get(request_id)
+        if got is None:
+            assert head is not None, f"{request_id}'s first output came without its prompt"
+            got = self._received[request_id] = _Received(head, [], [], [])
+        if out.finished:
+            del self._received[request_id]
+        prompt_token_ids, prompt, cache_salt = got.head
+        return dataclasses.replace(out, prompt_token_ids=prompt_token_ids, prompt=prompt,
+                                   cache_salt=cache_salt)
 
     @staticmethod
     def _choice(got: _Received, choice: tuple) -> CompletionOutput:

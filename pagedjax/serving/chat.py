@@ -91,10 +91,11 @@ def render_prompt(server: ServerState, body: ChatCompletionRequest,
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def logprobs_of(server: ServerState, choice: CompletionOutput, start: int, top_n: int) -> dict:
-    """OpenAI's chat logprobs: per token its logprob, bytes and top_n alternatives."""
+def logprobs_of(server: ServerState, choice: CompletionOutput, top_n: int) -> dict:
+    """OpenAI's chat logprobs of choice's tokens: per token its logprob, bytes and top_n
+    alternatives."""
     content = []
-    for token_id, top in zip(choice.token_ids[start:], (choice.logprobs or [])[start:]):
+    for token_id, top in zip(choice.token_ids, choice.logprobs or []):
         text = server.token_text(token_id)
         ranked = sorted(top.items(), key=lambda kv: -kv[1].logprob)[:top_n]
         content.append({
@@ -174,12 +175,13 @@ async def chat_completions(server: ServerState, request: fastapi.Request):
     if body.service_tier is not None:
         base["service_tier"] = "default"
 
-    def extra(choice: CompletionOutput, start: int) -> dict:
+    def extra(choice: CompletionOutput) -> dict:
+        """The choice's tokens' logprobs and ids, when asked for."""
         d = {}
         if body.logprobs:
-            d["logprobs"] = logprobs_of(server, choice, start, top_n)
+            d["logprobs"] = logprobs_of(server, choice, top_n)
         if body.return_token_ids:
-            d["token_ids"] = choice.token_ids[start:]
+            d["token_ids"] = choice.token_ids
         return d
 
     if not body.stream:
@@ -191,7 +193,7 @@ async def chat_completions(server: ServerState, request: fastapi.Request):
         for c in out.outputs:
             message, finish = reader.message(c.text or "", c.finish_reason)
             choices.append({"index": c.index, "message": message, "logprobs": None,
-                            **extra(c, 0), "finish_reason": finish, "stop_reason": c.stop_reason})
+                            **extra(c), "finish_reason": finish, "stop_reason": c.stop_reason})
         response = {**base, "choices": choices, "usage": server.usage({request_id: out}, body.prediction is not None)}
         if body.prompt_logprobs is not None:  # vLLM: beside the choices
             response["prompt_logprobs"] = prompt_logprobs_json(
@@ -209,13 +211,12 @@ async def _events(server: ServerState, body: ChatCompletionRequest, group, chunk
     tracker = DeltaTracker(body.logprobs or body.return_token_ids or server.tokenizer is None)
     plain = reader.tools is None and reader.reasoning is None
     streams = {j: reader.stream() for j in range(body.n)}
-    latest: dict[int, CompletionOutput] = {}
 
     def event(choices: list[dict]) -> str:
         payload = {**chunk, "choices": choices}
         if continuous:  # vLLM's: the usage so far in every chunk
             payload["usage"] = usage_json(num_prompt,
-                                          sum(len(c.token_ids) for c in latest.values()))
+                                          sum(tracker.tokens(j) for j in range(body.n)))
         return sse(payload)
 
     for j in range(body.n):  # one choice a chunk, as vLLM streams n > 1
@@ -226,19 +227,18 @@ async def _events(server: ServerState, body: ChatCompletionRequest, group, chunk
         async for out in group:
             choices = []
             for c in out.outputs:
-                latest[c.index] = c
                 delta = tracker.advance(c.index, c)
                 if delta is None:
                     continue  # nothing new a client asked for (a held-back byte)
-                text, _, tokens = delta
+                text = delta[0]
                 finished = c.finish_reason is not None
                 deltas = ([{"content": text}] if text else []) if plain else \
-                    streams[c.index].feed(c.text or "", finished)
-                extras = extra(c, tokens)
+                    streams[c.index].feed(tracker.text(c.index), finished)
+                extras = extra(c)
                 if not deltas and not finished and not extras:
                     continue  # held back: maybe the start of a tag
-                finish = reader.finish_reason(c.text or "", c.finish_reason) if finished \
-                    else None
+                finish = reader.finish_reason(tracker.text(c.index), c.finish_reason) \
+                    if finished else None
                 choices += [{"index": c.index, "delta": d, "logprobs": None,
                              "finish_reason": None} for d in deltas or [{}]]
                 choices[-1].update(extras, finish_reason=finish, stop_reason=c.stop_reason)

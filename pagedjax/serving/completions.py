@@ -50,23 +50,25 @@ class _Choices:
         self.server, self.body, self.echo = server, body, echo
         self.index_of = {spec.request_id: i for i, spec in enumerate(specs)}
 
-    def choice(self, out: RequestOutput, choice: CompletionOutput, text: str, start: int,
-               offset: int) -> dict:
+    def choice(self, out: RequestOutput, choice: CompletionOutput, text: str, offset: int,
+               prompt_logprobs: list | None = None) -> dict:
+        """A choice dict of choice's tokens (a DELTA one's, or a whole one's); with
+        prompt_logprobs (the request's: its first chunk, or the whole choice) the prompt's ids
+        and logprobs go with it."""
         body = self.body
         logprobs = None
         if body.logprobs is not None:
-            logprobs = logprobs_of(self.server, choice.token_ids[start:],
-                                   (choice.logprobs or [])[start:], offset)
+            logprobs = logprobs_of(self.server, choice.token_ids, choice.logprobs or [], offset)
         d = {"index": self.index_of[out.request_id] * body.n + choice.index, "text": text,
              "logprobs": logprobs, "finish_reason": choice.finish_reason,
              "stop_reason": choice.stop_reason}
+        first = prompt_logprobs is not None
         if body.return_token_ids or self.server.tokenizer is None:  # no text without one
-            d["token_ids"] = choice.token_ids[start:]
-            if start == 0:
+            d["token_ids"] = choice.token_ids
+            if first:
                 d["prompt_token_ids"] = out.prompt_token_ids
-        if body.prompt_logprobs is not None and start == 0:
-            d["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs,
-                                                        out.prompt_token_ids,
+        if body.prompt_logprobs is not None and first:
+            d["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs, out.prompt_token_ids,
                                                         body.prompt_logprobs)
         return d
 
@@ -84,7 +86,8 @@ class _Choices:
             out, prefix = final[rid], self.echo[self.index_of[rid]]
             echoed = self.echoed_logprobs(out)
             for choice in out.outputs:
-                d = self.choice(out, choice, prefix + (choice.text or ""), 0, len(prefix))
+                d = self.choice(out, choice, prefix + (choice.text or ""), len(prefix),
+                                out.prompt_logprobs or [])
                 if echoed is not None:
                     d["logprobs"] = _joined(echoed, d["logprobs"])
                 choices.append(d)
@@ -147,25 +150,26 @@ async def _events(server: ServerState, body: CompletionRequest, group, choices: 
             if prefix and not deferred:
                 yield chunk({**base, "choices": [{"index": i * body.n + j, "text": prefix,
                                                 "logprobs": None, "finish_reason": None}]})
-    echoed: set[str] = set()
+    prompts: dict[str, RequestOutput] = {}  # each request's first output: its prompt logprobs
     async with group:
         async for out in group:
             i = choices.index_of[out.request_id]
-            if deferred and choices.echo[i] and out.request_id not in echoed:
-                echoed.add(out.request_id)
+            first = prompts.setdefault(out.request_id, out)
+            if deferred and choices.echo[i] and first is out:
                 for j in range(body.n):
                     yield chunk({**base, "choices": [{
                         "index": i * body.n + j, "text": choices.echo[i],
                         "logprobs": choices.echoed_logprobs(out), "finish_reason": None}]})
             sent = []
             for choice in out.outputs:
-                generated[out.request_id, choice.index] = len(choice.token_ids)
+                generated[out.request_id, choice.index] = choice.num_tokens
                 delta = tracker.advance((out.request_id, choice.index), choice)
                 if delta is None:
                     continue  # nothing new a client asked for (a held-back byte)
-                text, chars, tokens = delta
-                offset = len(choices.echo[choices.index_of[out.request_id]]) + chars
-                sent.append(choices.choice(out, choice, text, tokens, offset))
+                text, chars, first_chunk = delta
+                offset = len(choices.echo[i]) + chars
+                sent.append(choices.choice(out, choice, text, offset, (
+                    first.prompt_logprobs or []) if first_chunk else None))
             if out.finished:
                 final[out.request_id] = out
             for sent_choice in sent:  # one choice a chunk, as vLLM streams n > 1

@@ -307,7 +307,7 @@ class ServerMetrics:
         samples = self._token_times.setdefault(out.request_id, {})
         for choice in out.outputs:
             seen, last = samples.get(choice.index, (0, None))
-            new = len(choice.token_ids) - seen
+            new = choice.num_tokens - seen
             if new <= 0:
                 continue
             if last is not None:
@@ -317,7 +317,7 @@ class ServerMetrics:
                     self.tpot.observe(gap)
                     if self.observer is not None:
                         self.observer.observe("itl", gap)
-            samples[choice.index] = (len(choice.token_ids), now)
+            samples[choice.index] = (choice.num_tokens, now)
 
     def _finished(self, out) -> None:
         m = out.metrics
@@ -328,7 +328,7 @@ class ServerMetrics:
         self.request_prompt_tokens.observe(len(out.prompt_token_ids))
         pooling = isinstance(out, PoolingRequestOutput)
         self.request_generation_tokens.observe(
-            0 if pooling else sum(len(c.token_ids) for c in out.outputs))
+            0 if pooling else sum(c.num_tokens for c in out.outputs))
         if m.finish_time is not None:
             self.e2e.observe(m.finish_time - m.arrival_time)
         if m.first_scheduled_time is not None:
@@ -339,7 +339,7 @@ class ServerMetrics:
                 self.inference_time.observe(m.finish_time - m.first_scheduled_time)
         if m.finish_time is not None and m.first_token_time is not None and not pooling:
             self.decode_time.observe(m.finish_time - m.first_token_time)
-            longest = max(len(c.token_ids) for c in out.outputs)
+            longest = max(c.num_tokens for c in out.outputs)
             if longest > 1:
                 self.request_tpot.observe((m.finish_time - m.first_token_time) / (longest - 1))
 

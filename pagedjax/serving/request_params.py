@@ -7,7 +7,7 @@ from typing import Any
 
 import fastapi
 
-from pagedjax.scheduler import RequestError, SamplingParams
+from pagedjax.scheduler import RequestError, RequestOutputKind, SamplingParams
 from pagedjax.scheduler.structured_outputs import KINDS
 from pagedjax.serving.http_common import APIError
 from pagedjax.serving.protocol import _SamplingFields
@@ -47,6 +47,9 @@ def sampling_params(body: _SamplingFields, max_tokens: int, logprobs: int | None
         if getattr(body, name) is not None:
             kwargs[name] = getattr(body, name)
     kwargs["min_tokens"] = body.min_tokens
+    # what is new since each output (the streams send it; collect() sums it): O(1) host work a
+    # token in the engine, its channel and here, where cumulative outputs cost O(tokens so far)
+    kwargs["output_kind"] = RequestOutputKind.DELTA
     if prediction is not None:
         kwargs["prediction"] = tuple(prediction)
     kwargs["structured_outputs"], field = structured_outputs(body, constraint)

@@ -18,6 +18,7 @@ import time
 
 import fastapi
 
+from pagedjax.engine.delta_outputs import CumulativeOutput
 from pagedjax.frontend.async_engine import EngineDeadError, RequestFailedError
 from pagedjax.serving import chat, responses_output as output
 from pagedjax.serving.http_common import APIError, get_route, parse_body
@@ -78,10 +79,10 @@ class _Run:
         tokenizer = self.server.tokenizer
         usage = {"input_tokens": len(out.prompt_token_ids),
                  "input_tokens_details": {"cached_tokens": out.metrics.num_cached_tokens},
-                 "output_tokens": len(choice.token_ids),
+                 "output_tokens": choice.num_tokens,
                  "output_tokens_details": {"reasoning_tokens": len(tokenizer.encode(
                      reasoning, add_special_tokens=False)) if reasoning else 0},
-                 "total_tokens": len(out.prompt_token_ids) + len(choice.token_ids)}
+                 "total_tokens": len(out.prompt_token_ids) + choice.num_tokens}
         response = self.response(status, items, usage, incomplete, error)
         if self.keep:
             self.server.responses.put(self.id, response, self.conversation
@@ -130,12 +131,13 @@ async def _events(run: _Run):
     stream, reply = output.EventStream(), run.chat.reader.stream()
     yield stream.event("response.created", response=run.response("in_progress", []))
     yield stream.event("response.in_progress", response=run.response("in_progress", []))
-    final = None
+    final, text = None, ""  # the outputs are DELTA ones: the text so far is their sum
     try:
         async with run.chat.group:
             async for out in run.chat.group:
                 choice = out.outputs[0]
-                for delta in reply.feed(choice.text or "", choice.finish_reason is not None):
+                text += choice.text or ""
+                for delta in reply.feed(text, choice.finish_reason is not None):
                     for event in stream.feed(delta):
                         yield event
                 final = out if out.finished else final
@@ -161,9 +163,10 @@ def _background(run: _Run):
     async def finish():
         try:
             async with run.chat.group:
-                final = None
+                final, merged = None, CumulativeOutput()
                 async for out in run.chat.group:
-                    final = out if out.finished else final
+                    merged.add(out)
+                    final = merged.output() if out.finished else final
                     if final is None:
                         server.responses.update(run.id, run.response("in_progress", []))
             choice = final.outputs[0]

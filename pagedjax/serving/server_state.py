@@ -11,8 +11,9 @@ import time
 import fastapi
 from fastapi import responses
 
+from pagedjax.engine.delta_outputs import CumulativeOutput
 from pagedjax.engine.llm_engine import LLMEngine
-from pagedjax.engine.outputs import RequestOutput
+from pagedjax.engine.outputs import PoolingRequestOutput, RequestOutput
 from pagedjax.engine.request_checks import encode_text
 from pagedjax.engine.sleep_mode import EngineAsleepError
 from pagedjax.frontend.admission_control import AdmissionLimits
@@ -263,7 +264,7 @@ class ServerState:
         drafted = sum(o.metrics.num_draft_tokens for o in outputs.values())
         accepted = sum(o.metrics.num_accepted_draft_tokens for o in outputs.values())
         return usage_json(sum(len(o.prompt_token_ids) for o in outputs.values()),
-                          sum(len(c.token_ids) for o in outputs.values() for c in o.outputs),
+                          sum(c.num_tokens for o in outputs.values() for c in o.outputs),
                           cached if self.prompt_tokens_details else None,
                           (accepted, drafted - accepted) if prediction else None)
 
@@ -288,11 +289,16 @@ class ServerState:
         """Every request's finished output, or None when the client disconnected first (its
         requests are aborted and their blocks freed at once)."""
         final: dict[str, RequestOutput] = {}
+        merged: dict[str, CumulativeOutput] = {}
 
         async def collect():
             async for out in group:
-                if out.finished:
+                if isinstance(out, PoolingRequestOutput):
                     final[out.request_id] = out
+                    continue
+                merged.setdefault(out.request_id, CumulativeOutput()).add(out)  # DELTA ones
+                if out.finished:
+                    final[out.request_id] = merged.pop(out.request_id).output()
 
         async with group:
             collecting = asyncio.ensure_future(collect())

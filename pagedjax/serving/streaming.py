@@ -32,7 +32,9 @@ async def guard(events):
 
 
 class DeltaTracker:
-    """What each streamed choice has sent so far: (characters, tokens) by key.
+    """What each streamed choice has sent so far, by key: its characters, tokens and text. The
+    choices are DELTA ones (SamplingParams.output_kind: the server's requests ask for them),
+    each holding only what is new.
 
     per_token: the client asked for every token (logprobs, token ids, or there is no text), so a
     token that adds no visible text (a held-back byte of a character, a stop-string prefix) is
@@ -40,15 +42,35 @@ class DeltaTracker:
 
     def __init__(self, per_token: bool):
         self.per_token = per_token
+        # key -> [characters, tokens, the text's pieces, whether a chunk was sent]
         self.sent: dict = {}
 
-    def advance(self, key, choice: CompletionOutput) -> tuple[str, int, int] | None:
-        """(new text, characters sent before it, tokens sent before it), or None when the
-        choice brings nothing this client asked for; a finished choice always answers."""
-        chars, tokens = self.sent.get(key, (0, 0))
+    def advance(self, key, choice: CompletionOutput) -> tuple[str, int, bool] | None:
+        """(new text, characters sent before it, whether it is the choice's first chunk), or
+        None when the choice brings nothing this client asked for; a finished choice always
+        answers."""
+        sent = self.sent.setdefault(key, [0, 0, [], False])
+        chars, first = sent[0], not sent[3]
         text = choice.text or ""
-        if choice.finish_reason is None and (
-                len(choice.token_ids) == tokens or len(text) == chars and not self.per_token):
+        if text:
+            sent[0] += len(text)
+            sent[2].append(text)
+        sent[1] = choice.num_tokens
+        if choice.finish_reason is None and not text and not (
+                self.per_token and choice.token_ids):
             return None
-        self.sent[key] = (len(text), len(choice.token_ids))
-        return text[chars:], chars, tokens
+        sent[3] = True
+        return text, chars, first
+
+    def text(self, key) -> str:
+        """The choice's text so far (joined when asked: the plain stream never asks)."""
+        if key not in self.sent:
+            return ""
+        pieces = self.sent[key][2]
+        if len(pieces) > 1:
+            pieces[:] = ["".join(pieces)]
+        return pieces[0] if pieces else ""
+
+    def tokens(self, key) -> int:
+        """The choice's tokens so far."""
+        return self.sent[key][1] if key in self.sent else 0

@@ -65,7 +65,7 @@ class TraceRecorder:
                 continue
             record = {"arrival_s": round(out.metrics.arrival_time - self.start, 6),
                       "prompt_len": len(out.prompt_token_ids),
-                      "output_len": max(1, max(len(c.token_ids) for c in out.outputs))}
+                      "output_len": max(1, max(c.num_tokens for c in out.outputs))}
             if len(out.outputs) > 1:
                 record["n"] = len(out.outputs)
             if hashes := prefix_hashes(out.prompt_token_ids, self._key_for(out.cache_salt)):
