@@ -38,8 +38,9 @@ class Chip:
     gpu: GpuLimits | None = None  # None for a TPU
 
 
-_H100_SM = dict(sms=132, shared_per_sm=228 << 10, shared_per_block=227 << 10,
-                threads_per_sm=2048, registers_per_sm=65536, l2_bytes=50 << 20, clock_ghz=1.98)
+_H100_SM: dict = dict(sms=132, shared_per_sm=228 << 10, shared_per_block=227 << 10,
+                      threads_per_sm=2048, registers_per_sm=65536, l2_bytes=50 << 20,
+                      clock_ghz=1.98)
 
 CHIPS = {c.name: c for c in (
     Chip("h200", 4.8e12, 989e12, 450e9,

@@ -85,9 +85,10 @@ class HostTier:
             self.slots.move_to_end(block_hash)
             slot = self.slots[block_hash]
         else:
-            slot = self._take_slot()
-            if slot is None:
+            taken = self._take_slot()
+            if taken is None:
                 return None
+            slot = taken
             self.slots[block_hash] = slot
             self.slot_hash[slot] = block_hash
         self._held.add(slot)
@@ -124,7 +125,9 @@ class HostTier:
     def load(self, slot: int, block: int) -> None:
         """Queues the copy of slot into device block for the next step."""
         self._pinned.add(slot)
-        self.slots.move_to_end(self.slot_hash[slot])
+        block_hash = self.slot_hash[slot]
+        assert block_hash is not None, f"host slot {slot} holds no block"
+        self.slots.move_to_end(block_hash)
         self.loads.append((slot, block))
         self.num_hits += 1
 

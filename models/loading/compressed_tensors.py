@@ -112,8 +112,8 @@ def parts(files: dict[str, str], name: str) -> dict:
     (module.weight) of a compressed checkpoint."""
     weight = read_raw(files[name], name)  # [out, in]
     scale_name = name[:-len("weight")] + "weight_scale"
-    scale = np.asarray(read_raw(files[scale_name], scale_name), np.float32).reshape(-1)
-    scale = np.broadcast_to(scale, (weight.shape[0],)).reshape(1, -1)
+    per_row = np.asarray(read_raw(files[scale_name], scale_name), np.float32).reshape(-1)
+    scale = np.broadcast_to(per_row, (weight.shape[0],)).reshape(1, -1)
     return {"kernel": np.ascontiguousarray(weight.T), "scale": np.ascontiguousarray(scale),
             "zero": None}
 

@@ -229,7 +229,7 @@ def _int4_matmul(x: jax.Array, weight: QArray, dtype) -> jax.Array:
     groups, (rows, out) = weight.scale.shape[-2], weight.data.shape
     half = rows // groups
     xs = x.astype(dtype).reshape(*x.shape[:-1], groups, 2, half)
-    total = None
+    total: jax.Array | None = None
     for i, plane in enumerate(planes):
         lhs = xs[..., i, :].reshape(*x.shape[:-1], rows)
         if weight.per_channel:
@@ -241,6 +241,7 @@ def _int4_matmul(x: jax.Array, weight: QArray, dtype) -> jax.Array:
             rhs = grouped.reshape(rows, out).astype(dtype)
         part = jnp.dot(lhs, rhs, preferred_element_type=jnp.float32)
         total = part if total is None else total + part
+    assert total is not None  # two nibble planes
     if weight.per_channel:
         total = total * weight.scale[0]
     return total.astype(dtype)

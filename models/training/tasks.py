@@ -51,7 +51,7 @@ def _recall(rng: np.random.Generator) -> Example:
 def recall_pairs(prompt: str) -> list[tuple[str, str]]:
     """The (key, value) pairs of a recall prompt's context, in order."""
     context = prompt.rsplit(";q:", 1)[0]
-    return [tuple(pair.split("=")) for pair in context.split(";")]
+    return [(key, value) for key, value in (pair.split("=") for pair in context.split(";"))]
 
 
 def recall_queries(example: Example, num_queries: int | None = None) -> list[Example]:

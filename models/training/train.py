@@ -163,7 +163,8 @@ def masked_nll(model: LlamaForCausalLM, token_ids: jax.Array,
 def loss_fn(model: LlamaForCausalLM, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The mean over all answer tokens of the batch, and each task's own mean."""
     sums = {task: masked_nll(model, *arrays) for task, arrays in batch.items()}
-    total = sum(nll for nll, _ in sums.values()) / sum(count for _, count in sums.values())
+    total = jnp.asarray(sum(nll for nll, _ in sums.values())
+                        / sum(count for _, count in sums.values()))
     return total, {task: nll / jnp.maximum(count, 1.0) for task, (nll, count) in sums.items()}
 
 

@@ -12,7 +12,7 @@ applies (32 tokens a word, little-endian bits).
 from __future__ import annotations
 
 import json
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -62,7 +62,7 @@ def grammar_text(spec: StructuredOutputs) -> str:
     from llguidance import LLMatcher, grammar_from
     kind = spec.kind
     if kind in ("json", "json_object"):
-        defaults = {"whitespace_flexible": not spec.disable_any_whitespace}
+        defaults: Any = {"whitespace_flexible": not spec.disable_any_whitespace}
         try:
             return LLMatcher.grammar_from_json_schema(spec.schema_text, defaults=defaults)
         except (ValueError, TypeError) as error:
@@ -70,7 +70,7 @@ def grammar_text(spec: StructuredOutputs) -> str:
                                f"accepts: {error}") from None
     if kind == "choice":
         return LLMatcher.grammar_from_lark(
-            "start: " + " | ".join(json.dumps(c) for c in spec.choice))
+            "start: " + " | ".join(json.dumps(c) for c in spec.choice or ()))
     try:
         return grammar_from("regex" if kind == "regex" else "grammar", getattr(spec, kind))
     except ValueError as error:

@@ -94,7 +94,7 @@ def served_sources(runner, config) -> list[tuple[tuple, list[tuple[tuple, tuple]
         field, model_path = leaf_names(path)
         layers, stacked = layers_of(path, config.num_layers, spec)
         if field != "layers":
-            places = [((), model_path)]
+            places: list[tuple[tuple[int, ...], Any]] = [((), model_path)]
         else:
             places = [((i,) if stacked else (), at_layer(model_path, layer))
                       for i, layer in enumerate(layers)]

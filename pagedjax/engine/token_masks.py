@@ -15,6 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from pagedjax.engine import grammar
+from pagedjax.engine.grammar import GrammarState
 from pagedjax.scheduler import Request, RequestError, SamplingParams
 
 logger = logging.getLogger("pagedjax.token_masks")
@@ -31,7 +32,7 @@ class Constraints:
     grammar: str | None  # llguidance grammar text
     grammar_kind: str | None = None
     # The grammar's matcher at its start, checked at admission; each sample gets a copy.
-    start: grammar.GrammarState | None = dataclasses.field(default=None, compare=False)
+    start: GrammarState | None = dataclasses.field(default=None, compare=False)
 
 
 def bad_words_token_ids(tokenizer, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
@@ -55,7 +56,7 @@ def _clear(row: np.ndarray, token_id: int) -> None:
 class _SampleState:
     """One sample's constraints and, with a grammar, its matcher."""
 
-    def __init__(self, constraints: Constraints, matcher: grammar.GrammarState | None):
+    def __init__(self, constraints: Constraints, matcher: GrammarState | None):
         self.constraints = constraints
         self.matcher = matcher
 
@@ -160,9 +161,8 @@ class TokenMasks:
         plan order: i32[B, W], or with K = num_speculative_tokens draft columns
         i32[B * (K + 1), W] (row b's position j at b * (K + 1) + j, what it may sample after
         its first j drafts); None when no sampling row is constrained."""
-        states = [(i, self._states.get(r.request_id), r, d)
-                  for i, (r, sampling, d) in enumerate(rows) if sampling]
-        states = [(i, s, r, d) for i, s, r, d in states if s is not None]
+        states = [(i, s, r, d) for i, (r, sampling, d) in enumerate(rows)
+                  if sampling and (s := self._states.get(r.request_id)) is not None]
         if not states:
             return None
         width = num_speculative_tokens + 1

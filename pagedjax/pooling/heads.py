@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 import numpy as np
 
 from pagedjax.models.loading.hf import weight_files
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
-ACTIVATIONS = {"identity": lambda x: x, "tanh": np.tanh, "relu": lambda x: np.maximum(x, 0),
+Activation = Callable[[np.ndarray], np.ndarray]
+ACTIVATIONS: dict[str, Activation] = {"identity": lambda x: x, "tanh": np.tanh, "relu": lambda x: np.maximum(x, 0),
                "gelu": lambda x: 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0))),
                "gelu_pytorch_tanh": lambda x: 0.5 * x * (1.0 + np.tanh(
                    math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))}
@@ -102,7 +104,7 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
 # what a head's outputs go through: vLLM's PoolerClassify, PoolerMultiLabelClassify (a
 # multi-label classifier: each label's sigmoid), PoolerIdentity (a regression's raw value),
 # and the cross-encoder activations sentence-transformers configs name
-OUTPUT_ACTIVATIONS = {"classify": _classify, "multi_label": _sigmoid,
+OUTPUT_ACTIVATIONS: dict[str, Activation] = {"classify": _classify, "multi_label": _sigmoid,
                       "identity": lambda x: x, "tanh": np.tanh}
 
 

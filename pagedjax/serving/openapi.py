@@ -302,6 +302,7 @@ def document(app: fastapi.FastAPI) -> dict:
             if plain == "/metrics":
                 content = {"text/plain": {"schema": {"type": "string"}}}
             if plain in STREAMS and method == "post":
+                content = content or {}
                 content["text/event-stream"] = {"schema": {
                     "type": "string", "description": "server-sent events (stream: true)"}}
             responses = {"200": {"description": "OK", **({"content": content}
@@ -319,4 +320,4 @@ def install(app: fastapi.FastAPI) -> None:
             app.openapi_schema = document(app)
         return app.openapi_schema
 
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented override

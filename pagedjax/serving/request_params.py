@@ -87,7 +87,8 @@ def _bias_ids(logit_bias: dict[str, float]) -> dict[int, float]:
 def rejected(error: RequestError, params_of: dict[str, str]) -> APIError:
     """The engine's RequestError as HTTP 400, its field spelled as the endpoint's body does."""
     field = error.field
-    param = params_of.get(field, field) if field not in ("sampling_params", "request_id") else None
+    param = params_of.get(field, field) if field is not None and field not in (
+        "sampling_params", "request_id") else None
     message = str(error)
     if param is not None and field and message.startswith(field):
         message = param + message[len(field):]

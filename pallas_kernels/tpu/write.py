@@ -145,7 +145,7 @@ def write_kv_tpu(
     v: jax.Array | None,  # [T, K, H]; None for a latent cache (one plane)
     slot_mapping: jax.Array,  # i32[T]; padding tokens point into the null block
     *, interpret: bool = False,
-) -> jax.Array:
+) -> jax.Array | QuantizedKV:
     """Mosaic. The step's tokens are grouped by page (page_groups); each program takes
     PAGES_PER_PROGRAM pages, with all their DMAs in flight together: the pages' K and V are read
     into VMEM, their new rows put in place and the pages written back, in place on the aliased

@@ -20,6 +20,8 @@ the drafts are deterministic, so the target verifies them by coupling with its o
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,7 +47,7 @@ def draft_loop_fn(graph, backend, num_steps: int, block_size: int, params, kv_ca
     real = rows < inputs["num_seqs"]
     width = inputs["block_tables"].shape[1] * block_size
 
-    def step(carry, _):
+    def step(carry: Any, _) -> tuple[Any, jax.Array]:
         kv_cache, tokens, positions, kv_lens = carry
         slots = (inputs["block_tables"][rows, positions // block_size] * block_size
                  + positions % block_size)
@@ -57,7 +59,9 @@ def draft_loop_fn(graph, backend, num_steps: int, block_size: int, params, kv_ca
         return (kv_cache, tokens, positions + 1, jnp.where(real, kv_lens + 1, 0)), tokens
 
     carry = (kv_cache, inputs["token_ids"], inputs["positions"], inputs["kv_lens"])
-    (kv_cache, *_), tokens = jax.lax.scan(step, carry, None, length=num_steps)
+    # (jax's scan overloads read a 4-tuple carry as a mismatch)
+    scanned = jax.lax.scan(step, carry, None, length=num_steps)  # type: ignore[arg-type]
+    (kv_cache, *_), tokens = scanned
     return tokens.T, kv_cache
 
 
