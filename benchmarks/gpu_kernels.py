@@ -2,7 +2,7 @@
 
 Run on a GPU machine with `bash benchmarks/run_gpu.sh` (jax 0.11.x + CUDA, nothing installed).
 `--smoke` runs tiny shapes through the Pallas interpreter, to check the script itself on a CPU
-(tests/test_gpu_script.py runs a slice of it).
+(tests/kernels/test_gpu_script.py runs a slice of it).
 
 Sections, in order, each written to the results as soon as it ends (a device lease is short: a
 run cut off by its time limit keeps what it finished; `--budget-s` makes the script stop itself
@@ -13,7 +13,7 @@ first, recording what it skipped):
    against the device's copy bandwidth measured in the same run, side by side with JAX's shipped
    `pallas.ops.gpu.paged_attention` and the reference XLA path, and each one's relative error
    against the reference at that shape.
-2. checks: the kernel test cases (tests/test_kernels_gpu.py), compiled (not interpret), against
+2. checks: the kernel test cases (tests/kernels/test_kernels_gpu.py), compiled (not interpret), against
    the reference, under jax.default_matmul_precision("highest") so that both sides multiply f32
    in IEEE f32 (a GPU's default is TF32 for both), plus one f32 case at the default precision
    against the bf16 tolerance; and the KV write against the XLA scatter.
@@ -44,7 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+TESTS = [ROOT / "tests", *sorted({p.parent for p in (ROOT / "tests").glob("*/test_*.py")})]
+sys.path[:0] = [str(ROOT), *map(str, TESTS), str(ROOT / "benchmarks")]  # the test rooms' modules
 
 from common import RESULTS, write_results  # noqa: E402
 from gpu_programs import (BLOCK_SIZE, HEADS, MOSAIC, TUNING_SHAPES, check_cases,  # noqa: E402

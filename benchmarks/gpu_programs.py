@@ -28,8 +28,8 @@ ROTATE_BYTES = 256 << 20  # > 4x an H100/H200's 50 MB L2
 
 def check_cases() -> list[tuple]:
     """[(name, kind, (block size, query heads, KV heads, head dim, dtype), precision)]: the
-    kernel test grid (tests/test_kernels_gpu.py) in IEEE f32, plus one f32 case at the default
-    precision (TF32), and the Mosaic GPU kernel's grid (tests/test_kernels_mosaic_gpu.py, 16-bit
+    kernel test grid (tests/kernels/test_kernels_gpu.py) in IEEE f32, plus one f32 case at the default
+    precision (TF32), and the Mosaic GPU kernel's grid (tests/kernels/test_kernels_mosaic_gpu.py, 16-bit
     caches) where jax has it."""
     from test_kernels_gpu import CASES
     cases = [(case, "highest") for case in CASES] + [((16, 8, 2, 128, "float32"), None)]

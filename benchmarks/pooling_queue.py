@@ -20,7 +20,7 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT / "tests"), *sorted({str(p.parent) for p in (ROOT / "tests").glob("*/test_*.py")})]
 RESULTS = ROOT / "benchmarks" / "results"
 
 

@@ -9,7 +9,7 @@ after a short warm-up run of the same configuration (so each sampler variant is 
 before timing). The schema's bio must be longer than --max-tokens allows,
 so every row, constrained or not, runs to the length limit: each configuration steps the same
 batch the same number of times (that outputs parse is the tests' job:
-tests/test_structured_outputs.py).
+tests/engine/test_structured_outputs.py).
 
 Every configuration runs --rounds times, the order reversed each round (this shared machine's
 speed drifts over minutes). Reported per configuration, over its rounds: decode step time

@@ -32,7 +32,8 @@ import sys
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+TESTS = [ROOT / "tests", *sorted({p.parent for p in (ROOT / "tests").glob("*/test_*.py")})]
+sys.path[:0] = [str(ROOT), *map(str, TESTS), str(ROOT / "benchmarks")]  # the test rooms' modules
 
 from common import write_results  # noqa: E402
 
@@ -151,7 +152,7 @@ def compile_case(name: str, topology: str, workdir: pathlib.Path) -> dict:
     lines, stderr = xla_tpu.run_in_child(
         [{"name": name, "module": "tpu_schedule", "function": "build"}],
         dump.with_suffix(".json"), libtpu=LIBTPU, topology=topology,
-        pythonpath=[ROOT / "benchmarks", ROOT / "tests", ROOT], cwd=ROOT,
+        pythonpath=[ROOT / "benchmarks", *TESTS, ROOT], cwd=ROOT,
         env={"LIBTPU_INIT_ARGS": f"--xla_jf_dump_to={dump}"})
     if not lines or not lines[0]["ok"]:
         raise RuntimeError(lines[0].get("error") if lines else stderr[-2000:])
@@ -275,7 +276,7 @@ offset a multiple of 128 elements), and per key it is 1.8x the bf16 loop; the ra
 multiplies 128 query rows a tile and is meant to be compute-heavy. The int8 row's bytes count
 each page's scale row as the TPU layout stores it, padded to 128 lanes (layout.scale_lanes: with
 16-wide rows XLA laid the scales out transposed and the step copied them whole, 12 copies of a
-layer's pool a step; tests/test_kernels_tpu_compile.py now checks for none).
+layer's pool a step; tests/kernels/test_kernels_tpu_compile.py now checks for none).
 """
 
 if __name__ == "__main__":

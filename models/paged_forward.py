@@ -6,7 +6,7 @@ The KV cache is carried through the scan whole (every layer's blocks in one arra
 pallas_kernels.layout) and each layer writes its slots in place: no layer's pool is sliced out
 or copied. `serving_form(model, scan_layers=False)` keeps the layers as a tuple and unrolls them,
 the program LlamaForCausalLM.forward_paged traces; both load from the same model (any
-checkpoint the loaders read), and tests/test_models_llama.py checks they agree.
+checkpoint the loaders read), and tests/models/test_models_llama.py checks they agree.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ it in place, so the committed notebook shows its outputs and pictures unrun:
     .venv/bin/pip install -r requirements/notebook.txt   # nbclient, ipykernel
     .venv/bin/python notebooks/make_grpo.py              # --no-execute: sources only
 
-tests/test_notebook.py checks that the committed notebook's cells are these, that it was run
+tests/project/test_notebook.py checks that the committed notebook's cells are these, that it was run
 (outputs, pictures, no errors, the reward risen), and runs its code cells top to bottom.
 """
 

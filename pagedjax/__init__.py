@@ -47,7 +47,7 @@ try:
 except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
     __version__ = "0+unknown"
 
-# the names _EXPORTS loads, spelled out for static tools (tests/test_structure.py keeps them equal)
+# the names _EXPORTS loads, spelled out for static tools (tests/project/test_structure.py keeps them equal)
 __all__ = ["BeamSearchParams", "BeamSequence", "EngineConfig", "LLMEngine", "CompletionOutput",
            "RequestMetrics", "RequestOutput", "LLM", "LoRARequest", "load_model",
            "SamplingParams", "RequestOutputKind", "PoolingParams", "PoolingRequestOutput", "StructuredOutputs",

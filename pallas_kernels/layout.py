@@ -27,7 +27,7 @@ A quantized cache (int8, fp8) is a QuantizedKV: the data as above and f32 scales
 one per token and KV head, Ss = S except on the TPU, where a page's scale row is padded to whole
 128-lane tiles (scale_lanes): XLA lays an f32 array with a 16-wide minor axis out transposed,
 and every kernel reading it row by row then cost a relayout copy of the whole pool a step
-(tests/test_kernels_tpu_compile.py checks the step makes none).
+(tests/kernels/test_kernels_tpu_compile.py checks the step makes none).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ the occupancy estimates of benchmarks/gpu_compile.py.
 Figures are datasheet peaks (dense bf16 FLOP/s; HBM bandwidth; NVLink / ICI per chip, one
 direction; PCIe for the L4) and, for GPUs, the CUDA programming guide's per-compute-capability
 limits. The kernels' own sizing rule (shared memory by compute capability, for any GPU JAX runs
-on) is pallas_kernels.gpu.common.SHARED_MEMORY_LIMIT; tests/test_chips.py checks the two agree.
+on) is pallas_kernels.gpu.common.SHARED_MEMORY_LIMIT; tests/scheduler/test_chips.py checks the two agree.
 """
 
 from __future__ import annotations

@@ -1,7 +1,17 @@
 import atexit
+import glob
 import os
 import shutil
+import sys
 import tempfile
+
+# Tests are grouped by room (tests/engine, tests/serving, ...); a test module imports the shared
+# helpers (tests/helpers.py) and other rooms' test modules by their names, so every room is on
+# the path, as pytest puts a test file's own folder (the names are unique across rooms).
+TESTS = os.path.dirname(os.path.abspath(__file__))
+for _room in sorted(glob.glob(os.path.join(TESTS, "*", "test_*.py"))):
+    if os.path.dirname(_room) not in sys.path:
+        sys.path.append(os.path.dirname(_room))
 
 # Before anything starts a JAX backend: the tests' programs are small and mostly compiled once,
 # so LLVM's optimisation passes cost the CPU more than they save (the suite: ~30% less time on

@@ -151,15 +151,26 @@ RAG_TEMPLATE = ("{{ bos_token }}{% if documents %}{% for d in documents %}"
                 + ROLE_TEMPLATE.replace("{{ bos_token }}", ""))
 
 
+TESTS = pathlib.Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+
+def child_pythonpath() -> str:
+    """PYTHONPATH for a child process that imports test modules by name: the repository, tests/
+    (the helpers) and each room's folder (tests/engine, tests/serving, ...), as conftest.py
+    puts them on the path of the run."""
+    rooms = sorted({str(p.parent) for p in TESTS.glob("*/test_*.py")})
+    return os.pathsep.join([str(ROOT), str(TESTS), *rooms])
+
+
 def child_report(module: str, devices: int = 8, timeout: float = 600) -> dict:
     """The JSON a test module's child() prints last, run in a fresh process that JAX starts
     with `devices` host devices (XLA_FLAGS must be set before JAX starts)."""
-    root = pathlib.Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PAGEDJAX_COMPILATION_CACHE": "off", "PYTHONPATH": str(root),
+    env = {**os.environ, "PAGEDJAX_COMPILATION_CACHE": "off", "PYTHONPATH": child_pythonpath(),
            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
                         f"--xla_force_host_platform_device_count={devices}"}
     result = subprocess.run([sys.executable, "-c", f"import {module} as t; t.child()"],
-                            cwd=root / "tests", env=env, capture_output=True, text=True,
+                            cwd=TESTS, env=env, capture_output=True, text=True,
                             timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])

@@ -108,7 +108,7 @@ def covering_tests(path: pathlib.Path) -> list[str]:
     dotted = ".".join(parts if parts[0] == "pagedjax" else ["pagedjax", *parts])
     package, _, leaf = dotted.rpartition(".")
     pattern = re.compile(rf"{re.escape(dotted)}\b|from {re.escape(package)} import .*\b{leaf}\b")
-    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
                   if pattern.search(p.read_text()))
 
 

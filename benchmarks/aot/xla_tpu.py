@@ -2,7 +2,7 @@
 
 libtpu compiles for a described topology (`jax.experimental.topologies.get_topology_desc`)
 without a chip: Mosaic's whole pipeline runs, layout inference and the vector/memref checks
-included, which the CPU-side lowering (tests/test_kernels_lowering.py) never reaches. A kernel
+included, which the CPU-side lowering (tests/kernels/test_kernels_lowering.py) never reaches. A kernel
 that passes every interpret-mode test can still fail here: an unsupported shape cast, a DMA
 offset not aligned to the memory tiling. libtpu is a test dependency installed outside the
 virtual environment's site-packages (`make test` puts it in .venv/libtpu), so that importing

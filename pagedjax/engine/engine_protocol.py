@@ -2,7 +2,7 @@
 AsyncLLMEngine and the engine core process) and the server read of an engine, one Protocol that
 LLMEngine, DataParallelEngine and EncoderEngine implement. Code that takes an engine reads these
 members directly (no probing for what one kind lacks); a control added to the engines is added
-here, so a kind that lacks it fails tests/test_engine_protocol.py.
+here, so a kind that lacks it fails tests/frontend/test_engine_protocol.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 a thread of the server's process, pagedjax.frontend.async_engine) and CoreClient (the engine
 core in a process of its own, pagedjax.frontend.core_client) implement it, and the server reads
 nothing else of them. (The engines themselves implement pagedjax.engine.engine_protocol.Engine.)
-A control added to the front-ends is added here; tests/test_engine_protocol.py fails for a
+A control added to the front-ends is added here; tests/frontend/test_engine_protocol.py fails for a
 front-end that lacks it."""
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ def config_of(model):
     tied = tunix.weight_tying if family == "llama" else tunix.use_tied_embedding
     # Tunix's Qwen 3 rotates with its apply_rope's default theta, 1e6 (every Qwen 3's), whatever
     # its config's rope_theta says: the engine computes what the trainer's model computes
-    # (tests/test_tunix_rollout.py holds it to Tunix's own outputs)
+    # (tests/frontend/test_tunix_rollout.py holds it to Tunix's own outputs)
     theta = QWEN3_ROPE_THETA if family == "qwen3" else float(tunix.rope_theta)
     return LlamaConfig(
         vocab_size=tunix.vocab_size, hidden_size=tunix.embed_dim,

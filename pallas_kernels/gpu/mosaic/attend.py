@@ -39,7 +39,7 @@ def shared_memory_bytes(*, rows: int, keys: int, head_dim: int, itemsize: int,
     """A program's shared memory as Mosaic GPU allocates it: queries, num_stages K and V
     tiles, the probabilities, the f32 output rows, softmax sums and maxima (decode's, for
     combining splits), and two barrier arrays, each allocation aligned to 1 KiB
-    (tests/test_kernels_mosaic_gpu.py checks this against the H200 builds' figures)."""
+    (tests/kernels/test_kernels_mosaic_gpu.py checks this against the H200 builds' figures)."""
     allocations = [rows * head_dim * itemsize, num_stages * keys * head_dim * itemsize,
                    num_stages * keys * head_dim * itemsize, rows * keys * itemsize,
                    rows * head_dim * 4, 2 * rows * 4 if softmax_stats else 0, 8,

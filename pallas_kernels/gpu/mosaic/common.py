@@ -1,5 +1,5 @@
 """What the Mosaic GPU kernels need and refuse: jax >= 0.11 (the Mosaic GPU interpreter tests them
-on a CPU: tests/test_kernels_mosaic_gpu.py), sm_90 (H100/H200) or newer, and 16-bit caches (bf16,
+on a CPU: tests/kernels/test_kernels_mosaic_gpu.py), sm_90 (H100/H200) or newer, and 16-bit caches (bf16,
 f16) in the "gpu" layout with a block size that is a multiple of 8; f32 and quantized caches are
 refused by name (the Triton kernels, backend 'gpu', serve them)."""
 

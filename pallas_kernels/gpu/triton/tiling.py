@@ -21,7 +21,7 @@ def shared_memory_bytes(*, rows: int, keys: int, head_dim: int, cache_itemsize: 
     buffers of the K and V tiles (and their f32 scales), the query tile, the probabilities
     the second dot reads, and for a quantized cache the dequantized tile a dot reads. Triton
     shares buffers whose lifetimes do not overlap, so a build asks for less
-    (tests/test_kernels_triton_compile.py checks the bound against sm_90 builds). planes 1: a
+    (tests/kernels/test_kernels_triton_compile.py checks the bound against sm_90 builds). planes 1: a
     latent cache, whose one tile is both K and V."""
     per_stage = planes * keys * (head_dim * cache_itemsize + (4 if quantized else 0))
     total = num_stages * per_stage + rows * (head_dim + keys) * compute_itemsize

@@ -32,7 +32,7 @@ SERVED = {
     "guided_regex": "[ab]{2}", "guided_choice": ["a", "b"], "guided_grammar": 'start: "ab"',
     "guided_decoding_backend": "guidance", "prompt_logprobs": 1, "metadata": {"a": "b"},
 }
-# Chat's fields beyond the shared ones: tool calling (tests/test_tool_calls.py), the template's
+# Chat's fields beyond the shared ones: tool calling (tests/serving/test_tool_calls.py), the template's
 # inputs, and the fields with no effect on a self-hosted engine by nature (README's API
 # section), served with what a client sends.
 CHAT_ONLY_SERVED = {
@@ -50,7 +50,7 @@ CHAT_SERVED = {**SERVED, "messages": [{"role": "user", "content": "hi"}], "logpr
 # Refused by name whatever their value (or with the value given here).
 REFUSED = {
     # suffix: vLLM refuses it too ("suffix is not currently supported"); prediction is served
-    # by a speculative engine only (tests/test_predicted_outputs.py), this one refuses it;
+    # by a speculative engine only (tests/engine/test_predicted_outputs.py), this one refuses it;
     # audio output cannot be honoured.
     "suffix": "x", "guided_whitespace_pattern": " ", "audio": {"voice": "x"},
     "moderation": {}, "prediction": {"type": "content", "content": "ab"},
@@ -156,7 +156,7 @@ def test_values_that_cannot_be_honoured_are_refused_by_name(client, name):
 @pytest.mark.parametrize("path", sorted(ENDPOINTS))
 def test_identifiers_are_bounded_as_openai_bounds_them(client, path):
     """user at OpenAI's 64 characters is served on both endpoints, 65 refused by name (the
-    Responses API: tests/test_responses.py)."""
+    Responses API: tests/serving/test_responses.py)."""
     assert client.post(path, json={**base_body(path), "user": "u" * 64}).status_code == 200
     response = client.post(path, json={**base_body(path), "user": "u" * 65})
     assert response.status_code == 400 and response.json()["error"]["param"] == "user"

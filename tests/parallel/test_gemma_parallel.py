@@ -1,7 +1,7 @@
 """A Gemma config (every Gemma 2 and 3 switch on, sliding and global layers scanned by their
 period, KV cache groups) split over 2 and 4 host devices gives the greedy tokens of one device,
 which are the dense model's. The devices exist only if XLA_FLAGS says so before JAX starts, so the engines run in
-a child process (as tests/test_tensor_parallel.py's)."""
+a child process (as tests/parallel/test_tensor_parallel.py's)."""
 
 from __future__ import annotations
 

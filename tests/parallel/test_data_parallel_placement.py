@@ -1,7 +1,7 @@
 """Data-parallel placement by prefix affinity: requests that share a prompt head land on the
 replica whose prefix cache holds it (the router's kv_aware rule), while a new head goes to the
 least-loaded replica. Two replicas over one CPU device (a mesh may name a device twice), so
-this runs in the fast suite; tests/test_tensor_parallel.py runs them on disjoint devices."""
+this runs in the fast suite; tests/parallel/test_tensor_parallel.py runs them on disjoint devices."""
 
 from __future__ import annotations
 

@@ -16,11 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import child_pythonpath
 from test_kernels_lowering import KERNELS, cache_struct, kernel_args
 
 from benchmarks.aot import xla_tpu
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 LIBTPU = pathlib.Path(os.environ.get("PAGEDJAX_LIBTPU", ROOT / ".venv" / "libtpu"))
 TOPOLOGIES = ["v5e:2x2", "v6e:2x2"]
 GPT_OSS_SINKS = np.linspace(-2.0, 2.0, 64, dtype=np.float32)
@@ -237,7 +238,7 @@ def compile_topology(topology: str, part: str, stem: pathlib.Path) -> dict:
         [{"name": name, "module": "test_kernels_tpu_compile", "function": "build",
           "sharded": name in SHARDED_STEPS} for name in names],
         stem.with_suffix(".cases.json"), libtpu=LIBTPU,
-        topology=topology, pythonpath=[ROOT / "tests", ROOT], cwd=ROOT)
+        topology=topology, pythonpath=child_pythonpath().split(os.pathsep), cwd=ROOT)
     assert lines, stderr[-3000:]
     return {line["name"]: line for line in lines}
 

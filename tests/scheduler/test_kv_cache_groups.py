@@ -122,7 +122,7 @@ def test_a_hit_needs_no_sliding_block_out_of_the_next_tokens_window():
 
 
 class HybridPrefixCacheMachine(RuleBasedStateMachine):
-    """As tests/test_scheduler_block_pool.py's PrefixCacheMachine, with a full and a
+    """As tests/scheduler/test_scheduler_block_pool.py's PrefixCacheMachine, with a full and a
     3-token sliding group: fake KV (token ids) written into each group's blocks; every hit must
     hold the hit's tokens in every block a group serves, every live block within a window must
     hold its tokens, and a sliding group never holds more than its bound."""

@@ -456,7 +456,7 @@ def test_checkpoints_load_straight_into_their_shardings(report, source, name):
 
 
 def test_pallas_kernels_under_shard_map_equal_the_reference(report):
-    """f32 (tests/test_kernels_gpu.py's tolerance: accumulation order only); a NaN page that
+    """f32 (tests/kernels/test_kernels_gpu.py's tolerance: accumulation order only); a NaN page that
     leaked into any device's heads would show as NaN."""
     assert set(report["kernels"]) == {"ragged-tp2", "ragged-tp4", "decode-tp2", "decode-tp4"}
     for name, error in report["kernels"].items():

@@ -2,7 +2,7 @@
 
 benchmarks/aot/xla_gpu.py compiles for a compile-only H200 (and A100, L4) with the GPU
 image's jax and XLA's GPU pipeline whole: XLA's Triton fork builds each Pallas kernel and ptxas
-its cubin, which tests/test_kernels_triton_compile.py only estimates with the triton package.
+its cubin, which tests/kernels/test_kernels_triton_compile.py only estimates with the triton package.
 These need jax >= 0.11 with the CUDA plugin: they run in `make test-gpu-image`
 (requirements/gpu-image.txt) and are skipped in the main environment.
 """

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = pathlib.Path(__file__).resolve().parents[2] / "notebooks"
 sys.path.insert(0, str(NOTEBOOKS))
 
 import make_grpo  # noqa: E402

@@ -2,7 +2,7 @@
 the host; data parallel: LLM(data_parallel_size=2), a replica a device) give the vectors of one
 device: last-token embeddings and mean-pooled ones, with a shared prefix and 4-token chunks.
 The devices exist only if XLA_FLAGS says so before JAX starts, so the engines run in a child
-process (as tests/test_tensor_parallel.py's)."""
+process (as tests/parallel/test_tensor_parallel.py's)."""
 
 from __future__ import annotations
 

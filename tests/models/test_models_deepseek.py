@@ -208,7 +208,7 @@ def test_the_gpu_kernels_serve_transformers_tokens(tmp_path):
     assert engine.runner.kv_cache.shape[0] == 1 and engine.runner.kv_cache.shape[-1] == 48
 
 
-@pytest.mark.slow  # 10 s: make test-slow (tests/test_mla_expanded.py has the layer in make test)
+@pytest.mark.slow  # 10 s: make test-slow (tests/models/test_mla_expanded.py has the layer in make test)
 @pytest.mark.parametrize("budget", [16, 64])
 def test_the_expanded_prefill_serves_transformers_tokens(tmp_path, budget):
     """--mla-prefill expanded through the engine: fresh first chunks in the expanded form,

@@ -305,7 +305,7 @@ def test_smollm2_tokenizer_equals_llama_cpps_own():
     digits, where transformers' GGUF tokenizer says 216, 216: it ignores the file's "smollm"
     split), tabs, CR/LF, non-ASCII digits, unicode, emoji with joiners, control characters,
     special tokens whole, glued and partial, and 200 random joins of them."""
-    reference = os.path.join(os.path.dirname(__file__), "references",
+    reference = os.path.join(os.path.dirname(__file__), "..", "references",
                              "smollm2_llama_cpp_tokens.json")
     with open(reference, encoding="utf-8") as f:
         recorded = json.load(f)

@@ -4,8 +4,8 @@ Interpret mode runs a kernel's semantics but not its lowering: a kernel can pass
 test and still be rejected by the Triton lowering. Cross-platform lowering
 (`triton_gpu.lower_cuda`, which names an H200 to jax >= 0.11's lowering) runs Pallas -> Triton IR
 without a device;
-tests/test_kernels_triton_compile.py then builds that IR for real chips. The TPU kernels are
-compiled whole, Mosaic and libtpu included, by tests/test_kernels_tpu_compile.py (their lowering
+tests/kernels/test_kernels_triton_compile.py then builds that IR for real chips. The TPU kernels are
+compiled whole, Mosaic and libtpu included, by tests/kernels/test_kernels_tpu_compile.py (their lowering
 asks the target device's generation, which only a TPU topology answers). The shapes are the
 benchmark's (bf16, GQA 32/8, head dim 128, block 16) plus a head dim that is not a power of two
 and a quantized cache. This module also holds the abstract kernel operands the others use.

@@ -15,7 +15,7 @@ from test_server import ENGINE
 from pagedjax import LLM
 from pagedjax.serving.app import OpenAIServer
 
-DASHBOARD = pathlib.Path(__file__).resolve().parents[1] / "deploy" / "grafana.json"
+DASHBOARD = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "grafana.json"
 SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
                "prompt_lookup_max": 2}
 SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}

@@ -14,7 +14,7 @@ from pagedjax.models.training.tasks import (BOS_ID, EOS_ID, TASKS, VOCAB_SIZE, E
 from pagedjax.models.training.train import (evaluate, make_batch, pad_batch, recall_row_len,
                                             recall_rows, train)
 
-CHECKPOINT = os.path.join(os.path.dirname(__file__), "..", "models", "checkpoints",
+CHECKPOINT = os.path.join(os.path.dirname(__file__), "..", "..", "models", "checkpoints",
                           "pagedjax-tiny")
 MICRO_CONFIG = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64,
                            num_layers=1, num_heads=2, num_kv_heads=1, tie_word_embeddings=True,

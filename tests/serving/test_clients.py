@@ -21,7 +21,7 @@ from pagedjax.text.tokenizer import read_chat_template
 
 pytestmark = [pytest.mark.clients, needs_smollm]
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CLIENTS = {"openai-agents": "openai_agents_client.py", "langchain": "langchain_client.py",
            "instructor": "instructor_client.py", "litellm": "litellm_client.py",
            "guidellm": "guidellm_client.py", "aiperf": "aiperf_client.py"}

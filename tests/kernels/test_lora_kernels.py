@@ -2,7 +2,7 @@
 pallas_kernels/gpu/triton/lora.py), run through the Pallas interpreter at small but representative
 shapes, equal the jnp references (the per-token gather and the masked form), whatever the mix of
 slots: base tokens, empty slots, one slot holding every token, a token count off the tiles; and
-the GPU kernel builds for an H200 (the TPU one's builds: tests/test_kernels_tpu_compile.py)."""
+the GPU kernel builds for an H200 (the TPU one's builds: tests/kernels/test_kernels_tpu_compile.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The engine interface (pagedjax/engine/engine_protocol.py, issue 72): LLMEngine and
 DataParallelEngine implement every member the front-ends and the server read (EncoderEngine's is
-held in tests/test_pooling_encoders.py, where one is built), and nothing under pagedjax/ probes an
+held in tests/pooling/test_pooling_encoders.py, where one is built), and nothing under pagedjax/ probes an
 engine with getattr or hasattr for a member one kind lacks. The server's front-ends (AsyncLLMEngine,
 CoreClient) implement pagedjax/frontend/engine_client.py's EngineClient."""
 
@@ -20,7 +20,7 @@ from pagedjax.frontend.data_parallel import DataParallelEngine
 from pagedjax.frontend.engine_client import EngineClient
 from pagedjax.models import get_config, init_model
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, block_size=4,
               num_blocks=16, min_seq_bucket=2)
 

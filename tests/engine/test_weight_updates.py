@@ -286,7 +286,7 @@ def test_llm_takes_a_checkpoint_path(models, tmp_path):
 
 @pytest.mark.slow  # two replicas; test_weight_updates_parallel runs them on their own devices
 def test_every_data_parallel_replica_takes_the_update(models):
-    """Two replicas (over one CPU device, as tests/test_data_parallel_placement.py runs them):
+    """Two replicas (over one CPU device, as tests/parallel/test_data_parallel_placement.py runs them):
     both serve the new weights, and requests in flight on each finish as `abort` says."""
     from pagedjax.frontend.data_parallel import DataParallelEngine
 

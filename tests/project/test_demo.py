@@ -1,4 +1,4 @@
-"""`make demo`'s output, checked: the chat demo (here on a small GGUF written by tests/test_gguf.py,
+"""`make demo`'s output, checked: the chat demo (here on a small GGUF written by tests/models/test_gguf.py,
 random weights, so the suite stays fast; `make demo` runs SmolLM2-135M-Instruct) answers every
 question, hits the prefix cache and preempts; the tiny model's demo grades only what it can do,
 and gets it all right."""

@@ -7,7 +7,7 @@ import ast
 import pathlib
 import re
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 MAPPED = ("models", "scheduler", "pallas_kernels")  # pagedjax/<folder> links to them
 SOURCE = ("pagedjax", *MAPPED)
 

@@ -24,7 +24,7 @@ from helpers import complete, start_serve, wait_healthy
 
 pytestmark = pytest.mark.slow
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SHADOWS = ("models", "scheduler", "pallas_kernels")
 
 

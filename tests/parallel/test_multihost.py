@@ -18,13 +18,13 @@ import sys
 import time
 
 import pytest
-from helpers import complete, wait_healthy
+from helpers import child_pythonpath, complete, wait_healthy
 
 # The slow suite (make test-slow, run by .ci/run beside make test): several processes under
 # jax.distributed.
 pytestmark = pytest.mark.slow
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 BASE = dict(max_model_len=96, max_num_seqs=4, max_num_batched_tokens=32, block_size=4,
             num_blocks=26, compilation_cache="off")
 HEARTBEAT_S = 5
@@ -125,7 +125,7 @@ def run_group(die_after: int | None = None, timeout: float = 400,
     """Starts the leader and the follower; each one's report (or its exit code, when it
     printed none)."""
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
                         f"--xla_force_host_platform_device_count=2"}
     code = "import sys, test_multihost as t; t.worker(int(sys.argv[1]), int(sys.argv[2]), " \

@@ -37,4 +37,4 @@ def test_each_mutation_on_the_wanted_lines_changes_what_the_code_does():
 
 def test_the_tests_of_a_module_are_those_that_name_it():
     tests = mutants.covering_tests(mutants.ROOT / "scheduler" / "host_tier.py")
-    assert "tests/test_host_tier.py" in tests and "tests/test_tokenizer.py" not in tests
+    assert "tests/scheduler/test_host_tier.py" in tests and "tests/engine/test_tokenizer.py" not in tests

@@ -16,7 +16,7 @@ import pytest
 
 from pagedjax.pallas_kernels.gpu import mosaic
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_kernels.py"
 
 
@@ -71,7 +71,7 @@ def test_spent_budget_still_writes_every_file(tmp_path):
                     reason=str(mosaic.problem()))
 def test_mosaic_kernel_check_runs(tmp_path):
     """One of the script's Mosaic GPU checks end to end (the cases themselves are
-    tests/test_kernels_mosaic_gpu.py's)."""
+    tests/kernels/test_kernels_mosaic_gpu.py's)."""
     run_script("--sections", "checks", "--checks", "mosaic decode S=16 N=8 K=2",
                "--out-dir", str(tmp_path))
     md = (tmp_path / "gpu_kernels_smoke.md").read_text()
