@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -66,12 +66,16 @@ def for_layer(metadata: AttentionMetadata, layer, blocks_per_layer: int,
     offset = jnp.asarray(layer, jnp.int32) * blocks_per_layer
     tables = metadata.block_tables
     slots = metadata.slot_mapping
-    if not isinstance(group, int):  # traced (a scan over layers of several groups)
-        tables = jnp.concatenate([tables[None], metadata.group_block_tables])[group]
-        slots = jnp.concatenate([slots[None], metadata.group_slot_mapping])[group]
-    elif group:
-        tables = metadata.group_block_tables[group - 1]
-        slots = metadata.group_slot_mapping[group - 1]
+    traced = not isinstance(group, int)  # a scan over layers of several groups
+    if traced or group:
+        group_tables, group_slots = metadata.group_block_tables, metadata.group_slot_mapping
+        if group_tables is None or group_slots is None:
+            raise ValueError(f"KV cache group {group} asked of a plan with one group")
+        if traced:
+            tables = jnp.concatenate([tables[None], group_tables])[group]
+            slots = jnp.concatenate([slots[None], group_slots])[group]
+        else:
+            tables, slots = group_tables[group - 1], group_slots[group - 1]
     null_slot = slots // block_size == layout.NULL_BLOCK
     return dataclasses.replace(
         metadata,
@@ -187,7 +191,8 @@ def paged_attention(
                          f"{metadata.block_tables.shape[0]=}")
     impl = IMPLEMENTATIONS[backend.name]
     pallas_opts = dict(interpret=backend.interpret) if impl.pallas else {}
-    opts = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, **pallas_opts)
+    opts: dict[str, Any] = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                                **pallas_opts)
     for name, value, backends in (("sinks", sinks, SINK_BACKENDS),
                                   ("value_dim", value_dim, LATENT_BACKENDS)):
         if value is not None:

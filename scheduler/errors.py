@@ -27,11 +27,12 @@ def check_int(field: str, value, low: int, high: int, *, allow: tuple = ()) -> i
         return int(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise RequestError(field, f"{field} must be an integer, got {_short(value)}")
-    if not low <= value <= high:
+    number = int(value)  # numbers.Integral: exact
+    if not low <= number <= high:
         extra = f" (or {', '.join(map(str, allow))})" if allow else ""
         raise RequestError(field, f"{field} must be in [{low}, {high}]{extra}, got "
                            f"{_short(value)}")
-    return int(value)
+    return number
 
 
 def check_float(field: str, value, low: float, high: float, *, low_open: bool = False) -> float:
@@ -56,6 +57,6 @@ def _short(value) -> str:
     """A value for an error message, never long: errors must not echo a client's input."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return type(value).__name__
-    if isinstance(value, numbers.Integral) and value.bit_length() > 64:
-        return f"an integer of {value.bit_length()} bits"
+    if isinstance(value, numbers.Integral) and int(value).bit_length() > 64:
+        return f"an integer of {int(value).bit_length()} bits"
     return repr(value)

@@ -78,8 +78,10 @@ def _admit(trace: Sequence[TraceRequest], i: int, schedulers: list[Scheduler],
     params = SamplingParams(max_tokens=r.output_len, n=r.n, temperature=0.0, ignore_eos=True)
     ids = r.prompt_token_ids(i, vocab_size)
     request = make_samples(str(i), ids, params, seed=i, arrival_time=r.arrival_s)
-    target = 0 if len(schedulers) == 1 else place(
-        ids, [len(s.state.requests) for s in schedulers])
+    target = 0
+    if len(schedulers) > 1:
+        assert place is not None, "several replicas need a placement"
+        target = place(ids, [len(s.state.requests) for s in schedulers])
     try:
         schedulers[target].add_request(request)
     except ValueError as e:
@@ -136,11 +138,18 @@ def simulate(trace: Sequence[TraceRequest], config: SchedulerConfig, *, num_bloc
         steps += 1
     states = [s.state for s in schedulers]
     return SimResult.from_timings(
-        [g[0].arrival_time for g in groups], [min(s.first_token_time for s in g) for g in groups],
-        [max(s.finish_time for s in g) for g in groups],
+        [g[0].arrival_time for g in groups],
+        [min(_when(s.first_token_time) for s in g) for g in groups],
+        [max(_when(s.finish_time) for s in g) for g in groups],
         [max(len(s.output_token_ids) for s in g) for g in groups], num_steps=steps,
         num_prefill_steps=prefill_steps,
         num_preemptions=sum(st.num_preemptions for st in states),
         output_tokens=tokens, peak_used_blocks=peak,
         prefix_queried=sum(st.num_prefix_query_tokens for st in states),
         prefix_hits=sum(st.num_prefix_hit_tokens for st in states))
+
+
+def _when(time: float | None) -> float:
+    """A simulated request's time, which it has once it finished (every one does)."""
+    assert time is not None, "a simulated request did not finish"
+    return time

@@ -49,9 +49,8 @@ def quality(reference, model, prompts: Sequence[Sequence[int]], max_tokens: int,
     ref, got = _logits(reference, sequences), _logits(model, sequences)
     errors = np.concatenate([np.abs(a - b).reshape(-1) for a, b in zip(ref, got)])
     spread = float(np.mean([a.std() for a in ref]))
-    agree = [np.argmax(b[len(p) - 1:-1], -1) == np.asarray(c)
-             for p, c, b in zip(prompts, continuations, got)]
-    agree = np.concatenate(agree)
+    agree = np.concatenate([np.argmax(b[len(p) - 1:-1], -1) == np.asarray(c)
+                            for p, c, b in zip(prompts, continuations, got)])
     return {"logit_error_mean": float(errors.mean()), "logit_error_max": float(errors.max()),
             "logit_error_rel": float(errors.mean() / spread),
             "greedy_agreement": float(agree.mean()), "positions": int(agree.size),

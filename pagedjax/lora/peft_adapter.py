@@ -32,6 +32,7 @@ import json
 import math
 import os
 import re
+from typing import Any
 
 import numpy as np
 
@@ -40,10 +41,11 @@ from pagedjax.models.loading.user_files import MiB, read_user_bytes, read_user_j
 TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
            "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 # PEFT options that change what an adapter computes: (field, the value that leaves it alone)
-REFUSED = (("use_dora", False), ("lora_bias", False), ("modules_to_save", None),
-           ("rank_pattern", {}), ("alpha_pattern", {}), ("layers_to_transform", None),
-           ("layers_pattern", None), ("fan_in_fan_out", False), ("trainable_token_indices", None),
-           ("target_parameters", None), ("exclude_modules", None))
+REFUSED: tuple[tuple[str, object], ...] = (
+    ("use_dora", False), ("lora_bias", False), ("modules_to_save", None), ("rank_pattern", {}),
+    ("alpha_pattern", {}), ("layers_to_transform", None), ("layers_pattern", None),
+    ("fan_in_fan_out", False), ("trainable_token_indices", None), ("target_parameters", None),
+    ("exclude_modules", None))
 MAX_SCALING = 1e4  # |lora_alpha / r| (or / sqrt(r)): PEFT's are ~0.1 to 64
 MAX_CONFIG_BYTES = 1 * MiB
 SERVED_DTYPES = {"F16": np.float16, "F32": np.float32, "BF16": "bfloat16"}  # safetensors' names
@@ -109,11 +111,13 @@ def read_config(path: str) -> dict:
 
 def check_scaling(path: str, scaling) -> float:
     """scaling as a float, once finite and at most MAX_SCALING in size (ValueError)."""
-    if isinstance(scaling, bool) or not isinstance(scaling, (int, float, np.floating)) \
-            or not math.isfinite(scaling) or abs(scaling) > MAX_SCALING:
+    number: int | float | np.floating | None = None
+    if isinstance(scaling, (int, float, np.floating)) and not isinstance(scaling, bool):
+        number = scaling
+    if number is None or not math.isfinite(number) or abs(float(number)) > MAX_SCALING:
         raise _refuse(path, f"the scaling (lora_alpha / r) must be finite and at most "
                             f"{MAX_SCALING:g} in size, got {scaling!r}")
-    return float(scaling)
+    return float(number)
 
 
 def read_tensors(path: str, max_bytes: int) -> dict:
@@ -131,7 +135,7 @@ def read_tensors(path: str, max_bytes: int) -> dict:
                             f"({str(error)[:300]})") from None
     tensors = {}
     for name, view in sorted(stored, key=lambda item: item[0]):
-        dtype = SERVED_DTYPES.get(view["dtype"])
+        dtype: Any = SERVED_DTYPES.get(view["dtype"])
         if dtype is None:
             raise _refuse(path, f"tensor {name!r} is {view['dtype']}; served: float16, "
                                 f"bfloat16, float32")

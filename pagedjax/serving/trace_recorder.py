@@ -37,7 +37,7 @@ class TraceRecorder:
                  turns: int | None = None, workload: str | None = None) -> None:
         """What the endpoint knows of a request the trace cannot see in its output (before it
         is queued)."""
-        note = {"stream": stream}
+        note: dict[str, object] = {"stream": stream}
         if session is not None:
             note["session"] = hashlib.blake2b(session.encode("utf-8", "replace"),
                                               digest_size=8, key=self._key).hexdigest()
@@ -63,7 +63,7 @@ class TraceRecorder:
         for out in outputs:
             if not out.finished:
                 continue
-            record = {"arrival_s": round(out.metrics.arrival_time - self.start, 6),
+            record: dict[str, object] = {"arrival_s": round(out.metrics.arrival_time - self.start, 6),
                       "prompt_len": len(out.prompt_token_ids),
                       "output_len": max(1, max(c.num_tokens for c in out.outputs))}
             if len(out.outputs) > 1:

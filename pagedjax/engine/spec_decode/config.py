@@ -93,5 +93,7 @@ class SpeculativeConfig:
         return cls(**value)
 
     def proposer(self) -> NgramProposer:
-        return NgramProposer(self.num_speculative_tokens, self.prompt_lookup_min,
-                             self.prompt_lookup_max)
+        k, low, high = (self.num_speculative_tokens, self.prompt_lookup_min,
+                        self.prompt_lookup_max)
+        assert k is not None and low is not None and high is not None, "set by __post_init__"
+        return NgramProposer(k, low, high)
