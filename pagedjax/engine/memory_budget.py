@@ -87,6 +87,7 @@ def activation_bytes(runner, buckets) -> int:
         forward = max(forward, _program_bytes(lowered.compile()))
         if logits is None or lowered.out_info[0].shape[0] > logits[0].shape[0]:
             logits = (lowered.out_info[0], plan)
+    assert logits is not None, "no step shape"  # every engine has a decode bucket
     shape, plan = logits
     sampler = sampling_step.program(runner.num_top_logprobs, shape,
                                     sampling_step.sampling_inputs(plan),
@@ -152,8 +153,9 @@ def memory_in_use(engine) -> tuple[int, int | None, str]:
     replicas = engine.replicas
     here = jax.process_index()
     devices = [d for r in replicas for d in r.devices if d.process_index == here]
-    stats = [d.memory_stats() if hasattr(d, "memory_stats") else None for d in devices]
-    if stats and all(s and "bytes_in_use" in s for s in stats):
+    found = [d.memory_stats() if hasattr(d, "memory_stats") else None for d in devices]
+    stats = [s for s in found if s and "bytes_in_use" in s]
+    if stats and len(stats) == len(found):
         limits = [s.get("bytes_limit") for s in stats]
         return (sum(int(s["bytes_in_use"]) for s in stats),
                 sum(limits) if all(limits) else None, "memory_stats")

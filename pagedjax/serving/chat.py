@@ -138,9 +138,9 @@ def _prepare(server: ServerState, body: ChatCompletionRequest, params_of: dict[s
     tools = tool_calls.tool_request(body, server.tool_parser)
     ids = render_prompt(server, body, tools)
     max_tokens, capped = _max_tokens(server, body, len(ids))
-    schema = None if tools is None else tools.schema()
-    constraint = None if schema is None else (
-        "function_call" if tools.legacy else "tool_choice", {"json": schema})
+    constraint = None
+    if tools is not None and (schema := tools.schema()) is not None:
+        constraint = ("function_call" if tools.legacy else "tool_choice", {"json": schema})
     params = server.sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
                              None, params_of, body.prompt_logprobs, constraint)
     return tools, ids, params, capped
@@ -177,7 +177,7 @@ async def chat_completions(server: ServerState, request: fastapi.Request):
 
     def extra(choice: CompletionOutput) -> dict:
         """The choice's tokens' logprobs and ids, when asked for."""
-        d = {}
+        d: dict[str, object] = {}
         if body.logprobs:
             d["logprobs"] = logprobs_of(server, choice, top_n)
         if body.return_token_ids:
@@ -245,7 +245,7 @@ async def _events(server: ServerState, body: ChatCompletionRequest, group, chunk
             final = out if out.finished else final
             for choice in choices:
                 yield event([choice])
-    if options is not None and options.include_usage:
+    if options is not None and options.include_usage and final is not None:
         usage = server.usage({chunk["id"]: final}, body.prediction is not None)
         yield sse({**chunk, "choices": [], "usage": usage})
     yield DONE
