@@ -100,6 +100,8 @@ def test_final_only_is_one_output_the_cumulative_final(engine):
         assert len(once) == 1 and once[0].finished
         assert content(once[0]) == content(whole[-1])
         assert once[0].prompt_logprobs == whole[-1].prompt_logprobs
+        m = once[0].metrics  # the samples' first token and last finish
+        assert m.arrival_time <= m.first_token_time <= m.finish_time
 
 
 @pytest.mark.parametrize("value", [3, -1, "partial", 1.0, True, None])
