@@ -37,7 +37,7 @@ def rope_from_params(params: Any, architecture: str) -> tuple[float, RopeScaling
     theta = float(params["rope_theta"])
     if rope_type == "default":
         return theta, None
-    fields = {"factor": params.get("factor")}
+    fields: dict[str, Any] = {"factor": params.get("factor")}
     if rope_type == "llama3":
         for name in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
             if name not in params:

@@ -5,12 +5,19 @@ its replica (pagedjax.engine.pooling_requests)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pagedjax.engine.pooling_requests import add_pooling_request, check_pooling_params, pooling_spec
 from pagedjax.pooling.pooling_model import PoolingModel
+
+if TYPE_CHECKING:
+    from pagedjax.engine.llm_engine import LLMEngine
 
 
 class DataParallelPooling:
     """(DataParallelEngine has replicas, config, model_config and add_requests.)"""
+
+    replicas: list[LLMEngine]
 
     pooling_spec = pooling_spec
     check_pooling_params = check_pooling_params
