@@ -14,7 +14,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from helpers import until_done
+from helpers import child_pythonpath, until_done
 
 from pagedjax import EngineConfig, LLMEngine, SamplingParams
 from pagedjax.kv_offload.block_transfers import host_block, set_host_block
@@ -248,7 +248,6 @@ def test_a_full_disk_degrades_to_the_host_tier(tiny_model, recomputed, tmp_path,
 
 SECOND_PROCESS = """
 import json, sys
-sys.path.insert(0, "tests")
 from pagedjax.models import get_config, init_model
 from pagedjax import EngineConfig, LLMEngine
 from test_kv_tiers import BASE, BLOCK_BYTES, run_rounds, sessions
@@ -262,7 +261,7 @@ print(json.dumps(outputs))
 
 @pytest.mark.slow  # a second Python starting JAX (make test-slow)
 def test_a_second_process_finds_the_first_ones_blocks(tiny_model, recomputed, tmp_path):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": child_pythonpath()}
     first = subprocess.run([sys.executable, "-c", SECOND_PROCESS, str(tmp_path)], env=env,
                            capture_output=True, text=True, timeout=240, check=True)
     assert json.loads(first.stdout.splitlines()[-1]) == recomputed[:4]
