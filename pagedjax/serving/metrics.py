@@ -133,7 +133,7 @@ class ServerMetrics:
         self.weight_version = prom.Info("pagedjax:weight_version", "The version of the weights "
                                         "served (update_weights).", f.names,
                                         registry=self.registry).labels(**f.labels)
-        self._weight_version = None
+        self._weight_version: str | None = None
         self.degradation_level = f.gauge("degradation_level", "The instance's degradation "
                                          "level: 0 normal, 1 max_tokens cut, 2 + long-context "
                                          "shed, 3 + concurrency lowered.")
@@ -254,18 +254,20 @@ class ServerMetrics:
                 self.replica_gauges[name].labels(replica=str(index), **self.labels).set(value)
         if info.step_time_s is not None:
             self.step_time.observe(info.step_time_s)
-        totals = _totals(info.stats)
-        for (_, attribute), now, before in zip(COUNTED, totals, self._last):
-            if now > before:
-                getattr(self, attribute).inc(now - before)
+        stats = info.stats
+        assert stats is not None, "a step report carries the engine's stats"
+        totals = _totals(stats)
+        for (_, attribute), count, before in zip(COUNTED, totals, self._last):
+            if count > before:
+                getattr(self, attribute).inc(count - before)
                 if attribute == "oom_errors" and self.observer is not None:
-                    self.observer.oom(now - before)
+                    self.observer.oom(count - before)
         if info.step_time_s is not None:
             self.iteration_tokens.observe(totals[-1] - self._last[-1])
         self._last = totals
-        self._spec_gauges(info.stats)
-        self.tiers.update(info.stats.kv_tiers)
-        self.loras.update(info.stats.loras)
+        self._spec_gauges(stats)
+        self.tiers.update(stats.kv_tiers)
+        self.loras.update(stats.loras)
         if info.weight_version != self._weight_version:
             self._weight_version = info.weight_version
             self.weight_version.info({"version": info.weight_version})

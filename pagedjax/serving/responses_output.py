@@ -70,7 +70,7 @@ class EventStream:
     """Translates one reply's stream deltas (pagedjax.serving.chat_replies) into Responses
     events, opening and closing one output item at a time; `items` are the items done."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._sequence = itertools.count()
         self.items: list[dict] = []
         self._open: dict | None = None  # {"kind", "id", "text", ...}
@@ -79,8 +79,13 @@ class EventStream:
         payload = {"type": kind, "sequence_number": next(self._sequence), **fields}
         return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
+    def _opened(self) -> dict:
+        """The item being streamed (_start opened it)."""
+        assert self._open is not None, "no output item is open"
+        return self._open
+
     def _where(self) -> dict:
-        return {"item_id": self._open["id"], "output_index": len(self.items)}
+        return {"item_id": self._opened()["id"], "output_index": len(self.items)}
 
     def _start(self, kind: str, item: dict) -> list[str]:
         out = self.close()
@@ -97,13 +102,13 @@ class EventStream:
         if delta.get("reasoning_content"):
             if self._open is None or self._open["kind"] != "reasoning":
                 out += self._start("reasoning", reasoning_item("", done=False))
-            self._open["text"] += delta["reasoning_content"]
+            self._opened()["text"] += delta["reasoning_content"]
             out.append(self.event("response.reasoning_text.delta", **self._where(),
                                   content_index=0, delta=delta["reasoning_content"]))
         if delta.get("content"):
             if self._open is None or self._open["kind"] != "message":
                 out += self._start("message", message_item("", done=False))
-            self._open["text"] += delta["content"]
+            self._opened()["text"] += delta["content"]
             out.append(self.event("response.output_text.delta", **self._where(),
                                   content_index=0, delta=delta["content"], logprobs=[]))
         for call in delta.get("tool_calls") or ():
@@ -112,7 +117,7 @@ class EventStream:
                     call["id"], call["function"]["name"], "", done=False))
             arguments = call.get("function", {}).get("arguments")
             if arguments:
-                self._open["text"] += arguments
+                self._opened()["text"] += arguments
                 out.append(self.event("response.function_call_arguments.delta",
                                       **self._where(), delta=arguments))
         return out
