@@ -14,10 +14,12 @@ from pagedjax.frontend.async_engine import PromptSpec
 from pagedjax.serving.http_common import APIError, parse_body
 from pagedjax.serving.protocol import (CompletionRequest, prompt_logprobs_json, split_prompts,
                                        usage_json, wire_logprob)
+from pagedjax.serving.request_params import ParamNames
 from pagedjax.serving.server_state import ServerState
 from pagedjax.serving.streaming import DONE, DeltaTracker, guard, sse
 
-PARAMS_OF = {"prompt_token_ids": "prompt", "prompts": "prompt"}  # engine field -> body field
+# engine field -> body field
+PARAMS_OF: ParamNames = {"prompt_token_ids": "prompt", "prompts": "prompt"}
 
 
 def logprobs_of(server: ServerState, token_ids, entries, offset: int,
@@ -105,14 +107,15 @@ async def completions(server: ServerState, request: fastapi.Request):
     prompt_logprobs = body.prompt_logprobs
     if body.echo and body.logprobs is not None:  # the echoed prompt's logprobs
         prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
+    params_of: ParamNames = dict(PARAMS_OF)  # this request's (sampling adds its own fields)
     params = await asyncio.to_thread(  # a prediction's tokenizing: off the event loop
-        server.sampling, body, max_tokens, body.logprobs, body.best_of, PARAMS_OF,
+        server.sampling, body, max_tokens, body.logprobs, body.best_of, params_of,
         prompt_logprobs)
     encoded = [await server.encode(p, "prompt") for p in prompts]
     request_id = f"cmpl-{secrets.token_hex(12)}"
     specs = [PromptSpec(ids, params, f"{request_id}-{i}", text, body.cache_salt,
                         lora_request=lora) for i, (ids, text) in enumerate(encoded)]
-    group = await server.add(specs, PARAMS_OF, body, request)
+    group = await server.add(specs, params_of, body, request)
     tokenizer = server.tokenizer
     echo = [(text if text is not None else tokenizer.decode(list(ids)))
             if body.echo and tokenizer is not None else "" for ids, text in encoded]

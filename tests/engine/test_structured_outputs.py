@@ -143,6 +143,7 @@ def test_hostile_structured_outputs_are_a_400_or_finish_cleanly(byte_model, stre
     from fastapi.testclient import TestClient
 
     from pagedjax import LLM
+    from pagedjax.serving import completions
     from pagedjax.serving.app import OpenAIServer
 
     llm = LLM(byte_model, tokenizer="byte", max_model_len=64, max_num_seqs=4,
@@ -166,3 +167,6 @@ def test_hostile_structured_outputs_are_a_400_or_finish_cleanly(byte_model, stre
         deep = client.post("/v1/completions", json={**base, "guided_json": _nested(120)})
         assert deep.status_code == 400 and "deeper than this server parses" in deep.text
         assert not llm.engine.has_unfinished()
+    # each request names its own structured field in its errors: the endpoint's table of
+    # field names is not rewritten by one (the others would name its field)
+    assert completions.PARAMS_OF == {"prompt_token_ids": "prompt", "prompts": "prompt"}
