@@ -30,7 +30,7 @@ from pagedjax import EngineConfig, LLMEngine, SamplingParams
 from pagedjax.models import get_config, init_model
 from pagedjax.models.layers.kv_groups import kv_cache_groups
 from pagedjax.scheduler import ShapeBuckets
-from pagedjax.tools.plan_commands import kv_capacity
+from pagedjax.tools.capacity_commands import kv_capacity
 
 SHAPES = {"gemma-3-1b": 1, "gemma-3-4b": 1, "gemma-3-27b": 8}  # name -> TP
 

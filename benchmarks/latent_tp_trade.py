@@ -23,7 +23,7 @@ from common import recorded_args, write_results
 from pagedjax.models import get_config
 from pagedjax.models.param_count import mla_params
 from pagedjax.parallel.sharding import weight_bytes_per_device
-from pagedjax.tools.plan_commands import capacity_layouts, kv_capacity
+from pagedjax.tools.capacity_commands import capacity_layouts, kv_capacity
 
 TEMP_GIB = 1.0
 # (model, weights, chips, HBM GiB a chip): V2-Lite on a v5e-8 slice, V3 (fp8 weights, as it

@@ -1,7 +1,7 @@
 """Hybrid linear attention (Qwen3.5 / Qwen3-Next: Gated DeltaNet layers in the KV cache's state
 group) against the same model with every layer keeping full KV: memory, and decode step time.
 
-Capacity (computed from the layouts the engine builds: pagedjax.tools.plan_commands'
+Capacity (computed from the layouts the engine builds: pagedjax.tools.capacity_commands'
 capacity_layouts, no model run): Qwen3.5-9B's shapes (transformers' Qwen3_5TextConfig defaults:
 24 Gated DeltaNet and 8 full-attention layers) on one device and Qwen3-Next-80B-A3B's (36 and
 12) at TP 4, bf16 KV, block 16, a 16 GiB pool a device, at 4k / 32k / 128k tokens: the MiB a
@@ -23,7 +23,7 @@ import dataclasses
 from common import percentiles, recorded_args, timed_decode, write_results
 
 from pagedjax.models import get_config, init_model
-from pagedjax.tools.plan_commands import capacity_layouts, kv_capacity
+from pagedjax.tools.capacity_commands import capacity_layouts, kv_capacity
 
 SHAPES = {"qwen3.5-9b": 1, "qwen3-next-80b-a3b": 4}  # name -> TP
 

@@ -1,7 +1,7 @@
 """gpt-oss and DeepSeek (latent attention): memory and decode step time against the same models
 with plain KV and a dense model of the same active size.
 
-Capacity (computed from the layouts the engine builds: pagedjax.tools.plan_commands'
+Capacity (computed from the layouts the engine builds: pagedjax.tools.capacity_commands'
 capacity_layouts, no model run), bf16 KV, block 16, a 16 GiB pool on one device, 32k-token
 sequences, prefill chunks of 2,048 tokens: KV bytes a token and a sequence, and the sequences
 the pool holds, for gpt-oss-20b and -120b on their KV cache groups (the sliding layers keep
@@ -32,7 +32,7 @@ from common import percentiles, recorded_args, timed_decode, write_results
 from pagedjax.models import get_config, init_model
 from pagedjax.models.config import LlamaConfig
 from pagedjax.parallel.sharding import weight_bytes_per_device
-from pagedjax.tools.plan_commands import capacity_layouts, kv_capacity
+from pagedjax.tools.capacity_commands import capacity_layouts, kv_capacity
 
 CAPACITY_MODELS = ("gpt-oss-20b", "gpt-oss-120b", "deepseek-v2-lite", "deepseek-v3")
 CHUNK = 2048

@@ -207,7 +207,7 @@ def shard_gib(case: str) -> tuple[float, float, int]:
     by an 8,192-token step, the prefill case's)."""
     from pagedjax.models import CONFIGS
     from pagedjax.parallel.sharding import weight_bytes_per_device
-    from pagedjax.tools.plan_commands import kv_capacity
+    from pagedjax.tools.capacity_commands import kv_capacity
 
     model_name, tp, hybrid, expert_parallel, quantization = case_options(case)
     config = CONFIGS[model_name]

@@ -63,7 +63,8 @@ class LlamaConfig:
     num_layers: int  # L
     num_heads: int  # N
     num_kv_heads: int  # K; N == K is MHA, K == 1 is MQA, otherwise GQA
-    head_dim: int | None = None  # H; hidden_size // num_heads when None
+    # H; None (the default) is hidden_size // num_heads, set at construction: an int after it
+    head_dim: int = None  # type: ignore[assignment]
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False

@@ -117,17 +117,20 @@ def serving_form(model: LlamaForCausalLM, scan_layers: bool = True,
         period = _period(layer_defs)
         scan_layers = 2 * period <= len(layer_defs)  # else nothing repeats: unrolled
         period = period if scan_layers else None
+    layers: nnx.State | tuple | dict
     if period is not None:
         layers = _periodic_stacks(states, period)
     else:
         layers = jax.tree.map(_stack, *states) if scan_layers else states
     config = model.config
+    placed = groups if groups is not None and groups.hybrid else None
     graph = ServingGraph(
         embed_def, layer_defs[0], norm_def, head_def, len(states), scan_layers,
         layers=None if uniform else layer_defs, scale_embeddings=config.scale_embeddings,
         final_logit_softcapping=config.final_logit_softcapping,
-        layer_groups=tuple(zip(groups.layer_group, groups.layer_slot)) if hybrid else None,
-        kv_slots=groups.num_slots if hybrid else None, period=period)
+        layer_groups=None if placed is None else tuple(zip(placed.layer_group,
+                                                           placed.layer_slot)),
+        kv_slots=None if placed is None else placed.num_slots, period=period)
     return graph, ServingWeights(embed, layers, norm, head)
 
 
@@ -240,7 +243,9 @@ def _forward_periods(graph: ServingGraph, weights: ServingWeights, x, kv_cache, 
     """forward_paged's layers for graph.period: one scan over the whole periods, each step
     running the period's layers in order (their graphs, windows and RoPE static; their KV
     cache group and slot traced), then the remaining layers unrolled (layer_step)."""
-    period, num_layers = graph.period, graph.num_layers
+    period, num_layers, layers = graph.period, graph.num_layers, weights.layers
+    if period is None or not isinstance(layers, dict):
+        raise ValueError("_forward_periods runs a graph with a period (stacks by position)")
     placement = jnp.asarray(graph.layer_groups or [(0, i) for i in range(num_layers)],
                             jnp.int32)  # [L, 2]: each layer's (group, slot)
 
@@ -256,11 +261,11 @@ def _forward_periods(graph: ServingGraph, weights: ServingWeights, x, kv_cache, 
         return (x, kv_cache), None
 
     whole = num_layers // period
-    stacks = tuple(weights.layers[f"every{period}_from{j}"] for j in range(period))
+    stacks = tuple(layers[f"every{period}_from{j}"] for j in range(period))
     (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache),
                                     (jnp.arange(whole, dtype=jnp.int32), stacks))
     for index in range(whole * period, num_layers):
-        x, kv_cache = layer_step(x, kv_cache, index, weights.layers[f"layer{index}"])
+        x, kv_cache = layer_step(x, kv_cache, index, layers[f"layer{index}"])
     return x, kv_cache
 
 

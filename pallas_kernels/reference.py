@@ -18,6 +18,7 @@ each key read, as a flash attention's).
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -122,8 +123,8 @@ def ragged_paged_attention_reference(
     seq_ids = jnp.minimum(seq_ids, num_rows - 1)
     q_positions = kv_lens[seq_ids] - (cu_q_lens[seq_ids + 1] - t)
     token_kv_lens = jnp.where(valid, kv_lens[seq_ids], 0)
-    options = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
-                   value_dim=value_dim)
+    options: dict[str, Any] = dict(scale=scale, sliding_window=sliding_window,
+                                   soft_cap=soft_cap, sinks=sinks, value_dim=value_dim)
     paged = functools.partial(_attend_blocks, q, kv_cache, seq_ids, q_positions,
                               token_kv_lens, block_tables, **options)
     if num_tokens < FRESH_MIN_TOKENS:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 
-from pagedjax.scheduler.host_tier import host_hit
+from pagedjax.scheduler.host_tier import HostTier, host_hit
 
 NULL_BLOCK = 0  # never allocated, never freed: the target of every padding write and table entry
 
@@ -27,7 +27,7 @@ class BlockPool:
         self.cached: dict[bytes, int] = {}  # content hash -> block holding that content
         self._free = collections.OrderedDict.fromkeys(range(1, num_blocks))
         self.num_evictions = 0
-        self.tier = None  # a scheduler.host_tier.HostTier keeping what is evicted, if any
+        self.tier: HostTier | None = None  # keeps what is evicted, if set
 
     @property
     def num_usable_blocks(self) -> int:
@@ -46,6 +46,12 @@ class BlockPool:
         (and takes nothing)."""
         if num_blocks > len(self._free):
             return None
+        return self.take(num_blocks)
+
+    def take(self, num_blocks: int) -> list[int]:
+        """allocate for a caller that made sure of num_free_blocks: a short pool is a bug."""
+        if num_blocks > len(self._free):
+            raise RuntimeError(f"{num_blocks} blocks asked of a pool with {len(self._free)} free")
         blocks = []
         for _ in range(num_blocks):
             block, _ = self._free.popitem(last=False)

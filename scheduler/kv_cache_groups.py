@@ -92,13 +92,15 @@ class HybridKVCacheManager:
         self.has_state = any(isinstance(w, StateWindow) for w in self.windows)
         enable_prefix_caching = enable_prefix_caching and not self.has_state
         self.enable_prefix_caching = enable_prefix_caching
-        shared = dict(num_host_blocks=num_host_blocks, pool=self.pool,
-                      host_free=self._host_free, cache_key=cache_key)
-        self.groups = [StateGroupManager(window, num_blocks, block_size, **shared)
+        self.groups = [StateGroupManager(window, num_blocks, block_size,
+                                         num_host_blocks=num_host_blocks, pool=self.pool,
+                                         host_free=self._host_free, cache_key=cache_key)
                        if isinstance(window, StateWindow) else
                        KVCacheManager(num_blocks, block_size,
                                       enable_prefix_caching=enable_prefix_caching,
-                                      sliding_window=window, hash_suffix=b"|%d" % g, **shared)
+                                      sliding_window=window, hash_suffix=b"|%d" % g,
+                                      num_host_blocks=num_host_blocks, pool=self.pool,
+                                      host_free=self._host_free, cache_key=cache_key)
                        for g, window in enumerate(self.windows)]
         self.num_allocation_failures = 0
 
@@ -148,8 +150,9 @@ class HybridKVCacheManager:
         for hit in range(longest, 0, -1):
             heads = [self._group_head(found[g], window, hit)
                      for g, window in enumerate(self.windows)]
-            if all(head is not None for head in heads):
-                return CachedPrefix(heads)
+            served = [head for head in heads if head is not None]
+            if len(served) == len(heads):
+                return CachedPrefix(served)
         return CachedPrefix([])
 
     def _group_head(self, blocks: list, window: int | None, hit: int) -> list[int] | None:
@@ -239,9 +242,12 @@ class HybridKVCacheManager:
         needed = sum(group.swap_in_blocks(request, num_new_tokens) for group in self.groups)
         if needed > self.pool.num_free_blocks:
             return None
-        taken = []
+        taken: list[int] = []
         for group in self.groups:
-            taken += group.swap_in(request, num_new_tokens)
+            blocks = group.swap_in(request, num_new_tokens)
+            if blocks is None:  # the room was counted above
+                raise RuntimeError(f"group swap-in of {request.request_id!r} found no room")
+            taken += blocks
         return taken
 
     def take_pending_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+from typing import Sequence
 
 from pagedjax.scheduler.block_hash import block_hashes
 from pagedjax.scheduler.block_pool import NULL_BLOCK, BlockPool
@@ -92,7 +93,7 @@ class KVCacheManager:
         return hits
 
     def num_new_blocks(self, request: Request, num_new_tokens: int,
-                       cached_blocks: list[int] = ()) -> int:
+                       cached_blocks: Sequence[int] = ()) -> int:
         """Free blocks that allocate_slots would consume: new blocks, cached ones that are free
         now and would be revived, and a copy-on-write copy of a shared partial block."""
         table = self.block_tables.get(request.request_id)
@@ -109,7 +110,7 @@ class KVCacheManager:
                             for b in cached_blocks)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       cached_blocks: list[int] = (), touched: bool = False) -> list[int] | None:
+                       cached_blocks: Sequence[int] = (), touched: bool = False) -> list[int] | None:
         """Makes room for num_new_tokens more tokens of request.
 
         cached_blocks (from find_cached_prefix, for a request holding no blocks) become the head
@@ -132,7 +133,7 @@ class KVCacheManager:
                 self._copy_on_write(table, num_computed // self.block_size)
             if num_new == 0:
                 return []
-            blocks = self.pool.allocate(num_new)
+            blocks = self.pool.take(num_new)
             table.extend(blocks)
             return blocks
         if self.num_new_blocks(request, num_new_tokens, cached_blocks) > self.pool.num_free_blocks:
@@ -149,7 +150,7 @@ class KVCacheManager:
         num_new = self.num_blocks_for(num_computed + num_new_tokens) - len(table)
         if num_new <= 0:
             return []
-        blocks = self.pool.allocate(num_new)
+        blocks = self.pool.take(num_new)
         table.extend(blocks)
         return blocks
 
@@ -160,13 +161,16 @@ class KVCacheManager:
         if not hits:
             return
         hashes = block_hashes(request, self.block_size, hits[-1] + 1, self.cache_key)
-        for i, block in zip(hits, self.pool.allocate(len(hits))):
-            self.pool.tier.load(host_slot(table[i]), block)
+        tier = self.pool.tier
+        if tier is None:
+            raise RuntimeError("a host tier's hit in a pool without a host tier")
+        for i, block in zip(hits, self.pool.take(len(hits))):
+            tier.load(host_slot(table[i]), block)
             self.pool.cache_block(block, hashes[i] + self.hash_suffix)
             table[i] = block
 
     def _copy_on_write(self, table: list[int], index: int) -> None:
-        (copy,) = self.pool.allocate(1)
+        (copy,) = self.pool.take(1)
         shared = table[index]
         self.pending_copies.append((shared, copy))
         table[index] = copy
@@ -267,7 +271,7 @@ class KVCacheManager:
         needed = self.swap_in_blocks(request, num_new_tokens)
         if needed > self.pool.num_free_blocks:
             return None
-        blocks = self.pool.allocate(needed)
+        blocks = self.pool.take(needed)
         host = self.host_tables.pop(request.request_id)
         taken = iter(blocks)
         table = [NULL_BLOCK if h == NULL_HOST else next(taken) for h in host]

@@ -8,6 +8,7 @@ import numpy as np
 
 from pagedjax.scheduler.block_pool import NULL_BLOCK
 from pagedjax.scheduler.buckets import ShapeBuckets
+from pagedjax.scheduler.kv_cache_groups import HybridKVCacheManager
 from pagedjax.scheduler.kv_cache_manager import KVCacheManager, cdiv
 from pagedjax.scheduler.plan_rows import pooling_rows, prompt_targets
 from pagedjax.scheduler.request import MAX_LOGIT_BIAS
@@ -121,7 +122,7 @@ _PARAM_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "logit_bias", "prese
                   "frequency_penalty", "repetition_penalty")
 
 
-def _rows(scheduled, kv_manager: KVCacheManager, tables: list[np.ndarray]):
+def _rows(scheduled, kv_manager: KVCacheManager | HybridKVCacheManager, tables: list[np.ndarray]):
     """Each row's query tokens (back to back), its block table in each group (into tables[g],
     see write_table), and its start, query length and sampling settings as lists."""
     tokens: list[int] = []
@@ -251,7 +252,7 @@ def _stack(tables: list[np.ndarray], num_rows: int, width: int) -> np.ndarray:
     return np.stack(tables) if tables else np.zeros((0, num_rows, width), np.int32)
 
 
-def build_plan(output: SchedulerOutput, kv_manager: KVCacheManager,
+def build_plan(output: SchedulerOutput, kv_manager: KVCacheManager | HybridKVCacheManager,
                buckets: ShapeBuckets) -> BatchPlan:
     """Lays out the scheduled sequences back to back and pads every array to its bucket.
 

@@ -7,7 +7,7 @@ function drives the engine, replays a recorded trace and runs inside a simulator
 
 from __future__ import annotations
 
-from pagedjax.scheduler.lora_slots import adapters_in_use
+from pagedjax.scheduler.lora_slots import LoRASlots, adapters_in_use
 from pagedjax.scheduler.request import Request, RequestStatus
 from pagedjax.scheduler.state import (DECODE, MIXED, PREFILL, PREFILL_FIRST, VICTIM_POLICIES,
                                       ScheduledSeq, SchedulerOutput, SchedulerState)
@@ -94,7 +94,7 @@ class _StepBuilder:
             if state.num_seqs + 1 + len(request.followers) > config.max_num_seqs \
                     or request.awaiting_kv:
                 break
-            if request.lora_id is not None and not slots.can_acquire(request.lora_id, in_use):
+            if not _adapter_fits(slots, request, in_use):
                 held_back.append(state.waiting.popleft())
                 continue
             swapped = request.status == RequestStatus.SWAPPED
@@ -130,7 +130,7 @@ class _StepBuilder:
                 _count_tier_lookups(state, request, cached_blocks)
             state.waiting.popleft()
             if request.lora_id is not None:
-                request.lora_slot = slots.acquire(request.lora_id, in_use)
+                request.lora_slot = _slots(slots).acquire(request.lora_id, in_use)
                 in_use.add(request.lora_id)
                 for follower in request.followers:
                     follower.lora_slot = request.lora_slot
@@ -169,13 +169,13 @@ class _StepBuilder:
         copies = kv.take_pending_copies()
         swap_out, swap_in = kv.take_pending_swaps()
         tier = kv.host_tier
-        transfers = tier.take_transfers() if tier is not None else ((), (), (), ())
+        spills, offloads, overflow, loads = (tier.take_transfers() if tier is not None
+                                             else ([], [], [], []))
         slots = self.state.lora_slots
-        state_copies = kv.take_pending_state_copies()
         return SchedulerOutput(self.scheduled, self.preempted, kind, num_tokens, now, forks,
-                               copies, swap_out, swap_in, *transfers,
-                               lora_loads=slots.take_loads() if slots is not None else (),
-                               state_copies=state_copies)
+                               copies, swap_out, swap_in, spills, offloads, overflow, loads,
+                               lora_loads=slots.take_loads() if slots is not None else [],
+                               state_copies=kv.take_pending_state_copies())
 
 
 def _count_tier_lookups(state: SchedulerState, request: Request, cached_blocks) -> None:
@@ -221,3 +221,16 @@ def schedule(state: SchedulerState, now: float) -> tuple[SchedulerState, Schedul
             if not step.preempted:
                 step.schedule_waiting(now)
     return state, step.output(now)
+
+
+def _adapter_fits(slots: LoRASlots | None, request: Request, in_use: set) -> bool:
+    """Whether request's LoRA adapter (if it names one) can have a slot now."""
+    return request.lora_id is None or _slots(slots).can_acquire(request.lora_id, in_use)
+
+
+def _slots(slots: LoRASlots | None) -> LoRASlots:
+    """The engine's LoRA slots, for a request naming an adapter (intake refuses one when the
+    engine serves no LoRA)."""
+    if slots is None:
+        raise RuntimeError("a LoRA request on a scheduler without LoRA slots")
+    return slots

@@ -28,6 +28,7 @@ class Scheduler:
         model has several; else one group, sliding_window for all its layers. num_tier_blocks:
         the host tier under the prefix cache (scheduler.host_tier), 0 for none. max_loras: the
         LoRA adapters' device slots (scheduler.lora_slots), 0 for an engine without them."""
+        kv_manager: KVCacheManager | HybridKVCacheManager
         if group_windows is not None and len(group_windows) > 1:
             kv_manager = HybridKVCacheManager(
                 num_blocks, block_size, group_windows,
@@ -49,7 +50,7 @@ class Scheduler:
         return self.state.config
 
     @property
-    def kv_manager(self) -> KVCacheManager:
+    def kv_manager(self) -> KVCacheManager | HybridKVCacheManager:
         return self.state.kv_manager
 
     def check_request(self, request: Request) -> None:

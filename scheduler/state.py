@@ -7,6 +7,7 @@ import collections
 import dataclasses
 from typing import Callable, NamedTuple, Sequence
 
+from pagedjax.scheduler.kv_cache_groups import HybridKVCacheManager
 from pagedjax.scheduler.kv_cache_manager import KVCacheManager
 from pagedjax.scheduler.lora_slots import LoRASlots
 from pagedjax.scheduler.request import Request
@@ -94,31 +95,31 @@ class SchedulerOutput:
     now: float
     # (leader, follower): parallel samples that take their first token from the leader's
     # prompt logits in this step, then fork the leader's blocks.
-    forks: list[tuple[Request, Request]] = ()
-    copies: list[tuple[int, int]] = ()  # copy-on-write (src, dst) blocks, before the KV writes
+    forks: Sequence[tuple[Request, Request]] = ()
+    copies: Sequence[tuple[int, int]] = ()  # copy-on-write (src, dst) blocks, before the KV writes
     # Swaps run at the start of the step, outs before ins: (device, host) and (host, device).
-    swap_out: list[tuple[int, int]] = ()
-    swap_in: list[tuple[int, int]] = ()
+    swap_out: Sequence[tuple[int, int]] = ()
+    swap_in: Sequence[tuple[int, int]] = ()
     # The host tier's transfers (scheduler.host_tier), run at the start of the step in this
     # order: spills (hash, host slot) read out for the disk tier, offloads (device, host slot)
     # of evicted cached blocks and overflow (device, hash) for the disk tier, loads (host
     # slot, device) of host hits.
-    tier_spills: list[tuple[bytes, int]] = ()
-    tier_offloads: list[tuple[int, int]] = ()
-    tier_overflow: list[tuple[int, bytes]] = ()
-    tier_loads: list[tuple[int, int]] = ()
+    tier_spills: Sequence[tuple[bytes, int]] = ()
+    tier_offloads: Sequence[tuple[int, int]] = ()
+    tier_overflow: Sequence[tuple[int, bytes]] = ()
+    tier_loads: Sequence[tuple[int, int]] = ()
     # LoRA adapters to write into their device slots before the step (slot, adapter id):
     # scheduler.lora_slots.
-    lora_loads: list[tuple[int, int]] = ()
+    lora_loads: Sequence[tuple[int, int]] = ()
     # A state group's fork copies (device src, device dst), whole blocks before everything else
     # of the step (scheduler.state_group).
-    state_copies: list[tuple[int, int]] = ()
+    state_copies: Sequence[tuple[int, int]] = ()
 
 
 @dataclasses.dataclass
 class SchedulerState:
     config: SchedulerConfig
-    kv_manager: KVCacheManager
+    kv_manager: KVCacheManager | HybridKVCacheManager
     waiting: collections.deque = dataclasses.field(default_factory=collections.deque)
     running: list = dataclasses.field(default_factory=list)
     requests: dict = dataclasses.field(default_factory=dict)  # request_id -> unfinished Request

@@ -70,7 +70,7 @@ class StateGroupManager(KVCacheManager):
             return None
         if not needed:
             return []
-        blocks = self.pool.allocate(self.num_state_blocks)
+        blocks = self.pool.take(self.num_state_blocks)
         self.block_tables[request.request_id] = list(blocks)
         return blocks + self._reserve(request)
 
@@ -78,7 +78,7 @@ class StateGroupManager(KVCacheManager):
         """Blocks for each follower of request, held until it forks (or request ends)."""
         taken = []
         for follower in request.followers:
-            blocks = self.pool.allocate(self.num_state_blocks)
+            blocks = self.pool.take(self.num_state_blocks)
             self._reserved[follower.request_id] = (request.request_id, blocks)
             taken += blocks
         return taken
@@ -123,7 +123,7 @@ class StateGroupManager(KVCacheManager):
         if self.swap_in_blocks(request, num_new_tokens) > self.pool.num_free_blocks:
             return None
         host = self.host_tables.pop(request.request_id)
-        blocks = self.pool.allocate(len(host))
+        blocks = self.pool.take(len(host))
         self.pending_swap_in.extend(zip(host, blocks))
         self._host_to_release.extend(host)
         self.block_tables[request.request_id] = list(blocks)

@@ -43,7 +43,7 @@ def _share(flags: list[bool | None]) -> dict:
 
 def _multi_turn(trace: Sequence[TraceRequest]) -> list[bool | None]:
     seen: set[str] = set()
-    flags = []
+    flags: list[bool | None] = []
     for r in sorted(trace, key=lambda r: r.arrival_s):
         if r.turns is None and r.session is None and r.stream is None:  # not a served trace
             flags.append(None)
@@ -56,13 +56,13 @@ def _multi_turn(trace: Sequence[TraceRequest]) -> list[bool | None]:
 
 def _shared_prefix(trace: Sequence[TraceRequest]) -> list[bool | None]:
     """Whether each request's first prefix piece is another session's first piece too."""
-    sessions_of = collections.defaultdict(set)
-    counts = collections.Counter()
+    sessions_of: dict[str, set] = collections.defaultdict(set)
+    counts: collections.Counter = collections.Counter()
     for i, r in enumerate(trace):
         if r.prefix_hashes:
             sessions_of[r.prefix_hashes[0]].add(r.session if r.session is not None else i)
             counts[r.prefix_hashes[0]] += 1
-    flags = []
+    flags: list[bool | None] = []
     for r in trace:
         if r.prefix_group is not None:
             flags.append(True)

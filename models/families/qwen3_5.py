@@ -99,7 +99,7 @@ def read_hf_config(raw: dict, architecture: str, model_type: str, common: dict) 
         config, model_type=model_type, layer_types=tuple(layer_types), norm_unit_offset=True,
         attention_bias=bool(raw.get("attention_bias", False)), partial_rotary_factor=partial,
         attn_output_gate=bool(raw.get("attn_output_gate", True)),
-        linear_fused_projections=model_type == "qwen3_next", **linear)
+        linear_fused_projections=model_type == "qwen3_next", **linear)  # type: ignore[arg-type]
     if model_type == "qwen3_5_text":
         return config
     return _with_experts(config, raw, architecture, model_type)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pagedjax.models.config import LlamaConfig
-from pagedjax.models.layers.basic import linear, rms_norm, rope
+from pagedjax.models.layers.basic import RMSNorm, linear, rms_norm, rope
 from pagedjax.models.layers.lora import LayerLoRA, apply_lora, row_parallel
 from pagedjax.pallas_kernels import AttentionBackend, AttentionMetadata, paged_attention
 
@@ -44,6 +44,8 @@ class Attention(nnx.Module):
         # gpt-oss: a logit a head joining every softmax with no value (f32, as vLLM and
         # tpu-inference keep them)
         self.sinks = nnx.Param(jnp.zeros((n,), jnp.float32)) if config.attention_sinks else None
+        self.q_norm: RMSNorm | None
+        self.k_norm: RMSNorm | None
         if config.qk_norm:  # Qwen3, Gemma 3: over a head; OLMoE: over the whole projection
             whole = config.qk_norm_whole
             self.q_norm = rms_norm(config, n * h if whole else h, param_dtype)
@@ -59,14 +61,14 @@ class Attention(nnx.Module):
         if self.output_gate:
             q, gate = jnp.split(q.reshape(*lead, self.num_heads, 2 * self.head_dim), 2, axis=-1)
             q, gate = q.reshape(*lead, -1), gate.reshape(*lead, -1)
-        if self.q_norm is not None and self.qk_norm_whole:
+        if self.q_norm is not None and self.k_norm is not None and self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
             q, k, v = (jnp.clip(t, -self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q = q.reshape(*lead, self.num_heads, self.head_dim)
         k = k.reshape(*lead, self.num_kv_heads, self.head_dim)
         v = v.reshape(*lead, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and not self.qk_norm_whole:
+        if self.q_norm is not None and self.k_norm is not None and not self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         return self._rope(q, positions), self._rope(k, positions), v, gate
 

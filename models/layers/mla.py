@@ -52,6 +52,10 @@ class LatentAttention(nnx.Module):
         bias = config.attention_bias
         query = n * config.head_dim
         rank = config.q_lora_rank
+        self.q_proj: nnx.Linear | None
+        self.q_a_proj: nnx.Linear | None
+        self.q_a_layernorm: RMSNorm | None
+        self.q_b_proj: nnx.Linear | None
         if rank is None:
             self.q_proj = linear(d, query, config, rngs, dtype, param_dtype)
             self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
@@ -79,8 +83,8 @@ class LatentAttention(nnx.Module):
         lead = x.shape[:-1]
         if self.q_proj is not None:
             q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:  # the low-rank query (q_lora_rank): all three are set
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))  # type: ignore[misc]
         q = q.reshape(*lead, self.num_heads, self.nope + self.rope_dim)
         q_nope, q_pe = q[..., :self.nope], q[..., self.nope:]
         compressed = self.kv_a_proj_with_mqa(x)

@@ -83,7 +83,7 @@ class InterleavedExperts(Experts):
     and down_proj [E, F, D], each with a bias ([E, 2F], [E, D]), and the clamped SwiGLU: gate
     clamped above at limit, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)."""
 
-    PROJECTIONS = ("gate_up_proj", "down_proj")
+    PROJECTIONS: tuple[str, ...] = ("gate_up_proj", "down_proj")
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
         e, d, f = config.num_experts, config.hidden_size, config.expert_intermediate_size

@@ -54,7 +54,7 @@ def default_implementation(kernels: tuple = ()) -> str:
     them all)."""
     if any(isinstance(k, QArray) and k.scheme == "mxfp4" for k in kernels):
         return "segments"
-    device = jax.config.jax_default_device
+    device = jax.config.jax_default_device  # type: ignore[attr-defined]  # a flag (untyped)
     platform = getattr(device, "platform", device) or jax.default_backend()
     return "ragged_dot" if platform == "tpu" else "segments"
 
@@ -155,7 +155,8 @@ def _leaf_specs(kernel, spec: P):
         return None if array is None else P(*(None if size == 1 else axis
                                               for axis, size in zip(axes, array.shape)))
 
-    return QArray(spec, of(kernel.scale), of(kernel.zero), kernel.scheme)
+    # the same pytree as the kernel, PartitionSpecs for leaves
+    return QArray(spec, of(kernel.scale), of(kernel.zero), kernel.scheme)  # type: ignore[arg-type]
 
 
 def _mlp(rows, expert, matmul, row_experts=None, *, kernels, glu, bias):

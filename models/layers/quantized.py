@@ -100,6 +100,8 @@ class QuantizedProjections:
     own scales: the grouped matmuls dequantize an expert's weights as they take them. Every
     other attribute (activation, gpt-oss's biases and clamp) is the float module's."""
 
+    PROJECTIONS: tuple[str, ...]  # the experts class's (the other base of each subclass)
+
     def __init__(self, experts: Experts, spec: "Spec"):  # super().__init__ not called:
         for key, value in vars(experts).items():  # the parameters differ, the rest is theirs
             if key not in self.PROJECTIONS and not key.startswith("_"):
@@ -123,7 +125,8 @@ class QuantizedInterleavedExperts(QuantizedProjections, InterleavedExperts):
     kept."""
 
 
-QUANTIZED_EXPERTS = {Experts: QuantizedExperts, InterleavedExperts: QuantizedInterleavedExperts}
+QUANTIZED_EXPERTS: dict[type, type[QuantizedProjections]] = {
+    Experts: QuantizedExperts, InterleavedExperts: QuantizedInterleavedExperts}
 
 
 def quantize_model(model, scheme: str, lm_head: bool = False):
@@ -222,7 +225,7 @@ def _quantized_linear(linear: nnx.Linear, spec: Spec) -> QuantizedLinear:
     data, scale = quantize(np.asarray(linear.kernel.get_value(), np.float32), spec.scheme)
     module.kernel.set_value(jnp.asarray(data))
     module.scale.set_value(jnp.asarray(scale))
-    if bias is not None:
+    if bias is not None and module.bias is not None:
         module.bias.set_value(bias.get_value())
     return module
 

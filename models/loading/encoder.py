@@ -63,8 +63,8 @@ def build_encoder(raw: dict):
     if raw.get("model_type") == "modernbert":
         from pagedjax.models.families.modernbert import ModernBertModel, read_modernbert_config
 
-        config = read_modernbert_config(raw)
-        return nnx.eval_shape(lambda: ModernBertModel(config, rngs=nnx.Rngs(0))), config
+        modern = read_modernbert_config(raw)
+        return nnx.eval_shape(lambda: ModernBertModel(modern, rngs=nnx.Rngs(0))), modern
     config = read_encoder_config(raw)
     return nnx.eval_shape(lambda: BertModel(config, rngs=nnx.Rngs(0))), config
 
@@ -103,7 +103,7 @@ def load_encoder(model_dir: str, dtype: str = "float32"):
     if unexpected:
         raise ValueError(f"{model_dir}: unexpected weights for {config.model_type}: "
                          f"{unexpected[:5]}")
-    pure = nnx.to_pure_dict(state)
+    pure: dict = nnx.to_pure_dict(state)
     for path, value in loaded.items():
         node = pure
         for key in path[:-1]:

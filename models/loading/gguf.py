@@ -17,6 +17,7 @@ import contextlib
 import functools
 import os
 import re
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -99,7 +100,7 @@ def config_from_gguf(meta: dict, tensor_names: set[str], path: str = "") -> Llam
     vocab = meta.get("llama.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
     eos = meta.get("tokenizer.ggml.eos_token_id")
     experts = int(meta.get("llama.expert_count") or 0)
-    moe = {}
+    moe: dict[str, Any] = {}
     if experts:  # llama.cpp's Mixtral: softmax top-k, the k weights renormalised
         moe = dict(num_experts=experts, num_experts_per_tok=int(get("expert_used_count")),
                    norm_topk_prob=True)
@@ -211,7 +212,7 @@ def _block_formats(by_hf: dict) -> dict:
     return {key: chosen for key, chosen in formats.items() if chosen is not None}
 
 
-def _hf_tensors(by_hf: dict, config: LlamaConfig, formats: dict | None = None):
+def _hf_tensors(by_hf: dict, config: LlamaConfig, formats: dict):
     """opened(): a context yielding tensor(HF name) -> f32 in HF's layout, the q/k permutation
     undone; one expert's tensor is its slice of the stacked one (by_hf: HF name -> GGUF
     tensor, stacked experts' names with pagedjax.models.loading.hf.EXPERT). tensor.quantized_parts((HF name,
@@ -258,7 +259,7 @@ def _hf_tensors(by_hf: dict, config: LlamaConfig, formats: dict | None = None):
         return dequantized(stacked)[int(expert.group(1))]
 
     if formats:
-        tensor.quantized_parts = quantized_parts
+        tensor.quantized_parts = quantized_parts  # type: ignore[attr-defined]  # (see above)
 
     @contextlib.contextmanager
     def opened():

@@ -194,8 +194,8 @@ def _check_compressed(model_dir, abstract, scheme, headers, files) -> None:
                                  f"compressed-tensors {scheme.scheme} stores {stored_type} "
                                  f"with a weight_scale")
             shape, _ = headers[files[scale]][scale]
-            expected = [(module.out_features, 1)] if scheme.strategy == "channel" else [
-                (), (1,), (1, 1)]
+            out_features = module.kernel.get_value().shape[-1]
+            expected = [(out_features, 1)] if scheme.strategy == "channel" else [(), (1,), (1, 1)]
             if tuple(shape) not in expected:
                 raise ValueError(f"{model_dir}: {scale} has shape {tuple(shape)}; strategy "
                                  f"{scheme.strategy} stores {expected[0]}")

@@ -181,7 +181,7 @@ def lazy_from_tensors(abstract: LlamaForCausalLM, opened, np_dtype, source: str)
 
             return jax.tree_util.tree_map_with_path(build, weights)
 
-    place.reads_quantized = True
+    place.reads_quantized = True  # type: ignore[attr-defined]  # read by quantize_lazy
     return LazyModel(config, abstract, place, source)
 
 
@@ -258,7 +258,8 @@ def lazy_checkpoint(directory: str, dtype=jnp.float32) -> LazyModel:
                         and kv_columns(config, leaf.shape[-1]) is not None)
             per_layer = _drop_leading(sharding, leaf) if stacked else sharding
             if repeated:  # restored whole on each device, repeated there
-                per_layer = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+                mesh = sharding.mesh  # type: ignore[attr-defined]  # a NamedSharding (sharded kv)
+                per_layer = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
             shape = leaf.shape[1:] if stacked else leaf.shape
             if repeated:
                 shape = shape[:-1] + (config.num_kv_heads * config.head_dim,)

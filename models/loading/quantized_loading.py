@@ -24,10 +24,10 @@ from pagedjax.models.loading.lazy_model import LazyModel
 QUANTIZED_PARTS = ("kernel", "scale", "zero")
 
 
-def quantized_modules(abstract) -> dict[tuple, nnx.Module]:
+def quantized_modules(abstract) -> dict[tuple, QuantizedWeight]:
     """module_key of each quantized module -> one such module (every layer's is alike:
     quantize_model and the GGUF reader quantize a weight the same way in every layer)."""
-    found = {}
+    found: dict[tuple, QuantizedWeight] = {}
     for path, node in nnx.graph.iter_graph(abstract):
         if isinstance(node, QuantizedWeight):  # Linear, Embed, or an experts' projection
             found.setdefault(module_key(path), node)

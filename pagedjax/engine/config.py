@@ -340,10 +340,16 @@ class EngineConfig:
             victim_policy=self.victim_policy, watermark=self.watermark,
             preemption_mode=self.preemption_mode)
 
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """speculative_config as construction made it (the field also takes vLLM's dict or
+        its JSON text)."""
+        return SpeculativeConfig.create(self.speculative_config)
+
     def buckets(self, group_windows: tuple[int | None, ...] = (None,)) -> ShapeBuckets:
         """The step shapes; group_windows: the model's KV cache groups' windows (the width of
         a sliding group's block table)."""
-        spec = self.speculative_config
+        spec = self.speculative
         return ShapeBuckets.create(
             max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len, block_size=self.block_size,

@@ -130,7 +130,7 @@ class EncoderEngine:
     def add_requests(self, specs: Sequence[PromptSpec], admit=None) -> list[str]:
         """Queues pooling requests all or none (admit, when given, sees their Admissions
         first and may refuse them all); RequestError naming the field otherwise."""
-        admissions = []
+        admissions, request_ids = [], []
         taken = set(self.request_groups)
         for i, spec in enumerate(specs):
             if spec.pooling_params is None:
@@ -144,17 +144,18 @@ class EncoderEngine:
             if request_id in taken:
                 raise RequestError("request_id", f"request_id {request_id!r} is already in use")
             taken.add(request_id)
+            request_ids.append(request_id)
             admissions.append(Admission(spec, ids, request_id))
         if admit is not None:
             admit(admissions)
         self._next_id += len(specs)
         now = self.clock()
-        for a in admissions:
-            request = Request(a.request_id, a.prompt_token_ids, PROMPT_ONLY, seed=0,
+        for a, request_id in zip(admissions, request_ids):
+            request = Request(request_id, a.prompt_token_ids, PROMPT_ONLY, seed=0,
                               arrival_time=a.spec.arrival_time or now)
-            self.request_groups[a.request_id] = [request]
+            self.request_groups[request_id] = [request]
             self._waiting.append(_Queued(request, a.spec))
-        return [a.request_id for a in admissions]
+        return request_ids
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting)
@@ -255,6 +256,8 @@ class EncoderEngine:
 
     def _pooled(self, queued: _Queued, states: np.ndarray) -> np.ndarray:
         params = queued.spec.pooling_params
+        if params is None:  # add_requests refuses it
+            raise RuntimeError(f"{queued.request_id!r} has no pooling_params")
         pool = self.pooling_model.sequence(params)
         pool.add(states, 0)
         return self.pooling_model.finish(pool.result(), params,

@@ -40,7 +40,7 @@ from pagedjax.models.loading.quantized_loading import for_serving as quantized_f
 from pagedjax.parallel import multihost
 from pagedjax.parallel.placement import place
 from pagedjax.pooling.pooling_model import PoolingModel
-from pagedjax.scheduler import Request, RequestStatus, Scheduler, build_plan
+from pagedjax.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput, build_plan
 
 
 class LLMEngine:
@@ -159,7 +159,7 @@ class LLMEngine:
         # allowed_token_ids, bad_words, min_tokens, structured outputs: one state a sample
         self.token_masks = TokenMasks(tokenizer, model_config.vocab_size,
                                       model_config.eos_token_ids)
-        spec = config.speculative_config
+        spec = config.speculative
         assert spec is None or isinstance(spec, SpeculativeConfig)  # EngineConfig checked it
         self.speculator = None if spec is None else Speculator(
             spec, self.token_masks,
@@ -167,7 +167,7 @@ class LLMEngine:
         # every unfinished request (its samples, texts, versions, pool): one entry each
         self.requests = RequestTable(self._forget)
         self.usage_history: collections.deque[UsageSample] = collections.deque(maxlen=100_000)
-        self.last_schedule = None
+        self.last_schedule: SchedulerOutput | None = None
         self.async_scheduling = AsyncScheduling(self) if config.async_scheduling else None
         self.recovery = StepRecovery(self)
         self.outputs = StepOutputs(self)

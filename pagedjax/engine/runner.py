@@ -45,8 +45,8 @@ class ModelRunner(BlockTransfers):
         mesh = backend.mesh
         shards = 1 if mesh is None else mesh.shape[TP_AXIS]  # tensor parallelism's
         repeats = kv_head_repeats(config.num_kv_heads, shards)
-        lazy = isinstance(model, LazyModel)  # read from its checkpoint into place below
-        abstract = model.abstract if lazy else model
+        # a LazyModel is read from its checkpoint into place below
+        abstract = model.abstract if isinstance(model, LazyModel) else model
         self.device = jax.devices()[0] if device is None else device
         if scan_layers is None:  # on the CPU, large layers unrolled
             scan_layers = paged_forward.scan_by_default(abstract, self.device.platform, shards)
@@ -67,7 +67,7 @@ class ModelRunner(BlockTransfers):
         # are committed, so mixed inputs would compile every program a second time.
         self.params = self._place(model, params)
         # the leaves sharing the buffers of the model given (update_weights never donates them)
-        self.borrowed = frozenset() if lazy else borrowed_leaves(
+        self.borrowed = frozenset() if isinstance(model, LazyModel) else borrowed_leaves(
             self.params, jax.tree.leaves(nnx.state(model)))
         self._layouts: dict[str, object] = {}  # cached_layout's
         self.kv_cache = self._new_kv_cache()
@@ -337,10 +337,12 @@ class ModelRunner(BlockTransfers):
         """A dispatched step's results on the host (waits for the device): the sampler's five
         arrays for the real rows, the prompt logprob arrays or None, the pooled states or None."""
         try:
-            sampled = tuple(np.asarray(x)[:pending.num_seqs] for x in pending.sampled)
+            ids, logprobs, top_ids, top_logprobs, ranks = (
+                np.asarray(x)[:pending.num_seqs] for x in pending.sampled)
             prompt = tuple(np.asarray(x) for x in pending.prompt) or None
             pooled = np.asarray(pending.pooled[0]) if pending.pooled else None
-            return step_results.StepResults(*sampled, prompt, pooled)
+            return step_results.StepResults(ids, logprobs, top_ids, top_logprobs, ranks, prompt,
+                                            pooled)
         except Exception as error:
             if self.channel is not None:
                 raise self.channel.broken(error) from error

@@ -17,15 +17,18 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from pagedjax.engine.llm_engine import LLMEngine
-from pagedjax.engine.outputs import RequestOutput
+from pagedjax.engine.outputs import EngineOutput, RequestOutput
 from pagedjax.engine.request_checks import PromptSpec
 from pagedjax.frontend.admission_control import AdmissionLimits, OverloadedError
 from pagedjax.frontend.engine_client import EngineClient
 from pagedjax.frontend.engine_control import run_control
 from pagedjax.frontend.engine_driver import EngineDriver, StepInfo
+
+if TYPE_CHECKING:
+    from pagedjax.frontend.core_client import CoreClient
 
 logger = logging.getLogger("pagedjax.engine")
 
@@ -46,7 +49,8 @@ class RequestGroup:
     until every request has finished. Leaving early (`async with` / `aclose`, e.g. a client that
     went away) aborts the unfinished ones and frees their blocks."""
 
-    def __init__(self, engine: "AsyncLLMEngine", request_ids: list[str], outputs: asyncio.Queue):
+    def __init__(self, engine: "AsyncLLMEngine | CoreClient", request_ids: list[str],
+                 outputs: asyncio.Queue):
         self.engine = engine
         self.request_ids = request_ids
         self._outputs = outputs
@@ -252,7 +256,7 @@ class AsyncLLMEngine(EngineClient):
         finally:
             self._fail_all()
 
-    def _report(self, outputs: list[RequestOutput], step_time: float | None) -> None:
+    def _report(self, outputs: list[EngineOutput], step_time: float | None) -> None:
         """Tells on_step (metrics, trace, degradation) about a step; a failure there is logged
         with its traceback, never the engine's end."""
         if self.on_step is None:
@@ -280,7 +284,7 @@ class AsyncLLMEngine(EngineClient):
                 future.set_exception(dead)
 
 
-def as_delivered(out: RequestOutput) -> RequestOutput | RequestFailedError:
+def as_delivered(out: EngineOutput) -> EngineOutput | RequestFailedError:
     """What a request's caller receives for an output: the output, or the error of a request
     that failed inside a step."""
     if out.error is None:

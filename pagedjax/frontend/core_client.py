@@ -75,8 +75,9 @@ class CoreClient(EngineClient):
         self.error: str | None = None
         self._stopped = False
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._pending: dict[int, tuple[concurrent.futures.Future, asyncio.AbstractEventLoop,
-                                       asyncio.Queue]] = {}
+        # call id -> (its future, and for an add its caller's loop and queue)
+        self._pending: dict[int, tuple[concurrent.futures.Future,
+                                       asyncio.AbstractEventLoop | None, asyncio.Queue | None]] = {}
         self._call_ids = itertools.count()
         self._decoder = DeltaDecoder()
         self._send_lock = threading.Lock()
@@ -252,8 +253,9 @@ class CoreClient(EngineClient):
             if isinstance(reply, BaseException):
                 future.set_exception(reply)
                 return
-            for request_id in reply:
-                self._sinks[request_id] = (loop, outputs)
+            if loop is not None and outputs is not None:  # an add's
+                for request_id in reply:
+                    self._sinks[request_id] = (loop, outputs)
             future.set_result(reply)
         elif kind == "control_reply":
             pending = self._pending.pop(message[1], None)

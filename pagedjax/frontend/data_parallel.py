@@ -26,7 +26,7 @@ import numpy as np
 from pagedjax.engine import memory_budget
 from pagedjax.engine.config import EngineConfig
 from pagedjax.engine.llm_engine import LLMEngine
-from pagedjax.engine.outputs import RequestOutput
+from pagedjax.engine.outputs import EngineOutput
 from pagedjax.engine.request_checks import Admission, PromptSpec, check_specs
 from pagedjax.engine.stats import EngineStats, ReplicaLoad
 from pagedjax.frontend.data_parallel_pooling import DataParallelPooling
@@ -89,7 +89,9 @@ class DataParallelEngine(DataParallelLoRA, DataParallelPooling):
     @property
     def request_groups(self) -> collections.ChainMap:
         """request_id -> its samples, for every unfinished request of every replica."""
-        return collections.ChainMap(*(r.request_groups for r in self.replicas))
+        # read only, as each replica's (ChainMap's type asks for mutable maps)
+        return collections.ChainMap(*(r.request_groups  # type: ignore[arg-type]
+                                      for r in self.replicas))
 
     def scheduler_states(self) -> list:
         return [r.scheduler.state for r in self.replicas]
@@ -178,10 +180,12 @@ class DataParallelEngine(DataParallelLoRA, DataParallelPooling):
         groups: list[list[Admission]] = [[] for _ in self.replicas]
         ids = []
         for admission in admissions:
-            if admission.request_id is None:
-                admission = dataclasses.replace(admission, request_id=self._new_id(taken))
+            request_id = admission.request_id
+            if request_id is None:
+                request_id = self._new_id(taken)
+                admission = dataclasses.replace(admission, request_id=request_id)
             groups[self._place(admission, [len(g) for g in groups])].append(admission)
-            ids.append(admission.request_id)
+            ids.append(request_id)
         for replica, group in zip(self.replicas, groups):
             if group:
                 replica.queue_admitted(group)
@@ -205,11 +209,11 @@ class DataParallelEngine(DataParallelLoRA, DataParallelPooling):
             if request_id in replica.request_groups:
                 replica.abort(request_id)
 
-    def step(self, final_only: bool = False) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[EngineOutput]:
         """One step of every replica with work: all dispatched, then all finished. A replica
         whose step fails beyond one request (LLMEngine.step raises) fails its requests alone
         (LLMEngine.fail_all) and starts over."""
-        outputs: list[RequestOutput] = []  # what pausing a replica produced first
+        outputs: list[EngineOutput] = []  # what pausing a replica produced first
         for replica in self.replicas:
             outputs.extend(replica.take_held_outputs(final_only))
         started = []
@@ -227,7 +231,7 @@ class DataParallelEngine(DataParallelLoRA, DataParallelPooling):
                 outputs.extend(replica.fail_all(error))
         return outputs
 
-    def fail_all(self, error: BaseException) -> list[RequestOutput]:
+    def fail_all(self, error: BaseException) -> list[EngineOutput]:
         return [out for r in self.replicas for out in r.fail_all(error)]
 
     def warmup(self, progress: bool = False, variants: bool = True) -> int:
@@ -339,7 +343,7 @@ def _begin(replica: LLMEngine):
     return replica.begin_step() if replica.has_unfinished() else None
 
 
-def _finish(replica: LLMEngine, begun, final_only: bool) -> list[RequestOutput]:
+def _finish(replica: LLMEngine, begun, final_only: bool) -> list[EngineOutput]:
     if replica.async_scheduling is not None:
         return replica.async_scheduling.finish(begun, final_only)
     return replica.finish_step(begun, final_only)

@@ -15,7 +15,7 @@ import time
 from typing import Sequence
 
 from pagedjax.engine.memory_budget import memory_in_use
-from pagedjax.engine.outputs import RequestOutput
+from pagedjax.engine.outputs import EngineOutput
 from pagedjax.engine.request_checks import Admission, PromptSpec
 from pagedjax.engine.stats import EngineStats
 from pagedjax.frontend import admission_control
@@ -31,7 +31,7 @@ __all__ = ["EngineDriver", "StepInfo", "remaining_tokens"]
 class StepInfo:
     """What the engine reports after each step (to metrics)."""
 
-    outputs: list[RequestOutput]
+    outputs: list[EngineOutput]
     # Wall time of LLMEngine.step (scheduling, the device step, postprocess); None for a report
     # without a step (after an abort, or when the engine falls idle).
     step_time_s: float | None
@@ -106,7 +106,7 @@ class EngineDriver:
         self._fresh_tokens -= self._fresh.pop(request_id, 0)
         self._started.discard(request_id)
 
-    def step(self) -> tuple[list[RequestOutput], float]:
+    def step(self) -> tuple[list[EngineOutput], float]:
         """One engine step: the outputs of the live requests that advanced (one that failed
         inside it carries its error and is finished) and the step's wall time. A step that
         fails beyond one request's part fails what ran; the engine serves on."""
@@ -160,7 +160,7 @@ class EngineDriver:
                    for live in self.admitted.values() for r in live.samples
                    if not r.status.finished)
 
-    def report(self, outputs: list[RequestOutput], step_time: float | None) -> StepInfo:
+    def report(self, outputs: list[EngineOutput], step_time: float | None) -> StepInfo:
         replicas = tuple(self.engine.load())
         return StepInfo(
             outputs, step_time, sum(r.num_running for r in replicas),

@@ -11,11 +11,14 @@ from tqdm.auto import tqdm
 
 from pagedjax.engine.beam_search import BeamSearchParams, BeamSequence, beam_search
 from pagedjax.engine.config import EngineConfig
+from pagedjax.engine.encoder_engine import EncoderEngine
+from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.engine.outputs import RequestOutput
-from pagedjax.engine.request_checks import PromptSpec, encode_text
-from pagedjax.frontend.data_parallel import make_engine
+from pagedjax.engine.request_checks import PromptSpec
+from pagedjax.frontend.data_parallel import DataParallelEngine, make_engine
 from pagedjax.frontend.llm_pooling import PoolingAPI
 from pagedjax.frontend.pooling_setup import pooling_setup, resolve_runner
+from pagedjax.frontend.prompt_inputs import prompt_input
 from pagedjax.lora.request import LoRARequest
 from pagedjax.models import CONFIGS, DEFAULT_CHECKPOINT, LlamaForCausalLM, get_config, init_model
 from pagedjax.models.loading.encoder import is_encoder_dir
@@ -67,15 +70,15 @@ def resolve_model(model: str | os.PathLike | LlamaForCausalLM, seed: int = 0,
         from pagedjax.models.loading.checkpoint import (is_checkpoint, load_checkpoint,
                                                         read_checkpoint_config)
         has_tokenizer = os.path.isfile(os.path.join(path, "tokenizer.json"))
-        tokenizer = Tokenizer.from_dir(path) if has_tokenizer else None
+        tokenizer: Tokenizer | ByteTokenizer | None = Tokenizer.from_dir(path) if has_tokenizer else None
         if is_checkpoint(path):
             if lazy:
                 from pagedjax.models.loading.placed_weights import lazy_checkpoint
                 loaded = lazy_checkpoint(path, dtype=compute_dtype)
             else:
                 loaded = load_checkpoint(path, dtype=compute_dtype)
-            metadata = read_checkpoint_config(path)[1].get("metadata", {})
-            if tokenizer is None and metadata.get("tokenizer") == "byte":
+            saved = read_checkpoint_config(path)[1].get("metadata", {})
+            if tokenizer is None and saved.get("tokenizer") == "byte":
                 tokenizer = ByteTokenizer()
             return loaded, tokenizer
         if os.path.isfile(os.path.join(path, "config.json")):
@@ -157,6 +160,9 @@ class LLM(PoolingAPI):
         llm.chat([{"role": "user", "content": "Hi"}])
     """
 
+    # engine: LLMEngine, DataParallelEngine (data_parallel_size > 1) or, for a BERT-like
+    # encoder, EncoderEngine (pooling only)
+
     def __init__(self, model: str | os.PathLike | LlamaForCausalLM = DEFAULT_MODEL,
                  tokenizer: Any = None, **engine_kwargs):
         """engine_kwargs: EngineConfig's fields; dtype="auto" takes the checkpoint's
@@ -168,7 +174,7 @@ class LLM(PoolingAPI):
         config = EngineConfig.from_kwargs(**engine_kwargs)
         config = dataclasses.replace(config, runner=resolve_runner(
             model, config.runner, config.hf_overrides, config.convert))
-        if is_encoder_dir(model):  # BERT-like: the dense encoder engine
+        if not isinstance(model, LlamaForCausalLM) and is_encoder_dir(model):  # BERT-like
             self._init_encoder(os.fspath(model), _load_tokenizer(tokenizer), config)
             return
         # a checkpoint read into place as it is quantized, unless its loader reads it whole
@@ -180,33 +186,12 @@ class LLM(PoolingAPI):
         pooling_model = pooling_setup(model, loaded, self.tokenizer, config.runner,
                                       config.pooler_config, config.hf_overrides,
                                       config.convert)
-        spec = config.speculative_config
+        spec = config.speculative
         draft = None if spec is None or spec.model is None else resolve_model(
             spec.model, seed=config.seed, dtype=config.dtype)[0]
         self.engine = make_engine(loaded, config, tokenizer=self.tokenizer, draft_model=draft)
         self._dtype = config.dtype
         self._init_runner(config.runner, pooling_model)
-
-    def _token_ids(self, prompt) -> tuple[list[int], str | None]:
-        if isinstance(prompt, str):
-            return encode_text(self.tokenizer, prompt), prompt
-        if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
-            keys = set(prompt)
-            if keys == {"prompt"}:
-                if not isinstance(prompt["prompt"], str):
-                    raise RequestError("prompt", f"prompt must be a string, got "
-                                       f"{type(prompt['prompt']).__name__}")
-                return encode_text(self.tokenizer, prompt["prompt"]), prompt["prompt"]
-            if keys in ({"prompt_token_ids"}, {"prompt_token_ids", "prompt"}):
-                text = prompt.get("prompt")
-                if text is not None and not isinstance(text, str):
-                    raise RequestError("prompt", f"prompt must be a string, got "
-                                       f"{type(text).__name__}")
-                return prompt["prompt_token_ids"], text
-            raise RequestError("prompt", f"a prompt dict holds prompt (text) or "
-                               f"prompt_token_ids (and optionally its prompt text), got "
-                               f"{sorted(map(str, prompt))[:8]}")
-        return prompt, None  # token ids: check_specs checks them
 
     def generate(self, prompts: str | Sequence[Any],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -240,21 +225,21 @@ class LLM(PoolingAPI):
         if len(sampling_params) != len(prompts):
             raise RequestError("sampling_params", f"sampling_params has {len(sampling_params)} entries for "
                              f"{len(prompts)} prompts")
-        engine = self.engine
+        engine = self.generating("generate")
         if engine.is_paused:
             raise ValueError("generation is paused (pause_generation): resume_generation() "
                              "first")
         specs = []
         for prompt, params, lora in zip(prompts, sampling_params,
                                         per_prompt_loras(lora_request, len(prompts))):
-            ids, text = self._token_ids(prompt)
+            ids, text = prompt_input(self.tokenizer, prompt)
             specs.append(PromptSpec(ids, params, prompt_text=text, lora_request=lora))
         request_ids = engine.add_requests(specs)
         outputs: dict[str, RequestOutput] = {}
         with tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm) as bar:
             while engine.has_unfinished():
                 for out in engine.step(final_only=True):
-                    if out.finished:
+                    if isinstance(out, RequestOutput) and out.finished:
                         outputs[out.request_id] = out
                         bar.update(1)
         return [outputs[request_id] for request_id in request_ids]
@@ -293,8 +278,16 @@ class LLM(PoolingAPI):
             raise ValueError("prompts must be a non-empty list of token-id lists")
         if self.engine.has_unfinished():
             raise ValueError("beam_search needs an idle engine")
-        return beam_search(self.engine, [self._token_ids(p)[0] for p in prompts], params,
+        return beam_search(self.generating("beam_search"),
+                           [prompt_input(self.tokenizer, p)[0] for p in prompts], params,
                            per_prompt_loras(lora_request, len(prompts)))
+
+    def generating(self, method: str) -> LLMEngine | DataParallelEngine:
+        """The engine, for a control a BERT-like encoder's engine has not (it pools only)."""
+        if isinstance(self.engine, EncoderEngine):
+            raise ValueError(f"LLM.{method}: this model runs as a BERT-like encoder, which "
+                             f"serves pooling only")
+        return self.engine
 
     # ---- training to serving (issue 52: pagedjax.engine.weight_updates) ---------------------------
 
@@ -306,32 +299,32 @@ class LLM(PoolingAPI):
         on every output from now on (default: the number of updates)."""
         if isinstance(weights, (str, os.PathLike)):
             weights = checkpoint_for_update(self.engine, weights)
-        self.engine.update_weights(weights, version=version, mode=mode)
+        self.generating("update_weights").update_weights(weights, version=version, mode=mode)
 
     # ---- LoRA adapters (issue 53: pagedjax.lora) ---------------------------------------------
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        return self.engine.add_lora(lora_request)
+        return self.generating("add_lora").add_lora(lora_request)
 
     def remove_lora(self, lora_id: int) -> bool:
-        return self.engine.remove_lora(lora_id)
+        return self.generating("remove_lora").remove_lora(lora_id)
 
     def list_loras(self) -> set[int]:
-        return self.engine.list_loras()
+        return self.generating("list_loras").list_loras()
 
     def update_lora(self, name: str, weights, *, mode: str = "wait") -> None:
         """Adapter-only training-to-serving sync (LLMEngine.update_lora)."""
-        self.engine.update_lora(name, weights, mode=mode)
+        self.generating("update_lora").update_lora(name, weights, mode=mode)
 
     def pause_generation(self, mode: str = "wait") -> None:
-        self.engine.pause_generation(mode)
+        self.generating("pause_generation").pause_generation(mode)
 
     def resume_generation(self) -> None:
-        self.engine.resume_generation()
+        self.generating("resume_generation").resume_generation()
 
     def reset_prefix_cache(self) -> bool:
         """Forgets the cached blocks (False while requests hold blocks)."""
-        return self.engine.reset_prefix_cache()
+        return self.generating("reset_prefix_cache").reset_prefix_cache()
 
     @property
     def weight_version(self) -> str:
@@ -339,17 +332,17 @@ class LLM(PoolingAPI):
 
     @property
     def is_paused(self) -> bool:
-        return self.engine.is_paused
+        return self.generating("is_paused").is_paused
 
     def sleep(self, level: int = 1) -> None:
         """Gives the device memory back while idle (pagedjax.engine.sleep_mode): level 1 keeps
         the weights in host memory, level 2 drops them (update_weights brings new ones)."""
-        self.engine.sleep(level)
+        self.generating("sleep").sleep(level)
 
     def wake_up(self, tags=None) -> None:
         """The parts named ("weights", "kv_cache"; default both) back on the device."""
-        self.engine.wake_up(tags)
+        self.generating("wake_up").wake_up(tags)
 
     @property
     def is_sleeping(self) -> bool:
-        return self.engine.is_sleeping
+        return self.generating("is_sleeping").is_sleeping

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -15,15 +15,23 @@ from tqdm.auto import tqdm
 from pagedjax.engine.outputs import PoolingOutput, PoolingRequestOutput
 from pagedjax.engine.request_checks import encode_pair
 from pagedjax.frontend.pooling_setup import pooling_setup
+from pagedjax.frontend.prompt_inputs import prompt_input
 from pagedjax.pooling import scoring
 from pagedjax.pooling.params import PoolingParams, view_of
 from pagedjax.scheduler import RequestError
 
+if TYPE_CHECKING:
+    from pagedjax.engine.encoder_engine import EncoderEngine
+    from pagedjax.engine.llm_engine import LLMEngine
+    from pagedjax.frontend.data_parallel import DataParallelEngine
+
 
 class PoolingAPI:
-    """LLM's pooling methods (it has engine, tokenizer and _token_ids)."""
+    """LLM's pooling methods (over its engine and tokenizer)."""
 
     runner: str = "generate"
+    engine: LLMEngine | DataParallelEngine | EncoderEngine
+    tokenizer: Any
 
     def _init_runner(self, runner: str, pooling_model) -> None:
         """The runner served (resolve_runner's) and, for "pooling", the engine's PoolingModel
@@ -52,6 +60,8 @@ class PoolingAPI:
             else None)
         pooling_model = pooling_setup(path, loaded, self.tokenizer, "pooling",
                                       config.pooler_config, config.hf_overrides, config.convert)
+        if pooling_model is None:  # pooling_setup's for runner "pooling" is one
+            raise RuntimeError(f"{path}: no pooling model for the encoder")
         self.engine = EncoderEngine(loaded, config, pooling_model, tokenizer=self.tokenizer)
         self._dtype = config.dtype
         self.runner = "pooling"
@@ -62,7 +72,7 @@ class PoolingAPI:
                              f"runner={self.runner!r}")
 
     def encode(self, prompts: str | Sequence[Any],
-               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+               pooling_params: PoolingParams | Sequence[PoolingParams | None] | None = None,
                use_tqdm: bool = True, pooling_task: str = "embed",
                truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
         """Every prompt's pooled data (outputs.data) for pooling_task: embed, classify,
@@ -81,7 +91,7 @@ class PoolingAPI:
                                f"entries for {len(prompts)} prompts")
         specs = []
         for prompt, params in zip(prompts, pooling_params):
-            ids, text = self._token_ids(prompt)
+            ids, text = prompt_input(self.tokenizer, prompt)
             if truncate_prompt_tokens is not None:
                 params = PoolingParams(**{**vars(params or PoolingParams()),
                                           "truncate_prompt_tokens": truncate_prompt_tokens})
@@ -91,11 +101,11 @@ class PoolingAPI:
     def _run_pooling(self, specs, use_tqdm: bool, task: str) -> list[PoolingRequestOutput]:
         engine = self.engine
         request_ids = engine.add_requests(specs)
-        outputs = {}
+        outputs: dict[str, PoolingRequestOutput] = {}
         with tqdm(total=len(request_ids), desc=task, disable=not use_tqdm) as bar:
             while engine.has_unfinished():
                 for out in engine.step(final_only=True):
-                    if out.finished:
+                    if isinstance(out, PoolingRequestOutput) and out.finished:
                         outputs[out.request_id] = out
                         bar.update(1)
         failed = [outputs[i].error for i in request_ids if outputs[i].error is not None]
@@ -161,7 +171,8 @@ class PoolingAPI:
         specs = []
         for a, b in zip(firsts, seconds):
             ids, types = encode_pair(self.tokenizer, *(
-                t if isinstance(t, str) else list(self._token_ids(t)[0]) for t in (a, b)))
+                t if isinstance(t, str) else list(prompt_input(self.tokenizer, t)[0])
+                for t in (a, b)))
             specs.append(self.engine.pooling_spec(ids, params, "score", token_type_ids=(
                 types if reads_types else None)))
         return self._run_pooling(specs, use_tqdm, "score")

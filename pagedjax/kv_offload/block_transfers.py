@@ -15,6 +15,8 @@ and copies its own shards to or from its own pool (blocks_to_host, write_blocks)
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Callable
+
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
@@ -22,10 +24,26 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from pagedjax.pallas_kernels import gather_blocks, layer_blocks, scatter_blocks
 from pagedjax.scheduler import NULL_BLOCK
 
+if TYPE_CHECKING:
+    from pagedjax.models import ServingGraph
+    from pagedjax.pallas_kernels import AttentionBackend
+
 
 class BlockTransfers:
-    """ModelRunner's block moves (a mixin: it has graph, kv_cache, num_blocks, backend,
-    device, _abstract_args, _once)."""
+    """ModelRunner's block moves (a mixin over the runner's fields below)."""
+
+    # ModelRunner's: its serving graph, cache, blocks a layer slot, attention backend, device,
+    # multi-host leader channel (or None), abstract step arguments, compiled copies and
+    # compile-once helper
+    graph: ServingGraph
+    kv_cache: Any
+    num_blocks: int
+    backend: AttentionBackend
+    device: Any
+    channel: Any
+    _abstract_args: tuple
+    _block_copies: dict[tuple[str, int], jax.stages.Compiled]
+    _once: Callable[..., jax.stages.Compiled]
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
              host_pool) -> None:

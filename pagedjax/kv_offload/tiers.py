@@ -97,7 +97,7 @@ class KVTiers:
         start = time.perf_counter()
         disk = self.disk if self.disk is not None and self.disk.enabled else None
         if disk is not None:
-            self._write_down(output.tier_spills)
+            self._write_down(disk, output.tier_spills)
         if output.tier_offloads:
             device, slots = map(list, zip(*output.tier_offloads))
             if self._synchronous:
@@ -166,7 +166,7 @@ class KVTiers:
         kv.host_tier.release()
         for request in walk:
             rid = request.request_id, request.num_preemptions
-            if self._bring_up(kv, request) or rid in self._retried:
+            if self._bring_up(kv, request, disk) or rid in self._retried:
                 self._prefetched.add(rid)
                 continue
             # The host tier is full of what this schedule takes up: the request waits one
@@ -181,7 +181,7 @@ class KVTiers:
             self._retried = {k for k in self._retried if k[0] in state.requests}
         self.moved.transfer_s += time.perf_counter() - start
 
-    def _bring_up(self, kv, request) -> bool:
+    def _bring_up(self, kv, request, disk: DiskTier) -> bool:
         """Walks request's prompt blocks (every KV cache group's) until one is held nowhere;
         False when the host tier had no room left for the next (the walk is to be resumed)."""
         tier = kv.host_tier
@@ -197,16 +197,16 @@ class KVTiers:
                         tier.hold(key)
                     held = True
                     continue
-                if key not in self.disk:
-                    self.disk.num_misses += 1
+                if key not in disk:
+                    disk.num_misses += 1
                     continue
                 if not tier.has_room():  # every host slot is in use by this step
                     return False
-                leaves = self.disk.read(key)
+                leaves = disk.read(key)
                 if leaves is None:
                     continue
                 slot = tier.insert(key)
-                self._write_down(tier.spills)  # what it evicted, before its slot is reused
+                self._write_down(disk, tier.spills)  # what it evicted, before its slot is reused
                 tier.spills.clear()
                 set_host_block(self.host_pool, slot, leaves, self.num_layers)
                 held = True
@@ -214,12 +214,12 @@ class KVTiers:
                 return True
         return True
 
-    def _write_down(self, spills) -> None:
+    def _write_down(self, disk: DiskTier, spills) -> None:
         """Queues the host blocks (hash, slot) the host tier evicted for the disk tier (those it
         does not hold already)."""
         for block_hash, slot in spills:
-            if block_hash not in self.disk:
-                self.disk.write(block_hash, host_block(self.host_pool, slot, self.num_layers))
+            if block_hash not in disk:
+                disk.write(block_hash, host_block(self.host_pool, slot, self.num_layers))
 
     def counters(self, kv) -> dict[str, dict[str, float]]:
         """Each tier's running totals (blocks, bytes, seconds; additive over replicas):

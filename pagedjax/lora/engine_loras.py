@@ -18,7 +18,7 @@ from pagedjax.lora.manager import LoRAManager
 from pagedjax.lora.peft_adapter import (LoRAAdapter, adapter_from_tensors, check_adapter_values,
                                         read_peft_adapter)
 from pagedjax.lora.request import LoRARequest
-from pagedjax.scheduler.lora_slots import adapters_in_use
+from pagedjax.scheduler.lora_slots import LoRASlots, adapters_in_use
 
 if TYPE_CHECKING:
     from pagedjax.engine.llm_engine import LLMEngine
@@ -58,7 +58,7 @@ class LoRAControls:
         request of this engine names it."""
         state = self.engine.scheduler.state
         if lora_id not in adapters_in_use(state.running):
-            state.lora_slots.evict(lora_id)
+            _slots(state).evict(lora_id)
         return any(r.lora_id == lora_id for r in state.requests.values())
 
     def list_loras(self) -> set[int]:
@@ -78,7 +78,7 @@ class LoRAControls:
         requests that never ran keyed by the new version (not hashed against old KV)."""
         engine = self.engine
         state = engine.scheduler.state
-        slot = state.lora_slots.slot_of.get(lora_id)
+        slot = _slots(state).slot_of.get(lora_id)
         if slot is not None:
             engine.runner.write_lora_slot(slot, arrays)
         for request in state.requests.values():
@@ -138,6 +138,8 @@ class DataParallelLoRA:
     """A data-parallel engine's LoRA controls (a mixin; it has replicas, model_config and the
     pause controls): one set of adapters, each replica its own slots."""
 
+    replicas: list[LLMEngine]  # DataParallelEngine's
+
     @property
     def lora_manager(self):
         return self.replicas[0].lora_manager
@@ -160,3 +162,10 @@ class DataParallelLoRA:
         """LLMEngine.update_lora on every replica: checked once, the version bumped once,
         each replica's slot rewritten."""
         update_lora(self, self.replicas, name, weights, mode)
+
+
+def _slots(state) -> LoRASlots:
+    """The scheduler's LoRA slots (an engine built with enable_lora has them)."""
+    if state.lora_slots is None:
+        raise ValueError("this engine serves no LoRA adapters (enable_lora=False)")
+    return state.lora_slots

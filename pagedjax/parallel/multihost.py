@@ -32,6 +32,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+from typing import Any
 
 import jax
 import numpy as np
@@ -55,7 +56,8 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
             num_processes is not None and process_id is None):
         raise ValueError("give coordinator, num_processes and process_id together (or none, "
                          "to read them from the environment)")
-    if num_processes is not None and not 0 <= process_id < num_processes:
+    if num_processes is not None and process_id is not None \
+            and not 0 <= process_id < num_processes:
         raise ValueError(f"process_id must be in [0, num_processes={num_processes}), got "
                          f"{process_id}")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -246,6 +248,7 @@ def follow(runner, reload=None) -> int:
         template = padding_plan(KINDS[kind], num_tokens, num_seqs, max_blocks, targets > 0,
                                 runner.num_kv_groups, group_width, k, pooled > 0)
         arrays = _broadcast({name: getattr(template, name) for name in FORWARD_FIELDS})
-        plan = dataclasses.replace(template, **{k: np.asarray(v) for k, v in arrays.items()})
+        fields: dict[str, Any] = {k: np.asarray(v) for k, v in arrays.items()}
+        plan = dataclasses.replace(template, **fields)
         jax.block_until_ready(runner.dispatch_forward(plan))  # the leader alone samples
         steps += 1

@@ -27,7 +27,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Callable, Sequence
+from typing import Callable, Hashable, Sequence
 
 from pagedjax.scheduler.block_hash import chained_hashes
 
@@ -101,7 +101,7 @@ class RoutingPolicy:
         self._turn += 1
         return candidates[self._turn % len(candidates)]
 
-    def choose(self, chunks: Sequence[int], exclude: Sequence[Backend] = (),
+    def choose(self, chunks: Sequence[Hashable], exclude: Sequence[Backend] = (),
                now: float | None = None) -> tuple[Backend, int]:
         """(backend, matched chunks); raises LookupError when no backend is alive."""
         now = time.monotonic() if now is None else now
@@ -129,7 +129,7 @@ class RoutingPolicy:
         backend = self._next_turn(least_loaded)
         return backend, self.match(backend, chunks)
 
-    def record(self, backend: Backend, chunks: Sequence[int]) -> None:
+    def record(self, backend: Backend, chunks: Sequence[Hashable]) -> None:
         """The backend now holds (or will) these chunks: most recently used last."""
         index = backend.index
         for h in chunks:

@@ -63,13 +63,18 @@ class _Tensors:
         self.model_dir = model_dir
         self.files = weight_files(model_dir)
 
-    def get(self, name: str, required: bool = True) -> np.ndarray | None:
+    def get(self, name: str) -> np.ndarray:
+        found = self.find(name)
+        if found is None:
+            raise ValueError(f"{self.model_dir}: its classification head has no {name}")
+        return found
+
+    def find(self, name: str) -> np.ndarray | None:
+        """name's tensor (f32), or None when the checkpoint has none."""
         from safetensors import safe_open
 
         stored = next((p + name for p in PREFIXES if p + name in self.files), None)
         if stored is None:
-            if required:
-                raise ValueError(f"{self.model_dir}: its classification head has no {name}")
             return None
         with safe_open(self.files[stored], framework="numpy") as f:
             return np.asarray(f.get_tensor(stored), np.float32)
@@ -77,7 +82,7 @@ class _Tensors:
 
 def _checked(tensors: _Tensors, name: str, rows: int | None, columns: int) -> tuple:
     """(weight [rows, columns], bias or None) of name; ValueError naming a misfit."""
-    weight, bias = tensors.get(f"{name}.weight"), tensors.get(f"{name}.bias", False)
+    weight, bias = tensors.get(f"{name}.weight"), tensors.find(f"{name}.bias")
     rows = weight.shape[0] if rows is None else rows
     if weight.shape != (rows, columns) or (bias is not None and bias.shape != (rows,)):
         raise ValueError(f"{tensors.model_dir}: {name}.weight has shape {weight.shape} (bias "
@@ -122,7 +127,8 @@ def head_activations(hf_config: dict) -> tuple[str, str]:
     if function is not None and function not in CROSS_ENCODER_FNS:
         raise ValueError(f"config.json's cross-encoder activation_fn {function!r} is not "
                          f"served ({', '.join(CROSS_ENCODER_FNS)})")
-    return PROBLEM_TYPES[problem], CROSS_ENCODER_FNS.get(function, "classify")
+    return PROBLEM_TYPES[problem], ("classify" if function is None
+                                    else CROSS_ENCODER_FNS[function])
 
 
 def read_head(model_dir: str, hf_config: dict, hidden_size: int) -> ClassifierHead | None:
@@ -137,8 +143,7 @@ def read_head(model_dir: str, hf_config: dict, hidden_size: int) -> ClassifierHe
         width = weight.shape[0]
         norm = None
         if norm_name is not None:
-            scale, shift = tensors.get(f"{norm_name}.weight"), tensors.get(f"{norm_name}.bias",
-                                                                              False)
+            scale, shift = tensors.get(f"{norm_name}.weight"), tensors.find(f"{norm_name}.bias")
             if scale.shape != (width,) or (shift is not None and shift.shape != (width,)):
                 raise ValueError(f"{model_dir}: {norm_name}.weight has shape {scale.shape}, "
                                  f"the head needs ({width},)")

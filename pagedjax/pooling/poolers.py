@@ -12,6 +12,8 @@ whatever the hidden dtype (sentence-transformers' rule for 16-bit embeddings).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken",
@@ -30,6 +32,18 @@ def check_modes(modes: tuple[str, ...]) -> None:
         raise ValueError("pooling mode 'all' (every token's state) combines with no other mode")
 
 
+@dataclasses.dataclass
+class _Sums:
+    """A pooled sequence's running statistics (f32[D] each): its first and last rows, the
+    maximum, the sum, and the sum weighted by position (1-based)."""
+
+    first: np.ndarray
+    maximum: np.ndarray
+    total: np.ndarray
+    weighted: np.ndarray
+    last: np.ndarray
+
+
 class PooledSequence:
     """The running pool of one sequence (modes: check_modes): add() each computed chunk of its
     hidden states in position order, result() once the last one is in."""
@@ -38,8 +52,7 @@ class PooledSequence:
         check_modes(modes)
         self.modes = modes
         self.count = 0
-        self.first = self.last = self.maximum = None
-        self.total = self.weighted = None
+        self.sums: _Sums | None = None  # from the first chunk on
         self.rows: list[np.ndarray] = []
 
     @property
@@ -58,31 +71,31 @@ class PooledSequence:
             raise ValueError(f"a chunk is [tokens >= 1, hidden], got {hidden.shape}")
         rows = np.asarray(hidden, np.float32)
         self.count = start
-        if self.first is None:
-            self.first = rows[0]
-            self.maximum = rows.max(axis=0)
-            self.total = rows.sum(axis=0)
-            self.weighted = np.zeros(rows.shape[1], np.float32)
-        else:
-            self.maximum = np.maximum(self.maximum, rows.max(axis=0))
-            self.total = self.total + rows.sum(axis=0)
         weights = np.arange(start + 1, start + rows.shape[0] + 1, dtype=np.float32)
-        self.weighted = self.weighted + weights @ rows
-        self.last = rows[-1]
+        sums = self.sums
+        if sums is None:
+            self.sums = _Sums(rows[0], rows.max(axis=0), rows.sum(axis=0), weights @ rows,
+                              rows[-1])
+        else:
+            sums.maximum = np.maximum(sums.maximum, rows.max(axis=0))
+            sums.total = sums.total + rows.sum(axis=0)
+            sums.weighted = sums.weighted + weights @ rows
+            sums.last = rows[-1]
         if "all" in self.modes:
             self.rows.append(rows)
         self.count += rows.shape[0]
 
     def result(self) -> np.ndarray:
         """f32[len(modes) * D], or f32[tokens, D] for mode "all"."""
-        if self.count == 0:
+        sums = self.sums
+        if self.count == 0 or sums is None:
             raise ValueError("nothing was pooled: the sequence has no computed tokens")
         if self.modes == ("all",):
             return np.concatenate(self.rows)
         n = np.float32(self.count)
-        parts = {"cls": self.first, "max": self.maximum, "mean": self.total / n,
-                 "mean_sqrt_len_tokens": self.total / np.sqrt(n),
-                 "weightedmean": self.weighted / (n * (n + 1) / 2), "lasttoken": self.last}
+        parts = {"cls": sums.first, "max": sums.maximum, "mean": sums.total / n,
+                 "mean_sqrt_len_tokens": sums.total / np.sqrt(n),
+                 "weightedmean": sums.weighted / (n * (n + 1) / 2), "lasttoken": sums.last}
         return np.concatenate([parts[mode] for mode in self.modes])
 
 
@@ -98,7 +111,7 @@ def finish_embedding(vector: np.ndarray, *, normalize: bool, dimensions: int | N
         if not matryoshka:
             raise ValueError("dimensions: this model does not support Matryoshka "
                              "representation (its config declares no matryoshka_dimensions)")
-        if matryoshka is not True and dimensions not in matryoshka:
+        if not isinstance(matryoshka, bool) and dimensions not in matryoshka:
             raise ValueError(f"dimensions must be one of the model's Matryoshka dimensions "
                              f"{list(matryoshka)}, got {dimensions}")
         if dimensions > width:

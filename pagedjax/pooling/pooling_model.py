@@ -60,9 +60,10 @@ class PoolingModel:
             raise RequestError(given[0], f"{given[0]} is read by a model whose token tasks "
                                "pool by STEP (a process reward model, or --pooler-config "
                                "pooling_type STEP); this model's pool ALL tokens")
-        if not params.task.startswith("token_"):
+        task = _task(params)
+        if not task.startswith("token_"):
             return
-        columns = (self.head.num_labels if params.task == "token_classify" else hidden_size)
+        columns = (self.classifier.num_labels if task == "token_classify" else hidden_size)
         ids = params.returned_token_ids or self.pooler.returned_token_ids or ()
         if any(i >= columns for i in ids):
             raise RequestError("returned_token_ids", f"returned_token_ids index the {columns} "
@@ -71,7 +72,7 @@ class PoolingModel:
     def sequence(self, params: PoolingParams) -> PooledSequence:
         """The running pool a request of params feeds: every token's state for the token
         tasks, the pooler's modes otherwise."""
-        modes = ("all",) if params.task.startswith("token_") else self.pooler.modes
+        modes = ("all",) if _task(params).startswith("token_") else self.pooler.modes
         return PooledSequence(modes)
 
     def finish(self, pooled: np.ndarray, params: PoolingParams,
@@ -80,11 +81,12 @@ class PoolingModel:
         task of a STEP-pooled model keeps the rows of the prompt's (prompt_token_ids')
         step_tag_id tokens and the returned_token_ids columns, before the normalization or
         the activation (vLLM's order)."""
-        if params.task in HEAD_TASKS:
-            pooled = self.head.logits(pooled)
-        if params.task.startswith("token_"):
+        task = _task(params)
+        if task in HEAD_TASKS:
+            pooled = self.classifier.logits(pooled)
+        if task.startswith("token_"):
             pooled = self._step_pooled(pooled, params, prompt_token_ids)
-        if params.task in ("embed", "token_embed"):
+        if task in ("embed", "token_embed"):
             normalize = self.pooler.normalize if params.normalize is None else params.normalize
             return finish_embedding(pooled, normalize=normalize, dimensions=params.dimensions,
                                     matryoshka=self.pooler.matryoshka)
@@ -92,7 +94,14 @@ class PoolingModel:
             pooled = pooled - np.float32(self.pooler.logit_bias)
         use_activation = next(v for v in (params.use_activation, self.pooler.use_activation,
                                           True) if v is not None)
-        return activated(pooled, self.head.activation(params.task)) if use_activation else pooled
+        return activated(pooled, self.classifier.activation(task)) if use_activation else pooled
+
+    @property
+    def classifier(self) -> ClassifierHead:
+        """The classification head, which the head tasks need (check refuses them without)."""
+        if self.head is None:
+            raise RequestError("task", "this model has no classification head")
+        return self.head
 
     def _step_pooled(self, rows: np.ndarray, params: PoolingParams, prompt_token_ids):
         if self.pooler.token_pooling != "STEP":
@@ -101,3 +110,10 @@ class PoolingModel:
         tag = self.pooler.step_tag_id if params.step_tag_id is None else params.step_tag_id
         columns = params.returned_token_ids or self.pooler.returned_token_ids
         return step_rows(rows, prompt_token_ids, tag, columns)
+
+
+def _task(params: PoolingParams) -> str:
+    """The task params were verified for (PoolingParams.verify sets it)."""
+    if params.task is None:
+        raise RequestError("task", "pooling params without a task (PoolingParams.verify)")
+    return params.task

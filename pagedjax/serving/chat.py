@@ -17,6 +17,7 @@ from pagedjax.serving.chat_replies import ReplyReader
 from pagedjax.serving.http_common import APIError, parse_body
 from pagedjax.serving.protocol import (ChatCompletionRequest, prompt_logprobs_json, usage_json,
                                        wire_logprob)
+from pagedjax.serving.request_params import ParamNames
 from pagedjax.serving.server_state import ServerState
 from pagedjax.serving.streaming import DONE, DeltaTracker, guard, sse
 from pagedjax.serving.tool_calls import ToolRequest, call_arguments
@@ -131,7 +132,7 @@ class ChatRun:
     capped: int | None  # the max_tokens cap that cut the request's, or None
 
 
-def _prepare(server: ServerState, body: ChatCompletionRequest, params_of: dict[str, str]):
+def _prepare(server: ServerState, body: ChatCompletionRequest, params_of: ParamNames):
     """(tools, prompt ids, sampling parameters, the max_tokens cap) of a chat request: the work
     before it is queued, which a megabyte of tools, messages or prediction makes take seconds
     (start runs it off the event loop)."""
@@ -147,7 +148,7 @@ def _prepare(server: ServerState, body: ChatCompletionRequest, params_of: dict[s
 
 
 async def start(server: ServerState, body: ChatCompletionRequest, request: fastapi.Request,
-                request_id: str, params_of: dict[str, str]) -> ChatRun:
+                request_id: str, params_of: ParamNames) -> ChatRun:
     """Renders, checks and queues a chat request (APIError naming the field otherwise); the
     rendering, tokenizing and parameters off the event loop."""
     lora = server.check_model(body)
@@ -164,10 +165,10 @@ async def start(server: ServerState, body: ChatCompletionRequest, request: fasta
 async def chat_completions(server: ServerState, request: fastapi.Request):
     body = parse_body(await request.body(), ChatCompletionRequest)
     top_n = body.top_logprobs or 0
-    params_of = {"prompt_token_ids": "messages", "prompts": "messages",
-                 "logprobs": "top_logprobs",
-                 "max_tokens": ("max_completion_tokens"
-                                if body.max_completion_tokens is not None else "max_tokens")}
+    params_of: ParamNames = {
+        "prompt_token_ids": "messages", "prompts": "messages", "logprobs": "top_logprobs",
+        "max_tokens": ("max_completion_tokens" if body.max_completion_tokens is not None
+                       else "max_tokens")}
     run = await start(server, body, request, f"chatcmpl-{secrets.token_hex(12)}", params_of)
     request_id, group, reader, capped = run.request_id, run.group, run.reader, run.capped
     base = {"id": request_id, "object": "chat.completion", "created": int(time.time()),

@@ -80,11 +80,12 @@ class DegradationController:
         self.clock = clock or time.monotonic
         self.level = 0
         self.max_tokens_cap: int | None = None  # level >= 1 (read by the server)
-        self._samples = {"ttft": collections.deque(), "itl": collections.deque()}
+        self._samples: dict[str, collections.deque] = {"ttft": collections.deque(),
+                                                       "itl": collections.deque()}
         self._ooms: collections.deque = collections.deque()
         self._lock = threading.Lock()
-        self._last_change = None  # when the level last moved
-        self._healthy_since = None
+        self._last_change: float | None = None  # when the level last moved
+        self._healthy_since: float | None = None
 
     # ---- signals (the engine thread) ---------------------------------------------------------
 
@@ -150,6 +151,7 @@ class DegradationController:
             if verdict == "bad" and self.level < len(LEVELS) - 1 and held:
                 self._move(+1, now, why)
             elif (verdict == "healthy" and self.level > 0 and held
+                  and self._healthy_since is not None
                   and now - self._healthy_since >= self.policy.hold_s):
                 self._move(-1, now, "signals below recover_ratio x their thresholds for "
                            f"{self.policy.hold_s:g}s")

@@ -27,10 +27,10 @@ from pagedjax.serving.pooling_protocol import (ClassificationRequest, EmbeddingR
                                                PoolingRequest, RerankRequest, ScoreRequest, encoded,
                                                split_inputs)
 from pagedjax.serving.protocol import MAX_PROMPTS, usage_json
-from pagedjax.serving.request_params import rejected
+from pagedjax.serving.request_params import ParamNames, rejected
 from pagedjax.serving.server_state import ServerState
 
-PARAMS_OF = {"prompt_token_ids": "input", "pooling_params": None}
+PARAMS_OF: ParamNames = {"prompt_token_ids": "input", "pooling_params": None}
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 POOLING_PATHS = ("/v1/embeddings", "/pooling", "/classify", "/score", "/v1/score", "/rerank",
                  "/v1/rerank", "/v2/rerank")
@@ -72,7 +72,7 @@ async def run_pooling(server: ServerState, body, request: fastapi.Request, promp
     final = await server.collect(group, request)
     if final is None:
         return None
-    return [final[spec.request_id] for spec in specs]
+    return [final[f"{request_id}-{i}"] for i in range(len(specs))]
 
 
 def _base(server: ServerState, body, prefix: str, outputs) -> dict:
@@ -144,6 +144,8 @@ async def classify(server: ServerState, request: fastapi.Request):
     if outputs is None:
         return server.gone()
     head = server.engine.pooling_model.head
+    if head is None:  # _checked: classify is a task of a model with a classifier head
+        raise APIError(400, "this model has no classifier head", "model")
     data = [{"index": i, "label": head.label(int(np.argmax(o.outputs.data))),
              "probs": o.outputs.data.tolist(), "num_classes": int(o.outputs.data.shape[0])}
             for i, o in enumerate(outputs)]

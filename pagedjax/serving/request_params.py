@@ -16,8 +16,13 @@ from pagedjax.serving.structured import structured_outputs
 STRUCTURED_FIELDS = ("structured_outputs", *(f"structured_outputs.{kind}" for kind in KINDS))
 
 
+# An endpoint's body field for each of the engine's request fields (None: the field has no
+# spelling of its own there: an error names no param); sampling_params adds the structured
+# output fields' for the request
+ParamNames = dict[str, "str | None"]
+
 def sampling_params(body: _SamplingFields, max_tokens: int, logprobs: int | None,
-                    best_of: int | None, params_of: dict[str, str],
+                    best_of: int | None, params_of: ParamNames,
                     prompt_logprobs: int | None = None,
                     constraint: tuple[str, dict] | None = None,
                     prediction: list[int] | None = None) -> SamplingParams:
@@ -84,7 +89,7 @@ def _bias_ids(logit_bias: dict[str, float]) -> dict[int, float]:
                        "logit_bias") from None
 
 
-def rejected(error: RequestError, params_of: dict[str, str]) -> APIError:
+def rejected(error: RequestError, params_of: ParamNames) -> APIError:
     """The engine's RequestError as HTTP 400, its field spelled as the endpoint's body does."""
     field = error.field
     param = params_of.get(field, field) if field is not None and field not in (

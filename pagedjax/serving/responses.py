@@ -22,15 +22,19 @@ from pagedjax.engine.delta_outputs import CumulativeOutput
 from pagedjax.frontend.async_engine import EngineDeadError, RequestFailedError
 from pagedjax.serving import chat, responses_output as output
 from pagedjax.serving.http_common import APIError, get_route, parse_body
+from pagedjax.serving.request_params import ParamNames
 from pagedjax.serving.responses_input import PARAM_NAMES, ResponsesRequest, chat_request
 from pagedjax.serving.server_state import ServerState
 
 logger = logging.getLogger("pagedjax.responses")
-PARAMS_OF = {"prompt_token_ids": "input", "prompts": "input", "max_tokens": "max_output_tokens"}
+PARAMS_OF: ParamNames = {"prompt_token_ids": "input", "prompts": "input",
+                         "max_tokens": "max_output_tokens"}
 
 
 def _renamed(error: APIError) -> APIError:
     """A chat request's error under the Responses request's field names."""
+    if error.param is None:
+        return error
     param = PARAM_NAMES.get(error.param, error.param)
     message = error.message
     if error.param in PARAM_NAMES and message.startswith(error.param):
@@ -48,6 +52,13 @@ class _Run:
         self.created = int(time.time())
         self.conversation: list[dict] = []
         self.chat: chat.ChatRun | None = None
+
+    @property
+    def started(self) -> chat.ChatRun:
+        """The chat run, once the request was queued."""
+        if self.chat is None:
+            raise RuntimeError(f"{self.id}: its chat run has not started")
+        return self.chat
 
     def response(self, status: str, items: list[dict], usage: dict | None = None,
                  incomplete: dict | None = None, error: dict | None = None) -> dict:
@@ -118,23 +129,23 @@ async def create(server: ServerState, request: fastapi.Request):
     if body.background:
         return _background(run)
     if body.stream:
-        return server.stream(_events(run), run.chat.capped)
-    final = await server.collect(run.chat.group, request)
+        return server.stream(_events(run), run.started.capped)
+    final = await server.collect(run.started.group, request)
     if final is None:
         return server.gone()
     out = final[run.id]
-    message, _ = run.chat.reader.message(out.outputs[0].text or "", out.outputs[0].finish_reason)
-    return server.respond(run.finished(out, output.output_items(message)), run.chat.capped)
+    message, _ = run.started.reader.message(out.outputs[0].text or "", out.outputs[0].finish_reason)
+    return server.respond(run.finished(out, output.output_items(message)), run.started.capped)
 
 
 async def _events(run: _Run):
-    stream, reply = output.EventStream(), run.chat.reader.stream()
+    stream, reply = output.EventStream(), run.started.reader.stream()
     yield stream.event("response.created", response=run.response("in_progress", []))
     yield stream.event("response.in_progress", response=run.response("in_progress", []))
     final, text = None, ""  # the outputs are DELTA ones: the text so far is their sum
     try:
-        async with run.chat.group:
-            async for out in run.chat.group:
+        async with run.started.group:
+            async for out in run.started.group:
                 choice = out.outputs[0]
                 text += choice.text or ""
                 for delta in reply.feed(text, choice.finish_reason is not None):
@@ -162,15 +173,15 @@ def _background(run: _Run):
 
     async def finish():
         try:
-            async with run.chat.group:
+            async with run.started.group:
                 final, merged = None, CumulativeOutput()
-                async for out in run.chat.group:
+                async for out in run.started.group:
                     merged.add(out)
                     final = merged.output() if out.finished else final
                     if final is None:
                         server.responses.update(run.id, run.response("in_progress", []))
             choice = final.outputs[0]
-            message, _ = run.chat.reader.message(choice.text or "", choice.finish_reason)
+            message, _ = run.started.reader.message(choice.text or "", choice.finish_reason)
             run.finished(final, output.output_items(message))
         except asyncio.CancelledError:
             server.responses.update(run.id, run.response("cancelled", []), running=False)

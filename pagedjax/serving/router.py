@@ -168,11 +168,11 @@ class Router:
             tried.append(backend)
             backend.in_flight += 1
             self.in_flight.labels(backend.url).set(backend.in_flight)
-            upstream = self.client.build_request("POST", backend.url + path, content=raw,
+            upstream = self.http.build_request("POST", backend.url + path, content=raw,
                                                  headers=headers)
             start = time.monotonic()
             try:
-                response = await self.client.send(upstream, stream=True)
+                response = await self.http.send(upstream, stream=True)
             except httpx.TransportError:
                 self._release(backend)
                 backend.down_until = time.monotonic() + self.retry_after_s
@@ -239,10 +239,17 @@ class Router:
 
     async def _probe(self, backend: Backend) -> bool:
         try:
-            response = await self.client.get(backend.url + "/health", timeout=5)
+            response = await self.http.get(backend.url + "/health", timeout=5)
             return response.status_code == 200
         except httpx.TransportError:
             return False
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        """The backends' HTTP client, which the app's lifespan opens and closes."""
+        if self.client is None:
+            raise RuntimeError("the router's app is not running (its lifespan opens the client)")
+        return self.client
 
     def build_app(self) -> fastapi.FastAPI:
         @contextlib.asynccontextmanager
@@ -252,7 +259,7 @@ class Router:
             try:
                 yield
             finally:
-                await self.client.aclose()
+                await self.http.aclose()
 
         app = fastapi.FastAPI(title="pagedjax router", lifespan=lifespan)
         install_error_handlers(app)
@@ -271,7 +278,7 @@ class Router:
             headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
             for backend in self.backends:
                 with contextlib.suppress(httpx.TransportError):
-                    response = await self.client.get(backend.url + "/v1/models",
+                    response = await self.http.get(backend.url + "/v1/models",
                                                      headers=headers, timeout=10)
                     return responses.JSONResponse(response.json(),
                                                   status_code=response.status_code)
@@ -297,10 +304,13 @@ class Router:
     def _admin_routes(self, app: fastapi.FastAPI) -> None:
         """GET /router/status, POST /router/canary {"weight": w}, /router/rollback and
         /router/promote, each behind the admin key (compared in constant time)."""
+        key = self.admin_key
+        if key is None:
+            return
 
         def admin(handler):
             async def guarded(request: fastapi.Request):
-                if not key_matches(request.headers.get("authorization"), self.admin_key):
+                if not key_matches(request.headers.get("authorization"), key):
                     return _error(401, "missing or wrong admin key (Authorization: Bearer ...)",
                                   None, "authentication_error", "invalid_api_key")
                 return await handler(request)

@@ -28,7 +28,7 @@ from pagedjax.serving.http_common import DEFAULT_MAX_REQUEST_BYTES, APIError
 from pagedjax.serving.lora_routes import ServedLoRAs, runtime_updates_from_env
 from pagedjax.serving.metrics import ServerMetrics
 from pagedjax.serving.protocol import _SamplingFields, usage_json
-from pagedjax.serving.request_params import rejected, sampling_params, trace_note
+from pagedjax.serving.request_params import ParamNames, rejected, sampling_params, trace_note
 from pagedjax.serving.response_store import (DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, DEFAULT_TTL_S,
                                              ResponseStore)
 from pagedjax.serving.serving_config import ConfigHistory, ServingConfig, engine_fields
@@ -164,13 +164,14 @@ class ServerState:
         return model or self.model_name
 
     def sampling(self, body: _SamplingFields, max_tokens: int, logprobs: int | None,
-                 best_of: int | None, params_of: dict[str, str],
+                 best_of: int | None, params_of: ParamNames,
                  prompt_logprobs: int | None = None,
                  constraint: tuple[str, dict] | None = None) -> SamplingParams:
-        prediction = body.prediction_text()  # its shape checked with the body's fields
-        if prediction is not None:
+        text = body.prediction_text()  # its shape checked with the body's fields
+        prediction = None
+        if text is not None:
             try:
-                prediction = encode_text(self.tokenizer, prediction, "prediction",
+                prediction = encode_text(self.tokenizer, text, "prediction",
                                          add_special_tokens=False)
             except RequestError as e:
                 raise APIError(400, str(e), "prediction") from None
@@ -212,24 +213,25 @@ class ServerState:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    async def add(self, specs: list[PromptSpec], params_of: dict[str, str],
+    async def add(self, specs: list[PromptSpec], params_of: ParamNames,
                   body: _SamplingFields | None = None, request: fastapi.Request | None = None,
                   turns: int | None = None) -> RequestGroup:
         """Queues specs (all or none); with a trace, notes what the trace records of them
         from body and request (session, stream, workload; turns: chat's earlier turns)."""
         self.degradation.evaluate()  # an idle instance recovers too
-        noted = self.trace is not None and body is not None
-        if noted:
+        trace = self.trace if body is not None else None
+        noted = [spec.request_id for spec in specs if spec.request_id is not None]
+        if trace is not None and body is not None:
             note = trace_note(body, request, turns)
-            for spec in specs:
-                self.trace.annotate(spec.request_id, **note)
+            for request_id in noted:
+                trace.annotate(request_id, **note)
         try:
             return await self.async_engine.add_requests(
                 specs, streamed=True if body is None else bool(getattr(body, "stream", False)))
         except BaseException as e:
-            if noted:
-                for spec in specs:
-                    self.trace.forget(spec.request_id)
+            if trace is not None:
+                for request_id in noted:
+                    trace.forget(request_id)
             if isinstance(e, OverloadedError):
                 raise APIError(429, str(e), None, "rate_limit_error", "server_overloaded",
                                {"Retry-After": "1"}, reason=e.reason) from None

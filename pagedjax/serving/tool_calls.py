@@ -19,6 +19,7 @@ import dataclasses
 import json
 import re
 import secrets
+from typing import Any
 
 from pagedjax.serving.http_common import APIError
 from pagedjax.serving.tool_parsers import Call, ToolParser
@@ -39,6 +40,13 @@ class ToolRequest:
     parallel: bool = True
     legacy: bool = False  # functions / function_call: answered as message.function_call
     field: str = "tools"  # the body's field, for errors
+
+    @property
+    def function(self) -> str:
+        """The function a named choice names."""
+        if self.name is None:
+            raise ValueError(f"tool choice {self.choice!r} names no function")
+        return self.name
 
     def schema(self) -> dict | None:
         """The JSON schema a required or named choice constrains the reply to."""
@@ -94,13 +102,13 @@ def tool_request(body, parser: ToolParser | None) -> ToolRequest | None:
         if choice not in (None, "none"):
             raise APIError(400, f"{choice_field} needs {field}", choice_field)
         return None
-    tools = _check_tools(tools, field)
+    checked = _check_tools(tools, field)
     if choice is None:
         choice = "auto"
     name = None
     if isinstance(choice, dict):
         name = (choice.get("function") or {}).get("name") if not legacy else choice.get("name")
-        if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
+        if not isinstance(name, str) or name not in {t["function"]["name"] for t in checked}:
             raise APIError(400, f"{choice_field} names no function of {field}", choice_field)
         choice = "named"
     elif choice not in CHOICES or legacy and choice == "required":
@@ -108,7 +116,7 @@ def tool_request(body, parser: ToolParser | None) -> ToolRequest | None:
                        f"or a named function", choice_field)
     if choice == "auto" and parser is None:
         raise APIError(400, AUTO_NEEDS_PARSER, choice_field)
-    return ToolRequest(tools, choice, name, body.parallel_tool_calls, legacy, field)
+    return ToolRequest(checked, choice, name, body.parallel_tool_calls, legacy, field)
 
 
 def call_arguments(value, where: str, param: str):
@@ -141,7 +149,16 @@ def _required_calls(text: str) -> list[Call] | None:
     if not isinstance(items, list) or not items:
         return None
     calls = [call_from_json(item, ("parameters",)) for item in items]
-    return None if None in calls else calls
+    parsed = [call for call in calls if call is not None]
+    return parsed if len(parsed) == len(calls) else None
+
+
+def auto_parser(parser: ToolParser | None) -> ToolParser:
+    """The server's tool parser, which tool_choice "auto" needs (tool_request refuses it
+    without one)."""
+    if parser is None:
+        raise ValueError(AUTO_NEEDS_PARSER)
+    return parser
 
 
 def parse_reply(req: ToolRequest, parser: ToolParser | None,
@@ -149,18 +166,18 @@ def parse_reply(req: ToolRequest, parser: ToolParser | None,
     """(content, calls) of a finished reply; a reply whose calls do not parse (cut by
     max_tokens, say) is content."""
     if req.choice == "named":
-        return None, [Call(req.name, text)]
+        return None, [Call(req.function, text)]
     if req.choice == "required":
         calls = _required_calls(text)
         return (text, []) if calls is None else (None, calls)
     if req.choice == "auto":
-        content, calls = parser.extract(text)
+        content, calls = auto_parser(parser).extract(text)
         return content, calls if req.parallel else calls[:1]
     return text, []
 
 
 def reply_message(req: ToolRequest, content: str | None, calls: list[Call]) -> dict:
-    message = {"role": "assistant", "content": content}
+    message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls and req.legacy:
         message["function_call"] = _call_json(calls[0], 0, True)
     elif calls:
@@ -187,7 +204,7 @@ class ToolStream:
         self.sent_named_args = 0
 
     def _call_deltas(self, calls: list[Call]) -> list[dict]:
-        out = []
+        out: list[dict[str, Any]] = []
         for call in calls[self.sent_calls:]:
             if self.req.legacy:
                 out.append({"function_call": {"name": call.name, "arguments": ""}})
@@ -205,7 +222,7 @@ class ToolStream:
     def feed(self, text: str, finished: bool) -> list[dict]:
         req = self.req
         if req.choice == "named":  # the reply is the arguments: the name first, then them
-            out = [] if self.sent_calls else self._call_deltas([Call(req.name, "")])
+            out = [] if self.sent_calls else self._call_deltas([Call(req.function, "")])
             new = text[self.sent_named_args:]
             self.sent_named_args = len(text)
             if new:
@@ -217,8 +234,9 @@ class ToolStream:
         if not finished:
             if req.choice == "required":
                 return []  # a JSON list: read at the end
-            calls = self.parser.calls_so_far(text)
-            return self._content(text[:self.parser.held(text)]) + self._call_deltas(
+            parser = auto_parser(self.parser)
+            calls = parser.calls_so_far(text)
+            return self._content(text[:parser.held(text)]) + self._call_deltas(
                 calls if req.parallel else calls[:1])
         content, calls = parse_reply(req, self.parser, text)
         if not calls:

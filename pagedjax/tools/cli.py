@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagedjax.tools import demo, plan_commands, serve_commands, workload_commands
+from pagedjax.tools import capacity_commands, demo, plan_commands, serve_commands, workload_commands
 
 COMMANDS = {  # name -> (its flags, what runs it, what it does)
     "demo": (demo.demo_args, demo.run,
@@ -18,9 +18,9 @@ COMMANDS = {  # name -> (its flags, what runs it, what it does)
               "an OpenAI-compatible server for a model"),
     "router": (serve_commands.router_args, serve_commands.router,
                "a KV-aware proxy over several `pagedjax serve`"),
-    "capacity": (plan_commands.capacity_args, plan_commands.capacity,
+    "capacity": (capacity_commands.capacity_args, capacity_commands.capacity,
                  "KV-cache capacity from the formula"),
-    "inspect": (plan_commands.inspect_args, plan_commands.inspect,
+    "inspect": (capacity_commands.inspect_args, capacity_commands.inspect,
                 "what the engine makes of a model directory or GGUF"),
     "profile": (plan_commands.profile_args, plan_commands.profile,
                 "fit the simulator's step-time model to an engine"),

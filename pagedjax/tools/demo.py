@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+from pagedjax.engine.llm_engine import LLMEngine
 from pagedjax.frontend.llm import DEFAULT_MODEL, LLM
 from pagedjax.kv_offload.tiers import tier_rows
 from pagedjax.models.training.tasks import Example, make_examples
@@ -90,6 +91,8 @@ def run(args, parser=None) -> None:
               max_num_batched_tokens=args.max_num_batched_tokens or (256 if chat else 64),
               policy=args.policy, min_token_bucket=16, min_seq_bucket=4, seed=args.seed)
     engine = llm.engine
+    if not isinstance(engine, LLMEngine):  # the settings above build one
+        raise RuntimeError(f"the demo runs one generating engine, got {type(engine).__name__}")
     config = engine.model_config
     print(f"\nmodel {model}: {config.num_params / 1e6:.2f} M parameters, "
           f"{config.num_layers} layers, {config.num_heads} query / {config.num_kv_heads} KV heads; "

@@ -15,10 +15,20 @@ from typing import Sequence
 import numpy as np
 
 from pagedjax.engine.llm_engine import LLMEngine
+from pagedjax.engine.outputs import RequestOutput
 from pagedjax.scheduler import SamplingParams
 from pagedjax.scheduler.cost_model import step_features
 from pagedjax.scheduler.simulator import SimResult
 from pagedjax.scheduler.trace import TraceRequest
+
+
+def generating_engine(engine) -> LLMEngine:
+    """engine, which run_trace profiles: one generating engine (not a data-parallel group or a
+    BERT-like encoder); ValueError otherwise."""
+    if not isinstance(engine, LLMEngine):
+        raise ValueError(f"profiling runs one generating engine (data_parallel_size 1), got "
+                         f"{type(engine).__name__}")
+    return engine
 
 
 def run_trace(engine: LLMEngine, trace: Sequence[TraceRequest]
@@ -34,7 +44,7 @@ def run_trace(engine: LLMEngine, trace: Sequence[TraceRequest]
     before = (stats.num_steps, stats.num_prefill_steps, stats.num_preemptions,
               stats.num_prefix_query_tokens, stats.num_prefix_hit_tokens)
     ids: dict[str, int] = {}
-    finals = {}
+    finals: dict[int, RequestOutput] = {}
     samples, peak, tokens = [], 0, 0
     start = time.perf_counter()
     next_arrival = 0
@@ -56,12 +66,14 @@ def run_trace(engine: LLMEngine, trace: Sequence[TraceRequest]
         t0 = time.perf_counter()
         outputs = engine.step()
         seconds = time.perf_counter() - t0
-        kind, features = step_features(engine.last_schedule, engine.buckets,
-                                       engine.layer_windows)
+        schedule = engine.last_schedule
+        if schedule is None:
+            raise RuntimeError("a step ran without a schedule")
+        kind, features = step_features(schedule, engine.buckets, engine.layer_windows)
         samples.append((kind, features, seconds))
         peak = max(peak, engine.scheduler.kv_manager.num_used_blocks)
         for out in outputs:
-            if out.finished:
+            if isinstance(out, RequestOutput) and out.finished:
                 finals[ids[out.request_id]] = out
     tokens = sum(len(c.token_ids) for out in finals.values() for c in out.outputs)
     outs = [finals[i] for i in range(len(trace))]

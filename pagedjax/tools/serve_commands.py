@@ -286,6 +286,7 @@ def _in_process_engine(model, args, config, follower: bool):
     """The engine on a thread of this process (None: a multi-host follower, done)."""
     import jax
 
+    from pagedjax.engine.llm_engine import LLMEngine
     from pagedjax.engine.memory_budget import describe_held
     from pagedjax.frontend.llm import LLM
     from pagedjax.parallel import multihost
@@ -297,6 +298,9 @@ def _in_process_engine(model, args, config, follower: bool):
         print(budget.describe(), flush=True)
     if follower:  # the leader (process 0) serves; this process runs its steps' shards
         print(f"process {jax.process_index()}: following process 0", flush=True)
+        if not isinstance(llm.engine, LLMEngine):
+            raise ValueError("a multi-host follower runs one generating engine "
+                             "(data_parallel_size 1, a decoder model)")
         steps = multihost.follow(llm.engine.runner, reload=llm.update_weights)
         print(f"process {jax.process_index()}: leader stopped after {steps} steps", flush=True)
         return None

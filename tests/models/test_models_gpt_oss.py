@@ -142,7 +142,7 @@ def test_capacity_of_the_published_shapes():
     window at all); its weights with MXFP4 experts are what OpenAI states (12.8 GiB)."""
     from pagedjax.models import get_config
     from pagedjax.parallel.sharding import weight_bytes_per_device
-    from pagedjax.tools.plan_commands import capacity_layouts, kv_capacity
+    from pagedjax.tools.capacity_commands import capacity_layouts, kv_capacity
 
     config = get_config("gpt-oss-20b")
     groups, full = capacity_layouts(config, 16)

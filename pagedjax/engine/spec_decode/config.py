@@ -28,7 +28,7 @@ class SpeculativeConfig:
     None: always."""
 
     method: str | None = None  # vLLM's default: draft_model when a model is given, else ngram
-    num_speculative_tokens: int | None = None
+    num_speculative_tokens: int = None  # type: ignore[assignment]  # required: None is refused
     model: str | None = None  # draft_model: the draft (a path or config name, as LLM's model)
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None

@@ -107,7 +107,7 @@ class DraftModelProposer:
         if config.tensor_parallel_size > 1 or engine.multihost:
             raise ValueError("speculative_config.model: a draft model runs with "
                              "tensor_parallel_size 1 on one host (use method ngram)")
-        return cls(draft_model, config, config.speculative_config.num_speculative_tokens,
+        return cls(draft_model, config, config.speculative.num_speculative_tokens,
                    backend=engine.backend, device=engine.devices[0],
                    num_blocks=engine.num_blocks + config.max_num_seqs)
 
