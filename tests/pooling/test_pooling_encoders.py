@@ -79,6 +79,9 @@ def test_encoder_defaults_to_cls_and_refuses_what_it_cannot_serve(tmp_path):
     assert_close(got, reference(hf, PROMPTS[0], "cls"))
     with pytest.raises(ValueError, match="max_model_len"):
         llm.embed([list(range(2, 90))], use_tqdm=False)  # 88 > 80 positions
+    for control in (lambda: llm.sleep(), lambda: llm.update_weights(hf), lambda: llm.is_paused):
+        with pytest.raises(ValueError, match="BERT-like encoder, which serves pooling only"):
+            control()  # the generating engine's controls, refused by name
     with pytest.raises(ValueError, match="generates nothing"):
         LLM(str(tmp_path), runner="generate")
     with pytest.raises(ValueError, match="tensor_parallel_size"):
