@@ -39,6 +39,18 @@ from pagedjax.models import get_config, init_model  # noqa: E402
 MAX_MAPS = 20_000  # of the kernel's default vm.max_map_count, 65,530
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects by the marks
+def pytest_collection_modifyitems(items):
+    """A parametrized test marked quick_variant("id", ...) runs those variants in make test and
+    its other variants in make test-slow (each compiles programs of its own configuration):
+    make test keeps one path through every test, .ci/run runs them all."""
+    for item in items:
+        quick = item.get_closest_marker("quick_variant")
+        callspec = getattr(item, "callspec", None)
+        if quick is not None and callspec is not None and callspec.id not in quick.args:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """After a test module, when the process holds more than MAX_MAPS memory maps, the programs

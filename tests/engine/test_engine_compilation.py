@@ -106,6 +106,7 @@ def test_no_request_compiles_anything_after_warmup(async_scheduling, backend_com
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.quick_variant('auto')  # the others: make test-slow
 def test_compiled_step_updates_the_cache_in_place(tiny_model, kv_cache_dtype):
     """The layers run under one scan with the whole cache carried through: XLA must keep the
     donated pool where it lies (the output aliases it, no copy of it, temporaries that do not
@@ -161,6 +162,7 @@ def vars_of(config: EngineConfig) -> dict:
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
 
 
+@pytest.mark.slow  # make test-slow
 def test_block_moves_compile_nothing_after_warmup(tiny_model, backend_compiles, tmp_path):
     """Swap preemption and the tiered prefix cache move whole blocks (a gather and a scatter a
     power of two of them): warmup compiles those too."""
@@ -190,6 +192,7 @@ def test_block_moves_compile_nothing_after_warmup(tiny_model, backend_compiles, 
     engine.close()
 
 
+@pytest.mark.slow  # make test-slow
 def test_token_padding_gap_runs_steps_of_its_buckets(tiny_model):
     """EngineConfig.token_padding_gap (--token-padding-gap): a 40-token prefill runs in a
     48-token step (gap 16) instead of 64, with the default buckets' tokens; a bad gap is

@@ -57,6 +57,7 @@ def run_engine(model, max_tokens=MAX_TOKENS, num_prompts=None, **kwargs):
                       attention_interpret=True), marks=pytest.mark.slow),
 ], ids=["bs1", "bs4", "bs16", "chunked", "prefill_first", "decode_first", "ragged", "gpu_kernels",
         "tpu_kernels"])
+@pytest.mark.quick_variant('chunked')  # the others: make test-slow
 def test_greedy_equals_dense_recompute(tiny_model, dense_outputs, engine_kwargs):
     max_tokens = (TPU_INTERPRET_MAX_TOKENS if engine_kwargs.get("attention_backend") == "tpu"
                   else MAX_TOKENS)

@@ -67,6 +67,7 @@ def test_greedy_tokens_equal_transformers_with_4_token_chunks(pair):
     assert [getattr(w, "num_blocks", None) for w in windows] == [None, 3, 3, 3]
 
 
+@pytest.mark.slow  # make test-slow
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_keeps_the_tokens(qwen3_5, mode):
     _, model, expected = qwen3_5

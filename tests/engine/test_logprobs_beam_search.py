@@ -134,6 +134,7 @@ def check_prompt_logprobs(entries, model, prompt, num_top):
             assert lp.rank == 1 + int(np.sum(row > row[t]))
 
 
+@pytest.mark.slow  # make test-slow
 def test_prompt_logprobs_match_the_dense_model_through_chunks_and_preemption(tiny_model):
     """prompt_logprobs over a prompt prefilled in chunks of at most 8 tokens (the prefix cache
     holds it already: a request asking for prompt logprobs computes it whole), beside a request

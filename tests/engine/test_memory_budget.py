@@ -27,6 +27,7 @@ def _utilization_for(extra_bytes: int, **config) -> tuple[float, LLM]:
     return (weights + extra_bytes) / limit, reference
 
 
+@pytest.mark.slow  # make test-slow
 def test_pool_is_what_the_weights_and_activations_leave():
     utilization, reference = _utilization_for(40 * 2**20, **SMALL)
     llm = LLM(**SMALL, gpu_memory_utilization=utilization)
@@ -104,6 +105,7 @@ def test_flag():
 
 @pytest.mark.parametrize("num_kv_heads, kv_cache_dtype", [(1, "auto"), (2, "auto"),
                                                          (1, "int8")])
+@pytest.mark.quick_variant('2-auto')  # the others: make test-slow
 def test_a_step_updates_the_pool_in_place(num_kv_heads, kv_cache_dtype):
     """A decode and a prefill program's temporaries stay below half the KV pool's bytes: the
     donated cache is written in place, not copied. (With one KV head, writing through a

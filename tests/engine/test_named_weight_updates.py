@@ -62,6 +62,7 @@ def assert_leaves_equal(got, expected) -> None:
 # layer (stacked by period) with shared experts; a hybrid KV cache (a global and a sliding layer)
 @pytest.mark.parametrize("arch", ["llama-bias-tied", "qwen2_moe", pytest.param(
     "qwen2-max-window-layers", marks=pytest.mark.slow)])  # make test-slow: a third family
+@pytest.mark.quick_variant('llama-bias-tied')  # the others: make test-slow
 def test_a_checkpoints_tensors_by_name_update_every_leaf(arch, tmp_path):
     checkpoint(arch, tmp_path / "old", seed=0)
     new = checkpoint(arch, tmp_path / "new", seed=1)

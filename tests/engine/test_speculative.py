@@ -174,6 +174,7 @@ def test_a_draft_model_with_another_vocabulary_is_refused(byte_model):
         make_engine(byte_model, dict(model="d", num_speculative_tokens=2))
 
 
+@pytest.mark.slow  # make test-slow
 def test_k_bounds_the_drafts_and_the_switch_off_turns_speculation_off(byte_model):
     tok = ByteTokenizer()
     requests = [(tok.encode("ab ab ab ab ab"), SamplingParams(max_tokens=24, temperature=0.0))
@@ -190,6 +191,7 @@ def test_k_bounds_the_drafts_and_the_switch_off_turns_speculation_off(byte_model
     assert 1.0 <= stats.spec_mean_acceptance_length <= 4.0
 
 
+@pytest.mark.slow  # make test-slow
 def test_drafts_leave_the_last_token_to_plain_sampling(byte_model):
     """Near max_tokens a request drafts fewer tokens than K: its step's tokens after the drafts
     are the target's own, so no step computes the position of the request's last token (prompt +

@@ -109,6 +109,7 @@ KERNELS = {
 
 @pytest.mark.parametrize("backend", list(KERNELS))
 @pytest.mark.parametrize("sliding_window", [None, 12])
+@pytest.mark.quick_variant('12-tpu')  # the others: make test-slow
 def test_kernels_match_the_reference(backend, sliding_window):
     ragged, decode, ragged_opts, decode_opts = KERNELS[backend]
     case, sinks = _case(np.random.default_rng(1), backend=backend)

@@ -28,6 +28,7 @@ def run_script(*args, env=None):
     return result
 
 
+@pytest.mark.slow  # make test-slow
 def test_decode_slice_compares_the_implementations(tmp_path):
     run_script("--sections", "decode", "--batches", "1", "--contexts", "64",
                "--out-dir", str(tmp_path))

@@ -48,6 +48,7 @@ def reference_layout(args, head_dim):
 
 
 @pytest.mark.parametrize("block_size, num_heads, num_kv_heads, head_dim, dtype", CASES)
+@pytest.mark.quick_variant('8-4-1-80-bfloat16')  # the others: make test-slow
 def test_decode_kernel_matches_reference(block_size, num_heads, num_kv_heads, head_dim, dtype):
     rng = np.random.default_rng(block_size + head_dim)
     case = build_case(rng, decode_seqs(block_size), block_size=block_size, num_heads=num_heads,
@@ -65,6 +66,7 @@ def test_decode_kernel_matches_reference(block_size, num_heads, num_kv_heads, he
 
 
 @pytest.mark.parametrize("block_size, num_heads, num_kv_heads, head_dim, dtype", CASES)
+@pytest.mark.quick_variant('8-4-1-80-bfloat16')  # the others: make test-slow
 def test_ragged_kernel_matches_reference(block_size, num_heads, num_kv_heads, head_dim, dtype):
     rng = np.random.default_rng(block_size * head_dim)
     seqs = ragged_seqs(block_size)
@@ -87,6 +89,7 @@ def test_ragged_kernel_matches_reference(block_size, num_heads, num_kv_heads, he
 # 2-page steps, so a split's last step reaches into the next split's pages.
 @pytest.mark.parametrize("sliding_window, soft_cap", [(7, None), (None, 3.0), (12, 2.0),
                                                       (20, None)])
+@pytest.mark.quick_variant('12-2.0')  # the others: make test-slow
 def test_window_and_soft_cap(sliding_window, soft_cap):
     rng = np.random.default_rng(5)
     seqs = [(30, 30), (19, 4), (50, 1)]

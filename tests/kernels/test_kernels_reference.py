@@ -79,6 +79,7 @@ SEQS = [(1, 1), (8, 8), (9, 3), (37, 37), (50, 1), (17, 16)]
 
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(4, 4, 32), (8, 2, 80), (4, 1, 64)])
+@pytest.mark.quick_variant('4-4-32-4')  # the others: make test-slow
 def test_ragged_matches_dense_oracle(block_size, num_heads, num_kv_heads, head_dim):
     rng = np.random.default_rng(block_size * 100 + num_heads * 10 + num_kv_heads)
     case = build_case(rng, SEQS, block_size=block_size, num_heads=num_heads,
@@ -221,6 +222,7 @@ STEPS = {"fresh": FRESH, "chunked": CHUNKED}
 @pytest.mark.parametrize("step", list(STEPS))
 @pytest.mark.parametrize("tile", [128, 16])
 @pytest.mark.parametrize("sliding_window, soft_cap", [(None, None), (6, 1.5)])
+@pytest.mark.quick_variant('6-1.5-16-chunked')  # the others: make test-slow
 def test_prefill_steps_match_dense_oracle(sliding_window, soft_cap, tile, step, monkeypatch):
     """A step of >= FRESH_MIN_TOKENS tokens whose rows compute whole prompts or chunks of
     >= PREFILL_MIN_CHUNK tokens takes reference_prefill (tiled queries: one tile of all 96
@@ -257,6 +259,7 @@ def test_prefill_steps_match_dense_oracle(sliding_window, soft_cap, tile, step, 
 
 @pytest.mark.parametrize("step", list(STEPS))
 @pytest.mark.parametrize("variant", ["sinks", "int8", "latent"])
+@pytest.mark.quick_variant('latent-chunked')  # the others: make test-slow
 def test_prefill_steps_equal_the_paged_path(variant, step):
     """Sinks (gpt-oss), an int8 cache and a latent cache (value_dim): the prefill path against
     the paged one, which the oracle tests above and their own files hold."""

@@ -25,6 +25,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("block_size, num_heads, num_kv_heads, head_dim, dtype", CASES)
+@pytest.mark.quick_variant('16-8-1-80-float32')  # the others: make test-slow
 def test_decode_kernel_matches_reference(block_size, num_heads, num_kv_heads, head_dim, dtype):
     rng = np.random.default_rng(block_size + head_dim)
     case = build_case(rng, decode_seqs(block_size), block_size=block_size, num_heads=num_heads,
@@ -42,6 +43,7 @@ def test_decode_kernel_matches_reference(block_size, num_heads, num_kv_heads, he
 
 
 @pytest.mark.parametrize("block_size, num_heads, num_kv_heads, head_dim, dtype", CASES)
+@pytest.mark.quick_variant('16-8-1-80-float32')  # the others: make test-slow
 def test_ragged_kernel_matches_reference(block_size, num_heads, num_kv_heads, head_dim, dtype):
     rng = np.random.default_rng(block_size * head_dim)
     seqs = ragged_seqs(block_size)
@@ -116,6 +118,7 @@ def engine_slots(block_size=8):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("pattern", ["shuffled", "engine"])
+@pytest.mark.quick_variant('shuffled-bfloat16')  # the others: make test-slow
 def test_write_kv_tpu_matches_scatter(dtype, pattern):
     """Every slot pattern, in a 32-bit and a packed 16-bit cache (whose pages the kernel
     rewrites whole): exactly the scatter's result outside the null block."""
@@ -132,6 +135,7 @@ def test_write_kv_tpu_matches_scatter(dtype, pattern):
 
 
 @pytest.mark.parametrize("dtype, pattern", [("int8", "engine"), ("float8_e4m3fn", "shuffled")])
+@pytest.mark.quick_variant('int8-engine')  # the others: make test-slow
 def test_write_kv_tpu_quantized_matches_scatter(dtype, pattern):
     """A quantized cache in the TPU layout (scale rows padded to 128 lanes, NaN past the block
     size): the kernel quantizes as the scatter does and puts values and scales in place, bit
@@ -201,6 +205,7 @@ def test_null_block_agrees_with_the_scheduler():
 
 
 @pytest.mark.parametrize("backend", ["tpu", "gpu", "reference"])
+@pytest.mark.quick_variant('tpu')  # the others: make test-slow
 def test_pages_freed_out_of_the_window_are_never_read(backend):
     """With a sliding window the scheduler frees the pages no query can see any more and leaves
     the null block in their table slots (KVCacheManager.free_out_of_window); here that block

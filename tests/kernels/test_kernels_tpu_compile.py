@@ -21,6 +21,9 @@ from test_kernels_lowering import KERNELS, cache_struct, kernel_args
 
 from benchmarks.aot import xla_tpu
 
+# libtpu's child process (about 45 s for a topology's compiles on 2 cores): make test-slow
+pytestmark = pytest.mark.slow
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 LIBTPU = pathlib.Path(os.environ.get("PAGEDJAX_LIBTPU", ROOT / ".venv" / "libtpu"))
 TOPOLOGIES = ["v5e:2x2", "v6e:2x2"]
@@ -246,6 +249,7 @@ def compile_topology(topology: str, part: str, stem: pathlib.Path) -> dict:
 # The second generation's build: make test-slow (the first's runs in make test).
 @pytest.mark.parametrize("topology", [TOPOLOGIES[0],
                                       pytest.param(TOPOLOGIES[1], marks=pytest.mark.slow)])
+@pytest.mark.slow  # make test-slow
 @pytest.mark.parametrize("case", CASES)
 def test_kernel_compiles_for_tpu(case, topology, compiled):
     """And copies no cache whole: the kernels read and write it in place."""

@@ -35,6 +35,7 @@ CASES = [(shape, "random") for shape in SHAPES] + [(SHAPES[0], mix) for mix in M
 @pytest.mark.parametrize("shape,mix", CASES,
                          ids=["x".join(map(str, shape)) + "-" + mix for shape, mix in CASES])
 @pytest.mark.parametrize("implementation", ["tpu", "gpu", "masked"])
+@pytest.mark.quick_variant('masked-32x128x192x16x4-random', 'gpu-32x128x192x16x4-random', 'tpu-32x128x192x16x4-random')
 def test_grouped_kernels_equal_the_gather_reference(implementation, shape, mix):
     x, a, b, token_slots = operands(*shape, mix)
     expected = np.asarray(lora_delta(x, a, b, token_slots, "gather"))

@@ -10,8 +10,11 @@ from helpers import child_report
 
 pytestmark = pytest.mark.slow  # eight host devices in a child process: make test-slow
 
+# min_token_bucket, min_seq_bucket: one shape of each step kind (each compiles for seconds over
+# the devices)
 BASE = dict(max_model_len=96, max_num_seqs=4, max_num_batched_tokens=32, block_size=4,
-            num_blocks=48, enable_lora=True, max_loras=2, max_lora_rank=8)
+            num_blocks=48, enable_lora=True, max_loras=2, max_lora_rank=8,
+            min_token_bucket=32, min_seq_bucket=4)
 
 
 def child() -> None:

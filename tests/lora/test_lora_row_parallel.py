@@ -6,6 +6,7 @@ The engine-level TP cases are make test-slow's (test_lora_parallel.py); this one
 
 from __future__ import annotations
 
+import pytest
 from helpers import child_report
 
 
@@ -38,6 +39,7 @@ def child() -> None:
     print(json.dumps(report))
 
 
+@pytest.mark.slow  # make test-slow
 def test_the_row_parallel_delta_joins_the_partial_sums_before_the_all_reduce():
     report = child_report("test_lora_row_parallel", devices=2, timeout=300)
     assert report["delta"] > 0.1  # the adapters change the projection

@@ -138,6 +138,7 @@ def answers(outputs) -> list:
 
 @pytest.mark.parametrize("speculative", [
     False, pytest.param(True, marks=pytest.mark.slow)], ids=["plain", "ngram"])  # 6 s
+@pytest.mark.slow  # make test-slow
 def test_mixed_batch_gives_each_request_what_it_gets_alone(four_adapters, speculative):
     """Base + four adapters through two slots (LRU, the host cache holding three: one is read
     from disk again), chunked prefill, preemption (a small pool), n > 1, speculative decoding:

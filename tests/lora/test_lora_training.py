@@ -26,6 +26,7 @@ def task(rng: np.random.Generator, rows: int = 8, prompt_len: int = 6):
     return prompts, (token_ids, loss_mask)
 
 
+@pytest.mark.slow  # make test-slow
 def test_a_trained_adapter_is_served_as_the_merged_model(tmp_path):
     model = init_model(get_config("debug-tiny"), seed=0)
     prompts, batch = task(np.random.default_rng(0))

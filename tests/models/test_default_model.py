@@ -31,6 +31,7 @@ def examples() -> list[Example]:
             + make_examples("copy", 12, seed=321))
 
 
+@pytest.mark.slow  # make test-slow
 def test_paged_engine_accuracy_equals_dense_accuracy(model):
     tasks = examples()
     prompts = [encode_example(e)[0] for e in tasks]

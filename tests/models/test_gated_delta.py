@@ -47,6 +47,7 @@ def test_recurrent_rule_equals_transformers(length):
 
 
 @pytest.mark.parametrize("length,chunk", [(13, 4), (16, 8), (3, 64)])
+@pytest.mark.quick_variant('13-4')  # the others: make test-slow
 def test_chunked_rule_equals_transformers_and_the_recurrent_rule(length, chunk):
     args = inputs(1, length=length)
     out, state = chunked_gated_delta(*args, chunk_size=chunk)

@@ -186,6 +186,7 @@ def written(tmp_path_factory):
     return write_gguf(tmp_path_factory.mktemp("gguf"))
 
 
+@pytest.mark.slow  # make test-slow
 def test_gguf_weights_equal_the_same_weights_from_safetensors(written):
     import jax.numpy as jnp
 

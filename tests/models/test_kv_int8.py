@@ -84,6 +84,7 @@ def test_int8_engine_tokens_agree_with_f32_and_blocks_shrink(tiny_model):
 
 @pytest.mark.parametrize("backend, dtype", [("gpu", jnp.int8), ("gpu", jnp.float8_e4m3fn),
                                             ("tpu", jnp.int8), ("tpu", jnp.float8_e4m3fn)])
+@pytest.mark.quick_variant('gpu-int8')  # the others: make test-slow
 def test_pallas_kernels_read_quantized_caches(backend, dtype):
     from pagedjax.pallas_kernels import IMPLEMENTATIONS, paged_decode_attention_reference
     ragged_kernel = IMPLEMENTATIONS[backend].ragged
@@ -109,6 +110,7 @@ def test_pallas_kernels_read_quantized_caches(backend, dtype):
 
 # The TPU kernels interpreted over a whole engine run: make test-slow (test_kernels_tpu.py checks
 # the int8 TPU kernels themselves in make test).
+@pytest.mark.slow  # make test-slow
 @pytest.mark.parametrize("backend", ["gpu", pytest.param("tpu", marks=pytest.mark.slow)])
 def test_int8_engine_on_pallas_kernels_equals_reference_backend(tiny_model, backend):
     # The TPU interpreter simulates each DMA (~3 s a step here): 6 tokens still take the run

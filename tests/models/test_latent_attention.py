@@ -134,6 +134,7 @@ def test_gpu_write_puts_one_plane_where_the_reference_does(dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "int8"])
+@pytest.mark.quick_variant('float32')  # the others: make test-slow
 def test_tpu_write_puts_one_plane_where_the_reference_does(dtype):
     """The TPU write kernel on a one-plane cache (v None) equals the XLA scatter, padding
     tokens (slots in the null block) dropped; int8 with its scale rows too."""

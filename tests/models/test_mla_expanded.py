@@ -70,6 +70,7 @@ def run(layer, form, metadata, positions, backend="reference", cache=None):
 
 @pytest.mark.parametrize("backend, rows", [("reference", 4), ("gpu", 4), ("reference", 3)],
                          ids=["reference", "gpu", "every-row-live"])
+@pytest.mark.quick_variant('every-row-live')  # the others: make test-slow
 def test_expanded_equals_absorbed_on_a_fresh_step(layer, backend, rows):
     metadata, positions = step([5, 17, 9], [5, 17, 9], padded_seqs=rows)
     assert bool(mla_expanded.fresh(metadata))

@@ -221,6 +221,7 @@ def test_the_expanded_prefill_serves_transformers_tokens(tmp_path, budget):
     assert got == hf_greedy(hf, token_prompts, 6)
 
 
+@pytest.mark.slow  # make test-slow
 @pytest.mark.parametrize("scheme", ["int8", pytest.param("fp8", marks=pytest.mark.slow)])
 def test_quantized_latent_projections_serve_their_dequantized_tokens(tmp_path, scheme):
     """--quantization on DeepSeek quantizes the latent attention's projections too (q_a, q_b,

@@ -116,6 +116,7 @@ ENGINES = {
 
 
 @pytest.mark.parametrize("engine", sorted(ENGINES))
+@pytest.mark.quick_variant('gemma3-groups')  # the others: make test-slow
 def test_gemma_paged_engine_greedy_equals_transformers_generate(gemma, engine):
     """Prompts of 1 to 40 tokens against a 6-token window, through the serving form, with KV
     cache groups (a full group and sliding groups) unless disabled: chunked prefill, a
@@ -139,6 +140,7 @@ def test_gemma_paged_engine_greedy_equals_transformers_generate(gemma, engine):
     assert engine_.scheduler.kv_manager.num_used_blocks == 0
 
 
+@pytest.mark.quick_variant('gemma2')  # the others: make test-slow
 def test_gemma_read_straight_into_the_scanned_form(gemma):
     """LLM(directory): the checkpoint read lazily into the serving form, whose layers that
     differ are scanned by their period (Gemma 2's: sliding, global) when it repeats, with each
@@ -191,6 +193,7 @@ def test_registry_lists_the_gemma_architectures():
 
 @pytest.mark.parametrize("arch", ["gemma2", pytest.param("gemma3",  # 4 s
                                                           marks=pytest.mark.slow)])
+@pytest.mark.slow  # make test-slow
 def test_gemma_parallel_samples_share_blocks_across_groups(arch, tmp_path):
     """n = 3 seeded samples of 40-token prompts (windows of 6): the followers fork the leader's
     blocks in every group (a sliding group's null head included) and copy-on-write the shared

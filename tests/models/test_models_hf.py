@@ -135,6 +135,7 @@ def test_dtype_auto_takes_the_checkpoint_dtype(tmp_path):
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.quick_variant('qwen3')  # the others: make test-slow
 def test_paged_engine_greedy_equals_transformers_generate(arch, tmp_path):
     """Mixed-length prompts (1 to 40 tokens, two sharing a 20-token prefix), block size 16,
     a 16-token budget so every long prompt is chunked, prefix caching on."""
@@ -165,6 +166,7 @@ def test_sharded_checkpoint(tmp_path):
     np.testing.assert_allclose(ours, hf_logits(hf, ids), **F32_TOL)
 
 
+@pytest.mark.slow  # make test-slow
 def test_bfloat16_load_error_is_that_of_bfloat16(tmp_path):
     """Loaded in bf16, our logits are as far from the f32 reference as transformers' own bf16
     run is (bf16 keeps 8 mantissa bits: ~0.4% per rounding), not further."""

@@ -38,6 +38,7 @@ def paged_logits(model, kv_caches, token_ids, start, table, block_size):
 
 @pytest.mark.parametrize("chunks", [[23], pytest.param([10, 13], marks=pytest.mark.slow),  # 5 s
                                     [1, 1, 21]])
+@pytest.mark.quick_variant('chunks0')  # the others: make test-slow
 def test_paged_forward_matches_dense_forward(chunks):
     model = init_model(CONFIG, seed=1)
     tokens = np.random.default_rng(0).integers(0, CONFIG.vocab_size, sum(chunks))
@@ -133,6 +134,7 @@ def serving_logits(graph, weights, kv_cache, token_ids, start, table, block_size
                metadata)
 
 
+@pytest.mark.slow  # make test-slow
 def test_scanned_and_unrolled_layers_give_the_same_logits_and_cache():
     """The engine's form (layers stacked, one lax.scan) against the unrolled form of the same
     weights: the same f32 ops on the same values, so bitwise equal on the CPU, cache included;

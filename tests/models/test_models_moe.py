@@ -80,6 +80,7 @@ def test_moe_config_is_read_whole(arch, tmp_path):
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.quick_variant('qwen2_moe')  # the others: make test-slow
 def test_moe_dense_logits_match_transformers(arch, tmp_path):
     hf = build_moe(arch, tmp_path)
     ids = np.random.default_rng(0).integers(0, 128, (2, 40))
@@ -130,6 +131,7 @@ ENGINES = {
 
 
 @pytest.mark.parametrize("engine", sorted(ENGINES))
+@pytest.mark.quick_variant('qwen3_moe-chunked')  # the others: make test-slow
 def test_moe_paged_engine_greedy_equals_transformers_generate(moe, engine):
     """Five prompts of 1 to 43 tokens at once through the scanned serving form: the padding
     tokens of each step's plan route to no expert, chunked prefill, preemption."""

@@ -111,6 +111,7 @@ def write_mxfp4(hf, directory) -> None:
         json.dump(raw, f)
 
 
+@pytest.mark.slow  # make test-slow
 def test_a_published_layout_checkpoint_serves_its_dequantized_tokens(tmp_path):
     from test_models_gpt_oss import build_gpt_oss
     from test_models_hf import hf_greedy, prompts

@@ -113,6 +113,7 @@ def _generate(model, **fields):
 @pytest.mark.parametrize("scheme", SCHEMES)
 # a mixture's experts, each scheme (22 s): make test-slow
 @pytest.mark.parametrize("kind", ["lm_head", "tied", pytest.param("moe", marks=pytest.mark.slow)])
+@pytest.mark.quick_variant('tied-int4')  # the others: make test-slow
 def test_engine_equals_the_numpy_dequantized_model(tiny_model, scheme, kind):
     """The quantized engine (LM head quantized too: a Linear, or the tied embedding; a
     mixture's experts, each with its own scales) against the float engine over the same
@@ -147,6 +148,7 @@ ERROR_BOUNDS = {"int8": 0.021, "fp8": 0.095, "int4": 0.34, "int8-moe": 0.083}
 
 
 @pytest.mark.parametrize("scheme", [*SCHEMES, "int8-moe"])
+@pytest.mark.quick_variant('int8')  # the others: make test-slow
 def test_error_against_the_f32_model_is_bounded(tiny_model, scheme):
     """int8-moe: the OLMoE-shaped mixture (initializer_range 0.3: routing flips near ties),
     measured 5.5%."""
@@ -279,6 +281,7 @@ def kind_format(kind: str) -> str:
     return "float" if kind == "fp8" else "int"
 
 
+@pytest.mark.slow  # make test-slow
 @pytest.mark.parametrize("kind", ["fp8", pytest.param("int8", marks=pytest.mark.slow)])  # 7 s
 def test_compressed_tensors_checkpoint_serves_its_stored_weights(tmp_path, kind):
     """An llm-compressor-format checkpoint (F8_E4M3 / I8 weights, per-channel weight_scale,

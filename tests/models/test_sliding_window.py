@@ -34,6 +34,7 @@ def prompts():
     # as the scheduler is advanced past the step in flight
     dict(num_blocks=16, max_num_batched_tokens=16, async_scheduling=True),
 ], ids=["plain", "chunked", "preemption", "gpu_kernels", "async_scheduling"])
+@pytest.mark.quick_variant('chunked')  # the others: make test-slow
 def test_greedy_equals_dense_windowed_recompute(window_model, engine_kwargs):
     dense = dense_greedy_generate(window_model, prompts(), 16)
     config = dict(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32,

@@ -93,6 +93,7 @@ def test_recall_curriculum_halves_rows_and_keeps_tokens():
     assert batch["copy"][0].shape == (8, 49)
 
 
+@pytest.mark.slow  # make test-slow
 def test_training_lowers_loss_and_is_deterministic():
     kwargs = dict(batch_size=1, seq_len=80, lr=1e-2, warmup_steps=2)  # recall rows 40 then 80
     model_a, metrics_a = train(MICRO_CONFIG, 30, seed=0, **kwargs)
@@ -104,6 +105,7 @@ def test_training_lowers_loss_and_is_deterministic():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow  # make test-slow
 def test_shipped_checkpoint_reaches_its_recorded_accuracy():
     _, record = read_checkpoint_config(CHECKPOINT)
     recorded = record["metadata"]["accuracy"]

@@ -12,8 +12,11 @@ from helpers import child_report
 
 pytestmark = pytest.mark.slow
 
+# min_token_bucket, min_seq_bucket: one shape of each step kind (each compiles for seconds over
+# the devices)
 BASE = dict(max_model_len=96, max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
-            num_blocks=48)
+            num_blocks=48,
+            min_token_bucket=16, min_seq_bucket=4)
 RUNS = {"tp1": {}, "tp2": dict(tensor_parallel_size=2),
         "tp4": dict(tensor_parallel_size=4),  # past the config's 2 KV heads: repeated
         "tp2-gpu-kernels": dict(tensor_parallel_size=2, attention_backend="gpu",

@@ -25,8 +25,11 @@ from helpers import child_pythonpath, complete, wait_healthy
 pytestmark = pytest.mark.slow
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+# min_token_bucket, min_seq_bucket: one shape of each step kind (each compiles for seconds over
+# the devices)
 BASE = dict(max_model_len=96, max_num_seqs=4, max_num_batched_tokens=32, block_size=4,
-            num_blocks=26, compilation_cache="off")
+            num_blocks=26, compilation_cache="off",
+            min_token_bucket=32, min_seq_bucket=4)
 HEARTBEAT_S = 5
 
 

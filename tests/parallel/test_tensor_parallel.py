@@ -20,8 +20,11 @@ pytestmark = pytest.mark.slow
 DEVICES = 8
 # (name, EngineConfig fields): chunked prefill (32-token steps), preemption (a 26-block pool)
 # and prefix hits (prompts sharing a 16-token head) in every run.
+# min_token_bucket, min_seq_bucket: one shape of each step kind (each compiles for seconds over
+# the devices)
 BASE = dict(max_model_len=96, max_num_seqs=4, max_num_batched_tokens=32, block_size=4,
-            num_blocks=26)
+            num_blocks=26,
+            min_token_bucket=32, min_seq_bucket=4)
 RUNS = {
     "tp1": dict(tensor_parallel_size=1),
     "tp2": dict(tensor_parallel_size=2),

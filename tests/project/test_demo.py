@@ -19,6 +19,7 @@ def table_value(out: str, key: str) -> str:
     return match.group(1)
 
 
+@pytest.mark.slow  # make test-slow
 def test_chat_demo_answers_hits_the_prefix_cache_and_preempts(tmp_path, capsys):
     pytest.importorskip("gguf")
     pytest.importorskip("transformers")

@@ -97,6 +97,7 @@ def test_simulation_waits_for_arrivals_and_runs_parallel_samples():
 
 @pytest.mark.parametrize("num_blocks", [pytest.param(200, marks=pytest.mark.slow),  # 8 s
                                         24], ids=["roomy", "preempting"])
+@pytest.mark.slow  # make test-slow
 def test_simulated_schedule_is_the_engines(num_blocks):
     llm = LLM(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
               num_blocks=num_blocks)
@@ -178,6 +179,7 @@ def test_simulate_cli_plans_with_the_roofline(tmp_path, capsys):
     assert exit_info.value.code == 2 and "--model" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # make test-slow
 def test_tensor_parallel_roofline_splits_the_work_and_adds_the_collectives():
     from pagedjax.models import get_config
     from pagedjax.parallel.plan import roofline_cost
@@ -260,6 +262,7 @@ def test_step_features_count_what_a_sliding_layer_attends():
     assert features[4] == pytest.approx((100 * 1000 + 5050 + 3 * 6400) / 4)
 
 
+@pytest.mark.slow  # make test-slow
 def test_simulate_counts_a_hybrid_models_kv_cache_groups(tmp_path, capsys):
     """Gemma-3-4B on a v5e's 4 GiB of KV, 16k-token prompts: with KV cache groups (a sliding
     group holds its 1,024-token window) the pool holds several times the requests it holds when
@@ -294,6 +297,7 @@ def test_simulate_counts_a_hybrid_models_kv_cache_groups(tmp_path, capsys):
     assert 1002 + 6 * 64 <= peak <= blocks_for(windows, 16, 16032, 2048)
 
 
+@pytest.mark.slow  # make test-slow
 def test_roofline_of_a_mixture_counts_active_parameters_and_picked_experts():
     """Qwen3-30B-A3B: FLOPs from the 3.35B parameters a token reads, not the 30.5B; a decode
     step reads the experts its tokens pick (8 of 128 for one token, nearly all for 256) on top

@@ -76,6 +76,7 @@ def _chat(client, messages, **body):
     return response
 
 
+@pytest.mark.slow  # make test-slow
 def test_served_trace_with_known_shares_gives_those_shares(served_trace, tmp_path):
     """Ten requests: a three-turn conversation and two more sessions under one system prompt
     (five share it, two of them later turns), a chat with documents and two completions tagged

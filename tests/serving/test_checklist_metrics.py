@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 import jax
+import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from test_server import ENGINE, PROMPTS
@@ -54,6 +55,7 @@ def test_prefill_memory_and_cancellations():
     assert m["pagedjax:requests_cancelled_total", (("reason", "client_disconnect"),)] == 1
 
 
+@pytest.mark.slow  # make test-slow
 def test_allocation_failures_and_evictions_in_a_small_pool():
     llm = LLM(**dict(ENGINE, num_blocks=12, block_size=8))  # 11 usable blocks of 8 tokens
     server = OpenAIServer(llm.engine, "tiny")

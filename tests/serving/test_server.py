@@ -337,6 +337,7 @@ def test_admission_control_api_key_and_token_ids_without_tokenizer(llm, referenc
         assert rejected == 1
 
 
+@pytest.mark.slow  # make test-slow
 def test_pagedjax_serve_process():
     proc, url = start_serve("--max-model-len", "128", "--max-num-batched-tokens", "128",
                             "--served-model-name", "tiny", "--max-outstanding-tokens", "4096")
