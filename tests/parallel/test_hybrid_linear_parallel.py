@@ -13,7 +13,8 @@ pytestmark = pytest.mark.slow  # eight host devices in a child process
 
 ARCHES = ("qwen3_5", "qwen3_next")
 BASE = dict(block_size=4, max_model_len=96, max_num_seqs=4, max_num_batched_tokens=8,
-            min_token_bucket=8, min_seq_bucket=4, num_blocks=40, preemption_mode="swap", swap_space_bytes=4 << 20)
+            min_token_bucket=8, min_seq_bucket=4, num_blocks=40, preemption_mode="swap",
+            swap_space_bytes=4 << 20)
 
 
 def child() -> None:
