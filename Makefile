@@ -52,7 +52,7 @@ $(DEMO_STAMP): $(STAMP) requirements/models.txt
 demo: $(DEMO_STAMP)
 	$(PY) -m pagedjax.tools.demo
 
-# 14 min 14 s measured on a quiet 2-core machine, 2026-12-07 (the target is 8). A test file's tests stay on one
+# 9 min 28 s measured on a quiet 2-core machine, 2026-12-08 (the target is 8). A test file's tests stay on one
 # worker (--dist loadfile): the programs its tests share compile once, not once a worker.
 test: $(TEST_STAMP)
 	$(PY) -m pytest -n 2 --dist loadfile -q -m "not slow and not clients" tests
