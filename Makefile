@@ -96,9 +96,11 @@ gguf-tokenizer-reference: $(DEMO_STAMP) llama-cpp-python
 		tests/references/smollm2_llama_cpp_tokens.json
 
 # Tensor and data parallel over eight host devices, multi-host over several processes, the
-# notebook run top to bottom.
+# notebook run top to bottom, the variants make test leaves out. A file's tests stay on one
+# worker (--dist loadfile): a module's fixture (the 8-device child process of the parallel
+# suites: minutes each) runs once, not once a worker.
 test-slow: $(TEST_STAMP)
-	$(PY) -m pytest -n 2 -q -m slow tests
+	$(PY) -m pytest -n 2 --dist loadfile -q -m slow tests
 
 # Real clients, unchanged, each in a virtual environment of its own (requirements/clients/),
 # against a server on SmolLM2 (tests/serving/test_clients.py).
